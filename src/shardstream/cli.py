@@ -1,0 +1,195 @@
+"""The ``shardstream`` command line. verl's model_merger flags are accepted verbatim."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from .errors import ShardstreamError, UsageError
+from .units import format_size
+
+EXIT_ERROR = 1
+EXIT_USAGE = 2
+
+
+def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:
+    """Add an option under its verl spelling and its dashed/underscored twin."""
+    spellings: list[str] = []
+    for name in names:
+        body = name[2:]
+        for variant in (name, "--" + body.replace("_", "-"), "--" + body.replace("-", "_")):
+            if variant not in spellings:
+                spellings.append(variant)
+    parser.add_argument(*spellings, **kwargs)
+
+
+def _add_source_flags(p: argparse.ArgumentParser) -> None:
+    _flag(p, "--local_dir", required=True, help="checkpoint directory (e.g. global_step_N/actor)")
+    _flag(p, "--backend", default="fsdp", help="only 'fsdp' (verl compatibility)")
+    _flag(p, "--hf_model_path", default=None, help="config/tokenizer source for old checkpoints")
+    _flag(p, "--tie-word-embedding", action="store_true", help="drop lm_head.weight if tied")
+    _flag(p, "--is-value-model", action="store_true", help="accepted for verl compatibility")
+    _flag(p, "--trust-remote-code", action="store_true", help="accepted; no code is loaded")
+    _flag(p, "--use_cpu_initialization", action="store_true", help="accepted; no model is built")
+    _flag(p, "--buffer-size", default="64MiB", help="bounded copy buffer (default 64MiB)")
+    _flag(p, "--quiet", action="store_true", help="no progress bar or summary line")
+    _flag(p, "--json", action="store_true", help="print a machine-readable JSON summary")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="shardstream",
+        description="Streaming, crash-safe FSDP checkpoint tools in bounded memory.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    merge = sub.add_parser("merge", help="merge a sharded checkpoint into a HF safetensors model")
+    _add_source_flags(merge)
+    _flag(merge, "--target_dir", required=True, help="output HF model directory")
+    _flag(merge, "--dtype", default=None, help="bfloat16, float16 or float32 (default: config)")
+    _flag(merge, "--max-shard-size", default="5GB", help="split output files (default 5GB)")
+    _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
+    _flag(merge, "--hf_upload_path", default=None, help=argparse.SUPPRESS)
+    _flag(merge, "--private", action="store_true", help=argparse.SUPPRESS)
+
+    test = sub.add_parser("test", help="compare a checkpoint's merged tensors with a HF model")
+    _add_source_flags(test)
+    _flag(test, "--test_hf_dir", required=True, help="reference HF model directory")
+    _flag(test, "--dtype", default=None, help="compare in this dtype (default: the reference's)")
+    _flag(test, "--atol", type=float, default=None, help="absolute tolerance")
+    _flag(test, "--rtol", type=float, default=None, help="relative tolerance")
+
+    inspect = sub.add_parser("inspect", help="describe a checkpoint without reading its data")
+    inspect.add_argument("path", help="checkpoint directory")
+    _flag(inspect, "--json", action="store_true", help="machine-readable output")
+    return parser
+
+
+def _check_backend(args: argparse.Namespace) -> None:
+    if getattr(args, "backend", "fsdp") != "fsdp":
+        raise UsageError(
+            f"--backend {args.backend!r} is not supported; shardstream merges FSDP checkpoints "
+            "(use --backend fsdp)"
+        )
+    if getattr(args, "hf_upload_path", None):
+        raise UsageError("--hf_upload_path is not supported; upload the merged directory yourself")
+
+
+class _Progress:
+    """A tqdm bar in bytes, created once the total is known."""
+
+    def __init__(self, enabled: bool, desc: str):
+        self.enabled, self.desc, self.bar = enabled, desc, None
+
+    def start(self, total: int) -> None:
+        if self.enabled:
+            from tqdm import tqdm
+
+            self.bar = tqdm(
+                total=total,
+                unit="B",
+                unit_scale=True,
+                unit_divisor=1024,
+                desc=self.desc,
+                file=sys.stderr,
+                dynamic_ncols=True,
+            )
+
+    def update(self, n: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def run_merge(args: argparse.Namespace) -> int:
+    from .merge import merge
+
+    _check_backend(args)
+    progress = _Progress(not args.quiet and not args.json, "merge")
+    try:
+        summary = merge(
+            args.local_dir,
+            args.target_dir,
+            dtype=args.dtype,
+            max_shard_size=args.max_shard_size,
+            buffer_size=args.buffer_size,
+            overwrite=args.overwrite,
+            hf_model_path=args.hf_model_path,
+            tie_word_embedding=args.tie_word_embedding,
+            progress=progress.update,
+            on_plan=progress.start,
+        )
+    finally:
+        progress.close()
+    if args.json:
+        print(json.dumps(summary.to_json()))
+    elif not args.quiet:
+        print(
+            f"merged {summary.tensors} tensors into {summary.target} ({len(summary.files)} "
+            f"file{'s' if len(summary.files) != 1 else ''}): wrote "
+            f"{format_size(summary.bytes_written)} in {summary.wall_s:.2f} s "
+            f"({format_size(summary.throughput_bytes_per_s)}/s), peak RSS "
+            f"{format_size(summary.peak_rss_bytes)}"
+        )
+    return 0
+
+
+def run_test(args: argparse.Namespace) -> int:
+    from .compare import compare_with_reference
+
+    _check_backend(args)
+    report = compare_with_reference(
+        args.local_dir,
+        args.test_hf_dir,
+        dtype=args.dtype,
+        atol=args.atol,
+        rtol=args.rtol,
+        buffer_size=args.buffer_size,
+        hf_model_path=args.hf_model_path,
+        tie_word_embedding=args.tie_word_embedding,
+    )
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for line in report.problems:
+            print(line, file=sys.stderr)
+        if not args.quiet:
+            verdict = "OK" if report.ok else "MISMATCH"
+            print(
+                f"{verdict}: compared {report.compared} tensors against {args.test_hf_dir}, "
+                f"max abs diff {report.max_abs_diff:.3g}"
+            )
+    return 0 if report.ok else EXIT_ERROR
+
+
+def run_inspect(args: argparse.Namespace) -> int:
+    from .inspect import describe, render
+
+    info = describe(args.path)
+    print(json.dumps(info, indent=2) if args.json else render(info))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handlers = {"merge": run_merge, "test": run_test, "inspect": run_inspect}
+    try:
+        return handlers[args.command](args)
+    except UsageError as exc:
+        print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except ShardstreamError as exc:
+        print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
+        return EXIT_ERROR
+    except KeyboardInterrupt:
+        print(f"shardstream {args.command}: interrupted; nothing was committed", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,374 @@
+"""The executor: streams ``CopyRun``s with bounded, reused buffers. All tensor I/O happens here.
+
+Destination files are assembled window by window (a window is a contiguous byte range of the
+destination, at most ``buffer_bytes`` split between the read, convert and write buffers), then
+written with ``pwrite`` and hashed in fixed-size chunks as they go. Memory destinations (live
+tensors during restore) are written run by run. Dtype conversion uses torch, so results are
+bit-identical to ``tensor.to(dtype)``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from .checksum import new_hasher
+from .dtypes import TORCH_BY_CODE, itemsize
+from .errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
+from .plan import CopyRun
+
+DEFAULT_BUFFER_BYTES = 64 * 2**20
+DEFAULT_CHUNK_BYTES = 4 * 2**20
+_MIN_WINDOW = 4096
+
+# fix(rows_fp32, first_flat_index, index_step, elem_offset) -> rows_fp32; used for LoRA fusion.
+RowTransform = Callable[[torch.Tensor, int, int, int], torch.Tensor]
+
+
+class Endpoint:
+    """A byte-addressable place: a file or a tensor's storage."""
+
+    name: str
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def write_rows(self, offset: int, step: int, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class FileEndpoint(Endpoint):
+    """A file read with ``preadv``; optionally every read is checked against chunk digests."""
+
+    def __init__(
+        self,
+        path: str,
+        digests: Sequence[str] | None = None,
+        data_start: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        describe: Callable[[int, int], str] | None = None,
+    ):
+        self.name = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.digests = list(digests) if digests is not None else None
+        self.data_start = data_start
+        self.chunk_bytes = chunk_bytes
+        self.describe = describe or (lambda a, b: "")
+        self._scratch = np.empty(0, dtype=np.uint8)
+
+    def _pread(self, offset: int, out: np.ndarray) -> None:
+        view = memoryview(out).cast("B")
+        done = 0
+        while done < len(view):
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                raise CheckpointFormatError(
+                    f"{self.name}: truncated: needed bytes [{offset}, {offset + len(view)}) "
+                    f"but the file ends at {self.size}"
+                )
+            done += n
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        if self.digests is None:
+            self._pread(offset, out)
+            return
+        # Read whole chunks so each can be checked, then hand out the part asked for.
+        rel = offset - self.data_start
+        first = rel // self.chunk_bytes
+        last = (rel + out.nbytes - 1) // self.chunk_bytes if out.nbytes else first - 1
+        begin = self.data_start + first * self.chunk_bytes
+        end = min(self.data_start + (last + 1) * self.chunk_bytes, self.size)
+        if end - begin > self._scratch.nbytes:
+            self._scratch = np.empty(end - begin, dtype=np.uint8)
+        scratch = self._scratch[: end - begin]
+        self._pread(begin, scratch)
+        for index in range(first, last + 1):
+            a = (index - first) * self.chunk_bytes
+            piece = scratch[a : a + self.chunk_bytes]
+            if index >= len(self.digests) or new_digest(piece) != self.digests[index]:
+                lo = self.data_start + index * self.chunk_bytes
+                hi = lo + piece.nbytes
+                raise ChecksumMismatchError(
+                    f"{self.name}: checksum mismatch in bytes [{lo}, {hi}){self.describe(lo, hi)}"
+                )
+        out[...] = scratch[offset - begin : offset - begin + out.nbytes]
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def new_digest(data: np.ndarray) -> str:
+    h = new_hasher()
+    h.update(memoryview(data))
+    return h.hexdigest()
+
+
+class TensorEndpoint(Endpoint):
+    """The storage of a live tensor (CPU, or any device through host copies)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor):
+        self.name = name
+        storage = tensor.untyped_storage()
+        self.device = tensor.device
+        self.bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        src = self.bytes[offset : offset + out.nbytes]
+        if self.device.type == "cpu":
+            out[...] = src.numpy()
+        else:
+            torch.from_numpy(out).copy_(src)
+
+    def write_rows(self, offset: int, step: int, rows: np.ndarray) -> None:
+        count, width = rows.shape
+        if count == 0 or width == 0:
+            return
+        if self.device.type == "cpu":
+            flat = self.bytes.numpy()
+            target = np.lib.stride_tricks.as_strided(
+                flat[offset:], shape=(count, width), strides=(step, 1)
+            )
+            target[...] = rows
+        else:
+            target = torch.as_strided(self.bytes, (count, width), (step, 1), offset)
+            target.copy_(torch.from_numpy(rows))
+
+
+@dataclass
+class Buffers:
+    """The three reusable buffers, sized from one budget."""
+
+    window: np.ndarray
+    src: np.ndarray
+    staging: torch.Tensor
+
+    @classmethod
+    def sized(cls, buffer_bytes: int, ratio: float = 1.0) -> Buffers:
+        """Split ``buffer_bytes`` so that reading ``ratio`` source bytes per output byte fits."""
+        ratio = max(ratio, 1e-3)
+        window = max(_MIN_WINDOW, int(buffer_bytes / (2 + ratio)))
+        src = max(_MIN_WINDOW, int(window * ratio))
+        return cls(
+            np.empty(window, dtype=np.uint8),
+            np.empty(src, dtype=np.uint8),
+            torch.empty(window, dtype=torch.uint8),
+        )
+
+
+class Streamer:
+    """Moves rows of ``CopyRun``s from source endpoints, converting dtypes on the way."""
+
+    def __init__(
+        self,
+        endpoints: Callable[[str], Endpoint],
+        buffers: Buffers,
+        transforms: dict[str, RowTransform] | None = None,
+    ):
+        self.endpoint = endpoints
+        self.buf = buffers
+        self.transforms = transforms or {}
+
+    def rows(self, run: CopyRun, i0: int, i1: int, e0: int, e1: int) -> np.ndarray:
+        """Rows [i0, i1), elements [e0, e1) of each, as (rows, bytes) in the destination dtype."""
+        k, n = i1 - i0, e1 - e0
+        s_isz, d_isz = itemsize(run.src_dtype), itemsize(run.dst_dtype)
+        width = n * s_isz
+        need = k * width
+        src = self.buf.src[:need].reshape(k, width) if need else self.buf.src[:0].reshape(k, 0)
+        source = self.endpoint(run.src)
+        first = run.src_offset + i0 * run.src_step + e0 * s_isz
+        if k == 1 or run.src_step == width:
+            source.read_into(first, self.buf.src[:need])
+        else:
+            span = (k - 1) * run.src_step + width
+            if span <= self.buf.src.nbytes and span <= 2 * need:
+                source.read_into(first, self.buf.src[:span])
+                rows = np.lib.stride_tricks.as_strided(
+                    self.buf.src, shape=(k, width), strides=(run.src_step, 1)
+                )
+                np.copyto(src, rows.copy() if span > need else rows)
+            else:
+                for j in range(k):
+                    source.read_into(first + j * run.src_step, src[j])
+        transform = self.transforms.get(run.tensor)
+        if run.src_dtype == run.dst_dtype and transform is None:
+            return src
+        values = torch.from_numpy(src).view(TORCH_BY_CODE[run.src_dtype]).reshape(k, n)
+        if transform is not None:
+            first_index = run.elem_index + i0 * run.index_step + e0
+            values = transform(values.float(), first_index, run.index_step, n)
+        out = self.buf.staging[: k * n * d_isz].view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
+        out.copy_(values)
+        return self.buf.staging[: k * n * d_isz].numpy().reshape(k, n * d_isz)
+
+    def batches(self, run: CopyRun, lo: int, hi: int, max_dst_bytes: int):
+        """Yield (i0, i1, e0, e1) pieces of ``run`` restricted to destination bytes [lo, hi)."""
+        d_isz, s_isz = itemsize(run.dst_dtype), itemsize(run.src_dtype)
+        run_bytes = run.dst_run_bytes
+        if run.count == 1 or run.dst_step == 0:
+            first_row, last_row = 0, run.count
+        else:
+            first_row = max(0, -(-(lo - run.dst_offset - run_bytes + 1) // run.dst_step))
+            last_row = min(run.count, (hi - 1 - run.dst_offset) // run.dst_step + 1)
+        # Rows that fit whole into [lo, hi) go in batches; the rest are split by elements.
+        limit_rows = max(
+            1,
+            min(
+                max_dst_bytes // max(run_bytes, 1), self.buf.src.nbytes // max(run.elems * s_isz, 1)
+            ),
+        )
+        i = first_row
+        while i < last_row:
+            row_lo = run.dst_offset + i * run.dst_step
+            if row_lo >= lo and row_lo + run_bytes <= hi and run_bytes <= max_dst_bytes:
+                j = i + 1
+                while (
+                    j < last_row
+                    and j - i < limit_rows
+                    and run.dst_offset + j * run.dst_step + run_bytes <= hi
+                ):
+                    j += 1
+                yield i, j, 0, run.elems
+                i = j
+                continue
+            a = max(lo, row_lo)
+            b = min(hi, row_lo + run_bytes)
+            e = (a - row_lo) // d_isz
+            end = (b - row_lo) // d_isz
+            step = max(1, min(max_dst_bytes // d_isz, self.buf.src.nbytes // s_isz))
+            while e < end:
+                yield i, i + 1, e, min(end, e + step)
+                e += step
+            i += 1
+
+
+def _snap(offset: int, bounds: Sequence[tuple[int, int, int]]) -> int:
+    """Move ``offset`` down to an element boundary of the tensor containing it."""
+    for begin, end, isz in bounds:
+        if begin <= offset < end:
+            return begin + (offset - begin) // isz * isz
+    return offset
+
+
+def stream_file(
+    fd: int,
+    path: str,
+    data_start: int,
+    data_size: int,
+    runs: Sequence[CopyRun],
+    tensor_bounds: Sequence[tuple[int, int, int, str]],
+    streamer: Streamer,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    progress: Callable[[int], None] | None = None,
+) -> list[str]:
+    """Fill the data section of an open file from ``runs``; return the chunk digests.
+
+    ``tensor_bounds`` lists (begin, end, itemsize, name) per tensor, relative to the data start.
+    Raises if any byte of the data section is left without a source.
+    """
+    runs = sorted(runs, key=lambda r: r.dst_offset)
+    bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
+    window = streamer.buf.window
+    capacity = window.nbytes
+    digests: list[str] = []
+    hasher, in_chunk = new_hasher(), 0
+    active: list[CopyRun] = []
+    next_run = 0
+    lo = 0
+    while lo < data_size:
+        hi = min(data_size, lo + capacity)
+        if hi < data_size:
+            hi = max(_snap(hi, bounds), lo + 1)
+        while next_run < len(runs) and runs[next_run].dst_offset < hi:
+            active.append(runs[next_run])
+            next_run += 1
+        active = [r for r in active if r.dst_end() > lo]
+        filled = 0
+        for run in active:
+            for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
+                rows = streamer.rows(run, i0, i1, e0, e1)
+                pos = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype) - lo
+                count, width = rows.shape
+                target = np.lib.stride_tricks.as_strided(
+                    window[pos:], shape=(count, width), strides=(run.dst_step, 1)
+                )
+                target[...] = rows
+                filled += rows.nbytes
+        if filled != hi - lo:
+            name = next((n for b, e, _, n in tensor_bounds if b <= lo < e), "?")
+            raise CheckpointFormatError(
+                f"{path}: internal plan error: window [{lo}, {hi}) near tensor {name!r} got "
+                f"{filled} of {hi - lo} bytes"
+            )
+        view = window[: hi - lo]
+        _pwrite_all(fd, path, view, data_start + lo)
+        # Chunk digests over the data section, independent of window boundaries.
+        pos = 0
+        while pos < view.nbytes:
+            take = min(chunk_bytes - in_chunk, view.nbytes - pos)
+            hasher.update(memoryview(view[pos : pos + take]))
+            in_chunk += take
+            pos += take
+            if in_chunk == chunk_bytes:
+                digests.append(hasher.hexdigest())
+                hasher, in_chunk = new_hasher(), 0
+        if progress:
+            progress(hi - lo)
+        lo = hi
+    if in_chunk:
+        digests.append(hasher.hexdigest())
+    return digests
+
+
+def _pwrite_all(fd: int, path: str, data: np.ndarray, offset: int) -> None:
+    view = memoryview(data).cast("B")
+    done = 0
+    try:
+        while done < len(view):
+            done += os.pwrite(fd, view[done:], offset + done)
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
+        raise
+
+
+def write_all(fd: int, path: str, data: bytes, offset: int) -> None:
+    _pwrite_all(fd, path, np.frombuffer(data, dtype=np.uint8), offset)
+
+
+def stream_into_memory(
+    runs: Sequence[CopyRun],
+    streamer: Streamer,
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy runs whose destinations are ``TensorEndpoint``s, batch by batch."""
+    cap = streamer.buf.window.nbytes
+    for run in runs:
+        dst = streamer.endpoint(run.dst)
+        for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, cap):
+            rows = streamer.rows(run, i0, i1, e0, e1)
+            offset = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype)
+            dst.write_rows(offset, run.dst_step, rows)
+            if progress:
+                progress(rows.nbytes)
+
+
+def hash_block(name: str, shape: Sequence[int], block, streamer: Streamer) -> str:
+    """Digest of a block's elements in row-major order, read with the streamer's buffers."""
+    from .plan import dense_block, plan_copy
+
+    hasher = new_hasher()
+    dst = dense_block("digest", 0, block.dtype, block.shape, block.start)
+    for run in plan_copy(name, shape, block, dst):
+        for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, streamer.buf.window.nbytes):
+            hasher.update(memoryview(np.ascontiguousarray(streamer.rows(run, i0, i1, e0, e1))))
+    return hasher.hexdigest()

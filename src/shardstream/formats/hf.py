@@ -1,0 +1,79 @@
+"""Sink: a Hugging Face model directory (sharded safetensors, index, config, tokenizer)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..commit import is_temporary
+from ..plan import split_into_files
+from .writer import OutputTensor
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+_WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".ckpt", ".h5", ".msgpack")
+_NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", ".metadata"}
+
+
+def plan_hf_files(
+    tensors: Sequence[OutputTensor], max_file_bytes: int
+) -> list[tuple[str, list[OutputTensor]]]:
+    """File names and contents, as ``save_pretrained`` would split them."""
+    groups = split_into_files([t.nbytes for t in tensors], max_file_bytes)
+    if len(groups) <= 1:
+        return [(SINGLE_FILE, list(tensors))]
+    n = len(groups)
+    return [
+        (f"model-{i + 1:05d}-of-{n:05d}.safetensors", [tensors[j] for j in group])
+        for i, group in enumerate(groups)
+    ]
+
+
+def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:
+    weight_map = {t.name: name for name, tensors in files for t in tensors}
+    total = sum(t.nbytes for _, tensors in files for t in tensors)
+    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+
+
+def config_files(config_dir: Path) -> list[Path]:
+    """config.json, generation_config.json, tokenizer and processor files: no weights."""
+    return sorted(
+        p
+        for p in config_dir.iterdir()
+        if p.is_file()
+        and not p.name.endswith(_WEIGHT_SUFFIXES)
+        and p.name not in _NOT_CONFIG
+        and not is_temporary(p.name)
+        and not p.name.startswith(("model_world_size_", "optim_world_size_", "extra_state_"))
+    )
+
+
+def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[str]:
+    """Copy config and tokenizer files; record the output dtype in config.json."""
+    copied = []
+    for path in config_files(config_dir):
+        if path.name == "config.json" and dtype_name:
+            config = json.loads(path.read_text())
+            keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
+            for key in keys:
+                config[key] = dtype_name
+            (target / path.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        else:
+            shutil.copyfile(path, target / path.name)
+        copied.append(path.name)
+    return copied
+
+
+def read_config(config_dir: Path | None) -> dict:
+    if config_dir is None or not (config_dir / "config.json").is_file():
+        return {}
+    try:
+        return json.loads((config_dir / "config.json").read_text())
+    except ValueError as exc:
+        from ..errors import CheckpointFormatError
+
+        raise CheckpointFormatError(
+            f"{config_dir / 'config.json'}: not valid JSON ({exc})"
+        ) from None

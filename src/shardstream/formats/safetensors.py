@@ -1,0 +1,250 @@
+"""safetensors headers: built from shapes before any data is written, and validated before trust.
+
+Layout: 8-byte little-endian header length N, N bytes of JSON (space-padded to a multiple of 8),
+then the tensors' bytes, packed with no holes in header order.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+
+from ..dtypes import ITEMSIZE
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+
+MAX_HEADER_BYTES = 100_000_000
+MAX_TENSORS = 10_000_000
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """One tensor of a safetensors file; ``begin``/``end`` are relative to the data section."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    path: str
+    data_start: int
+    file_size: int
+    tensors: dict[str, TensorEntry]
+    metadata: dict[str, str] = field(default_factory=dict)
+
+    def absolute(self, name: str) -> int:
+        """File offset of a tensor's first byte."""
+        return self.data_start + self.tensors[name].begin
+
+
+def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
+    return math.prod(shape) * ITEMSIZE[dtype]
+
+
+def build_header(
+    tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[TensorEntry]]:
+    """Serialize a header for tensors laid out in the given order.
+
+    Returns the full prefix (length + JSON + padding) and the entries with their data offsets.
+    """
+    doc: dict[str, object] = {}
+    if metadata:
+        doc[METADATA_KEY] = dict(metadata)
+    entries = []
+    offset = 0
+    for name, dtype, shape in tensors:
+        if name in doc:
+            raise CheckpointFormatError(f"duplicate tensor name {name!r} in safetensors layout")
+        nbytes = tensor_nbytes(dtype, shape)
+        entries.append(TensorEntry(name, dtype, tuple(shape), offset, offset + nbytes))
+        doc[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
+        offset += nbytes
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    body += b" " * (-len(body) % 8)
+    return struct.pack("<Q", len(body)) + body, entries
+
+
+def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
+    seen: dict[str, object] = {}
+    for key, value in pairs:
+        if key in seen:
+            raise ValueError(f"duplicate key {key!r}")
+        seen[key] = value
+    return seen
+
+
+def read_header(path: str | os.PathLike) -> SafetensorsHeader:
+    """Read and validate a header against the safetensors rules and the file's real size."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            file_size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointFormatError(f"{path}: not a safetensors file ({file_size} bytes)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > MAX_HEADER_BYTES:
+                raise UnsafeCheckpointError(
+                    f"{path}: header length {header_len} exceeds the {MAX_HEADER_BYTES}-byte limit"
+                )
+            if 8 + header_len > file_size:
+                raise CheckpointFormatError(
+                    f"{path}: header length {header_len} runs past the end of the file "
+                    f"({file_size} bytes); the file is truncated or corrupt"
+                )
+            raw = f.read(header_len)
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise CheckpointFormatError(
+            f"{path}: is a directory, expected a safetensors file"
+        ) from None
+    return parse_header(path, raw, file_size)
+
+
+def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
+    data_start = 8 + len(raw)
+    try:
+        doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise CheckpointFormatError(f"{path}: header is not valid JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError(f"{path}: header is not a JSON object")
+    metadata = doc.pop(METADATA_KEY, {}) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
+    if len(doc) > MAX_TENSORS:
+        raise UnsafeCheckpointError(f"{path}: {len(doc)} tensors exceeds the limit")
+    entries = [_parse_entry(path, name, info) for name, info in doc.items()]
+    entries.sort(key=lambda e: (e.begin, e.end))
+    expected = 0
+    for entry in entries:
+        if entry.begin != expected:
+            what = "overlaps the previous tensor" if entry.begin < expected else "leaves a hole"
+            raise CheckpointFormatError(
+                f"{path}: tensor {entry.name!r} at bytes [{entry.begin}, {entry.end}) {what} "
+                f"(expected it to start at {expected})"
+            )
+        expected = entry.end
+    data_size = file_size - data_start
+    if expected != data_size:
+        raise CheckpointFormatError(
+            f"{path}: tensors cover {expected} data bytes but the file holds {data_size}; "
+            "the file is truncated or has trailing bytes"
+        )
+    return SafetensorsHeader(path, data_start, file_size, {e.name: e for e in entries}, metadata)
+
+
+def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
+    if not isinstance(info, dict):
+        raise CheckpointFormatError(f"{path}: entry for tensor {name!r} is not an object")
+    dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
+    if dtype not in ITEMSIZE:
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
+    if not isinstance(shape, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+    ):
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) and not isinstance(o, bool) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid data_offsets {offsets!r}")
+    nbytes = tensor_nbytes(dtype, shape)
+    if offsets[1] - offsets[0] != nbytes:
+        raise CheckpointFormatError(
+            f"{path}: tensor {name!r} of shape {shape} and dtype {dtype} needs {nbytes} bytes, "
+            f"but its data_offsets span {offsets[1] - offsets[0]}"
+        )
+    return TensorEntry(name, dtype, tuple(shape), offsets[0], offsets[1])
+
+
+# --- writing, with checksums carried in the header ------------------------------------------
+
+CHECKSUM_PREFIX = "shardstream."
+
+
+def entries_digest(entries: Iterable[TensorEntry]) -> str:
+    """A digest of names, dtypes, shapes and offsets, so a header edit is detected too."""
+    from ..checksum import digest
+
+    canon = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in entries]
+    return digest(json.dumps(canon, separators=(",", ":")).encode())
+
+
+def checksum_metadata(
+    entries: list[TensorEntry], chunk_bytes: int, chunks: list[str] | None, data_size: int
+) -> dict[str, str]:
+    from ..checksum import ALGORITHM, DIGEST_WIDTH
+
+    count = -(-data_size // chunk_bytes) if data_size else 0
+    text = "".join(chunks) if chunks is not None else "0" * (DIGEST_WIDTH * count)
+    return {
+        f"{CHECKSUM_PREFIX}algorithm": ALGORITHM,
+        f"{CHECKSUM_PREFIX}chunk_bytes": str(chunk_bytes),
+        f"{CHECKSUM_PREFIX}entries": entries_digest(entries),
+        f"{CHECKSUM_PREFIX}chunks": text,
+    }
+
+
+@dataclass(frozen=True)
+class StoredChecksums:
+    chunk_bytes: int
+    chunks: list[str]
+    entries: str
+
+
+def stored_checksums(header: SafetensorsHeader) -> StoredChecksums | None:
+    """The checksums shardstream wrote into this header, or None for a foreign file."""
+    from ..checksum import ALGORITHM, DIGEST_WIDTH
+
+    meta = header.metadata
+    if f"{CHECKSUM_PREFIX}chunks" not in meta:
+        return None
+    try:
+        if meta[f"{CHECKSUM_PREFIX}algorithm"] != ALGORITHM:
+            raise ValueError("unknown algorithm")
+        chunk_bytes = int(meta[f"{CHECKSUM_PREFIX}chunk_bytes"])
+        text = meta[f"{CHECKSUM_PREFIX}chunks"]
+        entries = meta[f"{CHECKSUM_PREFIX}entries"]
+        if chunk_bytes <= 0 or len(text) % DIGEST_WIDTH:
+            raise ValueError("bad chunk table")
+    except (KeyError, ValueError) as exc:
+        raise CheckpointFormatError(f"{header.path}: damaged checksum metadata ({exc})") from None
+    chunks = [text[i : i + DIGEST_WIDTH] for i in range(0, len(text), DIGEST_WIDTH)]
+    data_size = header.file_size - header.data_start
+    if len(chunks) != (-(-data_size // chunk_bytes) if data_size else 0):
+        raise CheckpointFormatError(
+            f"{header.path}: checksum table has {len(chunks)} chunks for {data_size} data bytes"
+        )
+    return StoredChecksums(chunk_bytes, chunks, entries)
+
+
+def tensors_in_range(header: SafetensorsHeader, lo: int, hi: int) -> list[str]:
+    """Names of tensors overlapping file bytes [lo, hi)."""
+    return [
+        e.name
+        for e in header.tensors.values()
+        if header.data_start + e.begin < hi and header.data_start + e.end > lo
+    ]

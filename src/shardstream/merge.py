@@ -1,0 +1,169 @@
+"""merge: a sharded checkpoint to a Hugging Face safetensors model, streamed."""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .commit import staged_directory
+from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from .errors import CheckpointFormatError, UsageError
+from .formats import hf
+from .formats.writer import OutputTensor, write_safetensors
+from .memory import peak_rss_bytes
+from .plan import GlobalTensor
+from .sources import open_checkpoint
+from .units import parse_size
+
+TIED_HEAD = "lm_head.weight"
+TIED_EMBEDDING_SUFFIX = "embed_tokens.weight"
+
+
+@dataclass
+class MergeSummary:
+    target: str
+    format: str
+    files: list[str]
+    tensors: int
+    bytes_written: int
+    wall_s: float
+    peak_rss_bytes: int
+    dtype: str | None
+    skipped: list[str] = field(default_factory=list)
+
+    @property
+    def throughput_bytes_per_s(self) -> float:
+        return self.bytes_written / self.wall_s if self.wall_s > 0 else 0.0
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "throughput_bytes_per_s": self.throughput_bytes_per_s}
+
+
+def output_dtype(requested: str | None, config: dict) -> str | None:
+    """``--dtype`` if given, else the dtype config.json names, else keep the stored dtype."""
+    if requested:
+        return parse_dtype(requested)
+    named = config.get("dtype") or config.get("torch_dtype")
+    return parse_dtype(named) if isinstance(named, str) and named != "auto" else None
+
+
+def choose_outputs(
+    tensors: list[GlobalTensor], dtype: str | None, drop: set[str]
+) -> list[OutputTensor]:
+    """Floating tensors take the output dtype; integer and bool tensors keep theirs."""
+    outputs = []
+    for tensor in tensors:
+        if tensor.name in drop:
+            continue
+        target = dtype if dtype and tensor.dtype in FLOATING else tensor.dtype
+        outputs.append(OutputTensor(tensor.name, target, tensor))
+    return outputs
+
+
+def tied_duplicates(tensors: list[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
+    """``lm_head.weight`` when the model ties it to the input embedding."""
+    names = {t.name for t in tensors}
+    tied = force_tie or bool(config.get("tie_word_embeddings", False))
+    has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
+    return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()
+
+
+def merge(
+    local_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    max_shard_size: int | str = "5GB",
+    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
+    overwrite: bool = False,
+    hf_model_path: str | os.PathLike | None = None,
+    tie_word_embedding: bool = False,
+    progress: Callable[[int], None] | None = None,
+    on_plan: Callable[[int], None] | None = None,
+) -> MergeSummary:
+    """Merge the sharded checkpoint in ``local_dir`` into a HF model directory ``target_dir``.
+
+    >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
+    """
+    start = time.perf_counter()
+    max_file_bytes = parse_size(max_shard_size)
+    buffer_bytes = parse_size(buffer_size)
+    if max_file_bytes <= 0:
+        raise UsageError("--max-shard-size must be positive")
+    if buffer_bytes < 1 << 16:
+        raise UsageError("--buffer-size must be at least 64KiB")
+    target = Path(target_dir)
+    from .commit import check_target
+
+    check_target(target.absolute(), overwrite)
+    checkpoint = open_checkpoint(local_dir)
+    config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
+    if hf_model_path and not (config_dir / "config.json").is_file():
+        raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
+    config = hf.read_config(config_dir)
+    out_dtype = output_dtype(dtype, config)
+    drop = tied_duplicates(checkpoint.tensors, config, tie_word_embedding)
+    outputs = choose_outputs(checkpoint.tensors, out_dtype, drop)
+    files = hf.plan_hf_files(outputs, max_file_bytes)
+    if on_plan:
+        on_plan(sum(t.nbytes for t in outputs))
+
+    endpoints: dict[str, FileEndpoint] = {}
+
+    def endpoint(location: str) -> FileEndpoint:
+        if location not in endpoints:
+            endpoints[location] = FileEndpoint(location)
+        return endpoints[location]
+
+    ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)
+    streamer = Streamer(endpoint, Buffers.sized(buffer_bytes, ratio))
+    written = 0
+    try:
+        check_replicas(checkpoint, streamer)
+        with staged_directory(target, overwrite) as tmp:
+            for name, tensors in files:
+                record = write_safetensors(str(tmp / name), tensors, streamer, progress=progress)
+                written += record.size
+            if len(files) > 1:
+                index = json.dumps(hf.index_document(files), indent=2) + "\n"
+                (tmp / hf.INDEX_FILE).write_text(index)
+            if config_dir is not None:
+                dtype_name = (
+                    str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
+                )
+                hf.copy_config(config_dir, tmp, dtype_name)
+    finally:
+        for ep in endpoints.values():
+            ep.close()
+    return MergeSummary(
+        target=str(target),
+        format=checkpoint.format,
+        files=[name for name, _ in files],
+        tensors=len(outputs),
+        bytes_written=written,
+        wall_s=time.perf_counter() - start,
+        peak_rss_bytes=peak_rss_bytes(),
+        dtype=out_dtype,
+        skipped=sorted(drop),
+    )
+
+
+def check_replicas(checkpoint, streamer: Streamer) -> None:
+    """Plain tensors stored on every rank must agree; compare their digests, never concatenate."""
+    from .copy import hash_block
+
+    by_name = {t.name: t for t in checkpoint.tensors}
+    for name, copies in getattr(checkpoint, "replicas", {}).items():
+        tensor = by_name[name]
+        expected = hash_block(name, tensor.shape, tensor.blocks[0], streamer)
+        for block in copies:
+            if hash_block(name, tensor.shape, block, streamer) != expected:
+                raise CheckpointFormatError(
+                    f"{block.location}: replica of tensor {name!r} differs from "
+                    f"{tensor.blocks[0].location}; the ranks disagree"
+                )

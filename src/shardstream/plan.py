@@ -1,0 +1,267 @@
+"""Pure planning: which byte ranges go where. No file is opened here.
+
+Every operation (merge, save, restore, export) describes its inputs and outputs as ``Block``s,
+rectangular pieces of a global tensor laid out somewhere with element strides. ``plan_copy``
+intersects a source block with a destination block and returns strided ``CopyRun``s; the
+executor in ``copy.py`` streams them with bounded buffers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from .dtypes import itemsize
+from .errors import CheckpointFormatError
+
+
+@dataclass(frozen=True)
+class Block:
+    """A rectangular block of a global tensor, stored in ``location`` starting at byte ``offset``."""
+
+    location: str
+    offset: int
+    dtype: str
+    start: tuple[int, ...]
+    shape: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
+    strides, acc = [], 1
+    for dim in reversed(shape):
+        strides.append(acc)
+        acc *= dim
+    return tuple(reversed(strides))
+
+
+def dense_block(
+    location: str, offset: int, dtype: str, shape: Sequence[int], start: Sequence[int] | None = None
+) -> Block:
+    """A contiguous row-major block, e.g. a tensor in a safetensors file."""
+    shape = tuple(shape)
+    return Block(
+        location, offset, dtype, tuple(start or (0,) * len(shape)), shape, row_major_strides(shape)
+    )
+
+
+@dataclass(frozen=True)
+class CopyRun:
+    """``count`` runs of ``elems`` elements; run i reads ``src_offset + i*src_step`` (bytes) and
+    writes ``dst_offset + i*dst_step``, converting ``src_dtype`` to ``dst_dtype``.
+
+    ``elem_index`` is the flat row-major index in the global tensor of the first element, and
+    ``index_step`` its increment per run, so hooks (such as LoRA fusion) know where they are.
+    """
+
+    tensor: str
+    src: str
+    src_offset: int
+    src_step: int
+    src_dtype: str
+    dst: str
+    dst_offset: int
+    dst_step: int
+    dst_dtype: str
+    elems: int
+    count: int
+    elem_index: int = 0
+    index_step: int = 0
+
+    @property
+    def src_run_bytes(self) -> int:
+        return self.elems * itemsize(self.src_dtype)
+
+    @property
+    def dst_run_bytes(self) -> int:
+        return self.elems * itemsize(self.dst_dtype)
+
+    @property
+    def dst_nbytes(self) -> int:
+        return self.dst_run_bytes * self.count
+
+    @property
+    def src_nbytes(self) -> int:
+        return self.src_run_bytes * self.count
+
+    def dst_end(self) -> int:
+        return self.dst_offset + (self.count - 1) * self.dst_step + self.dst_run_bytes
+
+
+def _contiguous_from(shape: Sequence[int], strides: Sequence[int], j: int) -> bool:
+    """Whether dims j.. of a block are one row-major run (size-1 dims don't matter)."""
+    expected = 1
+    for d in range(len(shape) - 1, j - 1, -1):
+        if shape[d] != 1 and strides[d] != expected:
+            return False
+        expected *= shape[d]
+    return True
+
+
+def plan_copy(tensor: str, global_shape: Sequence[int], src: Block, dst: Block) -> list[CopyRun]:
+    """Runs that copy the intersection of ``src`` and ``dst`` (both blocks of one global tensor)."""
+    ndim = len(global_shape)
+    if len(src.shape) != ndim or len(dst.shape) != ndim:
+        raise CheckpointFormatError(
+            f"tensor {tensor!r}: block rank differs from the tensor's {ndim} dims"
+        )
+    lo = [max(a, b) for a, b in zip(src.start, dst.start)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(src.start, src.shape, dst.start, dst.shape)]
+    inter = [h - low for low, h in zip(lo, hi)]
+    if any(n <= 0 for n in inter):
+        return []
+    src_isz, dst_isz = itemsize(src.dtype), itemsize(dst.dtype)
+    src_base = src.offset + src_isz * sum(
+        (a - s) * st for a, s, st in zip(lo, src.start, src.strides)
+    )
+    dst_base = dst.offset + dst_isz * sum(
+        (a - s) * st for a, s, st in zip(lo, dst.start, dst.strides)
+    )
+    global_strides = row_major_strides(global_shape)
+    index_base = sum(a * st for a, st in zip(lo, global_strides))
+
+    # Smallest j such that dims j.. are one contiguous run in source and destination alike.
+    j = ndim
+    while (
+        j > 0
+        and _contiguous_from(inter, src.strides, j - 1)
+        and _contiguous_from(inter, dst.strides, j - 1)
+    ):
+        j -= 1
+    elems = math.prod(inter[j:])
+    if j == 0:
+        return [
+            CopyRun(
+                tensor,
+                src.location,
+                src_base,
+                0,
+                src.dtype,
+                dst.location,
+                dst_base,
+                0,
+                dst.dtype,
+                elems,
+                1,
+                index_base,
+                0,
+            )
+        ]
+    # Dim j-1 becomes the repeat count; dims before it are enumerated.
+    count = inter[j - 1]
+    runs = []
+    for outer in _indices(inter[: j - 1]):
+        s_off = src_base + src_isz * sum(i * st for i, st in zip(outer, src.strides))
+        d_off = dst_base + dst_isz * sum(i * st for i, st in zip(outer, dst.strides))
+        idx = index_base + sum(i * st for i, st in zip(outer, global_strides))
+        runs.append(
+            CopyRun(
+                tensor,
+                src.location,
+                s_off,
+                src_isz * src.strides[j - 1],
+                src.dtype,
+                dst.location,
+                d_off,
+                dst_isz * dst.strides[j - 1],
+                dst.dtype,
+                elems,
+                count,
+                idx,
+                global_strides[j - 1],
+            )
+        )
+    return runs
+
+
+def _indices(shape: Sequence[int]) -> Iterable[tuple[int, ...]]:
+    if not shape:
+        yield ()
+        return
+    for i in range(shape[0]):
+        for rest in _indices(shape[1:]):
+            yield (i, *rest)
+
+
+def chunk_extent(size: int, parts: int, index: int) -> tuple[int, int]:
+    """``torch.chunk``'s split of ``size`` into ``parts``: (start, length) of part ``index``.
+
+    30 rows over 4 parts is 8/8/8/6; trailing parts may be empty.
+    """
+    step = -(-size // parts) if parts else 0
+    start = min(index * step, size)
+    return start, max(0, min(step, size - start))
+
+
+def split_into_files(sizes: Sequence[int], max_file_bytes: int) -> list[list[int]]:
+    """Group tensors (by index, in order) into files of at most ``max_file_bytes``.
+
+    The same rule as huggingface_hub: a tensor larger than the limit gets a file of its own;
+    otherwise a new file starts when the next tensor would not fit.
+    """
+    groups: list[list[int]] = []
+    current: list[int] = []
+    current_bytes = 0
+    for index, size in enumerate(sizes):
+        if size > max_file_bytes:
+            groups.append([index])
+            continue
+        if current and current_bytes + size > max_file_bytes:
+            groups.append(current)
+            current, current_bytes = [], 0
+        current.append(index)
+        current_bytes += size
+    if current:
+        groups.append(current)
+    return groups
+
+
+def check_blocks_tile(tensor: str, shape: Sequence[int], blocks: Sequence[Block]) -> None:
+    """Raise unless ``blocks`` cover the global tensor exactly once."""
+    for b in blocks:
+        if any(s < 0 or s + n > g for s, n, g in zip(b.start, b.shape, shape)):
+            raise CheckpointFormatError(
+                f"tensor {tensor!r}: block at {list(b.start)} of shape {list(b.shape)} lies "
+                f"outside the tensor's shape {list(shape)} (in {b.location})"
+            )
+    covered = sum(b.numel for b in blocks)
+    total = math.prod(shape)
+    if covered != total:
+        raise CheckpointFormatError(
+            f"tensor {tensor!r}: shards hold {covered} elements but shape {list(shape)} "
+            f"needs {total}; shapes or placements disagree across ranks"
+        )
+    nonempty = [b for b in blocks if b.numel]
+    for i, a in enumerate(nonempty):
+        for b in nonempty[i + 1 : i + 1 + _OVERLAP_WINDOW]:
+            if all(
+                max(x, y) < min(x + n, y + m)
+                for x, n, y, m in zip(a.start, a.shape, b.start, b.shape)
+            ):
+                raise CheckpointFormatError(
+                    f"tensor {tensor!r}: shards in {a.location} and {b.location} overlap; "
+                    "placements disagree across ranks"
+                )
+
+
+# Blocks arrive in mesh order, so overlapping neighbours are close; bound the pairwise scan.
+_OVERLAP_WINDOW = 64
+
+
+@dataclass(frozen=True)
+class GlobalTensor:
+    """A logical tensor of a checkpoint and the blocks that hold its bytes."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    blocks: tuple[Block, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return math.prod(self.shape) * itemsize(self.dtype)

@@ -1,0 +1,24 @@
+"""Open any checkpoint shardstream can read, whatever its format."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from .errors import CheckpointFormatError, CheckpointNotFoundError
+
+
+def open_checkpoint(path: str | os.PathLike):
+    """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...)."""
+    from .formats import verl
+
+    path = Path(path)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such directory")
+    if not path.is_dir():
+        raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
+    if verl.is_verl_checkpoint(path):
+        return verl.open_verl(path)
+    raise CheckpointNotFoundError(
+        f"{path}: no model files found (expected verl's model_world_size_W_rank_R.pt)"
+    )

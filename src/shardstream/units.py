@@ -1,0 +1,56 @@
+"""Human-readable sizes ("5GB", "64MiB") to byte counts, at the CLI and config boundary only."""
+
+from __future__ import annotations
+
+import re
+
+from .errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?[Bb]?)\s*$", re.IGNORECASE)
+
+
+def parse_size(value: int | str) -> int:
+    """Parse a byte size the way transformers' ``max_shard_size`` does.
+
+    Decimal units (KB, MB, GB) are powers of 10, binary ones (KiB, MiB, GiB) powers of 2, and a
+    lower-case ``b`` (``5Gb``) means bits. ``parse_size("5GB") == 5_000_000_000``.
+    """
+    if isinstance(value, bool):
+        raise UsageError(f"invalid size {value!r}: expected an integer or a string like '5GB'")
+    if isinstance(value, int):
+        if value < 0:
+            raise UsageError(f"invalid size {value}: must not be negative")
+        return value
+    match = _SIZE.match(str(value))
+    if not match:
+        raise UsageError(
+            f"invalid size {value!r}: expected a number and a unit like '5GB' or '64MiB'"
+        )
+    number, unit = match.groups()
+    bits = unit.endswith("b") and not unit.upper().endswith("IB")
+    factor = _UNITS.get(unit.upper())
+    if factor is None:
+        raise UsageError(f"invalid size {value!r}: unknown unit {unit!r}")
+    size = int(float(number) * factor)
+    return size // 8 if bits else size
+
+
+def format_size(nbytes: float) -> str:
+    """``format_size(1536) == '1.50 KiB'``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(nbytes) < 1024 or unit == "TiB":
+            return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
