@@ -1,0 +1,270 @@
+"""Render bench/results/merge.json into docs/benchmarks.md and the plots in docs/img/.
+
+    python bench/report.py [bench/results/merge.json]
+
+run.py calls this at the end of a full run; call it alone to re-render without re-measuring.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+TOOL_ORDER = ("shardstream", "verl", "cp")
+TOOL_LABEL = {"shardstream": "shardstream merge", "verl": "verl model_merger", "cp": "cp -r"}
+COLORS = {"shardstream": "#1f77b4", "verl": "#d62728", "cp": "#7f7f7f"}
+
+
+def _f(x, fmt: str = "{:.2f}", none: str = "–") -> str:
+    return none if x is None else fmt.format(x)
+
+
+def _ckpt_label(r: dict, size: str) -> str:
+    c = r["checkpoints"][size]
+    return f"{size} GB ({c['bytes_on_disk'] / 2**30:.2f} GiB on disk)"
+
+
+def render_table(r: dict) -> str:
+    rows = [
+        "| checkpoint | cache | tool | wall s (median) | peak RSS MiB (median) "
+        "| time ÷ shardstream | RSS ÷ shardstream | time ÷ cp -r | runs |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|",
+    ]
+    for size, by_cache in r["summary"].items():
+        for cache, by_tool in by_cache.items():
+            for tool in TOOL_ORDER:
+                s = by_tool.get(tool)
+                if not s:
+                    continue
+                if s["wall_s"] is None:
+                    rows.append(
+                        f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
+                        f"| FAILED | FAILED | | | | 0/{s['n_failed']} |"
+                    )
+                    continue
+                rows.append(
+                    f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
+                    f"| {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} "
+                    f"| {_f(s.get('time_vs_shardstream'))} | {_f(s.get('rss_vs_shardstream'))} "
+                    f"| {_f(s.get('time_vs_cp'))} | {s['n_ok']}/{s['n_ok'] + s['n_failed']} |"
+                )
+    return "\n".join(rows)
+
+
+def render_targets(r: dict) -> str:
+    if not r["targets"]:
+        return "_No targets evaluated (shardstream did not run)._"
+    rows = ["| target | measured | goal | result |", "|---|---:|---|---|"]
+    for t in r["targets"]:
+        res = {True: "**pass**", False: "**FAIL**", None: "n/a"}[t["passed"]]
+        rows.append(f"| {t['name']} | {t['value']} | {t['target']} | {res} |")
+    return "\n".join(rows)
+
+
+def plot(r: dict, img_dir: Path) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    img_dir.mkdir(parents=True, exist_ok=True)
+    sizes = list(r["summary"])
+    caches = list(r["options"]["cache_modes"])
+    tools = [t for t in TOOL_ORDER if t in r["options"]["tools"]]
+    paths = []
+    for metric, ylabel, fname, line in (
+        ("wall_s", "wall time, s (median)", "merge_time.png", None),
+        ("peak_rss_mib", "peak RSS, MiB (median)", "merge_rss.png", 512),
+    ):
+        fig, axes = plt.subplots(
+            1, len(caches), figsize=(5.2 * len(caches), 4.2), squeeze=False, sharey=True
+        )
+        for ax, cache in zip(axes[0], caches, strict=True):
+            width = 0.8 / max(1, len(tools))
+            for i, tool in enumerate(tools):
+                xs, ys = [], []
+                for j, size in enumerate(sizes):
+                    s = r["summary"][size].get(cache, {}).get(tool) or {}
+                    if s.get(metric) is not None:
+                        xs.append(j + (i - (len(tools) - 1) / 2) * width)
+                        ys.append(s[metric])
+                bars = ax.bar(xs, ys, width, label=TOOL_LABEL[tool], color=COLORS[tool])
+                fmt = "{:.1f}" if metric == "wall_s" else "{:.0f}"
+                ax.bar_label(bars, labels=[fmt.format(y) for y in ys], fontsize=8, padding=2)
+            if line is not None:
+                ax.axhline(line, color="k", ls="--", lw=0.8)
+                ax.text(-0.45, line, f" target {line} MiB", va="bottom", fontsize=8, color="k")
+            ax.set_xticks(range(len(sizes)), [f"{s} GB fp32" for s in sizes])
+            ax.set_title(f"{cache} page cache")
+            ax.set_ylabel(ylabel)
+            ax.margins(y=0.12)
+            ax.grid(axis="y", alpha=0.3)
+        axes[0][0].legend(loc="upper left", fontsize=8)
+        title = "Merge wall time" if metric == "wall_s" else "Merge peak RSS (kernel ru_maxrss)"
+        fig.suptitle(f"{title} — {r['machine']['cpu_count']} cores, {r['started'][:10]}")
+        fig.tight_layout()
+        p = img_dir / fname
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
+    m, v, o = r["machine"], r["versions"], r["options"]
+    sizes = ", ".join(f"{s} GB" for s in o["sizes_gb"])
+    dirty = " (+uncommitted changes in src/)" if v.get("shardstream_git_dirty") else ""
+    lines = [
+        "# Merge benchmark",
+        "",
+        "<!-- Generated by bench/report.py from bench/results/merge.json; do not edit by hand. -->",
+        "",
+        "`shardstream merge` against verl's own FSDP merger (`python -m verl.model_merger merge "
+        "--backend fsdp`) and against a plain `cp -r` of the same checkpoint directory, on real "
+        "verl FSDP2 checkpoints of a Qwen2 model. Reproduce with `make bench` (full run) or "
+        "`.venv/bin/python bench/run.py --quick` (0.5 GB case only).",
+        "",
+        f"- **Run:** {r['started']} → {r['finished']} ({r['duration_s'] / 60:.1f} min), "
+        f"`{' '.join(Path(r['argv'][0]).parts[-2:]) if r['argv'] else ''}"
+        f"{' ' + ' '.join(r['argv'][1:]) if len(r['argv']) > 1 else ''}`",
+        f"- **Machine:** {m['cpu_count']} cores ({m['cpu_model']}), {m['mem_total_gib']} GiB RAM, "
+        f"swap: {m['swap']}; disk {m['disk_device']} ({m['disk_fs']}, {m['disk_size_gib']} GiB, "
+        f"{m['disk_free_gib']} GiB free); Linux {m['kernel']}; Python {m['python']}. "
+        "A shared VM: absolute numbers are noisy; the ratios (same run, interleaved) are the "
+        "point.",
+        f"- **Software:** torch {v.get('torch')}, safetensors {v.get('safetensors')}, shardstream "
+        f"@ {v.get('shardstream_git')}{dirty}"
+        + (
+            f"; verl {v['verl']} in `.bench-venv` (torch {v.get('verl_venv_torch')}, "
+            f"transformers {v.get('verl_venv_transformers')})"
+            if v.get("verl")
+            else ""
+        )
+        + f"; {v.get('cp')}.",
+        f"- **Design:** checkpoints {sizes} of fp32 weights; {o['repeats']} runs per tool and "
+        "case, **median** reported; tool order rotated each repeat; `sync` before every run.",
+        "",
+        "## Targets",
+        "",
+        render_targets(r),
+        "",
+        "## Results",
+        "",
+        render_table(r),
+        "",
+        "Ratios are median ÷ median within the same case. `time ÷ cp -r` > 1 means slower than "
+        "copying the checkpoint directory.",
+        "",
+    ]
+    for p in images:
+        lines += [f"![{p.stem}]({img_rel}/{p.name})", ""]
+
+    lines += ["## Output check", ""]
+    if not r["output_checks"]:
+        lines += ["_Not run (needs both shardstream and verl outputs)._", ""]
+    for size, c in r["output_checks"].items():
+        if c.get("identical"):
+            lines.append(
+                f"- {size} GB: shardstream and verl outputs **identical** — {c['n_common']} "
+                f"tensors, same keys, {c['bytes_compared_bitwise'] / 2**20:.0f} MiB compared bit "
+                "for bit with `safe_open`, tensor by tensor."
+            )
+        else:
+            lines.append(f"- {size} GB: **MISMATCH** — `{json.dumps(c)[:1500]}`")
+    lines.append("")
+
+    if r["problems"]:
+        lines += ["## Problems in this run", ""]
+        lines += [f"- {p.splitlines()[0][:300]}" for p in r["problems"]]
+        lines.append("")
+
+    lines += [
+        "## Method",
+        "",
+        "Commands, as timed (`CKPT` is `bench/results/ckpt/<name>`, `OUT` a fresh directory "
+        "removed before each run):",
+        "",
+        "```",
+        *[r["commands"][t] for t in ("cp", "shardstream", "verl") if t in r["commands"]],
+        "```",
+        "",
+        "- **Wall time:** `time.perf_counter()` from spawning the command to reaping it, so "
+        "interpreter start-up and imports count (they are part of what a user waits for).",
+        "- **Peak RSS:** `ru_maxrss` of the child from `os.wait4` — the kernel's high-water mark, "
+        "the number `/usr/bin/time -v` prints as *Maximum resident set size*. A 50 ms sampler "
+        "also sums the RSS of the whole process tree (`tree_peak_rss_mib` in the JSON) so a tool "
+        "that forks helpers cannot hide memory in them.",
+        "- **Page cache:** *warm* — every checkpoint file is read once (like `cat > /dev/null`) "
+        "right before each run of each tool, so all three read from memory. "
+        + (
+            "*cold* — `sync; echo 3 > /proc/sys/vm/drop_caches` right before each run, so "
+            "the checkpoint (and each tool's own Python libraries) come from disk."
+            if "cold" in o["cache_modes"]
+            else f"*cold*: {r['notes'].get('cold_cache', 'not requested in this run')}."
+        ),
+        "- Written data is not fsynced by the harness; a `sync` (untimed) before each run keeps "
+        "one run's dirty pages from being flushed on the next run's clock.",
+        "- **Output check:** after the last repeat, shardstream's and verl's merged directories "
+        "are compared with `bench/compare.py`: same key set, same dtypes and shapes, identical "
+        "bytes. Any difference is printed with `!!!`, listed here and makes `bench/run.py` exit "
+        "non-zero.",
+        "",
+        "### Checkpoints",
+        "",
+        "Generated once by `shardstream.testing.verl_checkpoint.write_verl_checkpoint` (real FSDP2 "
+        "on CPU/gloo, verl's on-disk layout, no optimizer state, 0 train steps) and cached under "
+        "`bench/results/ckpt/`.",
+        "",
+        "| name | world size | params | fp32 weights | on disk | config overrides | generated in |",
+        "|---|---:|---:|---:|---:|---|---:|",
+    ]
+    for c in r["checkpoints"].values():
+        spec = c["spec"]
+        gen = f"{c['generated_s']:.0f} s" if c.get("generated_s") is not None else "–"
+        lines.append(
+            f"| {Path(c['root']).name} | {spec['world_size']} "
+            f"| {c['fp32_param_bytes'] / 4e6:.0f} M | {c['fp32_param_bytes'] / 1e9:.2f} GB "
+            f"| {c['bytes_on_disk'] / 2**30:.2f} GiB | `{json.dumps(spec['config_overrides'])}` "
+            f"| {gen} |"
+        )
+    lines += [
+        "",
+        "## Reproduce",
+        "",
+        "```sh",
+        "make bench                                  # = .venv/bin/python bench/run.py",
+        ".venv/bin/python bench/run.py --quick       # 0.5 GB only, warm cache, 2 repeats",
+        ".venv/bin/python bench/run.py --sizes 0.5,2 --repeats 5 --cache warm",
+        ".venv/bin/python bench/report.py            # re-render this page from merge.json",
+        "```",
+        "",
+        "`bench/setup_verl_venv.sh` builds `.bench-venv` (verl 0.9.1 installed with `--no-deps`, "
+        "plus only what its merger imports, torch pinned to the CPU build). Raw per-run numbers "
+        "are in `bench/results/merge.json` (not committed). Dropping the page cache needs root; "
+        "without it the cold rows are skipped and the reason recorded.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def write_report(r: dict, doc: Path, img_dir: Path) -> Path:
+    images = plot(r, img_dir)
+    rel = Path("img") if img_dir.parent == doc.parent else img_dir
+    doc.parent.mkdir(parents=True, exist_ok=True)
+    doc.write_text(render_doc(r, str(rel), images))
+    return doc
+
+
+def main(argv: list[str]) -> int:
+    src = Path(argv[0]) if argv else BENCH / "results" / "merge.json"
+    r = json.loads(src.read_text())
+    doc = write_report(r, REPO / "docs" / "benchmarks.md", REPO / "docs" / "img")
+    print(f"wrote {doc}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,526 @@
+"""Merge benchmark: `shardstream merge` vs verl's model merger vs `cp -r`, same checkpoints.
+
+    python bench/run.py                 # full run: 0.5 GB and 4 GB checkpoints, warm + cold cache
+    python bench/run.py --quick         # only the 0.5 GB case, warm cache, 2 repeats
+    python bench/run.py --sizes 0.5,2   # any fp32 sizes in GB (1e9 bytes)
+
+Writes bench/results/merge.json (bench/results/merge-quick.json for --quick) and, unless
+--quick or --no-doc, regenerates docs/benchmarks.md and the plots in docs/img/.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+REPO = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from checkpoints import CkptSpec, ensure_checkpoint  # noqa: E402
+from compare import compare_dirs, summarize  # noqa: E402
+from measure import drop_caches, run_measured, tree_bytes, warm_cache  # noqa: E402
+
+MiB = 2**20
+TOOLS = ("cp", "shardstream", "verl")
+
+# Targets from the issue; evaluated into merge.json and the doc.
+TARGET_RSS_MIB = 512
+TARGET_FLAT_MIB = 64
+TARGET_VS_CP = 1.3
+TARGET_VERL_SPEEDUP = 3.0
+TARGET_VERL_MEM = 4.0
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# environment facts
+
+
+def _cmd(argv: list[str], cwd: Path | None = None) -> str:
+    try:
+        return subprocess.run(
+            argv, capture_output=True, text=True, check=True, cwd=cwd, timeout=120
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
+def machine_facts(results_dir: Path) -> dict:
+    mem_kib = 0
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemTotal:"):
+                mem_kib = int(line.split()[1])
+    cpu_model = ""
+    with open("/proc/cpuinfo") as f:
+        for line in f:
+            if line.startswith("model name"):
+                cpu_model = line.split(":", 1)[1].strip()
+                break
+    df = _cmd(["df", "-hT", str(results_dir)]).splitlines()
+    disk = df[-1].split() if len(df) > 1 else []
+    usage = shutil.disk_usage(results_dir)
+    return {
+        "cpu_model": cpu_model,
+        "cpu_count": os.cpu_count(),
+        "affinity_cpus": len(os.sched_getaffinity(0)),
+        "mem_total_gib": round(mem_kib / 2**20, 1),
+        "swap": _cmd(["swapon", "--show=NAME,SIZE", "--noheadings"]) or "none",
+        "disk_device": disk[0] if disk else "",
+        "disk_fs": disk[1] if len(disk) > 1 else "",
+        "disk_size_gib": round(usage.total / 2**30),
+        "disk_free_gib": round(usage.free / 2**30),
+        "kernel": platform.release(),
+        "python": platform.python_version(),
+    }
+
+
+def tool_versions(py: str, bench_py: str | None) -> dict:
+    v = {
+        "cp": _cmd(["cp", "--version"]).splitlines()[0:1],
+        "shardstream_git": _cmd(["git", "rev-parse", "--short", "HEAD"], cwd=REPO),
+        "shardstream_git_dirty": bool(_cmd(["git", "status", "--porcelain", "src"], cwd=REPO)),
+        "torch": _cmd([py, "-c", "import torch; print(torch.__version__)"]),
+        "safetensors": _cmd([py, "-c", "import safetensors; print(safetensors.__version__)"]),
+    }
+    v["cp"] = v["cp"][0] if v["cp"] else ""
+    if bench_py:
+        v["verl"] = _cmd([bench_py, "-c", "import verl; print(verl.__version__)"])
+        v["verl_venv_torch"] = _cmd([bench_py, "-c", "import torch; print(torch.__version__)"])
+        v["verl_venv_transformers"] = _cmd(
+            [bench_py, "-c", "import transformers; print(transformers.__version__)"]
+        )
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# tools
+
+
+def shardstream_available(py: str) -> tuple[bool, str]:
+    r = subprocess.run(
+        [py, "-m", "shardstream", "merge", "--help"], capture_output=True, text=True, timeout=120
+    )
+    return r.returncode == 0, (r.stderr or r.stdout)[-2000:]
+
+
+def tool_argv(tool: str, actor: Path, out: Path, a: argparse.Namespace) -> list[str]:
+    if tool == "cp":
+        return ["cp", "-r", str(actor), str(out)]
+    if tool == "shardstream":
+        return [
+            a.python,
+            "-m",
+            "shardstream",
+            "merge",
+            "--local_dir",
+            str(actor),
+            "--target_dir",
+            str(out),
+            "--overwrite",
+            "--quiet",
+            "--json",
+            *([] if a.dtype == "config" else ["--dtype", a.dtype]),
+            *a.shardstream_args,
+        ]
+    if tool == "verl":
+        return [
+            a.bench_python,
+            "-m",
+            "verl.model_merger",
+            "merge",
+            "--backend",
+            "fsdp",
+            "--local_dir",
+            str(actor),
+            "--target_dir",
+            str(out),
+        ]
+    raise ValueError(tool)
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # No tool may reach for the network (the HF hub) or a GPU during a timed run.
+    env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", CUDA_VISIBLE_DEVICES="")
+    env.pop("PYTHONPATH", None)
+    return env
+
+
+def parse_json_stdout(stdout: str) -> dict | None:
+    for line in reversed(stdout.strip().splitlines()):
+        line = line.strip()
+        if line.startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                break
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# the benchmark
+
+
+def run_one(tool: str, actor: Path, out: Path, cache: str, a: argparse.Namespace) -> dict:
+    if out.exists():
+        shutil.rmtree(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    os.sync()  # nobody pays for the previous run's dirty pages
+    if cache == "cold":
+        ok, why = drop_caches()
+        if not ok:
+            raise RuntimeError(f"drop_caches failed mid-run: {why}")
+    else:
+        warm_cache(actor)
+    m = run_measured(
+        tool_argv(tool, actor, out, a),
+        env=child_env(),
+        capture_stdout=(tool == "shardstream"),
+        timeout_s=a.timeout,
+    )
+    rec = m.to_dict()
+    rec.update(tool=tool, cache=cache, out_bytes=tree_bytes(out) if out.exists() else 0)
+    if tool == "shardstream":
+        rec["self_report"] = parse_json_stdout(m.stdout)
+    rec["stdout"] = rec["stdout"][-2000:]
+    if m.returncode != 0:
+        rec["error"] = f"exit {m.returncode}: {m.stderr_tail[-1500:]}"
+    return rec
+
+
+def median(xs: list[float]) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize_runs(runs: list[dict]) -> dict:
+    ok = [r for r in runs if r["returncode"] == 0]
+    s = {
+        "n_ok": len(ok),
+        "n_failed": len(runs) - len(ok),
+        "wall_s": median([r["wall_s"] for r in ok]),
+        "peak_rss_mib": median([r["peak_rss_bytes"] / MiB for r in ok]),
+        "tree_peak_rss_mib": median([r["tree_peak_rss_bytes"] / MiB for r in ok]),
+        "wall_s_all": [round(r["wall_s"], 3) for r in ok],
+        "peak_rss_mib_all": [round(r["peak_rss_bytes"] / MiB, 1) for r in ok],
+        "out_bytes": ok[-1]["out_bytes"] if ok else None,
+        "max_tree_procs": max((r["max_tree_procs"] for r in ok), default=None),
+    }
+    selfr = [r.get("self_report") or {} for r in ok]
+    if any("peak_rss_bytes" in x for x in selfr):
+        s["self_reported_peak_rss_mib"] = median(
+            [x["peak_rss_bytes"] / MiB for x in selfr if "peak_rss_bytes" in x]
+        )
+    return s
+
+
+def add_ratios(summary: dict) -> None:
+    """summary[size][cache][tool] -> adds ratio fields in place."""
+    for by_cache in summary.values():
+        for by_tool in by_cache.values():
+            ss, cp = by_tool.get("shardstream"), by_tool.get("cp")
+            for s in by_tool.values():
+                if s.get("wall_s") is None:
+                    continue
+                if ss and ss.get("wall_s"):
+                    s["time_vs_shardstream"] = s["wall_s"] / ss["wall_s"]
+                    s["rss_vs_shardstream"] = s["peak_rss_mib"] / ss["peak_rss_mib"]
+                if cp and cp.get("wall_s"):
+                    s["time_vs_cp"] = s["wall_s"] / cp["wall_s"]
+
+
+def evaluate_targets(summary: dict, sizes: list[str]) -> list[dict]:
+    out: list[dict] = []
+
+    def add(name: str, value, target: str, passed: bool | None, note: str = "") -> None:
+        out.append(dict(name=name, value=value, target=target, passed=passed, note=note))
+
+    for size in sizes:
+        for cache, by_tool in summary[size].items():
+            ss = by_tool.get("shardstream") or {}
+            if ss.get("wall_s") is None:
+                add(f"shardstream ran ({size} GB, {cache})", None, "exit 0", False)
+                continue
+            add(
+                f"peak RSS ({size} GB, {cache})",
+                round(ss["peak_rss_mib"], 1),
+                f"<= {TARGET_RSS_MIB} MiB",
+                ss["peak_rss_mib"] <= TARGET_RSS_MIB,
+            )
+            if "time_vs_cp" in ss:
+                add(
+                    f"wall vs cp -r ({size} GB, {cache})",
+                    round(ss["time_vs_cp"], 2),
+                    f"<= {TARGET_VS_CP}x",
+                    ss["time_vs_cp"] <= TARGET_VS_CP,
+                )
+    if len(sizes) >= 2:
+        lo, hi = sizes[0], sizes[-1]
+        for cache in summary[hi]:
+            a = (summary[lo].get(cache, {}).get("shardstream") or {}).get("peak_rss_mib")
+            b = (summary[hi].get(cache, {}).get("shardstream") or {}).get("peak_rss_mib")
+            if a is not None and b is not None:
+                add(
+                    f"RSS flatness {lo} GB -> {hi} GB ({cache})",
+                    round(b - a, 1),
+                    f"|delta| <= {TARGET_FLAT_MIB} MiB",
+                    abs(b - a) <= TARGET_FLAT_MIB,
+                )
+    big = sizes[-1]
+    for cache, by_tool in summary[big].items():
+        verl = by_tool.get("verl") or {}
+        if "time_vs_shardstream" in verl:
+            add(
+                f"verl / shardstream wall ({big} GB, {cache})",
+                round(verl["time_vs_shardstream"], 2),
+                f">= {TARGET_VERL_SPEEDUP}x",
+                verl["time_vs_shardstream"] >= TARGET_VERL_SPEEDUP,
+            )
+            add(
+                f"verl / shardstream peak RSS ({big} GB, {cache})",
+                round(verl["rss_vs_shardstream"], 2),
+                f">= {TARGET_VERL_MEM}x",
+                verl["rss_vs_shardstream"] >= TARGET_VERL_MEM,
+            )
+    return out
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="only the 0.5 GB case, warm, 2 repeats")
+    p.add_argument("--sizes", default=None, help="comma-separated fp32 sizes in GB [0.5,4]")
+    p.add_argument("--repeats", type=int, default=None, help="runs per tool and case [3]")
+    p.add_argument(
+        "--cache",
+        default=None,
+        help="comma-separated cache modes: warm, cold [warm,cold; cold skipped if not permitted]",
+    )
+    p.add_argument("--tools", default=",".join(TOOLS), help=f"subset of {','.join(TOOLS)}")
+    p.add_argument("--world-size", type=int, default=4, help="ranks of the generated checkpoint")
+    p.add_argument("--results", type=Path, default=BENCH / "results")
+    p.add_argument("--json-out", type=Path, default=None, help="default: RESULTS/merge.json")
+    p.add_argument("--no-doc", action="store_true", help="do not regenerate docs/benchmarks.md")
+    p.add_argument("--keep-outputs", action="store_true", help="keep merged models after checks")
+    p.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
+    p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
+    p.add_argument("--bench-python", default=str(REPO / ".bench-venv" / "bin" / "python"))
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        help="output dtype passed to `shardstream merge --dtype` [bfloat16: what verl's merger "
+        "always writes, so outputs can be compared bit for bit]; 'config' passes nothing",
+    )
+    p.add_argument(
+        "--ckpt",
+        type=Path,
+        action="append",
+        default=[],
+        help="benchmark this existing actor dir instead of generating checkpoints (repeatable)",
+    )
+    p.add_argument(
+        "--shardstream-arg",
+        dest="shardstream_args",
+        action="append",
+        default=[],
+        help="extra argument passed to `shardstream merge` (repeatable)",
+    )
+    a = p.parse_args(argv)
+    if a.quick:
+        a.sizes = a.sizes or "0.5"
+        a.repeats = a.repeats or 2
+        a.cache = a.cache or "warm"
+    a.sizes = [f"{float(s):g}" for s in (a.sizes or "0.5,4").split(",")]
+    a.repeats = a.repeats or 3
+    a.cache = [c.strip() for c in (a.cache or "warm,cold").split(",")]
+    a.tools = [t.strip() for t in a.tools.split(",")]
+    for t in a.tools:
+        if t not in TOOLS:
+            p.error(f"unknown tool {t!r}")
+    for c in a.cache:
+        if c not in ("warm", "cold"):
+            p.error(f"unknown cache mode {c!r}")
+    if a.json_out is None:
+        a.json_out = a.results / ("merge-quick.json" if a.quick else "merge.json")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    started = time.time()
+    a.results.mkdir(parents=True, exist_ok=True)
+    problems: list[str] = []
+
+    notes: dict[str, str] = {}
+    if "cold" in a.cache:
+        ok, why = drop_caches()
+        if not ok:
+            a.cache.remove("cold")
+            notes["cold_cache"] = f"not measured: dropping the page cache is not permitted ({why})"
+            log(f"cold cache: {notes['cold_cache']}")
+        else:
+            notes["cold_cache"] = "sync; echo 3 > /proc/sys/vm/drop_caches before every cold run"
+
+    if "verl" in a.tools:
+        log("setting up .bench-venv (verl 0.9.1, CPU torch) ...")
+        subprocess.run(["bash", str(BENCH / "setup_verl_venv.sh")], check=True)
+    if "shardstream" in a.tools:
+        ok, why = shardstream_available(a.python)
+        if not ok:
+            msg = f"`shardstream merge` is not runnable yet; skipped:\n{why}"
+            log("!!! " + msg)
+            problems.append(msg)
+            a.tools.remove("shardstream")
+
+    facts = machine_facts(a.results)
+    versions = tool_versions(a.python, a.bench_python if "verl" in a.tools else None)
+    log(f"machine: {facts}")
+    log(f"versions: {versions}")
+
+    ckpts: dict[str, dict] = {}
+    if a.ckpt:
+        a.sizes = []
+        for actor in a.ckpt:
+            nbytes = tree_bytes(actor)
+            size = f"{nbytes / 1e9:.2g}"
+            a.sizes.append(size)
+            ckpts[size] = {
+                "root": str(actor),
+                "actor_dir": str(actor),
+                "bytes_on_disk": nbytes,
+                "fp32_param_bytes": nbytes,
+                "spec": {"world_size": None, "config_overrides": "user-supplied checkpoint"},
+                "generated_s": None,
+            }
+    for size in [] if a.ckpt else a.sizes:
+        spec = CkptSpec(target_gb=float(size), world_size=a.world_size)
+        info = ensure_checkpoint(spec, a.results / "ckpt", a.python, log=log)
+        info["bytes_on_disk"] = tree_bytes(Path(info["actor_dir"]))
+        info["fp32_param_bytes"] = spec.fp32_bytes
+        ckpts[size] = info
+
+    runs: list[dict] = []
+    summary: dict[str, dict[str, dict[str, dict]]] = {}
+    checks: dict[str, dict] = {}
+    for size in a.sizes:
+        actor = Path(ckpts[size]["actor_dir"])
+        outroot = a.results / "out" / size
+        summary[size] = {}
+        for cache in a.cache:
+            per_tool: dict[str, list[dict]] = {t: [] for t in a.tools}
+            for rep in range(a.repeats):
+                # rotate the order so no tool always runs first / right after another
+                order = a.tools[rep % len(a.tools) :] + a.tools[: rep % len(a.tools)]
+                for tool in order:
+                    rec = run_one(tool, actor, outroot / tool, cache, a)
+                    rec.update(size_gb=size, rep=rep)
+                    runs.append(rec)
+                    per_tool[tool].append(rec)
+                    log(
+                        f"{size:>4} GB {cache:4} {tool:11} rep {rep}: "
+                        f"{rec['wall_s']:7.2f} s  peak RSS {rec['peak_rss_mib']:8.1f} MiB"
+                        f"  (tree {rec['tree_peak_rss_mib']:.1f} MiB, rc {rec['returncode']})"
+                    )
+                    if rec["returncode"] != 0:
+                        msg = f"{tool} failed on {size} GB ({cache}): {rec.get('error', '')}"
+                        log("!!! " + msg)
+                        problems.append(msg)
+                    if tool == "cp":
+                        shutil.rmtree(outroot / "cp", ignore_errors=True)
+            summary[size][cache] = {t: summarize_runs(rs) for t, rs in per_tool.items()}
+
+        # Sanity check: the last shardstream and verl outputs must hold the same tensors.
+        ss_out, verl_out = outroot / "shardstream", outroot / "verl"
+        if {"shardstream", "verl"} <= set(a.tools) and ss_out.exists() and verl_out.exists():
+            log(f"comparing merged outputs for {size} GB (shardstream vs verl) ...")
+            try:
+                rep = compare_dirs(ss_out, verl_out)
+            except Exception as e:  # a broken output is a finding, not a crash
+                rep = {"identical": False, "error": f"{type(e).__name__}: {e}"}
+            checks[size] = rep
+            text = summarize(rep) if "error" not in rep else rep["error"]
+            if rep["identical"]:
+                log(text)
+            else:
+                log("!!! " + text)
+                problems.append(f"output check {size} GB: {text}")
+        if not a.keep_outputs:
+            shutil.rmtree(outroot, ignore_errors=True)
+
+    add_ratios(summary)
+    targets = evaluate_targets(summary, a.sizes) if "shardstream" in a.tools else []
+    result = {
+        "schema": 1,
+        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z", time.localtime(started)),
+        "finished": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+        "duration_s": round(time.time() - started, 1),
+        "argv": sys.argv,
+        "options": {
+            "sizes_gb": a.sizes,
+            "repeats": a.repeats,
+            "cache_modes": a.cache,
+            "tools": a.tools,
+            "world_size": a.world_size,
+            "quick": a.quick,
+            "shardstream_args": a.shardstream_args,
+            "dtype": a.dtype,
+        },
+        "commands": {
+            t: " ".join(tool_argv(t, Path("CKPT/global_step_1/actor"), Path("OUT"), a))
+            .replace(str(REPO) + "/", "")
+            .replace(a.python, ".venv/bin/python")
+            for t in TOOLS
+        },
+        "machine": facts,
+        "versions": versions,
+        "notes": notes,
+        "checkpoints": ckpts,
+        "summary": summary,
+        "targets": targets,
+        "output_checks": checks,
+        "problems": problems,
+        "runs": runs,
+    }
+    a.json_out.parent.mkdir(parents=True, exist_ok=True)
+    a.json_out.write_text(json.dumps(result, indent=2) + "\n")
+    log(f"wrote {a.json_out}")
+
+    if not a.quick and not a.no_doc:
+        from report import write_report
+
+        doc = write_report(result, REPO / "docs" / "benchmarks.md", REPO / "docs" / "img")
+        log(f"wrote {doc}")
+    else:
+        from report import render_table
+
+        print(render_table(result))
+
+    for t in targets:
+        mark = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
+        log(f"target {mark}: {t['name']}: {t['value']} (target {t['target']})")
+    if problems:
+        log(f"!!! {len(problems)} problem(s):")
+        for p in problems:
+            log("!!!   " + p.replace("\n", "\n!!!   "))
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
