@@ -18,7 +18,7 @@ from .errors import CheckpointFormatError
 
 @dataclass(frozen=True)
 class Block:
-    """A rectangular block of a global tensor, stored in ``location`` starting at byte ``offset``."""
+    """A rectangular block of a global tensor stored in ``location`` from byte ``offset``."""
 
     location: str
     offset: int

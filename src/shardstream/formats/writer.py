@@ -7,6 +7,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+from ..checksum import digest
 from ..copy import DEFAULT_CHUNK_BYTES, Streamer, stream_file, write_all
 from ..dtypes import itemsize
 from ..errors import OutOfSpaceError
@@ -41,6 +42,7 @@ class WrittenFile:
     data_start: int
     chunk_bytes: int
     chunks: tuple[str, ...]
+    header_digest: str
 
 
 def plan_file_runs(path: str, tensors: Sequence[OutputTensor]) -> tuple[bytes, list[CopyRun]]:
@@ -88,7 +90,9 @@ def write_safetensors(
         os.fsync(fd)
     finally:
         os.close(fd)
-    return WrittenFile(path, len(header) + data_size, len(header), chunk_bytes, tuple(chunks))
+    return WrittenFile(
+        path, len(header) + data_size, len(header), chunk_bytes, tuple(chunks), digest(final)
+    )
 
 
 def _reserve(fd: int, path: str, size: int) -> None:

@@ -1,0 +1,402 @@
+"""save and load one checkpoint directory: sharded, streamed, checksummed, committed atomically.
+
+Every rank calls the same function. Tensors go through torch.distributed.checkpoint's planners
+with shardstream's streaming StorageWriter/StorageReader; non-tensor state is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+import uuid
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from . import state as st
+from .checksum import digest
+from .commit import TMP_MARK, fsync_dir, fsync_tree
+from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .errors import CheckpointFormatError, CheckpointNotFoundError, ShardstreamError, UsageError
+from .formats import native
+from .formats.safetensors import read_header
+from .formats.writer import OutputTensor, write_safetensors
+from .memory import peak_rss_bytes
+from .plan import GlobalTensor, dense_block
+from .units import parse_size
+
+CONTENTS = ("model", "optimizer", "extra", "hf_model")
+DEFAULT_CONTENTS = ("model", "optimizer", "extra")
+
+
+def check_contents(contents: Iterable[str], what: str) -> tuple[str, ...]:
+    contents = tuple(contents)
+    unknown = [c for c in contents if c not in CONTENTS]
+    if unknown:
+        raise UsageError(f"{what}: unknown item {unknown[0]!r}; expected any of {CONTENTS}")
+    return contents
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+def _barrier() -> None:
+    if _world() > 1:
+        dist.barrier()
+
+
+def _broadcast(value: Any) -> Any:
+    if _world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _gather(value: Any) -> list[Any]:
+    if _world() == 1:
+        return [value]
+    out: list[Any] = [None] * _world()
+    dist.all_gather_object(out, value)
+    return out
+
+
+def _agree_or_raise(error: BaseException | None) -> None:
+    """Make every rank fail together, so no rank waits forever on a collective."""
+    errors = _gather(None if error is None else f"rank {_rank()}: {error}")
+    failed = [e for e in errors if e]
+    if failed and error is None:
+        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
+    if error is not None:
+        raise error
+
+
+@dataclass
+class SaveResult:
+    path: str
+    step: int
+    bytes_written: int
+    wall_s: float
+    peak_rss_bytes: int
+
+
+def extra_files(rank: int) -> tuple[str, str]:
+    return f"extra-rank-{rank:05d}.json", f"extra-rank-{rank:05d}.safetensors"
+
+
+def _write_extra(tmp: Path, rank: int, extra: Mapping[str, Any], buffer_bytes: int) -> dict:
+    """This rank's extra state: JSON plus a safetensors file for the tensors inside it."""
+    tensors: dict[str, torch.Tensor] = {}
+    doc = st.encode(dict(extra), tensors)
+    json_name, tensor_name = extra_files(rank)
+    records = {}
+    body = json.dumps(doc, sort_keys=True).encode()
+    with open(tmp / json_name, "wb") as f:
+        f.write(body)
+        f.flush()
+        os.fsync(f.fileno())
+    records[json_name] = {"size": len(body), "xxh3": digest(body)}
+    if tensors:
+        endpoints = {}
+        outputs = []
+        for key, tensor in tensors.items():
+            from .copy import TensorEndpoint
+            from .dtypes import code_of
+
+            location = f"memory:{key}"
+            endpoints[location] = TensorEndpoint(key, tensor)
+            block = dense_block(location, 0, code_of(tensor.dtype), tuple(tensor.shape))
+            outputs.append(
+                OutputTensor(
+                    key, block.dtype, GlobalTensor(key, block.dtype, block.shape, (block,))
+                )
+            )
+        written = write_safetensors(
+            str(tmp / tensor_name),
+            outputs,
+            Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes)),
+        )
+        records[tensor_name] = {"size": written.size, "header_xxh3": written.header_digest}
+    return records
+
+
+def save(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    contents: Iterable[str] = DEFAULT_CONTENTS,
+    step: int = 0,
+    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
+    overwrite: bool = False,
+    hf_export: Any = None,
+) -> SaveResult:
+    """Save a checkpoint to ``path`` from every rank; it appears there only when complete.
+
+    >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    contents = check_contents(contents, "save_contents")
+    buffer_bytes = parse_size(buffer_size)
+    target = Path(path).absolute()
+    if "model" in contents and model is None:
+        raise UsageError("save_contents includes 'model' but no model was given")
+    if "optimizer" in contents and (optimizer is None or model is None):
+        raise UsageError(
+            "save_contents includes 'optimizer' but no optimizer (and model) was given"
+        )
+
+    error: BaseException | None = None
+    tmp_name = None
+    if _rank() == 0:
+        try:
+            if target.exists() and not overwrite:
+                raise UsageError(f"{target} already exists; pass overwrite=True to replace it")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            tmp_name = f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+            (target.parent / tmp_name).mkdir()
+        except (OSError, ShardstreamError) as exc:
+            error = exc if isinstance(exc, ShardstreamError) else UsageError(f"{target}: {exc}")
+    tmp_name = _broadcast(tmp_name)
+    _agree_or_raise(error)
+    tmp = target.parent / tmp_name
+
+    try:
+        tensors: dict[str, torch.Tensor] = {}
+        objects: dict[str, Any] = {}
+        if "model" in contents:
+            tensors.update(st.model_tensors(model))
+        if "optimizer" in contents:
+            optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
+            tensors.update(optim_tensors)
+            objects["optimizer"] = st.encode(optim_objects, {})
+        if lr_scheduler is not None and "optimizer" in contents:
+            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
+        writer = native.StreamingWriter(tmp, buffer_bytes)
+        tensor_section, file_section = {}, {}
+        if tensors:
+            dcp.save(tensors, storage_writer=writer)
+            if _rank() == 0:
+                tensor_section, file_section = native.tensor_manifest(
+                    writer.metadata, writer.results
+                )
+        records: dict[str, Any] = {}
+        if "extra" in contents:
+            payload = {"user": dict(extra or {}), "rng": st.rng_state()}
+            records.update(_write_extra(tmp, _rank(), payload, buffer_bytes))
+        if "hf_model" in contents:
+            if hf_export is None:
+                raise UsageError("save_contents includes 'hf_model' but no model was given")
+            records.update(hf_export(tmp, buffer_bytes))
+        gathered = _gather(records)
+    except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
+        error = exc
+    _agree_or_raise(error)
+
+    if _rank() == 0:
+        try:
+            for rank_records in gathered:
+                file_section.update(rank_records)
+            manifest = {
+                "format": native.FORMAT,
+                "version": native.FORMAT_VERSION,
+                "step": int(step),
+                "world_size": _world(),
+                "contents": list(contents),
+                "created_unix": time.time(),
+                "torch_version": torch.__version__,
+                "tensors": tensor_section,
+                "files": file_section,
+                "objects": objects,
+            }
+            fsync_tree(tmp)
+            native.write_manifest(tmp, manifest)
+            if target.exists():
+                old = target.with_name(f"{target.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
+                os.rename(target, old)
+                os.rename(tmp, target)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.rename(tmp, target)
+            fsync_dir(target.parent)
+        except BaseException as exc:  # noqa: BLE001
+            error = exc
+            shutil.rmtree(tmp, ignore_errors=True)
+    _agree_or_raise(error)
+    written = sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if _rank() == 0 else 0
+    return SaveResult(
+        str(target), int(step), written, time.perf_counter() - started, peak_rss_bytes()
+    )
+
+
+# --- load --------------------------------------------------------------------------------------
+
+
+@dataclass
+class LoadResult:
+    step: int
+    extra: dict[str, Any]
+    bytes_read: int
+    wall_s: float
+
+
+def _source_tensors(path: Path, verify: bool):
+    """All tensors of a native or verl checkpoint under shardstream's flat names."""
+    from .formats import verl
+
+    if native.is_native_checkpoint(path):
+        ckpt = native.open_native(path)
+        endpoint = ckpt.endpoint if verify else FileEndpoint
+        return ckpt, dict(ckpt.all_tensors), endpoint
+    if verl.is_verl_checkpoint(path):
+        ckpt = verl.open_verl(path)
+        tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+        return ckpt, tensors, FileEndpoint
+    raise CheckpointNotFoundError(
+        f"{path}: neither a shardstream checkpoint ({native.MANIFEST}) nor a verl checkpoint"
+    )
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    contents: Iterable[str] = DEFAULT_CONTENTS,
+    verify: bool = True,
+    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
+    restore_rng: bool = True,
+) -> LoadResult:
+    """Load ``path`` into live (possibly FSDP2-sharded) objects at any world size, in place.
+
+    >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    contents = check_contents(contents, "load_contents")
+    path = Path(path)
+    if not path.is_dir():
+        raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
+    ckpt, available, endpoint = _source_tensors(path, verify)
+    manifest = getattr(ckpt, "manifest", {})
+    saved = set(manifest.get("contents", ("model",)))
+    targets: dict[str, torch.Tensor] = {}
+    optim_tensors: dict[str, torch.Tensor] = {}
+    if "model" in contents and model is not None:
+        if "model" not in saved:
+            raise CheckpointFormatError(f"{path}: holds no model state (saved: {sorted(saved)})")
+        targets.update(st.model_tensors(model))
+    if "optimizer" in contents and optimizer is not None:
+        if "optimizer" not in saved:
+            raise CheckpointFormatError(
+                f"{path}: holds no optimizer state (saved: {sorted(saved)})"
+            )
+        optim_tensors, _ = st.optimizer_state(model, optimizer)
+        targets.update(optim_tensors)
+    missing = [k for k in targets if k not in available]
+    if missing:
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has no tensor {missing[0]!r} ({len(missing)} missing); "
+            "was it saved from a different model?"
+        )
+    for name, tensor in targets.items():
+        if tuple(tensor.shape) != available[name].shape:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} has shape {list(available[name].shape)} in the "
+                f"checkpoint but {list(tensor.shape)} in the model"
+            )
+    reader = native.StreamingReader(
+        {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)
+    )
+    if targets:
+        try:
+            dcp.load(targets, storage_reader=reader)
+        except ShardstreamError:
+            raise
+        except Exception as exc:  # DCP wraps rank failures; surface ours
+            cause = _shardstream_cause(exc)
+            if cause is not None:
+                raise cause from None
+            raise
+    objects = {k: st.decode(v, {}) for k, v in manifest.get("objects", {}).items()}
+    if optim_tensors:
+        st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
+    if lr_scheduler is not None and "lr_scheduler" in objects and "optimizer" in contents:
+        lr_scheduler.load_state_dict(objects["lr_scheduler"])
+    extra: dict[str, Any] = {}
+    if "extra" in contents and "extra" in saved:
+        payload = _read_extra(ckpt, _rank())
+        extra = payload.get("user", {})
+        if restore_rng and "rng" in payload:
+            st.set_rng_state(payload["rng"])
+    _barrier()
+    return LoadResult(
+        int(manifest.get("step", 0)), extra, reader.bytes_read, time.perf_counter() - started
+    )
+
+
+def _shardstream_cause(exc: BaseException) -> ShardstreamError | None:
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        if isinstance(e, ShardstreamError):
+            return e
+        stack.extend([e.__cause__, e.__context__])
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):
+            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
+    return None
+
+
+def _read_extra(ckpt, rank: int) -> dict[str, Any]:
+    """This rank's extra state (rank 0's when the checkpoint had fewer ranks)."""
+    files = ckpt.manifest.get("files", {})
+    json_name, tensor_name = extra_files(rank)
+    if json_name not in files:
+        json_name, tensor_name = extra_files(0)
+    if json_name not in files:
+        return {}
+    json_path = native.check_name(ckpt.directory, json_name, "extra")
+    body = json_path.read_bytes()
+    if digest(body) != files[json_name].get("xxh3"):
+        from .errors import ChecksumMismatchError
+
+        raise ChecksumMismatchError(f"{json_path}: checksum mismatch in extra state")
+    tensors: dict[str, torch.Tensor] = {}
+    if tensor_name in files:
+        tensor_path = str(native.check_name(ckpt.directory, tensor_name, "extra"))
+        header = read_header(tensor_path)
+        endpoint = ckpt.endpoint(tensor_path)
+        try:
+            for name, entry in header.tensors.items():
+                import numpy as np
+
+                from .dtypes import TORCH_BY_CODE
+
+                out = torch.empty(entry.shape, dtype=TORCH_BY_CODE[entry.dtype])
+                view = (
+                    out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)
+                )
+                endpoint.read_into(header.data_start + entry.begin, view)
+                tensors[name] = out
+        finally:
+            endpoint.close()
+    return st.decode(json.loads(body), tensors)

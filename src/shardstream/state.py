@@ -1,0 +1,181 @@
+"""Training state as shardstream stores it: tensors by flat name, everything else as JSON.
+
+Model and optimizer state come from torch.distributed.checkpoint.state_dict, so FSDP2 DTensors
+and plain modules look alike. Non-tensor values (param groups, scheduler, extra) become JSON;
+tuples and tensors inside them are tagged so they come back as they were. No pickle anywhere.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_optimizer_state_dict,
+)
+
+from .errors import CheckpointFormatError, UsageError
+from .formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
+
+_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+STATE = "state."
+TENSOR_TAG, TUPLE_TAG, FLOAT_TAG = "__tensor__", "__tuple__", "__float__"
+
+
+def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """``model.<fqn>`` -> live (sharded) tensor, sharing storage with the parameters."""
+    state = get_model_state_dict(model, options=_OPTIONS)
+    return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def optimizer_state(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Optimizer tensors by flat name, and the JSON-able rest (param groups, scalar state)."""
+    state = get_optimizer_state_dict(model, optimizer, options=_OPTIONS)
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for fqn, entries in state["state"].items():
+        for key, value in entries.items():
+            flat = f"{OPTIMIZER_PREFIX}{STATE}{fqn}.{key}"
+            if isinstance(value, torch.Tensor):
+                tensors[flat] = value
+            else:
+                scalars[flat] = value
+    return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
+
+
+def apply_optimizer_state(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tensors: Mapping[str, torch.Tensor],
+    objects: Mapping[str, Any],
+) -> None:
+    """Hand the (already filled) tensors and the JSON state back to the optimizer."""
+    prefix = OPTIMIZER_PREFIX + STATE
+    nested: dict[str, dict[str, Any]] = {}
+    values = {**objects.get("scalars", {}), **tensors}
+    names = _parameter_names(model)
+    for flat, value in values.items():
+        rest = flat[len(prefix) :]
+        fqn = next((n for n in _prefixes(rest) if n in names), None)
+        if fqn is None:
+            raise CheckpointFormatError(f"optimizer state {flat!r} names no parameter of the model")
+        nested.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
+    state = {"state": nested, "param_groups": objects["param_groups"]}
+    set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+
+
+def _parameter_names(model: torch.nn.Module) -> set[str]:
+    state = get_model_state_dict(model, options=_OPTIONS)
+    return set(state)
+
+
+def _prefixes(name: str):
+    """Candidate parameter names of ``a.b.c.exp_avg``: longest first."""
+    parts = name.split(".")
+    for i in range(len(parts) - 1, 0, -1):
+        yield ".".join(parts[:i])
+
+
+# --- JSON with tagged tensors and tuples --------------------------------------------------------
+
+
+def encode(value: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
+    """JSON-able form of ``value``; tensors are moved into ``tensors`` under their path."""
+    if isinstance(value, torch.Tensor):
+        key = path or "value"
+        tensors[key] = value.detach().cpu().contiguous()
+        return {TENSOR_TAG: key}
+    if _is_ndarray(value):
+        return encode(torch.from_numpy(value.copy()), tensors, path) | {"numpy": True}
+    if isinstance(value, bool) or value is None or isinstance(value, (int, str)):
+        return value
+    if isinstance(value, float):
+        return value if math.isfinite(value) else {FLOAT_TAG: repr(value)}
+    if isinstance(value, tuple):
+        return {TUPLE_TAG: [encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+    if isinstance(value, list):
+        return [encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
+    if isinstance(value, Mapping):
+        out = {}
+        for k, v in value.items():
+            if not isinstance(k, (str, int)) or isinstance(k, bool):
+                raise UsageError(
+                    f"extra state key {k!r} at {path or '<root>'} must be a str or int"
+                )
+            out[str(k) if isinstance(k, str) else f"{k}"] = encode(v, tensors, f"{path}.{k}")
+            if isinstance(k, int):
+                out.setdefault("__int_keys__", []).append(str(k))
+        return out
+    if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
+        return encode(value.item(), tensors, path)
+    raise UsageError(
+        f"extra state at {path or '<root>'} is a {type(value).__name__}; only JSON values, "
+        "tuples and tensors can be checkpointed"
+    )
+
+
+def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    if isinstance(value, list):
+        return [decode(v, tensors) for v in value]
+    if not isinstance(value, dict):
+        return value
+    if TENSOR_TAG in value:
+        tensor = tensors[value[TENSOR_TAG]]
+        return tensor.numpy() if value.get("numpy") else tensor
+    if TUPLE_TAG in value:
+        return tuple(decode(v, tensors) for v in value[TUPLE_TAG])
+    if FLOAT_TAG in value:
+        return float(value[FLOAT_TAG])
+    int_keys = set(value.get("__int_keys__", []))
+    return {
+        (int(k) if k in int_keys else k): decode(v, tensors)
+        for k, v in value.items()
+        if k != "__int_keys__"
+    }
+
+
+def _is_ndarray(value: Any) -> bool:
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, np.ndarray)
+
+
+# --- RNG ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"torch": torch.get_rng_state(), "random": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        pass
+    return state
+
+
+def set_rng_state(state: Mapping[str, Any]) -> None:
+    torch.set_rng_state(state["torch"])
+    random.setstate(_tuples(state["random"]))
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def _tuples(value: Any) -> Any:
+    return tuple(_tuples(v) for v in value) if isinstance(value, (list, tuple)) else value
