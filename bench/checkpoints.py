@@ -85,6 +85,7 @@ class CkptSpec:
             "world_size": self.world_size,
             "train_steps": 0,
             "write_optimizer": False,
+            "write_reference": False,
             "seed": 0,
             "config_overrides": self.overrides,
         }
@@ -96,6 +97,7 @@ def actor_dir(root: Path) -> Path:
 
 def ensure_checkpoint(spec: CkptSpec, cache_root: Path, python: str, log=print) -> dict:
     """Return {"root", "actor_dir", "generated_s" (None if cached), ...}; generate if needed."""
+    cache_root = cache_root.resolve()
     root = cache_root / spec.name
     meta_path = root / "bench-meta.json"
     if meta_path.exists() and actor_dir(root).is_dir():
@@ -160,6 +162,7 @@ def _write(out: Path, world_size: int, overrides: dict) -> None:
         seed=0,
         config_overrides=overrides,
         write_optimizer=False,
+        write_reference=False,  # the fixture's fp32 ground-truth copy: not needed here
     )
     actor = write_verl_checkpoint(out, fx, step=1)
     print(f"wrote {actor}")

@@ -415,6 +415,20 @@ def main(argv: list[str] | None = None) -> int:
         info["fp32_param_bytes"] = spec.fp32_bytes
         ckpts[size] = info
 
+    # Start-up floor: interpreter + imports + argparse, no work. Explains the small-size rows.
+    floors: dict[str, dict] = {}
+    for tool in [t for t in a.tools if t != "cp"]:
+        recs = []
+        for _ in range(a.repeats):
+            argv = tool_argv(tool, Path("X"), Path("Y"), a)
+            m = run_measured([*argv[:4], "--help"], env=child_env(), timeout_s=300)
+            recs.append({**m.to_dict(), "out_bytes": 0})
+        floors[tool] = summarize_runs(recs)
+        log(
+            f"start-up floor {tool}: {floors[tool]['wall_s']:.2f} s, "
+            f"{floors[tool]['peak_rss_mib']:.0f} MiB (`{' '.join(argv[1:4])} --help`)"
+        )
+
     runs: list[dict] = []
     summary: dict[str, dict[str, dict[str, dict]]] = {}
     checks: dict[str, dict] = {}
@@ -492,6 +506,7 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "checkpoints": ckpts,
         "summary": summary,
+        "startup_floor": floors,
         "targets": targets,
         "output_checks": checks,
         "problems": problems,
