@@ -19,6 +19,10 @@ def open_checkpoint(path: str | os.PathLike):
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path)
+    from .formats import dcp
+
+    if dcp.is_dcp_checkpoint(path):
+        return dcp.open_dcp(path)
     raise CheckpointNotFoundError(
         f"{path}: no model files found (expected verl's model_world_size_W_rank_R.pt)"
     )
