@@ -117,7 +117,9 @@ def merge(
 
     def endpoint(location: str) -> FileEndpoint:
         if location not in endpoints:
-            endpoints[location] = FileEndpoint(location)
+            # Sources with checksums (shardstream's own format) verify every byte they hand out.
+            opener = getattr(checkpoint, "endpoint", FileEndpoint)
+            endpoints[location] = opener(location)
         return endpoints[location]
 
     ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)

@@ -17,6 +17,10 @@ def open_checkpoint(path: str | os.PathLike):
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
+    from .formats import native
+
+    if native.is_native_checkpoint(path):
+        return native.open_native(path)
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path)
     from .formats import dcp
@@ -24,5 +28,6 @@ def open_checkpoint(path: str | os.PathLike):
     if dcp.is_dcp_checkpoint(path):
         return dcp.open_dcp(path)
     raise CheckpointNotFoundError(
-        f"{path}: no model files found (expected verl's model_world_size_W_rank_R.pt)"
+        f"{path}: no model files found (expected a shardstream manifest.json, verl's "
+        "model_world_size_W_rank_R.pt files, or a DCP .metadata)"
     )

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import os
 import re
-from torch.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -32,6 +31,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
+from torch.futures import Future
 
 from ..checksum import digest
 from ..commit import atomic_write_bytes
@@ -60,7 +60,7 @@ FORMAT = "shardstream"
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
-SAFE_NAME = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
 

@@ -1,0 +1,343 @@
+"""hf_model during training: every rank writes its own slices straight into the final HF files.
+
+No rank gathers a full tensor. The layout (file split, headers, offsets) is computed identically
+on every rank from global shapes; rank 0 creates the files, each rank ``pwrite``s its rows, and
+the chunk checksums are computed in parallel and sealed into the headers by rank 0. When ranks
+do not share a filesystem, pieces stream to rank 0 in bounded messages instead.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from . import checkpoint as ck
+from .checksum import digest, new_hasher
+from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, write_all
+from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
+from .errors import UsageError
+from .formats import hf
+from .formats.safetensors import build_header, checksum_metadata
+from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
+from .state import model_tensors
+
+HF_DIR = "huggingface"
+
+
+def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, torch.Tensor]:
+    """This rank's block of a (D)Tensor, or None when another rank owns the bytes."""
+    from torch.distributed.tensor import DTensor, Replicate
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local()
+        mesh = tensor.device_mesh
+        coordinate = mesh.get_coordinate()
+        if coordinate is None or any(
+            isinstance(p, Replicate) and c != 0 for p, c in zip(tensor.placements, coordinate)
+        ):
+            return None, local
+        _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
+        start = tuple(int(o) for o in offset)
+    else:
+        if ck._rank() != 0:
+            return None, tensor
+        local, start = tensor, (0,) * tensor.dim()
+    block = Block(
+        location,
+        local.storage_offset() * local.element_size(),
+        code_of(local.dtype),
+        start,
+        tuple(local.shape),
+        tuple(local.stride()),
+    )
+    return block, local
+
+
+def _config_dtype(hf_config: Any, source_dir: Path | None) -> str | None:
+    if hf_config is not None:
+        value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
+    elif source_dir is not None:
+        config = hf.read_config(source_dir)
+        value = config.get("dtype") or config.get("torch_dtype")
+    else:
+        value = None
+    if isinstance(value, torch.dtype):
+        return code_of(value)
+    return parse_dtype(value) if isinstance(value, str) and value != "auto" else None
+
+
+def _tied(hf_config: Any, source_dir: Path | None) -> bool:
+    if hf_config is not None:
+        return bool(getattr(hf_config, "tie_word_embeddings", False))
+    return bool(hf.read_config(source_dir).get("tie_word_embeddings", False))
+
+
+def hf_exporter(
+    model: torch.nn.Module | None,
+    hf_config: Any = None,
+    tokenizer: Any = None,
+    source_dir: str | os.PathLike | None = None,
+    dtype: str | None = None,
+    shared_filesystem: bool | None = None,
+) -> Callable[[Path, int], dict]:
+    """A callback for ``checkpoint.save`` that writes ``huggingface/`` into the step directory."""
+    if model is None:
+        raise UsageError("save_contents includes 'hf_model' but no model was given")
+    if hf_config is None and source_dir is None:
+        raise UsageError(
+            "save_contents includes 'hf_model': give the manager hf_config= (a transformers "
+            "config) or hf_source_dir= (a directory with config.json)"
+        )
+    source = Path(source_dir) if source_dir is not None else None
+
+    def export(tmp: Path, buffer_bytes: int) -> dict:
+        return write_hf_model(
+            tmp, model, hf_config, tokenizer, source, dtype, shared_filesystem, buffer_bytes
+        )
+
+    return export
+
+
+def write_hf_model(
+    tmp: Path,
+    model: torch.nn.Module,
+    hf_config: Any,
+    tokenizer: Any,
+    source: Path | None,
+    dtype: str | None,
+    shared_filesystem: bool | None,
+    buffer_bytes: int,
+) -> dict:
+    rank = ck._rank()
+    out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
+    live = {k[len("model.") :]: v for k, v in model_tensors(model).items()}
+    drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
+    from .formats.writer import OutputTensor
+
+    outputs = []
+    for name, tensor in live.items():
+        if name in drop:
+            continue
+        src_dtype = code_of(tensor.dtype)
+        target = out_dtype if out_dtype and src_dtype in FLOATING else src_dtype
+        block = dense_block("layout", 0, src_dtype, tuple(tensor.shape))
+        outputs.append(OutputTensor(name, target, GlobalTensor(name, src_dtype, block.shape, ())))
+    files = hf.plan_hf_files(outputs, 5 * 10**9)
+    target_dir = tmp / HF_DIR
+    shared = _shared_filesystem(tmp) if shared_filesystem is None else shared_filesystem
+
+    layouts = []
+    for name, tensors in files:
+        layout = [(t.name, t.dtype, t.shape) for t in tensors]
+        _, entries = build_header(layout)
+        size = entries[-1].end if entries else 0
+        header, _ = build_header(
+            layout,
+            {"format": "pt", **checksum_metadata(entries, DEFAULT_CHUNK_BYTES, None, size)},
+        )
+        layouts.append((name, tensors, layout, entries, header, size))
+
+    if rank == 0:
+        target_dir.mkdir()
+        for name, _, _, _, header, size in layouts:
+            fd = os.open(target_dir / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, len(header) + size)
+                write_all(fd, name, header, 0)
+            finally:
+                os.close(fd)
+        _write_configs(target_dir, hf_config, tokenizer, source, out_dtype)
+        if len(files) > 1:
+            (target_dir / hf.INDEX_FILE).write_text(json.dumps(hf.index_document(files), indent=2))
+    ck._barrier()
+
+    # Plan this rank's runs, then write (or ship) them.
+    endpoints = {}
+    runs: list[tuple[int, CopyRun]] = []
+    for index, (_, tensors, _, entries, header, _) in enumerate(layouts):
+        for tensor, entry in zip(tensors, entries):
+            location = f"memory:{tensor.name}"
+            block, local = _local_block(location, live[tensor.name])
+            if block is None:
+                continue
+            endpoints[location] = TensorEndpoint(tensor.name, local)
+            dst = dense_block(str(index), len(header) + entry.begin, tensor.dtype, tensor.shape)
+            runs.extend((index, r) for r in plan_copy(tensor.name, tensor.shape, block, dst))
+    ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
+    streamer = Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes, ratio))
+    paths = [target_dir / name for name, *_ in layouts]
+    if shared:
+        _write_local(paths, runs, streamer)
+    else:
+        _ship_to_rank0(paths, runs, streamer)
+    ck._barrier()
+    return _seal(paths, layouts, shared)
+
+
+def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
+    cap = streamer.buf.window.nbytes
+    for index, run in runs:
+        for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, cap):
+            rows = streamer.rows(run, i0, i1, e0, e1)
+            offset = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype)
+            yield index, offset, run.dst_step, rows
+
+
+def _pwrite_rows(fd: int, path: str, offset: int, step: int, rows: np.ndarray) -> None:
+    count, width = rows.shape
+    if count == 1 or step == width:
+        write_all(fd, path, np.ascontiguousarray(rows).tobytes(), offset)
+        return
+    for i in range(count):
+        write_all(fd, path, rows[i].tobytes(), offset + i * step)
+
+
+def _write_local(paths: list[Path], runs, streamer: Streamer) -> None:
+    fds = {}
+    try:
+        for index, offset, step, rows in _pieces(runs, streamer):
+            if index not in fds:
+                fds[index] = os.open(paths[index], os.O_WRONLY)
+            _pwrite_rows(fds[index], str(paths[index]), offset, step, rows)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
+    """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order."""
+    rank, world = ck._rank(), ck._world()
+    if rank != 0:
+        for index, offset, step, rows in _pieces(runs, streamer):
+            count, width = rows.shape
+            dist.send(torch.tensor([index, offset, step, count, width], dtype=torch.int64), 0)
+            dist.send(torch.from_numpy(np.ascontiguousarray(rows)).view(-1), 0)
+        dist.send(torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64), 0)
+        return
+    _write_local(paths, runs, streamer)
+    fds = {}
+    try:
+        for peer in range(1, world):
+            while True:
+                meta = torch.empty(5, dtype=torch.int64)
+                dist.recv(meta, peer)
+                index, offset, step, count, width = (int(v) for v in meta)
+                if index < 0:
+                    break
+                data = torch.empty(count * width, dtype=torch.uint8)
+                dist.recv(data, peer)
+                if index not in fds:
+                    fds[index] = os.open(paths[index], os.O_WRONLY)
+                rows = data.numpy().reshape(count, width)
+                _pwrite_rows(fds[index], str(paths[index]), offset, step, rows)
+        for fd in fds.values():
+            os.fsync(fd)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+
+
+def _seal(paths: list[Path], layouts, shared: bool) -> dict:
+    """Hash the files' chunks (spread over ranks when they share the files); seal the headers."""
+    rank, world = ck._rank(), ck._world()
+    chunk = DEFAULT_CHUNK_BYTES
+    hashers = world if shared else 1
+    mine: dict[tuple[int, int], str] = {}
+    counter = 0
+    for index, (_, _, _, _, header, size) in enumerate(layouts):
+        for j in range(-(-size // chunk) if size else 0):
+            if counter % hashers == rank:
+                length = min(chunk, size - j * chunk)
+                mine[(index, j)] = _hash_range(paths[index], len(header) + j * chunk, length)
+            counter += 1
+    gathered = ck._gather(mine)
+    if rank != 0:
+        return {}
+    digests: dict[tuple[int, int], str] = {}
+    for part in gathered:
+        digests.update(part)
+    records = {}
+    for index, (name, _, layout, entries, _, size) in enumerate(layouts):
+        chunks = [digests[(index, j)] for j in range(-(-size // chunk) if size else 0)]
+        final, _ = build_header(
+            layout, {"format": "pt", **checksum_metadata(entries, chunk, chunks, size)}
+        )
+        fd = os.open(paths[index], os.O_WRONLY)
+        try:
+            write_all(fd, str(paths[index]), final, 0)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        records[f"{HF_DIR}/{name}"] = {"size": len(final) + size, "header_xxh3": digest(final)}
+    return records
+
+
+def _hash_range(path: Path, offset: int, length: int) -> str:
+    hasher = new_hasher()
+    with open(path, "rb") as f:
+        f.seek(offset)
+        left = length
+        while left:
+            data = f.read(min(left, 1 << 20))
+            if not data:
+                break
+            hasher.update(data)
+            left -= len(data)
+    return hasher.hexdigest()
+
+
+def _shared_filesystem(tmp: Path) -> bool:
+    """Whether every rank sees the file rank 0 just wrote into the save directory."""
+    token = None
+    if ck._rank() == 0:
+        token = uuid.uuid4().hex
+        (tmp / f".probe-{token}").write_text(token)
+    token = ck._broadcast(token)
+    probe = tmp / f".probe-{token}"
+    ck._barrier()
+    sees = probe.is_file() and probe.read_text() == token
+    everyone = ck._gather(sees)
+    ck._barrier()
+    if ck._rank() == 0:
+        probe.unlink(missing_ok=True)
+    return all(everyone)
+
+
+def _write_configs(
+    target: Path, hf_config: Any, tokenizer: Any, source: Path | None, out_dtype: str | None
+) -> None:
+    dtype_name = str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
+    if source is not None:
+        hf.copy_config(source, target, dtype_name)
+    if hf_config is not None:
+        hf_config.save_pretrained(target)
+        _write_generation_config(target, hf_config)
+        if dtype_name:
+            path = target / "config.json"
+            config = json.loads(path.read_text())
+            for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+                config[key] = dtype_name
+            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+
+
+def _write_generation_config(target: Path, hf_config: Any) -> None:
+    if (target / "generation_config.json").exists():
+        return
+    try:
+        from transformers import GenerationConfig
+    except ImportError:  # pragma: no cover
+        return
+    GenerationConfig.from_model_config(hf_config).save_pretrained(target)

@@ -1,0 +1,409 @@
+"""CheckpointManager: interval, retention, atomic commit and restore for a training run.
+
+Directory layout (see docs/format.md)::
+
+    directory/
+      latest_checkpointed_iteration.txt   newest committed step (replaced atomically)
+      global_step_{N}/                    one committed checkpoint (manifest.json inside)
+      global_step_{N}.tmp-*/              a save in progress, or debris of a crashed one
+      .shardstream.lock                   held by the saving process (flock)
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import logging
+import os
+import re
+import shutil
+import socket
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from . import checkpoint as ck
+from .commit import TMP_MARK, atomic_write_bytes, fsync_dir
+from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
+from .formats import native
+from .units import parse_size
+
+log = logging.getLogger(__name__)
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+LOCK_FILE = ".shardstream.lock"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+# verl's checkpoint keys that mean nothing here; accepted so a verl config loads unchanged.
+_IGNORED_VERL_KEYS = frozenset(
+    {
+        "_target_",
+        "incremental_save",
+        "resume_mode",
+        "resume_from_path",
+        "del_local_ckpt_after_load",
+        "max_actor_ckpt_to_keep",
+        "max_critic_ckpt_to_keep",
+        "checkpoint_engine",
+        "mbridge_config",
+        "save_hf_model",
+    }
+)
+_SYNONYMS = {
+    "save_freq": "save_interval",
+    "default_local_dir": "directory",
+    "max_ckpt_to_keep": "keep_last",
+}
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """What to save, where, how often, and how much host memory a save may use.
+
+    Attributes:
+        directory: root of the run's checkpoints.
+        save_contents: any of "model", "optimizer", "extra", "hf_model".
+        load_contents: what ``restore()`` loads; the rest starts fresh.
+        save_interval: ``maybe_save(step)`` saves when ``step % save_interval == 0``; None or
+            a value <= 0 saves only on ``final=True``.
+        keep_last: committed checkpoints to keep (None keeps all); never the newest.
+        staging_budget: host memory one rank may use for a save beyond what it holds ("256MiB").
+        verify_on_load: check every byte read against its checksum.
+        async_save: return from ``save()`` at once and write in the background.
+        shared_filesystem: whether all ranks see one filesystem (None: detect at save time).
+    """
+
+    directory: str
+    save_contents: tuple[str, ...] = ck.DEFAULT_CONTENTS
+    load_contents: tuple[str, ...] = ck.DEFAULT_CONTENTS
+    save_interval: int | None = None
+    keep_last: int | None = None
+    staging_budget: int | str = "256MiB"
+    verify_on_load: bool = True
+    async_save: bool = False
+    shared_filesystem: bool | None = None
+
+    def __post_init__(self) -> None:
+        if not self.directory:
+            raise UsageError("CheckpointConfig.directory must be set")
+        for name in ("save_contents", "load_contents"):
+            value = getattr(self, name)
+            if isinstance(value, str):
+                raise UsageError(f"{name} must be a list of items, got the string {value!r}")
+            object.__setattr__(self, name, ck.check_contents(value, name))
+        if self.save_interval is not None and not isinstance(self.save_interval, int):
+            raise UsageError(f"save_interval must be an integer, got {self.save_interval!r}")
+        if self.keep_last is not None and (
+            not isinstance(self.keep_last, int) or self.keep_last < 1
+        ):
+            raise UsageError(
+                f"keep_last must be a positive integer or None, got {self.keep_last!r}"
+            )
+        if self.staging_budget_bytes < 1 << 20:
+            raise UsageError(f"staging_budget must be at least 1MiB, got {self.staging_budget!r}")
+
+    @property
+    def staging_budget_bytes(self) -> int:
+        return parse_size(self.staging_budget)
+
+    @classmethod
+    def from_dict(cls, values: Mapping[str, Any]) -> CheckpointConfig:
+        """Build from a dict such as verl's ``checkpoint:`` section; verl's keys work verbatim.
+
+        >>> CheckpointConfig.from_dict({"contents": ["model"], "save_freq": 100,
+        ...                             "default_local_dir": "ckpts"}).save_interval
+        100
+        """
+        known = {f.name for f in fields(cls)}
+        kwargs: dict[str, Any] = {}
+        for key, value in values.items():
+            if key in _IGNORED_VERL_KEYS:
+                continue
+            if key == "contents":  # verl's legacy key sets both
+                kwargs.setdefault("save_contents", tuple(value))
+                kwargs.setdefault("load_contents", tuple(value))
+                continue
+            name = _SYNONYMS.get(key, key)
+            if name not in known:
+                raise UsageError(
+                    f"unknown checkpoint config key {key!r}; known keys: {sorted(known)}"
+                )
+            if name in kwargs and key in _SYNONYMS:
+                raise UsageError(f"config sets {name!r} twice (as {key!r} and {name!r})")
+            kwargs[name] = tuple(value) if name.endswith("_contents") else value
+        if isinstance(kwargs.get("save_interval"), int) and kwargs["save_interval"] <= 0:
+            kwargs["save_interval"] = None  # verl: save_freq -1 disables interval saves
+        if kwargs.get("keep_last") in (-1, 0):
+            kwargs["keep_last"] = None  # verl: max_ckpt_to_keep None/-1 keeps all
+        return cls(**kwargs)
+
+
+@dataclass
+class _Lock:
+    path: Path
+    fd: int = field(default=-1)
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise CheckpointLockedError(
+                f"{self.path.parent}: another live process is saving here ({owner}); use a "
+                "different directory or stop the other run"
+            ) from None
+        # A lock left by a dead process is released by the kernel, so reaching here means free.
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        self.fd = fd
+
+    def release(self) -> None:
+        if self.fd >= 0:
+            fcntl.flock(self.fd, fcntl.LOCK_UN)
+            os.close(self.fd)
+            self.fd = -1
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps whose directory holds a manifest, oldest first. Anything else is not a step."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = STEP_DIR.match(entry.name)
+        if match and (entry / native.MANIFEST).is_file():
+            steps.append(int(match[1]))
+    return sorted(steps)
+
+
+def read_latest(directory: str | os.PathLike) -> int | None:
+    path = Path(directory) / LATEST_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+class CheckpointManager:
+    """Saves and restores a training run's checkpoints.
+
+    >>> mgr = CheckpointManager(CheckpointConfig("ckpts", save_interval=100), model=model,
+    ...                         optimizer=opt)  # doctest: +SKIP
+    >>> mgr.maybe_save(step)  # doctest: +SKIP
+    >>> step, extra = mgr.restore() or (0, {})  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        config: CheckpointConfig,
+        model: torch.nn.Module | None = None,
+        optimizer: torch.optim.Optimizer | None = None,
+        lr_scheduler: Any = None,
+        hf_config: Any = None,
+        tokenizer: Any = None,
+        hf_source_dir: str | os.PathLike | None = None,
+        hf_dtype: str | None = None,
+    ):
+        self.config = config
+        self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
+        self.hf_config, self.tokenizer = hf_config, tokenizer
+        self.hf_source_dir = hf_source_dir
+        self.hf_dtype = hf_dtype
+        self.root = Path(config.directory).absolute()
+        self._lock = _Lock(self.root / LOCK_FILE)
+        self._closed = False
+        self._async = None
+        error = None
+        if ck._rank() == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
+                self._remove_debris()
+            except (OSError, ShardstreamError) as exc:
+                error = (
+                    exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
+                )
+        ck._agree_or_raise(error)
+        if config.async_save:
+            from .async_save import AsyncSaver
+
+            self._async = AsyncSaver(self)
+
+    # --- queries ------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        return committed_steps(self.root)
+
+    def latest_step(self) -> int | None:
+        """The newest committed step: the ``latest`` pointer if it names one, else a scan."""
+        steps = self.all_steps()
+        pointer = read_latest(self.root)
+        if pointer in steps:
+            return pointer
+        return steps[-1] if steps else None
+
+    def step_dir(self, step: int) -> Path:
+        return self.root / f"global_step_{int(step)}"
+
+    def should_save(self, step: int, final: bool = False) -> bool:
+        interval = self.config.save_interval
+        return final or (interval is not None and step % interval == 0)
+
+    # --- saving -------------------------------------------------------------------------------
+
+    def maybe_save(
+        self, step: int, extra: Mapping[str, Any] | None = None, final: bool = False
+    ) -> bool:
+        """Save if ``step`` is on the interval (or ``final``); return whether a save started."""
+        if not self.should_save(step, final):
+            if self._async is not None:
+                self._async.raise_pending_error()
+            return False
+        self.save(step, extra)
+        return True
+
+    def save(self, step: int, extra: Mapping[str, Any] | None = None):
+        """Save ``step`` now. Its directory appears, and ``latest`` moves, only when complete."""
+        self._guard()
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise UsageError(f"step must be a non-negative integer, got {step!r}")
+        if self._async is not None:
+            return self._async.submit(step, extra)
+        return self._save(step, extra)
+
+    def _save(self, step: int, extra: Mapping[str, Any] | None):
+        from .export import hf_exporter
+
+        contents = self.config.save_contents
+        exporter = None
+        if "hf_model" in contents:
+            exporter = hf_exporter(
+                self.model,
+                self.hf_config,
+                self.tokenizer,
+                self.hf_source_dir,
+                self.hf_dtype,
+                self.config.shared_filesystem,
+            )
+        result = ck.save(
+            self.step_dir(step),
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            extra=extra,
+            contents=contents,
+            step=step,
+            buffer_size=self.config.staging_budget_bytes,
+            overwrite=True,
+            hf_export=exporter,
+        )
+        if ck._rank() == 0:
+            atomic_write_bytes(self.root / LATEST_FILE, f"{step}\n".encode())
+            self._retain(step)
+        ck._barrier()
+        return result
+
+    def _retain(self, newest: int) -> None:
+        """Drop committed steps beyond ``keep_last``; never ``newest``, never an uncommitted dir."""
+        keep = self.config.keep_last
+        if keep is None:
+            return
+        older = [s for s in self.all_steps() if s < newest]
+        protected = self._async.in_flight_steps() if self._async is not None else set()
+        doomed = [s for s in older[: max(0, len(older) - (keep - 1))] if s not in protected]
+        for step in doomed:
+            path = self.step_dir(step)
+            graveyard = path.with_name(f"{path.name}{TMP_MARK}deleted")
+            try:
+                os.rename(path, graveyard)  # disappears atomically; debris is cleaned later
+                fsync_dir(self.root)
+                shutil.rmtree(graveyard)
+            except OSError as exc:
+                log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
+
+    def _remove_debris(self) -> None:
+        """Remove temporary directories left by crashed saves (this process holds the lock)."""
+        for entry in self.root.iterdir():
+            if TMP_MARK in entry.name and entry.name.startswith("global_step_"):
+                shutil.rmtree(entry, ignore_errors=True)
+                log.info("shardstream: removed incomplete checkpoint %s", entry)
+        for entry in self.root.iterdir():
+            if entry.name.startswith(LATEST_FILE) and TMP_MARK in entry.name:
+                entry.unlink(missing_ok=True)
+
+    # --- restoring ----------------------------------------------------------------------------
+
+    def restore(self, step: int | None = None, path: str | os.PathLike | None = None):
+        """Load the newest committed checkpoint (or ``step``, or a verl/shardstream ``path``).
+
+        Returns ``(step, extra)``, or None when there is nothing to restore.
+        """
+        self._guard()
+        if self._async is not None:
+            self._async.wait()
+        if path is None:
+            if step is None:
+                step = self.latest_step()
+                if step is None:
+                    return None
+            elif step not in self.all_steps():
+                raise CheckpointNotFoundError(
+                    f"{self.root}: no committed checkpoint for step {step} "
+                    f"(committed: {self.all_steps() or 'none'})"
+                )
+            path = self.step_dir(step)
+        result = ck.load(
+            path,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            contents=self.config.load_contents,
+            verify=self.config.verify_on_load,
+            buffer_size=self.config.staging_budget_bytes,
+        )
+        return result.step if step is None else step, result.extra
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    def wait(self) -> None:
+        """Block until every background save has committed; raise its error if one failed."""
+        if self._async is not None:
+            self._async.wait()
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        try:
+            self.wait()
+        finally:
+            if self._async is not None:
+                self._async.shutdown()
+            self._lock.release()
+            self._closed = True
+
+    def __enter__(self) -> CheckpointManager:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        if not getattr(self, "_closed", True):
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    self._lock.release()
+                except Exception:  # noqa: BLE001
+                    pass
+
+    def _guard(self) -> None:
+        if self._closed:
+            raise UsageError("this CheckpointManager is closed")
