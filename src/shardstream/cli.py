@@ -61,6 +61,11 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(test, "--atol", type=float, default=None, help="absolute tolerance")
     _flag(test, "--rtol", type=float, default=None, help="relative tolerance")
 
+    verify = sub.add_parser("verify", help="recompute checksums; check completeness")
+    verify.add_argument("path", help="step directory, manager root, or HF model directory")
+    _flag(verify, "--json", action="store_true", help="machine-readable output")
+    _flag(verify, "--quiet", action="store_true", help="print problems only")
+
     inspect = sub.add_parser("inspect", help="describe a checkpoint without reading its data")
     inspect.add_argument("path", help="checkpoint directory")
     _flag(inspect, "--json", action="store_true", help="machine-readable output")
@@ -175,9 +180,51 @@ def run_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def run_verify(args: argparse.Namespace) -> int:
+    from .verify import verify
+
+    progress = _Progress(not args.quiet and not args.json, "verify")
+    progress.start(_tree_bytes(args.path))
+    try:
+        report = verify(args.path, progress=progress.update)
+    finally:
+        progress.close()
+    if args.json:
+        print(json.dumps(report.to_json()))
+    else:
+        for problem in report.problems:
+            print(problem.line(), file=sys.stderr)
+        if not args.quiet:
+            verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
+            steps = f", steps {report.steps}" if report.kind == "root" else ""
+            print(
+                f"{verdict}: {report.kind} {report.path}: {report.files_checked} files, "
+                f"{format_size(report.bytes_checked)} checked{steps}"
+            )
+    return 0 if report.ok else EXIT_ERROR
+
+
+def _tree_bytes(path: str) -> int:
+    import os
+
+    total = 0
+    for dirpath, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(dirpath, name))
+            except OSError:
+                pass
+    return total
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    handlers = {"merge": run_merge, "test": run_test, "inspect": run_inspect}
+    handlers = {
+        "merge": run_merge,
+        "test": run_test,
+        "inspect": run_inspect,
+        "verify": run_verify,
+    }
     try:
         return handlers[args.command](args)
     except UsageError as exc:

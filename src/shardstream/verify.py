@@ -1,0 +1,281 @@
+"""verify: recompute every checksum and check every checkpoint for completeness.
+
+Works on a step directory, a manager root (all steps and the ``latest`` pointer), or a HF model
+directory. Problems are collected, not raised: one line each, naming file, tensor and bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from .checksum import digest, new_hasher
+from .errors import ShardstreamError
+from .formats import hf, native
+from .formats.safetensors import (
+    SafetensorsHeader,
+    entries_digest,
+    read_header,
+    stored_checksums,
+    tensors_in_range,
+)
+
+READ_BYTES = 8 * 2**20
+
+
+@dataclass
+class Problem:
+    path: str
+    message: str
+    tensor: str | None = None
+    byte_range: tuple[int, int] | None = None
+
+    def line(self) -> str:
+        where = self.path
+        if self.tensor:
+            where += f" tensor {self.tensor!r}"
+        if self.byte_range:
+            where += f" bytes [{self.byte_range[0]}, {self.byte_range[1]})"
+        return f"{where}: {self.message}"
+
+
+@dataclass
+class VerifyReport:
+    path: str
+    kind: str
+    problems: list[Problem] = field(default_factory=list)
+    files_checked: int = 0
+    bytes_checked: int = 0
+    steps: list[int] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["ok"] = self.ok
+        out["problems"] = [{**asdict(p), "line": p.line()} for p in self.problems]
+        return out
+
+
+def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
+    """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out."""
+    from .manager import LATEST_FILE, STEP_DIR, committed_steps, read_latest
+
+    root = Path(path)
+    if not root.is_dir():
+        report = VerifyReport(str(root), "missing")
+        report.problems.append(Problem(str(root), "no such directory"))
+        return report
+    if (root / native.MANIFEST).is_file() or STEP_DIR.match(root.name):
+        report = VerifyReport(str(root), "step")
+        _verify_step(root, report, progress)
+        return report
+    if (root / hf.SINGLE_FILE).is_file() or (root / hf.INDEX_FILE).is_file():
+        report = VerifyReport(str(root), "huggingface")
+        _verify_hf(root, report, progress)
+        return report
+    steps = committed_steps(root)
+    step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
+    if not step_dirs and not (root / LATEST_FILE).exists():
+        report = VerifyReport(str(root), "unknown")
+        report.problems.append(
+            Problem(str(root), "not a checkpoint: no manifest.json, step directories or HF model")
+        )
+        return report
+    report = VerifyReport(str(root), "root", steps=steps)
+    for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
+        if not (entry / native.MANIFEST).is_file():
+            report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
+            continue
+        _verify_step(entry, report, progress)
+    latest = read_latest(root)
+    if (root / LATEST_FILE).exists() and latest is None:
+        report.problems.append(Problem(str(root / LATEST_FILE), "does not hold a step number"))
+    elif latest is not None and latest not in steps:
+        report.problems.append(
+            Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
+        )
+    return report
+
+
+def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
+    from .manager import STEP_DIR
+
+    try:
+        manifest = native.read_manifest(directory)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(directory / native.MANIFEST), _strip(exc, directory)))
+        return
+    match = STEP_DIR.match(directory.name)
+    if match and int(match[1]) != manifest.get("step"):
+        report.problems.append(
+            Problem(
+                str(directory),
+                f"directory is named for step {match[1]} but its manifest is step "
+                f"{manifest.get('step')} (copied or renamed?)",
+            )
+        )
+    before = len(report.problems)
+    files = manifest.get("files", {})
+    for name, info in files.items():
+        try:
+            file = native.check_name(directory, name, "files")
+        except ShardstreamError as exc:
+            report.problems.append(Problem(str(directory / native.MANIFEST), str(exc)))
+            continue
+        if not file.is_file():
+            report.problems.append(Problem(str(file), "missing (named in the manifest)"))
+            continue
+        size = file.stat().st_size
+        if not isinstance(info, dict) or size != info.get("size"):
+            expected = info.get("size") if isinstance(info, dict) else "?"
+            report.problems.append(
+                Problem(str(file), f"size {size} bytes, manifest says {expected}")
+            )
+            continue
+        if "header_xxh3" in info:
+            _verify_safetensors(file, report, progress, info["header_xxh3"])
+        else:
+            _verify_whole(file, info.get("xxh3"), report, progress)
+    if len(report.problems) == before:
+        try:
+            native.open_native(directory)  # cross-checks chunks against headers and tiling
+        except ShardstreamError as exc:
+            report.problems.append(Problem(str(directory), _strip(exc, directory)))
+
+
+def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:
+    hasher = new_hasher()
+    with open(file, "rb") as f:
+        while data := f.read(READ_BYTES):
+            hasher.update(data)
+            report.bytes_checked += len(data)
+            if progress:
+                progress(len(data))
+    report.files_checked += 1
+    if hasher.hexdigest() != expected:
+        report.problems.append(Problem(str(file), "checksum mismatch"))
+
+
+def _verify_safetensors(
+    file: Path, report: VerifyReport, progress, header_digest: str | None = None
+) -> SafetensorsHeader | None:
+    try:
+        header = read_header(file)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
+        return None
+    with open(file, "rb") as f:
+        raw = f.read(header.data_start)
+    if header_digest is not None and digest(raw) != header_digest:
+        report.problems.append(
+            Problem(
+                str(file),
+                "header checksum mismatch (header altered or file swapped)",
+                byte_range=(0, header.data_start),
+            )
+        )
+    try:
+        sums = stored_checksums(header)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
+        return header
+    report.files_checked += 1
+    if sums is None:
+        report.bytes_checked += header.data_start
+        return header  # a foreign file: structure checked, no checksums to compare
+    if entries_digest(header.tensors.values()) != sums.entries:
+        report.problems.append(
+            Problem(
+                str(file),
+                "tensor table does not match its recorded digest (header altered)",
+                byte_range=(0, header.data_start),
+            )
+        )
+    with open(file, "rb") as f:
+        f.seek(header.data_start)
+        for index, expected in enumerate(sums.chunks):
+            lo = header.data_start + index * sums.chunk_bytes
+            hasher = new_hasher()
+            left = min(sums.chunk_bytes, header.file_size - lo)
+            while left > 0:
+                data = f.read(min(left, READ_BYTES))
+                if not data:
+                    break
+                hasher.update(data)
+                left -= len(data)
+                report.bytes_checked += len(data)
+                if progress:
+                    progress(len(data))
+            if hasher.hexdigest() != expected:
+                hi = min(lo + sums.chunk_bytes, header.file_size)
+                names = tensors_in_range(header, lo, hi)
+                report.problems.append(
+                    Problem(str(file), "checksum mismatch", ", ".join(names) or None, (lo, hi))
+                )
+    return header
+
+
+def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
+    index_path = directory / hf.INDEX_FILE
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            weight_map = index["weight_map"]
+            total = int(index.get("metadata", {}).get("total_size", -1))
+            if not isinstance(weight_map, dict):
+                raise ValueError("weight_map is not an object")
+        except (ValueError, KeyError, TypeError) as exc:
+            report.problems.append(Problem(str(index_path), f"malformed index ({exc})"))
+            return
+        names = sorted(set(weight_map.values()))
+    else:
+        weight_map, total, names = None, -1, [hf.SINGLE_FILE]
+    seen: dict[str, str] = {}
+    total_bytes = 0
+    for name in names:
+        if not isinstance(name, str) or "/" in name or name.startswith(".."):
+            report.problems.append(Problem(str(index_path), f"unsafe file name {name!r}"))
+            continue
+        file = directory / name
+        if not file.is_file():
+            report.problems.append(Problem(str(file), "missing (named in the index)"))
+            continue
+        header = _verify_safetensors(file, report, progress)
+        if header is None:
+            continue
+        for tensor, entry in header.tensors.items():
+            if tensor in seen:
+                report.problems.append(
+                    Problem(str(file), f"duplicate of the tensor in {seen[tensor]}", tensor)
+                )
+            seen[tensor] = name
+            total_bytes += entry.nbytes
+    if weight_map is not None:
+        for tensor, name in weight_map.items():
+            if seen.get(tensor) != name and (directory / str(name)).is_file():
+                report.problems.append(
+                    Problem(
+                        str(directory / str(name)), "tensor named in the index is missing", tensor
+                    )
+                )
+        for tensor, name in seen.items():
+            if tensor not in weight_map:
+                report.problems.append(
+                    Problem(str(directory / name), "tensor is not in the index", tensor)
+                )
+        if total >= 0 and total != total_bytes:
+            report.problems.append(
+                Problem(str(index_path), f"total_size {total} but tensors hold {total_bytes} bytes")
+            )
+
+
+def _strip(exc: Exception, path: Path) -> str:
+    text = str(exc)
+    prefix = f"{path}: "
+    return text[len(prefix) :] if text.startswith(prefix) else text
