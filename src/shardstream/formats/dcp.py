@@ -127,10 +127,10 @@ class _Frozen(type):
     """Metaclass of the stand-ins: pickle's BUILD can fill instances, never change the classes."""
 
     def __setattr__(cls, name, value):
-        raise UnsafeCheckpointError(f"refused to unpickle: it tries to modify {cls.__name__}")
+        raise UnsafeCheckpointError(f"refused to unpickle: it tries to modify {cls.__name__[1:]}")
 
     def __delattr__(cls, name):
-        raise UnsafeCheckpointError(f"refused to unpickle: it tries to modify {cls.__name__}")
+        raise UnsafeCheckpointError(f"refused to unpickle: it tries to modify {cls.__name__[1:]}")
 
 
 class _Record(metaclass=_Frozen):
@@ -293,8 +293,8 @@ class _SafeUnpickler(pickle.Unpickler):
         if dtype is not None:
             return dtype
         raise UnsafeCheckpointError(
-            f"{self.path}: refused to unpickle: it asks for {module}.{name}, which is not one of "
-            "the DCP metadata types (a DCP file never needs it; the file may be hostile)"
+            f"{self.path}: refused to unpickle: it asks for {module}.{name}, which a DCP "
+            "checkpoint never needs (the file may be hostile)"
         )
 
     def persistent_load(self, pid):
@@ -308,8 +308,10 @@ class _MetadataUnpickler(_SafeUnpickler):
 def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
     try:
         return unpickler_cls(io.BytesIO(data), path).load()
-    except UnsafeCheckpointError:
-        raise
+    except UnsafeCheckpointError as exc:
+        if str(exc).startswith(path):
+            raise
+        raise UnsafeCheckpointError(f"{path}: {exc}") from None
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{path}: {what} is malformed: {exc}") from None
     except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
@@ -442,11 +444,18 @@ class _RangeReader(io.RawIOBase):
         self.pos = base + offset
         return self.pos
 
+    def read(self, size: int = -1) -> bytes:
+        remaining = max(0, self.length - self.pos)
+        size = remaining if size is None or size < 0 else min(size, remaining)
+        if size > MAX_RECORD_READ_BYTES:
+            # Only zip directories and data.pkl are read here, never tensor data.
+            raise CheckpointFormatError(f"asked to read {size} bytes of zip metadata; too large")
+        buffer = bytearray(size)
+        return bytes(buffer[: self.readinto(buffer)])
+
     def readinto(self, buffer) -> int:
         view = memoryview(buffer).cast("B")
         n = max(0, min(len(view), self.length - self.pos))
-        if n > MAX_RECORD_READ_BYTES:
-            raise CheckpointFormatError("the record's zip directory is implausibly large")
         done = 0
         while done < n:
             got = os.preadv(self.fd, [view[done:n]], self.start + self.pos + done)
@@ -511,6 +520,8 @@ def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -
         raise CheckpointFormatError(f"{where}: storage {record.storage.key!r} is missing")
     if info.compress_type != zipfile.ZIP_STORED:
         raise CheckpointFormatError(f"{where}: storage record is compressed; expected stored")
+    if info.header_offset < 0:
+        raise CheckpointFormatError(f"{where}: bad zip directory (negative record offset)")
     header = view.pread(info.header_offset, _LOCAL_HEADER.size)
     if len(header) != _LOCAL_HEADER.size or _LOCAL_HEADER.unpack(header)[0] != _LOCAL_HEADER_MAGIC:
         raise CheckpointFormatError(f"{where}: bad zip local header for the storage record")
@@ -630,7 +641,7 @@ def _reason(key: str, paths: dict[str, tuple] | None) -> str:
     return f"training state ({container})" if container else "not under the model"
 
 
-def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]], shape: tuple) -> str:
+def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
     if len(chunks) == 1 and all(o == 0 for o in chunks[0][0]):
         return "whole (1 chunk)"
     dims = sorted({d for offsets, _ in chunks for d, o in enumerate(offsets) if o})
@@ -722,9 +733,7 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
             tensors.append(
                 _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds)
             )
-            placements[name] = _describe(
-                [(tuple(c.offsets), tuple(c.sizes)) for c in md.chunks], tensors[-1].shape
-            )
+            placements[name] = _describe([(b.start, b.shape) for b in tensors[-1].blocks])
     finally:
         for fd in fds.values():
             os.close(fd)

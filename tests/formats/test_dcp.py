@@ -1,0 +1,608 @@
+"""PyTorch DCP checkpoints as a merge source: real FSDP2 saves over gloo, hostile metadata.
+
+The FSDP2 checkpoints are written by ``python tests/formats/test_dcp.py worker ...`` processes
+(one per rank, joined over gloo with a file store), like tests/conftest.py does for verl, so
+nothing depends on pickling test functions into children. One run per world size writes:
+
+``model_only``    ``dcp.save(model.state_dict())`` before training: HF keys at the top level
+``train_state``   ``{"model": ..., "optim": ...}`` after one AdamW step (FQN-keyed optimizer)
+``titan``         torchtitan's layout: model keys at the top level next to ``optimizer``
+                  (flattened), ``lr_scheduler``, ``dataloader`` and ``train_state``
+``accelerate``    ``checkpoint-1/pytorch_model_fsdp_0`` holding ``{"model": ...}``, with
+                  config.json in ``checkpoint-1`` as the HF Trainer leaves it
+
+plus ``reference/initial.safetensors`` and ``reference/trained.safetensors`` (full tensors).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstream import cli
+from shardstream.errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+)
+from shardstream.formats import dcp as dcp_format
+from shardstream.sources import open_checkpoint
+
+TINY = {
+    "hidden_size": 48,
+    "intermediate_size": 86,
+    "vocab_size": 101,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+    "rms_norm_eps": 1e-6,
+}
+WORLD_SIZE = 3  # 101 vocab rows -> 34/34/33, 86 intermediate rows -> 29/29/28
+# model directory -> (arch, tied embeddings)
+MODELS = {"qwen2": ("qwen2", False), "llama": ("llama", True)}
+LAYOUTS = ("model_only", "train_state", "titan", "accelerate")
+ACCELERATE_DIR = Path("checkpoint-1") / "pytorch_model_fsdp_0"
+INPUT_IDS = [[5, 17, 99, 42, 7, 63, 100, 1]]
+
+
+def _config(arch: str, tied: bool):
+    from transformers import LlamaConfig, Qwen2Config
+
+    cls = {"qwen2": Qwen2Config, "llama": LlamaConfig}[arch]
+    config = cls(**TINY, tie_word_embeddings=tied)
+    config.architectures = [{"qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}[arch]]
+    return config
+
+
+def _layout_dir(root: Path, layout: str) -> Path:
+    return root / (ACCELERATE_DIR if layout == "accelerate" else Path(layout))
+
+
+# --------------------------------------------------------------------------- the FSDP2 writer
+
+
+def _worker(rank: int, world_size: int, init_file: str, base: str) -> None:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group(
+        "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size
+    )
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
+    for name in MODELS:
+        _save_layouts(Path(base) / name, rank, mesh)
+    dist.destroy_process_group()
+
+
+def _save_layouts(root: Path, rank: int, mesh) -> None:
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file, save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+    from torch.distributed.fsdp import fully_shard
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(root / "hf")
+    model = AutoModelForCausalLM.from_config(config)
+    model.load_state_dict(load_file(root / "reference" / "initial.safetensors"), strict=False)
+    if config.tie_word_embeddings:
+        model.tie_weights()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+    dcp.save(model.state_dict(), checkpoint_id=root / "model_only")
+
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ids = torch.tensor(INPUT_IDS)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+
+    model_sd = get_model_state_dict(model)
+    optim_sd = get_optimizer_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=root / "train_state")
+    flat_optim = get_optimizer_state_dict(
+        model, optimizer, options=StateDictOptions(flatten_optimizer_state_dict=True)
+    )
+    titan = {
+        **model_sd,
+        "optimizer": flat_optim,
+        "lr_scheduler": {"last_epoch": 1, "base_lrs": [1e-2]},
+        "dataloader": {f"dp_rank_{rank}": io.BytesIO(b"sampler state")},
+        "train_state": {"step": torch.tensor(1, dtype=torch.int32), "losses": io.BytesIO(b"[]")},
+    }
+    dcp.save(titan, checkpoint_id=root / "titan")
+    dcp.save({"model": model_sd}, checkpoint_id=root / ACCELERATE_DIR)
+
+    full = get_model_state_dict(
+        model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    if rank == 0:
+        full = {k: v.contiguous() for k, v in full.items()}
+        if config.tie_word_embeddings:
+            full.pop("lm_head.weight", None)
+        save_file(full, str(root / "reference" / "trained.safetensors"))
+    dist.barrier()
+
+
+def _prepare(root: Path, arch: str, tied: bool) -> None:
+    """config.json (also where accelerate's Trainer leaves it) and the initial weights."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    config = _config(arch, tied)
+    config.save_pretrained(root / "hf")
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    (root / "reference").mkdir(parents=True)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if tied:
+        state.pop("lm_head.weight")
+    save_file(state, str(root / "reference" / "initial.safetensors"))
+    (root / ACCELERATE_DIR.parent).mkdir(parents=True)
+    config.save_pretrained(root / ACCELERATE_DIR.parent)
+
+
+@pytest.fixture(scope="module")
+def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
+    """Every model's checkpoints from one 3-rank run (read-only: copy before changing)."""
+    base = tmp_path_factory.mktemp("dcp")
+    for name, (arch, tied) in MODELS.items():
+        _prepare(base / name, arch, tied)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    init = base / "gloo-init"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, __file__, "worker", str(r), str(WORLD_SIZE), str(init), str(base)],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+        )
+        for r in range(WORLD_SIZE)
+    ]
+    outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
+    if any(p.returncode for p in procs):
+        raise RuntimeError("DCP worker failed:\n" + "\n".join(outputs))
+    return {name: base / name for name in MODELS}
+
+
+# --------------------------------------------------------------------------- helpers
+
+
+def _load_merged(target: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = target / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = ["model.safetensors"]
+    merged: dict[str, torch.Tensor] = {}
+    for name in files:
+        merged.update(load_file(target / name))
+    return merged
+
+
+def _expected(root: Path, layout: str, dtype: torch.dtype | None) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    which = "initial" if layout == "model_only" else "trained"
+    ref = load_file(root / "reference" / f"{which}.safetensors")
+    return {
+        k: v.to(dtype) if dtype is not None and v.is_floating_point() else v for k, v in ref.items()
+    }
+
+
+def _assert_bit_identical(merged: dict, expected: dict) -> None:
+    assert sorted(merged) == sorted(expected)
+    for name, want in expected.items():
+        got = merged[name]
+        assert got.dtype == want.dtype, name
+        assert got.shape == want.shape, name
+        got_bytes = got.reshape(-1).contiguous().view(torch.uint8)
+        assert torch.equal(got_bytes, want.reshape(-1).contiguous().view(torch.uint8)), name
+
+
+def _merge(source: Path, target: Path, *extra: str) -> None:
+    rc = cli.main(
+        ["merge", "--local_dir", str(source), "--target_dir", str(target), "--quiet", *extra]
+    )
+    assert rc == 0
+
+
+# --------------------------------------------------------------------------- FSDP2 checkpoints
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_merge_fsdp2_qwen2_layouts_bit_identical(fsdp_runs, tmp_path, layout):
+    root = fsdp_runs["qwen2"]
+    source = _layout_dir(root, layout)
+    extra = [] if layout == "accelerate" else ["--hf_model_path", str(root / "hf")]
+    _merge(source, tmp_path / "out", *extra)
+    merged = _load_merged(tmp_path / "out")
+    _assert_bit_identical(merged, _expected(root, layout, torch.float32))
+    # config.json comes from --hf_model_path, or accelerate's enclosing Trainer checkpoint.
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 101
+
+
+@pytest.mark.slow
+def test_merged_model_loads_with_transformers_and_matches_logits(fsdp_runs, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root = fsdp_runs["qwen2"]
+    _merge(root / "train_state", tmp_path / "out", "--hf_model_path", str(root / "hf"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32)
+    reference = AutoModelForCausalLM.from_config(_config("qwen2", False))
+    reference.load_state_dict(_expected(root, "train_state", torch.float32))
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        got, want = merged(ids).logits, reference(ids).logits
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_merge_tied_llama_titan_layout_to_bf16(fsdp_runs, tmp_path):
+    """torchtitan layout, tied embeddings (lm_head dropped), cast to bf16 bit-exactly."""
+    from transformers import AutoModelForCausalLM
+
+    root = fsdp_runs["llama"]
+    _merge(root / "titan", tmp_path / "out", "--hf_model_path", str(root / "hf"), "--dtype", "bf16")
+    merged = _load_merged(tmp_path / "out")
+    expected = _expected(root, "titan", torch.bfloat16)
+    _assert_bit_identical(merged, expected)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
+    reference = AutoModelForCausalLM.from_config(_config("llama", True), dtype=torch.bfloat16)
+    reference.load_state_dict(expected, strict=False)
+    reference.tie_weights()
+    ids = torch.tensor(INPUT_IDS)
+    with torch.no_grad():
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=0)
+
+
+@pytest.mark.slow
+def test_reader_describes_fsdp2_chunks_and_skips_training_state(fsdp_runs):
+    root = fsdp_runs["llama"]
+    ckpt = open_checkpoint(root / "titan")
+    assert ckpt.format == "dcp"
+    assert ckpt.world_size == 3
+    assert ckpt.layout == "model at top level with training state"
+    embed = next(t for t in ckpt.tensors if t.name == "model.embed_tokens.weight")
+    assert embed.shape == (101, 48)
+    assert [b.shape[0] for b in embed.blocks] == [34, 34, 33]
+    assert ckpt.placements[embed.name] == "3 chunks along dim 0"
+    assert all(b.location.endswith(".distcp") for b in embed.blocks)
+    assert not any(
+        n.startswith(("optimizer", "train_state", "lr_scheduler")) for n in ckpt.placements
+    )
+    assert ckpt.skipped["train_state.step"] == "training state (train_state)"
+    assert ckpt.skipped["train_state.losses"] == "not a tensor (pickled bytes)"
+    assert any(k.startswith("optimizer.state.") for k in ckpt.skipped)
+    # The nested train state: 'model.' stripped, 'optim.*' skipped.
+    nested = open_checkpoint(fsdp_runs["qwen2"] / "train_state")
+    assert nested.layout == "train state (model under 'model')"
+    assert "lm_head.weight" in nested.placements
+    assert all(k.startswith("optim.") for k in nested.skipped)
+
+
+@pytest.mark.slow
+def test_merge_without_config_writes_weights_only(fsdp_runs, tmp_path):
+    root = fsdp_runs["qwen2"]
+    assert open_checkpoint(root / "model_only").config_dir() is None
+    _merge(root / "model_only", tmp_path / "out")
+    assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
+    _assert_bit_identical(_load_merged(tmp_path / "out"), _expected(root, "model_only", None))
+
+
+@pytest.mark.slow
+def test_inspect_and_test_commands_accept_dcp(fsdp_runs, tmp_path, capsys):
+    pytest.importorskip("shardstream.inspect")
+    pytest.importorskip("shardstream.compare")
+    from safetensors.torch import save_file
+
+    root = fsdp_runs["qwen2"]
+    assert cli.main(["inspect", str(root / "train_state"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["format"] == "dcp"
+    ref = tmp_path / "ref"
+    shutil.copytree(root / "hf", ref)
+    save_file(_expected(root, "train_state", None), str(ref / "model.safetensors"))
+    rc = cli.main(
+        ["test", "--local_dir", str(root / "train_state"), "--test_hf_dir", str(ref), "--quiet"]
+    )
+    assert rc == 0
+
+
+# --------------------------------------------------------------------------- single process
+
+
+def _save_plain(directory: Path, state: dict, **writer_kwargs) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    writer = dcp.FileSystemWriter(directory, **writer_kwargs) if writer_kwargs else None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, checkpoint_id=directory, storage_writer=writer)
+
+
+def _plain_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(1)
+    return {
+        "w": torch.randn(7, 5, generator=g),
+        "half": torch.randn(3, 4, generator=g).to(torch.bfloat16),
+        "ids": torch.arange(6, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+        "transposed": torch.randn(4, 6, generator=g).t(),  # saved with strides (1, 6)
+        "empty": torch.zeros(0, 3),
+    }
+
+
+def test_single_process_plain_tensors(tmp_path):
+    state = _plain_state()
+    _save_plain(tmp_path / "ck", state, thread_count=2)  # two files: __0_0 and __0_1
+    ckpt = open_checkpoint(tmp_path / "ck")
+    assert ckpt.layout == "model at top level"
+    assert len(ckpt.files) == 2
+    transposed = next(t for t in ckpt.tensors if t.name == "transposed")
+    assert transposed.blocks[0].strides == (1, 6)
+    _merge(tmp_path / "ck", tmp_path / "out")
+    _assert_bit_identical(_load_merged(tmp_path / "out"), state)
+
+
+def test_single_process_dtype_cast_and_bytes_skipped(tmp_path):
+    state = {"model": _plain_state(), "optim": {"step": 3, "lr": torch.tensor(0.1)}}
+    _save_plain(tmp_path / "ck", state)
+    ckpt = open_checkpoint(tmp_path / "ck")
+    assert ckpt.skipped == {
+        "optim.step": "not a tensor (pickled bytes)",
+        "optim.lr": "training state (optim)",
+    }
+    _merge(tmp_path / "ck", tmp_path / "out", "--dtype", "float16")
+    want = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
+    _assert_bit_identical(_load_merged(tmp_path / "out"), want)
+
+
+def test_hf_names_keep_their_model_prefix_in_a_flat_state_dict(tmp_path):
+    """A bare HF state dict's keys start with 'model.'; that is not a container to strip."""
+    state = {"model.embed_tokens.weight": torch.ones(3, 2), "model.norm.weight": torch.ones(2)}
+    _save_plain(tmp_path / "ck", state)
+    assert sorted(t.name for t in open_checkpoint(tmp_path / "ck").tensors) == sorted(state)
+    nested = {"model": state, "optimizer": {"state": {"x": torch.zeros(1)}}}
+    _save_plain(tmp_path / "ck2", nested)
+    assert sorted(t.name for t in open_checkpoint(tmp_path / "ck2").tensors) == sorted(state)
+
+
+def test_optimizer_only_checkpoint_is_refused(tmp_path):
+    _save_plain(tmp_path / "optimizer_0", {"optimizer": {"state": {"w": torch.zeros(2)}}})
+    with pytest.raises(CheckpointNotFoundError, match="no model tensors"):
+        open_checkpoint(tmp_path / "optimizer_0")
+
+
+# --------------------------------------------------------------------------- hostile and corrupt
+
+
+class _Touch:
+    """Unpickling this runs ``exec`` that creates ``marker``."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (exec, (f"open({str(self.marker)!r}, 'w').close()",))
+
+
+def _real_metadata(directory: Path):
+    with open(directory / ".metadata", "rb") as f:
+        return pickle.load(f)  # trusted: written by this test
+
+
+def _write_metadata(directory: Path, metadata) -> None:
+    with open(directory / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+@pytest.mark.parametrize("where", ["top", "planner_data", "storage_meta"])
+def test_hostile_metadata_is_refused_and_runs_nothing(tmp_path, where):
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2, 2)})
+    marker = tmp_path / "pwned"
+    if where == "top":
+        payload = _Touch(marker)
+    else:
+        payload = _real_metadata(tmp_path / "ck")
+        setattr(payload, where, {"x": _Touch(marker)})
+    _write_metadata(tmp_path / "ck", payload)
+    # The payload is live: a plain unpickler would run it.
+    pickle.loads(pickle.dumps(_Touch(tmp_path / "proof")))
+    assert (tmp_path / "proof").exists()
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata.*builtins\.exec"):
+        open_checkpoint(tmp_path / "ck")
+    assert not marker.exists()
+    rc = cli.main(
+        ["merge", "--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "o")]
+    )
+    assert rc == 1
+    assert not marker.exists() and not (tmp_path / "o").exists()
+
+
+def test_metadata_cannot_modify_the_reader_types(tmp_path):
+    """BUILD on a class object (not an instance) would change it for every later load."""
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2, 2)})
+    # GLOBAL Metadata; BUILD (None, {"version": "9"}) on the class itself.
+    payload = (
+        b"\x80\x02ctorch.distributed.checkpoint.metadata\nMetadata\n"
+        b"N}X\x07\x00\x00\x00versionX\x01\x00\x00\x009s\x86b."
+    )
+    (tmp_path / "ck" / ".metadata").write_bytes(payload)
+    with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refused.*modify Metadata"):
+        open_checkpoint(tmp_path / "ck")
+    assert dcp_format._Metadata.version is None
+
+
+def test_hostile_chunk_record_is_refused(tmp_path):
+    """A .distcp range holding a torch.save of a __reduce__ payload instead of a tensor."""
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2, 2)})
+    marker = tmp_path / "pwned"
+    buf = io.BytesIO()
+    torch.save(_Touch(marker), buf)
+    (tmp_path / "ck" / "__0_9.distcp").write_bytes(buf.getvalue())
+    meta = _real_metadata(tmp_path / "ck")
+    for info in meta.storage_data.values():
+        info.relative_path, info.offset, info.length = "__0_9.distcp", 0, len(buf.getvalue())
+    _write_metadata(tmp_path / "ck", meta)
+    with pytest.raises(UnsafeCheckpointError, match=r"__0_9\.distcp: refused.*exec"):
+        open_checkpoint(tmp_path / "ck")
+    assert not marker.exists()
+
+
+def _corrupt(tmp_path: Path, edit) -> Path:
+    _save_plain(tmp_path / "ck", {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(3)})
+    meta = _real_metadata(tmp_path / "ck")
+    edit(meta, tmp_path / "ck")
+    _write_metadata(tmp_path / "ck", meta)
+    return tmp_path / "ck"
+
+
+def _storage(meta, fqn: str):
+    return next(v for k, v in meta.storage_data.items() if k.fqn == fqn)
+
+
+def test_storage_path_escaping_the_directory_is_refused(tmp_path):
+    def edit(meta, _):
+        _storage(meta, "w").relative_path = "../../etc/passwd"
+
+    with pytest.raises(UnsafeCheckpointError, match="outside the checkpoint directory"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
+def test_transformed_chunks_are_refused(tmp_path):
+    def edit(meta, _):
+        _storage(meta, "w").transform_descriptors = ["stream.zstd/1"]
+
+    with pytest.raises(CheckpointFormatError, match=r"stream\.zstd/1.*cannot read transformed"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
+def test_chunks_that_do_not_tile_are_refused(tmp_path):
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+
+    def gap(meta, _):
+        meta.state_dict_metadata["w"].size = torch.Size([8, 3])  # 4 saved rows can't cover 8
+
+    with pytest.raises(CheckpointFormatError, match="'w': shards hold 12 elements.*needs 24"):
+        open_checkpoint(_corrupt(tmp_path / "gap", gap))
+
+    def overlap(meta, _):
+        md = meta.state_dict_metadata["w"]
+        md.size = torch.Size([8, 3])
+        md.chunks.append(ChunkStorageMetadata(torch.Size([1, 0]), torch.Size([4, 3])))
+        meta.storage_data[MetadataIndex("w", [1, 0])] = _storage(meta, "w")
+
+    with pytest.raises(CheckpointFormatError, match="'w': shards .* overlap"):
+        open_checkpoint(_corrupt(tmp_path / "overlap", overlap))
+
+    def missing(meta, _):
+        meta.state_dict_metadata["w"].chunks[0].offsets = torch.Size([2, 0])
+
+    with pytest.raises(CheckpointFormatError, match=r"'w' at offsets \[2, 0\] has no storage"):
+        open_checkpoint(_corrupt(tmp_path / "missing", missing))
+
+
+def test_chunk_shape_or_dtype_disagreeing_with_record_is_refused(tmp_path):
+    def edit(meta, _):
+        meta.state_dict_metadata["w"].properties.dtype = torch.float64
+
+    with pytest.raises(CheckpointFormatError, match="holds F32, but .metadata says F64"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
+def test_unsupported_dtype_is_refused(tmp_path):
+    def edit(meta, _):
+        meta.state_dict_metadata["w"].properties.dtype = torch.complex128
+
+    with pytest.raises(CheckpointFormatError, match="'w' has unsupported dtype torch.complex128"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
+def test_range_past_end_of_file_is_refused(tmp_path):
+    def edit(meta, directory):
+        info = _storage(meta, "b")
+        info.offset = (directory / info.relative_path).stat().st_size - 10
+
+    with pytest.raises(CheckpointFormatError, match="truncated: tensor 'b'"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
+def test_truncated_data_file_is_refused(tmp_path):
+    _save_plain(tmp_path / "ck", {"w": torch.ones(64, 64)})
+    data = tmp_path / "ck" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:-100])
+    with pytest.raises(CheckpointFormatError, match=r"__0_0\.distcp: truncated"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_garbage_in_chunk_range_is_refused(tmp_path):
+    _save_plain(tmp_path / "ck", {"w": torch.ones(64, 64)})
+    data = tmp_path / "ck" / "__0_0.distcp"
+    raw = bytearray(data.read_bytes())
+    raw[-200:] = b"\0" * 200  # wipe the zip's central directory
+    data.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointFormatError, match="not a readable torch.save archive"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_missing_data_file_and_missing_metadata(tmp_path):
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2)})
+    (tmp_path / "ck" / "__0_0.distcp").rename(tmp_path / "elsewhere")
+    with pytest.raises(CheckpointNotFoundError, match=r"__0_0\.distcp: missing DCP data file"):
+        open_checkpoint(tmp_path / "ck")
+    (tmp_path / "elsewhere").rename(tmp_path / "ck" / "__0_0.distcp")
+    (tmp_path / "ck" / ".metadata").unlink()
+    with pytest.raises(CheckpointNotFoundError, match="no .metadata"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_garbage_metadata_is_a_format_error(tmp_path):
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2)})
+    (tmp_path / "ck" / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    with pytest.raises(CheckpointFormatError, match=r"\.metadata.*not readable"):
+        open_checkpoint(tmp_path / "ck")
+    _write_metadata(tmp_path / "ck", {"state_dict_metadata": {}})
+    with pytest.raises(CheckpointFormatError, match="expected DCP Metadata"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_safetensors_serialization_format_is_refused_clearly(tmp_path):
+    from torch.distributed.checkpoint.filesystem import SerializationFormat
+
+    _save_plain(
+        tmp_path / "ck",
+        {"w": torch.ones(2, 2)},
+        serialization_format=SerializationFormat.SAFETENSORS,
+    )
+    with pytest.raises(CheckpointFormatError, match="safetensors serialization"):
+        open_checkpoint(tmp_path / "ck")
+
+
+def test_detection(tmp_path):
+    assert not dcp_format.is_dcp_checkpoint(tmp_path)
+    (tmp_path / "__0_0.distcp").write_bytes(b"")
+    assert dcp_format.is_dcp_checkpoint(tmp_path)
+
+
+if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "worker":
+    _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
