@@ -40,6 +40,12 @@ def load_layout(path: str) -> dict:
 
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
+    damage = _zip_damage(path)
+    if damage:
+        raise CheckpointFormatError(
+            f"{path}: corrupt or truncated torch checkpoint ({os.path.getsize(path)} bytes): "
+            f"{damage}"
+        )
     try:
         with warnings.catch_warnings(), _quiet_device_mesh():
             warnings.simplefilter("ignore")
@@ -57,6 +63,27 @@ def load_layout(path: str) -> dict:
             f"{path}: not a readable torch checkpoint (truncated or corrupt?): {message}"
         ) from None
     return obj
+
+
+def _zip_damage(path: str) -> str | None:
+    """Why the zip container is unreadable or its pickle fails its CRC-32; None if it is fine.
+
+    torch does not check CRCs, so a flipped byte in ``data.pkl`` would otherwise surface as an
+    odd unpickling error, or not at all. Only the central directory and the pickle are read.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
+            if not pickles:
+                return "the zip archive has no data.pkl record"
+            with archive.open(pickles[0]) as record:
+                while record.read(1 << 20):
+                    pass
+    except zipfile.BadZipFile as exc:
+        return str(exc)
+    except (OSError, EOFError, ValueError, NotImplementedError) as exc:
+        return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return None
 
 
 def local_layout(path: str, name: str, tensor: torch.Tensor, file_size: int) -> LocalTensor:
