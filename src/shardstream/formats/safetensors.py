@@ -123,11 +123,12 @@ def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
     data_start = 8 + len(raw)
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
-    except (UnicodeDecodeError, ValueError) as exc:
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # Recursion: deep nesting
         raise CheckpointFormatError(f"{path}: header is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: header is not a JSON object")
-    metadata = doc.pop(METADATA_KEY, {}) or {}
+    metadata = doc.pop(METADATA_KEY, None)
+    metadata = {} if metadata is None else metadata
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
     ):
@@ -158,7 +159,7 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     if not isinstance(info, dict):
         raise CheckpointFormatError(f"{path}: entry for tensor {name!r} is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in ITEMSIZE:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
