@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from fractions import Fraction
 
 from .errors import UsageError
 
@@ -43,7 +44,7 @@ def parse_size(value: int | str) -> int:
     factor = _UNITS.get(unit.upper())
     if factor is None:
         raise UsageError(f"invalid size {value!r}: unknown unit {unit!r}")
-    size = int(float(number) * factor)
+    size = int(Fraction(number) * factor)  # exact: float loses digits past 2**53
     return size // 8 if bits else size
 
 
