@@ -226,10 +226,12 @@ class Streamer:
                 max_dst_bytes // max(run_bytes, 1), self.buf.src.nbytes // max(run.elems * s_isz, 1)
             ),
         )
+        # A row goes whole only if both its destination and its source bytes fit the buffers.
+        whole = run_bytes <= max_dst_bytes and run.src_run_bytes <= self.buf.src.nbytes
         i = first_row
         while i < last_row:
             row_lo = run.dst_offset + i * run.dst_step
-            if row_lo >= lo and row_lo + run_bytes <= hi and run_bytes <= max_dst_bytes:
+            if row_lo >= lo and row_lo + run_bytes <= hi and whole:
                 j = i + 1
                 while (
                     j < last_row
