@@ -1,5 +1,6 @@
 """shardstream: streaming, crash-safe checkpoints for PyTorch FSDP in memory bounded by a buffer."""
 
+from .checkpoint import load, save
 from .errors import (
     CheckpointFormatError,
     CheckpointLockedError,
@@ -11,11 +12,18 @@ from .errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from .manager import CheckpointConfig, CheckpointManager
 from .merge import MergeSummary, merge
+from .verify import verify
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "CheckpointConfig",
+    "CheckpointManager",
+    "load",
+    "save",
+    "verify",
     "CheckpointFormatError",
     "CheckpointLockedError",
     "CheckpointNotFoundError",

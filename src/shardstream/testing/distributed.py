@@ -1,0 +1,71 @@
+"""Run a function on N real processes over gloo, for tests, the demo and benchmarks.
+
+``run(fn, world_size, *args)`` starts fresh interpreters (spawn), initialises a gloo process
+group through a file store (no ports to collide), calls ``fn(rank, world_size, *args)`` and
+returns the per-rank return values. A failing rank raises in the caller with its traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import tempfile
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch.multiprocessing as mp
+
+
+def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args: tuple) -> None:
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
+    try:
+        result = fn(rank, world_size, *args)
+        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
+    except BaseException:
+        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
+    with tempfile.TemporaryDirectory(prefix="shardstream-dist-") as tmp:
+        store = os.path.join(tmp, "store")
+        context = mp.start_processes(
+            _entry,
+            args=(fn, world_size, store, tmp, args),
+            nprocs=world_size,
+            join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=1):
+                if time.monotonic() > deadline:
+                    for process in context.processes:
+                        process.kill()
+                    raise TimeoutError(f"{world_size} ranks did not finish in {timeout:.0f} s")
+        except Exception as exc:
+            details = []
+            for rank in range(world_size):
+                path = Path(tmp, f"{rank}.pkl")
+                if path.exists():
+                    status, value = pickle.loads(path.read_bytes())
+                    if status == "error":
+                        details.append(f"--- rank {rank} ---\n{value}")
+            raise RuntimeError("\n".join(details) or str(exc)) from None
+        results = []
+        for rank in range(world_size):
+            status, value = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
+            results.append(value)
+        return results

@@ -1,0 +1,137 @@
+"""Training scenarios run on several real processes (FSDP2 over gloo) by the integration tests."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    get_optimizer_state_dict,
+)
+
+from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+FULL = StateDictOptions(full_state_dict=True)
+
+
+def build(mesh_shape: tuple[int, ...] | None, seed: int = 0, tie: bool = False):
+    """A tiny Qwen2 (uneven dims), FSDP2-sharded on ``mesh_shape`` (None: plain module)."""
+    config = tiny_config("qwen2", tie_word_embeddings=tie)
+    model = build_tiny_model(config, seed=seed)
+    if mesh_shape is not None:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        names = ("fsdp",) if len(mesh_shape) == 1 else ("ddp", "fsdp")
+        mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=names)
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, scheduler, config
+
+
+def batch(step: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(0, 101, (2, 12), generator=generator)
+
+
+def train_step(model, optimizer, scheduler, step: int) -> float:
+    ids = batch(step)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+    return float(loss.detach())
+
+
+def full_state(model, optimizer, scheduler) -> dict:
+    """Everything that must survive a checkpoint, gathered in full (test-side reference only)."""
+    model_sd = get_model_state_dict(model, options=FULL)
+    optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
+    # Clone: full state dicts may alias live tensors, which later training steps would change.
+    return {
+        "model": {k: v.clone() for k, v in model_sd.items()},
+        "optim": _clone(optim_sd),
+        "scheduler": _clone(scheduler.state_dict()),
+    }
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _world_mesh(world: int, layout: str) -> tuple[int, ...] | None:
+    """``layout``: "fsdp" (1-D mesh), "hsdp" (2 x world/2 mesh) or "plain" (no sharding)."""
+    return {"plain": None, "fsdp": (world,), "hsdp": (2, world // 2)}[layout]
+
+
+def save_run(
+    rank: int, world: int, root: str, layout: str, steps: int, extra_steps: int, contents: tuple
+) -> dict:
+    """Train ``steps`` steps saving each (keep_last=2), then record ``extra_steps`` more losses."""
+    model, optimizer, scheduler, config = build(_world_mesh(world, layout))
+    cfg = CheckpointConfig(directory=root, save_contents=contents, save_interval=1, keep_last=2)
+    manager = CheckpointManager(
+        cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, hf_config=config
+    )
+    losses = []
+    for step in range(1, steps + 1):
+        losses.append(train_step(model, optimizer, scheduler, step))
+        manager.maybe_save(
+            step, extra={"data": {"epoch": 1, "offset": step * 7}, "rank_seen": rank}
+        )
+    reference = full_state(model, optimizer, scheduler)
+    reference["rng_next"] = torch.rand(3)  # what restore must reproduce on this rank
+    after = [
+        train_step(model, optimizer, scheduler, s)
+        for s in range(steps + 1, steps + 1 + extra_steps)
+    ]
+    manager.close()
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+    return {"losses": losses, "after": after, "steps": manager.all_steps()}
+
+
+def restore_run(
+    rank: int,
+    world: int,
+    root: str,
+    layout: str,
+    first_step: int,
+    extra_steps: int,
+    load_contents: tuple,
+    path: str | None = None,
+) -> dict:
+    """Restore into a freshly built (differently seeded) model, compare, continue training."""
+    model, optimizer, scheduler, _ = build(_world_mesh(world, layout), seed=123)
+    cfg = CheckpointConfig(directory=root, load_contents=load_contents)
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    restored = manager.restore(path=path)
+    state = full_state(model, optimizer, scheduler)
+    rng_next = torch.rand(3)
+    after = [
+        train_step(model, optimizer, scheduler, s)
+        for s in range(first_step, first_step + extra_steps)
+    ]
+    manager.close()
+    return {
+        "restored": restored,
+        "state": state,
+        "rng_next": rng_next,
+        "after": after,
+        "rank": rank,
+        "world": dist.get_world_size(),
+    }
