@@ -1,0 +1,404 @@
+"""test: compare a sharded checkpoint with a reference Hugging Face model, streamed.
+
+This is verl's ``model_merger test``: the tensors a merge would produce are checked against a
+reference directory (``model.safetensors``, or shards listed by ``model.safetensors.index.json``)
+for keys, shapes, dtypes and values. Neither model is ever loaded whole: tensors are compared
+one at a time, window by window. The checkpoint side is assembled by the planner and executor
+(``plan_copy`` into a dense window, ``Streamer.rows``) and the reference side is read with
+``pread`` at the offsets its safetensors header gives, through the same machinery.
+
+Choices, following verl (``FSDPModelMerger._test_state_dict``):
+
+* Keys: a tensor in the reference but not the checkpoint is *missing*, one in the checkpoint
+  but not the reference is *unexpected*. A tied ``lm_head.weight`` (``tie_word_embeddings`` in
+  the checkpoint's or the reference's config.json, or ``--tie-word-embedding``) is dropped from
+  the checkpoint side exactly as ``merge`` drops it; if the reference still stores it, it is
+  compared anyway.
+* Dtypes: verl casts both sides to bfloat16. Here both sides are cast to ``dtype`` when given,
+  otherwise the checkpoint is cast to the reference tensor's dtype. Floating tensors may differ
+  in width; a floating tensor against an integer/bool one, or integer tensors of different
+  dtypes, is a dtype mismatch. Integer and bool tensors keep their dtype and must match exactly.
+* Values: verl calls ``torch.testing.assert_close(reference, merged, atol=1e-6, rtol=1e-6)``,
+  so the defaults are ``atol=1e-6`` and ``rtol=1e-6``: an element passes when
+  ``|ref - ckpt| <= atol + rtol * |ckpt|``, computed in float64 after both sides are cast to the
+  comparison dtype (so an exact cast gives exact equality). If only one of ``atol``/``rtol`` is
+  given, the other is 0. Non-finite values must match exactly; unlike ``assert_close``'s
+  default, NaN at the same position on both sides counts as equal, since a faithful merge of a
+  checkpoint holding NaN reproduces it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+    UsageError,
+)
+from .formats import hf
+from .formats.safetensors import SafetensorsHeader, read_header
+from .plan import CopyRun, GlobalTensor, dense_block, plan_copy
+from .sources import open_checkpoint
+from .units import parse_size
+
+# verl's model_merger test: torch.testing.assert_close(..., atol=1e-6, rtol=1e-6).
+DEFAULT_ATOL = 1e-6
+DEFAULT_RTOL = 1e-6
+# Elements compared at once in float64 (bounds the temporaries to a few MiB).
+_COMPARE_ELEMS = 1 << 17
+
+
+@dataclass
+class CompareReport:
+    reference: str
+    checkpoint: str
+    ok: bool = True
+    problems: list[str] = field(default_factory=list)
+    compared: int = 0
+    elements: int = 0
+    max_abs_diff: float = 0.0
+    dtype: str | None = None
+    atol: float = DEFAULT_ATOL
+    rtol: float = DEFAULT_RTOL
+    skipped: list[str] = field(default_factory=list)
+    wall_s: float = 0.0
+
+    def problem(self, line: str) -> None:
+        self.problems.append(line)
+        self.ok = False
+
+    def to_json(self) -> dict:
+        finite = math.isfinite(self.max_abs_diff)
+        return {
+            "ok": self.ok,
+            "reference": self.reference,
+            "checkpoint": self.checkpoint,
+            "compared": self.compared,
+            "elements": self.elements,
+            "max_abs_diff": self.max_abs_diff if finite else None,
+            "dtype": self.dtype,
+            "atol": self.atol,
+            "rtol": self.rtol,
+            "skipped": self.skipped,
+            "problems": self.problems,
+            "wall_s": self.wall_s,
+        }
+
+
+@dataclass(frozen=True)
+class ReferenceTensor:
+    name: str
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # file offset of the first byte
+
+
+def read_reference(directory: str | os.PathLike) -> tuple[list[ReferenceTensor], dict]:
+    """The tensors of a HF safetensors model (single file or sharded) and its config.json.
+
+    ``directory`` may also be a single ``.safetensors`` file. Only headers are read.
+    """
+    path = Path(directory)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such reference model directory")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointFormatError(
+                f"{path}: expected a HF model directory or a .safetensors file"
+            )
+        return _tensors_of(read_header(path)), hf.read_config(path.parent)
+    config = hf.read_config(path)
+    index = path / hf.INDEX_FILE
+    single = path / hf.SINGLE_FILE
+    if index.is_file():
+        return _read_index(path, index), config
+    if single.is_file():
+        return _tensors_of(read_header(single)), config
+    others = sorted(p.name for p in path.iterdir() if p.name.endswith((".bin", ".pt", ".pth")))
+    if others:
+        raise CheckpointFormatError(
+            f"{path}: reference has {others[0]} but no {hf.SINGLE_FILE} or {hf.INDEX_FILE}; "
+            "only safetensors references are supported (re-save it with safe_serialization)"
+        )
+    raise CheckpointNotFoundError(
+        f"{path}: no {hf.SINGLE_FILE} or {hf.INDEX_FILE} in the reference model directory"
+    )
+
+
+def _tensors_of(header: SafetensorsHeader) -> list[ReferenceTensor]:
+    return [
+        ReferenceTensor(e.name, header.path, e.dtype, e.shape, header.data_start + e.begin)
+        for e in sorted(header.tensors.values(), key=lambda e: e.begin)
+    ]
+
+
+def _read_index(directory: Path, index: Path) -> list[ReferenceTensor]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"{index}: not a valid safetensors index ({exc})") from None
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise UnsafeCheckpointError(
+                f"{index}: tensor {name!r} points at {file!r}, outside the model directory"
+            )
+        files.setdefault(file, []).append(name)
+    tensors = []
+    for file, names in sorted(files.items()):
+        header = read_header(directory / file)
+        for name in names:
+            if name not in header.tensors:
+                raise CheckpointFormatError(
+                    f"{index}: lists tensor {name!r} in {file}, but {file} has no such tensor"
+                )
+        wanted = set(names)
+        tensors.extend(t for t in _tensors_of(header) if t.name in wanted)
+    return tensors
+
+
+def compare_with_reference(
+    local_dir: str | os.PathLike,
+    test_hf_dir: str | os.PathLike,
+    *,
+    dtype: str | None = None,
+    atol: float | None = None,
+    rtol: float | None = None,
+    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
+    hf_model_path: str | os.PathLike | None = None,
+    tie_word_embedding: bool = False,
+) -> CompareReport:
+    """Compare the checkpoint in ``local_dir`` with the HF model in ``test_hf_dir``.
+
+    Returns a report; ``report.ok`` is False when anything differs, and ``report.problems``
+    has one line per problem naming the tensor. Raises only for unreadable inputs.
+    """
+    from .merge import check_replicas, tied_duplicates
+
+    start = time.perf_counter()
+    buffer_bytes = parse_size(buffer_size)
+    if buffer_bytes < 1 << 16:
+        raise UsageError("--buffer-size must be at least 64KiB")
+    if atol is None and rtol is None:
+        atol, rtol = DEFAULT_ATOL, DEFAULT_RTOL
+    atol, rtol = float(atol or 0.0), float(rtol or 0.0)
+    if not (atol >= 0 and rtol >= 0):
+        raise UsageError(f"tolerances must be non-negative numbers (atol={atol}, rtol={rtol})")
+    wanted_dtype = parse_dtype(dtype) if dtype else None
+    if wanted_dtype is not None and wanted_dtype not in FLOATING:
+        raise UsageError(f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32)")
+
+    reference, ref_config = read_reference(test_hf_dir)
+    checkpoint = open_checkpoint(local_dir)
+    config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
+    if hf_model_path and not (config_dir / "config.json").is_file():
+        raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
+    config = hf.read_config(config_dir)
+    force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
+    drop = tied_duplicates(checkpoint.tensors, config, force_tie)
+
+    report = CompareReport(
+        reference=str(test_hf_dir),
+        checkpoint=str(local_dir),
+        dtype=wanted_dtype,
+        atol=atol,
+        rtol=rtol,
+    )
+    ours = {t.name: t for t in checkpoint.tensors}
+    theirs = {t.name: t for t in reference}
+    report.skipped = sorted(n for n in drop if n not in theirs)
+    for t in reference:
+        if t.name not in ours:
+            report.problem(
+                f"tensor {t.name!r}: missing from the checkpoint (the reference has it in {t.path})"
+            )
+    for t in checkpoint.tensors:
+        if t.name not in theirs and t.name not in drop:
+            report.problem(f"tensor {t.name!r}: unexpected; the reference has no such tensor")
+
+    pairs = []
+    for ref in reference:
+        ckpt = ours.get(ref.name)
+        if ckpt is None:
+            continue
+        if tuple(ckpt.shape) != tuple(ref.shape):
+            report.problem(
+                f"tensor {ref.name!r}: shape mismatch: reference {list(ref.shape)}, "
+                f"checkpoint {list(ckpt.shape)}"
+            )
+            continue
+        target = _comparison_dtype(ckpt.dtype, ref.dtype, wanted_dtype)
+        if target is None:
+            report.problem(
+                f"tensor {ref.name!r}: dtype mismatch: reference {ref.dtype}, checkpoint "
+                f"{ckpt.dtype} (only floating dtypes are cast for comparison)"
+            )
+            continue
+        pairs.append((ref, ckpt, target))
+
+    endpoints: dict[str, FileEndpoint] = {}
+
+    def endpoint(location: str) -> FileEndpoint:
+        if location not in endpoints:
+            endpoints[location] = FileEndpoint(location)
+        return endpoints[location]
+
+    ratio = max(
+        (itemsize(src) / itemsize(target) for r, c, target in pairs for src in (r.dtype, c.dtype)),
+        default=1.0,
+    )
+    half = buffer_bytes // 2
+    ours_side = Streamer(endpoint, Buffers.sized(half, ratio))
+    ref_side = Streamer(endpoint, Buffers.sized(half, ratio))
+    try:
+        check_replicas(checkpoint, ours_side)
+        for ref, ckpt, target in pairs:
+            _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
+    finally:
+        for ep in endpoints.values():
+            ep.close()
+    report.wall_s = time.perf_counter() - start
+    return report
+
+
+def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
+    """The dtype both sides are cast to, or None when they cannot be compared."""
+    if ckpt in FLOATING and ref in FLOATING:
+        return wanted or ref
+    if ckpt == ref:
+        return ref
+    return None
+
+
+def _compare_tensor(
+    ref: ReferenceTensor,
+    ckpt: GlobalTensor,
+    target: str,
+    ours: Streamer,
+    theirs: Streamer,
+    report: CompareReport,
+) -> None:
+    name, shape = ref.name, tuple(ref.shape)
+    report.compared += 1
+    numel = math.prod(shape)
+    if numel == 0:
+        return
+    isz = itemsize(target)
+    window = dense_block("compare", 0, target, shape)
+    ckpt_runs = sorted(
+        (r for b in ckpt.blocks for r in plan_copy(name, shape, b, window)),
+        key=lambda r: r.dst_offset,
+    )
+    ref_block = dense_block(ref.path, ref.offset, ref.dtype, shape)
+    ref_runs = plan_copy(name, shape, ref_block, window)
+    capacity = min(ours.buf.window.nbytes, theirs.buf.window.nbytes) // isz * isz
+    total = numel * isz
+    floating = target in FLOATING
+    bad = 0
+    worst = (-1.0, -1, 0.0, 0.0)  # (diff, flat index, checkpoint value, reference value)
+    lo = 0
+    active: list[CopyRun] = []
+    next_run = 0
+    while lo < total:
+        hi = min(total, lo + capacity)
+        while next_run < len(ckpt_runs) and ckpt_runs[next_run].dst_offset < hi:
+            active.append(ckpt_runs[next_run])
+            next_run += 1
+        active = [r for r in active if r.dst_end() > lo]
+        a = _fill(ours, active, lo, hi, name)
+        b = _fill(theirs, ref_runs, lo, hi, name)
+        for s in range(0, hi - lo, _COMPARE_ELEMS * isz):
+            e = min(hi - lo, s + _COMPARE_ELEMS * isz)
+            first = (lo + s) // isz
+            n_bad, piece_worst = _compare_piece(a[s:e], b[s:e], target, floating, report)
+            bad += n_bad
+            if piece_worst[0] > worst[0]:
+                worst = (piece_worst[0], first + piece_worst[1], *piece_worst[2:])
+        lo = hi
+    report.elements += numel
+    if bad:
+        index = list(np.unravel_index(worst[1], shape)) if shape else []
+        tolerance = f"atol={report.atol:g}, rtol={report.rtol:g}" if floating else "exact"
+        report.problem(
+            f"tensor {name!r}: {bad} of {numel} elements differ ({tolerance}, as {target}); "
+            f"max abs diff {worst[0]:.6g} at {[int(i) for i in index]}: checkpoint "
+            f"{worst[2]:.9g} vs reference {worst[3]:.9g}"
+        )
+
+
+def _fill(streamer: Streamer, runs, lo: int, hi: int, name: str) -> np.ndarray:
+    """Assemble bytes [lo, hi) of the dense comparison window from ``runs``."""
+    out = streamer.buf.window[: hi - lo]
+    filled = 0
+    for run in runs:
+        if run.dst_offset >= hi or run.dst_end() <= lo:
+            continue
+        d_isz = itemsize(run.dst_dtype)
+        for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
+            rows = streamer.rows(run, i0, i1, e0, e1)
+            pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
+            count, width = rows.shape
+            target = np.lib.stride_tricks.as_strided(
+                out[pos:], shape=(count, width), strides=(run.dst_step, 1)
+            )
+            target[...] = rows
+            filled += rows.nbytes
+    if filled != hi - lo:
+        raise CheckpointFormatError(
+            f"tensor {name!r}: internal plan error: comparison window [{lo}, {hi}) got "
+            f"{filled} of {hi - lo} bytes"
+        )
+    return out
+
+
+def _compare_piece(
+    a_bytes: np.ndarray, b_bytes: np.ndarray, dtype: str, floating: bool, report: CompareReport
+) -> tuple[int, tuple[float, int, float, float]]:
+    """Count elements that differ; return (count, (diff, index, a, b) of the worst one).
+
+    torch casts to float64 (it knows bfloat16); numpy does the element-wise tests, which on
+    few cores are many times faster than torch's multi-threaded comparison kernels.
+    """
+    if np.array_equal(a_bytes, b_bytes):  # the common case, at memcmp speed
+        return 0, (-1.0, -1, 0.0, 0.0)
+    torch_dtype = TORCH_BY_CODE[dtype]
+    a64 = torch.from_numpy(a_bytes).view(torch_dtype).to(torch.float64).numpy()
+    b64 = torch.from_numpy(b_bytes).view(torch_dtype).to(torch.float64).numpy()
+    with np.errstate(invalid="ignore", over="ignore"):
+        diff = np.abs(a64 - b64)
+        if floating:
+            same = (a64 == b64) | (np.isnan(a64) & np.isnan(b64))
+            diff[same] = 0.0
+            diff[np.isnan(diff)] = math.inf
+            nonfinite = ~(np.isfinite(a64) & np.isfinite(b64))
+            bad_mask = (diff > report.atol + report.rtol * np.abs(a64)) | (nonfinite & ~same)
+        else:
+            # Exact, bytewise: works for every integer width and bool.
+            width = itemsize(dtype)
+            bad_mask = (a_bytes.reshape(-1, width) != b_bytes.reshape(-1, width)).any(axis=1)
+            diff[~bad_mask] = 0.0
+    if diff.size:
+        report.max_abs_diff = max(report.max_abs_diff, float(diff.max()))
+    n_bad = int(np.count_nonzero(bad_mask))
+    if not n_bad:
+        return 0, (-1.0, -1, 0.0, 0.0)
+    candidates = np.where(bad_mask, diff, -1.0)
+    index = int(candidates.argmax())
+    return n_bad, (float(candidates[index]), index, float(a64[index]), float(b64[index]))
