@@ -1,0 +1,135 @@
+"""inspect: describe a checkpoint from its layout alone (no tensor data is read).
+
+The estimates are rough, and say so: memory is the fixed copy buffer plus the Python/torch
+baseline of a shardstream process; time is the bytes a merge reads and writes divided by an
+assumed disk throughput, since the real one is unknown until something is read.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from . import memory
+from .copy import DEFAULT_BUFFER_BYTES
+from .dtypes import FLOATING, TORCH_BY_CODE, itemsize
+from .units import format_size
+
+# Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
+BASELINE_RSS_BYTES = getattr(memory, "BASELINE_RSS_BYTES", 260 * 2**20)
+# Assumed sequential disk throughput for the time estimate (a mid-range NVMe or a good network
+# filesystem); merges on slower storage take proportionally longer.
+ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
+
+
+def describe(path: str | os.PathLike) -> dict:
+    """Everything known about the checkpoint at ``path`` without reading tensor data."""
+    from .merge import output_dtype, tied_duplicates
+    from .sources import open_checkpoint
+
+    checkpoint = open_checkpoint(path)
+    config_dir = checkpoint.config_dir()
+    from .formats.hf import read_config
+
+    config = read_config(config_dir)
+    out_dtype = output_dtype(None, config)
+    dropped = tied_duplicates(checkpoint.tensors, config, False)
+    tensors = []
+    stored = written = 0
+    placements = getattr(checkpoint, "placements", {})
+    replicas = getattr(checkpoint, "replicas", {})
+    for t in checkpoint.tensors:
+        nbytes = t.nbytes
+        stored += nbytes
+        target = out_dtype if out_dtype and t.dtype in FLOATING else t.dtype
+        out_bytes = 0 if t.name in dropped else nbytes // itemsize(t.dtype) * itemsize(target)
+        written += out_bytes
+        tensors.append(
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": _dtype_name(t.dtype),
+                "placement": placements.get(t.name, ""),
+                "bytes": nbytes,
+                "blocks": len(t.blocks),
+                "replicas": len(replicas.get(t.name, ())),
+            }
+        )
+    files = [str(f) for f in getattr(checkpoint, "files", [])]
+    file_bytes = sum(os.path.getsize(f) for f in files)
+    replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)
+    read = stored + replica_bytes
+    return {
+        "path": str(Path(path)),
+        "format": checkpoint.format,
+        "world_size": getattr(checkpoint, "world_size", None),
+        "fsdp_version": getattr(checkpoint, "fsdp_version", None),
+        "mesh": getattr(checkpoint, "mesh", None),
+        "config_dir": str(config_dir) if config_dir else None,
+        "num_files": len(files),
+        "files_bytes": file_bytes,
+        "files": files,
+        "num_tensors": len(tensors),
+        "total_bytes": stored,
+        "tensors": tensors,
+        "merge": {
+            "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
+            "dropped_tied": sorted(dropped),
+            "bytes_read": read,
+            "bytes_written": written,
+            "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
+            "estimated_seconds": (read + written) / ASSUMED_DISK_BYTES_PER_S,
+            "buffer_bytes": DEFAULT_BUFFER_BYTES,
+            "baseline_rss_bytes": BASELINE_RSS_BYTES,
+            "estimated_peak_rss_bytes": DEFAULT_BUFFER_BYTES + BASELINE_RSS_BYTES,
+        },
+    }
+
+
+def _dtype_name(code: str) -> str:
+    return str(TORCH_BY_CODE[code]).removeprefix("torch.") if code in TORCH_BY_CODE else code
+
+
+def render(info: dict) -> str:
+    """A human-readable report of ``describe``'s result."""
+    m = info["merge"]
+    lines = [
+        f"{info['path']}: {info['format']} checkpoint, world size {info['world_size']}"
+        + (f", FSDP v{info['fsdp_version']}" if info.get("fsdp_version") else ""),
+        f"mesh: {info['mesh']}",
+        f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
+        f"config: {info['config_dir'] or 'none found (pass --hf_model_path to merge)'}",
+        f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
+        "",
+    ]
+    rows = [("name", "shape", "dtype", "placement", "size")]
+    for t in info["tensors"]:
+        shape = "x".join(str(d) for d in t["shape"]) or "scalar"
+        rows.append((t["name"], shape, t["dtype"], t["placement"], format_size(t["bytes"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    for r in rows:
+        cells = [r[i].ljust(widths[i]) for i in range(4)]
+        lines.append("  ".join(cells) + "  " + r[4].rjust(10))
+    lines += [
+        "",
+        f"merge estimate: output dtype {m['output_dtype']}"
+        + (f", drops tied {', '.join(m['dropped_tied'])}" if m["dropped_tied"] else ""),
+        f"  reads {format_size(m['bytes_read'])}, writes {format_size(m['bytes_written'])}: "
+        f"~{_duration(m['estimated_seconds'])} at an assumed "
+        f"{m['assumed_disk_bytes_per_s'] / 1e6:.0f} MB/s disk throughput",
+        f"  peak memory ~{format_size(m['estimated_peak_rss_bytes'])} "
+        f"({format_size(m['buffer_bytes'])} buffer + "
+        f"~{format_size(m['baseline_rss_bytes'])} Python/torch baseline), "
+        "independent of the model's size",
+    ]
+    return "\n".join(lines)
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 1:
+        return "<1 s"
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    return f"{seconds / 3600:.1f} h"
