@@ -1,0 +1,427 @@
+"""The executor on real small files: strided sources, dtype conversion, tiny buffers, checksums."""
+
+from __future__ import annotations
+
+import errno
+import math
+import os
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardstream.copy import (
+    Buffers,
+    FileEndpoint,
+    Streamer,
+    TensorEndpoint,
+    hash_block,
+    new_digest,
+    stream_file,
+    stream_into_memory,
+)
+from shardstream.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
+from shardstream.formats.safetensors import read_header, stored_checksums
+from shardstream.formats.writer import OutputTensor, write_safetensors
+from shardstream.plan import Block, GlobalTensor, chunk_extent, dense_block, plan_copy
+
+
+def save_raw(tmp_path, name: str, tensor: torch.Tensor, lead: int = 24) -> tuple[str, Block, int]:
+    """Write ``tensor``'s whole storage after ``lead`` junk bytes; return its block in the file.
+
+    The block keeps the tensor's strides and storage offset, so a ``.t()`` or sliced view is
+    stored exactly as torch would keep it: non-contiguous.
+    """
+    storage = tensor.untyped_storage()
+    raw = bytes(storage)
+    path = tmp_path / name
+    path.write_bytes(b"\xab" * lead + raw + b"\xcd" * 16)
+    isz = tensor.element_size()
+    block = Block(
+        str(path),
+        lead + tensor.storage_offset() * isz,
+        CODE_BY_TORCH[tensor.dtype],
+        (0,) * tensor.dim(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
+    return str(path), block, len(raw)
+
+
+class Endpoints:
+    def __init__(self, **kwargs):
+        self.open: dict[str, FileEndpoint] = {}
+        self.kwargs = kwargs
+
+    def __call__(self, location: str) -> FileEndpoint:
+        if location not in self.open:
+            self.open[location] = FileEndpoint(location, **self.kwargs.get(location, {}))
+        return self.open[location]
+
+    def close(self):
+        for ep in self.open.values():
+            ep.close()
+
+
+def tiny_buffers(window: int, src: int) -> Buffers:
+    return Buffers(
+        np.empty(window, dtype=np.uint8),
+        np.empty(src, dtype=np.uint8),
+        torch.empty(window, dtype=torch.uint8),
+    )
+
+
+def merge_to_file(tmp_path, shape, dtype, pieces, buffers, out_dtype=None):
+    """Stream blocks of one global tensor into a file as a dense tensor; return it."""
+    out_dtype = out_dtype or dtype
+    path = str(tmp_path / "out.bin")
+    dst = dense_block(path, 0, out_dtype, shape)
+    runs = [r for b in pieces for r in plan_copy("t", shape, b, dst)]
+    size = math.prod(shape) * itemsize(out_dtype)
+    endpoints = Endpoints()
+    streamer = Streamer(endpoints, buffers)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC)
+    try:
+        digests = stream_file(
+            fd, path, 0, size, runs, [(0, size, itemsize(out_dtype), "t")], streamer
+        )
+    finally:
+        os.close(fd)
+        endpoints.close()
+    from shardstream.dtypes import TORCH_BY_CODE
+
+    data = bytearray(open(path, "rb").read())
+    result = torch.frombuffer(data, dtype=TORCH_BY_CODE[out_dtype]) if data else torch.empty(0)
+    return result.reshape(shape), digests, data
+
+
+def shards(tmp_path, full: torch.Tensor, dim: int, parts: int, transform=None):
+    """Chunk ``full`` along ``dim`` like FSDP and save each piece (optionally re-laid out)."""
+    blocks = []
+    for r in range(parts):
+        s, n = chunk_extent(full.shape[dim], parts, r)
+        piece = full.narrow(dim, s, n)
+        stored = transform(piece) if transform else piece.clone()
+        _, block, _ = save_raw(tmp_path, f"rank{r}.bin", stored)
+        start = [0] * full.dim()
+        start[dim] = s
+        blocks.append(
+            Block(
+                block.location, block.offset, block.dtype, tuple(start), block.shape, block.strides
+            )
+        )
+    return blocks
+
+
+def transposed_storage(piece: torch.Tensor) -> torch.Tensor:
+    """Same values, column-major storage: a genuinely strided source."""
+    return piece.t().contiguous().t()
+
+
+def padded_storage(piece: torch.Tensor) -> torch.Tensor:
+    """Same values inside a wider buffer: rows with gaps between them."""
+    wide = torch.full((piece.shape[0], piece.shape[1] + 3), -7.0, dtype=piece.dtype)
+    wide[:, 1 : 1 + piece.shape[1]] = piece
+    return wide[:, 1 : 1 + piece.shape[1]]
+
+
+BUFFER_CASES = [
+    pytest.param(Buffers.sized(64 * 2**20), id="default"),
+    pytest.param(Buffers.sized(1), id="minimum"),
+    pytest.param(tiny_buffers(8, 8), id="w8-s8"),
+    pytest.param(tiny_buffers(12, 8), id="w12-s8"),
+    pytest.param(tiny_buffers(28, 20), id="w28-s20"),
+    pytest.param(tiny_buffers(100, 16), id="w100-s16"),
+]
+
+
+@pytest.mark.parametrize("buffers", BUFFER_CASES)
+@pytest.mark.parametrize(
+    "dim, layout",
+    [(0, None), (1, None), (0, transposed_storage), (1, transposed_storage), (1, padded_storage)],
+)
+def test_merge_strided_shards_any_buffer(tmp_path, buffers, dim, layout):
+    torch.manual_seed(0)
+    full = torch.randn(13, 11)
+    blocks = shards(tmp_path, full, dim, 3, layout)
+    result, _, _ = merge_to_file(tmp_path, tuple(full.shape), "F32", blocks, buffers)
+    assert torch.equal(result, full)
+
+
+@pytest.mark.parametrize("buffers", BUFFER_CASES[2:])
+def test_three_dim_shard1_with_tiny_windows(tmp_path, buffers):
+    full = torch.arange(4 * 5 * 6, dtype=torch.float64).reshape(4, 5, 6)
+    blocks = shards(
+        tmp_path, full, 1, 2, lambda p: p.permute(2, 0, 1).contiguous().permute(1, 2, 0)
+    )
+    result, _, _ = merge_to_file(tmp_path, (4, 5, 6), "F64", blocks, buffers)
+    assert torch.equal(result, full)
+
+
+def special_floats(n: int) -> torch.Tensor:
+    """Random bit patterns (every exponent, NaN payloads, subnormals) plus edge values."""
+    g = torch.Generator().manual_seed(1)
+    bits = torch.randint(-(2**31), 2**31 - 1, (n,), generator=g, dtype=torch.int64).to(torch.int32)
+    values = bits.view(torch.float32).clone()
+    edges = torch.tensor(
+        [
+            0.0,
+            -0.0,
+            1.0,
+            -1.0,
+            float("inf"),
+            float("-inf"),
+            float("nan"),
+            65504.0,
+            65520.0,
+            1e-45,
+            1e-40,
+            3.4e38,
+            1.00390625,
+            1.001953125,
+            2.0**-24,
+            2.0**-25,
+        ],
+        dtype=torch.float32,
+    )
+    values[: len(edges)] = edges
+    return values
+
+
+@pytest.mark.parametrize("target", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("buffers", [BUFFER_CASES[0], BUFFER_CASES[1], BUFFER_CASES[3]])
+def test_fp32_conversion_is_bit_identical_to_tensor_to(tmp_path, target, buffers):
+    full = special_floats(6000).reshape(600, 10)
+    blocks = shards(tmp_path, full, 1, 4, transposed_storage)
+    result, _, _ = merge_to_file(
+        tmp_path, tuple(full.shape), "F32", blocks, buffers, out_dtype=CODE_BY_TORCH[target]
+    )
+    expected = full.to(target)
+    assert torch.equal(result.view(torch.int16), expected.view(torch.int16))
+
+
+def test_widening_and_integer_copies(tmp_path):
+    full = torch.randn(9, 4).to(torch.bfloat16)
+    blocks = shards(tmp_path, full, 0, 2)
+    result, _, _ = merge_to_file(tmp_path, (9, 4), "BF16", blocks, tiny_buffers(12, 8), "F32")
+    assert torch.equal(result, full.float())
+    ints = torch.arange(-20, 20, dtype=torch.int64).reshape(8, 5)
+    blocks = shards(tmp_path, ints, 1, 3)
+    result, _, _ = merge_to_file(tmp_path, (8, 5), "I64", blocks, tiny_buffers(16, 8))
+    assert torch.equal(result, ints)
+
+
+def test_windows_cut_between_tensors_of_different_dtypes(tmp_path):
+    """A real safetensors file with several tensors, written through windows of 12 bytes."""
+    torch.manual_seed(2)
+    a, b, c = (
+        torch.randn(7, 3),
+        torch.randn(5).to(torch.bfloat16),
+        torch.arange(6, dtype=torch.int16),
+    )
+    sources = []
+    for name, t in (("a", a), ("b", b), ("c", c)):
+        _, block, _ = save_raw(tmp_path, f"{name}.bin", t)
+        sources.append(GlobalTensor(name, block.dtype, tuple(t.shape), (block,)))
+    outputs = [
+        OutputTensor("a", "BF16", sources[0]),
+        OutputTensor("b", "F32", sources[1]),
+        OutputTensor("c", "I16", sources[2]),
+    ]
+    endpoints = Endpoints()
+    path = tmp_path / "m.safetensors"
+    written = write_safetensors(
+        str(path), outputs, Streamer(endpoints, tiny_buffers(12, 8)), chunk_bytes=16
+    )
+    endpoints.close()
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(path))
+    assert torch.equal(loaded["a"].view(torch.int16), a.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(loaded["b"], b.float())
+    assert torch.equal(loaded["c"], c)
+    assert written.size == path.stat().st_size
+    stored = stored_checksums(read_header(path))
+    assert stored.chunks == list(written.chunks)
+
+
+def test_stream_file_digests_cover_the_data_section(tmp_path):
+    full = torch.arange(100, dtype=torch.float32).reshape(10, 10)
+    blocks = shards(tmp_path, full, 0, 3)
+    result, digests, data = merge_to_file(tmp_path, (10, 10), "F32", blocks, tiny_buffers(28, 20))
+    chunk = 4 * 2**20
+    assert digests == [
+        new_digest(np.frombuffer(bytes(data[i : i + chunk]), dtype=np.uint8))
+        for i in range(0, len(data), chunk)
+    ]
+
+
+def test_uncovered_bytes_are_an_error(tmp_path):
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    blocks = shards(tmp_path, full, 0, 2)
+    with pytest.raises(CheckpointFormatError, match="internal plan error.*tensor 't'"):
+        merge_to_file(tmp_path, (4, 3), "F32", blocks[:1], Buffers.sized(1))
+
+
+def test_truncated_source_is_named(tmp_path):
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    path, block, size = save_raw(tmp_path, "short.bin", full, lead=0)
+    with open(path, "r+b") as f:
+        f.truncate(size - 4)
+    with pytest.raises(
+        CheckpointFormatError, match=r"short\.bin: truncated: needed bytes \[0, 48\).*ends at 44"
+    ):
+        merge_to_file(tmp_path, (4, 3), "F32", [block], Buffers.sized(1))
+
+
+def test_out_of_space_while_writing(tmp_path, monkeypatch):
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    blocks = shards(tmp_path, full, 0, 2)
+
+    def full_disk(*args):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(os, "pwrite", full_disk)
+    with pytest.raises(OutOfSpaceError, match=r"out\.bin: no space left on device"):
+        merge_to_file(tmp_path, (4, 3), "F32", blocks, Buffers.sized(1))
+
+
+# ---------------------------------------------------------------------------- checksums
+
+
+def written_file(tmp_path, chunk_bytes=64):
+    torch.manual_seed(3)
+    t = torch.randn(10, 20)
+    _, block, _ = save_raw(tmp_path, "src.bin", t)
+    src = GlobalTensor("w", "F32", (10, 20), (block,))
+    endpoints = Endpoints()
+    path = tmp_path / "m.safetensors"
+    write_safetensors(
+        str(path),
+        [OutputTensor("w", "F32", src)],
+        Streamer(endpoints, Buffers.sized(1)),
+        chunk_bytes=chunk_bytes,
+    )
+    endpoints.close()
+    header = read_header(path)
+    return path, header, stored_checksums(header), t
+
+
+def read_back(path, header, stored, buffers):
+    entry = header.tensors["w"]
+    src = dense_block(str(path), header.data_start + entry.begin, "F32", entry.shape)
+    out = torch.empty(entry.shape)
+    dst = Block("live", 0, "F32", (0, 0), tuple(out.shape), tuple(out.stride()))
+    kwargs = {
+        str(path): {
+            "digests": stored.chunks,
+            "data_start": header.data_start,
+            "chunk_bytes": stored.chunk_bytes,
+        }
+    }
+    endpoints = Endpoints(**kwargs)
+    live = TensorEndpoint("live", out)
+
+    def endpoint(location):
+        return live if location == "live" else endpoints(location)
+
+    try:
+        stream_into_memory(plan_copy("w", entry.shape, src, dst), Streamer(endpoint, buffers))
+    finally:
+        endpoints.close()
+    return out
+
+
+@pytest.mark.parametrize("buffers", [BUFFER_CASES[1], BUFFER_CASES[4], BUFFER_CASES[5]])
+def test_checksummed_reads_pass_on_intact_file(tmp_path, buffers):
+    path, header, stored, t = written_file(tmp_path)
+    assert stored.chunk_bytes == 64 and len(stored.chunks) == math.ceil(800 / 64)
+    assert torch.equal(read_back(path, header, stored, buffers), t)
+
+
+@pytest.mark.parametrize("position", [0, 63, 64, 500, 799])
+def test_flipped_byte_is_detected(tmp_path, position):
+    path, header, stored, _ = written_file(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + position] ^= 0x01
+    path.write_bytes(bytes(raw))
+    chunk = position // 64 * 64
+    lo = header.data_start + chunk
+    hi = lo + min(64, 800 - chunk)
+    with pytest.raises(
+        ChecksumMismatchError, match=rf"m\.safetensors: checksum mismatch in bytes \[{lo}, {hi}\)"
+    ):
+        read_back(path, header, stored, BUFFER_CASES[4].values[0])
+
+
+def test_live_tensor_destination_with_strides(tmp_path):
+    """Restore into a non-contiguous live tensor (a transposed view)."""
+    full = torch.randn(6, 4)
+    blocks = shards(tmp_path, full, 0, 2)
+    target = torch.zeros(4, 6).t()  # shape (6, 4), strides (1, 6)
+    dst = Block("live", 0, "F32", (0, 0), (6, 4), tuple(target.stride()))
+    endpoints = Endpoints()
+    live = TensorEndpoint("live", target)
+    streamer = Streamer(lambda loc: live if loc == "live" else endpoints(loc), tiny_buffers(12, 8))
+    stream_into_memory([r for b in blocks for r in plan_copy("t", (6, 4), b, dst)], streamer)
+    endpoints.close()
+    assert torch.equal(target, full)
+
+
+def test_hash_block_is_the_digest_of_row_major_bytes(tmp_path):
+    full = torch.randn(5, 7)
+    _, block, _ = save_raw(tmp_path, "t.bin", transposed_storage(full))
+    endpoints = Endpoints()
+    digest = hash_block("t", (5, 7), block, Streamer(endpoints, tiny_buffers(12, 8)))
+    endpoints.close()
+    assert digest == new_digest(full.contiguous().numpy().view(np.uint8).reshape(-1))
+
+
+def test_buffers_sized_respects_ratio_and_minimum():
+    small = Buffers.sized(1)
+    assert small.window.nbytes >= 4096 and small.src.nbytes >= 4096
+    b = Buffers.sized(64 * 2**20, ratio=2.0)
+    assert b.src.nbytes >= 2 * b.window.nbytes - 2
+    assert b.window.nbytes * 2 + b.src.nbytes <= 64 * 2**20
+
+
+# ---------------------------------------------------------------------------- property
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.data())
+def test_random_layouts_dtypes_and_buffers(data):
+    """Any chunked, re-laid-out source, any float conversion, any buffers of >= 8 bytes."""
+    import tempfile
+    from pathlib import Path
+
+    ndim = data.draw(st.integers(1, 3))
+    shape = tuple(data.draw(st.lists(st.integers(1, 7), min_size=ndim, max_size=ndim)))
+    src_dtype = data.draw(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+    )
+    dst_dtype = data.draw(
+        st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+    )
+    dim = data.draw(st.integers(0, ndim - 1))
+    parts = data.draw(st.integers(1, 4))
+    order = data.draw(st.permutations(range(ndim)))
+    buffers = tiny_buffers(data.draw(st.integers(8, 96)), data.draw(st.integers(8, 96)))
+    full = (torch.arange(math.prod(shape), dtype=torch.float64).reshape(shape) * 1.37 - 5).to(
+        src_dtype
+    )
+
+    def relayout(piece):
+        inverse = [order.index(d) for d in range(ndim)]
+        return piece.permute(*order).contiguous().permute(*inverse)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        blocks = shards(Path(tmp), full, dim, parts, relayout)
+        result, _, _ = merge_to_file(
+            Path(tmp), shape, CODE_BY_TORCH[src_dtype], blocks, buffers, CODE_BY_TORCH[dst_dtype]
+        )
+    expected = full.to(dst_dtype)
+    assert torch.equal(result.view(torch.uint8), expected.contiguous().view(torch.uint8))
