@@ -1,0 +1,439 @@
+"""Bad inputs to ``shardstream merge``: one clear line naming the culprit, a non-zero exit, no
+traceback, and nothing written (no target directory, no ``*.tmp-*`` leftovers)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstream.cli import main
+
+RANK0 = "model_world_size_2_rank_0.pt"
+RANK1 = "model_world_size_2_rank_1.pt"
+
+
+@pytest.fixture
+def out(tmp_path) -> Path:
+    """An empty directory to hold the target; after a failure it must still be empty."""
+    path = tmp_path / "out"
+    path.mkdir()
+    return path
+
+
+def merge(capsys, local, target, *extra) -> tuple[int, str]:
+    argv = ["merge", "--local_dir", str(local), "--target_dir", str(target), "--quiet", *extra]
+    rc = main(argv)
+    captured = capsys.readouterr()
+    return rc, captured.err
+
+
+def assert_clean_failure(rc: int, err: str, *fragments: str, code: int = 1) -> str:
+    assert rc == code, err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    line = lines[0]
+    assert line.startswith("shardstream merge: error: "), line
+    for fragment in fragments:
+        assert fragment in line, f"{fragment!r} not in {line!r}"
+    return line
+
+
+def assert_nothing_written(directory: Path, expected: set[str] | None = None) -> None:
+    names = set(os.listdir(directory))
+    assert names == (expected or set()), names
+    assert not any(".tmp-" in n for n in names)
+
+
+def merge_fails(capsys, local, out, *fragments, code=1, extra=()) -> str:
+    rc, err = merge(capsys, local, out / "merged", *extra)
+    line = assert_clean_failure(rc, err, *fragments, code=code)
+    assert_nothing_written(out)
+    return line
+
+
+def flip(path: Path, offset: int, count: int = 4) -> None:
+    data = bytearray(path.read_bytes())
+    for k in range(offset, offset + count):
+        data[k] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def record_offset(path: Path, suffix: str) -> int:
+    """File offset of the data of the zip member ending in ``suffix`` (local header skipped)."""
+    with zipfile.ZipFile(path) as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
+    raw = path.read_bytes()
+    name_len, extra_len = struct.unpack(
+        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
+    )
+    return info.header_offset + 30 + name_len + extra_len
+
+
+class CodeOnLoad:
+    """Unpickling this would create ``marker`` (a directory): code execution, made visible."""
+
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.makedirs, (self.marker,))
+
+
+# ---------------------------------------------------------------------------- missing input
+
+
+def test_missing_directory(capsys, tmp_path, out):
+    merge_fails(capsys, tmp_path / "nope", out, str(tmp_path / "nope"), "no such directory")
+
+
+def test_local_dir_is_a_file(capsys, tmp_path, out):
+    f = tmp_path / "file.pt"
+    f.write_bytes(b"x")
+    merge_fails(capsys, f, out, str(f), "is a file")
+
+
+def test_no_model_files(capsys, tmp_path, out):
+    empty = tmp_path / "ckpt"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    merge_fails(capsys, empty, out, str(empty), "no model files", "model_world_size_W_rank_R.pt")
+
+
+def test_missing_rank_file_is_named(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    (ckpt / RANK1).unlink()
+    merge_fails(capsys, ckpt, out, "missing rank file(s)", RANK1)
+
+
+def test_missing_rank_file_via_subprocess(copy_variant, out):
+    """The real entry point: exit status and stderr as a user sees them."""
+    ckpt = copy_variant("base")
+    (ckpt / RANK0).unlink()
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardstream",
+            "merge",
+            "--local_dir",
+            str(ckpt),
+            "--target_dir",
+            str(out / "merged"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert proc.returncode == 1
+    assert_clean_failure(proc.returncode, proc.stderr, RANK0)
+    assert proc.stdout == ""
+    assert_nothing_written(out)
+
+
+# ---------------------------------------------------------------------------- names and config
+
+
+def test_fsdp_config_world_size_disagrees_with_file_names(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    (ckpt / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": 4}')
+    merge_fails(capsys, ckpt, out, "fsdp_config.json", "world_size 4", "world size 2")
+
+
+def test_files_renamed_to_another_world_size(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    for r in (0, 1):
+        os.rename(
+            ckpt / f"model_world_size_2_rank_{r}.pt", ckpt / f"model_world_size_3_rank_{r}.pt"
+        )
+    (ckpt / "fsdp_config.json").unlink()
+    merge_fails(capsys, ckpt, out, "missing rank file(s)", "model_world_size_3_rank_2.pt")
+
+
+def test_fsdp_config_not_json(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    (ckpt / "fsdp_config.json").write_text("{world_size: 2")
+    merge_fails(capsys, ckpt, out, "fsdp_config.json", "not valid JSON")
+
+
+def test_files_from_two_world_sizes(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    shutil.copy(ckpt / RANK0, ckpt / "model_world_size_4_rank_0.pt")
+    merge_fails(capsys, ckpt, out, str(ckpt), "several world sizes (2, 4)")
+
+
+def test_rank_beyond_world_size(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    shutil.copy(ckpt / RANK1, ckpt / "model_world_size_2_rank_2.pt")
+    merge_fails(capsys, ckpt, out, "rank 2 file exists but world size is 2")
+
+
+def test_swapped_rank_files(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    os.rename(ckpt / RANK0, ckpt / "tmp")
+    os.rename(ckpt / RANK1, ckpt / RANK0)
+    os.rename(ckpt / "tmp", ckpt / RANK1)
+    merge_fails(capsys, ckpt, out, RANK0, "named for rank 0 but was saved by rank 1")
+
+
+# ---------------------------------------------------------------------------- damaged files
+
+
+@pytest.mark.parametrize("keep", [0.5, 0.99, 0.0])
+def test_truncated_pt(capsys, copy_variant, out, keep):
+    ckpt = copy_variant("base")
+    path = ckpt / RANK1
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+    merge_fails(capsys, ckpt, out, str(path), "truncated")
+
+
+@pytest.mark.parametrize("where", ["pickle-start", "pickle-middle", "central-directory"])
+def test_corrupt_pt(capsys, copy_variant, out, where):
+    ckpt = copy_variant("base")
+    path = ckpt / RANK1
+    if where == "central-directory":
+        flip(path, path.stat().st_size - 60, 10)
+    else:
+        start = record_offset(path, "data.pkl")
+        flip(path, start + (40 if where == "pickle-start" else 1500))
+    line = merge_fails(capsys, ckpt, out, str(path), "corrupt")
+    if where != "central-directory":
+        assert "Bad CRC-32" in line and "data.pkl" in line
+
+
+def test_pickle_with_code_is_refused_and_never_run(capsys, copy_variant, out, tmp_path):
+    marker = tmp_path / "PWNED"
+    ckpt = copy_variant("base")
+    state = {"model.norm.weight": torch.ones(3), "payload": CodeOnLoad(str(marker))}
+    torch.save(state, ckpt / RANK1)
+    merge_fails(capsys, ckpt, out, str(ckpt / RANK1), "refused to unpickle", "os.makedirs")
+    assert not marker.exists()
+    # The payload is live: an unrestricted load does run it.
+    witness = tmp_path / "witness"
+    torch.save({"payload": CodeOnLoad(str(witness))}, tmp_path / "live.pt")
+    torch.load(tmp_path / "live.pt", weights_only=False)
+    assert witness.is_dir()
+
+
+def test_pickle_with_code_via_subprocess(copy_variant, out, tmp_path):
+    marker = tmp_path / "PWNED"
+    ckpt = copy_variant("base")
+    torch.save({"payload": CodeOnLoad(str(marker))}, ckpt / RANK0)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "shardstream",
+            "merge",
+            "--local_dir",
+            str(ckpt),
+            "--target_dir",
+            str(out / "merged"),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONWARNINGS": "ignore"},
+    )
+    assert_clean_failure(proc.returncode, proc.stderr, str(ckpt / RANK0), "refused to unpickle")
+    assert not marker.exists()
+    assert_nothing_written(out)
+
+
+# ---------------------------------------------------------------------------- ranks disagree
+
+
+def test_shapes_disagree_across_ranks(capsys, copy_variant, fsdp_root, out):
+    ckpt = copy_variant("base")
+    shutil.copy(fsdp_root / "bigger" / RANK1, ckpt / RANK1)
+    merge_fails(
+        capsys,
+        ckpt,
+        out,
+        str(ckpt / RANK1),
+        "'model.embed_tokens.weight'",
+        "[103, 48]",
+        "[101, 48]",
+        "disagree across ranks",
+    )
+
+
+def test_placements_disagree_across_ranks(capsys, copy_variant, fsdp_root, out):
+    ckpt = copy_variant("base")
+    shutil.copy(fsdp_root / "shard1" / RANK1, ckpt / RANK1)
+    merge_fails(
+        capsys,
+        ckpt,
+        out,
+        "'model.embed_tokens.weight'",
+        "Shard(dim=1)",
+        "Shard(dim=0)",
+        "disagree across ranks",
+    )
+
+
+def plain_checkpoint(directory: Path, states: list[dict]) -> Path:
+    directory.mkdir()
+    for rank, state in enumerate(states):
+        torch.save(state, directory / f"model_world_size_{len(states)}_rank_{rank}.pt")
+    return directory
+
+
+def test_plain_replicas_that_differ(capsys, tmp_path, out):
+    a = {"a.weight": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5)}
+    b = {k: v.clone() for k, v in a.items()}
+    b["a.weight"][1, 2] = 7.0
+    ckpt = plain_checkpoint(tmp_path / "plain", [a, b])
+    merge_fails(capsys, ckpt, out, RANK1, "replica of tensor 'a.weight' differs", RANK0)
+
+
+def test_plain_replicas_with_different_shapes(capsys, tmp_path, out):
+    a = {"a.weight": torch.zeros(3, 4)}
+    ckpt = plain_checkpoint(tmp_path / "plain", [a, {"a.weight": torch.zeros(4, 3)}])
+    merge_fails(capsys, ckpt, out, RANK1, "'a.weight'", "[4, 3]", "[3, 4]")
+
+
+def test_plain_replicas_that_agree_merge(capsys, tmp_path, out):
+    a = {"a.weight": torch.arange(12.0).reshape(3, 4), "b": torch.arange(5)}
+    ckpt = plain_checkpoint(tmp_path / "plain", [a, {k: v.clone() for k, v in a.items()}])
+    rc, err = merge(capsys, ckpt, out / "merged")
+    assert rc == 0, err
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(out / "merged" / "model.safetensors"))
+    assert torch.equal(loaded["a.weight"], a["a.weight"]) and torch.equal(loaded["b"], a["b"])
+
+
+def test_tensor_names_differ_across_ranks(capsys, tmp_path, out):
+    ckpt = plain_checkpoint(tmp_path / "plain", [{"a": torch.zeros(2)}, {"b": torch.zeros(2)}])
+    merge_fails(capsys, ckpt, out, RANK1, "tensor names differ from rank 0's")
+
+
+def test_non_tensor_entry(capsys, tmp_path, out):
+    ckpt = plain_checkpoint(tmp_path / "plain", [{"a": torch.zeros(2), "step": 5}] * 2)
+    merge_fails(capsys, ckpt, out, RANK0, "entry 'step' is a int, not a tensor")
+
+
+# ---------------------------------------------------------------------------- the target
+
+
+def test_target_is_a_file(capsys, fsdp_root, out):
+    target = out / "merged"
+    target.write_text("keep me")
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert_clean_failure(rc, err, str(target), "not a directory", code=2)
+    assert target.read_text() == "keep me"
+    assert_nothing_written(out, {"merged"})
+
+
+def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
+    target = out / "merged"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert_clean_failure(rc, err, str(target), "not empty", "--overwrite")
+    assert os.listdir(target) == ["old.txt"]
+    assert_nothing_written(out, {"merged"})
+
+    rc, err = merge(capsys, fsdp_root / "base", target, "--overwrite")
+    assert rc == 0, err
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert_nothing_written(out, {"merged"})
+    from safetensors.torch import load_file
+
+    merged = load_file(str(target / "model.safetensors"))
+    reference = load_file(str(fsdp_root / "reference" / "model.safetensors"))
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], reference[k]) for k in merged)
+
+
+def test_failed_overwrite_keeps_the_old_target(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)
+    target = out / "merged"
+    target.mkdir()
+    (target / "old.txt").write_text("old")
+    rc, err = merge(capsys, ckpt, target, "--overwrite")
+    assert_clean_failure(rc, err, "Bad CRC-32")
+    assert os.listdir(target) == ["old.txt"]
+    assert_nothing_written(out, {"merged"})
+
+
+def test_empty_existing_target_is_fine(capsys, fsdp_root, out):
+    (out / "merged").mkdir()
+    rc, err = merge(capsys, fsdp_root / "base", out / "merged")
+    assert rc == 0, err
+
+
+def test_backend_megatron(capsys, fsdp_root, out):
+    merge_fails(
+        capsys,
+        fsdp_root / "base",
+        out,
+        "--backend 'megatron' is not supported",
+        code=2,
+        extra=("--backend", "megatron"),
+    )
+
+
+def test_missing_target_parent(capsys, fsdp_root, tmp_path):
+    target = tmp_path / "no" / "such" / "merged"
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert_clean_failure(rc, err, "parent directory", code=2)
+    assert not (tmp_path / "no").exists()
+
+
+# ---------------------------------------------------------------------------- a full disk
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """Mount a tiny tmpfs (needs root); yields a function taking the size, e.g. "64k"."""
+    mounts = []
+
+    def mount(size: str) -> Path:
+        point = tmp_path / f"disk{len(mounts)}"
+        point.mkdir()
+        try:
+            proc = subprocess.run(
+                ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(point)],
+                capture_output=True,
+                text=True,
+            )
+        except FileNotFoundError:
+            pytest.skip("no mount command: cannot create a small filesystem to fill")
+        if proc.returncode:
+            pytest.skip(
+                f"cannot mount a tmpfs here (needs root/CAP_SYS_ADMIN): {proc.stderr.strip()}"
+            )
+        mounts.append(point)
+        return point
+
+    yield mount
+    for point in mounts:
+        subprocess.run(["umount", str(point)], check=False)
+
+
+@pytest.mark.parametrize("stage", ["weights", "config"])
+def test_no_space_left(capsys, fsdp_root, small_disk, tmp_path, stage):
+    """``weights``: fallocate of the weights file fails before any data is streamed.
+    ``config``: the weights fit exactly (tmpfs counts whole pages), config.json does not."""
+    if stage == "weights":
+        size = "64k"
+    else:
+        probe = tmp_path / "probe"
+        assert merge(capsys, fsdp_root / "base", probe)[0] == 0
+        pages = -(-(probe / "model.safetensors").stat().st_size // 4096)
+        size = f"{pages * 4}k"
+    disk = small_disk(size)
+    rc, err = merge(capsys, fsdp_root / "base", disk / "merged")
+    assert_clean_failure(rc, err, "no space left on device")
+    assert_nothing_written(disk)
