@@ -1,0 +1,345 @@
+"""``shardstream test`` (compare with a reference HF model) and ``shardstream inspect``."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardstream.cli import main
+from shardstream.compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_with_reference
+from shardstream.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from shardstream.inspect import describe, render
+from shardstream.merge import merge
+
+EMBED = "model.embed_tokens.weight"
+NORM = "model.norm.weight"
+
+
+def reference_tensors(fsdp_root) -> dict[str, torch.Tensor]:
+    return load_file(str(fsdp_root / "reference" / "model.safetensors"))
+
+
+def write_reference(directory: Path, tensors: dict, config: dict | None = None) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    if config is not None:
+        (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+# ---------------------------------------------------------------------------- agreement
+
+
+@pytest.mark.parametrize("variant", ["base", "shard1"])
+@pytest.mark.parametrize("buffer", ["64MiB", "64KiB"])
+def test_checkpoint_matches_its_reference(fsdp_root, variant, buffer):
+    report = compare_with_reference(
+        fsdp_root / variant, fsdp_root / "reference", buffer_size=buffer
+    )
+    assert report.ok, report.problems
+    assert report.compared == 8
+    assert report.elements == sum(t.numel() for t in reference_tensors(fsdp_root).values())
+    assert report.max_abs_diff == 0.0
+    assert (report.atol, report.rtol) == (DEFAULT_ATOL, DEFAULT_RTOL) == (1e-6, 1e-6)
+
+
+def test_sharded_bf16_reference_from_merge(fsdp_root, tmp_path):
+    target = tmp_path / "merged"
+    merge(fsdp_root / "shard1", target, dtype="bfloat16", max_shard_size="30KB")
+    assert (target / "model.safetensors.index.json").is_file()
+    report = compare_with_reference(fsdp_root / "base", target)  # cast to the reference's BF16
+    assert report.ok, report.problems
+    assert report.compared == 8
+    # Against the fp32 reference, a bf16 comparison passes too (both sides rounded alike)...
+    assert compare_with_reference(fsdp_root / "base", fsdp_root / "reference", dtype="bf16").ok
+    # ...but the fp32 checkpoint is not the bf16 model at fp32 precision.
+    fp32 = compare_with_reference(fsdp_root / "base", target, dtype="float32")
+    assert not fp32.ok and 0 < fp32.max_abs_diff < 0.01
+
+
+def test_single_safetensors_file_as_reference(fsdp_root):
+    report = compare_with_reference(
+        fsdp_root / "base", fsdp_root / "reference" / "model.safetensors"
+    )
+    assert report.ok, report.problems
+
+
+# ---------------------------------------------------------------------------- disagreement
+
+
+def test_value_mismatch_names_tensor_and_element(fsdp_root, tmp_path):
+    tensors = reference_tensors(fsdp_root)
+    tensors[EMBED][57, 3] += 0.5
+    ref = write_reference(tmp_path / "ref", tensors)
+    report = compare_with_reference(fsdp_root / "shard1", ref, buffer_size="64KiB")
+    assert not report.ok
+    (line,) = report.problems
+    assert line.startswith(f"tensor {EMBED!r}: 1 of {101 * 48} elements differ")
+    assert "at [57, 3]" in line and "atol=1e-06, rtol=1e-06" in line
+    assert report.max_abs_diff == pytest.approx(0.5, abs=1e-6)
+
+
+def test_tolerances(fsdp_root, tmp_path):
+    tensors = reference_tensors(fsdp_root)
+    tensors[NORM][0] += 5e-7  # within verl's atol=1e-6
+    tensors[NORM][1] += 1e-3
+    ref = write_reference(tmp_path / "ref", tensors)
+    report = compare_with_reference(fsdp_root / "base", ref)
+    assert [p.split(":")[0] for p in report.problems] == [f"tensor {NORM!r}"]
+    assert "1 of 48 elements differ" in report.problems[0]
+    assert compare_with_reference(fsdp_root / "base", ref, atol=2e-3).ok
+    assert compare_with_reference(fsdp_root / "base", ref, rtol=0.5).ok
+    # Only atol given: rtol is 0, so an exact comparison fails on the 5e-7 change.
+    exact = compare_with_reference(fsdp_root / "base", ref, atol=0.0)
+    assert "2 of 48 elements differ" in exact.problems[0]
+
+
+def test_missing_unexpected_shape_and_dtype(fsdp_root, tmp_path):
+    tensors = reference_tensors(fsdp_root)
+    tensors["model.extra.weight"] = torch.zeros(2)
+    del tensors["lm_head.weight"]
+    tensors[NORM] = torch.zeros(49)
+    tensors["model.layers.0.input_layernorm.weight"] = torch.zeros(48, dtype=torch.int32)
+    ref = write_reference(tmp_path / "ref", tensors)
+    report = compare_with_reference(fsdp_root / "base", ref)
+    problems = sorted(report.problems)
+    assert len(problems) == 4, problems
+    text = "\n".join(problems)
+    assert "tensor 'model.extra.weight': missing from the checkpoint" in text
+    assert "tensor 'lm_head.weight': unexpected" in text
+    assert f"tensor {NORM!r}: shape mismatch: reference [49], checkpoint [48]" in text
+    assert (
+        "'model.layers.0.input_layernorm.weight': dtype mismatch: reference I32, checkpoint F32"
+        in text
+    )
+    assert report.compared == 5
+
+
+def test_tied_lm_head_is_skipped_like_merge(fsdp_root, tmp_path, copy_variant):
+    tensors = reference_tensors(fsdp_root)
+    del tensors["lm_head.weight"]
+    ref = write_reference(tmp_path / "ref", tensors)
+    assert not compare_with_reference(fsdp_root / "base", ref).ok
+    # --tie-word-embedding, as for merge
+    report = compare_with_reference(fsdp_root / "base", ref, tie_word_embedding=True)
+    assert report.ok and report.skipped == ["lm_head.weight"] and report.compared == 7
+    # tie_word_embeddings in the checkpoint's config
+    ckpt = copy_variant("base")
+    config_path = ckpt / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    assert compare_with_reference(ckpt, ref).ok
+    # or in the reference's
+    write_reference(ref, tensors, {**config, "tie_word_embeddings": True})
+    assert compare_with_reference(fsdp_root / "base", ref).ok
+    # A reference that does keep lm_head.weight is still compared against it.
+    full = write_reference(tmp_path / "full", reference_tensors(fsdp_root))
+    report = compare_with_reference(fsdp_root / "base", full, tie_word_embedding=True)
+    assert report.ok and report.compared == 8 and report.skipped == []
+
+
+def plain_checkpoint(directory: Path, state: dict, world_size: int = 2) -> Path:
+    directory.mkdir()
+    for rank in range(world_size):
+        torch.save(state, directory / f"model_world_size_{world_size}_rank_{rank}.pt")
+    return directory
+
+
+def test_nan_inf_and_integers(tmp_path):
+    values = torch.tensor([1.0, math.nan, math.inf, -math.inf, -0.0, 2.5])
+    ids = torch.arange(-3, 3, dtype=torch.int64)
+    ckpt = plain_checkpoint(
+        tmp_path / "ckpt", {"v": values, "ids": ids, "flag": torch.tensor(True)}
+    )
+    same = write_reference(
+        tmp_path / "same", {"v": values.clone(), "ids": ids.clone(), "flag": torch.tensor(True)}
+    )
+    report = compare_with_reference(ckpt, same)
+    assert report.ok, report.problems  # NaN == NaN at the same place; infs match
+    changed_ids = ids.clone()
+    changed_ids[4] = 1 << 40
+    other = values.clone()
+    other[2] = 1e30  # inf vs a finite value
+    diff = write_reference(
+        tmp_path / "diff", {"v": other, "ids": changed_ids, "flag": torch.tensor(False)}
+    )
+    report = compare_with_reference(ckpt, diff, atol=1.0, rtol=1.0)
+    text = "\n".join(sorted(report.problems))
+    assert "tensor 'flag': 1 of 1 elements differ (exact, as BOOL)" in text
+    assert "tensor 'ids': 1 of 6 elements differ (exact, as I64)" in text and "at [4]" in text
+    assert "tensor 'v': 1 of 6 elements differ" in text and "at [2]" in text
+    assert report.max_abs_diff == math.inf
+    assert report.to_json()["max_abs_diff"] is None
+    json.dumps(report.to_json(), allow_nan=False)
+
+
+def test_empty_and_scalar_tensors(tmp_path):
+    state = {"empty": torch.zeros(0, 4), "scalar": torch.tensor(3.25)}
+    ckpt = plain_checkpoint(tmp_path / "ckpt", state)
+    ref = write_reference(tmp_path / "ref", {k: v.clone() for k, v in state.items()})
+    report = compare_with_reference(ckpt, ref)
+    assert report.ok and report.compared == 2 and report.elements == 1
+
+
+# ---------------------------------------------------------------------------- bad references
+
+
+def test_reference_errors(fsdp_root, tmp_path):
+    with pytest.raises(CheckpointNotFoundError, match="nope: no such reference model directory"):
+        compare_with_reference(fsdp_root / "base", tmp_path / "nope")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(
+        CheckpointNotFoundError,
+        match=r"empty: no model\.safetensors or model\.safetensors\.index\.json",
+    ):
+        compare_with_reference(fsdp_root / "base", empty)
+    (empty / "pytorch_model.bin").write_bytes(b"x")
+    with pytest.raises(
+        CheckpointFormatError, match="pytorch_model.bin but no model.safetensors.*only safetensors"
+    ):
+        compare_with_reference(fsdp_root / "base", empty)
+
+
+def sharded_reference(fsdp_root, tmp_path) -> Path:
+    tmp_path.mkdir(exist_ok=True)
+    target = tmp_path / "sharded"
+    merge(fsdp_root / "base", target, max_shard_size="30KB")
+    return target
+
+
+def edit_index(directory: Path, edit) -> None:
+    path = directory / "model.safetensors.index.json"
+    doc = json.loads(path.read_text())
+    edit(doc)
+    path.write_text(json.dumps(doc))
+
+
+def test_index_errors(fsdp_root, tmp_path):
+    ref = sharded_reference(fsdp_root, tmp_path)
+    edit_index(ref, lambda d: d["weight_map"].update({EMBED: "../../etc/passwd"}))
+    with pytest.raises(UnsafeCheckpointError, match=f"{EMBED!r} points at '../../etc/passwd'"):
+        compare_with_reference(fsdp_root / "base", ref)
+    ref = sharded_reference(fsdp_root, tmp_path / "2")
+    first = sorted(p.name for p in ref.glob("model-*.safetensors"))[0]
+    edit_index(ref, lambda d: d["weight_map"].update({"ghost": first}))
+    with pytest.raises(CheckpointFormatError, match=f"lists tensor 'ghost' in {first}, but"):
+        compare_with_reference(fsdp_root / "base", ref)
+    edit_index(ref, lambda d: d.pop("weight_map"))
+    with pytest.raises(CheckpointFormatError, match="not a valid safetensors index"):
+        compare_with_reference(fsdp_root / "base", ref)
+
+
+def test_bad_arguments(fsdp_root):
+    from shardstream.errors import UsageError
+
+    with pytest.raises(UsageError, match="buffer-size"):
+        compare_with_reference(fsdp_root / "base", fsdp_root / "reference", buffer_size="1KiB")
+    with pytest.raises(UsageError, match="non-negative"):
+        compare_with_reference(fsdp_root / "base", fsdp_root / "reference", atol=-1)
+    with pytest.raises(UsageError, match="unknown dtype"):
+        compare_with_reference(fsdp_root / "base", fsdp_root / "reference", dtype="float8")
+
+
+# ---------------------------------------------------------------------------- the CLI
+
+
+def test_cli_test_ok_and_mismatch(fsdp_root, tmp_path, capsys):
+    argv = ["test", "--local_dir", str(fsdp_root / "base"), "--test_hf_dir"]
+    assert main([*argv, str(fsdp_root / "reference")]) == 0
+    out, err = capsys.readouterr()
+    assert out.startswith("OK: compared 8 tensors") and err == ""
+
+    tensors = reference_tensors(fsdp_root)
+    tensors[NORM][5] = 9.0
+    ref = write_reference(tmp_path / "ref", tensors)
+    assert main([*argv, str(ref)]) == 1
+    out, err = capsys.readouterr()
+    assert out.startswith("MISMATCH") and err.count("\n") == 1 and NORM in err
+
+    assert main([*argv, str(ref), "--json"]) == 1
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["ok"] is False and doc["compared"] == 8 and len(doc["problems"]) == 1
+
+    assert main([*argv, str(tmp_path / "missing")]) == 1
+    _, err = capsys.readouterr()
+    assert err.startswith("shardstream test: error: ") and err.count("\n") == 1
+
+
+# ---------------------------------------------------------------------------- inspect
+
+
+def test_describe(fsdp_root):
+    info = describe(fsdp_root / "shard1")
+    assert info["format"] == "verl" and info["world_size"] == 2 and info["fsdp_version"] == 2
+    assert info["num_files"] == 2 and info["num_tensors"] == 8
+    by_name = {t["name"]: t for t in info["tensors"]}
+    assert by_name[EMBED] == {
+        "name": EMBED,
+        "shape": [101, 48],
+        "dtype": "float32",
+        "placement": "fsdp:S(1)",
+        "bytes": 101 * 48 * 4,
+        "blocks": 2,
+        "replicas": 0,
+    }
+    assert by_name[NORM]["placement"] == "fsdp:S(0)"
+    assert info["total_bytes"] == sum(t["bytes"] for t in info["tensors"])
+    m = info["merge"]
+    assert m["bytes_read"] == m["bytes_written"] == info["total_bytes"]
+    assert m["estimated_peak_rss_bytes"] == 64 * 2**20 + m["baseline_rss_bytes"]
+    assert m["estimated_seconds"] == pytest.approx(
+        2 * info["total_bytes"] / m["assumed_disk_bytes_per_s"]
+    )
+    json.dumps(info)
+
+
+def test_describe_reads_no_tensor_data(fsdp_root, monkeypatch):
+    from shardstream import copy
+
+    def forbidden(*args, **kwargs):
+        raise AssertionError("inspect read tensor data")
+
+    monkeypatch.setattr(copy.FileEndpoint, "read_into", forbidden)
+    monkeypatch.setattr(copy.FileEndpoint, "__init__", forbidden)
+    assert describe(fsdp_root / "base")["num_tensors"] == 8
+
+
+def test_describe_output_dtype_and_tied_head(copy_variant):
+    ckpt = copy_variant("base")
+    config_path = ckpt / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    config_path.write_text(
+        json.dumps({**config, "torch_dtype": "bfloat16", "tie_word_embeddings": True})
+    )
+    m = describe(ckpt)["merge"]
+    assert m["output_dtype"] == "bfloat16" and m["dropped_tied"] == ["lm_head.weight"]
+    assert m["bytes_written"] == (describe(ckpt)["total_bytes"] - 101 * 48 * 4) // 2
+
+
+def test_render_and_cli(fsdp_root, capsys):
+    text = render(describe(fsdp_root / "base"))
+    assert "verl checkpoint, world size 2" in text and EMBED in text and "101x48" in text
+    assert "assumed" in text and "fsdp:S(0)" in text
+    assert main(["inspect", str(fsdp_root / "base")]) == 0
+    assert capsys.readouterr().out.strip() == text
+    assert main(["inspect", str(fsdp_root / "base"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["world_size"] == 2
+    assert main(["inspect", str(fsdp_root / "nope")]) == 1
+    assert "no such directory" in capsys.readouterr().err
+
+
+def test_inspect_plain_checkpoint(tmp_path):
+    ckpt = plain_checkpoint(tmp_path / "plain", {"w": torch.zeros(3, 2), "s": torch.tensor(1.0)})
+    info = describe(ckpt)
+    assert info["mesh"] == "none (plain tensors)"
+    assert [t["replicas"] for t in info["tensors"]] == [1, 1]
+    assert info["merge"]["bytes_read"] == 2 * info["total_bytes"]
+    assert "scalar" in render(info)
+    shutil.rmtree(ckpt)
