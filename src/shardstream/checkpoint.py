@@ -6,11 +6,14 @@ with shardstream's streaming StorageWriter/StorageReader; non-tensor state is JS
 
 from __future__ import annotations
 
+import errno
+import contextlib
 import json
 import os
 import shutil
 import time
 import uuid
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,7 +27,13 @@ from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
 from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
-from .errors import CheckpointFormatError, CheckpointNotFoundError, ShardstreamError, UsageError
+from .errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    OutOfSpaceError,
+    ShardstreamError,
+    UsageError,
+)
 from .formats import native
 from .formats.safetensors import read_header
 from .formats.writer import OutputTensor, write_safetensors
@@ -81,6 +90,14 @@ def _agree_or_raise(error: BaseException | None) -> None:
         raise ShardstreamError(f"save failed on another rank: {failed[0]}")
     if error is not None:
         raise error
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns when used without a process group; that is a supported mode here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 @dataclass
@@ -189,7 +206,8 @@ def save(
         writer = native.StreamingWriter(tmp, buffer_bytes)
         tensor_section, file_section = {}, {}
         if tensors:
-            dcp.save(tensors, storage_writer=writer)
+            with _single_process_quiet():
+                dcp.save(tensors, storage_writer=writer)
             if _rank() == 0:
                 tensor_section, file_section = native.tensor_manifest(
                     writer.metadata, writer.results
@@ -204,8 +222,13 @@ def save(
             records.update(hf_export(tmp, buffer_bytes))
         gathered = _gather(records)
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
-        error = exc
-    _agree_or_raise(error)
+        error = _save_error(exc, target)
+    try:
+        _agree_or_raise(error)
+    except BaseException:
+        if _rank() == 0:  # every rank has stopped writing: leave no partial output behind
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
 
     if _rank() == 0:
         try:
@@ -234,13 +257,27 @@ def save(
                 os.rename(tmp, target)
             fsync_dir(target.parent)
         except BaseException as exc:  # noqa: BLE001
-            error = exc
+            error = _save_error(exc, target)
             shutil.rmtree(tmp, ignore_errors=True)
     _agree_or_raise(error)
     written = sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if _rank() == 0 else 0
     return SaveResult(
         str(target), int(step), written, time.perf_counter() - started, peak_rss_bytes()
     )
+
+
+def _save_error(exc: BaseException, target: Path) -> BaseException:
+    """The error to report for a failed save: ours if DCP wrapped one, a full disk named."""
+    cause = _shardstream_cause(exc)
+    if cause is not None:
+        return cause
+    if any(
+        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(exc)
+    ):
+        return OutOfSpaceError(
+            f"{target}: no space left on device while saving; partial output removed"
+        )
+    return exc
 
 
 # --- load --------------------------------------------------------------------------------------
@@ -324,7 +361,8 @@ def load(
     )
     if targets:
         try:
-            dcp.load(targets, storage_reader=reader)
+            with _single_process_quiet():
+                dcp.load(targets, storage_reader=reader)
         except ShardstreamError:
             raise
         except Exception as exc:  # DCP wraps rank failures; surface ours
@@ -349,7 +387,8 @@ def load(
     )
 
 
-def _shardstream_cause(exc: BaseException) -> ShardstreamError | None:
+def _causes(exc: BaseException):
+    """``exc`` and every exception behind it, including those DCP wraps per rank."""
     seen = set()
     stack = [exc]
     while stack:
@@ -357,13 +396,18 @@ def _shardstream_cause(exc: BaseException) -> ShardstreamError | None:
         if id(e) in seen or e is None:
             continue
         seen.add(id(e))
-        if isinstance(e, ShardstreamError):
-            return e
+        yield e
         stack.extend([e.__cause__, e.__context__])
         failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):
-            stack.extend(v for v in failures.values() if isinstance(v, BaseException))
-    return None
+        if isinstance(failures, dict):  # CheckpointException: rank -> (exception, traceback)
+            for v in failures.values():
+                v = v[0] if isinstance(v, tuple) and v else v
+                if isinstance(v, BaseException):
+                    stack.append(v)
+
+
+def _shardstream_cause(exc: BaseException) -> ShardstreamError | None:
+    return next((e for e in _causes(exc) if isinstance(e, ShardstreamError)), None)
 
 
 def _read_extra(ckpt, rank: int) -> dict[str, Any]:

@@ -120,21 +120,24 @@ class CheckpointConfig:
         """
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {}
+        legacy_contents = None
         for key, value in values.items():
             if key in _IGNORED_VERL_KEYS:
                 continue
-            if key == "contents":  # verl's legacy key sets both
-                kwargs.setdefault("save_contents", tuple(value))
-                kwargs.setdefault("load_contents", tuple(value))
+            if key == "contents":  # verl's legacy key: the default for both lists
+                legacy_contents = tuple(value)
                 continue
             name = _SYNONYMS.get(key, key)
             if name not in known:
                 raise UsageError(
                     f"unknown checkpoint config key {key!r}; known keys: {sorted(known)}"
                 )
-            if name in kwargs and key in _SYNONYMS:
-                raise UsageError(f"config sets {name!r} twice (as {key!r} and {name!r})")
+            if name in kwargs:
+                raise UsageError(f"config sets {name!r} twice (through {key!r})")
             kwargs[name] = tuple(value) if name.endswith("_contents") else value
+        if legacy_contents is not None:
+            kwargs.setdefault("save_contents", legacy_contents)
+            kwargs.setdefault("load_contents", legacy_contents)
         if isinstance(kwargs.get("save_interval"), int) and kwargs["save_interval"] <= 0:
             kwargs["save_interval"] = None  # verl: save_freq -1 disables interval saves
         if kwargs.get("keep_last") in (-1, 0):

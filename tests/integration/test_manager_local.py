@@ -1,0 +1,252 @@
+"""CheckpointManager semantics in one process: config, interval, retention, commit, contents."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+import shardstream
+from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.errors import (
+    CheckpointFormatError,
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    UsageError,
+)
+from shardstream.formats import native
+from shardstream.manager import LATEST_FILE
+
+
+def tiny():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.ReLU(), torch.nn.Linear(7, 3))
+    model.register_buffer("calls", torch.tensor(4))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.9)
+    return model, optimizer, scheduler
+
+
+def step(model, optimizer, scheduler):
+    model(torch.randn(4, 5)).pow(2).sum().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    scheduler.step()
+
+
+def snapshot(model, optimizer, scheduler):
+    import copy
+
+    return copy.deepcopy(
+        {"m": model.state_dict(), "o": optimizer.state_dict(), "s": scheduler.state_dict()}
+    )
+
+
+def assert_same(a, b):
+    for k, v in a["m"].items():
+        assert torch.equal(v, b["m"][k]), k
+    for pid, entries in a["o"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(value), torch.as_tensor(b["o"]["state"][pid][key]))
+    assert a["o"]["param_groups"] == b["o"]["param_groups"]
+    assert a["s"] == b["s"]
+
+
+# --- config --------------------------------------------------------------------------------------
+
+
+def test_from_dict_accepts_verl_keys(tmp_path):
+    cfg = CheckpointConfig.from_dict(
+        {
+            "contents": ["model"],
+            "save_freq": 1000,
+            "default_local_dir": str(tmp_path),
+            "max_ckpt_to_keep": 3,
+            "incremental_save": True,
+        }
+    )
+    assert cfg.save_contents == cfg.load_contents == ("model",)
+    assert (cfg.save_interval, cfg.keep_last, cfg.directory) == (1000, 3, str(tmp_path))
+    cfg = CheckpointConfig.from_dict(
+        {
+            "save_contents": ["model", "optimizer", "extra", "hf_model"],
+            "load_contents": ["model"],
+            "save_interval": 5,
+            "directory": "x",
+        }
+    )
+    assert cfg.save_contents[-1] == "hf_model" and cfg.load_contents == ("model",)
+    assert CheckpointConfig.from_dict({"directory": "x", "save_freq": -1}).save_interval is None
+
+
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"directory": "x", "bogus": 1}, "unknown checkpoint config key 'bogus'"),
+        ({"directory": "x", "save_contents": ["weights"]}, "unknown item 'weights'"),
+        ({"directory": "x", "keep_last": 0.5}, "keep_last"),
+        ({"directory": "x", "staging_budget": "lots"}, "invalid size"),
+        ({"directory": "x", "save_freq": 3, "save_interval": 4}, "twice"),
+    ],
+)
+def test_bad_config_is_refused(values, words):
+    with pytest.raises(UsageError, match=words):
+        CheckpointConfig.from_dict(values)
+
+
+# --- interval, retention, latest -----------------------------------------------------------------
+
+
+def test_interval_retention_and_latest(tmp_path):
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path), save_interval=2, keep_last=2)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler) as mgr:
+        saved = []
+        for s in range(1, 8):
+            step(model, optimizer, scheduler)
+            saved.append(mgr.maybe_save(s, extra={"s": s}))
+        assert saved == [False, True, False, True, False, True, False]
+        assert mgr.maybe_save(7, extra={"s": 7}, final=True)
+        assert mgr.all_steps() == [6, 7]
+        assert (tmp_path / LATEST_FILE).read_text().strip() == "7"
+        want = snapshot(model, optimizer, scheduler)
+    model2, optimizer2, scheduler2 = tiny()
+    with CheckpointManager(cfg, model=model2, optimizer=optimizer2, lr_scheduler=scheduler2) as m2:
+        assert m2.restore() == (7, {"s": 7})
+        assert_same(snapshot(model2, optimizer2, scheduler2), want)
+        assert m2.restore(step=6)[0] == 6
+        with pytest.raises(CheckpointNotFoundError, match="step 2"):
+            m2.restore(step=2)
+
+
+def test_restore_returns_none_when_empty(tmp_path):
+    model, optimizer, _ = tiny()
+    with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model) as mgr:
+        assert mgr.restore() is None
+
+
+def test_retention_keeps_newer_steps_and_the_newest(tmp_path):
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        mgr.save(10)
+        mgr.save(5)  # rewinding: step 10 is newer and is not ours to delete
+        assert mgr.all_steps() == [5, 10]
+        assert mgr.latest_step() == 5
+
+
+# --- commit protocol -----------------------------------------------------------------------------
+
+
+def test_failed_save_is_invisible_and_cleaned(tmp_path, monkeypatch):
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        mgr.save(1)
+
+        def crash(*args, **kwargs):
+            raise OSError(5, "simulated I/O error before the manifest")
+
+        monkeypatch.setattr(native, "write_manifest", crash)
+        with pytest.raises(OSError):
+            mgr.save(2)
+        monkeypatch.undo()
+        assert mgr.all_steps() == [1] and mgr.latest_step() == 1
+        assert not any("tmp" in p.name for p in tmp_path.iterdir() if p.name != LATEST_FILE)
+    # A crash that leaves debris behind (kill -9): the next manager removes it.
+    debris = tmp_path / "global_step_3.tmp-deadbeef"
+    debris.mkdir()
+    (debris / "rank-00000.safetensors").write_bytes(b"partial")
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        assert not debris.exists()
+        assert mgr.restore()[0] == 1
+
+
+def test_directory_without_manifest_is_not_a_step(tmp_path):
+    model, optimizer, _ = tiny()
+    (tmp_path / "global_step_9").mkdir()
+    (tmp_path / LATEST_FILE).write_text("9\n")
+    with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model) as mgr:
+        assert mgr.all_steps() == [] and mgr.restore() is None
+
+
+def test_second_manager_on_the_same_directory_is_refused(tmp_path):
+    model, optimizer, _ = tiny()
+    with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model):
+        with pytest.raises(CheckpointLockedError, match="another live process"):
+            CheckpointManager(CheckpointConfig(str(tmp_path)), model=model)
+    CheckpointManager(CheckpointConfig(str(tmp_path)), model=model).close()
+
+
+# --- contents ------------------------------------------------------------------------------------
+
+
+def test_model_only_save_cannot_restore_optimizer(tmp_path):
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path), save_contents=("model",))
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        mgr.save(1)
+        manifest = json.loads((tmp_path / "global_step_1" / native.MANIFEST).read_text())
+        assert manifest["contents"] == ["model"]
+        assert all(k.startswith("model.") for k in manifest["tensors"])
+        with pytest.raises(CheckpointFormatError, match="no optimizer state"):
+            mgr.restore()
+    cfg = CheckpointConfig(str(tmp_path), load_contents=("model",))
+    model2, optimizer2, _ = tiny()
+    with torch.no_grad():
+        model2[0].weight.zero_()
+    with CheckpointManager(cfg, model=model2, optimizer=optimizer2) as mgr:
+        assert mgr.restore()[0] == 1
+        assert torch.equal(model2[0].weight, model[0].weight)
+        assert optimizer2.state_dict()["state"] == {}
+
+
+def test_extra_round_trips_json_and_tensors(tmp_path):
+    model, _, _ = tiny()
+    extra = {
+        "loader": {"epoch": 2, "indices": torch.arange(5), "pair": (1, "a"), 3: None},
+        "nan": float("nan"),
+    }
+    shardstream.save(tmp_path / "c", model=model, contents=("model", "extra"), extra=extra, step=3)
+    result = shardstream.load(tmp_path / "c", model=model, contents=("model", "extra"))
+    assert result.step == 3
+    loader = result.extra["loader"]
+    assert loader["epoch"] == 2 and loader["pair"] == (1, "a") and loader[3] is None
+    assert torch.equal(loader["indices"], torch.arange(5))
+    assert result.extra["nan"] != result.extra["nan"]
+
+
+def test_rng_is_restored(tmp_path):
+    import random
+
+    model, _, _ = tiny()
+    torch.manual_seed(5)
+    random.seed(5)
+    shardstream.save(tmp_path / "c", model=model, contents=("model", "extra"))
+    want = (torch.rand(2), random.random())
+    torch.manual_seed(99)
+    random.seed(99)
+    shardstream.load(tmp_path / "c", model=model, contents=("model", "extra"))
+    got = (torch.rand(2), random.random())
+    assert torch.equal(got[0], want[0]) and got[1] == want[1]
+
+
+def test_unknown_content_and_existing_target(tmp_path):
+    model, _, _ = tiny()
+    with pytest.raises(UsageError, match="unknown item"):
+        shardstream.save(tmp_path / "c", model=model, contents=("model", "weights"))
+    shardstream.save(tmp_path / "c", model=model, contents=("model",))
+    with pytest.raises(UsageError, match="already exists"):
+        shardstream.save(tmp_path / "c", model=model, contents=("model",))
+    assert sorted(os.listdir(tmp_path)) == ["c"]
+
+
+def test_shape_mismatch_names_the_tensor(tmp_path):
+    model, _, _ = tiny()
+    shardstream.save(tmp_path / "c", model=model, contents=("model",))
+    other = torch.nn.Sequential(torch.nn.Linear(5, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    other.register_buffer("calls", torch.tensor(0))
+    with pytest.raises(CheckpointFormatError, match="'model.0.weight' has shape"):
+        shardstream.load(tmp_path / "c", model=other, contents=("model",))
