@@ -6,8 +6,8 @@ with shardstream's streaming StorageWriter/StorageReader; non-tensor state is JS
 
 from __future__ import annotations
 
-import errno
 import contextlib
+import errno
 import json
 import os
 import shutil
