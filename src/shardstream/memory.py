@@ -26,3 +26,13 @@ def current_rss_bytes() -> int:
     except OSError:
         pass
     return 0
+
+
+def reset_peak_rss() -> bool:
+    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False where unsupported."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
