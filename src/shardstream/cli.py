@@ -51,6 +51,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--dtype", default=None, help="bfloat16, float16 or float32 (default: config)")
     _flag(merge, "--max-shard-size", default="5GB", help="split output files (default 5GB)")
     _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
+    _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
     _flag(merge, "--hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(merge, "--private", action="store_true", help=argparse.SUPPRESS)
 
@@ -126,6 +127,7 @@ def run_merge(args: argparse.Namespace) -> int:
             overwrite=args.overwrite,
             hf_model_path=args.hf_model_path,
             tie_word_embedding=args.tie_word_embedding,
+            fuse_lora=args.fuse_lora,
             progress=progress.update,
             on_plan=progress.start,
         )

@@ -374,3 +374,26 @@ def hash_block(name: str, shape: Sequence[int], block, streamer: Streamer) -> st
         for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, streamer.buf.window.nbytes):
             hasher.update(memoryview(np.ascontiguousarray(streamer.rows(run, i0, i1, e0, e1))))
     return hasher.hexdigest()
+
+
+def read_tensor(tensor, streamer: Streamer, dtype: str | None = None) -> torch.Tensor:
+    """Assemble a small ``GlobalTensor`` in memory (LoRA factors, extra state), in bounded steps."""
+    from .plan import dense_block, plan_copy
+
+    code = dtype or tensor.dtype
+    out = torch.empty(tensor.shape, dtype=TORCH_BY_CODE[code])
+    location = f"read:{tensor.name}"
+    endpoint = TensorEndpoint(tensor.name, out)
+    previous = streamer.endpoint
+
+    def endpoints(name: str) -> Endpoint:
+        return endpoint if name == location else previous(name)
+
+    streamer.endpoint = endpoints
+    try:
+        dst = dense_block(location, 0, code, tensor.shape)
+        runs = [r for b in tensor.blocks for r in plan_copy(tensor.name, tensor.shape, b, dst)]
+        stream_into_memory(runs, streamer)
+    finally:
+        streamer.endpoint = previous
+    return out

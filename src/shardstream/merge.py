@@ -9,6 +9,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import lora
 from .commit import staged_directory
 from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
@@ -83,6 +84,7 @@ def merge(
     overwrite: bool = False,
     hf_model_path: str | os.PathLike | None = None,
     tie_word_embedding: bool = False,
+    fuse_lora: bool = False,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> MergeSummary:
@@ -107,8 +109,13 @@ def merge(
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
     out_dtype = output_dtype(dtype, config)
-    drop = tied_duplicates(checkpoint.tensors, config, tie_word_embedding)
-    outputs = choose_outputs(checkpoint.tensors, out_dtype, drop)
+    split = lora.split_lora(checkpoint.tensors)
+    lora.require_lora(split, fuse_lora)
+    tensors = split.base if split else checkpoint.tensors
+    if split:
+        rank_alpha = lora.lora_settings(Path(getattr(checkpoint, "directory", local_dir)))
+    drop = tied_duplicates(tensors, config, tie_word_embedding)
+    outputs = choose_outputs(tensors, out_dtype, drop)
     files = hf.plan_hf_files(outputs, max_file_bytes)
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
@@ -127,6 +134,9 @@ def merge(
     written = 0
     try:
         check_replicas(checkpoint, streamer)
+        if split and fuse_lora:
+            shapes = {t.name: t.shape for t in tensors}
+            streamer.transforms = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
         with staged_directory(target, overwrite) as tmp:
             for name, tensors in files:
                 record = write_safetensors(str(tmp / name), tensors, streamer, progress=progress)
@@ -134,6 +144,8 @@ def merge(
             if len(files) > 1:
                 index = json.dumps(hf.index_document(files), indent=2) + "\n"
                 (tmp / hf.INDEX_FILE).write_text(index)
+            if split and not fuse_lora:
+                written += write_adapter(tmp, split, rank_alpha, out_dtype, streamer, config)
             if config_dir is not None:
                 dtype_name = (
                     str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
@@ -153,6 +165,27 @@ def merge(
         dtype=out_dtype,
         skipped=sorted(drop),
     )
+
+
+def write_adapter(
+    tmp: Path,
+    split: lora.LoraSplit,
+    rank_alpha: tuple[int, float],
+    dtype: str | None,
+    streamer: Streamer,
+    config: dict,
+) -> int:
+    """The LoRA factors as a PEFT adapter in ``lora_adapter/`` beside the base model."""
+    adapter_dir = tmp / lora.ADAPTER_DIR
+    adapter_dir.mkdir()
+    factors = [
+        OutputTensor(name, dtype if dtype and t.dtype in FLOATING else t.dtype, t)
+        for name, t in lora.adapter_tensors(split)
+    ]
+    record = write_safetensors(str(adapter_dir / "adapter_model.safetensors"), factors, streamer)
+    settings = lora.adapter_config(split, *rank_alpha, config.get("_name_or_path") or None)
+    (adapter_dir / lora.ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    return record.size
 
 
 def check_replicas(checkpoint, streamer: Streamer) -> None:
