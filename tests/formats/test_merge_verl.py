@@ -1,0 +1,143 @@
+"""merge on real verl-layout FSDP2 checkpoints: bit-equal tensors and equal logits.
+
+Checkpoints come from ``shardstream.testing.verl_checkpoint`` (N gloo processes, fully_shard,
+AdamW step), one launcher for all cases.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardstream.cli import main
+from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoints
+
+CASES = {
+    "ws1": VerlFixture(world_size=1),
+    "ws2-tied": VerlFixture(world_size=2, tie_word_embeddings=True),
+    "ws3-llama": VerlFixture(world_size=3, arch="llama"),
+    "ws4": VerlFixture(world_size=4),
+    "hsdp2x2": VerlFixture(world_size=4, mesh_shape=(2, 2)),
+    "ws4-shard1": VerlFixture(world_size=4, shard_dim=1),
+    "ws4-plain-buffers": VerlFixture(world_size=4, arch="plain"),
+    "ws4-lora": VerlFixture(world_size=4, lora=True),
+    "ws2-old-layout": VerlFixture(world_size=2, write_fsdp_config=False, hf_in_subdir=False),
+}
+
+
+@pytest.fixture(scope="session")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl")
+    jobs = [(root / name, fx, 1) for name, fx in CASES.items()]
+    actors = write_verl_checkpoints(jobs)
+    return {name: (root / name, actor) for name, actor in zip(CASES, actors)}
+
+
+def merge(actor, target, *flags) -> dict:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = main(
+            [
+                "merge",
+                "--backend",
+                "fsdp",
+                "--local_dir",
+                str(actor),
+                "--target_dir",
+                str(target),
+                "--json",
+                *flags,
+            ]
+        )
+    assert code == 0
+    return json.loads(out.getvalue())
+
+
+def merged_tensors(target) -> dict[str, torch.Tensor]:
+    index = target / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    out = {}
+    for name in files:
+        out.update(load_file(target / name))
+    return out
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("dtype", ["bfloat16", "float32"])
+def test_merge_is_bit_equal_to_unsharded_model(checkpoints, case, dtype, tmp_path):
+    root, actor = checkpoints[case]
+    fx = CASES[case]
+    target = tmp_path / "merged"
+    summary = merge(actor, target, "--dtype", dtype)
+    want = load_file(root / "reference" / "model.safetensors")
+    got = merged_tensors(target)
+    if fx.tie_word_embeddings:
+        assert "lm_head.weight" not in got and summary["skipped"] == ["lm_head.weight"]
+        want.pop("lm_head.weight", None)
+    assert got.keys() == want.keys()
+    cast = getattr(torch, dtype)
+    for name, tensor in want.items():
+        expected = tensor.to(cast) if tensor.is_floating_point() else tensor
+        assert got[name].dtype == expected.dtype, name
+        assert torch.equal(got[name], expected), name
+    if fx.lora:
+        adapter = load_file(target / "lora_adapter" / "adapter_model.safetensors")
+        reference = load_file(root / "reference" / "adapter_model.safetensors")
+        assert adapter.keys() == reference.keys()
+        assert all(torch.equal(adapter[k], reference[k].to(cast)) for k in reference)
+        config = json.loads((target / "lora_adapter" / "adapter_config.json").read_text())
+        assert (config["r"], config["lora_alpha"]) == (fx.lora_rank, fx.lora_alpha)
+
+
+@pytest.mark.parametrize("case", ["ws4", "ws2-tied", "hsdp2x2", "ws4-shard1", "ws3-llama"])
+def test_transformers_loads_merge_and_logits_match(checkpoints, case, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    root, actor = checkpoints[case]
+    target = tmp_path / "merged"
+    merge(actor, target, "--dtype", "float32")
+    model, info = AutoModelForCausalLM.from_pretrained(target, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    reference = load_file(root / "reference" / "logits.safetensors")
+    with torch.no_grad():
+        logits = model(input_ids=reference["input_ids"]).logits
+    torch.testing.assert_close(logits, reference["logits"], rtol=1e-5, atol=1e-5)
+
+
+def test_fuse_lora_matches_fused_reference(checkpoints, tmp_path):
+    root, actor = checkpoints["ws4-lora"]
+    target = tmp_path / "fused"
+    merge(actor, target, "--fuse-lora", "--dtype", "float32")
+    fused = load_file(root / "reference" / "fused.safetensors")
+    got = merged_tensors(target)
+    assert got.keys() == fused.keys()
+    for name, tensor in fused.items():
+        torch.testing.assert_close(got[name], tensor, rtol=0, atol=1e-6)
+    assert not (target / "lora_adapter").exists()
+
+
+def test_default_dtype_comes_from_config_and_small_shards_split(checkpoints, tmp_path):
+    root, actor = checkpoints["ws4"]
+    target = tmp_path / "merged"
+    summary = merge(actor, target, "--max-shard-size", "40KB", "--buffer-size", "64KiB")
+    assert summary["dtype"] == "BF16"
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 1 and files[0] == f"model-00001-of-{len(files):05d}.safetensors"
+    got = merged_tensors(target)
+    assert index["metadata"]["total_size"] == sum(t.nbytes for t in got.values())
+    want = load_file(root / "reference" / "model.safetensors")
+    assert all(torch.equal(got[k], want[k].to(torch.bfloat16)) for k in want)
+    config = json.loads((target / "config.json").read_text())
+    assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
+    assert (target / "tokenizer.json").is_file() and (target / "generation_config.json").is_file()
