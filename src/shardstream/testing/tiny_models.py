@@ -3,16 +3,12 @@
 Everything here is random-initialised: nothing is downloaded. The default
 dimensions are chosen so that FSDP's ``torch.chunk``-style sharding is uneven:
 
-===========================  ==========  =====================================
-tensor                       shape       rows per rank (Shard(0))
-===========================  ==========  =====================================
-``embed_tokens``/``lm_head``  (101, 48)   ws=2: 51/50, ws=3: 34/34/33, ws=4: 26/26/26/23
-``gate_proj``/``up_proj``    (86, 48)    ws=4: 22/22/22/20
-``down_proj``                (48, 86)    even on dim 0; dim 1 (86) never divides 4
-``k_proj``/``v_proj``        (24, 48)    ws=4: 6 each (even)
-LoRA ``lora_A`` (r=3)        (3, 48)     ws=2: 2/1, ws=4: 1/1/1/**0** (zero rows)
-LoRA ``lora_B`` (r=3)        (out, 3)    dim 1 never divides 2 or 4
-===========================  ==========  =====================================
+* ``embed_tokens`` / ``lm_head`` (101, 48): ws=2 51/50, ws=3 34/34/33, ws=4 26/26/26/23 rows
+* ``gate_proj`` / ``up_proj`` (86, 48): ws=4 22/22/22/20 rows
+* ``down_proj`` (48, 86): even on dim 0; dim 1 (86) divides 2 but not 3 or 4
+* ``k_proj`` / ``v_proj`` (24, 48): even at ws 2, 3, 4
+* LoRA ``lora_A`` (3, in), r=3: ws=2 2/1, ws=4 1/1/1/0 rows (a rank with zero rows)
+* LoRA ``lora_B`` (out, 3): dim 1 divides neither 2 nor 4
 
 Real LLM dimensions never give a rank *zero* rows at sane world sizes; the
 zero-row cases are covered by the LoRA rank (``r=3`` at world size 4) and by
