@@ -2,7 +2,7 @@
 
 The FSDP2 checkpoints are written by ``python tests/formats/test_dcp.py worker ...`` processes
 (one per rank, joined over gloo with a file store), like tests/conftest.py does for verl, so
-nothing depends on pickling test functions into children. One run per world size writes:
+nothing depends on pickling test functions into children. The run writes:
 
 ``model_only``    ``dcp.save(model.state_dict())`` before training: HF keys at the top level
 ``train_state``   ``{"model": ..., "optim": ...}`` after one AdamW step (FQN-keyed optimizer)
@@ -11,7 +11,9 @@ nothing depends on pickling test functions into children. One run per world size
 ``accelerate``    ``checkpoint-1/pytorch_model_fsdp_0`` holding ``{"model": ...}``, with
                   config.json in ``checkpoint-1`` as the HF Trainer leaves it
 
-plus ``reference/initial.safetensors`` and ``reference/trained.safetensors`` (full tensors).
+plus ``reference/initial.safetensors`` and ``reference/trained.safetensors`` (full tensors),
+for a tiny Qwen2 (untied) and a tiny Llama (tied embeddings), all at world size 3; and
+``plain``: a module whose parameters have fewer rows than ranks (empty shards).
 """
 
 from __future__ import annotations
@@ -82,7 +84,28 @@ def _worker(rank: int, world_size: int, init_file: str, base: str) -> None:
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("fsdp",))
     for name in MODELS:
         _save_layouts(Path(base) / name, rank, mesh)
+    _save_small_params(Path(base) / "plain", rank, mesh)
     dist.destroy_process_group()
+
+
+def _save_small_params(root: Path, rank: int, mesh) -> None:
+    """Parameters with fewer rows than ranks: some ranks hold empty shards."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Module()
+    model.proj = nn.Linear(6, 2)  # 2 rows over 3 ranks: 1/1/0
+    model.gain = nn.Parameter(torch.rand(1))  # 1/0/0
+    full = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    fully_shard(model, mesh=mesh)
+    dcp.save(model.state_dict(), checkpoint_id=root)
+    if rank == 0:
+        save_file(full, str(root / "reference.safetensors"))
+    dist.barrier()
 
 
 def _save_layouts(root: Path, rank: int, mesh) -> None:
@@ -178,7 +201,7 @@ def fsdp_runs(tmp_path_factory) -> dict[str, Path]:
     outputs = [p.communicate(timeout=300)[0].decode(errors="replace") for p in procs]
     if any(p.returncode for p in procs):
         raise RuntimeError("DCP worker failed:\n" + "\n".join(outputs))
-    return {name: base / name for name in MODELS}
+    return {name: base / name for name in (*MODELS, "plain")}
 
 
 # --------------------------------------------------------------------------- helpers
@@ -298,6 +321,20 @@ def test_reader_describes_fsdp2_chunks_and_skips_training_state(fsdp_runs):
     assert nested.layout == "train state (model under 'model')"
     assert "lm_head.weight" in nested.placements
     assert all(k.startswith("optim.") for k in nested.skipped)
+
+
+@pytest.mark.slow
+def test_empty_shards_of_small_parameters(fsdp_runs, tmp_path):
+    from safetensors.torch import load_file
+
+    root = fsdp_runs["plain"]
+    ckpt = open_checkpoint(root)
+    gain = next(t for t in ckpt.tensors if t.name == "gain")
+    assert sorted(b.shape for b in gain.blocks) == [(0,), (1,)]  # DCP dedups the empty ones
+    proj = next(t for t in ckpt.tensors if t.name == "proj.weight")
+    assert [b.shape for b in proj.blocks] == [(1, 6), (1, 6), (0, 6)]
+    _merge(root, tmp_path / "out")
+    _assert_bit_identical(_load_merged(tmp_path / "out"), load_file(root / "reference.safetensors"))
 
 
 @pytest.mark.slow
