@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
+from . import collectives as coll
 from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
@@ -53,45 +53,6 @@ def check_contents(contents: Iterable[str], what: str) -> tuple[str, ...]:
     return contents
 
 
-def _rank() -> int:
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if _world() > 1:
-        dist.barrier()
-
-
-def _broadcast(value: Any) -> Any:
-    if _world() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
-def _gather(value: Any) -> list[Any]:
-    if _world() == 1:
-        return [value]
-    out: list[Any] = [None] * _world()
-    dist.all_gather_object(out, value)
-    return out
-
-
-def _agree_or_raise(error: BaseException | None) -> None:
-    """Make every rank fail together, so no rank waits forever on a collective."""
-    errors = _gather(None if error is None else f"rank {_rank()}: {error}")
-    failed = [e for e in errors if e]
-    if failed and error is None:
-        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
-    if error is not None:
-        raise error
-
-
 @contextlib.contextmanager
 def _single_process_quiet():
     """DCP warns when used without a process group; that is a supported mode here."""
@@ -113,10 +74,17 @@ def extra_files(rank: int) -> tuple[str, str]:
     return f"extra-rank-{rank:05d}.json", f"extra-rank-{rank:05d}.safetensors"
 
 
-def _write_extra(tmp: Path, rank: int, extra: Mapping[str, Any], buffer_bytes: int) -> dict:
-    """This rank's extra state: JSON plus a safetensors file for the tensors inside it."""
+def encode_extra(extra: Mapping[str, Any] | None) -> tuple[Any, dict[str, torch.Tensor]]:
+    """This rank's extra state and RNG as tagged JSON plus private copies of its tensors."""
     tensors: dict[str, torch.Tensor] = {}
-    doc = st.encode(dict(extra), tensors)
+    doc = st.encode({"user": dict(extra or {}), "rng": st.rng_state()}, tensors)
+    return doc, {k: v.clone() for k, v in tensors.items()}
+
+
+def _write_extra(
+    tmp: Path, rank: int, doc: Any, tensors: dict[str, torch.Tensor], buffer_bytes: int
+) -> dict:
+    """This rank's extra state: JSON plus a safetensors file for the tensors inside it."""
     json_name, tensor_name = extra_files(rank)
     records = {}
     body = json.dumps(doc, sort_keys=True).encode()
@@ -149,6 +117,68 @@ def _write_extra(tmp: Path, rank: int, extra: Mapping[str, Any], buffer_bytes: i
     return records
 
 
+@dataclass
+class PreparedSave:
+    """Everything a save needs, captured on the training thread without copying tensors."""
+
+    target: Path
+    step: int
+    contents: tuple[str, ...]
+    tensors: dict[str, torch.Tensor]
+    objects: dict[str, Any]
+    extra: tuple[Any, dict[str, torch.Tensor]] | None
+    buffer_bytes: int
+    overwrite: bool
+    hf_export: Any = None
+    guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
+
+
+def prepare_save(
+    path: str | os.PathLike,
+    *,
+    model: torch.nn.Module | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    lr_scheduler: Any = None,
+    extra: Mapping[str, Any] | None = None,
+    contents: Iterable[str] = DEFAULT_CONTENTS,
+    step: int = 0,
+    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
+    overwrite: bool = False,
+    hf_export: Any = None,
+) -> PreparedSave:
+    """Capture references to the state to save; local to this rank, no collectives."""
+    contents = check_contents(contents, "save_contents")
+    if "model" in contents and model is None:
+        raise UsageError("save_contents includes 'model' but no model was given")
+    if "optimizer" in contents and (optimizer is None or model is None):
+        raise UsageError(
+            "save_contents includes 'optimizer' but no optimizer (and model) was given"
+        )
+    if "hf_model" in contents and hf_export is None:
+        raise UsageError("save_contents includes 'hf_model' but no model was given")
+    tensors: dict[str, torch.Tensor] = {}
+    objects: dict[str, Any] = {}
+    if "model" in contents:
+        tensors.update(st.model_tensors(model))
+    if "optimizer" in contents:
+        optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
+        tensors.update(optim_tensors)
+        objects["optimizer"] = st.encode(optim_objects, {})
+        if lr_scheduler is not None:
+            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
+    return PreparedSave(
+        target=Path(path).absolute(),
+        step=int(step),
+        contents=contents,
+        tensors=tensors,
+        objects=objects,
+        extra=encode_extra(extra) if "extra" in contents else None,
+        buffer_bytes=parse_size(buffer_size),
+        overwrite=overwrite,
+        hf_export=hf_export if "hf_model" in contents else None,
+    )
+
+
 def save(
     path: str | os.PathLike,
     *,
@@ -166,20 +196,29 @@ def save(
 
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
-    started = time.perf_counter()
-    contents = check_contents(contents, "save_contents")
-    buffer_bytes = parse_size(buffer_size)
-    target = Path(path).absolute()
-    if "model" in contents and model is None:
-        raise UsageError("save_contents includes 'model' but no model was given")
-    if "optimizer" in contents and (optimizer is None or model is None):
-        raise UsageError(
-            "save_contents includes 'optimizer' but no optimizer (and model) was given"
-        )
+    prepared = prepare_save(
+        path,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=lr_scheduler,
+        extra=extra,
+        contents=contents,
+        step=step,
+        buffer_size=buffer_size,
+        overwrite=overwrite,
+        hf_export=hf_export,
+    )
+    return execute_save(prepared)
 
+
+def execute_save(prepared: PreparedSave) -> SaveResult:
+    """Write, agree, commit: every rank calls this (on the thread's checkpoint group)."""
+    started = time.perf_counter()
+    target, step, contents = prepared.target, prepared.step, prepared.contents
+    buffer_bytes, overwrite = prepared.buffer_bytes, prepared.overwrite
     error: BaseException | None = None
     tmp_name = None
-    if _rank() == 0:
+    if coll.rank() == 0:
         try:
             if target.exists() and not overwrite:
                 raise UsageError(f"{target} already exists; pass overwrite=True to replace it")
@@ -188,49 +227,39 @@ def save(
             (target.parent / tmp_name).mkdir()
         except (OSError, ShardstreamError) as exc:
             error = exc if isinstance(exc, ShardstreamError) else UsageError(f"{target}: {exc}")
-    tmp_name = _broadcast(tmp_name)
-    _agree_or_raise(error)
+    tmp_name = coll.broadcast(tmp_name)
+    coll.agree_or_raise(error)
     tmp = target.parent / tmp_name
 
     try:
-        tensors: dict[str, torch.Tensor] = {}
-        objects: dict[str, Any] = {}
-        if "model" in contents:
-            tensors.update(st.model_tensors(model))
-        if "optimizer" in contents:
-            optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
-            tensors.update(optim_tensors)
-            objects["optimizer"] = st.encode(optim_objects, {})
-        if lr_scheduler is not None and "optimizer" in contents:
-            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
-        writer = native.StreamingWriter(tmp, buffer_bytes)
+        tensors, objects = prepared.tensors, prepared.objects
+        writer = native.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
         tensor_section, file_section = {}, {}
         if tensors:
             with _single_process_quiet():
-                dcp.save(tensors, storage_writer=writer)
-            if _rank() == 0:
+                dcp.save(tensors, storage_writer=writer, process_group=coll.group())
+            if coll.rank() == 0:
                 tensor_section, file_section = native.tensor_manifest(
                     writer.metadata, writer.results
                 )
         records: dict[str, Any] = {}
-        if "extra" in contents:
-            payload = {"user": dict(extra or {}), "rng": st.rng_state()}
-            records.update(_write_extra(tmp, _rank(), payload, buffer_bytes))
-        if "hf_model" in contents:
-            if hf_export is None:
-                raise UsageError("save_contents includes 'hf_model' but no model was given")
-            records.update(hf_export(tmp, buffer_bytes))
-        gathered = _gather(records)
+        if prepared.extra is not None:
+            records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
+        if prepared.hf_export is not None:
+            if prepared.guard is not None:
+                prepared.guard.wait_all()  # the export reads model weights too
+            records.update(prepared.hf_export(tmp, buffer_bytes))
+        gathered = coll.gather(records)
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
         error = _save_error(exc, target)
     try:
-        _agree_or_raise(error)
+        coll.agree_or_raise(error)
     except BaseException:
-        if _rank() == 0:  # every rank has stopped writing: leave no partial output behind
+        if coll.rank() == 0:  # every rank has stopped writing: leave no partial output behind
             shutil.rmtree(tmp, ignore_errors=True)
         raise
 
-    if _rank() == 0:
+    if coll.rank() == 0:
         try:
             for rank_records in gathered:
                 file_section.update(rank_records)
@@ -238,7 +267,7 @@ def save(
                 "format": native.FORMAT,
                 "version": native.FORMAT_VERSION,
                 "step": int(step),
-                "world_size": _world(),
+                "world_size": coll.world(),
                 "contents": list(contents),
                 "created_unix": time.time(),
                 "torch_version": torch.__version__,
@@ -259,8 +288,10 @@ def save(
         except BaseException as exc:  # noqa: BLE001
             error = _save_error(exc, target)
             shutil.rmtree(tmp, ignore_errors=True)
-    _agree_or_raise(error)
-    written = sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if _rank() == 0 else 0
+    coll.agree_or_raise(error)
+    written = (
+        sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if coll.rank() == 0 else 0
+    )
     return SaveResult(
         str(target), int(step), written, time.perf_counter() - started, peak_rss_bytes()
     )
@@ -362,7 +393,7 @@ def load(
     if targets:
         try:
             with _single_process_quiet():
-                dcp.load(targets, storage_reader=reader)
+                dcp.load(targets, storage_reader=reader, process_group=coll.group())
         except ShardstreamError:
             raise
         except Exception as exc:  # DCP wraps rank failures; surface ours
@@ -377,11 +408,11 @@ def load(
         lr_scheduler.load_state_dict(objects["lr_scheduler"])
     extra: dict[str, Any] = {}
     if "extra" in contents and "extra" in saved:
-        payload = _read_extra(ckpt, _rank())
+        payload = _read_extra(ckpt, coll.rank())
         extra = payload.get("user", {})
         if restore_rng and "rng" in payload:
             st.set_rng_state(payload["rng"])
-    _barrier()
+    coll.barrier()
     return LoadResult(
         int(manifest.get("step", 0)), extra, reader.bytes_read, time.perf_counter() - started
     )

@@ -121,6 +121,19 @@ class TensorEndpoint(Endpoint):
         self.device = tensor.device
         self.bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
 
+    def snapshot(self) -> TensorEndpoint:
+        """A private host copy of the whole storage, at the same offsets (async staging)."""
+        copy = TensorEndpoint.__new__(TensorEndpoint)
+        copy.name, copy.device = self.name, torch.device("cpu")
+        pinned = self.device.type == "cuda"
+        copy.bytes = torch.empty(self.bytes.numel(), dtype=torch.uint8, pin_memory=pinned)
+        copy.bytes.copy_(self.bytes)
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes.numel()
+
     def read_into(self, offset: int, out: np.ndarray) -> None:
         src = self.bytes[offset : offset + out.nbytes]
         if self.device.type == "cpu":
@@ -271,8 +284,12 @@ def stream_file(
     streamer: Streamer,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
+    window_hook: Callable[[int, int], None] | None = None,
 ) -> list[str]:
     """Fill the data section of an open file from ``runs``; return the chunk digests.
+
+    ``window_hook(lo, hi)`` is told each data range before its sources are read (async saves
+    use it to know which live tensors are being read).
 
     ``tensor_bounds`` lists (begin, end, itemsize, name) per tensor, relative to the data start.
     Raises if any byte of the data section is left without a source.
@@ -294,6 +311,8 @@ def stream_file(
             active.append(runs[next_run])
             next_run += 1
         active = [r for r in active if r.dst_end() > lo]
+        if window_hook:
+            window_hook(lo, hi)
         filled = 0
         for run in active:
             for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):

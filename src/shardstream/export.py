@@ -19,7 +19,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import checkpoint as ck
+from . import collectives as coll
 from .checksum import digest, new_hasher
 from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, write_all
 from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
@@ -48,7 +48,7 @@ def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, tor
         _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
         start = tuple(int(o) for o in offset)
     else:
-        if ck._rank() != 0:
+        if coll.rank() != 0:
             return None, tensor
         local, start = tensor, (0,) * tensor.dim()
     block = Block(
@@ -117,7 +117,7 @@ def write_hf_model(
     shared_filesystem: bool | None,
     buffer_bytes: int,
 ) -> dict:
-    rank = ck._rank()
+    rank = coll.rank()
     out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
     live = {k[len("model.") :]: v for k, v in model_tensors(model).items()}
     drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
@@ -158,7 +158,7 @@ def write_hf_model(
         _write_configs(target_dir, hf_config, tokenizer, source, out_dtype)
         if len(files) > 1:
             (target_dir / hf.INDEX_FILE).write_text(json.dumps(hf.index_document(files), indent=2))
-    ck._barrier()
+    coll.barrier()
 
     # Plan this rank's runs, then write (or ship) them.
     endpoints = {}
@@ -179,7 +179,7 @@ def write_hf_model(
         _write_local(paths, runs, streamer)
     else:
         _ship_to_rank0(paths, runs, streamer)
-    ck._barrier()
+    coll.barrier()
     return _seal(paths, layouts, shared)
 
 
@@ -217,13 +217,18 @@ def _write_local(paths: list[Path], runs, streamer: Streamer) -> None:
 
 def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
     """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order."""
-    rank, world = ck._rank(), ck._world()
+    rank, world = coll.rank(), coll.world()
+    grp, root = coll.group(), coll.global_rank(0)
     if rank != 0:
         for index, offset, step, rows in _pieces(runs, streamer):
             count, width = rows.shape
-            dist.send(torch.tensor([index, offset, step, count, width], dtype=torch.int64), 0)
-            dist.send(torch.from_numpy(np.ascontiguousarray(rows)).view(-1), 0)
-        dist.send(torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64), 0)
+            dist.send(
+                torch.tensor([index, offset, step, count, width], dtype=torch.int64),
+                root,
+                group=grp,
+            )
+            dist.send(torch.from_numpy(np.ascontiguousarray(rows)).view(-1), root, group=grp)
+        dist.send(torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64), root, group=grp)
         return
     _write_local(paths, runs, streamer)
     fds = {}
@@ -231,12 +236,12 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
         for peer in range(1, world):
             while True:
                 meta = torch.empty(5, dtype=torch.int64)
-                dist.recv(meta, peer)
+                dist.recv(meta, coll.global_rank(peer), group=grp)
                 index, offset, step, count, width = (int(v) for v in meta)
                 if index < 0:
                     break
                 data = torch.empty(count * width, dtype=torch.uint8)
-                dist.recv(data, peer)
+                dist.recv(data, coll.global_rank(peer), group=grp)
                 if index not in fds:
                     fds[index] = os.open(paths[index], os.O_WRONLY)
                 rows = data.numpy().reshape(count, width)
@@ -250,7 +255,7 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
 
 def _seal(paths: list[Path], layouts, shared: bool) -> dict:
     """Hash the files' chunks (spread over ranks when they share the files); seal the headers."""
-    rank, world = ck._rank(), ck._world()
+    rank, world = coll.rank(), coll.world()
     chunk = DEFAULT_CHUNK_BYTES
     hashers = world if shared else 1
     mine: dict[tuple[int, int], str] = {}
@@ -261,7 +266,7 @@ def _seal(paths: list[Path], layouts, shared: bool) -> dict:
                 length = min(chunk, size - j * chunk)
                 mine[(index, j)] = _hash_range(paths[index], len(header) + j * chunk, length)
             counter += 1
-    gathered = ck._gather(mine)
+    gathered = coll.gather(mine)
     if rank != 0:
         return {}
     digests: dict[tuple[int, int], str] = {}
@@ -300,16 +305,16 @@ def _hash_range(path: Path, offset: int, length: int) -> str:
 def _shared_filesystem(tmp: Path) -> bool:
     """Whether every rank sees the file rank 0 just wrote into the save directory."""
     token = None
-    if ck._rank() == 0:
+    if coll.rank() == 0:
         token = uuid.uuid4().hex
         (tmp / f".probe-{token}").write_text(token)
-    token = ck._broadcast(token)
+    token = coll.broadcast(token)
     probe = tmp / f".probe-{token}"
-    ck._barrier()
+    coll.barrier()
     sees = probe.is_file() and probe.read_text() == token
-    everyone = ck._gather(sees)
-    ck._barrier()
-    if ck._rank() == 0:
+    everyone = coll.gather(sees)
+    coll.barrier()
+    if coll.rank() == 0:
         probe.unlink(missing_ok=True)
     return all(everyone)
 

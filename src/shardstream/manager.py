@@ -27,6 +27,7 @@ from typing import Any
 import torch
 
 from . import checkpoint as ck
+from . import collectives as coll
 from .commit import TMP_MARK, atomic_write_bytes, fsync_dir
 from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
 from .formats import native
@@ -225,7 +226,7 @@ class CheckpointManager:
         self._closed = False
         self._async = None
         error = None
-        if ck._rank() == 0:
+        if coll.rank() == 0:
             try:
                 self.root.mkdir(parents=True, exist_ok=True)
                 self._lock.acquire()
@@ -234,7 +235,7 @@ class CheckpointManager:
                 error = (
                     exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
                 )
-        ck._agree_or_raise(error)
+        coll.agree_or_raise(error)
         if config.async_save:
             from .async_save import AsyncSaver
 
@@ -274,7 +275,11 @@ class CheckpointManager:
         return True
 
     def save(self, step: int, extra: Mapping[str, Any] | None = None):
-        """Save ``step`` now. Its directory appears, and ``latest`` moves, only when complete."""
+        """Save ``step``. Its directory appears, and ``latest`` moves, only when complete.
+
+        With ``async_save`` this returns once the save is registered; a save still in flight is
+        waited for first (saves never overlap), and its error, if any, is raised here.
+        """
         self._guard()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
@@ -283,6 +288,10 @@ class CheckpointManager:
         return self._save(step, extra)
 
     def _save(self, step: int, extra: Mapping[str, Any] | None):
+        return self._commit(self._prepare(step, extra, self.config.staging_budget_bytes))
+
+    def _prepare(self, step: int, extra: Mapping[str, Any] | None, buffer_bytes: int):
+        """Capture what to save (references, not copies); local to this rank."""
         from .export import hf_exporter
 
         contents = self.config.save_contents
@@ -296,7 +305,7 @@ class CheckpointManager:
                 self.hf_dtype,
                 self.config.shared_filesystem,
             )
-        result = ck.save(
+        return ck.prepare_save(
             self.step_dir(step),
             model=self.model,
             optimizer=self.optimizer,
@@ -304,14 +313,18 @@ class CheckpointManager:
             extra=extra,
             contents=contents,
             step=step,
-            buffer_size=self.config.staging_budget_bytes,
+            buffer_size=buffer_bytes,
             overwrite=True,
             hf_export=exporter,
         )
-        if ck._rank() == 0:
-            atomic_write_bytes(self.root / LATEST_FILE, f"{step}\n".encode())
-            self._retain(step)
-        ck._barrier()
+
+    def _commit(self, prepared):
+        """Write, commit, move ``latest``, apply retention (every rank, collectively)."""
+        result = ck.execute_save(prepared)
+        if coll.rank() == 0:
+            atomic_write_bytes(self.root / LATEST_FILE, f"{prepared.step}\n".encode())
+            self._retain(prepared.step)
+        coll.barrier()
         return result
 
     def _retain(self, newest: int) -> None:

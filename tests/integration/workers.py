@@ -135,3 +135,45 @@ def restore_run(
         "rank": rank,
         "world": dist.get_world_size(),
     }
+
+
+def async_run(rank: int, world: int, root: str, steps: int, budget: str) -> dict:
+    """Train with async saves at every step; then restore each step and compare with the
+    state the model had when that save was requested. Reads of live tensors are slowed down
+    so that every optimizer step meets a save still in flight."""
+    import time as _time
+
+    from shardstream import copy as engine
+
+    original = engine.TensorEndpoint.read_into
+
+    def slow_read(self, offset, out):
+        _time.sleep(0.002)
+        return original(self, offset, out)
+
+    engine.TensorEndpoint.read_into = slow_read
+    model, optimizer, scheduler, _ = build((world,))
+    cfg = CheckpointConfig(directory=root, save_interval=1, async_save=True, staging_budget=budget)
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    expected = {}
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, scheduler, step)
+        manager.maybe_save(step, extra={"step": step})
+        expected[step] = full_state(model, optimizer, scheduler)
+    manager.wait()
+    engine.TensorEndpoint.read_into = original
+    stalls = list(manager._async.stalls)
+    manager.close()
+    fresh, fresh_opt, fresh_sched, _ = build((world,), seed=7)
+    checker = CheckpointManager(
+        CheckpointConfig(directory=root),
+        model=fresh,
+        optimizer=fresh_opt,
+        lr_scheduler=fresh_sched,
+    )
+    restored = {}
+    for step in checker.all_steps():
+        assert checker.restore(step=step) == (step, {"step": step})
+        restored[step] = full_state(fresh, fresh_opt, fresh_sched)
+    checker.close()
+    return {"expected": expected, "restored": restored, "stalls": stalls}

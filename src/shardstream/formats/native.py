@@ -53,7 +53,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
-from .safetensors import read_header, stored_checksums, tensors_in_range
+from .safetensors import build_header, read_header, stored_checksums, tensors_in_range
 from .writer import OutputTensor, write_safetensors
 
 FORMAT = "shardstream"
@@ -95,9 +95,11 @@ class StreamingWriter(StorageWriter):
         path: str | os.PathLike,
         buffer_bytes: int = DEFAULT_BUFFER_BYTES,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        guard: Any = None,
     ):
         super().__init__()
         self.path = Path(path)
+        self.guard = guard
         self.buffer_bytes = buffer_bytes
         self.chunk_bytes = chunk_bytes
         self.metadata: Metadata | None = None
@@ -145,10 +147,29 @@ class StreamingWriter(StorageWriter):
             outputs.append(
                 OutputTensor(key, dtype, GlobalTensor(key, dtype, block.shape, (block,)))
             )
-        streamer = Streamer(endpoints.__getitem__, Buffers.sized(self.buffer_bytes))
-        written = write_safetensors(
-            str(self.path / name), outputs, streamer, chunk_bytes=self.chunk_bytes
-        )
+        lookup = endpoints.__getitem__
+        window_hook = None
+        if self.guard is not None:
+            _, entries = build_header([(t.name, t.dtype, t.shape) for t in outputs])
+            self.guard.register(
+                [
+                    (f"memory:{e.name}", endpoints[f"memory:{e.name}"], e.begin, e.end)
+                    for e in entries
+                ]
+            )
+            lookup, window_hook = self.guard.endpoint, self.guard.window
+        streamer = Streamer(lookup, Buffers.sized(self.buffer_bytes))
+        try:
+            written = write_safetensors(
+                str(self.path / name),
+                outputs,
+                streamer,
+                chunk_bytes=self.chunk_bytes,
+                window_hook=window_hook,
+            )
+        finally:
+            if self.guard is not None:
+                self.guard.written()
         self.written = written
         results = [
             WriteResult(

@@ -63,6 +63,7 @@ def write_safetensors(
     metadata: Mapping[str, str] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
+    window_hook: Callable[[int, int], None] | None = None,
 ) -> WrittenFile:
     """Write one safetensors file: header first (placeholder checksums), data, final header."""
     layout = [(t.name, t.dtype, t.shape) for t in tensors]
@@ -79,7 +80,16 @@ def write_safetensors(
         _reserve(fd, path, len(header) + data_size)
         write_all(fd, path, header, 0)
         chunks = stream_file(
-            fd, path, len(header), data_size, runs, bounds, streamer, chunk_bytes, progress
+            fd,
+            path,
+            len(header),
+            data_size,
+            runs,
+            bounds,
+            streamer,
+            chunk_bytes,
+            progress,
+            window_hook,
         )
         final, _ = build_header(
             layout, {**meta, **checksum_metadata(entries, chunk_bytes, chunks, data_size)}

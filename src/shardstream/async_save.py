@@ -1,0 +1,181 @@
+"""Async save: ``save()`` returns at once; a background thread streams the live tensors.
+
+Nothing is copied up front. Parameters and optimizer state only change in ``optimizer.step()``,
+so an optimizer step pre-hook calls ``SourceGuard.freeze()``: tensors the writer has not started
+yet are staged into host memory while the staging budget lasts (the last ones to be written
+first), and the step waits only for the rest. The background save runs on a process group of
+its own, so its collectives never interleave with training's.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch.distributed as dist
+
+from . import collectives as coll
+from .copy import TensorEndpoint
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Source:
+    live: TensorEndpoint
+    begin: int
+    end: int
+    staged: TensorEndpoint | None = None
+
+
+class SourceGuard:
+    """Coordinates the background writer's reads of live tensors with optimizer steps."""
+
+    def __init__(self, staging_bytes: int, hold_until_finished: bool = False):
+        self.cond = threading.Condition()
+        self.staging_bytes = staging_bytes
+        self.hold_until_finished = hold_until_finished
+        self.sources: dict[str, _Source] | None = None
+        self.reading_upto = 0  # bytes [0, reading_upto) of the rank file are read or being read
+        self.done_upto = 0  # bytes [0, done_upto) are written
+        self.staged_bytes = 0
+        self.finished = False
+
+    # --- the writer's side ---------------------------------------------------------------------
+
+    def register(self, items: list[tuple[str, TensorEndpoint, int, int]]) -> None:
+        with self.cond:
+            self.sources = {loc: _Source(ep, begin, end) for loc, ep, begin, end in items}
+            self.cond.notify_all()
+
+    def endpoint(self, location: str) -> TensorEndpoint:
+        with self.cond:
+            source = self.sources[location]
+            return source.staged or source.live
+
+    def window(self, lo: int, hi: int) -> None:
+        with self.cond:
+            self.done_upto, self.reading_upto = lo, hi
+            self.cond.notify_all()
+
+    def written(self) -> None:
+        with self.cond:
+            self.done_upto = self.reading_upto = 1 << 62
+            self.cond.notify_all()
+
+    def finish(self) -> None:
+        with self.cond:
+            self.finished = True
+            self.cond.notify_all()
+
+    # --- the trainer's side --------------------------------------------------------------------
+
+    def freeze(self) -> float:
+        """Return once no live tensor will be read again; the seconds this stalled."""
+        started = time.perf_counter()
+        with self.cond:
+            if self.hold_until_finished:
+                self.cond.wait_for(lambda: self.finished)
+                return time.perf_counter() - started
+            self.cond.wait_for(lambda: self.finished or self.sources is not None)
+            if self.finished:
+                return time.perf_counter() - started
+            # Stage what the writer has not reached, starting with what it would reach last.
+            for source in sorted(self.sources.values(), key=lambda s: -s.begin):
+                if source.staged or source.begin < self.reading_upto:
+                    continue
+                size = source.live.nbytes
+                if self.staged_bytes + size > self.staging_bytes:
+                    continue
+                source.staged = source.live.snapshot()
+                self.staged_bytes += size
+            self.cond.wait_for(
+                lambda: (
+                    self.finished
+                    or all(s.staged or s.end <= self.done_upto for s in self.sources.values())
+                )
+            )
+        return time.perf_counter() - started
+
+
+class AsyncSaver:
+    """Runs one background save at a time for a CheckpointManager."""
+
+    def __init__(self, manager: Any):
+        self.manager = manager
+        # A group of its own: background collectives must not interleave with training's.
+        self.group = dist.new_group(backend="gloo") if coll.initialized() else None
+        self.thread: threading.Thread | None = None
+        self.guard: SourceGuard | None = None
+        self.step: int | None = None
+        self.error: BaseException | None = None
+        self.stalls: list[float] = []
+        self.hook = None
+        if manager.optimizer is not None:
+            self.hook = manager.optimizer.register_step_pre_hook(self._before_step)
+        atexit.register(self._at_exit)
+
+    def submit(self, step: int, extra: Any) -> None:
+        """Wait for the previous save (raising its error), then start this one."""
+        self.wait()
+        config = self.manager.config
+        budget = config.staging_budget_bytes
+        buffer_bytes = max(1 << 20, min(64 << 20, budget // 4))
+        prepared = self.manager._prepare(step, extra, buffer_bytes)
+        prepared.guard = SourceGuard(budget - buffer_bytes, "hf_model" in config.save_contents)
+        self.guard, self.step = prepared.guard, step
+        self.thread = threading.Thread(
+            target=self._run, args=(prepared,), name=f"shardstream-save-{step}", daemon=True
+        )
+        self.thread.start()
+
+    def _run(self, prepared: Any) -> None:
+        try:
+            with coll.using_group(self.group):
+                self.manager._commit(prepared)
+        except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
+            self.error = exc
+        finally:
+            prepared.guard.finish()
+
+    def _before_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        guard = self.guard
+        if guard is not None and not guard.finished:
+            self.stalls.append(guard.freeze())
+
+    def in_flight_steps(self) -> set[int]:
+        alive = self.thread is not None and self.thread.is_alive()
+        return {self.step} if alive and self.step is not None else set()
+
+    def raise_pending_error(self) -> None:
+        if self.thread is not None and not self.thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        if self.thread is not None:
+            self.thread.join()
+            self.thread = None
+            self.guard = None
+        if self.error is not None:
+            error, self.error = self.error, None
+            raise error
+
+    def shutdown(self) -> None:
+        try:
+            self.wait()
+        finally:
+            if self.hook is not None:
+                self.hook.remove()
+                self.hook = None
+            atexit.unregister(self._at_exit)
+
+    def _at_exit(self) -> None:
+        try:
+            self.wait()
+        except BaseException as exc:  # noqa: BLE001
+            log.error("shardstream: background checkpoint save failed: %s", exc)
+            raise

@@ -1,0 +1,83 @@
+"""How ranks agree: small collectives on the checkpoint's process group.
+
+Saves run on the default group, or, for background (async) saves, on a group of their own so
+their collectives never interleave with training's. The group is set per thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch.distributed as dist
+
+from .errors import ShardstreamError
+
+_local = threading.local()
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def group() -> Any:
+    """The process group this thread's checkpoint collectives use (None: the default group)."""
+    return getattr(_local, "group", None)
+
+
+@contextlib.contextmanager
+def using_group(process_group: Any) -> Iterator[None]:
+    previous = group()
+    _local.group = process_group
+    try:
+        yield
+    finally:
+        _local.group = previous
+
+
+def rank() -> int:
+    return dist.get_rank(group()) if initialized() else 0
+
+
+def world() -> int:
+    return dist.get_world_size(group()) if initialized() else 1
+
+
+def global_rank(group_rank: int) -> int:
+    """The global rank of ``group_rank`` in this thread's group (for send/recv)."""
+    if group() is None or not initialized():
+        return group_rank
+    return dist.get_global_rank(group(), group_rank)
+
+
+def barrier() -> None:
+    if world() > 1:
+        dist.barrier(group=group())
+
+
+def broadcast(value: Any) -> Any:
+    if world() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=global_rank(0), group=group())
+    return box[0]
+
+
+def gather(value: Any) -> list[Any]:
+    if world() == 1:
+        return [value]
+    out: list[Any] = [None] * world()
+    dist.all_gather_object(out, value, group=group())
+    return out
+
+
+def agree_or_raise(error: BaseException | None) -> None:
+    """Make every rank fail together, so no rank waits forever on a collective."""
+    errors = gather(None if error is None else f"rank {rank()}: {error}")
+    failed = [e for e in errors if e]
+    if failed and error is None:
+        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
+    if error is not None:
+        raise error
