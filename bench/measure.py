@@ -42,6 +42,9 @@ class Measurement:
     stdout: str = ""
     stderr_tail: str = ""
     rss_source: str = "gnu-time"
+    # CPU seconds the whole machine was busy during the run minus the command's own user+sys:
+    # what everyone else took. Divided by wall * cores it is the background load share.
+    other_cpu_s: float | None = None
     extra: dict = field(default_factory=dict)
 
     def to_dict(self) -> dict:
@@ -86,6 +89,19 @@ class _TreeSampler(threading.Thread):
 
 
 GNU_TIME = "/usr/bin/time"
+_CLK_TCK = os.sysconf("SC_CLK_TCK")
+
+
+def _busy_cpu_s() -> float | None:
+    """Machine-wide busy CPU seconds so far (everything in /proc/stat's cpu line but idle and
+    iowait; guest time is already inside user/nice)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+    except OSError:
+        return None
+    v = [int(x) for x in fields[1:9]]  # user nice system idle iowait irq softirq steal
+    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / _CLK_TCK
 
 
 def _gnu_time_ok() -> bool:
@@ -123,6 +139,7 @@ def run_measured(
     time_path = tmp / f"bench-time-{os.getpid()}.txt"
     use_time = have_gnu_time()
     full_argv = [GNU_TIME, "-f", "%M %U %S", "-o", str(time_path), *argv] if use_time else argv
+    busy0 = _busy_cpu_s()
     with open(stderr_path, "w+b") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(full_argv, stdout=stdout, stderr=err, env=env, cwd=cwd)
@@ -147,6 +164,7 @@ def run_measured(
                 break
             time.sleep(0.002)
         wall = time.perf_counter() - t0
+        busy1 = _busy_cpu_s()
         sampler.stop()
         if reader is not None:
             reader.join()
@@ -178,6 +196,9 @@ def run_measured(
         user_s=user_s,
         sys_s=sys_s,
         rss_source=source,
+        other_cpu_s=(
+            None if busy0 is None or busy1 is None else max(0.0, busy1 - busy0 - user_s - sys_s)
+        ),
         stdout=b"".join(out_chunks).decode(errors="replace") if capture_stdout else "",
         stderr_tail=stderr_tail,
     )

@@ -37,8 +37,8 @@ def render_table(r: dict) -> str:
     rows = [
         "| checkpoint | cache | tool | wall s (median) | peak RSS MiB (median) "
         "| time ÷ shardstream | RSS ÷ shardstream | time ÷ cp -r | time ÷ cp -r + fsync "
-        "| written GiB | runs |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| written GiB | others' CPU | runs |",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, by_cache in r["summary"].items():
         for cache, by_tool in by_cache.items():
@@ -49,7 +49,7 @@ def render_table(r: dict) -> str:
                 if s["wall_s"] is None:
                     rows.append(
                         f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
-                        f"| FAILED | FAILED | | | | | | 0/{s['n_failed']} |"
+                        f"| FAILED | FAILED | | | | | | | 0/{s['n_failed']} |"
                     )
                     continue
                 rows.append(
@@ -58,6 +58,7 @@ def render_table(r: dict) -> str:
                     f"| {_f(s.get('time_vs_shardstream'))} | {_f(s.get('rss_vs_shardstream'))} "
                     f"| {_f(s.get('time_vs_cp'))} | {_f(s.get('time_vs_cp_fsync'))} "
                     f"| {_f((s.get('out_bytes') or 0) / 2**30)} "
+                    f"| {_f(s.get('background_cpu_share'), '{:.0%}')} "
                     f"| {s['n_ok']}/{s['n_ok'] + s['n_failed']} |"
                 )
     return "\n".join(rows)
@@ -217,7 +218,10 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
         render_table(r),
         "",
         "Ratios are median ÷ median within the same case. `time ÷ cp -r` > 1 means slower than "
-        "copying the checkpoint directory.",
+        "copying the checkpoint directory. *others' CPU*: the share of the machine's CPU time "
+        "(all cores) that was busy *outside* the measured command while it ran (median over "
+        "runs; from `/proc/stat`, so it includes kernel writeback of the tool's own dirty "
+        "pages) — the noise indicator on a shared machine.",
         "",
     ]
     floors = r.get("startup_floor") or {}

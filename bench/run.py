@@ -239,6 +239,14 @@ def summarize_runs(runs: list[dict]) -> dict:
         "out_bytes": ok[-1]["out_bytes"] if ok else None,
         "max_tree_procs": max((r["max_tree_procs"] for r in ok), default=None),
         "loadavg_1m_before": median([r.get("loadavg_1m_before", 0.0) for r in runs]),
+        # share of the machine's CPU time that other processes used while this tool ran
+        "background_cpu_share": median(
+            [
+                r["other_cpu_s"] / (r["wall_s"] * (os.cpu_count() or 1))
+                for r in ok
+                if r.get("other_cpu_s") is not None and r["wall_s"] > 0
+            ]
+        ),
     }
     selfr = [r.get("self_report") or {} for r in ok]
     if any("peak_rss_bytes" in x for x in selfr):
