@@ -254,14 +254,17 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise UnsafeCheckpointError(f"{path}: {size} bytes exceeds the manifest size limit")
+    raw = path.read_bytes()
     try:
-        doc = json.loads(path.read_bytes())
-    except (ValueError, UnicodeDecodeError) as exc:
+        doc = json.loads(raw)
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ChecksumMismatchError(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: manifest is not a JSON object")
     stored = doc.pop("checksum", None)
-    if stored != digest(canonical(doc)):
+    # The file must also be the canonical text byte for byte: an edit that parses to the same
+    # values ("1e-08" -> "1E-08", "\u00e9" -> "\u00E9") is an alteration all the same.
+    if stored != digest(canonical(doc)) or canonical({**doc, "checksum": stored}) != raw:
         raise ChecksumMismatchError(f"{path}: manifest checksum mismatch (the file was altered)")
     if doc.get("format") != FORMAT or doc.get("version") != FORMAT_VERSION:
         raise CheckpointFormatError(
