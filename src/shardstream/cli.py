@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 
@@ -52,6 +53,14 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--max-shard-size", default="5GB", help="split output files (default 5GB)")
     _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
+    merge.add_argument(
+        "--distributed",
+        "--distributed_merge",
+        "--distributed-merge",
+        dest="distributed",
+        action="store_true",
+        help="under torchrun: every rank writes its share of the output",
+    )
     _flag(merge, "--hf_upload_path", default=None, help=argparse.SUPPRESS)
     _flag(merge, "--private", action="store_true", help=argparse.SUPPRESS)
 
@@ -116,7 +125,8 @@ def run_merge(args: argparse.Namespace) -> int:
     from .merge import merge
 
     _check_backend(args)
-    progress = _Progress(not args.quiet and not args.json, "merge")
+    first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
+    progress = _Progress(not args.quiet and not args.json and first_rank, "merge")
     try:
         summary = merge(
             args.local_dir,
@@ -128,11 +138,16 @@ def run_merge(args: argparse.Namespace) -> int:
             hf_model_path=args.hf_model_path,
             tie_word_embedding=args.tie_word_embedding,
             fuse_lora=args.fuse_lora,
+            distributed=args.distributed,
             progress=progress.update,
             on_plan=progress.start,
         )
     finally:
         progress.close()
+    from . import collectives
+
+    if collectives.rank() != 0:
+        return 0
     if args.json:
         print(json.dumps(summary.to_json()))
     elif not args.quiet:

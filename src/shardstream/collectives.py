@@ -81,3 +81,19 @@ def agree_or_raise(error: BaseException | None) -> None:
         raise ShardstreamError(f"save failed on another rank: {failed[0]}")
     if error is not None:
         raise error
+
+
+def init_from_environment() -> None:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT), on gloo."""
+    import os
+
+    from .errors import UsageError
+
+    if initialized():
+        return
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        raise UsageError(
+            "--distributed needs torchrun: torchrun --nproc_per_node=K -m shardstream merge ... "
+            "--distributed"
+        )
+    dist.init_process_group("gloo")

@@ -285,8 +285,13 @@ def stream_file(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
     window_hook: Callable[[int, int], None] | None = None,
+    start: int = 0,
+    end: int | None = None,
 ) -> list[str]:
     """Fill the data section of an open file from ``runs``; return the chunk digests.
+
+    Only data bytes [start, end) are filled when given (distributed merge splits files this
+    way); ``start`` must be a multiple of ``chunk_bytes`` so the digests line up.
 
     ``window_hook(lo, hi)`` is told each data range before its sources are read (async saves
     use it to know which live tensors are being read).
@@ -302,10 +307,13 @@ def stream_file(
     hasher, in_chunk = new_hasher(), 0
     active: list[CopyRun] = []
     next_run = 0
-    lo = 0
-    while lo < data_size:
-        hi = min(data_size, lo + capacity)
-        if hi < data_size:
+    end = data_size if end is None else min(end, data_size)
+    if start % chunk_bytes:
+        raise ValueError(f"range start {start} is not a multiple of the chunk size {chunk_bytes}")
+    lo = start
+    while lo < end:
+        hi = min(end, lo + capacity)
+        if hi < end:
             hi = max(_snap(hi, bounds), lo + 1)
         while next_run < len(runs) and runs[next_run].dst_offset < hi:
             active.append(runs[next_run])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -9,15 +10,23 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from . import collectives as coll
 from . import lora
 from .commit import staged_directory
-from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .copy import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, Buffers, FileEndpoint, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .errors import CheckpointFormatError, UsageError
 from .formats import hf
-from .formats.writer import OutputTensor, write_safetensors
+from .formats.writer import (
+    OutputTensor,
+    create_file,
+    fill_range,
+    plan_file,
+    seal_file,
+    write_safetensors,
+)
 from .memory import peak_rss_bytes
-from .plan import GlobalTensor
+from .plan import GlobalTensor, split_ranges
 from .sources import open_checkpoint
 from .units import parse_size
 
@@ -85,6 +94,7 @@ def merge(
     hf_model_path: str | os.PathLike | None = None,
     tie_word_embedding: bool = False,
     fuse_lora: bool = False,
+    distributed: bool = False,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> MergeSummary:
@@ -93,6 +103,8 @@ def merge(
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
     start = time.perf_counter()
+    if distributed:
+        coll.init_from_environment()
     max_file_bytes = parse_size(max_shard_size)
     buffer_bytes = parse_size(buffer_size)
     if max_file_bytes <= 0:
@@ -132,25 +144,59 @@ def merge(
     ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)
     streamer = Streamer(endpoint, Buffers.sized(buffer_bytes, ratio))
     written = 0
+    rank = coll.rank()
     try:
-        check_replicas(checkpoint, streamer)
-        if split and fuse_lora:
-            shapes = {t.name: t.shape for t in tensors}
-            streamer.transforms = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
-        with staged_directory(target, overwrite) as tmp:
-            for name, tensors in files:
-                record = write_safetensors(str(tmp / name), tensors, streamer, progress=progress)
-                written += record.size
-            if len(files) > 1:
-                index = json.dumps(hf.index_document(files), indent=2) + "\n"
-                (tmp / hf.INDEX_FILE).write_text(index)
-            if split and not fuse_lora:
-                written += write_adapter(tmp, split, rank_alpha, out_dtype, streamer, config)
-            if config_dir is not None:
-                dtype_name = (
-                    str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
-                )
-                hf.copy_config(config_dir, tmp, dtype_name)
+        error = None
+        try:
+            if rank == 0:
+                check_replicas(checkpoint, streamer)
+            if split and fuse_lora:
+                shapes = {t.name: t.shape for t in tensors}
+                streamer.transforms = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
+        except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
+            error = exc
+        coll.agree_or_raise(error)
+        with contextlib.ExitStack() as stack:
+            tmp = None
+            if rank == 0:
+                try:
+                    tmp = stack.enter_context(staged_directory(target, overwrite))
+                except BaseException as exc:  # noqa: BLE001
+                    error = exc
+            coll.agree_or_raise(error)
+            tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
+            jobs = [plan_file(str(tmp / name), group) for name, group in files]
+            error = None
+            try:
+                if rank == 0:
+                    for job in jobs:
+                        create_file(job)
+                coll.barrier()
+                mine = {}
+                for index, lo, hi in split_ranges(
+                    [job.data_size for job in jobs], coll.world(), DEFAULT_CHUNK_BYTES
+                )[rank]:
+                    digests = fill_range(jobs[index], streamer, lo, hi, progress=progress)
+                    mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests
+            except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
+                error = exc
+            gathered = coll.gather(mine if error is None else None)
+            coll.agree_or_raise(error)
+            if rank == 0:
+                for index, job in enumerate(jobs):
+                    chunks = _assemble(index, gathered)
+                    written += seal_file(job, chunks).size
+                if len(files) > 1:
+                    index_doc = json.dumps(hf.index_document(files), indent=2) + "\n"
+                    (tmp / hf.INDEX_FILE).write_text(index_doc)
+                if split and not fuse_lora:
+                    written += write_adapter(tmp, split, rank_alpha, out_dtype, streamer, config)
+                if config_dir is not None:
+                    dtype_name = (
+                        str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
+                    )
+                    hf.copy_config(config_dir, tmp, dtype_name)
+        coll.barrier()
     finally:
         for ep in endpoints.values():
             ep.close()
@@ -165,6 +211,22 @@ def merge(
         dtype=out_dtype,
         skipped=sorted(drop),
     )
+
+
+def _assemble(index: int, gathered: list[dict]) -> list[str]:
+    """File ``index``'s chunk digests, from every rank's ranges, in order."""
+    parts = sorted(
+        (first, digests)
+        for part in gathered
+        for (file_index, first), digests in part.items()
+        if file_index == index
+    )
+    chunks: list[str] = []
+    for first, digests in parts:
+        if first != len(chunks):
+            raise AssertionError(f"chunk {len(chunks)} of output file {index} has no digest")
+        chunks.extend(digests)
+    return chunks
 
 
 def write_adapter(

@@ -265,3 +265,26 @@ class GlobalTensor:
     @property
     def nbytes(self) -> int:
         return math.prod(self.shape) * itemsize(self.dtype)
+
+
+def split_ranges(
+    sizes: Sequence[int], parts: int, align: int, units_per_part: int = 4
+) -> list[list[tuple[int, int, int]]]:
+    """Cut files of ``sizes`` bytes into ``align``-aligned ranges and deal them to ``parts``.
+
+    Returns, per part, (file index, start, end) triples; together they cover every byte once.
+    ``split_ranges([10, 0], 1, 4) == [[(0, 0, 10), (1, 0, 0)]]``.
+    """
+    total = sum(sizes)
+    unit = max(align, -(-total // max(1, parts * units_per_part)))
+    unit = -(-unit // align) * align
+    pieces = []
+    for index, size in enumerate(sizes):
+        if size == 0:
+            pieces.append((index, 0, 0))
+        for start in range(0, size, unit):
+            pieces.append((index, start, min(size, start + unit)))
+    out: list[list[tuple[int, int, int]]] = [[] for _ in range(parts)]
+    for n, piece in enumerate(pieces):
+        out[n % parts].append(piece)
+    return out

@@ -56,6 +56,107 @@ def plan_file_runs(path: str, tensors: Sequence[OutputTensor]) -> tuple[bytes, l
     return header, runs
 
 
+@dataclass
+class FileJob:
+    """One output file's plan: its layout, placeholder header and copy runs."""
+
+    path: str
+    layout: list[tuple[str, str, tuple[int, ...]]]
+    entries: list
+    metadata: dict[str, str]
+    header_bytes: int
+    data_size: int
+    runs: list[CopyRun]
+    bounds: list[tuple[int, int, int, str]]
+    chunk_bytes: int
+
+    def header(self, chunks: list[str] | None) -> bytes:
+        meta = {
+            **self.metadata,
+            **checksum_metadata(self.entries, self.chunk_bytes, chunks, self.data_size),
+        }
+        return build_header(self.layout, meta)[0]
+
+
+def plan_file(
+    path: str,
+    tensors: Sequence[OutputTensor],
+    metadata: Mapping[str, str] | None = None,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> FileJob:
+    layout = [(t.name, t.dtype, t.shape) for t in tensors]
+    _, entries = build_header(layout)
+    data_size = entries[-1].end if entries else 0
+    meta = {"format": "pt", **(metadata or {})}
+    _, runs = plan_file_runs(path, tensors)
+    bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
+    job = FileJob(path, layout, entries, meta, 0, data_size, runs, bounds, chunk_bytes)
+    job.header_bytes = len(job.header(None))
+    return job
+
+
+def create_file(job: FileJob) -> None:
+    """Create the file at full size (a full disk fails here) with the placeholder header."""
+    fd = os.open(job.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        _reserve(fd, job.path, job.header_bytes + job.data_size)
+        write_all(fd, job.path, job.header(None), 0)
+    finally:
+        os.close(fd)
+
+
+def fill_range(
+    job: FileJob,
+    streamer: Streamer,
+    start: int = 0,
+    end: int | None = None,
+    progress: Callable[[int], None] | None = None,
+    window_hook: Callable[[int, int], None] | None = None,
+) -> list[str]:
+    """Stream data bytes [start, end) (chunk-aligned) into the file; return their digests."""
+    fd = os.open(job.path, os.O_WRONLY)
+    try:
+        chunks = stream_file(
+            fd,
+            job.path,
+            job.header_bytes,
+            job.data_size,
+            job.runs,
+            job.bounds,
+            streamer,
+            job.chunk_bytes,
+            progress,
+            window_hook,
+            start,
+            job.data_size if end is None else end,
+        )
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return chunks
+
+
+def seal_file(job: FileJob, chunks: list[str]) -> WrittenFile:
+    """Write the final header with every chunk digest; fsync."""
+    final = job.header(chunks)
+    if len(final) != job.header_bytes:
+        raise AssertionError("checksum metadata changed the header length")
+    fd = os.open(job.path, os.O_WRONLY)
+    try:
+        write_all(fd, job.path, final, 0)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return WrittenFile(
+        job.path,
+        job.header_bytes + job.data_size,
+        job.header_bytes,
+        job.chunk_bytes,
+        tuple(chunks),
+        digest(final),
+    )
+
+
 def write_safetensors(
     path: str,
     tensors: Sequence[OutputTensor],
@@ -66,43 +167,10 @@ def write_safetensors(
     window_hook: Callable[[int, int], None] | None = None,
 ) -> WrittenFile:
     """Write one safetensors file: header first (placeholder checksums), data, final header."""
-    layout = [(t.name, t.dtype, t.shape) for t in tensors]
-    _, entries = build_header(layout)
-    data_size = entries[-1].end if entries else 0
-    meta = {"format": "pt", **(metadata or {})}
-    header, _ = build_header(
-        layout, {**meta, **checksum_metadata(entries, chunk_bytes, None, data_size)}
-    )
-    _, runs = plan_file_runs(path, tensors)
-    bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        _reserve(fd, path, len(header) + data_size)
-        write_all(fd, path, header, 0)
-        chunks = stream_file(
-            fd,
-            path,
-            len(header),
-            data_size,
-            runs,
-            bounds,
-            streamer,
-            chunk_bytes,
-            progress,
-            window_hook,
-        )
-        final, _ = build_header(
-            layout, {**meta, **checksum_metadata(entries, chunk_bytes, chunks, data_size)}
-        )
-        if len(final) != len(header):
-            raise AssertionError("checksum metadata changed the header length")
-        write_all(fd, path, final, 0)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return WrittenFile(
-        path, len(header) + data_size, len(header), chunk_bytes, tuple(chunks), digest(final)
-    )
+    job = plan_file(path, tensors, metadata, chunk_bytes)
+    create_file(job)
+    chunks = fill_range(job, streamer, progress=progress, window_hook=window_hook)
+    return seal_file(job, chunks)
 
 
 def _reserve(fd: int, path: str, size: int) -> None:
