@@ -8,6 +8,7 @@ run.py calls this at the end of a full run; call it alone to re-render without r
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -33,12 +34,23 @@ def _ckpt_label(r: dict, size: str) -> str:
     return f"{size} GB ({c['bytes_on_disk'] / 2**30:.2f} GiB on disk)"
 
 
+def cpu_s(r: dict, size: str, cache: str, tool: str) -> float | None:
+    """Median user+sys CPU seconds of the successful runs of one case."""
+    xs = [
+        x["user_s"] + x["sys_s"]
+        for x in r["runs"]
+        if x["size_gb"] == size and x["cache"] == cache and x["tool"] == tool
+        if x["returncode"] == 0
+    ]
+    return statistics.median(xs) if xs else None
+
+
 def render_table(r: dict) -> str:
     rows = [
-        "| checkpoint | cache | tool | wall s (median) | peak RSS MiB (median) "
+        "| checkpoint | cache | tool | wall s (median) | CPU s (median) | peak RSS MiB (median) "
         "| time ÷ shardstream | RSS ÷ shardstream | time ÷ cp -r | time ÷ cp -r + fsync "
         "| written GiB | others' CPU | runs |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for size, by_cache in r["summary"].items():
         for cache, by_tool in by_cache.items():
@@ -49,12 +61,13 @@ def render_table(r: dict) -> str:
                 if s["wall_s"] is None:
                     rows.append(
                         f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
-                        f"| FAILED | FAILED | | | | | | | 0/{s['n_failed']} |"
+                        f"| FAILED | | FAILED | | | | | | | 0/{s['n_failed']} |"
                     )
                     continue
                 rows.append(
                     f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
-                    f"| {s['wall_s']:.2f} | {s['peak_rss_mib']:.0f} "
+                    f"| {s['wall_s']:.2f} | {_f(cpu_s(r, size, cache, tool))} "
+                    f"| {s['peak_rss_mib']:.0f} "
                     f"| {_f(s.get('time_vs_shardstream'))} | {_f(s.get('rss_vs_shardstream'))} "
                     f"| {_f(s.get('time_vs_cp'))} | {_f(s.get('time_vs_cp_fsync'))} "
                     f"| {_f((s.get('out_bytes') or 0) / 2**30)} "
@@ -159,6 +172,20 @@ def render_reading(r: dict) -> list[str]:
                 if loads:
                     load = f" 1-min load average before runs: median up to {max(loads):.1f}."
                 out.append(f"- {size} GB, {cache}: " + "; ".join(bits) + "." + load)
+    prof = r.get("shardstream_profile") or {}
+    if prof.get("buckets_s"):
+        total = prof["profiled_s"]
+        parts = [
+            f"{k} {v:.1f} s ({v / total:.0%})"
+            for k, v in sorted(prof["buckets_s"].items(), key=lambda kv: -kv[1])
+        ]
+        out += [
+            "",
+            f"Where shardstream's time goes (one extra warm run on {prof['size_gb']} GB under "
+            f"cProfile, {total:.1f} s profiled, main thread only, by the innermost call): "
+            + "; ".join(parts)
+            + ".",
+        ]
     out += [
         "",
         "What differs between the tools, beyond speed:",
@@ -218,10 +245,11 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
         render_table(r),
         "",
         "Ratios are median ÷ median within the same case. `time ÷ cp -r` > 1 means slower than "
-        "copying the checkpoint directory. *others' CPU*: the share of the machine's CPU time "
-        "(all cores) that was busy *outside* the measured command while it ran (median over "
-        "runs; from `/proc/stat`, so it includes kernel writeback of the tool's own dirty "
-        "pages) — the noise indicator on a shared machine.",
+        "copying the checkpoint directory. *CPU s*: user + system time of the command itself "
+        "(from `time`), less sensitive to a busy machine than wall time. *others' CPU*: the "
+        "share of the machine's CPU time (all cores) that was busy *outside* the measured "
+        "command while it ran (median over runs; from `/proc/stat`, so it includes kernel "
+        "writeback of the tool's own dirty pages) — the noise indicator on a shared machine.",
         "",
     ]
     floors = r.get("startup_floor") or {}

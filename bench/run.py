@@ -222,6 +222,48 @@ def run_one(tool: str, actor: Path, out: Path, cache: str, a: argparse.Namespace
     return rec
 
 
+# Buckets for the profile of one shardstream run: which calls the time goes to.
+PROFILE_BUCKETS = (
+    ("read (preadv/pread)", ("posix.preadv", "posix.pread", "preadv", "readinto")),
+    ("write (pwrite)", ("posix.pwrite", "posix.pwritev", "posix.write")),
+    ("fsync", ("posix.fsync", "posix.fdatasync")),
+    ("dtype cast / copy (torch copy_)", ("copy_", "'to' of", "numpy.ndarray' objects")),
+    ("checksum (xxhash)", ("xxhash",)),
+)
+
+
+def profile_shardstream(actor: Path, out: Path, a: argparse.Namespace) -> dict:
+    """One extra warm run under cProfile: where does shardstream's own time go?"""
+    import pstats
+
+    prof = a.results / "shardstream.prof"
+    argv = tool_argv("shardstream", actor, out, a)
+    argv = [argv[0], "-m", "cProfile", "-o", str(prof), *argv[1:]]
+    if out.exists():
+        shutil.rmtree(out)
+    os.sync()
+    warm_cache(actor)
+    m = run_measured(argv, env=child_env(), capture_stdout=True, timeout_s=a.timeout)
+    shutil.rmtree(out, ignore_errors=True)
+    if m.returncode != 0 or not prof.exists():
+        return {"error": f"exit {m.returncode}: {m.stderr_tail[-800:]}"}
+    st = pstats.Stats(str(prof))
+    total = st.total_tt
+    buckets = {name: 0.0 for name, _ in PROFILE_BUCKETS}
+    for (_file, _line, func), (_cc, _nc, tt, _ct, _callers) in st.stats.items():
+        for name, needles in PROFILE_BUCKETS:
+            if any(n in func for n in needles):
+                buckets[name] += tt
+                break
+    buckets["everything else (imports, planning, Python)"] = total - sum(buckets.values())
+    return {
+        "wall_s": m.wall_s,
+        "profiled_s": total,
+        "threads_note": "cProfile sees the main thread only",
+        "buckets_s": {k: round(v, 3) for k, v in buckets.items()},
+    }
+
+
 def median(xs: list[float]) -> float | None:
     return statistics.median(xs) if xs else None
 
@@ -354,6 +396,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--results", type=Path, default=BENCH / "results")
     p.add_argument("--json-out", type=Path, default=None, help="default: RESULTS/merge.json")
     p.add_argument("--no-doc", action="store_true", help="do not regenerate docs/benchmarks.md")
+    p.add_argument("--no-profile", action="store_true", help="skip the cProfile run of shardstream")
     p.add_argument("--keep-outputs", action="store_true", help="keep merged models after checks")
     p.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
@@ -514,6 +557,16 @@ def main(argv: list[str] | None = None) -> int:
         if not a.keep_outputs:
             shutil.rmtree(outroot, ignore_errors=True)
 
+    profile = None
+    if "shardstream" in a.tools and not a.no_profile:
+        big = a.sizes[-1]
+        log(f"profiling one warm shardstream run on {big} GB (cProfile) ...")
+        profile = profile_shardstream(
+            Path(ckpts[big]["actor_dir"]), a.results / "out" / "profile", a
+        )
+        profile["size_gb"] = big
+        log(f"profile: {profile}")
+
     add_ratios(summary)
     targets = evaluate_targets(summary, a.sizes) if "shardstream" in a.tools else []
     result = {
@@ -545,6 +598,7 @@ def main(argv: list[str] | None = None) -> int:
         "checkpoints": ckpts,
         "summary": summary,
         "startup_floor": floors,
+        "shardstream_profile": profile,
         "targets": targets,
         "output_checks": checks,
         "problems": problems,
