@@ -17,6 +17,7 @@ from .errors import ShardstreamError
 from .formats import hf, native
 from .formats.safetensors import (
     SafetensorsHeader,
+    build_header,
     entries_digest,
     read_header,
     stored_checksums,
@@ -197,6 +198,16 @@ def _verify_safetensors(
                 byte_range=(0, header.data_start),
             )
         )
+    elif header_digest is None and not _canonical_header(header, raw):
+        # No manifest digest to anchor this header (a merged HF file): shardstream writes it in
+        # one exact form, so any other text (padding, escapes, metadata) is an alteration.
+        report.problems.append(
+            Problem(
+                str(file),
+                "header differs from the form shardstream wrote (header altered)",
+                byte_range=(0, header.data_start),
+            )
+        )
     with open(file, "rb") as f:
         f.seek(header.data_start)
         for index, expected in enumerate(sums.chunks):
@@ -219,6 +230,13 @@ def _verify_safetensors(
                     Problem(str(file), "checksum mismatch", ", ".join(names) or None, (lo, hi))
                 )
     return header
+
+
+def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
+    """Whether ``raw`` is exactly what shardstream's writer makes of this header's contents."""
+    entries = sorted(header.tensors.values(), key=lambda e: e.begin)
+    rebuilt, _ = build_header([(e.name, e.dtype, e.shape) for e in entries], header.metadata)
+    return rebuilt == raw and header.metadata.get("format") == "pt"
 
 
 def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
