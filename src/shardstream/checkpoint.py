@@ -10,6 +10,7 @@ import contextlib
 import errno
 import json
 import os
+import re
 import shutil
 import time
 import uuid
@@ -322,21 +323,95 @@ class LoadResult:
     wall_s: float
 
 
-def _source_tensors(path: Path, verify: bool):
-    """All tensors of a native or verl checkpoint under shardstream's flat names."""
+@dataclass
+class _Source:
+    """What a checkpoint directory offers to ``load``, whatever its format."""
+
+    tensors: dict[str, GlobalTensor]
+    endpoint: Any
+    saved: set[str]
+    objects: dict[str, Any]
+    step: int
+    read_extra: Any  # rank -> {"user": ..., "rng": ...}
+
+
+def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: bool) -> _Source:
+    """A native checkpoint, or a verl one (model, optimizer and extra) under the same names."""
     from .formats import verl
 
     if native.is_native_checkpoint(path):
         ckpt = native.open_native(path)
-        endpoint = ckpt.endpoint if verify else FileEndpoint
-        return ckpt, dict(ckpt.all_tensors), endpoint
-    if verl.is_verl_checkpoint(path):
-        ckpt = verl.open_verl(path)
-        tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
-        return ckpt, tensors, FileEndpoint
-    raise CheckpointNotFoundError(
-        f"{path}: neither a shardstream checkpoint ({native.MANIFEST}) nor a verl checkpoint"
+        manifest = ckpt.manifest
+        return _Source(
+            dict(ckpt.all_tensors),
+            ckpt.endpoint if verify else FileEndpoint,
+            set(manifest.get("contents", ())),
+            {k: st.decode(v, {}) for k, v in manifest.get("objects", {}).items()},
+            int(manifest.get("step", 0)),
+            lambda rank: _read_extra(ckpt, rank),
+        )
+    if not verl.is_verl_checkpoint(path):
+        raise CheckpointNotFoundError(
+            f"{path}: neither a shardstream checkpoint ({native.MANIFEST}) nor a verl checkpoint"
+        )
+    ckpt = verl.open_verl(path)
+    tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+    saved, objects = {"model"}, {}
+    world = ckpt.world_size
+    if want_optimizer and any(path.glob("optim_world_size_*_rank_*.pt")):
+        groups = verl.saved_param_groups(path, world)
+        live = st.optimizer_param_groups(model, optimizer)
+        names = _verl_parameter_names(path, groups, live)
+        prefix = native.OPTIMIZER_PREFIX + st.STATE
+        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix)
+        tensors.update({t.name: t for t in optim})
+        objects["optimizer"] = {
+            "param_groups": [
+                {**saved_group, "params": live_group["params"]}
+                for saved_group, live_group in zip(groups, live)
+            ],
+            "scalars": scalars,
+        }
+        saved.add("optimizer")
+        scheduler = verl.read_extra_state(path, world, 0).get("lr_scheduler")
+        if scheduler is not None:
+            objects["lr_scheduler"] = scheduler
+    if any(path.glob("extra_state_world_size_*_rank_*.pt")):
+        saved.add("extra")
+    match = re.search(r"global_step_(\d+)", str(path.absolute()))
+    return _Source(
+        tensors,
+        FileEndpoint,
+        saved,
+        objects,
+        int(match[1]) if match else 0,
+        lambda rank: _verl_extra(verl.read_extra_state(path, world, rank)),
     )
+
+
+def _verl_parameter_names(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:
+    """verl's integer parameter ids -> FQNs, matching param groups position by position."""
+    if len(saved) != len(live) or any(
+        len(s["params"]) != len(g["params"]) for s, g in zip(saved, live)
+    ):
+        raise CheckpointFormatError(
+            f"{path}: the saved optimizer has param groups of sizes "
+            f"{[len(g['params']) for g in saved]}, the live one "
+            f"{[len(g['params']) for g in live]}; build the optimizer as the run did"
+        )
+    return {pid: fqn for s, g in zip(saved, live) for pid, fqn in zip(s["params"], g["params"])}
+
+
+def _verl_extra(state: dict) -> dict:
+    """verl's RNG entry ({"cpu", "numpy", "random"[, "cuda"]}) in shardstream's form."""
+    rng = state.get("rng") or {}
+    out = {}
+    if "cpu" in rng:
+        out["torch"] = rng["cpu"]
+    for key in ("numpy", "random", "cuda"):
+        if key in rng:
+            out[key] = rng[key]
+    return {"user": {}, "rng": out} if "torch" in out else {"user": {}}
 
 
 def load(
@@ -359,9 +434,9 @@ def load(
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
-    ckpt, available, endpoint = _source_tensors(path, verify)
-    manifest = getattr(ckpt, "manifest", {})
-    saved = set(manifest.get("contents", ("model",)))
+    want_optimizer = "optimizer" in contents and optimizer is not None
+    source = _open_source(path, verify, model, optimizer, want_optimizer)
+    available, endpoint, saved = source.tensors, source.endpoint, source.saved
     targets: dict[str, torch.Tensor] = {}
     optim_tensors: dict[str, torch.Tensor] = {}
     if "model" in contents and model is not None:
@@ -401,21 +476,19 @@ def load(
             if cause is not None:
                 raise cause from None
             raise
-    objects = {k: st.decode(v, {}) for k, v in manifest.get("objects", {}).items()}
+    objects = source.objects
     if optim_tensors:
         st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
     if lr_scheduler is not None and "lr_scheduler" in objects and "optimizer" in contents:
         lr_scheduler.load_state_dict(objects["lr_scheduler"])
     extra: dict[str, Any] = {}
     if "extra" in contents and "extra" in saved:
-        payload = _read_extra(ckpt, coll.rank())
+        payload = source.read_extra(coll.rank())
         extra = payload.get("user", {})
         if restore_rng and "rng" in payload:
             st.set_rng_state(payload["rng"])
     coll.barrier()
-    return LoadResult(
-        int(manifest.get("step", 0)), extra, reader.bytes_read, time.perf_counter() - started
-    )
+    return LoadResult(source.step, extra, reader.bytes_read, time.perf_counter() - started)
 
 
 def _causes(exc: BaseException):

@@ -51,6 +51,11 @@ def optimizer_state(
     return tensors, {"param_groups": state["param_groups"], "scalars": scalars}
 
 
+def optimizer_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list:
+    """The optimizer's param groups with FQNs for ``params`` (initialising empty state)."""
+    return get_optimizer_state_dict(model, optimizer, options=_OPTIONS)["param_groups"]
+
+
 def apply_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,

@@ -177,3 +177,17 @@ def async_run(rank: int, world: int, root: str, steps: int, budget: str) -> dict
         restored[step] = full_state(fresh, fresh_opt, fresh_sched)
     checker.close()
     return {"expected": expected, "restored": restored, "stalls": stalls}
+
+
+def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict:
+    """Restore a verl checkpoint (saved at another world size) through the manager."""
+    model, optimizer, scheduler, _ = build((world,), seed=99)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    root = str(Path(actor).parent.parent / f"shardstream-{world}")
+    cfg = CheckpointConfig(directory=root, load_contents=contents)
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    restored = manager.restore(path=actor)
+    state = full_state(model, optimizer, scheduler)
+    rng_next = torch.rand(2)
+    manager.close()
+    return {"restored": restored, "state": state, "rng_next": rng_next}

@@ -9,13 +9,14 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent
 from .torch_pt import load_layout, local_layout
 
@@ -116,14 +117,36 @@ def _describe_placements(placements, mesh) -> str:
 
 def open_verl(directory: str | os.PathLike) -> VerlCheckpoint:
     """Read the layout of every rank file and describe each tensor as blocks of byte ranges."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     directory = Path(directory)
     world_size, files = _rank_files(directory)
     fsdp_version = None
     config = directory / FSDP_CONFIG
     if config.is_file():
         fsdp_version = json.loads(config.read_text()).get("FSDP_version")
+    layout = read_rank_layouts(files, lambda state, path: state)
+    return VerlCheckpoint(
+        directory,
+        world_size,
+        fsdp_version,
+        layout.tensors,
+        layout.placements,
+        layout.mesh,
+        files,
+        layout.replicas,
+    )
+
+
+@dataclass
+class RankLayouts:
+    tensors: list[GlobalTensor]
+    placements: dict[str, str]
+    mesh: str
+    replicas: dict[str, list[Block]]
+
+
+def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
+    """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
     order: list[str] = []
     meta: dict[str, tuple] = {}
@@ -137,6 +160,7 @@ def open_verl(directory: str | os.PathLike) -> VerlCheckpoint:
             raise CheckpointFormatError(
                 f"{path}: expected a state dict, got {type(state).__name__}"
             )
+        state = flatten(state, path)
         file_size = os.path.getsize(path)
         if rank == 0:
             order = list(state)
@@ -203,11 +227,89 @@ def open_verl(directory: str | os.PathLike) -> VerlCheckpoint:
         dtype, shape = meta[name][0], tuple(meta[name][1])
         check_blocks_tile(name, shape, blocks[name])
         tensors.append(GlobalTensor(name, dtype, shape, tuple(blocks[name])))
-    return VerlCheckpoint(
-        directory, world_size, fsdp_version, tensors, placements, mesh_desc, files, replicas
-    )
+    return RankLayouts(tensors, placements, mesh_desc, replicas)
 
 
 def _show(key: tuple) -> str:
     dtype, shape, *rest = key
     return f"{dtype}{list(shape)} {rest[0] if rest else ''}".strip()
+
+
+# --- optimizer and extra state, for restore() at any world size -------------------------------
+
+
+def optimizer_files(directory: Path, world_size: int) -> list[str]:
+    files = [directory / f"optim_world_size_{world_size}_rank_{r}.pt" for r in range(world_size)]
+    missing = [f.name for f in files if not f.is_file()]
+    if missing:
+        raise CheckpointNotFoundError(f"{directory}: missing optimizer file(s): {missing[:4]}")
+    return [str(f) for f in files]
+
+
+def saved_param_groups(directory: Path, world_size: int) -> list[dict]:
+    """The optimizer's param groups as verl saved them (``params`` are integer ids)."""
+    path = optimizer_files(directory, world_size)[0]
+    state = load_layout(path)
+    groups = state.get("param_groups") if isinstance(state, dict) else None
+    if not isinstance(groups, list) or not all(
+        isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
+    ):
+        raise CheckpointFormatError(f"{path}: not an optimizer state dict (no param_groups)")
+    return groups
+
+
+def open_verl_optimizer(
+    directory: Path, world_size: int, names: dict[int, str], prefix: str
+) -> tuple[list[GlobalTensor], dict[str, object]]:
+    """Optimizer tensors renamed ``<prefix><fqn>.<key>`` (``names`` maps verl's ids to FQNs),
+    and the non-tensor per-parameter values."""
+    scalars: dict[str, object] = {}
+
+    def flatten(state: dict, path: str) -> dict:
+        entries = state.get("state")
+        if not isinstance(entries, dict):
+            raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
+        out = {}
+        for pid, values in entries.items():
+            if pid not in names:
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state for parameter id {pid!r}, which the model's "
+                    "optimizer does not have; was it built differently?"
+                )
+            for key, value in values.items():
+                flat = f"{prefix}{names[pid]}.{key}"
+                if isinstance(value, torch.Tensor):
+                    out[flat] = value
+                else:
+                    scalars[flat] = value
+        return out
+
+    layout = read_rank_layouts(optimizer_files(directory, world_size), flatten)
+    return layout.tensors, scalars
+
+
+def read_extra_state(directory: Path, world_size: int, rank: int) -> dict:
+    """verl's extra state of ``rank`` (rank 0's beyond the saved world size): scheduler, RNG.
+
+    Loaded with ``weights_only=True``; numpy's array reconstruction is admitted because verl
+    stores numpy's RNG state.
+    """
+    import numpy as np
+
+    source = rank if rank < world_size else 0
+    path = directory / f"extra_state_world_size_{world_size}_rank_{source}.pt"
+    if not path.is_file():
+        return {}
+    multiarray = getattr(np, "_core", None) or np.core
+    allowed = [np.dtype, np.ndarray, multiarray.multiarray._reconstruct]
+    allowed += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
+    try:
+        with torch.serialization.safe_globals(allowed):
+            state = torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as exc:
+        raise UnsafeCheckpointError(
+            f"{path}: refused to unpickle: {str(exc).strip().splitlines()[0][:200]}"
+        ) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as exc:
+        raise CheckpointFormatError(f"{path}: not a readable torch checkpoint: {exc}") from None
+    return state if isinstance(state, dict) else {}
