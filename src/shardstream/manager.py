@@ -76,6 +76,8 @@ class CheckpointConfig:
         verify_on_load: check every byte read against its checksum.
         async_save: return from ``save()`` at once and write in the background.
         shared_filesystem: whether all ranks see one filesystem (None: detect at save time).
+        stagger_host_transfers: ranks on one host take turns copying device tensors to host
+            memory (GPU runs), so they don't saturate the host link together.
     """
 
     directory: str
@@ -87,6 +89,7 @@ class CheckpointConfig:
     verify_on_load: bool = True
     async_save: bool = False
     shared_filesystem: bool | None = None
+    stagger_host_transfers: bool = False
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -236,6 +239,10 @@ class CheckpointManager:
                     exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
                 )
         coll.agree_or_raise(error)
+        if config.stagger_host_transfers:
+            from .copy import configure_host_transfers
+
+            configure_host_transfers(stagger=True)
         if config.async_save:
             from .async_save import AsyncSaver
 

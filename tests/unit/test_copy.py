@@ -425,3 +425,19 @@ def test_random_layouts_dtypes_and_buffers(data):
         )
     expected = full.to(dst_dtype)
     assert torch.equal(result.view(torch.uint8), expected.contiguous().view(torch.uint8))
+
+
+def test_host_transfer_ring_copies_in_bounded_slots(tmp_path):
+    from shardstream.copy import HostTransfer, TensorEndpoint
+
+    data = torch.arange(1000, dtype=torch.int32)
+    lock = tmp_path / "d2h.lock"
+    for stagger in (None, str(lock)):
+        transfer = HostTransfer(slot_bytes=256, slots=3, stagger_path=stagger)
+        endpoint = TensorEndpoint("t", data, transfer=transfer)
+        out = np.empty(4000 - 12, dtype=np.uint8)
+        endpoint.read_into(12, out)
+        assert out.tobytes() == data.numpy().tobytes()[12:]
+        assert transfer.transfers == -(-out.nbytes // 256)  # one transfer per slot's worth
+        assert all(slot.numel() == 256 for slot in transfer.slots)
+    assert lock.exists()  # ranks on one host took turns through this lock file
