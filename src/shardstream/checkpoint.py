@@ -471,7 +471,8 @@ def load(
                 dcp.load(targets, storage_reader=reader, process_group=coll.group())
         except ShardstreamError:
             raise
-        except Exception as exc:  # DCP wraps rank failures; surface ours
+        except BaseException as exc:  # DCP wraps rank failures (CheckpointException is a
+            # BaseException, not an Exception); surface ours
             cause = _shardstream_cause(exc)
             if cause is not None:
                 raise cause from None
