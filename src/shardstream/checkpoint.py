@@ -342,6 +342,13 @@ def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: boo
     if native.is_native_checkpoint(path):
         ckpt = native.open_native(path)
         manifest = ckpt.manifest
+        named = re.match(r"^global_step_(\d+)$", path.name)
+        in_root = (path.parent / "latest_checkpointed_iteration.txt").exists()  # a manager's
+        if named and in_root and int(named[1]) != manifest.get("step"):
+            raise CheckpointFormatError(
+                f"{path}: directory is named for step {named[1]} but its manifest is step "
+                f"{manifest.get('step')} (copied or renamed?)"
+            )
         return _Source(
             dict(ckpt.all_tensors),
             ckpt.endpoint if verify else FileEndpoint,
