@@ -271,22 +271,31 @@ def configure_host_transfers(stagger: bool, slot_bytes: int = 8 << 20, slots: in
 
 @dataclass
 class Buffers:
-    """The three reusable buffers, sized from one budget."""
+    """The reusable buffers, sized from one budget: two destination windows (one is written
+    while the other fills), a source buffer and a conversion staging buffer."""
 
     window: np.ndarray
     src: np.ndarray
     staging: torch.Tensor
+    spare: np.ndarray | None = None
+
+    @property
+    def windows(self) -> tuple[np.ndarray, np.ndarray]:
+        if self.spare is None:
+            self.spare = np.empty_like(self.window)
+        return self.window, self.spare
 
     @classmethod
     def sized(cls, buffer_bytes: int, ratio: float = 1.0) -> Buffers:
         """Split ``buffer_bytes`` so that reading ``ratio`` source bytes per output byte fits."""
         ratio = max(ratio, 1e-3)
-        window = max(_MIN_WINDOW, int(buffer_bytes / (2 + ratio)))
+        window = max(_MIN_WINDOW, int(buffer_bytes / (3 + ratio)))
         src = max(_MIN_WINDOW, int(window * ratio))
         return cls(
             np.empty(window, dtype=np.uint8),
             np.empty(src, dtype=np.uint8),
             torch.empty(window, dtype=torch.uint8),
+            np.empty(window, dtype=np.uint8),
         )
 
 
@@ -303,16 +312,28 @@ class Streamer:
         self.buf = buffers
         self.transforms = transforms or {}
 
-    def rows(self, run: CopyRun, i0: int, i1: int, e0: int, e1: int) -> np.ndarray:
-        """Rows [i0, i1), elements [e0, e1) of each, as (rows, bytes) in the destination dtype."""
+    def rows(
+        self, run: CopyRun, i0: int, i1: int, e0: int, e1: int, out: np.ndarray | None = None
+    ) -> np.ndarray:
+        """Rows [i0, i1), elements [e0, e1) of each, as (rows, bytes) in the destination dtype.
+
+        With ``out`` (a contiguous byte array of the right size), the result is produced there
+        directly when possible, saving a pass over memory; the return value says where it is.
+        """
         k, n = i1 - i0, e1 - e0
         s_isz, d_isz = itemsize(run.src_dtype), itemsize(run.dst_dtype)
         width = n * s_isz
         need = k * width
-        src = self.buf.src[:need].reshape(k, width) if need else self.buf.src[:0].reshape(k, 0)
+        transform = self.transforms.get(run.tensor)
+        plain = run.src_dtype == run.dst_dtype and transform is None
+        contiguous = k == 1 or run.src_step == width
         source = self.endpoint(run.src)
         first = run.src_offset + i0 * run.src_step + e0 * s_isz
-        if k == 1 or run.src_step == width:
+        if plain and contiguous and out is not None:
+            source.read_into(first, out)  # straight into the destination window
+            return out.reshape(k, width)
+        src = self.buf.src[:need].reshape(k, width) if need else self.buf.src[:0].reshape(k, 0)
+        if contiguous:
             source.read_into(first, self.buf.src[:need])
         else:
             span = (k - 1) * run.src_step + width
@@ -325,15 +346,18 @@ class Streamer:
             else:
                 for j in range(k):
                     source.read_into(first + j * run.src_step, src[j])
-        transform = self.transforms.get(run.tensor)
-        if run.src_dtype == run.dst_dtype and transform is None:
+        if plain:
             return src
         values = torch.from_numpy(src).view(TORCH_BY_CODE[run.src_dtype]).reshape(k, n)
         if transform is not None:
             first_index = run.elem_index + i0 * run.index_step + e0
             values = transform(values.float(), first_index, run.index_step, n)
-        out = self.buf.staging[: k * n * d_isz].view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
-        out.copy_(values)
+        if out is not None and out.ctypes.data % d_isz == 0:
+            target = torch.from_numpy(out).view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
+            target.copy_(values)  # convert straight into the destination window
+            return out.reshape(k, n * d_isz)
+        staged = self.buf.staging[: k * n * d_isz].view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
+        staged.copy_(values)
         return self.buf.staging[: k * n * d_isz].numpy().reshape(k, n * d_isz)
 
     def batches(self, run: CopyRun, lo: int, hi: int, max_dst_bytes: int):
@@ -403,72 +427,101 @@ def stream_file(
 ) -> list[str]:
     """Fill the data section of an open file from ``runs``; return the chunk digests.
 
+    ``tensor_bounds`` lists (begin, end, itemsize, name) per tensor, relative to the data start.
     Only data bytes [start, end) are filled when given (distributed merge splits files this
     way); ``start`` must be a multiple of ``chunk_bytes`` so the digests line up.
-
-    ``window_hook(lo, hi)`` is told each data range before its sources are read (async saves
-    use it to know which live tensors are being read).
-
-    ``tensor_bounds`` lists (begin, end, itemsize, name) per tensor, relative to the data start.
-    Raises if any byte of the data section is left without a source.
+    ``window_hook(lo, hi)`` is told each data range before its sources are read; everything
+    before ``lo`` has been read by then (async saves use it to track live tensors).
+    Windows are written and hashed on a second thread while the next one fills.
+    Raises if any byte of the range is left without a source.
     """
-    runs = sorted(runs, key=lambda r: r.dst_offset)
-    bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
-    window = streamer.buf.window
-    capacity = window.nbytes
-    digests: list[str] = []
-    hasher, in_chunk = new_hasher(), 0
-    active: list[CopyRun] = []
-    next_run = 0
-    end = data_size if end is None else min(end, data_size)
+    from concurrent.futures import ThreadPoolExecutor
+
     if start % chunk_bytes:
         raise ValueError(f"range start {start} is not a multiple of the chunk size {chunk_bytes}")
-    lo = start
-    while lo < end:
-        hi = min(end, lo + capacity)
-        if hi < end:
-            hi = max(_snap(hi, bounds), lo + 1)
-        while next_run < len(runs) and runs[next_run].dst_offset < hi:
-            active.append(runs[next_run])
-            next_run += 1
-        active = [r for r in active if r.dst_end() > lo]
-        if window_hook:
-            window_hook(lo, hi)
-        filled = 0
-        for run in active:
-            for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
+    end = data_size if end is None else min(end, data_size)
+    runs = sorted(runs, key=lambda r: r.dst_offset)
+    bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
+    digests: list[str] = []
+    state = {"hasher": new_hasher(), "in_chunk": 0}
+
+    def flush(view: np.ndarray, lo: int) -> None:
+        """pwrite a filled window and hash it in fixed chunks, independent of window edges."""
+        _pwrite_all(fd, path, view, data_start + lo)
+        pos = 0
+        while pos < view.nbytes:
+            take = min(chunk_bytes - state["in_chunk"], view.nbytes - pos)
+            state["hasher"].update(memoryview(view[pos : pos + take]))
+            state["in_chunk"] += take
+            pos += take
+            if state["in_chunk"] == chunk_bytes:
+                digests.append(state["hasher"].hexdigest())
+                state["hasher"], state["in_chunk"] = new_hasher(), 0
+        if progress:
+            progress(view.nbytes)
+
+    writer = ThreadPoolExecutor(1, thread_name_prefix="shardstream-write")
+    pending = None
+    try:
+        active: list[CopyRun] = []
+        next_run = 0
+        lo, turn = start, 0
+        capacity = streamer.buf.window.nbytes
+        while lo < end:
+            hi = min(end, lo + capacity)
+            if hi < end:
+                hi = max(_snap(hi, bounds), lo + 1)
+            while next_run < len(runs) and runs[next_run].dst_offset < hi:
+                active.append(runs[next_run])
+                next_run += 1
+            active = [r for r in active if r.dst_end() > lo]
+            if window_hook:
+                window_hook(lo, hi)
+            window = streamer.buf.windows[turn % 2]
+            turn += 1
+            filled = _fill_window(window, lo, hi, active, streamer)
+            if filled != hi - lo:
+                name = next((n for b, e, _, n in tensor_bounds if b <= lo < e), "?")
+                raise CheckpointFormatError(
+                    f"{path}: internal plan error: window [{lo}, {hi}) near tensor {name!r} "
+                    f"got {filled} of {hi - lo} bytes"
+                )
+            if pending is not None:
+                pending.result()  # the other window is free again
+            pending = writer.submit(flush, window[: hi - lo], lo)
+            lo = hi
+        if pending is not None:
+            pending.result()
+    finally:
+        writer.shutdown(wait=True)
+    if state["in_chunk"]:
+        digests.append(state["hasher"].hexdigest())
+    return digests
+
+
+def _fill_window(
+    window: np.ndarray, lo: int, hi: int, active: Sequence[CopyRun], streamer: Streamer
+) -> int:
+    """Fill destination bytes [lo, hi) into ``window``; return how many bytes were placed."""
+    filled = 0
+    for run in active:
+        d_isz = itemsize(run.dst_dtype)
+        for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
+            pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
+            count, width = i1 - i0, (e1 - e0) * d_isz
+            if count == 1 or run.dst_step == width:
+                direct = window[pos : pos + count * width]
+                rows = streamer.rows(run, i0, i1, e0, e1, out=direct)
+                if not np.may_share_memory(rows, direct):
+                    direct[...] = rows.reshape(-1)
+            else:
                 rows = streamer.rows(run, i0, i1, e0, e1)
-                pos = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype) - lo
-                count, width = rows.shape
                 target = np.lib.stride_tricks.as_strided(
                     window[pos:], shape=(count, width), strides=(run.dst_step, 1)
                 )
                 target[...] = rows
-                filled += rows.nbytes
-        if filled != hi - lo:
-            name = next((n for b, e, _, n in tensor_bounds if b <= lo < e), "?")
-            raise CheckpointFormatError(
-                f"{path}: internal plan error: window [{lo}, {hi}) near tensor {name!r} got "
-                f"{filled} of {hi - lo} bytes"
-            )
-        view = window[: hi - lo]
-        _pwrite_all(fd, path, view, data_start + lo)
-        # Chunk digests over the data section, independent of window boundaries.
-        pos = 0
-        while pos < view.nbytes:
-            take = min(chunk_bytes - in_chunk, view.nbytes - pos)
-            hasher.update(memoryview(view[pos : pos + take]))
-            in_chunk += take
-            pos += take
-            if in_chunk == chunk_bytes:
-                digests.append(hasher.hexdigest())
-                hasher, in_chunk = new_hasher(), 0
-        if progress:
-            progress(hi - lo)
-        lo = hi
-    if in_chunk:
-        digests.append(hasher.hexdigest())
-    return digests
+            filled += count * width
+    return filled
 
 
 def _pwrite_all(fd: int, path: str, data: np.ndarray, offset: int) -> None:
