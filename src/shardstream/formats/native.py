@@ -71,13 +71,14 @@ def rank_file(rank: int) -> str:
 
 def check_name(directory: Path, name: object, what: str) -> Path:
     """A file name from a manifest: plain, inside ``directory``, no links out."""
-    if not isinstance(name, str) or not SAFE_NAME.match(name) or name in (".", ".."):
+    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
         raise UnsafeCheckpointError(
             f"{directory / MANIFEST}: {what} names file {name!r}, which is not a plain file name "
             "inside the checkpoint"
         )
     path = directory / name
-    if path.is_symlink():
+    # The file, or the huggingface/ directory it sits in, may be a link out of the checkpoint.
+    if path.is_symlink() or (path.parent != directory and path.parent.is_symlink()):
         real = Path(os.path.realpath(path))
         if Path(os.path.realpath(directory)) not in real.parents:
             raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
