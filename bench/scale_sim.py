@@ -21,9 +21,11 @@ calling the real code on synthetic inputs:
 - **hf_model export, every rank**: the HF layout and the rank's own runs (``plan_copy``).
 
 The 80 layers have identical shapes, so the per-chunk work is done for the non-layer tensors
-and one representative layer per name length (layer 0 for layers 0-9, layer 10 for 10-79) and
-multiplied by the number of layers it stands for. Manifest bytes come out exact (checked
-against a full build at the smallest rank count); times are the measured times so weighted.
+and one representative layer, counted once per layer. Manifest bytes come out exact (shorter
+names of layers 0-9 are corrected for, and the total is checked against a full build at the
+smallest rank count); times are the representative's times so weighted. Times are CPU seconds
+of this process with the cyclic GC paused (``--gc on`` to run it); the heap is measured with
+tracemalloc at one rank count (``--mem-ranks``) and scaled by chunk count.
 
 The script fits log(time) against log(ranks) for every stage and exits 1 when a stage grows
 faster than linearly beyond the tolerance. Run ``--help`` for options; see docs/scaling.md.
