@@ -324,7 +324,14 @@ class NativeCheckpoint:
 
     def config_dir(self) -> Path | None:
         hf = self.directory / "huggingface"
-        return hf if (hf / "config.json").is_file() else None
+        if not (hf / "config.json").is_file():
+            return None
+        # merge copies these files into its output: none may lead out of the checkpoint.
+        base = Path(os.path.realpath(self.directory))
+        for path in (hf, *hf.iterdir()):
+            if path.is_symlink() and base not in Path(os.path.realpath(path)).parents:
+                raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
+        return hf
 
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one data file that checks every chunk it reads."""
