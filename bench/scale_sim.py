@@ -88,9 +88,6 @@ from shardstream.formats.safetensors import (
 from shardstream.formats.writer import OutputTensor, plan_file_runs
 from shardstream.merge import choose_outputs
 from shardstream.plan import (
-    _OVERLAP_WINDOW as WINDOW,
-)
-from shardstream.plan import (
     Block,
     GlobalTensor,
     check_blocks_tile,
@@ -396,7 +393,7 @@ def tile_check_sorted(tensor: str, shape: tuple[int, ...], blocks) -> None:
     nonempty = sorted((b for b in blocks if b.numel), key=lambda b: b.start)
     for i, a in enumerate(nonempty):
         end = a.start[0] + a.shape[0] if a.shape else 0
-        for b in nonempty[i + 1 : i + 1 + WINDOW]:
+        for b in nonempty[i + 1 :]:
             if b.start and b.start[0] >= end:
                 break
             if all(

@@ -386,12 +386,15 @@ def open_native(directory: str | os.PathLike) -> NativeCheckpoint:
         headers[str(path)] = header
         digests[str(path)] = (header.data_start, sums.chunk_bytes, sums.chunks)
     tensors: dict[str, GlobalTensor] = {}
+    checked: dict[str, str] = {}  # file names are few; chunks are many
     for fqn, info in manifest.get("tensors", {}).items():
-        tensors[fqn] = _global_tensor(directory, fqn, info, headers)
+        tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
     return NativeCheckpoint(directory, manifest, tensors, digests, headers)
 
 
-def _global_tensor(directory: Path, fqn: str, info: Any, headers: dict) -> GlobalTensor:
+def _global_tensor(
+    directory: Path, fqn: str, info: Any, headers: dict, checked: dict[str, str]
+) -> GlobalTensor:
     where = f"{directory / MANIFEST}: tensor {fqn!r}"
     try:
         dtype = info["dtype"]
@@ -404,7 +407,10 @@ def _global_tensor(directory: Path, fqn: str, info: Any, headers: dict) -> Globa
     blocks = []
     for chunk in chunks:
         try:
-            path = str(check_name(directory, chunk["file"], f"tensor {fqn!r}"))
+            name = chunk["file"]
+            if name not in checked:
+                checked[name] = str(check_name(directory, name, f"tensor {fqn!r}"))
+            path = checked[name]
             offsets = tuple(int(o) for o in chunk["offsets"])
             sizes = tuple(int(s) for s in chunk["sizes"])
             key = chunk["key"]
