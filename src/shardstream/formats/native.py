@@ -393,8 +393,9 @@ def open_native(directory: str | os.PathLike) -> NativeCheckpoint:
 
 
 def _global_tensor(
-    directory: Path, fqn: str, info: Any, headers: dict, checked: dict[str, str]
+    directory: Path, fqn: str, info: Any, headers: dict, checked: dict[str, str] | None = None
 ) -> GlobalTensor:
+    checked = {} if checked is None else checked
     where = f"{directory / MANIFEST}: tensor {fqn!r}"
     try:
         dtype = info["dtype"]
