@@ -238,7 +238,12 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
         tensor_section, file_section = {}, {}
         if tensors:
             with _single_process_quiet():
-                dcp.save(tensors, storage_writer=writer, process_group=coll.group())
+                dcp.save(
+                    tensors,
+                    storage_writer=writer,
+                    planner=native.save_planner(),
+                    process_group=coll.group(),
+                )
             if coll.rank() == 0:
                 tensor_section, file_section = native.tensor_manifest(
                     writer.metadata, writer.results
