@@ -229,13 +229,32 @@ PROFILE_BUCKETS = (
     ("fsync", ("posix.fsync", "posix.fdatasync")),
     ("dtype cast / copy (torch copy_)", ("copy_", "'to' of", "numpy.ndarray' objects")),
     ("checksum (xxhash)", ("xxhash",)),
+    ("waiting on other threads (lock.acquire)", ("'acquire' of '_thread.lock'",)),
 )
+
+
+def profile_buckets(prof: Path) -> dict:
+    """Sum cProfile's own-time (tottime) per bucket; the rest is imports, planning, Python."""
+    import pstats
+
+    st = pstats.Stats(str(prof))
+    total = st.total_tt
+    buckets = {name: 0.0 for name, _ in PROFILE_BUCKETS}
+    for (_file, _line, func), (_cc, _nc, tt, _ct, _callers) in st.stats.items():
+        for name, needles in PROFILE_BUCKETS:
+            if any(n in func for n in needles):
+                buckets[name] += tt
+                break
+    buckets["everything else (imports, planning, Python)"] = total - sum(buckets.values())
+    return {
+        "profiled_s": total,
+        "threads_note": "cProfile sees the main thread only",
+        "buckets_s": {k: round(v, 3) for k, v in buckets.items()},
+    }
 
 
 def profile_shardstream(actor: Path, out: Path, a: argparse.Namespace) -> dict:
     """One extra warm run under cProfile: where does shardstream's own time go?"""
-    import pstats
-
     prof = a.results / "shardstream.prof"
     argv = tool_argv("shardstream", actor, out, a)
     argv = [argv[0], "-m", "cProfile", "-o", str(prof), *argv[1:]]
@@ -247,21 +266,7 @@ def profile_shardstream(actor: Path, out: Path, a: argparse.Namespace) -> dict:
     shutil.rmtree(out, ignore_errors=True)
     if m.returncode != 0 or not prof.exists():
         return {"error": f"exit {m.returncode}: {m.stderr_tail[-800:]}"}
-    st = pstats.Stats(str(prof))
-    total = st.total_tt
-    buckets = {name: 0.0 for name, _ in PROFILE_BUCKETS}
-    for (_file, _line, func), (_cc, _nc, tt, _ct, _callers) in st.stats.items():
-        for name, needles in PROFILE_BUCKETS:
-            if any(n in func for n in needles):
-                buckets[name] += tt
-                break
-    buckets["everything else (imports, planning, Python)"] = total - sum(buckets.values())
-    return {
-        "wall_s": m.wall_s,
-        "profiled_s": total,
-        "threads_note": "cProfile sees the main thread only",
-        "buckets_s": {k: round(v, 3) for k, v in buckets.items()},
-    }
+    return {"wall_s": m.wall_s, **profile_buckets(prof)}
 
 
 def median(xs: list[float]) -> float | None:
