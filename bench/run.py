@@ -402,6 +402,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json-out", type=Path, default=None, help="default: RESULTS/merge.json")
     p.add_argument("--no-doc", action="store_true", help="do not regenerate docs/benchmarks.md")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile run of shardstream")
+    p.add_argument(
+        "--strict", action="store_true", help="exit 1 when a target is missed (not only on errors)"
+    )
     p.add_argument("--keep-outputs", action="store_true", help="keep merged models after checks")
     p.add_argument("--timeout", type=float, default=1800, help="per-run timeout in seconds")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
@@ -626,6 +629,9 @@ def main(argv: list[str] | None = None) -> int:
     for t in targets:
         mark = {True: "PASS", False: "FAIL", None: "n/a "}[t["passed"]]
         log(f"target {mark}: {t['name']}: {t['value']} (target {t['target']})")
+    missed = [t for t in targets if t["passed"] is False and "informational" not in t["name"]]
+    if a.strict and missed:
+        problems.append(f"--strict: {len(missed)} target(s) missed")
     if problems:
         log(f"!!! {len(problems)} problem(s):")
         for p in problems:
