@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import uuid
@@ -77,6 +78,10 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
         tmp.mkdir()
     except PermissionError:
         raise UsageError(f"cannot create {tmp}: permission denied") from None
+    except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"cannot create {tmp}: no space left on device") from None
+        raise UsageError(f"cannot create {tmp}: {exc.strerror}") from None
     try:
         yield tmp
         fsync_tree(tmp)
