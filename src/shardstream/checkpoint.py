@@ -536,7 +536,10 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
     if json_name not in files:
         return {}
     json_path = native.check_name(ckpt.directory, json_name, "extra")
-    body = json_path.read_bytes()
+    try:
+        body = json_path.read_bytes()
+    except PermissionError:
+        raise UsageError(f"{json_path}: cannot read: permission denied") from None
     if digest(body) != files[json_name].get("xxh3"):
         from .errors import ChecksumMismatchError
 

@@ -152,7 +152,12 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
 
 def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:
     hasher = new_hasher()
-    with open(file, "rb") as f:
+    try:
+        f = open(file, "rb")
+    except OSError as exc:
+        report.problems.append(Problem(str(file), f"cannot read: {exc.strerror}"))
+        return
+    with f:
         while data := f.read(READ_BYTES):
             hasher.update(data)
             report.bytes_checked += len(data)

@@ -14,7 +14,12 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from ..dtypes import ITEMSIZE
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 
 MAX_HEADER_BYTES = 100_000_000
 MAX_TENSORS = 10_000_000
@@ -116,6 +121,8 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise CheckpointFormatError(
             f"{path}: is a directory, expected a safetensors file"
         ) from None
+    except PermissionError:
+        raise UsageError(f"{path}: cannot read: permission denied") from None
     return parse_header(path, raw, file_size)
 
 
