@@ -362,9 +362,22 @@ def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: boo
             int(manifest.get("step", 0)),
             lambda rank: _read_extra(ckpt, rank),
         )
+    from .formats import dcp as dcp_format
+
+    if not verl.is_verl_checkpoint(path) and dcp_format.is_dcp_checkpoint(path):
+        # PyTorch DCP (torchtitan, accelerate): the model's weights; optimizer entries are
+        # not mapped, so load_contents must be ("model",).
+        ckpt = dcp_format.open_dcp(path)
+        if want_optimizer:
+            raise UsageError(
+                f"{path}: restoring optimizer state from a PyTorch DCP checkpoint is not "
+                "supported; use load_contents=('model',)"
+            )
+        tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+        return _Source(tensors, FileEndpoint, {"model"}, {}, 0, lambda rank: {})
     if not verl.is_verl_checkpoint(path):
         raise CheckpointNotFoundError(
-            f"{path}: neither a shardstream checkpoint ({native.MANIFEST}) nor a verl checkpoint"
+            f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint"
         )
     ckpt = verl.open_verl(path)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
@@ -488,6 +501,11 @@ def load(
             cause = _shardstream_cause(exc)
             if cause is not None:
                 raise cause from None
+            lost = next((e for e in _causes(exc) if isinstance(e, FileNotFoundError)), None)
+            if lost is not None:  # e.g. deleted by the saving run's retention while we read
+                raise CheckpointNotFoundError(
+                    f"{path}: {lost.filename or 'a data file'} disappeared while being read"
+                ) from None
             raise
     objects = source.objects
     if optim_tensors:

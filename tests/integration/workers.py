@@ -191,3 +191,21 @@ def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict
     rng_next = torch.rand(2)
     manager.close()
     return {"restored": restored, "state": state, "rng_next": rng_next}
+
+
+def dcp_restore_run(rank: int, world: int, root: str, stage: str) -> dict:
+    """stage "save": dcp.save a model-only state dict at this world size; stage "restore":
+    restore it through the manager into a differently seeded model at this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    model, optimizer, scheduler, _ = build((world,), seed=0 if stage == "save" else 5)
+    if stage == "save":
+        train_step(model, optimizer, scheduler, 1)
+        dcp.save(get_model_state_dict(model), checkpoint_id=f"{root}/dcp")
+        return full_state(model, optimizer, scheduler)["model"]
+    cfg = CheckpointConfig(directory=f"{root}/run-{world}", load_contents=("model",))
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+    manager.restore(path=f"{root}/dcp")
+    manager.close()
+    return full_state(model, optimizer, scheduler)["model"]
