@@ -74,7 +74,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         return report
     if (root / native.MANIFEST).is_file() or STEP_DIR.match(root.name):
         report = VerifyReport(str(root), "step")
-        _verify_step(root, report, progress)
+        _verify_step_or_report(root, report, progress)
         return report
     if (root / hf.SINGLE_FILE).is_file() or (root / hf.INDEX_FILE).is_file():
         report = VerifyReport(str(root), "huggingface")
@@ -90,18 +90,31 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         return report
     report = VerifyReport(str(root), "root", steps=steps)
     for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
+        before = len(report.problems)
         if not (entry / native.MANIFEST).is_file():
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
-            continue
-        _verify_step(entry, report, progress)
+        else:
+            _verify_step_or_report(entry, report, progress)
+        if len(report.problems) > before and not entry.exists():
+            del report.problems[before:]  # a live run's retention removed it while we read it
     latest = read_latest(root)
     if (root / LATEST_FILE).exists() and latest is None:
         report.problems.append(Problem(str(root / LATEST_FILE), "does not hold a step number"))
-    elif latest is not None and latest not in steps:
+    elif latest is not None and latest not in steps and latest not in committed_steps(root):
+        # (a live run may have committed it, then moved the pointer, since the listing above)
         report.problems.append(
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> None:
+    """``_verify_step``, with a file that cannot be read (or vanished) reported, not raised."""
+    try:
+        _verify_step(directory, report, progress)
+    except OSError as exc:
+        where = exc.filename if exc.filename else directory
+        report.problems.append(Problem(str(where), f"cannot read: {exc.strerror or exc}"))
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
