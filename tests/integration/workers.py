@@ -209,3 +209,17 @@ def dcp_restore_run(rank: int, world: int, root: str, stage: str) -> dict:
     manager.restore(path=f"{root}/dcp")
     manager.close()
     return full_state(model, optimizer, scheduler)["model"]
+
+
+def hf_export_run(rank: int, world: int, root: str, shared: bool | None, tie: bool) -> dict:
+    """Save hf_model from FSDP2 ranks; return the unsharded model's logits for comparison."""
+    model, optimizer, scheduler, config = build((world,), tie=tie)
+    train_step(model, optimizer, scheduler, 1)
+    cfg = CheckpointConfig(
+        directory=root, save_contents=("model", "hf_model"), shared_filesystem=shared
+    )
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
+    manager.save(1)
+    manager.close()
+    full = full_state(model, optimizer, scheduler)["model"]
+    return {"full": full}

@@ -1,0 +1,39 @@
+"""hf_model during training: every rank writes its own slices; transformers loads the result
+and its logits equal the model's."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardstream import verify
+from shardstream.testing.distributed import run
+from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+from . import workers
+
+
+@pytest.mark.parametrize(
+    "shared, tie, world",
+    [(None, False, 3), (False, False, 2), (None, True, 2)],
+    ids=["shared-fs-detected", "ship-to-rank0", "tied"],
+)
+def test_hf_model_export_loads_with_transformers(tmp_path, shared, tie, world):
+    from transformers import AutoModelForCausalLM
+
+    root = tmp_path / "run"
+    full = run(workers.hf_export_run, world, str(root), shared, tie)[0]["full"]
+    export = root / "global_step_1" / "huggingface"
+    assert verify(root).ok
+    model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    state = model.state_dict()
+    for name, tensor in full.items():
+        if tie and name == "lm_head.weight":
+            continue
+        assert torch.equal(state[name], tensor), name
+    reference = build_tiny_model(tiny_config("qwen2", tie_word_embeddings=tie), seed=3)
+    reference.load_state_dict(full)
+    ids = torch.arange(20).reshape(2, 10)
+    with torch.no_grad():
+        assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
