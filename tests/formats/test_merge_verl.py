@@ -141,3 +141,40 @@ def test_default_dtype_comes_from_config_and_small_shards_split(checkpoints, tmp
     config = json.loads((target / "config.json").read_text())
     assert config.get("dtype", config.get("torch_dtype")) == "bfloat16"
     assert (target / "tokenizer.json").is_file() and (target / "generation_config.json").is_file()
+
+
+def _fsdp1_rank(rank: int, world: int, root: str, with_mesh: bool) -> dict:
+    """FSDP1 (device_id=cpu) SHARDED_STATE_DICT in verl's file naming."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+    from torch.distributed.fsdp import StateDictType
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 30), torch.nn.Linear(30, 5))
+    kwargs = {"device_id": torch.device("cpu")}
+    if with_mesh:
+        kwargs["device_mesh"] = init_device_mesh("cpu", (world,))
+    wrapped = FSDP(model, **kwargs)
+    with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
+        torch.save(wrapped.state_dict(), f"{root}/model_world_size_{world}_rank_{rank}.pt")
+    with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
+        return {k: v.clone() for k, v in wrapped.state_dict().items()}
+
+
+@pytest.mark.filterwarnings("ignore")
+def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path):
+    from shardstream.testing.distributed import run
+
+    for with_mesh in (True, False):
+        root = tmp_path / f"fsdp1-{with_mesh}"
+        root.mkdir()
+        full = run(_fsdp1_rank, 2, str(root), with_mesh)[0]
+        target = tmp_path / f"out-{with_mesh}"
+        code = main(["merge", "--local_dir", str(root), "--target_dir", str(target), "--quiet"])
+        if with_mesh:
+            assert code == 0
+            got = load_file(target / "model.safetensors")
+            assert got.keys() == full.keys()
+            assert all(torch.equal(got[k], v) for k, v in full.items())
+        else:
+            assert code == 1 and not target.exists()

@@ -51,6 +51,12 @@ def load_layout(path: str) -> dict:
             warnings.simplefilter("ignore")
             obj = torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
+        if "sharded_tensor.api.ShardedTensor" in str(exc):
+            raise CheckpointFormatError(
+                f"{path}: holds FSDP1 ShardedTensors (saved without a device mesh), which "
+                "shardstream does not read; save FSDP1 with device_mesh=init_device_mesh(...) "
+                "(DTensor state) or use FSDP2"
+            ) from None
         first = str(exc).strip().splitlines()
         detail = next((line for line in first if "Unsupported" in line or "GLOBAL" in line), "")
         raise UnsafeCheckpointError(
