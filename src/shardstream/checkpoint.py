@@ -558,6 +558,8 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
         body = json_path.read_bytes()
     except PermissionError:
         raise UsageError(f"{json_path}: cannot read: permission denied") from None
+    except FileNotFoundError:  # listed in the manifest: removed since (retention, by hand)
+        raise CheckpointNotFoundError(f"{json_path}: missing (named in the manifest)") from None
     if digest(body) != files[json_name].get("xxh3"):
         from .errors import ChecksumMismatchError
 
@@ -566,7 +568,10 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
     if tensor_name in files:
         tensor_path = str(native.check_name(ckpt.directory, tensor_name, "extra"))
         header = read_header(tensor_path)
-        endpoint = ckpt.endpoint(tensor_path)
+        try:
+            endpoint = ckpt.endpoint(tensor_path)
+        except FileNotFoundError:
+            raise CheckpointNotFoundError(f"{tensor_path}: missing (removed meanwhile)") from None
         try:
             for name, entry in header.tensors.items():
                 import numpy as np
