@@ -390,7 +390,16 @@ def is_native_checkpoint(directory: Path) -> bool:
 
 def open_native(directory: str | os.PathLike) -> NativeCheckpoint:
     """Read and cross-check the manifest against every data file's header."""
-    directory = Path(directory)
+    try:
+        return _open_native(Path(directory))
+    except FileNotFoundError as exc:
+        if isinstance(exc, CheckpointNotFoundError):
+            raise
+        # Listed, then gone: removed while we read (a live run's retention, or by hand).
+        raise CheckpointNotFoundError(f"{exc.filename}: missing (removed meanwhile?)") from None
+
+
+def _open_native(directory: Path) -> NativeCheckpoint:
     manifest = read_manifest(directory)
     headers = {}
     digests = {}
