@@ -30,12 +30,16 @@ format: $(STAMP)
 	$(PY) -m ruff format src tests bench
 	$(PY) -m ruff check --fix src tests bench
 
+# Benchmarks write docs/benchmarks*.md and docs/img/ (about an hour on 2 cores).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py
+	$(PY) bench/distributed_merge_bench.py --ckpt bench/results/ckpt/qwen2-4gb-ws4/global_step_1/actor --repeats 1
+	$(PY) bench/dcp_merge_bench.py
 
+# Long reliability trials (kill -9, corruption, fuzzing); writes docs/reliability.md.
 soak: $(STAMP)
-	$(PY) -m pytest -q tests -m soak --soak
+	$(PY) bench/soak.py
 
 clean:
 	rm -rf $(VENV) .bench-venv build dist src/*.egg-info .pytest_cache
