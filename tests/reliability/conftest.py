@@ -1,0 +1,71 @@
+"""Reliability trials: kill -9, full disks, read-only and forbidden directories, corruption,
+hostile and fuzzed inputs, concurrent managers and readers.
+
+``make test`` runs every test with small trial counts; ``make soak`` (``bench/soak.py``) sets
+``SHARDSTREAM_SOAK=1`` for the large counts and the soak-only tests, and collects each test's
+figures into docs/reliability.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from .harness import ForkServer
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "soak: long reliability trials, run by `make soak` only")
+
+
+@pytest.fixture(scope="session")
+def forkserver(tmp_path_factory):
+    """A warm interpreter that forks trainer, CLI and lock-holder processes on request."""
+    server = ForkServer(tmp_path_factory.mktemp("forkserver-logs"))
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@dataclass(frozen=True)
+class SavedRun:
+    root: Path  # a manager root: global_step_2, global_step_3 and the latest pointer
+    step: Path  # global_step_3: 2 ranks' model, optimizer and extra state
+    expected: Path  # the full state of step 3, written by the trainer before the save
+    hf: Path  # step 3 merged into one model.safetensors (+ config.json)
+    hf_sharded: Path  # the same split into several files and an index
+
+
+@pytest.fixture(scope="session")
+def saved_run(forkserver, tmp_path_factory) -> SavedRun:
+    """A real 2-rank FSDP2 run saved by CheckpointManager, and its merged HF outputs.
+
+    Read-only for tests: copy what you mean to damage.
+    """
+    import json
+
+    from shardstream.merge import merge
+
+    base = tmp_path_factory.mktemp("saved-run")
+    spec = {
+        "world": 2,
+        "init": str(base / "gloo"),
+        "root": str(base / "root"),
+        "side": str(base / "side"),
+        "run": "run",
+        "steps": 3,
+        "keep_last": 2,
+    }
+    assert forkserver.run("train", spec, nprocs=2) == [0, 0], forkserver.logs()
+    step = base / "root" / "global_step_3"
+    config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
+    (base / "config").mkdir()
+    (base / "config" / "config.json").write_text(json.dumps(config))
+    merge(step, base / "hf", hf_model_path=base / "config")
+    merge(step, base / "hf-sharded", hf_model_path=base / "config", max_shard_size="2KB")
+    return SavedRun(
+        base / "root", step, base / "side" / "run" / "step_3.pt", base / "hf", base / "hf-sharded"
+    )

@@ -1,0 +1,296 @@
+"""Shared machinery of the reliability trials: the fork server client, checks, figures."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+SOAK = os.environ.get("SHARDSTREAM_SOAK", "") not in ("", "0")
+LOG_ENV = "SHARDSTREAM_RELIABILITY_LOG"
+HERE = Path(__file__).resolve().parent
+
+soak_only = pytest.mark.skipif(not SOAK, reason="soak only: run `make soak` (SHARDSTREAM_SOAK=1)")
+
+
+def trials(quick: int, soak: int) -> int:
+    """How many trials: ``quick`` in ``make test``, ``soak`` in ``make soak``."""
+    override = os.environ.get("SHARDSTREAM_TRIALS_SCALE")
+    count = soak if SOAK else quick
+    return max(1, int(count * float(override))) if override else count
+
+
+def record(name: str, **figures) -> None:
+    """Append one test's figures to the log ``bench/soak.py`` turns into docs/reliability.md."""
+    path = os.environ.get(LOG_ENV)
+    if not path:
+        return
+    doc = {"name": name, "soak": SOAK, "time": time.time(), **figures}
+    with open(path, "a") as f:
+        f.write(json.dumps(doc, sort_keys=True, default=str) + "\n")
+
+
+# --- fork server client -------------------------------------------------------------------------
+
+
+class ForkServer:
+    """One warm interpreter (``forkserver.py``) that forks victim processes on request."""
+
+    def __init__(self, log_dir: Path):
+        self.log_dir = Path(log_dir)
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        env = {
+            **os.environ,
+            "OMP_NUM_THREADS": "1",
+            "PYTHONWARNINGS": "ignore",
+            "TORCH_CPP_LOG_LEVEL": "ERROR",
+        }
+        self.errors = open(self.log_dir / "forkserver.stderr", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "forkserver.py")],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self.errors,
+            env=env,
+            cwd=str(HERE),
+        )
+        self._buffer = b""
+        self._read(timeout=120)
+        self.live: set[int] = set()
+        self.last: list[int] = []
+
+    def _read(self, timeout: float) -> dict:
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0 or self.proc.poll() is not None:
+                raise RuntimeError(f"fork server did not answer (see {self.log_dir})")
+            ready, _, _ = select.select([self.proc.stdout], [], [], left)
+            if ready:
+                chunk = os.read(self.proc.stdout.fileno(), 65536)
+                if not chunk:
+                    raise RuntimeError(f"fork server exited (see {self.log_dir})")
+                self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return json.loads(line)
+
+    def _ask(self, command: dict, timeout: float = 60) -> dict:
+        self.proc.stdin.write((json.dumps(command) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout + 30)
+
+    def spawn(self, job: str, spec: dict, nprocs: int = 1) -> list[int]:
+        pids = self._ask(
+            {"op": "spawn", "job": job, "spec": spec, "nprocs": nprocs, "log": str(self.log_dir)}
+        )["pids"]
+        self.live.update(pids)
+        self.last = pids
+        return pids
+
+    def wait(self, pids, timeout: float) -> tuple[dict[int, int | None], list[int]]:
+        answer = self._ask({"op": "wait", "pids": list(pids), "timeout": timeout}, timeout)
+        exited = {int(k): v for k, v in answer["exited"].items()}
+        self.live.difference_update(exited)
+        return exited, answer["running"]
+
+    def run(self, job: str, spec: dict, nprocs: int = 1, timeout: float = 120) -> list[int]:
+        """Spawn and wait for completion; return the exit codes in rank order."""
+        pids = self.spawn(job, spec, nprocs)
+        exited, running = self.wait(pids, timeout)
+        if running:
+            kill(running)
+            exited.update(self.wait(running, 30)[0])
+            raise AssertionError(f"{job} did not finish in {timeout} s; logs in {self.log_dir}")
+        return [exited[p] for p in pids]
+
+    def kill_all(self) -> None:
+        if self.live:
+            kill(self.live)
+            self.wait(list(self.live), 30)
+
+    def close(self) -> None:
+        try:
+            self.kill_all()
+            self.proc.stdin.write(b'{"op": "quit"}\n')
+            self.proc.stdin.flush()
+            self.proc.wait(timeout=30)
+        except Exception:  # noqa: BLE001
+            self.proc.kill()
+            self.proc.wait()
+        self.errors.close()
+
+    def logs(self, pids=None) -> str:
+        """The tail of each process's output (default: the last ones spawned)."""
+        out = []
+        for pid in self.last if pids is None else pids:
+            for path in self.log_dir.glob(f"*-{pid}.log"):
+                text = path.read_text(errors="replace")
+                out.append(f"--- {path.name} ---\n{text[-4000:]}")
+        return "\n".join(out)
+
+
+def kill(pids) -> None:
+    for pid in pids:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def wait_for(path: Path, server: ForkServer, pids, timeout: float = 60) -> bool:
+    """Wait until ``path`` exists; False if every process in ``pids`` exited first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if path.exists():
+            return True
+        exited, running = server.wait(pids, 0)
+        if exited and any(code != 0 for code in exited.values()):
+            raise AssertionError(f"a process failed before {path.name}:\n{server.logs(pids)}")
+        if not running:
+            return path.exists()
+        time.sleep(0.01)
+    raise AssertionError(f"{path} did not appear within {timeout} s:\n{server.logs(pids)}")
+
+
+# --- state comparison ---------------------------------------------------------------------------
+
+
+def state_differences(actual, expected, where: str = "") -> list[str]:
+    """Bit-for-bit comparison of nested state (tensors compared by dtype, shape and bytes)."""
+    if isinstance(expected, torch.Tensor):
+        if not isinstance(actual, torch.Tensor):
+            return [f"{where}: expected a tensor, got {type(actual).__name__}"]
+        if actual.dtype != expected.dtype or actual.shape != expected.shape:
+            return [f"{where}: {actual.dtype}{list(actual.shape)} != {expected.dtype}"]
+        a = actual.detach().contiguous().view(-1).view(torch.uint8)
+        b = expected.detach().contiguous().view(-1).view(torch.uint8)
+        return [] if torch.equal(a, b) else [f"{where}: tensor bytes differ"]
+    if isinstance(expected, dict):
+        if not isinstance(actual, dict) or set(actual) != set(expected):
+            keys = set(actual) ^ set(expected) if isinstance(actual, dict) else "?"
+            return [f"{where}: keys differ ({sorted(map(str, keys))[:4]})"]
+        out = []
+        for key in expected:
+            out += state_differences(actual[key], expected[key], f"{where}.{key}")
+        return out
+    if isinstance(expected, (list, tuple)):
+        if not isinstance(actual, (list, tuple)) or len(actual) != len(expected):
+            return [f"{where}: sequence differs"]
+        out = []
+        for i, (a, b) in enumerate(zip(actual, expected)):
+            out += state_differences(a, b, f"{where}[{i}]")
+        return out
+    return [] if actual == expected else [f"{where}: {actual!r} != {expected!r}"]
+
+
+def full_state(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    return {"model": dict(model.state_dict()), "optim": get_optimizer_state_dict(model, optimizer)}
+
+
+# --- checks after a crash -----------------------------------------------------------------------
+
+
+def classify_debris(names) -> Counter:
+    kinds: Counter = Counter()
+    for name in names:
+        if ".tmp-deleted" in name:
+            kinds["retention (graveyard dir)"] += 1
+        elif ".tmp-old-" in name:
+            kinds["overwrite (old dir)"] += 1
+        elif name.startswith("latest_checkpointed_iteration.txt"):
+            kinds["latest pointer (tmp file)"] += 1
+        else:
+            kinds["save in progress (tmp dir)"] += 1
+    return kinds
+
+
+def check_root_after_crash(
+    root: Path,
+    side: Path,
+    durable: int | None,
+    keep_last: int,
+    hidden: int = 40,
+    depth: int = 1,
+) -> dict:
+    """Every invariant a killed save must keep; returns what was found (for the figures).
+
+    ``durable``: the newest step whose ``save()`` had returned before the kill (None: none).
+    """
+    from shardstream.commit import TMP_MARK
+    from shardstream.manager import (
+        LATEST_FILE,
+        CheckpointConfig,
+        CheckpointManager,
+        committed_steps,
+        read_latest,
+    )
+    from shardstream.verify import verify
+
+    from .forkserver import build_model, build_optimizer
+
+    debris = sorted(e.name for e in root.iterdir() if TMP_MARK in e.name)
+    steps = committed_steps(root)
+    pointer = read_latest(root)
+    info = {"debris": debris, "steps": steps, "pointer": pointer}
+    if (root / LATEST_FILE).exists():
+        assert pointer in steps, f"latest names step {pointer}, not a committed one ({steps})"
+    if durable is not None:
+        assert pointer is not None and pointer >= durable, (
+            f"save() of step {durable} had returned, but latest is {pointer} (steps {steps})"
+        )
+    assert len(steps) <= keep_last + 1, f"retention kept {steps} (keep_last={keep_last})"
+    if pointer is not None:
+        info["ahead_of_pointer"] = [s for s in steps if s > pointer]
+    report = verify(root)
+    if steps or pointer is not None:
+        assert report.ok, "verify failed after a crash:\n" + "\n".join(
+            p.line() for p in report.problems
+        )
+    else:  # killed before the first commit: nothing to verify, and verify must say so
+        assert report.kind == "unknown" and len(report.problems) == 1, report.problems
+    if pointer is not None:
+        step_report = verify(root / f"global_step_{pointer}")
+        assert step_report.ok, "\n".join(p.line() for p in step_report.problems)
+
+    model = build_model(0, hidden, depth)
+    optimizer = build_optimizer(model)
+    config = CheckpointConfig(directory=str(root), save_interval=1, keep_last=keep_last)
+    with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+        left = sorted(e.name for e in root.iterdir() if TMP_MARK in e.name)
+        assert not left, f"manager start left partial directories behind: {left}"
+        restored = manager.restore()
+        if steps:
+            assert restored is not None, "committed steps exist but restore() found none"
+            step, extra = restored
+            assert step == manager.latest_step()
+            assert pointer is None or step == pointer
+            assert extra.get("step") == step, f"extra {extra} restored for step {step}"
+            expected = torch.load(
+                side / extra["run"] / f"step_{step}.pt", weights_only=True, map_location="cpu"
+            )
+            diffs = state_differences(full_state(model, optimizer), expected, f"step {step}")
+            assert not diffs, "restore is not bit-for-bit:\n" + "\n".join(diffs[:10])
+            info["restored"] = step
+        else:
+            assert restored is None
+            info["restored"] = None
+    return info
+
+
+def durable_step(side_run: Path) -> int | None:
+    path = side_run / "saved"
+    if not path.exists():
+        return None
+    done = [int(x) for x in path.read_text().split() if x.isdigit()]
+    return max(done) if done else None
