@@ -1,0 +1,354 @@
+"""Corruption of a saved 2-rank checkpoint: every damaged byte must be caught.
+
+Random trials flip one byte (XOR with a random non-zero value) in tensor data, in a
+safetensors header, in the manifest or in an extra-state JSON file of a real FSDP2 step
+directory. Each flip must be reported by ``verify`` (naming the file; for data also a tensor and
+a byte range that holds the flipped byte) and must make ``restore()`` with ``verify_on_load``
+fail with a shardstream error naming the file. A one-rank restore does not read rank 1's extra
+state, so for those files the trial also runs what rank 1 runs in a two-rank restore; a few
+trials run a real two-rank restore as well. Flips in merged HF files are checked with verify.
+
+Then the structural damages: truncated files, a deleted rank file, two rank files swapped, a
+step directory duplicated under another step's name.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import re
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from shardstream import checkpoint as ck
+from shardstream.errors import ShardstreamError
+from shardstream.formats import native
+from shardstream.formats.safetensors import read_header
+from shardstream.manager import CheckpointConfig, CheckpointManager
+from shardstream.verify import verify
+
+from .forkserver import build_model, build_optimizer
+from .harness import record, trials
+
+CATEGORIES = ("tensor data", "safetensors header", "manifest", "extra-state JSON")
+RANGE = re.compile(r"bytes \[(\d+), (\d+)\)")
+
+
+@pytest.fixture
+def manager(tmp_path):
+    model = build_model()
+    optimizer = build_optimizer(model)
+    config = CheckpointConfig(directory=str(tmp_path / "scratch-root"), verify_on_load=True)
+    with CheckpointManager(config, model=model, optimizer=optimizer) as mgr:
+        yield mgr
+
+
+def _restore_error(manager, step: Path) -> ShardstreamError | None:
+    try:
+        manager.restore(path=step)
+    except ShardstreamError as exc:
+        return exc
+    return None
+
+
+def _rank1_error(step: Path) -> ShardstreamError | None:
+    """What rank 1 reads beyond rank 0 in a 2-rank restore: its own extra state."""
+    try:
+        ck._read_extra(native.open_native(step), 1)
+    except ShardstreamError as exc:
+        return exc
+    return None
+
+
+def _pick(rng: random.Random, step: Path, category: str) -> tuple[Path, int, str | None]:
+    """A file and a byte offset in ``category``; the tensor holding it for data bytes."""
+    if category == "manifest":
+        path = step / native.MANIFEST
+        return path, rng.randrange(path.stat().st_size), None
+    if category == "extra-state JSON":
+        path = rng.choice(sorted(step.glob("extra-rank-*.json")))
+        return path, rng.randrange(path.stat().st_size), None
+    path = rng.choice(sorted(step.glob("*.safetensors")))
+    header = read_header(path)
+    if category == "safetensors header":
+        return path, rng.randrange(header.data_start), None
+    offset = rng.randrange(header.data_start, header.file_size)
+    tensor = next(
+        n
+        for n, e in header.tensors.items()
+        if header.data_start + e.begin <= offset < header.data_start + e.end
+    )
+    return path, offset, tensor
+
+
+def _flip(path: Path, offset: int, xor: int) -> bytes:
+    original = path.read_bytes()
+    data = bytearray(original)
+    data[offset] ^= xor
+    path.write_bytes(bytes(data))
+    return original
+
+
+def _in_range(text: str, offset: int) -> bool:
+    return any(int(lo) <= offset < int(hi) for lo, hi in RANGE.findall(text))
+
+
+def test_random_byte_flips_are_all_detected(saved_run, tmp_path, manager):
+    seed = 1_000_003
+    rng = random.Random(seed)
+    count = trials(50, 1000)
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    stats: Counter = Counter()
+    for trial in range(count):
+        category = CATEGORIES[trial % len(CATEGORIES)]
+        path, offset, tensor = _pick(rng, step, category)
+        xor = rng.randrange(1, 256)
+        original = _flip(path, offset, xor)
+        where = f"trial {trial} (seed {seed}): {category} flip at {path.name}[{offset}] ^ {xor:#x}"
+        try:
+            report = verify(step)
+            assert not report.ok, f"{where}: verify did not notice"
+            named = [p for p in report.problems if p.path in (str(path), str(step))]
+            if category == "manifest":
+                named = [p for p in report.problems if p.path == str(path)]
+            assert named, f"{where}: verify did not name the file: {report.problems}"
+            if tensor is not None:
+                assert any(
+                    p.tensor
+                    and tensor in p.tensor
+                    and p.byte_range
+                    and p.byte_range[0] <= offset < p.byte_range[1]
+                    for p in named
+                ), f"{where}: verify did not name tensor {tensor!r} and its bytes: {named}"
+            error = _restore_error(manager, step)
+            reader = "restore"
+            if error is None and path.name.startswith("extra-rank-00001"):
+                error, reader = _rank1_error(step), "rank 1's part of a 2-rank restore"
+            assert error is not None, f"{where}: restore(verify_on_load=True) succeeded"
+            message = str(error)
+            assert str(path) in message or path.name in message, f"{where}: {message}"
+            if tensor is not None:
+                assert "tensor '" in message and _in_range(message, offset), f"{where}: {message}"
+        finally:
+            path.write_bytes(original)
+        stats[category] += 1
+        stats[f"detected by {reader}"] += 1
+    assert verify(step).ok
+    record(
+        "corruption: random byte flips in a saved checkpoint",
+        seed=seed,
+        trials=count,
+        detected_by_verify=count,
+        detected_by_restore=count,
+        violations=0,
+        stats=dict(stats),
+    )
+
+
+def test_random_byte_flips_in_merged_hf_files(saved_run, tmp_path):
+    """verify alone (no manifest anchors these headers); data, tensor table and padding."""
+    seed = 1_000_033
+    rng = random.Random(seed)
+    count = trials(40, 600)
+    hf = tmp_path / "hf"
+    shutil.copytree(saved_run.hf_sharded, hf)
+    files = sorted(hf.glob("*.safetensors"))
+    stats: Counter = Counter()
+    benign = 0
+    for trial in range(count):
+        path = rng.choice(files)
+        header = read_header(path)
+        in_header = trial % 2 == 0
+        offset = (
+            rng.randrange(header.data_start)
+            if in_header
+            else rng.randrange(header.data_start, header.file_size)
+        )
+        xor = rng.randrange(1, 256)
+        original = _flip(path, offset, xor)
+        try:
+            report = verify(hf)
+            if report.ok and in_header and _chunk_bytes_digit(original, offset, header):
+                benign += 1  # see _chunk_bytes_digit: no byte that verify relies on changed
+                continue
+            assert not report.ok, f"trial {trial}: flip at {path.name}[{offset}] ^ {xor:#x} missed"
+            assert any(p.path == str(path) for p in report.problems), report.problems
+        finally:
+            path.write_bytes(original)
+        stats["header" if in_header else "data"] += 1
+    record(
+        "corruption: random byte flips in a merged HF model",
+        seed=seed,
+        trials=count,
+        detected_by_verify=count - benign,
+        undetectable_chunk_bytes_digit=benign,
+        violations=0,
+        stats=dict(stats),
+    )
+
+
+def _chunk_bytes_digit(raw: bytes, offset: int, header) -> bool:
+    """Whether ``offset`` is inside the ``shardstream.chunk_bytes`` value of a one-chunk file.
+
+    Such a flip (e.g. 4194304 -> 4194305) changes no digest: the data is still one chunk, still
+    fully checked. An HF file carries no digest of its own header, so this is the one header
+    change verify cannot see; in a step directory the manifest's header digest catches it.
+    """
+    key = b'"shardstream.chunk_bytes":"'
+    start = raw.find(key) + len(key)
+    end = raw.find(b'"', start)
+    return start <= offset < end and header.file_size - header.data_start <= int(raw[start:end])
+
+
+def test_flip_that_parses_to_the_same_manifest(saved_run, tmp_path, manager):
+    """'1e-08' -> '1E-08' (AdamW's eps) reads back as the same document; it is still caught."""
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    path = step / native.MANIFEST
+    raw = path.read_bytes()
+    at = raw.index(b"1e-08") + 1
+    _flip(path, at, ord("e") ^ ord("E"))
+    assert json.loads(path.read_bytes()) == json.loads(raw)
+    report = verify(step)
+    assert not report.ok and "checksum mismatch" in report.problems[0].message
+    error = _restore_error(manager, step)
+    assert error is not None and "manifest checksum mismatch" in str(error)
+
+
+def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_path):
+    """A real 2-rank restore: rank 1 reads its own extra state and must refuse a damaged one."""
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    victim = step / "extra-rank-00001.safetensors"
+    header = read_header(victim)
+    _flip(victim, (header.data_start + header.file_size) // 2, 0x10)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {
+        "world": 2,
+        "init": str(tmp_path / "gloo"),
+        "scratch": str(tmp_path / "scratch"),
+        "path": str(step),
+        "out": str(out),
+    }
+    assert forkserver.run("restore", spec, nprocs=2, timeout=120) == [0, 0], forkserver.logs()
+    rank1 = json.loads((out / "rank-1.json").read_text())
+    assert rank1["ok"] is False and rank1["shardstream_error"], rank1
+    assert "extra-rank-00001.safetensors" in rank1["message"]
+    assert "checksum mismatch" in rank1["message"]
+    rank0 = json.loads((out / "rank-0.json").read_text())
+    record(
+        "corruption: rank 1's extra state in a real 2-rank restore",
+        trials=1,
+        violations=0,
+        rank1=rank1["message"],
+        rank0=rank0.get("message", "ok"),
+    )
+
+
+# --- structural damage ---------------------------------------------------------------------
+
+
+def _problems(path: Path) -> list[str]:
+    report = verify(path)
+    assert not report.ok
+    return [p.line() for p in report.problems]
+
+
+@pytest.mark.parametrize(
+    "name", ["rank-00000.safetensors", "extra-rank-00001.json", "manifest.json"]
+)
+def test_truncated_file(saved_run, tmp_path, manager, name):
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    victim = step / name
+    victim.write_bytes(victim.read_bytes()[: victim.stat().st_size // 2])
+    lines = _problems(step)
+    assert any(name in line for line in lines), lines
+    error = _restore_error(manager, step) or (
+        _rank1_error(step) if name.startswith("extra-rank-00001") else None
+    )
+    assert error is not None and name in str(error)
+    record(
+        f"corruption: truncated {name}", trials=1, violations=0, verify=lines, restore=str(error)
+    )
+
+
+def test_deleted_rank_file(saved_run, tmp_path, manager):
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    (step / "rank-00001.safetensors").unlink()
+    lines = _problems(step)
+    assert any("rank-00001.safetensors" in line and "missing" in line for line in lines), lines
+    error = _restore_error(manager, step)
+    assert error is not None and "rank-00001.safetensors" in str(error) and "missing" in str(error)
+    record(
+        "corruption: deleted rank file", trials=1, violations=0, verify=lines, restore=str(error)
+    )
+
+
+def test_swapped_rank_files(saved_run, tmp_path, manager):
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    a, b = step / "rank-00000.safetensors", step / "rank-00001.safetensors"
+    a.rename(step / "swap")
+    b.rename(a)
+    (step / "swap").rename(b)
+    lines = _problems(step)
+    assert any("rank-0000" in line for line in lines), lines
+    error = _restore_error(manager, step)
+    assert error is not None and "rank-0000" in str(error)
+    record(
+        "corruption: two rank files swapped",
+        trials=1,
+        violations=0,
+        verify=lines,
+        restore=str(error),
+    )
+
+
+def test_swapped_same_size_files(saved_run, tmp_path, manager):
+    """Files of equal size swapped (extra tensors of rank 0 and 1): the header digest tells."""
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    a, b = step / "extra-rank-00000.safetensors", step / "extra-rank-00001.safetensors"
+    assert a.stat().st_size == b.stat().st_size
+    data_a, data_b = a.read_bytes(), b.read_bytes()
+    if data_a == data_b:
+        pytest.skip("both ranks' extra tensors are identical; a swap changes nothing")
+    a.write_bytes(data_b)
+    b.write_bytes(data_a)
+    lines = _problems(step)
+    assert any("extra-rank-0000" in line for line in lines), lines
+    assert _restore_error(manager, step) is not None
+
+
+def test_step_directory_duplicated_under_another_name(saved_run, tmp_path):
+    root = tmp_path / "root"
+    shutil.copytree(saved_run.root, root)
+    shutil.copytree(root / "global_step_3", root / "global_step_7")
+    (root / "latest_checkpointed_iteration.txt").write_text("7\n")
+    lines = _problems(root)
+    assert any(
+        "global_step_7" in line and "named for step 7" in line and "step 3" in line
+        for line in lines
+    ), lines
+    model = build_model()
+    optimizer = build_optimizer(model)
+    config = CheckpointConfig(directory=str(root))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+        with pytest.raises(ShardstreamError, match="global_step_7.*step 3"):
+            manager.restore()
+        with pytest.raises(ShardstreamError, match="global_step_7.*step 3"):
+            manager.restore(step=7)
+        assert manager.restore(step=3)[0] == 3
+    record(
+        "corruption: step directory copied under another step's name",
+        trials=1,
+        violations=0,
+        verify=lines,
+    )

@@ -1,0 +1,154 @@
+"""``shardstream verify DIR`` on a step directory, a manager root and merged HF directories.
+
+Exit 0 when everything checks out; otherwise exit 1 and one line per problem on stderr, naming
+the file, the tensor and the byte range; ``--json`` gives the same as a document.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardstream import cli
+from shardstream.formats.safetensors import read_header
+
+from .harness import record
+
+LINE = re.compile(
+    r"^(?P<path>\S+)(?: tensor (?P<tensor>.+?))?(?: bytes \[(?P<lo>\d+), (?P<hi>\d+)\))?: "
+)
+
+
+def _verify(capsys, *args) -> tuple[int, list[str], str]:
+    """Exit code, stderr lines and stdout of ``shardstream verify --quiet`` (no progress bar)."""
+    code = cli.main(["verify", "--quiet", *map(str, args)])
+    out, err = capsys.readouterr()
+    return code, [line for line in err.splitlines() if line.strip()], out
+
+
+def flip_data_byte(path: Path, fraction: float = 0.5) -> tuple[int, str]:
+    """Flip a byte inside the data section; return its file offset and the tensor it is in."""
+    header = read_header(path)
+    offset = header.data_start + int((header.file_size - header.data_start) * fraction)
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x5A
+    path.write_bytes(bytes(data))
+    name = next(
+        n
+        for n, e in header.tensors.items()
+        if header.data_start + e.begin <= offset < header.data_start + e.end
+    )
+    return offset, name
+
+
+@pytest.mark.parametrize(
+    "which,kind",
+    [("step", "step"), ("root", "root"), ("hf", "huggingface"), ("hf_sharded", "huggingface")],
+)
+def test_verify_passes_on_good_checkpoints(saved_run, capsys, which, kind):
+    path = getattr(saved_run, which)
+    code, problems, out = _verify(capsys, path)
+    assert (code, problems, out) == (0, [], "")
+    code, problems, out = _verify(capsys, path, "--json")
+    doc = json.loads(out)
+    assert code == 0 and doc["ok"] and doc["kind"] == kind and doc["problems"] == []
+    assert doc["files_checked"] >= 1 and doc["bytes_checked"] > 0
+    if kind == "root":
+        assert doc["steps"] == [2, 3]
+
+
+def test_verify_root_reports_one_line_per_problem(saved_run, tmp_path, capsys):
+    root = tmp_path / "root"
+    shutil.copytree(saved_run.root, root)
+    offset, tensor = flip_data_byte(root / "global_step_3" / "rank-00001.safetensors")
+    extra = root / "global_step_2" / "extra-rank-00000.json"
+    extra.write_bytes(extra.read_bytes()[:-7])  # truncated
+    (root / "latest_checkpointed_iteration.txt").write_text("9\n")
+
+    code, lines, out = _verify(capsys, root)
+    assert code == 1
+    assert len(lines) == 3, lines
+    parsed = [LINE.match(line) for line in lines]
+    assert all(parsed), lines
+    by_file = {Path(m["path"]).name: (m, line) for m, line in zip(parsed, lines)}
+    data, line = by_file["rank-00001.safetensors"]
+    assert tensor in data["tensor"] and "checksum mismatch" in line
+    assert int(data["lo"]) <= offset < int(data["hi"])
+    assert "size" in by_file["extra-rank-00000.json"][1]
+    assert "names step 9, which is not committed" in by_file["latest_checkpointed_iteration.txt"][1]
+
+    code, _, out = _verify(capsys, root, "--json")
+    doc = json.loads(out)
+    assert code == 1 and not doc["ok"] and len(doc["problems"]) == 3
+    problem = next(p for p in doc["problems"] if p["path"].endswith("rank-00001.safetensors"))
+    assert tensor in problem["tensor"]
+    assert problem["byte_range"][0] <= offset < problem["byte_range"][1]
+    assert problem["line"] in lines
+    record(
+        "verify: manager root with three problems",
+        trials=1,
+        lines=lines,
+        violations=0,
+    )
+
+
+def test_verify_step_dir_names_file_tensor_and_bytes(saved_run, tmp_path, capsys):
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    offset, tensor = flip_data_byte(step / "rank-00000.safetensors", 0.9)
+    code, lines, _ = _verify(capsys, step)
+    assert code == 1 and len(lines) == 1
+    match = LINE.match(lines[0])
+    assert match["path"] == str(step / "rank-00000.safetensors")
+    assert tensor in match["tensor"]
+    assert int(match["lo"]) <= offset < int(match["hi"])
+
+
+def test_verify_hf_dirs(saved_run, tmp_path, capsys):
+    hf = tmp_path / "hf"
+    shutil.copytree(saved_run.hf, hf)
+    offset, tensor = flip_data_byte(hf / "model.safetensors", 0.3)
+    code, lines, _ = _verify(capsys, hf)
+    assert code == 1 and len(lines) == 1
+    match = LINE.match(lines[0])
+    assert match["path"] == str(hf / "model.safetensors") and tensor in match["tensor"]
+    assert int(match["lo"]) <= offset < int(match["hi"])
+
+    sharded = tmp_path / "sharded"
+    shutil.copytree(saved_run.hf_sharded, sharded)
+    shards = sorted(sharded.glob("model-*.safetensors"))
+    assert len(shards) >= 2
+    shards[0].unlink()
+    code, lines, _ = _verify(capsys, sharded)
+    assert code == 1 and lines
+    assert any(str(shards[0]) in line and "missing" in line for line in lines), lines
+
+
+def test_verify_missing_or_foreign_directory(tmp_path, capsys):
+    code, lines, _ = _verify(capsys, tmp_path / "nope")
+    assert code == 1 and len(lines) == 1 and "no such directory" in lines[0]
+    (tmp_path / "empty").mkdir()
+    code, lines, _ = _verify(capsys, tmp_path / "empty")
+    assert code == 1 and "not a checkpoint" in lines[0]
+
+
+def test_verify_exit_codes_of_the_installed_command(saved_run, tmp_path):
+    """The real ``python -m shardstream verify`` process: 0 when fine, 1 with problem lines."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    command = [sys.executable, "-m", "shardstream", "verify", "--quiet"]
+    ok = subprocess.run([*command, str(saved_run.root)], capture_output=True, text=True, env=env)
+    assert ok.returncode == 0 and ok.stderr == "", ok.stderr
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    offset, tensor = flip_data_byte(step / "rank-00001.safetensors")
+    bad = subprocess.run([*command, str(step)], capture_output=True, text=True, env=env)
+    assert bad.returncode == 1
+    lines = bad.stderr.strip().splitlines()
+    assert len(lines) == 1 and tensor in lines[0] and "rank-00001.safetensors" in lines[0]
