@@ -1,0 +1,195 @@
+"""A full disk during a save or a merge: a clear ``OutOfSpaceError``, nothing lost, nothing left.
+
+The disk is a small tmpfs (or a loop-mounted image); a ballast file takes all free space but a
+chosen amount, swept from nothing to more than a checkpoint needs, so the space runs out at every
+stage in turn: the rank files, the extra state, the manifest, the ``latest`` pointer.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from shardstream import checkpoint as ck
+from shardstream import cli
+from shardstream.commit import TMP_MARK
+from shardstream.errors import OutOfSpaceError, ShardstreamError
+from shardstream.manager import CheckpointConfig, CheckpointManager, committed_steps, read_latest
+from shardstream.verify import verify
+
+from .forkserver import build_model, build_optimizer, train_step
+from .harness import full_state, record, state_differences, trials
+from .mounts import fill, small_filesystem, snapshot
+
+
+def _leftovers(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if TMP_MARK in p.name)
+
+
+def _clone(value):
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: _clone(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_clone(v) for v in value)
+    return value
+
+
+def _restored_state(step_dir: Path) -> dict:
+    model = build_model(seed=99)  # different initial values: every byte must come from disk
+    optimizer = build_optimizer(model)
+    ck.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
+    return full_state(model, optimizer)
+
+
+def test_save_on_a_full_disk(tmp_path):
+    with small_filesystem(tmp_path / "disk", "4M") as disk:
+        root = disk / "run"
+        model = build_model()
+        optimizer = build_optimizer(model)
+        config = CheckpointConfig(directory=str(root), save_interval=1, keep_last=2)
+        stats: Counter = Counter()
+        with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+            train_step(model, optimizer, 0, 1)
+            manager.save(1)
+            good = {1: _clone(full_state(model, optimizer))}
+            size = sum(p.stat().st_size for p in (root / "global_step_1").iterdir())
+            step_bytes = trials(4096, 512)
+            levels = list(range(0, size + 4 * 4096, step_bytes))
+            step = 1
+            for leave in levels:
+                step += 1
+                train_step(model, optimizer, 0, step)
+                latest = read_latest(root)
+                fill(disk / "ballast", leave)
+                try:
+                    manager.save(step)
+                except OutOfSpaceError as exc:
+                    message = str(exc)
+                    assert "no space left" in message, message
+                    stats["save failed with OutOfSpaceError"] += 1
+                    stats[f"  ...raised at {_stage(message)}"] += 1
+                    assert read_latest(root) == latest, "latest moved after a failed save"
+                    if (root / f"global_step_{step}").is_dir():
+                        # Committed, but the latest pointer could not be replaced: complete.
+                        stats["  step committed, pointer not moved (complete, verified)"] += 1
+                        good[step] = _clone(full_state(model, optimizer))
+                else:
+                    stats["save succeeded"] += 1
+                    good[step] = _clone(full_state(model, optimizer))
+                finally:
+                    (disk / "ballast").unlink()
+                assert _leftovers(root) == [], f"partial output left: {_leftovers(root)}"
+                report = verify(root)
+                assert report.ok, [p.line() for p in report.problems]
+                now = read_latest(root)
+                diffs = state_differences(_restored_state(root / f"global_step_{now}"), good[now])
+                assert not diffs, f"latest step {now} does not restore as saved: {diffs[:5]}"
+                assert now in committed_steps(root)
+            train_step(model, optimizer, 0, step + 1)
+            manager.save(step + 1)  # space is back: saving works again
+            assert read_latest(root) == step + 1
+    assert stats["save failed with OutOfSpaceError"] > 0 and stats["save succeeded"] > 0
+    record(
+        "disk full during save (1 rank)",
+        trials=len(levels),
+        levels_bytes=[levels[0], levels[-1], step_bytes],
+        checkpoint_bytes=size,
+        violations=0,
+        stats=dict(stats),
+    )
+
+
+def _stage(message: str) -> str:
+    stages = {
+        "manifest": "the manifest",
+        "latest_checkpointed": "the latest pointer",
+        "extra-rank-": "the extra state",
+        "rank-": "a rank file",
+        "global_step_": "the step directory",
+    }
+    return next((name for marker, name in stages.items() if marker in message), "elsewhere")
+
+
+def test_two_ranks_save_on_a_full_disk(forkserver, tmp_path):
+    with small_filesystem(tmp_path / "disk", "4M") as disk:
+        out = tmp_path / "out"
+        out.mkdir()
+        outcomes = []
+        for leave in (0, 24 * 1024):
+            root = disk / f"run-{leave}"
+            spec = {
+                "target": "scenarios:disk_full_ranks",
+                "world": 2,
+                "init": str(tmp_path / f"gloo-{leave}"),
+                "root": str(root),
+                "ballast": str(disk / "ballast"),
+                "leave": leave,
+                "out": str(out),
+            }
+            assert forkserver.run("call", spec, nprocs=2) == [0, 0], forkserver.logs()
+            (disk / "ballast").unlink()
+            ranks = [json.loads((out / f"save-{r}.json").read_text()) for r in (0, 1)]
+            assert all(not r["ok"] and r["shardstream"] for r in ranks), ranks
+            assert any(r["out_of_space"] for r in ranks), ranks
+            assert all("no space left" in r["message"] for r in ranks), ranks
+            assert read_latest(root) == 1 and committed_steps(root) == [1]
+            assert _leftovers(root) == []
+            assert verify(root).ok
+            outcomes.append([f"{r['type']}: {r['message']}" for r in ranks])
+    record("disk full during save (2 ranks)", trials=2, violations=0, errors=outcomes)
+
+
+def test_merge_on_a_full_disk(saved_run, tmp_path, capsys):
+    with small_filesystem(tmp_path / "disk", "2M") as disk:
+        source = saved_run.step
+        old = disk / "old"  # a complete earlier output that --overwrite would replace
+        assert (
+            cli.main(["merge", "--local_dir", str(source), "--target_dir", str(old), "--quiet"])
+            == 0
+        )
+        before = snapshot(old)
+        size = sum(p.stat().st_size for p in old.iterdir())
+        stats: Counter = Counter()
+        levels = list(range(0, size + 8192, trials(1024, 256)))
+        for leave in levels:
+            for target, overwrite in ((disk / "new", False), (old, True)):
+                fill(disk / "ballast", leave)
+                argv = ["merge", "--local_dir", str(source), "--target_dir", str(target), "--quiet"]
+                code = cli.main(argv + (["--overwrite"] if overwrite else []))
+                err = capsys.readouterr().err
+                (disk / "ballast").unlink()
+                assert _leftovers(disk) == [], _leftovers(disk)
+                if code == 0:
+                    stats["merge succeeded"] += 1
+                    assert verify(target).ok
+                    if not overwrite:
+                        shutil.rmtree(target)
+                    else:
+                        before = snapshot(old)
+                    continue
+                assert code == 1 and err.startswith("shardstream merge: error:"), err
+                assert "no space left" in err, err
+                stats["merge failed with OutOfSpaceError"] += 1
+                if overwrite:
+                    assert snapshot(old) == before, "the old output changed"
+                    assert verify(old).ok
+                else:
+                    assert not target.exists()
+    assert stats["merge failed with OutOfSpaceError"] > 0
+    record(
+        "disk full during merge",
+        trials=2 * len(levels),
+        violations=0,
+        output_bytes=size,
+        stats=dict(stats),
+    )
+
+
+def test_out_of_space_error_is_a_shardstream_error():
+    assert issubclass(OutOfSpaceError, ShardstreamError) and issubclass(OutOfSpaceError, OSError)
