@@ -1,0 +1,201 @@
+"""Two writers, and readers during writes.
+
+- A second ``CheckpointManager`` on a directory another live process saves to gets
+  ``CheckpointLockedError``; once that process is killed (-9), its lock no longer blocks.
+- Two training runs started on one directory at the same moment: exactly one saves.
+- ``restore``, ``verify`` and ``merge`` running in a loop while a run saves every step see
+  committed checkpoints only: whatever they read equals that step's state, and the only failure
+  allowed is a step that retention deleted while it was being read (a clean error, and the
+  directory is then gone).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import time
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstream import checkpoint as ck
+from shardstream.errors import CheckpointLockedError, ShardstreamError
+from shardstream.manager import LOCK_FILE, CheckpointConfig, CheckpointManager, read_latest
+from shardstream.merge import merge
+from shardstream.verify import verify
+
+from .forkserver import build_model, build_optimizer
+from .harness import (
+    check_root_after_crash,
+    durable_step,
+    full_state,
+    kill,
+    record,
+    state_differences,
+    trials,
+    wait_for,
+)
+
+
+def test_second_manager_is_refused_and_a_dead_holders_lock_is_not(forkserver, tmp_path):
+    root = tmp_path / "run"
+    refused = 0
+    for round_ in range(trials(3, 20)):
+        ready = tmp_path / f"ready-{round_}"
+        pids = forkserver.spawn("hold", {"root": str(root), "ready": str(ready)})
+        wait_for(ready, forkserver, pids)
+        with pytest.raises(CheckpointLockedError) as caught:
+            CheckpointManager(CheckpointConfig(directory=str(root)))
+        assert str(pids[0]) in str(caught.value), str(caught.value)
+        refused += 1
+        kill(pids)
+        forkserver.wait(pids, 30)
+        assert (root / LOCK_FILE).exists()  # the dead holder's lock file is still there
+        with CheckpointManager(CheckpointConfig(directory=str(root))):
+            pass  # ...and does not block
+    (root / LOCK_FILE).write_text('{"pid": 999999, "host": "elsewhere"}')  # stale, unlocked
+    with CheckpointManager(CheckpointConfig(directory=str(root))):
+        pass
+    record(
+        "concurrency: second manager refused, stale lock of a killed holder ignored",
+        trials=refused,
+        violations=0,
+        message=str(caught.value).replace(str(root), "ROOT"),
+    )
+
+
+def test_two_runs_start_on_one_directory(forkserver, tmp_path):
+    root, side = tmp_path / "run", tmp_path / "side"
+    outcomes: Counter = Counter()
+    for attempt in range(trials(2, 10)):
+        specs = [
+            {
+                "world": 1,
+                "init": str(tmp_path / f"gloo-{attempt}-{i}"),
+                "root": str(root),
+                "side": str(side),
+                "run": f"run-{attempt}-{i}",
+                "keep_last": 2,
+            }
+            for i in range(2)
+        ]
+        pids = [forkserver.spawn("train", spec)[0] for spec in specs]
+        try:
+            deadline = time.monotonic() + 60
+            while time.monotonic() < deadline:
+                exited, running = forkserver.wait(pids, 0.05)
+                ready = [(side / s["run"] / "ready").exists() for s in specs]
+                if exited and any(ready):
+                    break
+            assert len(exited) == 1 and sum(ready) == 1, (exited, ready, forkserver.logs(pids))
+            loser = next(iter(exited))
+            assert exited[loser] == 1
+            assert "CheckpointLockedError" in forkserver.logs([loser])
+            time.sleep(0.5)  # the winner saves a few steps
+        finally:
+            kill(pids)
+            forkserver.wait(pids, 30)
+        winner = specs[pids.index(next(p for p in pids if p != loser))]
+        check_root_after_crash(root, side, durable_step(side / winner["run"]), 2)
+        outcomes["one saved, the other got CheckpointLockedError"] += 1
+    record(
+        "concurrency: two runs started on one directory",
+        trials=sum(outcomes.values()),
+        violations=0,
+        stats=dict(outcomes),
+    )
+
+
+HIDDEN, DEPTH = 256, 2  # saves of about 1.6 MB: long enough for readers to overlap them
+
+
+def _step_of(path: str) -> int | None:
+    for part in Path(path).parts:
+        if part.startswith("global_step_") and part[12:].isdigit():
+            return int(part[12:])
+    return None
+
+
+def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
+    root, side = tmp_path / "run", tmp_path / "side"
+    spec = {
+        "world": 1,
+        "init": str(tmp_path / "gloo"),
+        "root": str(root),
+        "side": str(side),
+        "run": "writer",
+        "keep_last": 2,
+        "hidden": HIDDEN,
+        "depth": DEPTH,
+    }
+    rng = random.Random(7)
+    stats: Counter = Counter()
+    duration = trials(8, 90)
+    pids = forkserver.spawn("train", spec)
+    try:
+        wait_for(side / "writer" / "ready", forkserver, pids)
+        while read_latest(root) is None:
+            time.sleep(0.01)
+        with pytest.raises(CheckpointLockedError):
+            CheckpointManager(CheckpointConfig(directory=str(root)))
+        stats["CheckpointManager refused to a reader while the run saves"] += 1
+        model = build_model(0, HIDDEN, DEPTH)
+        optimizer = build_optimizer(model)
+        end = time.monotonic() + duration
+        while time.monotonic() < end:
+            op = rng.choice(("restore", "verify", "merge"))
+            step = read_latest(root)
+            step_dir = root / f"global_step_{step}"
+            try:
+                if op == "restore":
+                    ck.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
+                    expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
+                    diffs = state_differences(full_state(model, optimizer), expected)
+                    assert not diffs, f"restore of step {step} during saves: {diffs[:5]}"
+                elif op == "merge":
+                    out = tmp_path / "merged"
+                    shutil.rmtree(out, ignore_errors=True)
+                    merge(step_dir, out)
+                    from safetensors.torch import load_file
+
+                    merged = load_file(out / "model.safetensors")
+                    expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
+                    diffs = state_differences(merged, expected["model"])
+                    assert not diffs, f"merge of step {step} during saves: {diffs[:5]}"
+                else:
+                    report = verify(root)
+                    for problem in report.problems:
+                        gone = _step_of(problem.path)
+                        assert gone is not None and not (root / f"global_step_{gone}").exists(), (
+                            f"verify during saves: {problem.line()}"
+                        )
+                    if not report.ok:
+                        stats["verify: raced with retention (step gone)"] += 1
+                        continue
+                stats[f"{op}: consistent with the committed step"] += 1
+            except ShardstreamError as exc:
+                if step_dir.exists():
+                    raise AssertionError(
+                        f"{op} of step {step} failed while it exists: {exc}"
+                    ) from exc
+                stats[f"{op}: raced with retention (step gone, clean error)"] += 1
+        exited, _ = forkserver.wait(pids, 0)
+        assert not exited, f"the writer died: {forkserver.logs(pids)}"
+    finally:
+        kill(pids)
+        forkserver.wait(pids, 30)
+    saves = durable_step(side / "writer")
+    check_root_after_crash(root, side, saves, 2, hidden=HIDDEN, depth=DEPTH)
+    reads = sum(n for k, n in stats.items() if k.split(":")[0] in ("restore", "verify", "merge"))
+    record(
+        "concurrency: readers during saves",
+        seconds=duration,
+        saves=saves,
+        reads=reads,
+        violations=0,
+        stats=dict(stats),
+    )
+    assert os.path.exists(root)
