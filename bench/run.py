@@ -32,6 +32,10 @@ from measure import drop_caches, run_measured, tree_bytes, warm_cache  # noqa: E
 MiB = 2**20
 TOOLS = ("cp", "cp_fsync", "shardstream", "verl")
 COPY_TOOLS = ("cp", "cp_fsync")
+# Start-up floor of each Python tool: the same command with `--help` (interpreter, imports,
+# argument parsing, no data), measured inside every case's rotation so it sees the same
+# page cache and machine load as the real runs.
+STARTUP = {"shardstream": "shardstream_startup", "verl": "verl_startup"}
 
 # Targets from the issue; evaluated into merge.json and the doc.
 TARGET_RSS_MIB = 512
@@ -118,6 +122,8 @@ def shardstream_available(py: str) -> tuple[bool, str]:
 
 
 def tool_argv(tool: str, actor: Path, out: Path, a: argparse.Namespace) -> list[str]:
+    if tool.endswith("_startup"):
+        return [*tool_argv(tool.removesuffix("_startup"), actor, out, a)[:4], "--help"]
     if tool == "cp":
         return ["cp", "-r", str(actor), str(out)]
     if tool == "cp_fsync":
@@ -403,6 +409,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--no-doc", action="store_true", help="do not regenerate docs/benchmarks.md")
     p.add_argument("--no-profile", action="store_true", help="skip the cProfile run of shardstream")
     p.add_argument(
+        "--no-startup", action="store_true", help="skip the `--help` start-up floor runs"
+    )
+    p.add_argument(
         "--strict", action="store_true", help="exit 1 when a target is missed (not only on errors)"
     )
     p.add_argument("--keep-outputs", action="store_true", help="keep merged models after checks")
@@ -503,19 +512,9 @@ def main(argv: list[str] | None = None) -> int:
         info["fp32_param_bytes"] = spec.fp32_bytes
         ckpts[size] = info
 
-    # Start-up floor: interpreter + imports + argparse, no work. Explains the small-size rows.
-    floors: dict[str, dict] = {}
-    for tool in [t for t in a.tools if t not in COPY_TOOLS]:
-        recs = []
-        for _ in range(a.repeats):
-            argv = tool_argv(tool, Path("X"), Path("Y"), a)
-            m = run_measured([*argv[:4], "--help"], env=child_env(), timeout_s=300)
-            recs.append({**m.to_dict(), "out_bytes": 0})
-        floors[tool] = summarize_runs(recs)
-        log(
-            f"start-up floor {tool}: {floors[tool]['wall_s']:.2f} s, "
-            f"{floors[tool]['peak_rss_mib']:.0f} MiB (`{' '.join(argv[1:4])} --help`)"
-        )
+    case_tools = list(a.tools)
+    if not a.no_startup:
+        case_tools += [STARTUP[t] for t in a.tools if t in STARTUP]
 
     runs: list[dict] = []
     summary: dict[str, dict[str, dict[str, dict]]] = {}
@@ -525,17 +524,18 @@ def main(argv: list[str] | None = None) -> int:
         outroot = a.results / "out" / size
         summary[size] = {}
         for cache in a.cache:
-            per_tool: dict[str, list[dict]] = {t: [] for t in a.tools}
+            per_tool: dict[str, list[dict]] = {t: [] for t in case_tools}
             for rep in range(a.repeats):
                 # rotate the order so no tool always runs first / right after another
-                order = a.tools[rep % len(a.tools) :] + a.tools[: rep % len(a.tools)]
+                k = rep % len(case_tools)
+                order = case_tools[k:] + case_tools[:k]
                 for tool in order:
                     rec = run_one(tool, actor, outroot / tool, cache, a)
                     rec.update(size_gb=size, rep=rep)
                     runs.append(rec)
                     per_tool[tool].append(rec)
                     log(
-                        f"{size:>4} GB {cache:4} {tool:11} rep {rep}: "
+                        f"{size:>4} GB {cache:4} {tool:19} rep {rep}: "
                         f"{rec['wall_s']:7.2f} s  peak RSS {rec['peak_rss_mib']:8.1f} MiB"
                         f"  (tree {rec['tree_peak_rss_mib']:.1f} MiB, rc {rec['returncode']})"
                     )
@@ -605,7 +605,6 @@ def main(argv: list[str] | None = None) -> int:
         "notes": notes,
         "checkpoints": ckpts,
         "summary": summary,
-        "startup_floor": floors,
         "shardstream_profile": profile,
         "targets": targets,
         "output_checks": checks,
