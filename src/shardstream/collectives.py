@@ -83,17 +83,27 @@ def agree_or_raise(error: BaseException | None) -> None:
         raise error
 
 
-def init_from_environment() -> None:
-    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT), on gloo."""
+def init_from_environment() -> bool:
+    """Join the process group torchrun describes (RANK, WORLD_SIZE, MASTER_ADDR/PORT), on gloo.
+
+    Returns True when this call created it (the caller then destroys it when done)."""
     import os
 
     from .errors import UsageError
 
     if initialized():
-        return
+        return False
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         raise UsageError(
             "--distributed needs torchrun: torchrun --nproc_per_node=K -m shardstream merge ... "
             "--distributed"
         )
     dist.init_process_group("gloo")
+    return True
+
+
+def leave() -> None:
+    """Leave a process group this process created, after everyone is done with it."""
+    if initialized():
+        dist.barrier()
+        dist.destroy_process_group()

@@ -103,8 +103,25 @@ def merge(
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
     start = time.perf_counter()
-    if distributed:
-        coll.init_from_environment()
+    if distributed and coll.init_from_environment():
+        # Our own group: leave it cleanly, or gloo's threads can abort the process at exit.
+        try:
+            return merge(
+                local_dir,
+                target_dir,
+                dtype=dtype,
+                max_shard_size=max_shard_size,
+                buffer_size=buffer_size,
+                overwrite=overwrite,
+                hf_model_path=hf_model_path,
+                tie_word_embedding=tie_word_embedding,
+                fuse_lora=fuse_lora,
+                distributed=True,
+                progress=progress,
+                on_plan=on_plan,
+            )
+        finally:
+            coll.leave()
     max_file_bytes = parse_size(max_shard_size)
     buffer_bytes = parse_size(buffer_size)
     if max_file_bytes <= 0:

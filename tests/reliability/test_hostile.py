@@ -409,11 +409,6 @@ def test_merge_does_not_copy_config_files_from_outside(saved_run, tmp_path, caps
     assert not (tmp_path / "merged").exists()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="formats/hf.config_files follows links out of a verl checkpoint's huggingface/ "
-    "(fix there; native checkpoints are covered by NativeCheckpoint.config_dir)",
-)
 @pytest.mark.parametrize("whole_dir", [True, False], ids=["dir-link", "file-link"])
 def test_verl_merge_does_not_copy_config_files_from_outside(tmp_path, capsys, whole_dir):
     source = _verl_dir(tmp_path / "actor", {"model_world_size_1_rank_0.pt": _plain_state()})

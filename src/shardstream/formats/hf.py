@@ -37,6 +37,20 @@ def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:
     return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
 
 
+def check_no_links_out(config_dir: Path, root: Path) -> Path:
+    """merge copies config files into its output: none may lead out of checkpoint ``root``."""
+    import os
+
+    from ..errors import UnsafeCheckpointError
+
+    base = Path(os.path.realpath(root))
+    for path in (config_dir, *config_dir.iterdir()):
+        real = Path(os.path.realpath(path))
+        if path.is_symlink() and real != base and base not in real.parents:
+            raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
+    return config_dir
+
+
 def config_files(config_dir: Path) -> list[Path]:
     """config.json, generation_config.json, tokenizer and processor files: no weights."""
     return sorted(

@@ -359,12 +359,9 @@ class NativeCheckpoint:
         hf = self.directory / "huggingface"
         if not (hf / "config.json").is_file():
             return None
-        # merge copies these files into its output: none may lead out of the checkpoint.
-        base = Path(os.path.realpath(self.directory))
-        for path in (hf, *hf.iterdir()):
-            if path.is_symlink() and base not in Path(os.path.realpath(path)).parents:
-                raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
-        return hf
+        from .hf import check_no_links_out
+
+        return check_no_links_out(hf, self.directory)
 
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one data file that checks every chunk it reads."""

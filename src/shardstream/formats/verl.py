@@ -42,9 +42,11 @@ class VerlCheckpoint:
 
     def config_dir(self) -> Path | None:
         """Where config.json and tokenizer files live (``huggingface/``, or the dir itself)."""
+        from .hf import check_no_links_out
+
         for candidate in (self.directory / HF_SUBDIR, self.directory):
             if (candidate / "config.json").is_file():
-                return candidate
+                return check_no_links_out(candidate, self.directory)
         return None
 
 
