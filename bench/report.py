@@ -368,6 +368,17 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
         "are in `bench/results/merge.json` (not committed). Dropping the page cache needs root; "
         "without it the cold rows are skipped and the reason recorded.",
         "",
+        "## Other benchmarks",
+        "",
+        "- [Training: save, restore, hf_model export and async save]"
+        "(benchmarks-training.md) (`bench/save_bench.py`, `bench/async_bench.py`)",
+        "- [Distributed merge speed-up](benchmarks-distributed.md) "
+        "(`bench/distributed_merge_bench.py`)",
+        "- [Merging PyTorch DCP checkpoints](benchmarks-dcp.md) (`bench/dcp_merge_bench.py`)",
+        "- [Scaling to 70B on 1,024 and 8,192 ranks](scaling.md) (`bench/scale_sim.py`)",
+        "- GPU: `bench/gpu_check.py` (pinned ring, async stall, restore) has not run on a GPU "
+        "yet; every figure here is from CPU.",
+        "",
     ]
     return "\n".join(lines)
 
