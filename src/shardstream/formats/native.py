@@ -442,6 +442,8 @@ def _global_tensor(
         chunks = info["chunks"]
         if dtype not in TORCH_BY_CODE or any(d < 0 for d in shape):
             raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
+        if not isinstance(chunks, list):
+            raise TypeError(f"chunks is a {type(chunks).__name__}, not a list")
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointFormatError(f"{where}: malformed entry ({exc})") from None
     blocks = []
@@ -454,6 +456,8 @@ def _global_tensor(
             offsets = tuple(int(o) for o in chunk["offsets"])
             sizes = tuple(int(s) for s in chunk["sizes"])
             key = chunk["key"]
+            if not isinstance(key, str):
+                raise TypeError(f"key {key!r} is not a string")
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointFormatError(f"{where}: malformed chunk ({exc})") from None
         header = headers.get(path)
