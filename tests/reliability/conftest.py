@@ -2,8 +2,8 @@
 hostile and fuzzed inputs, concurrent managers and readers.
 
 ``make test`` runs every test with small trial counts; ``make soak`` (``bench/soak.py``) sets
-``SHARDSTREAM_SOAK=1`` for the large counts and the soak-only tests, and collects each test's
-figures into docs/reliability.md.
+``SHARDSTREAM_SOAK=1`` for the large counts (``harness.trials``) and collects each test's figures
+into docs/reliability.md.
 """
 
 from __future__ import annotations
@@ -14,10 +14,6 @@ from pathlib import Path
 import pytest
 
 from .harness import ForkServer
-
-
-def pytest_configure(config):
-    config.addinivalue_line("markers", "soak: long reliability trials, run by `make soak` only")
 
 
 @pytest.fixture(scope="session")

@@ -85,8 +85,10 @@ def test_two_runs_start_on_one_directory(forkserver, tmp_path):
         pids = [forkserver.spawn("train", spec)[0] for spec in specs]
         try:
             deadline = time.monotonic() + 60
+            exited: dict[int, int | None] = {}
             while time.monotonic() < deadline:
-                exited, running = forkserver.wait(pids, 0.05)
+                alive = [p for p in pids if p not in exited]
+                exited.update(forkserver.wait(alive, 0.05)[0] if alive else {})
                 ready = [(side / s["run"] / "ready").exists() for s in specs]
                 if exited and any(ready):
                     break
