@@ -6,7 +6,8 @@ Readers: the manifest (``read_manifest``, ``open_native``), safetensors headers 
 (``load_metadata``, ``open_dcp``). Inputs are mutations of real files (byte edits, truncations,
 splices) and, for the JSON formats, structural edits re-sealed with a valid checksum so they get
 past it to the checks behind. ``make test`` runs a bounded, derandomized number of examples;
-``make soak`` runs many more with fresh randomness.
+``make soak`` runs many more with fresh randomness. Memory is watched too: an input that makes a
+reader allocate more than ``ALLOC_LIMIT`` (traced), or run out of a capped address space, fails.
 """
 
 from __future__ import annotations
@@ -14,10 +15,12 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import json
+import resource
 import shutil
 import signal
 import struct
 import sys
+import tracemalloc
 from collections import Counter
 from pathlib import Path
 
@@ -36,6 +39,8 @@ from shardstream.formats.torch_pt import load_layout
 from .harness import SOAK, record, trials
 
 EXAMPLE_LIMIT_S = 20  # per example; a hang is a bug
+ALLOC_LIMIT = 256 * 2**20  # Python allocations per example; inputs here are a few kB to 1 MB
+ADDRESS_SPACE_HEADROOM = 4 * 2**30  # beyond the process's size when the example starts
 COUNTS: Counter = Counter()
 
 FUZZ = settings(
@@ -70,17 +75,48 @@ def time_limit(what: str):
         signal.signal(signal.SIGALRM, previous)
 
 
+@contextlib.contextmanager
+def memory_limit():
+    """Cap the address space (so a memory bomb cannot get the test run OOM-killed) and trace
+    Python allocations (so one that stays under the cap is still seen)."""
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    soft, hard = resource.getrlimit(resource.RLIMIT_AS)
+    cap = vm + ADDRESS_SPACE_HEADROOM
+    resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
+    tracemalloc.reset_peak()
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+
+
+def _chain(exc: BaseException):
+    while exc is not None:
+        yield exc
+        exc = exc.__cause__ or exc.__context__
+
+
 def outcome(target: str, call, must_reject: bool = False) -> None:
-    """Run ``call``: success and ShardstreamError are fine; anything else fails the example.
+    """Run ``call``: success and ShardstreamError are fine; anything else fails the example, and
+    so does an input that makes the reader allocate more than ``ALLOC_LIMIT`` (or try to).
 
     ``must_reject``: the input is known to be damaged, so success is a missed detection.
     """
-    with time_limit(target):
+    rejected = None
+    with time_limit(target), memory_limit():
         try:
             call()
-        except ShardstreamError:
-            COUNTS[f"{target}: rejected with a ShardstreamError"] += 1
-            return
+        except ShardstreamError as exc:
+            rejected = exc
+        peak = tracemalloc.get_traced_memory()[1]
+    if rejected is not None:
+        bomb = any(isinstance(e, MemoryError) for e in _chain(rejected))
+        assert not bomb, f"{target}: the input made the reader run out of memory: {rejected}"
+    assert peak < ALLOC_LIMIT, f"{target}: the input made the reader allocate {peak >> 20} MiB"
+    if rejected is not None:
+        COUNTS[f"{target}: rejected with a ShardstreamError"] += 1
+        return
     assert not must_reject, f"{target}: damaged input accepted"
     COUNTS[f"{target}: accepted"] += 1
 
@@ -88,7 +124,11 @@ def outcome(target: str, call, must_reject: bool = False) -> None:
 @pytest.fixture(scope="module", autouse=True)
 def figures():
     COUNTS.clear()
-    yield
+    tracemalloc.start()
+    try:
+        yield
+    finally:
+        tracemalloc.stop()
     by_target: dict[str, dict[str, int]] = {}
     for key, n in COUNTS.items():
         target, _, result = key.partition(": ")
