@@ -508,17 +508,27 @@ def load(
                 ) from None
             raise
     objects = source.objects
-    if optim_tensors:
-        st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
-    if lr_scheduler is not None and "lr_scheduler" in objects and "optimizer" in contents:
-        lr_scheduler.load_state_dict(objects["lr_scheduler"])
     extra: dict[str, Any] = {}
-    if "extra" in contents and "extra" in saved:
-        payload = source.read_extra(coll.rank())
-        extra = payload.get("user", {})
-        if restore_rng and "rng" in payload:
-            st.set_rng_state(payload["rng"])
-    coll.barrier()
+    error: Exception | None = None
+    try:  # local work from here on: a rank that fails must tell the others, not leave them
+        if optim_tensors:  # waiting in a barrier for a process that may never exit
+            st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
+        if lr_scheduler is not None and "lr_scheduler" in objects and "optimizer" in contents:
+            lr_scheduler.load_state_dict(objects["lr_scheduler"])
+        if "extra" in contents and "extra" in saved:
+            payload = source.read_extra(coll.rank())
+            extra = payload.get("user", {})
+            if restore_rng and "rng" in payload:
+                st.set_rng_state(payload["rng"])
+    except Exception as exc:  # noqa: BLE001
+        error = exc
+    failed = [
+        e for e in coll.gather(None if error is None else f"rank {coll.rank()}: {error}") if e
+    ]
+    if error is not None:
+        raise error
+    if failed:
+        raise ShardstreamError(f"restore failed on another rank: {failed[0]}")
     return LoadResult(source.step, extra, reader.bytes_read, time.perf_counter() - started)
 
 
