@@ -220,7 +220,8 @@ def test_flip_that_parses_to_the_same_manifest(saved_run, tmp_path, manager):
 
 
 def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_path):
-    """A real 2-rank restore: rank 1 reads its own extra state and must refuse a damaged one."""
+    """A real 2-rank restore: rank 1 reads its own extra state and must refuse a damaged one;
+    rank 0 must learn of it (not wait in a barrier for a process that may never exit)."""
     step = tmp_path / "global_step_3"
     shutil.copytree(saved_run.step, step)
     victim = step / "extra-rank-00001.safetensors"
@@ -241,6 +242,9 @@ def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_p
     assert "extra-rank-00001.safetensors" in rank1["message"]
     assert "checksum mismatch" in rank1["message"]
     rank0 = json.loads((out / "rank-0.json").read_text())
+    # Rank 0 read nothing wrong, but must fail too, told why, rather than wait for rank 1.
+    assert rank0["ok"] is False and rank0["shardstream_error"], rank0
+    assert "rank 1" in rank0["message"] and "extra-rank-00001.safetensors" in rank0["message"]
     record(
         "corruption: rank 1's extra state in a real 2-rank restore",
         trials=1,
