@@ -357,6 +357,86 @@ def test_flipped_byte_is_detected(tmp_path, position):
         read_back(path, header, stored, BUFFER_CASES[4].values[0])
 
 
+def checked_endpoint(path, header, stored):
+    return FileEndpoint(
+        str(path), stored.chunks, header.data_start, stored.chunk_bytes, lambda a, b: " (w)"
+    )
+
+
+def test_small_reads_in_file_order_read_each_chunk_once(tmp_path):
+    """Many small pieces in one chunk (small tensors, a slice per rank) are one read + hash."""
+    path, header, stored, t = written_file(tmp_path)
+    raw = t.numpy().view(np.uint8).reshape(-1)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        for start in range(0, 800, 12):  # 12-byte reads, most inside a 64-byte chunk
+            out = np.empty(min(12, 800 - start), dtype=np.uint8)
+            endpoint.read_into(header.data_start + start, out)
+            assert np.array_equal(out, raw[start : start + out.nbytes])
+        assert endpoint.chunks_read == len(stored.chunks)
+    finally:
+        endpoint.close()
+
+
+def test_large_reads_hash_whole_chunks_in_place(tmp_path):
+    path, header, stored, t = written_file(tmp_path)
+    raw = t.numpy().view(np.uint8).reshape(-1)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        out = np.empty(800 - 10, dtype=np.uint8)  # starts mid-chunk, runs to the end
+        endpoint.read_into(header.data_start + 10, out)
+        assert np.array_equal(out, raw[10:])
+        assert endpoint.chunks_read == len(stored.chunks)
+        assert endpoint._scratch.nbytes <= stored.chunk_bytes  # no request-sized scratch
+    finally:
+        endpoint.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 799), st.integers(0, 200)), min_size=1, max_size=12))
+def test_checked_reads_in_any_order_match_plain_reads(tmp_path_factory, reads):
+    path, header, stored, t = written_file(tmp_path_factory.mktemp("r"))
+    raw = t.numpy().view(np.uint8).reshape(-1)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        for start, length in reads:
+            length = min(length, 800 - start)
+            out = np.empty(length, dtype=np.uint8)
+            endpoint.read_into(header.data_start + start, out)
+            assert np.array_equal(out, raw[start : start + length])
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("position", [0, 70, 130, 799])
+def test_flip_is_detected_after_neighbouring_chunks_were_cached(tmp_path, position):
+    path, header, stored, _ = written_file(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + position] ^= 0x01
+    path.write_bytes(bytes(raw))
+    lo = header.data_start + position // 64 * 64
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        with pytest.raises(ChecksumMismatchError, match=rf"\[{lo}, \d+\) \(w\)"):
+            for start in range(0, 800, 5):
+                endpoint.read_into(header.data_start + start, np.empty(5, dtype=np.uint8))
+        # a failed chunk is not kept: reading it again fails again
+        with pytest.raises(ChecksumMismatchError):
+            endpoint.read_into(lo, np.empty(1, dtype=np.uint8))
+    finally:
+        endpoint.close()
+
+
+def test_restore_reads_straight_into_a_contiguous_live_tensor(tmp_path):
+    """A plain same-dtype restore never touches the streamer's source buffer."""
+    path, header, stored, t = written_file(tmp_path)
+    buffers = tiny_buffers(256, 256)
+    buffers.src[...] = 0x5A
+    out = read_back(path, header, stored, buffers)
+    assert torch.equal(out, t)
+    assert (buffers.src == 0x5A).all()
+
+
 def test_live_tensor_destination_with_strides(tmp_path):
     """Restore into a non-contiguous live tensor (a transposed view)."""
     full = torch.randn(6, 4)
