@@ -365,16 +365,23 @@ def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: boo
     from .formats import dcp as dcp_format
 
     if not verl.is_verl_checkpoint(path) and dcp_format.is_dcp_checkpoint(path):
-        # PyTorch DCP (torchtitan, accelerate): the model's weights; optimizer entries are
-        # not mapped, so load_contents must be ("model",).
+        # PyTorch DCP (torchtitan, accelerate): the model, and the optimizer and scheduler
+        # of a train state when they are asked for.
         ckpt = dcp_format.open_dcp(path)
-        if want_optimizer:
-            raise UsageError(
-                f"{path}: restoring optimizer state from a PyTorch DCP checkpoint is not "
-                "supported; use load_contents=('model',)"
-            )
         tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
-        return _Source(tensors, FileEndpoint, {"model"}, {}, 0, lambda rank: {})
+        saved, objects = {"model"}, {}
+        if want_optimizer:
+            train = dcp_format.open_dcp_train_state(path)
+            if train.optimizer_tensors or "optimizer" in train.objects:
+                tensors.update({t.name: t for t in train.optimizer_tensors})
+                live = st.optimizer_param_groups(model, optimizer)
+                objects["optimizer"] = _dcp_optimizer_objects(
+                    path, train.objects.get("optimizer", {}), live
+                )
+                saved.add("optimizer")
+            if isinstance(train.objects.get("lr_scheduler"), dict):
+                objects["lr_scheduler"] = train.objects["lr_scheduler"]
+        return _Source(tensors, FileEndpoint, saved, objects, _step_of(path), lambda rank: {})
     if not verl.is_verl_checkpoint(path):
         raise CheckpointNotFoundError(
             f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint"
@@ -412,6 +419,52 @@ def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: boo
         int(match[1]) if match else 0,
         lambda rank: _verl_extra(verl.read_extra_state(path, world, rank)),
     )
+
+
+def _step_of(path: Path) -> int:
+    """The step a directory is named for (``global_step_N``, torchtitan's ``step-N``), else 0."""
+    match = re.search(r"(?:global_step_|step-|step_|checkpoint-)(\d+)$", path.name)
+    return int(match[1]) if match else 0
+
+
+def _dcp_optimizer_objects(path: Path, saved: Any, live: list[dict]) -> dict:
+    """DCP's optimizer values (nested, or flattened by ``flatten_optimizer_state_dict``) as
+    ``apply_optimizer_state`` takes them: param groups with the live FQNs, and scalar state."""
+    if not isinstance(saved, dict):
+        raise CheckpointFormatError(f"{path}: the optimizer entry is not a mapping")
+    prefix = native.OPTIMIZER_PREFIX + st.STATE
+    scalars: dict[str, Any] = {}
+    nested_state = saved.get("state")
+    if isinstance(nested_state, dict):
+        for fqn, entries in nested_state.items():
+            for key, value in (entries if isinstance(entries, dict) else {}).items():
+                scalars[f"{prefix}{fqn}.{key}"] = value
+    for key, value in saved.items():
+        if isinstance(key, str) and key.startswith(st.STATE):
+            scalars[native.OPTIMIZER_PREFIX + key] = value
+    groups = saved.get("param_groups")
+    if isinstance(groups, list):  # nested: hyperparameters per group, params as FQNs
+        if len(groups) != len(live) or any(
+            not isinstance(g, dict) or len(g.get("params", ())) != len(h["params"])
+            for g, h in zip(groups, live)
+        ):
+            raise CheckpointFormatError(
+                f"{path}: the saved optimizer's param groups do not match the live optimizer's "
+                f"({len(groups)} saved, {len(live)} live); build the optimizer as the run did"
+            )
+        restored = [{**g, "params": h["params"]} for g, h in zip(groups, live)]
+    else:  # flattened: param_groups.<fqn>.<key>, read through each live group's first param
+        restored = []
+        for group in live:
+            first = group["params"][0] if group["params"] else None
+            head = f"param_groups.{first}."
+            values = {k[len(head) :]: v for k, v in saved.items() if str(k).startswith(head)}
+            if first is not None and not values:
+                raise CheckpointFormatError(
+                    f"{path}: no saved param group holds parameter {first!r}"
+                )
+            restored.append({**group, **values, "params": group["params"]})
+    return {"param_groups": restored, "scalars": scalars}
 
 
 def _verl_parameter_names(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:

@@ -223,3 +223,36 @@ def hf_export_run(rank: int, world: int, root: str, shared: bool | None, tie: bo
     manager.close()
     full = full_state(model, optimizer, scheduler)["model"]
     return {"full": full}
+
+
+def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: bool) -> dict:
+    """stage "save": two steps, then ``dcp.save`` of a torchtitan-style train state (model,
+    optimizer, scheduler, train_state) to ``root/step-2``; stage "restore": restore all of it
+    through the manager at this world size. Both return the full state and the next loss."""
+    import torch.distributed.checkpoint as dcp
+
+    model, optimizer, scheduler, _ = build((world,), seed=0 if stage == "save" else 5)
+    path = f"{root}/step-2"
+    restored = None
+    if stage == "save":
+        for step in (1, 2):
+            train_step(model, optimizer, scheduler, step)
+        options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        state = {
+            "model": get_model_state_dict(model),
+            "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
+            "lr_scheduler": scheduler.state_dict(),
+            "train_state": {"step": 2},
+        }
+        dcp.save(state, checkpoint_id=path)
+    else:
+        cfg = CheckpointConfig(directory=f"{root}/run-{world}")
+        manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+        restored = manager.restore(path=path)
+        manager.close()
+    reference = full_state(model, optimizer, scheduler)
+    return {
+        "state": reference,
+        "next": train_step(model, optimizer, scheduler, 3),
+        "step": restored,
+    }

@@ -826,3 +826,123 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
     blocks.sort(key=lambda b: b.start)
     check_blocks_tile(name, shape, blocks)
     return GlobalTensor(name, dtype, shape, tuple(blocks))
+
+
+# --------------------------------------------------------------------------- training state
+
+# Non-tensor entries (param group values, scheduler fields) are small torch.save archives.
+MAX_OBJECT_BYTES = 64 << 20
+OPTIMIZER_STATE_PREFIX = "optimizer.state."
+
+
+@dataclass
+class DcpTrainState:
+    """What a DCP train state holds besides the model, for ``restore()``.
+
+    ``optimizer_tensors`` are named ``optimizer.state.<fqn>.<key>``, as shardstream names them.
+    ``objects`` maps a container (``optimizer``, ``lr_scheduler``) to its non-tensor values,
+    nested as they were saved: under ``flatten_optimizer_state_dict`` (torchtitan) the
+    optimizer's values are keyed ``param_groups.<fqn>.<key>`` and ``state.<fqn>.<key>``.
+    """
+
+    optimizer_tensors: list[GlobalTensor]
+    objects: dict[str, object]
+
+
+def open_dcp_train_state(
+    directory: str | os.PathLike, containers: tuple[str, ...] = ("optimizer", "lr_scheduler")
+) -> DcpTrainState:
+    """Describe the optimizer tensors of a DCP checkpoint and read its small non-tensor state."""
+    directory = Path(directory)
+    meta_path = directory / METADATA_FILE
+    meta = load_metadata(meta_path)
+    entries, storage = meta.state_dict_metadata, meta.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
+    by_chunk = {}
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
+        by_chunk[_index_key(index)] = info
+    paths = _object_paths(meta.planner_data) or {}
+    sizes: dict[Path, int] = {}
+    fds: dict[Path, int] = {}
+    tensors: list[GlobalTensor] = []
+    objects: dict[str, object] = {}
+    try:
+        for key, md in entries.items():
+            if not isinstance(key, str):
+                raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not named by a str")
+            if isinstance(md, _TensorStorageMetadata):
+                if key.startswith(OPTIMIZER_STATE_PREFIX):
+                    tensors.append(
+                        _global_tensor(directory, meta_path, key, key, md, by_chunk, sizes, fds)
+                    )
+                continue
+            path = paths.get(key) or tuple(key.split(".", 1))
+            if path[0] not in containers:
+                continue
+            value = _read_object(directory, meta_path, key, by_chunk, sizes, fds)
+            _place(objects, path, value, meta_path, key)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return DcpTrainState(tensors, {k: _lists(v) for k, v in objects.items()})
+
+
+def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fds) -> object:
+    info = by_chunk.get((key, None))
+    if info is None:
+        raise CheckpointFormatError(f"{meta_path}: entry {key!r} has no storage entry")
+    path = _data_file(directory, info.relative_path, meta_path)
+    if path not in sizes:
+        if not path.is_file():
+            raise CheckpointNotFoundError(
+                f"{path}: missing DCP data file (referenced by {meta_path.name} for {key!r})"
+            )
+        fds[path] = os.open(path, os.O_RDONLY)
+        sizes[path] = os.fstat(fds[path]).st_size
+    start, length = info.offset, info.length
+    if type(start) is not int or type(length) is not int or start < 0 or length < 0:
+        raise CheckpointFormatError(f"{meta_path}: entry {key!r} has an invalid byte range")
+    if length > MAX_OBJECT_BYTES:
+        raise UnsafeCheckpointError(
+            f"{path}: entry {key!r} declares {length} bytes, over the {MAX_OBJECT_BYTES} limit"
+        )
+    if start + length > sizes[path]:
+        raise CheckpointFormatError(
+            f"{path}: truncated: entry {key!r} needs bytes [{start}, {start + length}) but the "
+            f"file has {sizes[path]}"
+        )
+    data = os.pread(fds[path], length, start)
+    try:
+        # weights_only: plain containers, numbers and strings only; nothing can run code.
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - any failure here is a bad record
+        raise CheckpointFormatError(
+            f"{path}: entry {key!r} is not a readable weights-only record "
+            f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
+        ) from None
+
+
+def _place(root: dict, path: tuple, value: object, meta_path: Path, key: str) -> None:
+    """Set ``value`` at ``path`` in nested dicts (list indices stay int keys until _lists)."""
+    node = root
+    for part in path[:-1]:
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            raise CheckpointFormatError(f"{meta_path}: entry {key!r} overlaps another entry")
+        node = child
+    if path[-1] in node:
+        raise CheckpointFormatError(f"{meta_path}: entry {key!r} is stored twice")
+    node[path[-1]] = value
+
+
+def _lists(node: object) -> object:
+    """Dicts keyed 0..n-1 by int (DCP's flattened lists) back into lists."""
+    if not isinstance(node, dict):
+        return node
+    out = {k: _lists(v) for k, v in node.items()}
+    if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
+        return [out[i] for i in range(len(out))]
+    return out
