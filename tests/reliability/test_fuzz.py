@@ -374,3 +374,85 @@ def test_fuzz_dcp_data_file(dcp_copy, data):
     raw = path.read_bytes()
     with replaced(path, mutate_bytes(raw, data)):
         outcome("open_dcp (data file)", lambda: dcp_format.open_dcp(dcp_copy))
+
+
+def _opcode_positions(raw: bytes) -> list[tuple[str, int]]:
+    import pickletools
+
+    return [(op.name, pos) for op, _, pos in pickletools.genops(raw)]
+
+
+@FUZZ
+@given(data=st.data())
+def test_fuzz_dcp_metadata_lengths(dcp_copy, data):
+    """Overwrite the argument of a real opcode (a length, a frame size, a memo index) with an
+    extreme value: the reader must refuse it without allocating what it declares."""
+    path = dcp_copy / ".metadata"
+    raw = path.read_bytes()
+    name, pos = data.draw(st.sampled_from(_opcode_positions(raw)), "opcode")
+    width = data.draw(st.sampled_from([1, 2, 4, 8]), "width")
+    value = data.draw(
+        st.one_of(
+            st.integers(0, 2 ** (8 * width) - 1),
+            st.sampled_from([2 ** (8 * width) - 1, 2 ** (8 * width - 1), 2 ** (8 * width - 1) - 1]),
+        ),
+        "value",
+    )
+    opcode = data.draw(
+        st.sampled_from(
+            [None, b"\x8e", b"\x8d", b"\x96", b"\x8b", b"X", b"B", b"T", b"\x95", b"r"]
+        ),
+        "replace the opcode with",
+    )
+    head = raw[:pos] + (opcode if opcode is not None else raw[pos : pos + 1])
+    mutated = head + value.to_bytes(width, "little") + raw[pos + 1 + width :]
+    with replaced(path, mutated):
+        outcome("DCP load_metadata (opcode arguments)", lambda: dcp_format.load_metadata(path))
+        outcome("open_dcp (opcode arguments)", lambda: dcp_format.open_dcp(dcp_copy))
+
+
+GIANT_DECLARATIONS = {
+    # opcode: (its name, bytes in its length field, a giant length)
+    b"\x95": ("FRAME", 8, 2**63 + 2**62),
+    b"\x8e": ("BINBYTES8", 8, 2**62),
+    b"\x8d": ("BINUNICODE8", 8, 2**62),
+    b"\x96": ("BYTEARRAY8", 8, 2**40),
+    b"\x8b": ("LONG4", 4, 2**31 - 1),
+    b"X": ("BINUNICODE", 4, 2**32 - 1),
+    b"B": ("BINBYTES", 4, 2**32 - 1),
+    b"r": ("LONG_BINPUT", 4, 2**31),  # a memo index sizes the memo table
+}
+
+
+@pytest.mark.parametrize(
+    "opcode", list(GIANT_DECLARATIONS), ids=lambda op: GIANT_DECLARATIONS[op][0]
+)
+def test_dcp_metadata_giant_declared_length(dcp_copy, opcode):
+    """Regression (found by ``make soak``): one opcode of a real ``.metadata`` declaring a giant
+    length made the unpickler allocate it (MemoryError) or overflow; now it is refused at once,
+    with the file named, before anything is allocated."""
+    import time
+
+    from shardstream.errors import UnsafeCheckpointError
+
+    path = dcp_copy / ".metadata"
+    raw = path.read_bytes()
+    assert raw[0] == 0x80 and raw[2:3] == b"\x95", "expected a protocol 4+ pickle in frames"
+    name, width, giant = GIANT_DECLARATIONS[opcode]
+    length = giant.to_bytes(width, "little")
+    if name == "FRAME":  # the first frame's own length
+        damaged = raw[:3] + length + raw[11:]
+    else:  # inserted first thing in the frame; LONG_BINPUT memoizes a None pushed before it
+        damaged = raw[:11] + (b"N" if name == "LONG_BINPUT" else b"") + opcode + length + raw[11:]
+    with replaced(path, damaged):
+        for call in (lambda: dcp_format.load_metadata(path), lambda: dcp_format.open_dcp(dcp_copy)):
+            started = time.monotonic()
+            with memory_limit(), pytest.raises(UnsafeCheckpointError) as info:
+                call()
+            peak = tracemalloc.get_traced_memory()[1]
+            assert str(info.value).startswith(str(path)), info.value
+            assert str(giant) in str(info.value), info.value
+            assert not any(isinstance(e, (MemoryError, OverflowError)) for e in _chain(info.value))
+            assert peak < 32 * 2**20, f"{name}: allocated {peak >> 20} MiB before refusing"
+            assert time.monotonic() - started < 2, f"{name}: took {time.monotonic() - started} s"
+    COUNTS["DCP giant declared lengths: rejected with a ShardstreamError"] += 2

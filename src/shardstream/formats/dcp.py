@@ -305,20 +305,118 @@ class _MetadataUnpickler(_SafeUnpickler):
     allowed = _METADATA_GLOBALS
 
 
+# Pickle opcodes whose argument is a length followed by that many bytes: (size of the length
+# field, signed). The C unpickler allocates the declared length before reading, so a flipped byte
+# here is a memory bomb unless the length is checked against the bytes that are really there.
+_COUNTED = {
+    b"\x8a"[0]: (1, False),  # LONG1
+    b"\x8b"[0]: (4, True),  # LONG4
+    b"T"[0]: (4, True),  # BINSTRING
+    b"U"[0]: (1, False),  # SHORT_BINSTRING
+    b"B"[0]: (4, False),  # BINBYTES
+    b"C"[0]: (1, False),  # SHORT_BINBYTES
+    b"\x8e"[0]: (8, False),  # BINBYTES8
+    b"\x96"[0]: (8, False),  # BYTEARRAY8
+    b"\x8c"[0]: (1, False),  # SHORT_BINUNICODE
+    b"X"[0]: (4, False),  # BINUNICODE
+    b"\x8d"[0]: (8, False),  # BINUNICODE8
+}
+_FRAME = b"\x95"[0]
+_STOP = b"."[0]
+_LONG_BINPUT = b"r"[0]
+_PUT = b"p"[0]
+# Opcodes with a fixed-size argument (bytes), and those whose argument runs to a newline (lines).
+_FIXED = {b"J"[0]: 4, b"K"[0]: 1, b"M"[0]: 2, b"G"[0]: 8, b"h"[0]: 1, b"j"[0]: 4, b"q"[0]: 1,
+          b"r"[0]: 4, b"\x82"[0]: 1, b"\x83"[0]: 2, b"\x84"[0]: 4, b"\x80"[0]: 1}  # fmt: skip
+_LINES = {b"I"[0]: 1, b"L"[0]: 1, b"S"[0]: 1, b"V"[0]: 1, b"F"[0]: 1, b"g"[0]: 1, b"p"[0]: 1,
+          b"P"[0]: 1, b"c"[0]: 2, b"i"[0]: 2}  # fmt: skip
+_NO_ARGUMENT = frozenset(
+    b"\x97\x98N\x88\x89]ael)t\x85\x86\x87}dsu\x8f\x90\x9102(1\x94\x93RboQ\x81\x92"
+)
+
+
+def _check_opcodes(data: bytes) -> None:
+    """Walk the pickle's opcodes without running any, refusing what would make the unpickler
+    allocate more than the input justifies: a declared length (bytes, string, long, frame) past
+    the end of the data, or a memo index (which sizes the memo table) beyond the data's length.
+    Raises UnsafeCheckpointError or CheckpointFormatError without the path (the caller adds it).
+    """
+    end = len(data)
+    at = 0
+    while at < end:
+        op = data[at]
+        start = at
+        at += 1
+        counted = _COUNTED.get(op)
+        if counted is not None:
+            width, signed = counted
+            if at + width > end:
+                raise CheckpointFormatError(f"pickle truncated at byte {start}")
+            n = int.from_bytes(data[at : at + width], "little", signed=signed)
+            at += width
+            if n < 0 or n > end - at:
+                raise UnsafeCheckpointError(
+                    f"pickle opcode at byte {start} declares {n} bytes, but only {end - at} "
+                    "follow (a corrupt or hostile length)"
+                )
+            at += n
+        elif op == _FRAME:
+            if at + 8 > end:
+                raise CheckpointFormatError(f"pickle truncated at byte {start}")
+            n = int.from_bytes(data[at : at + 8], "little")
+            at += 8
+            if n > end - at:
+                raise UnsafeCheckpointError(
+                    f"pickle frame at byte {start} declares {n} bytes, but only {end - at} follow "
+                    "(a corrupt or hostile length)"
+                )
+        elif op in _FIXED:
+            width = _FIXED[op]
+            if at + width > end:
+                raise CheckpointFormatError(f"pickle truncated at byte {start}")
+            if op == _LONG_BINPUT and int.from_bytes(data[at : at + 4], "little") > end:
+                raise UnsafeCheckpointError(
+                    f"pickle opcode at byte {start} stores memo entry "
+                    f"{int.from_bytes(data[at : at + 4], 'little')}, more than the data has bytes"
+                )
+            at += width
+        elif op in _LINES:
+            for _ in range(_LINES[op]):
+                newline = data.find(b"\n", at)
+                if newline < 0:
+                    raise CheckpointFormatError(f"pickle truncated at byte {start}")
+                line = data[at:newline]
+                at = newline + 1
+            if op == _PUT and not (line.isdigit() and len(line) <= 19 and int(line) <= end):
+                raise UnsafeCheckpointError(
+                    f"pickle opcode at byte {start} stores memo entry {line[:30]!r}, not an index "
+                    "within the data"
+                )
+        elif op == _STOP:
+            return
+        elif op not in _NO_ARGUMENT:
+            raise CheckpointFormatError(f"unknown pickle opcode {op:#04x} at byte {start}")
+    raise CheckpointFormatError("pickle ends without a STOP opcode (truncated?)")
+
+
 def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
+    """Unpickle ``data`` with ``unpickler_cls`` after ``_check_opcodes``; any failure is a
+    CheckpointFormatError (or UnsafeCheckpointError) naming ``path``."""
     try:
+        _check_opcodes(data)
         return unpickler_cls(io.BytesIO(data), path).load()
     except UnsafeCheckpointError as exc:
         if str(exc).startswith(path):
             raise
-        raise UnsafeCheckpointError(f"{path}: {exc}") from None
+        raise UnsafeCheckpointError(f"{path}: {what}: {exc}") from None
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{path}: {what} is malformed: {exc}") from None
-    except (pickle.UnpicklingError, EOFError, ValueError, TypeError, AttributeError, KeyError,
-            IndexError, RecursionError, MemoryError, struct.error) as exc:  # fmt: skip
-        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # noqa: BLE001  (anything the unpickler raises means bad bytes)
+        # OverflowError, MemoryError, RecursionError, UnpicklingError, EOFError, ValueError, ...
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         raise CheckpointFormatError(
-            f"{path}: {what} is not readable (truncated or corrupt?): {detail}"
+            f"{path}: {what} is not readable (truncated or corrupt?): "
+            f"{type(exc).__name__}{': ' + detail[:200] if detail else ''}"
         ) from None
 
 
