@@ -236,13 +236,19 @@ def check_blocks_tile(tensor: str, shape: Sequence[int], blocks: Sequence[Block]
             f"tensor {tensor!r}: shards hold {covered} elements but shape {list(shape)} "
             f"needs {total}; shapes or placements disagree across ranks"
         )
-    # Sorted by start, a block can only overlap later blocks that start inside its first-dim
-    # extent, so the scan stops early: linear for sharded layouts, not quadratic.
-    nonempty = sorted((b for b in blocks if b.numel), key=lambda b: b.start)
+    # Sweep along the dimension the blocks are split on: sorted by their start there, a block
+    # can only overlap later blocks that start inside its extent, so the scan stops early.
+    # Linear (after the sort) for layouts sharded along one dimension, whichever it is.
+    nonempty = [b for b in blocks if b.numel]
+    if len(nonempty) < 2:
+        return
+    dim = max(range(len(shape)), key=lambda d: len({b.start[d] for b in nonempty}))
+    nonempty.sort(key=lambda b: b.start[dim])
     for i, a in enumerate(nonempty):
-        a_end = a.start[0] + a.shape[0] if a.shape else 0
-        for b in nonempty[i + 1 :]:
-            if b.shape and b.start[0] >= a_end:
+        a_end = a.start[dim] + a.shape[dim]
+        for j in range(i + 1, len(nonempty)):
+            b = nonempty[j]
+            if b.start[dim] >= a_end:
                 break
             if all(
                 max(x, y) < min(x + n, y + m)

@@ -408,6 +408,41 @@ def test_tiling_rejects_overlap_with_right_count():
         check_blocks_tile("w", (5, 4), [rows("a", 0, 2), rows("b", 1, 3)])
 
 
+def cols(location, start, n, height=4):
+    return dense_block(location, 0, "F32", (height, n), (0, start))
+
+
+def test_tiling_rejects_overlap_along_dim_1():
+    # Shard(1)-style: every block spans all rows; the overlap is in the columns.
+    blocks = [cols("a", 0, 2), cols("b", 2, 2), cols("c", 3, 2), cols("d", 6, 1)]
+    with pytest.raises(CheckpointFormatError, match=r"b and c overlap|c and b overlap"):
+        check_blocks_tile("w", (4, 6), blocks[:3] + [cols("d", 5, 0)])
+    check_blocks_tile("w", (4, 7), [cols("a", 0, 2), cols("b", 2, 2), cols("c", 4, 3)])
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(0, 4), st.integers(0, 3)),
+        min_size=1,
+        max_size=6,
+    )
+)
+def test_tiling_agrees_with_brute_force(boxes):
+    shape = (4, 3)
+    blocks = [
+        dense_block(f"b{i}", 0, "F32", (h, w), (r, c)) for i, (r, c, h, w) in enumerate(boxes)
+    ]
+    inside = all(r + h <= 4 and c + w <= 3 for r, c, h, w in boxes)
+    cells = [(r + i, c + j) for r, c, h, w in boxes for i in range(h) for j in range(w)]
+    exact = inside and len(cells) == 12 and len(set(cells)) == 12
+    if exact:
+        check_blocks_tile("t", shape, blocks)
+    else:
+        with pytest.raises(CheckpointFormatError):
+            check_blocks_tile("t", shape, blocks)
+
+
 def test_global_tensor_nbytes():
     t = GlobalTensor("w", "BF16", (3, 5), ())
     assert t.nbytes == 30
