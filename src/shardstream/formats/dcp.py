@@ -404,11 +404,18 @@ def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
     CheckpointFormatError (or UnsafeCheckpointError) naming ``path``."""
     try:
         _check_opcodes(data)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{path}: {what}: {exc}") from None
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(
+            f"{path}: {what} is not readable (truncated or corrupt?): {exc}"
+        ) from None
+    try:
         return unpickler_cls(io.BytesIO(data), path).load()
     except UnsafeCheckpointError as exc:
         if str(exc).startswith(path):
             raise
-        raise UnsafeCheckpointError(f"{path}: {what}: {exc}") from None
+        raise UnsafeCheckpointError(f"{path}: {exc}") from None
     except CheckpointFormatError as exc:
         raise CheckpointFormatError(f"{path}: {what} is malformed: {exc}") from None
     except Exception as exc:  # noqa: BLE001  (anything the unpickler raises means bad bytes)
