@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import fcntl
 import os
+import re
 import shutil
+import socket
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -13,6 +16,11 @@ from pathlib import Path
 from .errors import OutOfSpaceError, ShardstreamError, TargetExistsError, UsageError
 
 TMP_MARK = ".tmp-"
+# A staged directory ``T.tmp-<token>`` has an owner file ``T.tmp-<token>.owner`` beside it (not
+# inside, so it never travels into the target): "host pid", flock-ed by the owner for as long as
+# the directory exists. The lock goes when the owner dies, however it dies, so the next
+# staged_directory for T can tell a dead merge's leftovers from a live one's work in progress.
+OWNER_SUFFIX = ".owner"
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -68,33 +76,173 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     """Yield a temporary sibling of ``target``; on success it is fsynced and renamed into place.
 
     On any error the temporary directory is removed, and an existing target stays untouched.
+    Leftovers of earlier runs for the same target whose owner process is dead (``kill -9``,
+    a power cut) are removed first; a live owner's (a concurrent run) are kept.
     """
     target = Path(target).absolute()
+    if target.parent.is_dir():
+        remove_stale_staging(target)
     check_target(target, overwrite)
     if not target.parent.is_dir():
         raise UsageError(f"parent directory of target {target} does not exist")
-    tmp = target.with_name(f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    token = uuid.uuid4().hex[:8]
+    tmp = target.with_name(f"{target.name}{TMP_MARK}{token}")
+    owner = _claim(tmp)
     try:
-        tmp.mkdir()
+        try:
+            tmp.mkdir()
+        except PermissionError:
+            raise UsageError(f"cannot create {tmp}: permission denied") from None
+        except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OutOfSpaceError(f"cannot create {tmp}: no space left on device") from None
+            raise UsageError(f"cannot create {tmp}: {exc.strerror}") from None
+        try:
+            yield tmp
+            fsync_tree(tmp)
+            _replace_directory(tmp, target, overwrite)
+        except BaseException as exc:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
+                if exc.errno == 28:
+                    raise OutOfSpaceError(
+                        f"no space left on device while writing {target}; partial output removed"
+                    ) from None
+            raise
+        fsync_dir(target.parent)
+    finally:
+        _release(tmp, owner)
+
+
+def _owner_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + OWNER_SUFFIX)
+
+
+def _claim(tmp: Path) -> int | None:
+    """Create and lock ``tmp``'s owner file; returns its descriptor (None where the filesystem
+    refuses files or locks: the run goes on, its leftovers are then never removed for it)."""
+    path = _owner_path(tmp)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
     except PermissionError:
-        raise UsageError(f"cannot create {tmp}: permission denied") from None
-    except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
+        raise UsageError(f"cannot create {path}: permission denied") from None
+    except OSError as exc:
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutOfSpaceError(f"cannot create {tmp}: no space left on device") from None
-        raise UsageError(f"cannot create {tmp}: {exc.strerror}") from None
+            raise OutOfSpaceError(f"cannot create {path}: no space left on device") from None
+        raise UsageError(f"cannot create {path}: {exc.strerror}") from None
     try:
-        yield tmp
-        fsync_tree(tmp)
-        _replace_directory(tmp, target, overwrite)
-    except BaseException as exc:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
-            if exc.errno == 28:
-                raise OutOfSpaceError(
-                    f"no space left on device while writing {target}; partial output removed"
-                ) from None
-        raise
-    fsync_dir(target.parent)
+        # Between the create and the lock a cleaner may hold the lock of this still-empty file
+        # for a moment; it leaves owner files without content alone (see _owner_dead), so wait.
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+    except OSError:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            path.unlink()
+        return None
+    return fd
+
+
+def _release(tmp: Path, fd: int | None) -> None:
+    if fd is None:
+        return
+    with contextlib.suppress(OSError):
+        _owner_path(tmp).unlink()
+    os.close(fd)  # releases the lock, after the unlink: no one can see a dead owner of ours
+
+
+def _owner_dead(path: Path) -> int | None:
+    """Lock ``path`` if its owner is dead; returns the descriptor holding the lock, else None.
+
+    The owner holds an exclusive flock for its whole run, so getting the lock proves it is gone.
+    Where locks are unsupported, a dead pid on this host counts; another host's is kept.
+    """
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except OSError:
+        return None  # its owner just finished, or another cleaner removed it
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        return None  # alive
+    except OSError:
+        if not _dead_on_this_host(fd):
+            os.close(fd)
+            return None
+        return fd
+    try:
+        content = os.pread(fd, 256, 0)
+    except OSError:
+        content = b""
+    if not content.strip():
+        # Being created (the owner writes right after taking the lock) or torn by a crash in
+        # that instant; both are tiny, so leave them alone.
+        os.close(fd)
+        return None
+    if os.fstat(fd).st_nlink == 0:
+        os.close(fd)  # released by its owner (or removed by another cleaner) after we opened it
+        return None
+    return fd
+
+
+def _dead_on_this_host(fd: int) -> bool:
+    try:
+        host, pid = os.pread(fd, 256, 0).decode().split()
+        pid = int(pid)
+    except (OSError, ValueError, UnicodeDecodeError):
+        return False
+    if host != socket.gethostname() or pid == os.getpid():
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False
+    return False
+
+
+def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
+    """Remove ``target``'s staged directories (``T.tmp-<token>``, ``T.tmp-<token>.old``) whose
+    owner process is dead; returns what was removed. A dead run that had swapped the old target
+    out but not the new one in gets the old one back, never left without a target it had."""
+    target = Path(target).absolute()
+    pattern = re.compile(
+        re.escape(target.name + TMP_MARK) + r"([0-9a-f]{8})" + re.escape(OWNER_SUFFIX)
+    )
+    removed: list[Path] = []
+    try:
+        names = os.listdir(target.parent)
+    except OSError:
+        return removed
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        owner = target.parent / name
+        fd = _owner_dead(owner)
+        if fd is None:
+            continue
+        try:
+            tmp = owner.with_name(name[: -len(OWNER_SUFFIX)])
+            old = _old_path(tmp)
+            if old.is_dir() and not os.path.lexists(target):
+                os.rename(old, target)  # the swap was cut between its two renames
+                fsync_dir(target.parent)
+            for path in (tmp, old):
+                if path.is_dir() and not path.is_symlink():
+                    shutil.rmtree(path, ignore_errors=True)
+                    removed.append(path)
+            owner.unlink()
+        except OSError:
+            pass  # another cleaner got there first, or the directory is not ours to change
+        finally:
+            os.close(fd)
+    return removed
+
+
+def _old_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + ".old")
 
 
 def _replace_directory(tmp: Path, target: Path, overwrite: bool) -> None:
@@ -106,8 +254,9 @@ def _replace_directory(tmp: Path, target: Path, overwrite: bool) -> None:
         target.rmdir()
         os.rename(tmp, target)
         return
-    # Swap the old directory out first so that a crash leaves either old or new in place.
-    old = target.with_name(f"{target.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
+    # Swap the old directory out first so that a crash leaves either old or new in place (or,
+    # cut between the renames, the old one under ``.old``, which remove_stale_staging restores).
+    old = _old_path(tmp)
     os.rename(target, old)
     os.rename(tmp, target)
     fsync_dir(target.parent)

@@ -15,7 +15,8 @@ retention or a stale lock is always there for the next start to cope with. After
 
 Merge trials: the ``shardstream`` CLI merges a 2-rank checkpoint and is killed at a random
 moment; the target is then absent or complete (verify passes, bytes equal a clean merge),
-never partial, and a rerun of the same command succeeds.
+never partial, and a rerun of the same command succeeds and removes the killed run's staged
+directory (nothing named ``TARGET.tmp-*`` is left).
 """
 
 from __future__ import annotations
@@ -218,6 +219,11 @@ def test_kill9_during_merge(forkserver, tmp_path, merge_source):
         assert forkserver.run("cli", {"argv": rerun}) == [0], forkserver.logs()
         assert _tree(target) == reference
         stats["rerun succeeded"] += 1
+        # The rerun removed the killed run's staged directory (its owner is dead): nothing of
+        # either run is left beside the target.
+        stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(f"out-{trial}.tmp-")]
+        assert not stale, f"trial {trial}: left beside the target after the rerun: {stale}"
+        stats["temporary directory removed by the rerun"] += bool(leftovers)
         stats["trials"] += 1
     record(
         "kill -9 during merge",
@@ -253,3 +259,5 @@ def test_kill9_real_cli_process_during_merge(tmp_path, merge_source):
     rerun = cmd + (["--overwrite"] if target.exists() else [])
     subprocess.run(rerun, check=True, env=env, capture_output=True)
     assert verify(target).ok
+    stale = [p.name for p in tmp_path.iterdir() if p.name.startswith("out.tmp-")]
+    assert not stale, f"left beside the target after the rerun: {stale}"

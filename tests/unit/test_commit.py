@@ -1,0 +1,118 @@
+"""staged_directory's owner files: a dead run's leftovers are removed by the next run for the same
+target, a live run's (another process, or this one) never are."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from shardstream.commit import OWNER_SUFFIX, TMP_MARK, remove_stale_staging, staged_directory
+from shardstream.errors import TargetExistsError
+
+
+def _siblings(target: Path) -> list[str]:
+    return sorted(
+        p.name for p in target.parent.iterdir() if p.name.startswith(target.name + TMP_MARK)
+    )
+
+
+def _dead_leftover(target: Path, token: str, content: str = "somehost 4194303\n") -> Path:
+    """What a kill -9'd run leaves: its staged directory and its (no longer locked) owner file."""
+    tmp = target.with_name(f"{target.name}{TMP_MARK}{token}")
+    tmp.mkdir()
+    (tmp / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+    tmp.with_name(tmp.name + OWNER_SUFFIX).write_text(content)
+    return tmp
+
+
+def test_owner_file_sits_beside_and_goes_away(tmp_path):
+    target = tmp_path / "out"
+    with staged_directory(target) as tmp:
+        owner = tmp.with_name(tmp.name + OWNER_SUFFIX)
+        host, pid = owner.read_text().split()
+        assert int(pid) > 0 and host
+        (tmp / "a.json").write_text("{}")
+    assert sorted(p.name for p in target.iterdir()) == ["a.json"]
+    assert _siblings(target) == []
+
+
+def test_dead_owners_leftovers_are_removed_by_the_next_run(tmp_path):
+    target = tmp_path / "out"
+    _dead_leftover(target, "0123abcd")
+    _dead_leftover(target, "89abcdef")
+    other = _dead_leftover(tmp_path / "other", "0123abcd")  # another target's: not ours to touch
+    with staged_directory(target) as tmp:
+        assert _siblings(target) == sorted([tmp.name, tmp.name + OWNER_SUFFIX])
+        (tmp / "a.json").write_text("{}")
+    assert _siblings(target) == []
+    assert (target / "a.json").is_file()
+    assert other.is_dir()
+
+
+def test_live_owner_in_this_process_is_kept(tmp_path):
+    """Two staged runs for one target at once: neither removes the other's directory."""
+    target = tmp_path / "out"
+    with pytest.raises(TargetExistsError):  # the second run took the target meanwhile
+        with staged_directory(target) as first:
+            (first / "a").write_text("1")
+            assert remove_stale_staging(target) == []
+            with staged_directory(tmp_path / "out") as second:
+                assert first.is_dir() and (first / "a").read_text() == "1"
+                (second / "b").write_text("2")
+            assert first.is_dir()
+    assert sorted(p.name for p in target.iterdir()) == ["b"]
+    assert _siblings(target) == []
+
+
+def test_live_owner_in_another_process_is_kept(tmp_path):
+    """A run on this host that holds its owner file's lock: alive, whatever its pid."""
+    target = tmp_path / "out"
+    tmp = _dead_leftover(target, "0123abcd")
+    owner = tmp.with_name(tmp.name + OWNER_SUFFIX)
+    holder = subprocess.Popen(
+        [sys.executable, "-c",
+         "import fcntl, sys, time; f = open(sys.argv[1], 'r+'); fcntl.flock(f, fcntl.LOCK_EX); "
+         "print('locked', flush=True); time.sleep(60)", str(owner)],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        assert remove_stale_staging(target) == []
+        with staged_directory(target) as mine:
+            (mine / "a").write_text("1")
+        assert tmp.is_dir() and owner.is_file()
+    finally:
+        holder.kill()
+        holder.wait()
+    time.sleep(0.05)
+    assert remove_stale_staging(target) == [tmp]  # its owner is dead now
+    assert not owner.exists()
+
+
+def test_unknown_and_half_created_leftovers_are_kept(tmp_path):
+    """No owner file (an older shardstream, or not ours), or an empty one (an owner between
+    creating and writing it): not provably dead, so left alone."""
+    target = tmp_path / "out"
+    legacy = target.with_name(f"{target.name}{TMP_MARK}fedcba98")
+    legacy.mkdir()
+    empty = _dead_leftover(target, "0123abcd", content="")
+    assert remove_stale_staging(target) == []
+    assert legacy.is_dir() and empty.is_dir()
+
+
+def test_swap_cut_between_renames_gets_the_old_target_back(tmp_path):
+    """Killed after moving the old target aside, before moving the new one in: the old output
+    is restored, not deleted with the rest."""
+    target = tmp_path / "out"
+    tmp = _dead_leftover(target, "0123abcd")
+    old = tmp.with_name(tmp.name + ".old")
+    old.mkdir()
+    (old / "model.safetensors").write_bytes(b"old output")
+    removed = remove_stale_staging(target)
+    assert removed == [tmp]
+    assert (target / "model.safetensors").read_bytes() == b"old output"
+    assert _siblings(target) == []
