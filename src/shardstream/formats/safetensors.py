@@ -206,6 +206,8 @@ def checksum_metadata(
 ) -> dict[str, str]:
     from ..checksum import ALGORITHM, DIGEST_WIDTH
 
+    if not _power_of_two(chunk_bytes):
+        raise UsageError(f"chunk size {chunk_bytes} is not a power of two")
     count = -(-data_size // chunk_bytes) if data_size else 0
     text = "".join(chunks) if chunks is not None else "0" * (DIGEST_WIDTH * count)
     return {
@@ -214,6 +216,10 @@ def checksum_metadata(
         f"{CHECKSUM_PREFIX}entries": entries_digest(entries),
         f"{CHECKSUM_PREFIX}chunks": text,
     }
+
+
+def _power_of_two(n: int) -> bool:
+    return type(n) is int and n > 0 and n & (n - 1) == 0
 
 
 @dataclass(frozen=True)
@@ -233,11 +239,17 @@ def stored_checksums(header: SafetensorsHeader) -> StoredChecksums | None:
     try:
         if meta[f"{CHECKSUM_PREFIX}algorithm"] != ALGORITHM:
             raise ValueError("unknown algorithm")
-        chunk_bytes = int(meta[f"{CHECKSUM_PREFIX}chunk_bytes"])
+        chunk_text = meta[f"{CHECKSUM_PREFIX}chunk_bytes"]
+        chunk_bytes = int(chunk_text)
         text = meta[f"{CHECKSUM_PREFIX}chunks"]
         entries = meta[f"{CHECKSUM_PREFIX}entries"]
         if chunk_bytes <= 0 or len(text) % DIGEST_WIDTH:
             raise ValueError("bad chunk table")
+        # No digest covers this value, and in a file whose data fits in one chunk any larger
+        # value verifies alike; so it must be a power of two written in plain decimal. One changed
+        # character of such a number never gives another one (beyond 1, 2, 4, 8).
+        if chunk_text != str(chunk_bytes) or not _power_of_two(chunk_bytes):
+            raise ValueError(f"chunk_bytes {chunk_text!r} is not a power of two in plain decimal")
     except (KeyError, ValueError) as exc:
         raise CheckpointFormatError(f"{header.path}: damaged checksum metadata ({exc})") from None
     chunks = [text[i : i + DIGEST_WIDTH] for i in range(0, len(text), DIGEST_WIDTH)]
