@@ -27,7 +27,7 @@ from . import collectives as coll
 from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
-from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer, one_buffer_set
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -233,28 +233,31 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
     tmp = target.parent / tmp_name
 
     try:
-        tensors, objects = prepared.tensors, prepared.objects
-        writer = native.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
-        tensor_section, file_section = {}, {}
-        if tensors:
-            with _single_process_quiet():
-                dcp.save(
-                    tensors,
-                    storage_writer=writer,
-                    planner=native.save_planner(),
-                    process_group=coll.group(),
-                )
-            if coll.rank() == 0:
-                tensor_section, file_section = native.tensor_manifest(
-                    writer.metadata, writer.results
-                )
-        records: dict[str, Any] = {}
-        if prepared.extra is not None:
-            records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
-        if prepared.hf_export is not None:
-            if prepared.guard is not None:
-                prepared.guard.wait_all()  # the export reads model weights too
-            records.update(prepared.hf_export(tmp, buffer_bytes))
+        # One buffer set, sized from the budget, for every phase: the sharded write, the
+        # extra state and the hf export share it instead of each allocating their own.
+        with one_buffer_set(buffer_bytes):
+            tensors, objects = prepared.tensors, prepared.objects
+            writer = native.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
+            tensor_section, file_section = {}, {}
+            if tensors:
+                with _single_process_quiet():
+                    dcp.save(
+                        tensors,
+                        storage_writer=writer,
+                        planner=native.save_planner(),
+                        process_group=coll.group(),
+                    )
+                if coll.rank() == 0:
+                    tensor_section, file_section = native.tensor_manifest(
+                        writer.metadata, writer.results
+                    )
+            records: dict[str, Any] = {}
+            if prepared.extra is not None:
+                records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
+            if prepared.hf_export is not None:
+                if prepared.guard is not None:
+                    prepared.guard.wait_all()  # the export reads model weights too
+                records.update(prepared.hf_export(tmp, buffer_bytes))
         gathered = coll.gather(records)
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
         error = _save_error(exc, target)

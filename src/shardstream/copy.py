@@ -9,9 +9,12 @@ bit-identical to ``tensor.to(dtype)``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import mmap
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -174,8 +177,8 @@ class TensorEndpoint(Endpoint):
 
     def host_view(self, offset: int, nbytes: int) -> np.ndarray | None:
         """Bytes [offset, offset + nbytes) as a writable array, when the tensor is in host memory
-        (reads can then land in the tensor itself); None otherwise."""
-        if self.device.type != "cpu":
+        (reads land in it, writes and conversions read from it, with no copy); None otherwise."""
+        if self.device.type != "cpu" or self.transfer is not None:
             return None
         return self.bytes.numpy()[offset : offset + nbytes]
 
@@ -329,16 +332,49 @@ class Buffers:
 
     @classmethod
     def sized(cls, buffer_bytes: int, ratio: float = 1.0) -> Buffers:
-        """Split ``buffer_bytes`` so that reading ``ratio`` source bytes per output byte fits."""
+        """Split ``buffer_bytes`` so that reading ``ratio`` source bytes per output byte fits.
+
+        Inside ``one_buffer_set`` the split is carved from that set's one allocation.
+        """
         ratio = max(ratio, 1e-3)
         window = max(_MIN_WINDOW, int(buffer_bytes / (3 + ratio)))
         src = max(_MIN_WINDOW, int(window * ratio))
-        return cls(
-            np.empty(window, dtype=np.uint8),
-            np.empty(src, dtype=np.uint8),
-            torch.empty(window, dtype=torch.uint8),
-            np.empty(window, dtype=np.uint8),
-        )
+        arena = getattr(_ARENA, "memory", None)
+        if arena is None or 3 * window + src > arena.nbytes:
+            arena = _anonymous(3 * window + src)
+        # Windows first: a save touches them, an export or conversion the rest.
+        window_a, spare = arena[:window], arena[window : 2 * window]
+        src_part = arena[2 * window : 2 * window + src]
+        staging = torch.from_numpy(arena[2 * window + src : 3 * window + src])
+        return cls(window_a, src_part, staging, spare)
+
+
+_ARENA = threading.local()
+
+
+def _anonymous(nbytes: int) -> np.ndarray:
+    """Zeroed memory of its own mapping: untouched pages cost nothing, and dropping the last
+    reference unmaps it, so it goes back to the kernel instead of staying in malloc's heap."""
+    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
+
+
+@contextlib.contextmanager
+def one_buffer_set(buffer_bytes: int) -> Iterator[None]:
+    """Make every ``Buffers.sized`` on this thread inside the block share one allocation.
+
+    The phases of one save (sharded write, extra state, hf export) then stay within one
+    ``buffer_bytes`` together, not each. The phases must run one after another.
+
+    >>> with one_buffer_set(256 << 20):  # doctest: +SKIP
+    ...     write_phase_1(); write_phase_2()
+    """
+    previous = getattr(_ARENA, "memory", None)
+    if previous is None:
+        _ARENA.memory = _anonymous(buffer_bytes)
+    try:
+        yield
+    finally:
+        _ARENA.memory = previous
 
 
 class Streamer:
@@ -375,7 +411,10 @@ class Streamer:
             source.read_into(first, out)  # straight into the destination window
             return out.reshape(k, width)
         src = self.buf.src[:need].reshape(k, width) if need else self.buf.src[:0].reshape(k, 0)
-        if contiguous:
+        view = getattr(source, "host_view", None) if transform is None else None
+        if contiguous and not plain and view is not None:
+            src = view(first, need).reshape(k, width)  # convert straight from host memory
+        elif contiguous:
             source.read_into(first, self.buf.src[:need])
         else:
             span = (k - 1) * run.src_step + width
@@ -580,6 +619,11 @@ def _pwrite_all(fd: int, path: str, data: np.ndarray, offset: int) -> None:
 
 def write_all(fd: int, path: str, data: bytes, offset: int) -> None:
     _pwrite_all(fd, path, np.frombuffer(data, dtype=np.uint8), offset)
+
+
+def pwrite_array(fd: int, path: str, data: np.ndarray, offset: int) -> None:
+    """``pwrite`` a contiguous array's bytes where they are (no copy)."""
+    _pwrite_all(fd, path, data, offset)
 
 
 def stream_into_memory(

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from . import collectives as coll
 from .checksum import digest, new_hasher
-from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, write_all
+from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
@@ -184,21 +184,36 @@ def write_hf_model(
 
 
 def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
+    """(file index, offset, step, rows) per batch; rows of a same-dtype run in host memory are
+    views of the live tensor itself, so they go to the file with no copy and no buffer."""
     cap = streamer.buf.window.nbytes
     for index, run in runs:
+        view = getattr(streamer.endpoint(run.src), "host_view", None)
+        plain = run.src_dtype == run.dst_dtype
+        isz = itemsize(run.src_dtype)
         for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, cap):
-            rows = streamer.rows(run, i0, i1, e0, e1)
             offset = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype)
+            rows = None
+            if plain and view is not None:
+                count, width = i1 - i0, (e1 - e0) * isz
+                first = run.src_offset + i0 * run.src_step + e0 * isz
+                span = view(first, (count - 1) * run.src_step + width if count else 0)
+                if span is not None:
+                    rows = np.lib.stride_tricks.as_strided(
+                        span, shape=(count, width), strides=(run.src_step if count > 1 else 0, 1)
+                    )
+            if rows is None:
+                rows = streamer.rows(run, i0, i1, e0, e1)
             yield index, offset, run.dst_step, rows
 
 
 def _pwrite_rows(fd: int, path: str, offset: int, step: int, rows: np.ndarray) -> None:
     count, width = rows.shape
     if count == 1 or step == width:
-        write_all(fd, path, np.ascontiguousarray(rows).tobytes(), offset)
+        pwrite_array(fd, path, np.ascontiguousarray(rows).reshape(-1), offset)
         return
     for i in range(count):
-        write_all(fd, path, rows[i].tobytes(), offset + i * step)
+        pwrite_array(fd, path, rows[i], offset + i * step)
 
 
 def _write_local(paths: list[Path], runs, streamer: Streamer) -> None:

@@ -250,3 +250,38 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
     other.register_buffer("calls", torch.tensor(0))
     with pytest.raises(CheckpointFormatError, match="'model.0.weight' has shape"):
         shardstream.load(tmp_path / "c", model=other, contents=("model",))
+
+
+@pytest.mark.parametrize("hf_dtype", [None, "bfloat16"])
+def test_save_with_hf_model_uses_one_buffer_set(tmp_path, monkeypatch, hf_dtype):
+    """The sharded write, extra and hf export of one save share one budget-sized allocation,
+    and the export (written from the live weights) holds the weights exactly."""
+    from safetensors.torch import load_file
+
+    from shardstream import copy as copy_module
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2")
+    model = build_tiny_model(config, seed=1)
+    optimizer = torch.optim.AdamW(model.parameters())
+    allocations = []
+    real = copy_module._anonymous
+    monkeypatch.setattr(copy_module, "_anonymous", lambda n: allocations.append(n) or real(n))
+    cfg = CheckpointConfig(
+        str(tmp_path / "run"),
+        save_contents=("model", "optimizer", "extra", "hf_model"),
+        staging_budget="2MiB",
+    )
+    with CheckpointManager(
+        cfg, model=model, optimizer=optimizer, hf_config=config, hf_dtype=hf_dtype
+    ) as mgr:
+        mgr.save(1, extra={"t": torch.arange(3)})
+    assert allocations == [2 << 20]
+    export = tmp_path / "run" / "global_step_1" / "huggingface"
+    saved = {}
+    for f in export.glob("*.safetensors"):
+        saved.update(load_file(f))
+    dtype = torch.bfloat16 if hf_dtype else torch.float32
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(saved[name], tensor.to(dtype)), name
+    assert shardstream.verify(tmp_path / "run").ok

@@ -521,3 +521,16 @@ def test_host_transfer_ring_copies_in_bounded_slots(tmp_path):
         assert transfer.transfers == -(-out.nbytes // 256)  # one transfer per slot's worth
         assert all(slot.numel() == 256 for slot in transfer.slots)
     assert lock.exists()  # ranks on one host took turns through this lock file
+
+
+def test_one_buffer_set_is_shared_by_the_phases_inside_it():
+    from shardstream.copy import one_buffer_set
+
+    with one_buffer_set(1 << 20):
+        a, b = Buffers.sized(1 << 20), Buffers.sized(1 << 20, 2.0)
+        assert np.shares_memory(a.window, b.window)
+        for part in (b.window, b.spare, b.src, b.staging.numpy()):
+            assert part.ctypes.data + part.nbytes <= a.window.ctypes.data + (1 << 20)
+    c, d = Buffers.sized(1 << 20), Buffers.sized(1 << 20)
+    assert not np.shares_memory(c.window, d.window)
+    assert sum(x.nbytes for x in (c.window, c.spare, c.src)) + c.staging.numel() <= 1 << 20
