@@ -246,8 +246,17 @@ def test_hostile_safetensors_file(tmp_path, saved_run, manager, case):
 def _reseal(step: Path, mutate: Callable[[dict], None]) -> None:
     doc = json.loads((step / native.MANIFEST).read_bytes())
     doc.pop("checksum")
+    for fqn, tensor in doc["tensors"].items():  # spell grid entries out, so cases can edit them
+        if "grid" in tensor:
+            tensor["chunks"] = list(native.grid_chunks(fqn, tensor["shape"], tensor.pop("grid")))
     mutate(doc)
     native.write_manifest(step, doc)
+
+
+def _grid(doc: dict, world) -> None:
+    tensor = doc["tensors"]["model.0.weight"]
+    tensor.pop("chunks")
+    tensor["grid"] = world
 
 
 def _rename_file(doc: dict, old: str, new: str) -> None:
@@ -337,6 +346,12 @@ ABSURD = {
     "dtype that does not exist": lambda doc: doc["tensors"]["model.0.weight"].update(dtype="F33"),
     "tensors section is a list": lambda doc: doc.update(tensors=[1, 2]),
     "chunk with no file": lambda doc: doc["tensors"]["model.0.weight"]["chunks"][0].pop("file"),
+    "grid over 2**40 ranks": lambda doc: _grid(doc, 2**40),
+    "grid that is not a number": lambda doc: _grid(doc, "2"),
+    "grid with a 2**40-row shape": lambda doc: (
+        _grid(doc, 2),
+        doc["tensors"]["model.0.weight"].update(shape=[2**40, 24]),
+    ),
 }
 
 

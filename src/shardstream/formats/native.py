@@ -11,6 +11,7 @@ import dataclasses
 import json
 import os
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,13 @@ from ..errors import (
     ChecksumMismatchError,
     UnsafeCheckpointError,
 )
-from ..plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
+from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent, dense_block, plan_copy
 from .safetensors import build_header, read_header, stored_checksums, tensors_in_range
 from .writer import OutputTensor, write_safetensors
 
 FORMAT = "shardstream"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
 MAX_MANIFEST_BYTES = 1 << 30
 SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
@@ -260,12 +262,38 @@ def tensor_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> tup
                 }
             )
             files[info["file"]] = {"size": info["file_size"], "header_xxh3": info["header"]}
-        tensors[fqn] = {
-            "dtype": code_of(md.properties.dtype),
-            "shape": list(md.size),
-            "chunks": chunks,
-        }
+        entry = {"dtype": code_of(md.properties.dtype), "shape": list(md.size)}
+        if _is_grid(fqn, entry["shape"], chunks, len(results)):
+            entry["grid"] = len(results)
+        else:
+            entry["chunks"] = chunks
+        tensors[fqn] = entry
     return tensors, files
+
+
+def grid_chunks(fqn: str, shape: list[int], world: int) -> Iterator[dict]:
+    """The chunks of a grid entry: FSDP2's ``Shard(0)`` split of ``shape`` over ``world`` ranks
+    (``torch.chunk``), rank r's rows in ``rank_file(r)`` under key ``fqn@offsets``. Ranks past
+    the last row hold nothing and are left out."""
+    for r in range(world):
+        start, rows = chunk_extent(shape[0], world, r)
+        if rows == 0:
+            return
+        offsets = [start] + [0] * (len(shape) - 1)
+        yield {
+            "offsets": offsets,
+            "sizes": [rows, *shape[1:]],
+            "file": rank_file(r),
+            "key": f"{fqn}@{','.join(map(str, offsets))}",
+        }
+
+
+def _is_grid(fqn: str, shape: list[int], chunks: list[dict], world: int) -> bool:
+    """Whether the non-empty chunks are exactly ``grid_chunks`` (then the list is implied)."""
+    if not shape or 0 in shape or world < 1:
+        return False
+    nonempty = [c for c in chunks if all(c["sizes"])]
+    return sorted(nonempty, key=lambda c: c["offsets"]) == list(grid_chunks(fqn, shape, world))
 
 
 def canonical(doc: dict) -> bytes:
@@ -300,10 +328,10 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     # values ("1e-08" -> "1E-08", "\u00e9" -> "\u00E9") is an alteration all the same.
     if stored != digest(canonical(doc)) or canonical({**doc, "checksum": stored}) != raw:
         raise ChecksumMismatchError(f"{path}: manifest checksum mismatch (the file was altered)")
-    if doc.get("format") != FORMAT or doc.get("version") != FORMAT_VERSION:
+    if doc.get("format") != FORMAT or doc.get("version") not in READABLE_VERSIONS:
         raise CheckpointFormatError(
             f"{path}: format {doc.get('format')!r} version {doc.get('version')!r}; expected "
-            f"{FORMAT!r} version {FORMAT_VERSION}"
+            f"{FORMAT!r} version {' or '.join(map(str, READABLE_VERSIONS))}"
         )
     for section in ("tensors", "files", "objects"):
         if not isinstance(doc.get(section, {}), dict):
@@ -439,11 +467,18 @@ def _global_tensor(
     try:
         dtype = info["dtype"]
         shape = tuple(int(d) for d in info["shape"])
-        chunks = info["chunks"]
         if dtype not in TORCH_BY_CODE or any(d < 0 for d in shape):
             raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
-        if not isinstance(chunks, list):
-            raise TypeError(f"chunks is a {type(chunks).__name__}, not a list")
+        if "grid" in info:
+            world = info["grid"]
+            # A grid names one file per rank; more ranks than files is damage, not a layout.
+            if type(world) is not int or not 1 <= world <= len(headers) or not shape:
+                raise ValueError(f"grid {world!r} for shape {list(shape)}")
+            chunks = grid_chunks(fqn, list(shape), world)
+        else:
+            chunks = info["chunks"]
+            if not isinstance(chunks, list):
+                raise TypeError(f"chunks is a {type(chunks).__name__}, not a list")
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointFormatError(f"{where}: malformed entry ({exc})") from None
     blocks = []
