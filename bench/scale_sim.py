@@ -9,9 +9,11 @@ calling the real code on synthetic inputs:
   from ``chunk_extent``, replicated ``step`` scalars), its rank-file header
   (``build_header``/``checksum_metadata``) and copy runs (``plan_file_runs``).
 - **save, rank 0**: unpickling N gathered ``SavePlan``s, DCP's global plan
-  (``dedup_save_plans``, ``create_default_global_save_plan``, the planner-data merge), DCP's
-  ``_validate_global_plan``, ``StreamingWriter.prepare_global_plan``, unpickling N lists of
-  ``WriteResult``s, shardstream's ``tensor_manifest`` and the manifest's canonical JSON + digest.
+  (``dedup_save_plans``, ``create_default_global_save_plan``, the planner-data merge),
+  ``LinearCheckSavePlanner``'s tiling check (DCP's quadratic ``_validate_global_plan``, which
+  it replaces, is timed as a reference), ``StreamingWriter.prepare_global_plan``, unpickling N
+  lists of ``WriteResult``s, shardstream's ``tensor_manifest`` and the manifest's canonical
+  JSON + digest.
 - **load, every rank** (resharding N -> N/8, e.g. 8,192 -> 1,024, one destination rank):
   ``read_manifest`` (the real file), N rank-file headers (``parse_header``), every tensor's
   blocks (``native._global_tensor``), ``StreamingReader.read_metadata``, DCP's
@@ -45,7 +47,6 @@ import sys
 import tempfile
 import time
 import tracemalloc
-from bisect import bisect_right, insort
 from collections import ChainMap
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +56,6 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import (
-    _check_box_overlap,
     _validate_global_plan,
     create_default_global_save_plan,
 )
@@ -291,27 +291,6 @@ def global_save_plan(all_plans: list[SavePlan], writer: native.StreamingWriter):
     return writer.prepare_global_plan(global_plan), metadata
 
 
-def validate_fixed(size: torch.Size, chunks: list[ChunkStorageMetadata]) -> int:
-    """DCP's overlap sweep with the sweep dimension chosen by the number of distinct chunk
-    offsets instead of the tensor's largest extent (the proposed fix); returns overlaps."""
-    dims = len(size)
-    sweep = max(range(dims), key=lambda d: len({c.offsets[d] for c in chunks}), default=0)
-    order = sorted(range(len(chunks)), key=lambda i: tuple(chunks[i].offsets))
-    order.sort(key=lambda i: chunks[i].offsets[sweep])
-    active: list[tuple[int, int]] = []
-    overlaps = 0
-    for idx in order:
-        cur = chunks[idx]
-        start = cur.offsets[sweep]
-        cutoff = bisect_right(active, (start, sys.maxsize))
-        if cutoff:
-            del active[:cutoff]
-        for _, other in active:
-            overlaps += _check_box_overlap(cur, chunks[other])
-        insort(active, (start + cur.sizes[sweep], idx))
-    return overlaps
-
-
 def manifest_skeleton(world: int, params: list[tuple[str, tuple[int, ...]]], mean_file: int):
     """Every manifest key but ``tensors``: files (3 per rank) and objects, as ``execute_save``."""
     files = {}
@@ -354,30 +333,15 @@ def seal(doc: dict) -> bytes:
     return native.canonical({**body, "checksum": digest(native.canonical(body))})
 
 
-def compact_tensors(section: dict, world: int) -> dict:
-    """A proposed manifest encoding: a tensor whose non-empty chunks are exactly FSDP2's
-    ``Shard(0)`` grid over the ranks (rank r's file, key ``fqn@offsets``) is stored as
-    ``{"grid": W}``; empty chunks (DCP keeps one of them) carry no bytes and are dropped."""
+def list_tensors(section: dict) -> dict:
+    """The ``tensors`` section in format version 1's encoding: every grid entry spelled out as
+    its chunk list (what the manifest held before grid entries)."""
     out = {}
     for fqn, info in section.items():
-        shape = info["shape"]
-        chunks = [c for c in info["chunks"] if all(c["sizes"])]
-        regular = bool(shape) and len(chunks) == -(-shape[0] // -(-shape[0] // world))
-        for r, c in enumerate(chunks if regular else ()):
-            start, rows = chunk_extent(shape[0], world, r)
-            offsets = [start] + [0] * (len(shape) - 1)
-            if (
-                c["offsets"] != offsets
-                or c["sizes"] != [rows, *shape[1:]]
-                or c["file"] != native.rank_file(r)
-                or c["key"] != f"{fqn}@{','.join(map(str, offsets))}"
-            ):
-                regular = False
-                break
-        if regular:
-            out[fqn] = {"dtype": info["dtype"], "shape": shape, "grid": world}
-        else:
-            out[fqn] = info
+        if "grid" in info:
+            chunks = list(native.grid_chunks(fqn, info["shape"], info["grid"]))
+            info = {"dtype": info["dtype"], "shape": info["shape"], "chunks": chunks}
+        out[fqn] = info
     return out
 
 
@@ -470,7 +434,7 @@ def timed(fn: Callable[[], Any], repeat_below: float = 0.05) -> tuple[Any, float
 class Stage:
     name: str
     scope: str  # who pays: "rank 0", "every rank", "one process"
-    owner: str  # "shardstream", "torch DCP", "proposal" (not in the real code)
+    owner: str  # "shardstream", "torch DCP", "reference" (what shardstream no longer runs)
     what: str
 
 
@@ -478,7 +442,7 @@ STAGES = [
     Stage("save.rank_plan", "every rank", "shardstream", "own write items, header, copy runs"),
     Stage("save.gather_plans", "rank 0", "torch DCP", "unpickle N SavePlans"),
     Stage("save.global_plan", "rank 0", "torch DCP", "dedup + global plan + planner data"),
-    Stage("save.validate", "rank 0", "torch DCP", "_validate_global_plan"),
+    Stage("save.validate", "rank 0", "shardstream", "LinearCheckSavePlanner tiling check"),
     Stage("save.gather_results", "rank 0", "torch DCP", "unpickle N lists of WriteResults"),
     Stage("save.manifest_build", "rank 0", "shardstream", "tensor_manifest"),
     Stage("save.manifest_serialize", "rank 0", "shardstream", "canonical JSON x2 + digest"),
@@ -492,8 +456,7 @@ STAGES = [
     Stage("merge.split_files", "one process", "shardstream", "choose_outputs + plan_hf_files"),
     Stage("merge.plan_runs", "one process", "shardstream", "plan_file_runs, all model tensors"),
     Stage("export.rank_plan", "every rank", "shardstream", "hf_model layout + own runs"),
-    Stage("proposal.validate_fixed", "rank 0", "proposal", "DCP sweep on the sharded dim"),
-    Stage("proposal.tile_check_sorted", "every rank", "proposal", "sorted tiling check"),
+    Stage("reference.dcp_validate", "rank 0", "reference", "DCP _validate_global_plan (not run)"),
 ]
 STAGE = {s.name: s for s in STAGES}
 TOTALS = {
@@ -533,7 +496,7 @@ class Point:
     dest_ranks: int
     chunks: int = 0
     manifest_bytes: int = 0
-    compact_manifest_bytes: int = 0
+    v1_manifest_bytes: int = 0
     tensors_section_bytes: int = 0
     rank_header_bytes: int = 0
     gathered_plan_bytes: int = 0
@@ -578,7 +541,7 @@ class Probe:
 def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: Probe):
     """Save on rank 0, load on one rank and merge-plan this group's tensors at N ranks; adds
     the weighted times and counts to ``point``; returns the group's share of the manifest's
-    ``tensors`` object (bytes inside the braces) in the real and the compact encoding."""
+    ``tensors`` object (bytes inside the braces) in the real and the version-1 encoding."""
     world, dest, w = point.ranks, point.dest_ranks, group.weight
     entries = group.entries
     gdir = scratch / f"n{world}-{group.params[0][0]}"
@@ -614,8 +577,10 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     sealed, t = timed(lambda d=doc: seal(d), 0)
     point.add("save.manifest_serialize", t * w)
     body = native.canonical(section)[1:-1]
-    compact = native.canonical(compact_tensors(section, world))[1:-1]
-    point.chunks += w * sum(len(v["chunks"]) for v in section.values())
+    listed = list_tensors(section)
+    compact = native.canonical(listed)[1:-1]  # version 1: chunk lists
+    point.chunks += w * sum(len(v["chunks"]) for v in listed.values())
+    del listed
     (gdir / native.MANIFEST).write_bytes(sealed)
     del sealed, doc, section
     headers = header_stand_ins(gdir, global_plan)
@@ -642,8 +607,6 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
         blocks = [(f, t_.shape, t_.blocks) for f, t_ in tensors.items()]
         _, t = timed(lambda: [check_blocks_tile(*b) for b in blocks])
         point.add("load.tile_check", t * share)
-        _, t = timed(lambda: [check_blocks_tile(*b) for b in blocks])  # the fix, now real
-        point.add("proposal.tile_check_sorted", t * share)
     reader = native.StreamingReader(tensors)
     md, t = timed(reader.read_metadata, 0)
     point.add("load.read_metadata", t * w)
@@ -728,7 +691,7 @@ def simulate(
     skeleton = manifest_skeleton(world, params, mean_file)
     skeleton_bytes = seal(skeleton)
     tensors_bytes = 0
-    compact_bytes = 0
+    v1_bytes = 0
     skel_dir = scratch / f"skeleton-{world}"
     skel_dir.mkdir(parents=True, exist_ok=True)
     (skel_dir / native.MANIFEST).write_bytes(skeleton_bytes)
@@ -797,21 +760,27 @@ def simulate(
         }
         if projected:
             point.projected.append(key)
+        point.add("reference.dcp_validate", t * count)
+        # What shardstream runs instead (native.LinearCheckSavePlanner): blocks + tiling check.
+        _, t = timed(
+            lambda chunks=chunks, shape=shape: check_blocks_tile(
+                "x",
+                tuple(shape),
+                [dense_block("x", 0, "U8", tuple(c.sizes), tuple(c.offsets)) for c in chunks],
+            )
+        )
         point.add("save.validate", t * count)
-        overlaps, t = timed(lambda chunks=chunks, shape=shape: validate_fixed(shape, chunks))
-        assert overlaps == 0
-        point.add("proposal.validate_fixed", t * count)
 
     # the per-chunk pipeline, once per group
     point.tile_share = len(all_entries) / len(groups(layout, full)[0].entries)
     for group in groups(layout, full):
         body, compact = run_group(point, group, mean_file, scratch, probe)
         tensors_bytes += weighted_bytes(group, body) + group.weight  # + a comma each
-        compact_bytes += weighted_bytes(group, compact) + group.weight
+        v1_bytes += weighted_bytes(group, compact) + group.weight
 
     point.tensors_section_bytes = tensors_bytes - 1 + 2
     point.manifest_bytes = len(skeleton_bytes) + tensors_bytes - 1
-    point.compact_manifest_bytes = len(skeleton_bytes) + compact_bytes - 1
+    point.v1_manifest_bytes = len(skeleton_bytes) + v1_bytes - 1
     shutil.rmtree(skel_dir)
     if memory:
         point.memory.update(probe.marks)
@@ -892,7 +861,7 @@ def verdicts(points: list[Point], fit_min: int, tolerance: float, floor: float) 
 
 
 def _projected(p: Point) -> set[str]:
-    return {"save.validate"} if p.projected else set()
+    return {"reference.dcp_validate"} if p.projected else set()
 
 
 # --- reporting ------------------------------------------------------------------------------
@@ -938,7 +907,7 @@ def memory_estimates(mem: Point | None, points: list[Point]) -> None:
 
 def table(points: list[Point]) -> str:
     rows = [
-        "| ranks | chunks | manifest | per chunk | compact | save: rank 0 | save: other ranks "
+        "| ranks | chunks | manifest | per chunk | v1 manifest | save: rank 0 | save: other ranks "
         "| load: per rank (N -> N/8) | merge planning | rank-0 heap (save) "
         "| heap per rank (load) |",
         "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
@@ -948,7 +917,7 @@ def table(points: list[Point]) -> str:
         star = "~" if p.projected else ""
         rows.append(
             f"| {p.ranks:,} | {p.chunks:,} | {fmt_b(p.manifest_bytes)} "
-            f"| {p.manifest_bytes / p.chunks:.0f} B | {fmt_b(p.compact_manifest_bytes)} "
+            f"| {p.manifest_bytes / p.chunks:.0f} B | {fmt_b(p.v1_manifest_bytes)} "
             f"| {star}{fmt_s(t['save, rank 0'])} | {fmt_s(t['save, other ranks'])} "
             f"| {fmt_s(t['load, every rank'])} | {fmt_s(t['merge, planning'])} "
             f"| {fmt_b(p.memory.get('rank0_save_heap', 0))} "
@@ -965,7 +934,9 @@ def stage_table(points: list[Point], found: list[dict]) -> str:
         cells = []
         for p in points:
             v = p.times.get(s.name, 0.0)
-            cells.append(("~" if s.name == "save.validate" and p.projected else "") + fmt_s(v))
+            cells.append(
+                ("~" if s.name == "reference.dcp_validate" and p.projected else "") + fmt_s(v)
+            )
         v = exps[s.name]
         exp = "" if v.get("exponent") is None else f"{v['exponent']:.2f}"
         rows.append(
@@ -1123,7 +1094,7 @@ def run(args: argparse.Namespace) -> int:
             continue
         exp = "n/a" if v.get("exponent") is None else f"{v['exponent']:.2f}"
         print(f"  {v['name']:<32} exponent {exp:>5}  {v['status']}")
-        gate = v["owner"] != "proposal" and (args.gate == "all" or v["owner"] == "shardstream")
+        gate = v["owner"] != "reference" and (args.gate == "all" or v["owner"] == "shardstream")
         if v["status"] == "SUPER-LINEAR" and gate:
             failed.append(v["name"])
     for p in points:
