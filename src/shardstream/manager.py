@@ -7,6 +7,9 @@ Directory layout (see docs/format.md)::
       global_step_{N}/                    one committed checkpoint (manifest.json inside)
       global_step_{N}.tmp-*/              a save in progress, or debris of a crashed one
       .shardstream.lock                   held by the saving process (flock)
+
+The lock is taken by the first save (or ``acquire_lock()``) and held until ``close()``; a manager
+that only restores never takes it, so an evaluation job can restore while training saves.
 """
 
 from __future__ import annotations
@@ -18,6 +21,8 @@ import os
 import re
 import shutil
 import socket
+import time
+import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -37,6 +42,10 @@ log = logging.getLogger(__name__)
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 LOCK_FILE = ".shardstream.lock"
+# A manager start that finds the lock free takes it for a moment (a directory listing and a few
+# renames) to clear a dead run's debris; a saver that meets it waits this long before calling
+# the directory taken.
+LOCK_GRACE_S = 1.0
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
 
 # verl's checkpoint keys that mean nothing here; accepted so a verl config loads unchanged.
@@ -154,27 +163,54 @@ class _Lock:
     path: Path
     fd: int = field(default=-1)
 
-    def acquire(self) -> None:
+    def acquire(self, grace_s: float = LOCK_GRACE_S) -> None:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-            os.close(fd)
-            raise CheckpointLockedError(
-                f"{self.path.parent}: another live process is saving here ({owner}); use a "
-                "different directory or stop the other run"
-            ) from None
+        deadline = time.monotonic() + grace_s
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                # Held by a saver, or for a moment by a manager start cleaning up (see
+                # try_cleanup); only a holder still there after the grace period is a saver.
+                if time.monotonic() < deadline:
+                    time.sleep(0.02)
+                    continue
+                owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                os.close(fd)
+                raise CheckpointLockedError(
+                    f"{self.path.parent}: another live process is saving here ({owner}); use a "
+                    "different directory or stop the other run (restoring needs no lock)"
+                ) from None
         # A lock left by a dead process is released by the kernel, so reaching here means free.
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
         self.fd = fd
 
+    def try_cleanup(self, cleanup) -> bool:
+        """Run ``cleanup()`` under the lock if it is free right now, then release it; False if
+        a live process holds it, or the directory cannot take a lock (read-only, forbidden)."""
+        try:
+            fd = os.open(self.path, os.O_RDWR)
+        except OSError:
+            return False  # no lock file (nothing ever saved here) or not writable
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            return False
+        try:
+            cleanup()
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            os.close(fd)
+        return True
+
     def release(self) -> None:
         if self.fd >= 0:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
-            self.fd = -1
+        self.fd = -1
 
 
 def committed_steps(directory: str | os.PathLike) -> list[int]:
@@ -227,18 +263,18 @@ class CheckpointManager:
         self.root = Path(config.directory).absolute()
         self._lock = _Lock(self.root / LOCK_FILE)
         self._closed = False
+        self._writer = False
         self._async = None
-        error = None
-        if coll.rank() == 0:
+        if coll.rank() == 0 and self.root.is_dir():
+            # Debris of a dead run goes now if no one saves here; a live saver's stays. Nothing
+            # is held afterwards: the lock is taken by the first save (acquire_lock).
+            doomed: list[Path] = []
             try:
-                self.root.mkdir(parents=True, exist_ok=True)
-                self._lock.acquire()
-                self._remove_debris()
-            except (OSError, ShardstreamError) as exc:
-                error = (
-                    exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
-                )
-        coll.agree_or_raise(error)
+                self._lock.try_cleanup(lambda: doomed.extend(self._take_debris()))
+            except OSError as exc:
+                log.info("shardstream: left incomplete checkpoints in %s: %s", self.root, exc)
+            for path in doomed:  # outside the lock: they are ours alone after the rename
+                shutil.rmtree(path, ignore_errors=True)
         if config.stagger_host_transfers:
             from .copy import configure_host_transfers
 
@@ -270,6 +306,30 @@ class CheckpointManager:
 
     # --- saving -------------------------------------------------------------------------------
 
+    def acquire_lock(self) -> None:
+        """Take the directory's lock now (a collective call), as the first save would: raises
+        ``CheckpointLockedError`` if another live process saves here. Held until ``close()``.
+
+        Only writers need it; call it at start-up to fail before training rather than at the
+        first save. Removes what crashed saves left behind.
+        """
+        self._guard()
+        if self._writer:
+            return
+        error = None
+        if coll.rank() == 0:
+            try:
+                self.root.mkdir(parents=True, exist_ok=True)
+                self._lock.acquire()
+                self._remove_debris()
+            except (OSError, ShardstreamError) as exc:
+                self._lock.release()
+                error = (
+                    exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
+                )
+        coll.agree_or_raise(error)
+        self._writer = True  # on every rank: rank 0 holds the lock for all of them
+
     def maybe_save(
         self, step: int, extra: Mapping[str, Any] | None = None, final: bool = False
     ) -> bool:
@@ -290,6 +350,7 @@ class CheckpointManager:
         self._guard()
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
+        self.acquire_lock()
         if self._async is not None:
             return self._async.submit(step, extra)
         return self._save(step, extra)
@@ -354,13 +415,25 @@ class CheckpointManager:
 
     def _remove_debris(self) -> None:
         """Remove temporary directories left by crashed saves (this process holds the lock)."""
+        for path in self._take_debris():
+            shutil.rmtree(path, ignore_errors=True)
+
+    def _take_debris(self) -> list[Path]:
+        """Rename what crashed saves left to unique names and return them; the caller holds the
+        lock (so no save is in progress) and deletes them, with or without it."""
+        taken = []
         for entry in self.root.iterdir():
             if TMP_MARK in entry.name and entry.name.startswith("global_step_"):
-                shutil.rmtree(entry, ignore_errors=True)
+                grave = entry.with_name(f"{entry.name}-{uuid.uuid4().hex[:8]}")
+                try:
+                    os.rename(entry, grave)
+                except FileNotFoundError:
+                    continue  # another manager start took it
+                taken.append(grave)
                 log.info("shardstream: removed incomplete checkpoint %s", entry)
-        for entry in self.root.iterdir():
-            if entry.name.startswith(LATEST_FILE) and TMP_MARK in entry.name:
+            elif entry.name.startswith(LATEST_FILE) and TMP_MARK in entry.name:
                 entry.unlink(missing_ok=True)
+        return taken
 
     # --- restoring ----------------------------------------------------------------------------
 

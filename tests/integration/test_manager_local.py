@@ -174,10 +174,20 @@ def test_directory_without_manifest_is_not_a_step(tmp_path):
 
 def test_second_manager_on_the_same_directory_is_refused(tmp_path):
     model, optimizer, _ = tiny()
-    with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model):
+    config = CheckpointConfig(str(tmp_path))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as first:
+        first.save(1)
+        model2, optimizer2, _ = tiny()
+        second = CheckpointManager(config, model=model2, optimizer=optimizer2)
+        assert second.restore()[0] == 1  # reading needs no lock
         with pytest.raises(CheckpointLockedError, match="another live process"):
-            CheckpointManager(CheckpointConfig(str(tmp_path)), model=model)
-    CheckpointManager(CheckpointConfig(str(tmp_path)), model=model).close()
+            second.save(2)
+        with pytest.raises(CheckpointLockedError, match="another live process"):
+            second.acquire_lock()
+        second.close()
+        first.save(2)  # still the holder
+    with CheckpointManager(config, model=model, optimizer=optimizer) as third:
+        third.save(3)  # released by close()
 
 
 # --- contents ------------------------------------------------------------------------------------

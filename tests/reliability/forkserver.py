@@ -189,6 +189,7 @@ def job_hold(spec: dict, rank: int) -> int:
     from shardstream.manager import CheckpointConfig, CheckpointManager
 
     manager = CheckpointManager(CheckpointConfig(directory=spec["root"]))
+    manager.acquire_lock()  # what a saving run holds from its first save on
     Path(spec["ready"]).write_text(str(os.getpid()))
     while True:
         time.sleep(3600)

@@ -97,7 +97,11 @@ def unprivileged_denied(spec: dict, rank: int) -> int:
     optimizer = build_optimizer(model)
     results = {
         "uid": os.getuid(),
-        "manager": _outcome(lambda: CheckpointManager(CheckpointConfig(str(denied / "run")))),
+        "manager": _outcome(
+            lambda: CheckpointManager(
+                CheckpointConfig(str(denied / "run")), model=model, optimizer=optimizer
+            ).save(1)
+        ),
         "save": _outcome(
             lambda: ck.save(denied / "step", model=model, optimizer=optimizer, step=1) and None
         ),

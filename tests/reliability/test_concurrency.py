@@ -1,8 +1,11 @@
 """Two writers, and readers during writes.
 
 - A second ``CheckpointManager`` on a directory another live process saves to gets
-  ``CheckpointLockedError``; once that process is killed (-9), its lock no longer blocks.
-- Two training runs started on one directory at the same moment: exactly one saves.
+  ``CheckpointLockedError`` when it tries to save (the lock is taken by the first save, or
+  ``acquire_lock()``); once that process is killed (-9), its lock no longer blocks.
+- Two training runs started on one directory at the same moment: exactly one saves, the other
+  gets ``CheckpointLockedError`` at its first save.
+- A manager that only restores needs no lock: it works while another process saves.
 - ``restore``, ``verify`` and ``merge`` running in a loop while a run saves every step see
   committed checkpoints only: whatever they read equals that step's state, and the only failure
   allowed is a step that retention deleted while it was being read (a clean error, and the
@@ -47,18 +50,26 @@ def test_second_manager_is_refused_and_a_dead_holders_lock_is_not(forkserver, tm
         ready = tmp_path / f"ready-{round_}"
         pids = forkserver.spawn("hold", {"root": str(root), "ready": str(ready)})
         wait_for(ready, forkserver, pids)
+        in_progress = root / f"global_step_{round_ + 1}.tmp-0123abcd"  # as if the holder saved
+        in_progress.mkdir()
+        second = CheckpointManager(CheckpointConfig(directory=str(root)))  # no lock yet
+        assert in_progress.is_dir(), "a manager start removed a live saver's directory"
         with pytest.raises(CheckpointLockedError) as caught:
-            CheckpointManager(CheckpointConfig(directory=str(root)))
+            second.acquire_lock()
         assert str(pids[0]) in str(caught.value), str(caught.value)
+        with pytest.raises(CheckpointLockedError):
+            second.save(round_ + 1)
+        second.close()
         refused += 1
         kill(pids)
         forkserver.wait(pids, 30)
         assert (root / LOCK_FILE).exists()  # the dead holder's lock file is still there
-        with CheckpointManager(CheckpointConfig(directory=str(root))):
-            pass  # ...and does not block
+        with CheckpointManager(CheckpointConfig(directory=str(root))) as third:
+            assert not in_progress.exists(), "the dead holder's partial save was left behind"
+            third.acquire_lock()  # ...and does not block
     (root / LOCK_FILE).write_text('{"pid": 999999, "host": "elsewhere"}')  # stale, unlocked
-    with CheckpointManager(CheckpointConfig(directory=str(root))):
-        pass
+    with CheckpointManager(CheckpointConfig(directory=str(root))) as fourth:
+        fourth.acquire_lock()
     record(
         "concurrency: second manager refused, stale lock of a killed holder ignored",
         trials=refused,
@@ -89,10 +100,10 @@ def test_two_runs_start_on_one_directory(forkserver, tmp_path):
             while time.monotonic() < deadline:
                 alive = [p for p in pids if p not in exited]
                 exited.update(forkserver.wait(alive, 0.05)[0] if alive else {})
-                ready = [(side / s["run"] / "ready").exists() for s in specs]
-                if exited and any(ready):
+                saved = [(side / s["run"] / "saved").exists() for s in specs]
+                if exited and any(saved):
                     break
-            assert len(exited) == 1 and sum(ready) == 1, (exited, ready, forkserver.logs(pids))
+            assert len(exited) == 1 and sum(saved) == 1, (exited, saved, forkserver.logs(pids))
             loser = next(iter(exited))
             assert exited[loser] == 1
             assert "CheckpointLockedError" in forkserver.logs([loser])
@@ -141,14 +152,18 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
         wait_for(side / "writer" / "ready", forkserver, pids)
         while read_latest(root) is None:
             time.sleep(0.01)
-        with pytest.raises(CheckpointLockedError):
-            CheckpointManager(CheckpointConfig(directory=str(root)))
-        stats["CheckpointManager refused to a reader while the run saves"] += 1
         model = build_model(0, HIDDEN, DEPTH)
         optimizer = build_optimizer(model)
+        # An evaluation job's manager: it restores while the run saves, but may not save.
+        reader = CheckpointManager(
+            CheckpointConfig(directory=str(root), keep_last=2), model=model, optimizer=optimizer
+        )
+        with pytest.raises(CheckpointLockedError):
+            reader.save(10**6)
+        stats["CheckpointManager.save refused to a second manager while the run saves"] += 1
         end = time.monotonic() + duration
         while time.monotonic() < end:
-            op = rng.choice(("restore", "verify", "merge"))
+            op = rng.choice(("restore", "manager restore", "verify", "merge"))
             step = read_latest(root)
             step_dir = root / f"global_step_{step}"
             try:
@@ -157,6 +172,12 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
                     expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
                     diffs = state_differences(full_state(model, optimizer), expected)
                     assert not diffs, f"restore of step {step} during saves: {diffs[:5]}"
+                elif op == "manager restore":
+                    got, extra = reader.restore(step=step)
+                    assert got == step and extra.get("step") == step, (got, extra)
+                    expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
+                    diffs = state_differences(full_state(model, optimizer), expected)
+                    assert not diffs, f"manager restore of step {step} during saves: {diffs[:5]}"
                 elif op == "merge":
                     out = tmp_path / "merged"
                     shutil.rmtree(out, ignore_errors=True)
@@ -184,6 +205,7 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
                         f"{op} of step {step} failed while it exists: {exc}"
                     ) from exc
                 stats[f"{op}: raced with retention (step gone, clean error)"] += 1
+        reader.close()
         exited, _ = forkserver.wait(pids, 0)
         assert not exited, f"the writer died: {forkserver.logs(pids)}"
     finally:

@@ -44,9 +44,17 @@ def test_read_only_filesystem(saved_run, tmp_path, capsys):
         before = snapshot(disk)
         errors = {}
 
+        # A manager restores from the read-only root (it takes no lock for that); saving fails.
+        reader_model = build_model(seed=5)
+        reader = CheckpointManager(
+            config, model=reader_model, optimizer=build_optimizer(reader_model)
+        )
+        assert reader.restore()[0] == 2
+        assert reader.latest_step() == 2
         with pytest.raises(ShardstreamError) as caught:
-            CheckpointManager(config, model=model, optimizer=optimizer)
-        errors["CheckpointManager on the read-only root"] = str(caught.value)
+            reader.save(3)
+        reader.close()
+        errors["CheckpointManager.save on the read-only root"] = str(caught.value)
         assert "Read-only file system" in str(caught.value)
 
         with pytest.raises(ShardstreamError) as caught:
