@@ -294,7 +294,7 @@ def render(results: dict) -> str:
             extra = []
             for field in ("seed", "seconds", "saves", "checkpoint_bytes", "output_bytes",
                           "clean_merge_s", "detected_by_verify", "detected_by_restore",
-                          "undetectable_chunk_bytes_digit", "python_alloc_peak"):  # fmt: skip
+                          "python_alloc_peak"):  # fmt: skip
                 if field in shown:
                     extra.append(f"{field.replace('_', ' ')} {_fmt(shown[field])}")
             lines.append(
@@ -355,7 +355,8 @@ INTRO = {
     "one. Ranks are forked from a warm interpreter so a trial costs about a second. "
     "`shardstream merge` is killed the same way (forked, and once as a real exec'd process): "
     "the target is absent or complete and identical to a clean merge, never partial, and the "
-    "same command run again succeeds.",
+    "same command run again succeeds and removes the killed run's `TARGET.tmp-*` directory (its "
+    "owner process is dead), leaving nothing beside the target.",
     "disk": "A small tmpfs (or a loop-mounted image), filled by a ballast file to leave a chosen "
     "number of bytes, swept from 0 to more than a checkpoint needs so the space runs out at each "
     "stage in turn. A save fails with `OutOfSpaceError`, `latest` still names the previous "
@@ -375,7 +376,8 @@ INTRO = {
     "so for those files the trial also runs rank 1's part of a 2-rank restore (and one trial "
     "runs a real 2-rank restore). Merged HF files are checked with verify alone. Then: "
     "truncated files, a deleted rank file, swapped rank files, a step directory copied under "
-    "another step's name.",
+    "another step's name. And every one of the 255 changes of every byte of "
+    "`shardstream.chunk_bytes` in a one-chunk merged file (no digest covers that value).",
     "hostile": "Files built to attack the reader, through the entry points users run: pickles "
     "whose `__reduce__` would run code (model, optimizer and extra-state files of a verl "
     "directory, and stray `.pt` files beside it) — refused, and the marker file they would "
@@ -387,31 +389,26 @@ INTRO = {
     "the `huggingface/` directory), absurd sizes and counts — refused with a clear error.",
     "fuzz": "Hypothesis drives mutations of real files into every reader of untrusted bytes: "
     "the manifest (byte edits, which must all be rejected, and structural edits re-sealed with "
-    "a valid checksum), safetensors headers, verl `.pt` files and DCP metadata and data files. "
-    "The only acceptable outcomes are success or a `ShardstreamError`, within 20 s per example.",
+    "a valid checksum), safetensors headers, verl `.pt` files and DCP metadata and data files "
+    "(byte edits, and the argument of a real pickle opcode overwritten with an extreme length, "
+    "frame size or memo index). The only acceptable outcomes are success or a "
+    "`ShardstreamError`, within 20 s per example and 256 MiB of Python allocations; each giant "
+    "declared length of a DCP `.metadata` is also tried once deterministically.",
     "conc": "A second `CheckpointManager` on a directory a live process saves to gets "
-    "`CheckpointLockedError` (flock); once that process is killed -9 its lock no longer blocks. "
-    "Two runs started on one directory at once: exactly one saves. Readers (`restore`, "
-    "`verify`, `merge`) loop while a run saves every step with `keep_last=2`: whatever they "
+    "`CheckpointLockedError` (flock) when it tries to save, and its start leaves the live "
+    "run's in-progress directory alone; once that process is killed -9 its lock no longer "
+    "blocks. Two runs started on one directory at once: exactly one saves. Readers (`restore`, "
+    "a restore-only `CheckpointManager`, `verify`, `merge`) loop while a run saves every step "
+    "with `keep_last=2`: whatever they "
     "read equals that step's recorded state; the only failure allowed is a step that retention "
     "removed while it was read (a clean error, and the directory is then gone).",
 }
 
 KNOWN_GAPS = [
-    "- **Merged HF files carry no digest of their own header.** `verify` checks the tensor "
-    "table against its recorded digest, every data chunk, and that the header is exactly the "
-    "text shardstream writes, but a changed digit in `shardstream.chunk_bytes` of a file whose "
-    "data fits in one chunk under both values changes nothing verify relies on and is not "
-    "reported (counted as `undetectable chunk bytes digit` above). In a step directory the "
-    "manifest's header digest catches it.",
-    "- **A reader cannot use `CheckpointManager` while a run saves:** the constructor takes the "
-    "directory's lock, so an evaluation job gets `CheckpointLockedError`; it must call "
-    "`shardstream.load(path)` on a committed step instead. For the same reason a manager cannot "
-    "be opened on a read-only directory, even to restore.",
-    "- **A killed merge leaves its `TARGET.tmp-*` directory behind** (never a complete-looking "
-    "target); the next merge does not remove it.",
     "- Power loss is not simulated: kill -9 keeps the page cache, so these trials test the "
     "commit protocol's ordering, not fsync placement on a real crash.",
+    "- A staged merge directory left by a shardstream older than its owner files (no "
+    "`TARGET.tmp-*.owner` beside it) is not provably dead, so it is never removed automatically.",
 ]
 
 REPRODUCE = [
