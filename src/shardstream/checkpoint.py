@@ -343,12 +343,17 @@ class _Source:
     read_extra: Any  # rank -> {"user": ..., "rng": ...}
 
 
-def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: bool) -> _Source:
-    """A native checkpoint, or a verl one (model, optimizer and extra) under the same names."""
+def _open_source(
+    path: Path, verify: bool, model, optimizer, want_optimizer: bool, regions=None
+) -> _Source:
+    """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
+
+    ``regions`` (name -> the part of the tensor this rank restores) lets a native checkpoint
+    open only what this rank reads."""
     from .formats import verl
 
     if native.is_native_checkpoint(path):
-        ckpt = native.open_native(path)
+        ckpt = native.open_native(path, regions)
         manifest = ckpt.manifest
         named = re.match(r"^global_step_(\d+)$", path.name)
         in_root = (path.parent / "latest_checkpointed_iteration.txt").exists()  # a manager's
@@ -422,6 +427,45 @@ def _open_source(path: Path, verify: bool, model, optimizer, want_optimizer: boo
         int(match[1]) if match else 0,
         lambda rank: _verl_extra(verl.read_extra_state(path, world, rank)),
     )
+
+
+def _checked_targets(
+    path: Path, source: _Source, model_tensors: dict | None, optim_tensors: dict | None
+) -> dict[str, torch.Tensor]:
+    """The live tensors to fill (None: not restored), once the checkpoint is known to hold
+    them with their shapes."""
+    saved, available = source.saved, source.tensors
+    for what, tensors in (("model", model_tensors), ("optimizer", optim_tensors)):
+        if tensors is not None and what not in saved:
+            raise CheckpointFormatError(f"{path}: holds no {what} state (saved: {sorted(saved)})")
+    targets = {**(model_tensors or {}), **(optim_tensors or {})}
+    missing = [k for k in targets if k not in available]
+    if missing:
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has no tensor {missing[0]!r} ({len(missing)} missing); "
+            "was it saved from a different model?"
+        )
+    for name, tensor in targets.items():
+        if tuple(tensor.shape) != available[name].shape:
+            raise CheckpointFormatError(
+                f"{path}: tensor {name!r} has shape {list(available[name].shape)} in the "
+                f"checkpoint but {list(tensor.shape)} in the model"
+            )
+    return targets
+
+
+def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(global start, shape) of the part of ``tensor`` this rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(tensor, DTensor):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        shape, start = compute_local_shape_and_global_offset(
+            tensor.shape, tensor.device_mesh, tensor.placements
+        )
+        return tuple(start), tuple(shape)
+    return (0,) * tensor.dim(), tuple(tensor.shape)
 
 
 def _step_of(path: Path) -> int:
@@ -515,34 +559,26 @@ def load(
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
+    want_model = "model" in contents and model is not None
     want_optimizer = "optimizer" in contents and optimizer is not None
-    source = _open_source(path, verify, model, optimizer, want_optimizer)
-    available, endpoint, saved = source.tensors, source.endpoint, source.saved
-    targets: dict[str, torch.Tensor] = {}
-    optim_tensors: dict[str, torch.Tensor] = {}
-    if "model" in contents and model is not None:
-        if "model" not in saved:
-            raise CheckpointFormatError(f"{path}: holds no model state (saved: {sorted(saved)})")
-        targets.update(st.model_tensors(model))
-    if "optimizer" in contents and optimizer is not None:
-        if "optimizer" not in saved:
-            raise CheckpointFormatError(
-                f"{path}: holds no optimizer state (saved: {sorted(saved)})"
-            )
-        optim_tensors, _ = st.optimizer_state(model, optimizer)
-        targets.update(optim_tensors)
-    missing = [k for k in targets if k not in available]
-    if missing:
-        raise CheckpointFormatError(
-            f"{path}: checkpoint has no tensor {missing[0]!r} ({len(missing)} missing); "
-            "was it saved from a different model?"
+    model_tensors = st.model_tensors(model) if want_model else {}
+    optim_tensors = st.optimizer_state(model, optimizer)[0] if want_optimizer else {}
+    regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
+    # Ranks open only the files they read, so one may fail where others do not: fail together,
+    # before the collective load.
+    error: Exception | None = None
+    try:
+        source = _open_source(path, verify, model, optimizer, want_optimizer, regions)
+        targets = _checked_targets(
+            path,
+            source,
+            model_tensors if want_model else None,
+            optim_tensors if want_optimizer else None,
         )
-    for name, tensor in targets.items():
-        if tuple(tensor.shape) != available[name].shape:
-            raise CheckpointFormatError(
-                f"{path}: tensor {name!r} has shape {list(available[name].shape)} in the "
-                f"checkpoint but {list(tensor.shape)} in the model"
-            )
+    except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
+        error = exc
+    coll.agree_or_raise(error, "restore")
+    available, endpoint, saved = source.tensors, source.endpoint, source.saved
     reader = native.StreamingReader(
         {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)
     )

@@ -73,12 +73,12 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
-def agree_or_raise(error: BaseException | None) -> None:
+def agree_or_raise(error: BaseException | None, what: str = "save") -> None:
     """Make every rank fail together, so no rank waits forever on a collective."""
     errors = gather(None if error is None else f"rank {rank()}: {error}")
     failed = [e for e in errors if e]
     if failed and error is None:
-        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
+        raise ShardstreamError(f"{what} failed on another rank: {failed[0]}")
     if error is not None:
         raise error
 

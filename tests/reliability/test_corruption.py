@@ -372,3 +372,33 @@ def test_step_directory_duplicated_under_another_name(saved_run, tmp_path):
         violations=0,
         verify=lines,
     )
+
+
+def test_two_rank_restore_fails_on_every_rank_when_one_rank_file_is_damaged(
+    forkserver, saved_run, tmp_path
+):
+    """Each rank opens only the files it reads: the damaged header of a rank file no list
+    entry points into is seen by its own rank alone; the other rank must fail with it named
+    instead of entering the collective load alone."""
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    doc = json.loads((step / native.MANIFEST).read_bytes())
+    shared = {c["file"] for t in doc["tensors"].values() for c in t.get("chunks", [])}
+    owner = next(r for r in (0, 1) if native.rank_file(r) not in shared)
+    victim = step / native.rank_file(owner)
+    _flip(victim, read_header(victim).data_start // 2, 0x01)
+    out = tmp_path / "out"
+    out.mkdir()
+    spec = {
+        "world": 2,
+        "init": str(tmp_path / "gloo"),
+        "scratch": str(tmp_path / "scratch"),
+        "path": str(step),
+        "out": str(out),
+    }
+    assert forkserver.run("restore", spec, nprocs=2, timeout=120) == [0, 0], forkserver.logs()
+    mine = json.loads((out / f"rank-{owner}.json").read_text())
+    assert mine["ok"] is False and victim.name in mine["message"], mine
+    other = json.loads((out / f"rank-{1 - owner}.json").read_text())
+    assert other["ok"] is False and other["shardstream_error"], other
+    assert f"rank {owner}" in other["message"] and victim.name in other["message"], other

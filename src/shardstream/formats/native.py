@@ -63,6 +63,7 @@ FORMAT = "shardstream"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+Region = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape) of a block of a tensor
 MAX_MANIFEST_BYTES = 1 << 30
 SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MODEL_PREFIX = "model."
@@ -271,11 +272,19 @@ def tensor_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> tup
     return tensors, files
 
 
-def grid_chunks(fqn: str, shape: list[int], world: int) -> Iterator[dict]:
+def grid_chunks(
+    fqn: str, shape: list[int], world: int, rows: tuple[int, int] | None = None
+) -> Iterator[dict]:
     """The chunks of a grid entry: FSDP2's ``Shard(0)`` split of ``shape`` over ``world`` ranks
     (``torch.chunk``), rank r's rows in ``rank_file(r)`` under key ``fqn@offsets``. Ranks past
-    the last row hold nothing and are left out."""
-    for r in range(world):
+    the last row hold nothing and are left out. With ``rows`` = (first, end), only the chunks
+    holding some of those rows."""
+    ranks = range(world)
+    if rows is not None:
+        step = -(-shape[0] // world) if shape[0] else 1
+        first, end = max(0, rows[0]), min(shape[0], rows[1])
+        ranks = range(min(world, first // step), min(world, -(-end // step))) if end > first else ()
+    for r in ranks:
         start, rows = chunk_extent(shape[0], world, r)
         if rows == 0:
             return
@@ -393,8 +402,10 @@ class NativeCheckpoint:
 
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one data file that checks every chunk it reads."""
+        header = self.headers.get(location)  # read and checked now if it was not yet
+        if header is None:
+            raise CheckpointFormatError(f"{location}: not a data file of this checkpoint")
         data_start, chunk_bytes, chunks = self.digests[location]
-        header = self.headers[location]
         return FileEndpoint(
             location,
             chunks,
@@ -413,10 +424,18 @@ def is_native_checkpoint(directory: Path) -> bool:
     return (directory / MANIFEST).is_file()
 
 
-def open_native(directory: str | os.PathLike) -> NativeCheckpoint:
-    """Read and cross-check the manifest against every data file's header."""
+def open_native(
+    directory: str | os.PathLike, regions: dict[str, Region] | None = None
+) -> NativeCheckpoint:
+    """Read and cross-check the manifest against every data file's header.
+
+    With ``regions`` (tensor name -> the (start, shape) a restoring rank needs), only those
+    tensors are described, grid entries only by the chunks overlapping the region, and only
+    the headers of the files they name are read: a rank's work no longer grows with the
+    number of ranks that saved (docs/scaling.md).
+    """
     try:
-        return _open_native(Path(directory))
+        return _open_native(Path(directory), regions)
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointNotFoundError):
             raise
@@ -424,10 +443,10 @@ def open_native(directory: str | os.PathLike) -> NativeCheckpoint:
         raise CheckpointNotFoundError(f"{exc.filename}: missing (removed meanwhile?)") from None
 
 
-def _open_native(directory: Path) -> NativeCheckpoint:
+def _open_native(directory: Path, regions: dict[str, Region] | None = None) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    headers = {}
-    digests = {}
+    headers = _Headers()
+    digests = headers.digests
     for name, info in manifest.get("files", {}).items():
         path = check_name(directory, name, "files")
         if not path.is_file():
@@ -440,30 +459,60 @@ def _open_native(directory: Path) -> NativeCheckpoint:
             )
         if "header_xxh3" not in info:
             continue  # a JSON side file; its digest is checked when it is read
+        headers.pending[str(path)] = info["header_xxh3"]
+        if regions is None:
+            headers.get(str(path))
+    tensors: dict[str, GlobalTensor] = {}
+    checked: dict[str, str] = {}  # file names are few; chunks are many
+    for fqn, info in manifest.get("tensors", {}).items():
+        if regions is None:
+            tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
+        elif fqn in regions:
+            tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked, regions[fqn])
+    return NativeCheckpoint(directory, manifest, tensors, digests, headers)
+
+
+class _Headers(dict):
+    """Parsed data-file headers by path, each read and checked against its manifest digest on
+    first use."""
+
+    def __init__(self):
+        super().__init__()
+        self.pending: dict[str, str] = {}
+        self.digests: dict[str, tuple[int, int, list[str]]] = {}
+
+    def get(self, path, default=None):
+        if path in self:
+            return self[path]
+        expected = self.pending.pop(path, None)
+        if expected is None:
+            return default
         header = read_header(path)
         with open(path, "rb") as f:
             raw = f.read(header.data_start)
-        if digest(raw) != info.get("header_xxh3"):
+        if digest(raw) != expected:
             raise ChecksumMismatchError(
                 f"{path}: header checksum mismatch (header altered, or file swapped)"
             )
         sums = stored_checksums(header)
         if sums is None:
             raise CheckpointFormatError(f"{path}: no shardstream checksums in the header")
-        headers[str(path)] = header
-        digests[str(path)] = (header.data_start, sums.chunk_bytes, sums.chunks)
-    tensors: dict[str, GlobalTensor] = {}
-    checked: dict[str, str] = {}  # file names are few; chunks are many
-    for fqn, info in manifest.get("tensors", {}).items():
-        tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
-    return NativeCheckpoint(directory, manifest, tensors, digests, headers)
+        self[path] = header
+        self.digests[path] = (header.data_start, sums.chunk_bytes, sums.chunks)
+        return header
 
 
 def _global_tensor(
-    directory: Path, fqn: str, info: Any, headers: dict, checked: dict[str, str] | None = None
+    directory: Path,
+    fqn: str,
+    info: Any,
+    headers: dict,
+    checked: dict[str, str] | None = None,
+    region: Region | None = None,
 ) -> GlobalTensor:
     checked = {} if checked is None else checked
     where = f"{directory / MANIFEST}: tensor {fqn!r}"
+    rows = None
     try:
         dtype = info["dtype"]
         shape = tuple(int(d) for d in info["shape"])
@@ -472,9 +521,13 @@ def _global_tensor(
         if "grid" in info:
             world = info["grid"]
             # A grid names one file per rank; more ranks than files is damage, not a layout.
-            if type(world) is not int or not 1 <= world <= len(headers) or not shape:
+            files = len(headers) + len(getattr(headers, "pending", ()))
+            if type(world) is not int or not 1 <= world <= files or not shape:
                 raise ValueError(f"grid {world!r} for shape {list(shape)}")
-            chunks = grid_chunks(fqn, list(shape), world)
+            if region is not None:  # the grid tiles by construction: only what is needed
+                start, count = region[0][0], region[1][0]
+                rows = (start, start + count) if all(region[1]) else (0, 0)
+            chunks = grid_chunks(fqn, list(shape), world, rows)
         else:
             chunks = info["chunks"]
             if not isinstance(chunks, list):
@@ -505,7 +558,8 @@ def _global_tensor(
                 f"manifest says {dtype}{list(sizes)}"
             )
         blocks.append(dense_block(path, header.data_start + entry.begin, dtype, sizes, offsets))
-    check_blocks_tile(fqn, shape, blocks)
+    if rows is None:  # a part of a grid does not tile; the whole grid does by construction
+        check_blocks_tile(fqn, shape, blocks)
     return GlobalTensor(fqn, dtype, shape, tuple(blocks))
 
 

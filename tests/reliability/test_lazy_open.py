@@ -1,0 +1,25 @@
+"""A restoring rank opens only the data files holding the rows it restores."""
+
+from __future__ import annotations
+
+import json
+
+from shardstream.formats import native
+
+
+def test_regions_open_only_the_files_they_overlap(saved_run):
+    doc = json.loads((saved_run.step / native.MANIFEST).read_bytes())
+    grids = {n: t for n, t in doc["tensors"].items() if "grid" in t and t["shape"][0] >= 2}
+    assert grids
+    rank0_rows = {
+        name: ((0,) * len(t["shape"]), (-(-t["shape"][0] // t["grid"]), *t["shape"][1:]))
+        for name, t in grids.items()
+    }
+    ckpt = native.open_native(saved_run.step, rank0_rows)
+    assert sorted(ckpt.all_tensors) == sorted(grids)
+    assert list(ckpt.headers) == [str(saved_run.step / native.rank_file(0))]
+    for tensor in ckpt.all_tensors.values():
+        assert [b.start[0] for b in tensor.blocks] == [0]
+    # The whole checkpoint, opened without regions, reads every header.
+    full = native.open_native(saved_run.step)
+    assert len(full.headers) == sum("header_xxh3" in f for f in doc["files"].values())
