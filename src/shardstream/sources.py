@@ -7,6 +7,10 @@ from pathlib import Path
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 
+# formats.native.MANIFEST, looked for here first: formats.native imports
+# torch.distributed.checkpoint (1-2 s), which a merge of any other format never needs.
+NATIVE_MANIFEST = "manifest.json"
+
 
 def open_checkpoint(path: str | os.PathLike):
     """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...)."""
@@ -17,10 +21,11 @@ def open_checkpoint(path: str | os.PathLike):
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
-    from .formats import native
+    if (path / NATIVE_MANIFEST).is_file():
+        from .formats import native
 
-    if native.is_native_checkpoint(path):
-        return native.open_native(path)
+        if native.is_native_checkpoint(path):
+            return native.open_native(path)
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path)
     from .formats import dcp

@@ -1,0 +1,74 @@
+"""Start-up stays light: the package and the CLI import torch only when a command needs it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+
+def run_python(code: str) -> str:
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True
+    )
+    return done.stdout.strip()
+
+
+HEAVY = ("torch", "numpy", "torch.distributed.checkpoint", "torch.distributed.tensor")
+
+
+def test_import_and_cli_help_import_no_torch():
+    out = run_python(
+        "import sys, contextlib, io\n"
+        "import shardstream\n"
+        "from shardstream.cli import main\n"
+        "with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+        "    main(['merge', '--help'])\n"
+        f"print(sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    assert out == "[]"
+
+
+@pytest.mark.parametrize("first", ["import shardstream.merge", "import shardstream.verify", ""])
+def test_public_api_names_the_functions(first):
+    out = run_python(
+        f"{first}\n"
+        "import shardstream\n"
+        "from shardstream import CheckpointConfig, CheckpointManager, load, save, merge, verify\n"
+        "from shardstream import MergeSummary, UsageError\n"
+        "import inspect\n"
+        "print(inspect.isfunction(merge), inspect.isfunction(verify),\n"
+        "      shardstream.merge is merge, shardstream.verify is verify,\n"
+        "      inspect.isclass(CheckpointManager), 'merge' in dir(shardstream))"
+    )
+    assert out == "True True True True True True"
+
+
+def test_unknown_attribute_is_an_attribute_error():
+    import shardstream
+
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        shardstream.nope  # noqa: B018
+
+
+def test_verl_checkpoint_detection_skips_native_and_dcp_modules(tmp_path):
+    """Detecting a verl checkpoint needs neither formats.native nor torch.distributed.checkpoint."""
+    (tmp_path / "model_world_size_1_rank_0.pt").write_bytes(b"not a zip")
+    out = run_python(
+        "import sys, shardstream.sources\n"
+        "try:\n"
+        f"    shardstream.sources.open_checkpoint({str(tmp_path)!r})\n"
+        "except shardstream.CheckpointFormatError as exc:\n"
+        "    print('corrupt' in str(exc), end=' ')\n"
+        "print('shardstream.formats.native' in sys.modules,\n"
+        "      'torch.distributed.checkpoint' in sys.modules)"
+    )
+    assert out == "True False False"
+
+
+def test_native_manifest_name_matches():
+    from shardstream.formats import native
+    from shardstream.sources import NATIVE_MANIFEST
+
+    assert NATIVE_MANIFEST == native.MANIFEST
