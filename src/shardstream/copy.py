@@ -44,6 +44,9 @@ class Endpoint:
     def write_rows(self, offset: int, step: int, rows: np.ndarray) -> None:
         raise NotImplementedError
 
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Hint that bytes [offset, offset + nbytes) will be read soon; never required."""
+
     def close(self) -> None:
         pass
 
@@ -139,6 +142,13 @@ class FileEndpoint(Endpoint):
             raise ChecksumMismatchError(
                 f"{self.name}: checksum mismatch in bytes [{lo}, {hi}){self.describe(lo, hi)}"
             )
+
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Start reading the range into the page cache (``POSIX_FADV_WILLNEED``), so the disk
+        works while the caller converts what it already has. A hint: failures are ignored."""
+        if nbytes > 0 and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -558,6 +568,11 @@ def stream_file(
             active = [r for r in active if r.dst_end() > lo]
             if window_hook:
                 window_hook(lo, hi)
+            # The runs are known in advance: have the disk read the next window's sources
+            # while this one is converted (the first window's own sources too).
+            ahead = min(end, hi + capacity)
+            upcoming = active + runs[next_run : _first_at_or_after(runs, next_run, ahead)]
+            _prefetch_sources(upcoming, lo if turn == 0 else hi, ahead, streamer)
             window = streamer.buf.windows[turn % 2]
             turn += 1
             filled = _fill_window(window, lo, hi, active, streamer)
@@ -578,6 +593,49 @@ def stream_file(
     if state["in_chunk"]:
         digests.append(state["hasher"].hexdigest())
     return digests
+
+
+def _first_at_or_after(runs: Sequence[CopyRun], begin: int, offset: int) -> int:
+    """Index of the first run from ``begin`` on whose destination starts at or after ``offset``
+    (``runs`` are sorted by ``dst_offset``)."""
+    i = begin
+    while i < len(runs) and runs[i].dst_offset < offset:
+        i += 1
+    return i
+
+
+def _prefetch_sources(
+    runs: Sequence[CopyRun], lo: int, hi: int, streamer: Streamer, gap: int = 1 << 20
+) -> None:
+    """``prefetch`` the source bytes that destination bytes [lo, hi) of ``runs`` come from,
+    merged per source into ranges (a gap under ``gap`` bytes is read along)."""
+    spans: dict[str, list[tuple[int, int]]] = {}
+    for run in runs:
+        if hi <= lo or run.dst_offset >= hi or run.dst_end() <= lo or run.elems == 0:
+            continue
+        d_isz, s_isz = itemsize(run.dst_dtype), itemsize(run.src_dtype)
+        row_bytes = run.dst_run_bytes
+        if run.count == 1 or run.dst_step <= 0:
+            first, last = 0, run.count - 1
+        else:
+            first = max(0, -(-(lo - run.dst_offset - row_bytes + 1) // run.dst_step))
+            last = min(run.count - 1, (hi - 1 - run.dst_offset) // run.dst_step)
+        e0 = min(run.elems, max(0, lo - run.dst_offset - first * run.dst_step) // d_isz)
+        e1 = min(run.elems, -(-(hi - run.dst_offset - last * run.dst_step) // d_isz))
+        a = run.src_offset + first * run.src_step + e0 * s_isz
+        b = run.src_offset + last * run.src_step + e1 * s_isz
+        if b > a:
+            spans.setdefault(run.src, []).append((a, b))
+    for src, ranges in spans.items():
+        ranges.sort()
+        endpoint = streamer.endpoint(src)
+        start, stop = ranges[0]
+        for a, b in ranges[1:]:
+            if a > stop + gap:
+                endpoint.prefetch(start, stop - start)
+                start = a
+            stop = max(stop, b)
+        endpoint.prefetch(start, stop - start)
 
 
 def _fill_window(
