@@ -211,6 +211,9 @@ class LinearCheckSavePlanner(DefaultSavePlanner):
     world size when that is not the sharded one (1.5 h on rank 0 at 8,192 ranks, see
     docs/scaling.md). Planning, dedup and metadata are DCP's own."""
 
+    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
+        return dedup_plans(all_plans)
+
     def _create_global_plan(self, all_plans):
         from collections import ChainMap
 
@@ -227,6 +230,36 @@ class LinearCheckSavePlanner(DefaultSavePlanner):
                 ]
                 check_blocks_tile(fqn, tuple(md.size), blocks)
         return global_plan, metadata
+
+
+SMALL_REPLICATED_BYTES = 64 << 10
+
+
+def dedup_plans(all_plans: list[SavePlan]) -> list[SavePlan]:
+    """DCP's dedup (an item several ranks hold is written once, by the least loaded of them),
+    except that small items (AdamW's ``step`` scalars, norms under HSDP) all go to the lowest
+    rank holding them: a restoring rank then finds them in a file or two instead of in
+    hundreds of rank files, each of whose headers it would have to read."""
+    from collections import defaultdict
+
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+
+    holders: dict[MetadataIndex, list[int]] = defaultdict(list)
+    small: set[MetadataIndex] = set()
+    for rank, plan in enumerate(all_plans):
+        for item in plan.items:
+            holders[item.index].append(rank)
+            if (item.tensor_storage_size() or 0) <= SMALL_REPLICATED_BYTES:
+                small.add(item.index)
+    keep = {index: min(ranks) for index, ranks in holders.items() if index in small}
+    trimmed = [
+        dataclasses.replace(
+            plan,
+            items=[i for i in plan.items if i.index not in keep or keep[i.index] == rank],
+        )
+        for rank, plan in enumerate(all_plans)
+    ]
+    return dedup_save_plans(trimmed, False)
 
 
 def save_planner() -> DefaultSavePlanner:
