@@ -54,7 +54,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
 from torch.distributed.checkpoint.default_planner import (
     _validate_global_plan,
     create_default_global_save_plan,
@@ -284,7 +283,7 @@ def write_results(plan: SavePlan, file_size: int) -> list[WriteResult]:
 def global_save_plan(all_plans: list[SavePlan], writer: native.StreamingWriter):
     """DefaultSavePlanner._create_global_plan without its validation, then shardstream's
     ``prepare_global_plan`` (one file name per rank)."""
-    deduped = dedup_save_plans(all_plans, False)
+    deduped = native.dedup_plans(all_plans)  # what LinearCheckSavePlanner runs
     global_plan, metadata = create_default_global_save_plan(deduped)
     merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
     metadata = dataclasses.replace(metadata, planner_data=merged)
@@ -447,12 +446,14 @@ STAGES = [
     Stage("save.manifest_build", "rank 0", "shardstream", "tensor_manifest"),
     Stage("save.manifest_serialize", "rank 0", "shardstream", "canonical JSON x2 + digest"),
     Stage("load.read_manifest", "every rank", "shardstream", "read_manifest"),
-    Stage("load.headers", "every rank", "shardstream", "N x parse a rank-file header"),
-    Stage("load.global_tensors", "every rank", "shardstream", "_global_tensor (blocks, tiling)"),
-    Stage("load.tile_check", "every rank", "shardstream", "of which check_blocks_tile"),
+    Stage("load.headers", "every rank", "shardstream", "parse the headers of the files it reads"),
+    Stage("load.open", "every rank", "shardstream", "_global_tensor for its own regions"),
     Stage("load.read_metadata", "every rank", "shardstream", "StreamingReader.read_metadata"),
     Stage("load.read_items", "every rank", "torch DCP", "create_read_items_for_chunk_list"),
     Stage("load.plan_copy", "every rank", "shardstream", "plan_copy per overlapping chunk"),
+    Stage("merge.headers", "one process", "shardstream", "N x parse a rank-file header"),
+    Stage("merge.open", "one process", "shardstream", "_global_tensor, every chunk"),
+    Stage("merge.tile_check", "one process", "shardstream", "of which check_blocks_tile"),
     Stage("merge.split_files", "one process", "shardstream", "choose_outputs + plan_hf_files"),
     Stage("merge.plan_runs", "one process", "shardstream", "plan_file_runs, all model tensors"),
     Stage("export.rank_plan", "every rank", "shardstream", "hf_model layout + own runs"),
@@ -473,15 +474,15 @@ TOTALS = {
     "load, every rank": [
         "load.read_manifest",
         "load.headers",
-        "load.global_tensors",
+        "load.open",
         "load.read_metadata",
         "load.read_items",
         "load.plan_copy",
     ],
     "merge, planning": [
         "load.read_manifest",
-        "load.headers",
-        "load.global_tensors",
+        "merge.headers",
+        "merge.open",
         "merge.split_files",
         "merge.plan_runs",
     ],
@@ -514,6 +515,11 @@ class Point:
     validate: dict[str, dict] = field(default_factory=dict)
     wall_s: float = 0.0
     tile_share: float = 1.0
+    files: set = field(default_factory=set)  # data files one restoring rank reads
+
+    @property
+    def files_read(self) -> int:
+        return len(self.files)
 
     def add(self, stage: str, seconds: float) -> None:
         self.times[stage] = self.times.get(stage, 0.0) + seconds
@@ -599,28 +605,48 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
         }
 
     tensors, t = timed(build_tensors, 0)
-    point.add("load.global_tensors", t * w)
-    probe.mark("load.global_tensors", w)
-    del headers
-    if group.layer is None:  # the tiling check inside it, and the proposed one, on this group
+    point.add("merge.open", t * w)
+    probe.mark("merge.open", w)
+    if group.layer is None:  # the tiling check inside it, on this group
         share = point.tile_share
         blocks = [(f, t_.shape, t_.blocks) for f, t_ in tensors.items()]
         _, t = timed(lambda: [check_blocks_tile(*b) for b in blocks])
-        point.add("load.tile_check", t * share)
-    reader = native.StreamingReader(tensors)
+        point.add("merge.tile_check", t * share)
+
+    # restore opens only the regions this rank restores (checkpoint.load -> open_native)
+    regions = {
+        fqn: local_chunk(Entry(fqn, t_.shape, bool(t_.shape)), dest, dest // 2)
+        for fqn, t_ in tensors.items()
+    }
+
+    def open_lazy(headers=headers):
+        return {
+            fqn: native._global_tensor(gdir, fqn, info, headers, region=regions[fqn])
+            for fqn, info in loaded["tensors"].items()
+        }
+
+    probe.start()
+    mine, t = timed(open_lazy, 0)
+    point.add("load.open", t * w)
+    probe.mark("load.open", w)
+    del headers
+    # Every layer reads the same rank files: its rows sit at the same place in each, and small
+    # replicated tensors (the step scalars) all live in the lowest rank's file (dedup_plans).
+    point.files |= {Path(b.location).name for t_ in mine.values() for b in t_.blocks}
+    reader = native.StreamingReader(mine)
     md, t = timed(reader.read_metadata, 0)
     point.add("load.read_metadata", t * w)
     probe.mark("load.read_metadata", w)
-    (reads, needed), t = timed(lambda m=md: destination_reads(m, tensors, dest, dest // 2))
+    (reads, needed), t = timed(lambda m=md, o=mine: destination_reads(m, o, dest, dest // 2))
     point.add("load.read_items", t * w)
-    (runs, overlaps, nbytes), t = timed(lambda m=md, r=reads: destination_runs(m, tensors, r))
+    (runs, overlaps, nbytes), t = timed(lambda m=md, r=reads, o=mine: destination_runs(m, o, r))
     point.add("load.plan_copy", t * w)
     if nbytes != needed:
         raise AssertionError(f"load plan covers {nbytes} of {needed} bytes at N={world}")
     point.load_runs += w * runs
     point.load_overlaps += w * overlaps
     point.load_bytes += w * nbytes
-    del md, reads, reader
+    del md, reads, reader, mine
 
     # merge: every model tensor into bf16 output files
     model = [
@@ -679,12 +705,12 @@ def simulate(
         digest(header0)
         return parsed
 
-    _, t = timed(parse_one)
-    point.add("load.headers", t * world)
+    _, header_s = timed(parse_one)
+    point.add("merge.headers", header_s * world)
     if memory:
         before = tracemalloc.get_traced_memory()[0]
         keep = parse_one()
-        point.memory["load.headers"] = (tracemalloc.get_traced_memory()[0] - before) * world
+        point.memory["header"] = tracemalloc.get_traced_memory()[0] - before
         del keep
 
     # the manifest skeleton (files, objects) and its load cost
@@ -779,6 +805,7 @@ def simulate(
         v1_bytes += weighted_bytes(group, compact) + group.weight
 
     point.tensors_section_bytes = tensors_bytes - 1 + 2
+    point.add("load.headers", header_s * point.files_read)
     point.manifest_bytes = len(skeleton_bytes) + tensors_bytes - 1
     point.v1_manifest_bytes = len(skeleton_bytes) + v1_bytes - 1
     shutil.rmtree(skel_dir)
@@ -898,30 +925,37 @@ def memory_estimates(mem: Point | None, points: list[Point]) -> None:
             + m.get("save.tensors_section", 0)
         ) * k + 2 * p.manifest_bytes
         p.memory["rank0_save_heap"] = max(plans, manifest)
+        # A restoring rank's blocks do not grow with the ranks that saved; its headers do not
+        # either beyond the files it reads. Merge (one process) holds every chunk and header.
+        manifest_heap = m.get("load.manifest", 0) * p.manifest_bytes / max(1, mem.manifest_bytes)
         p.memory["load_heap_per_rank"] = (
-            m.get("load.manifest", 0)
-            + m.get("load.global_tensors", 0)
+            manifest_heap
+            + m.get("load.open", 0)
             + m.get("load.read_metadata", 0)
-        ) * k + m.get("load.headers", 0) / mem.ranks * p.ranks
+            + m.get("header", 0) * p.files_read
+        )
+        p.memory["merge_heap"] = (
+            manifest_heap + m.get("merge.open", 0) * k + m.get("header", 0) * p.ranks
+        )
 
 
 def table(points: list[Point]) -> str:
     rows = [
-        "| ranks | chunks | manifest | per chunk | v1 manifest | save: rank 0 | save: other ranks "
-        "| load: per rank (N -> N/8) | merge planning | rank-0 heap (save) "
-        "| heap per rank (load) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| ranks | chunks | manifest | v1 manifest | v1 per chunk | save: rank 0 "
+        "| save: other ranks | load: per rank (N -> N/8) | files read per rank | merge planning "
+        "| rank-0 heap (save) | heap per rank (load) | heap (merge) |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for p in points:
         t = {k: sum(p.times.get(n, 0.0) for n in v) for k, v in TOTALS.items()}
-        star = "~" if p.projected else ""
         rows.append(
             f"| {p.ranks:,} | {p.chunks:,} | {fmt_b(p.manifest_bytes)} "
-            f"| {p.manifest_bytes / p.chunks:.0f} B | {fmt_b(p.v1_manifest_bytes)} "
-            f"| {star}{fmt_s(t['save, rank 0'])} | {fmt_s(t['save, other ranks'])} "
-            f"| {fmt_s(t['load, every rank'])} | {fmt_s(t['merge, planning'])} "
+            f"| {fmt_b(p.v1_manifest_bytes)} | {p.v1_manifest_bytes / p.chunks:.0f} B "
+            f"| {fmt_s(t['save, rank 0'])} | {fmt_s(t['save, other ranks'])} "
+            f"| {fmt_s(t['load, every rank'])} | {p.files_read:,} | {fmt_s(t['merge, planning'])} "
             f"| {fmt_b(p.memory.get('rank0_save_heap', 0))} "
-            f"| {fmt_b(p.memory.get('load_heap_per_rank', 0))} |"
+            f"| {fmt_b(p.memory.get('load_heap_per_rank', 0))} "
+            f"| {fmt_b(p.memory.get('merge_heap', 0))} |"
         )
     return "\n".join(rows)
 
