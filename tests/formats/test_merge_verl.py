@@ -178,3 +178,68 @@ def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path)
             assert all(torch.equal(got[k], v) for k, v in full.items())
         else:
             assert code == 1 and not target.exists()
+
+
+# What load_layout says about every tensor of a .pt file, as JSON; run in a fresh process
+# (stand-ins for torch's DTensor classes) and in this one (torch's own classes).
+_DESCRIBE = r"""
+import json, sys, torch
+from shardstream.formats.torch_pt import DistributedTensor, load_layout
+
+def local(t):
+    return [str(t.dtype), list(t.shape), list(t.stride()), t.storage_offset(),
+            t.untyped_storage()._checkpoint_offset]
+
+def describe(value):
+    if isinstance(value, DistributedTensor):
+        m = value.mesh
+        return {"dtensor": [list(value.shape), [repr(p) for p in value.placements],
+                            [list(m.shape), m.dim_names, m.coordinate, m.rank, m.rank_map],
+                            local(value.local)]}
+    if isinstance(value, torch.Tensor):
+        return {"tensor": local(value)}
+    if isinstance(value, dict):
+        return {str(k): describe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [describe(v) for v in value]
+    return repr(value)
+
+def describe_files(paths):
+    return json.dumps({p: describe(load_layout(p)) for p in paths}, sort_keys=True, default=str)
+"""
+
+
+def test_dtensor_stand_ins_read_what_torchs_classes_read(checkpoints):
+    """A fresh process (no torch.distributed.tensor) reads every rank file, model and optimizer,
+    exactly as torch's own DTensor classes do, and never imports that module."""
+    import subprocess
+    import sys
+
+    paths = sorted(
+        str(p)
+        for _, actor in checkpoints.values()
+        for p in actor.iterdir()
+        if p.name.startswith(("model_world_size", "optim_world_size"))
+    )
+    assert len(paths) > 20
+    script = (
+        _DESCRIBE + "paths = json.loads(sys.stdin.read())\n"
+        "out = describe_files(paths)\n"
+        "assert 'torch.distributed.tensor' not in sys.modules\n"
+        "print(out)\n"
+    )
+    fresh = subprocess.run(
+        [sys.executable, "-c", script],
+        input=json.dumps(paths),
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=300,
+    ).stdout
+    import torch.distributed.tensor  # noqa: F401  (this process: torch's classes)
+
+    scope: dict = {}
+    exec(_DESCRIBE, scope)
+    here = scope["describe_files"](paths)
+    assert json.loads(fresh) == json.loads(here)
+    assert '"dtensor"' in here and "Shard(dim=1)" in here and "Replicate()" in here

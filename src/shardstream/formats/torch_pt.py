@@ -3,16 +3,28 @@
 Loading with ``map_location="meta"`` and ``weights_only=True`` runs torch's restricted
 unpickler (no arbitrary code) and gives each storage its byte offset inside the archive, where
 torch stores it uncompressed; the executor then reads exactly the ranges it needs.
+
+DTensors come back as ``DistributedTensor`` records. To resolve their pickles, torch's own
+classes would have to be imported (``torch.distributed.tensor``, ~0.75 s: it registers every
+sharding rule); unless that module is already loaded, the unpickler's allowlist gets inert
+stand-ins under the same names instead. It is still torch's restricted unpickler: the stand-ins
+only record the state they are given, so no code runs. A file they cannot describe (another
+torch version's layout, a global they lack) is loaded again with torch's classes.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
+import math
 import os
 import pickle
+import sys
 import warnings
 import zipfile
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 
@@ -34,10 +46,49 @@ class LocalTensor:
         return Block(path, self.offset, self.dtype, start, self.shape, self.strides)
 
 
-def load_layout(path: str) -> dict:
-    """Unpickle ``path`` safely onto the meta device; raise shardstream errors only."""
-    import torch.distributed.tensor  # noqa: F401  (registers DTensor with the safe unpickler)
+@dataclass(frozen=True)
+class Placement:
+    """A DTensor placement: ``kind`` is "Shard" (with ``dim``), "Replicate", or the name of a
+    placement shardstream does not read (``Partial``, ``_StridedShard``, ...)."""
 
+    kind: str
+    dim: int | None = None
+
+    def __str__(self) -> str:  # as torch prints placements: S(0), R
+        return {"Shard": f"S({self.dim})", "Replicate": "R"}.get(self.kind, self.kind)
+
+    def __repr__(self) -> str:  # as torch shows them: Shard(dim=0), Replicate()
+        return {"Shard": f"Shard(dim={self.dim})", "Replicate": "Replicate()"}.get(
+            self.kind, self.kind
+        )
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """What a DeviceMesh pickle says about the rank that saved it."""
+
+    shape: tuple[int, ...]
+    dim_names: tuple[str, ...] | None
+    coordinate: tuple[int, ...] | None  # the saving rank's coordinate, when recorded
+    rank: int | None
+    rank_map: tuple[int, ...] | None  # flat rank of each mesh position, when recorded
+
+
+@dataclass(frozen=True)
+class DistributedTensor:
+    """A DTensor as loaded by ``load_layout``: global shape, placements, mesh, local shard."""
+
+    shape: tuple[int, ...]
+    placements: tuple[Placement, ...]
+    mesh: MeshLayout
+    local: torch.Tensor  # a meta tensor; ``local_layout`` locates it in the file
+
+
+def load_layout(path: str):
+    """Unpickle ``path`` safely onto the meta device; raise shardstream errors only.
+
+    DTensors anywhere in the result (dicts, lists, tuples) are ``DistributedTensor`` records.
+    """
     if not os.path.isfile(path):
         raise CheckpointNotFoundError(f"{path}: no such file")
     damage = _zip_damage(path)
@@ -46,10 +97,22 @@ def load_layout(path: str) -> dict:
             f"{path}: corrupt or truncated torch checkpoint ({os.path.getsize(path)} bytes): "
             f"{damage}"
         )
+    stand_ins = _stand_ins()
+    if stand_ins:
+        try:
+            with torch.serialization.safe_globals(stand_ins):
+                return _records(_load(path), path, _from_stand_in)
+        except Exception:  # noqa: BLE001  (torch's own classes decide, below)
+            pass
+    importlib.import_module("torch.distributed.tensor")  # registers DTensor with the unpickler
+    return _records(_load(path), path, _from_dtensor)
+
+
+def _load(path: str):
     try:
         with warnings.catch_warnings(), _quiet_device_mesh():
             warnings.simplefilter("ignore")
-            obj = torch.load(path, map_location="meta", weights_only=True)
+            return torch.load(path, map_location="meta", weights_only=True)
     except pickle.UnpicklingError as exc:
         if "sharded_tensor.api.ShardedTensor" in str(exc):
             raise CheckpointFormatError(
@@ -68,7 +131,218 @@ def load_layout(path: str) -> dict:
         raise CheckpointFormatError(
             f"{path}: not a readable torch checkpoint (truncated or corrupt?): {message}"
         ) from None
+
+
+def _records(obj, path: str, convert, depth: int = 0):
+    """``obj`` with every DTensor (or stand-in) replaced by ``convert(value)``."""
+    if depth > 64:
+        raise CheckpointFormatError(f"{path}: state nested more than 64 levels deep")
+    if isinstance(obj, _StandInTensor) or _is_dtensor(obj):
+        try:
+            return convert(obj)
+        except (AttributeError, TypeError, ValueError, KeyError, IndexError) as exc:
+            raise CheckpointFormatError(
+                f"{path}: a DTensor whose layout shardstream cannot read ({exc})"
+            ) from None
+    if isinstance(obj, dict):
+        items = [(k, _records(v, path, convert, depth + 1)) for k, v in obj.items()]
+        if type(obj) is dict:
+            return dict(items)
+        obj.clear()  # OrderedDict and friends keep their type
+        obj.update(items)
+        return obj
+    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
+        converted = [_records(v, path, convert, depth + 1) for v in obj]
+        return converted if isinstance(obj, list) else tuple(converted)
     return obj
+
+
+def _is_dtensor(obj) -> bool:
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
+def _ints(values) -> tuple[int, ...]:
+    return tuple(int(v) for v in values)
+
+
+def _optional_ints(values) -> tuple[int, ...] | None:
+    return None if values is None else _ints(values)
+
+
+def _from_dtensor(value) -> DistributedTensor:
+    """A record of a real DTensor (torch.distributed.tensor was loaded)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = []
+    for p in value.placements:
+        if type(p) is Shard:
+            placements.append(Placement("Shard", int(p.dim)))
+        elif isinstance(p, Replicate):
+            placements.append(Placement("Replicate"))
+        else:
+            placements.append(Placement(str(p)))
+    mesh = value.device_mesh
+    return DistributedTensor(
+        tuple(value.shape),
+        tuple(placements),
+        MeshLayout(
+            _ints(mesh.shape),
+            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
+            _optional_ints(getattr(mesh, "_coordinate_on_dim", None)),
+            getattr(mesh, "_rank", None),
+            _optional_ints(getattr(mesh, "_flatten_rank_map", None)),
+        ),
+        value._local_tensor,
+    )
+
+
+def _from_stand_in(value: _StandInTensor) -> DistributedTensor:
+    """A record of a stand-in DTensor; anything unexpected raises (then torch's classes load)."""
+    state = value._stand_in_state
+    local, spec = state["_local_tensor"], state["_spec"]
+    if type(local) is not torch.Tensor or not isinstance(spec, _Spec):
+        raise TypeError("unexpected DTensor state")
+    placements = []
+    for p in spec.state["placements"]:
+        if type(p) is _Shard:
+            placements.append(Placement("Shard", int(p.state["dim"])))
+        elif type(p) is _Replicate:
+            placements.append(Placement("Replicate"))
+        elif isinstance(p, _Record):
+            placements.append(Placement(type(p).__name__.lstrip("_")))
+        else:
+            raise TypeError(f"placement {type(p).__name__}")
+    mesh = spec.state["mesh"]
+    if not isinstance(mesh, _Mesh):
+        raise TypeError("unexpected mesh")
+    ms = mesh.state
+    if "_layout" in ms:  # torch >= 2.9: a CuTe-style layout, one axis per mesh dimension
+        shape = tuple(math.prod(_axis_shape(axis)) for axis in _axes(ms["_layout"]))
+    else:  # older torch: the mesh's rank tensor, whose shape is the mesh shape
+        shape = tuple(ms["mesh"].shape)
+    names = ms.get("_mesh_dim_names")
+    return DistributedTensor(
+        _ints(value.shape),
+        tuple(placements),
+        MeshLayout(
+            _ints(shape),
+            tuple(str(n) for n in names) if names else None,
+            _optional_ints(ms.get("_coordinate_on_dim")),
+            None if ms.get("_rank") is None else int(ms["_rank"]),
+            _optional_ints(ms.get("_flatten_rank_map")),
+        ),
+        local,
+    )
+
+
+def _axes(layout) -> tuple:
+    axes = layout.state["axes"] if isinstance(layout, _Record) else layout.axes
+    return tuple(axes)
+
+
+def _axis_shape(axis) -> tuple[int, ...]:
+    shape = axis.state["shape"] if isinstance(axis, _Record) else axis.shape
+    return (int(shape),) if isinstance(shape, int) else _ints(shape)
+
+
+class _Record:
+    """A stand-in instance: keeps the pickled state in ``.state`` and nothing else."""
+
+    state: Mapping = MappingProxyType({})  # until the pickle's BUILD gives one
+
+    def __init__(self, *args):
+        self.state = {"args": args}
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise TypeError("stand-in state must be a dict")
+        self.state = {**self.state, **state}
+
+
+class _Mesh(_Record):
+    pass
+
+
+class _Layout(_Record):
+    pass
+
+
+class _Spec(_Record):
+    pass
+
+
+class _Shard(_Record):
+    pass
+
+
+class _Replicate(_Record):
+    pass
+
+
+class _StridedShard(_Record):
+    pass
+
+
+class _Partial(_Record):
+    pass
+
+
+class _TensorMeta(_Record):
+    pass
+
+
+class _ShardOrderEntry(_Record):
+    pass
+
+
+class _StandInTensor(torch.Tensor):
+    """Stands in for DTensor: a meta wrapper of the global shape that keeps its pickled state."""
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        raise TypeError("a DTensor stand-in holds a layout only")
+
+    def __setstate__(self, state) -> None:
+        if isinstance(state, tuple) and len(state) == 2:
+            state = {**(state[0] or {}), **(state[1] or {})}
+        if not isinstance(state, dict):
+            raise TypeError("DTensor state must be a dict")
+        self._stand_in_state = state
+
+
+_STAND_INS = {
+    "torch.distributed.tensor.DTensor": _StandInTensor,
+    "torch.distributed.tensor._api.DTensor": _StandInTensor,
+    "torch.distributed.device_mesh.DeviceMesh": _Mesh,
+    "torch.distributed._mesh_layout._MeshLayout": _Layout,
+    "torch.distributed._mesh_layout._FlatLayout": _Layout,
+    "torch.distributed.tensor._dtensor_spec.DTensorSpec": _Spec,
+    "torch.distributed.tensor._dtensor_spec.TensorMeta": _TensorMeta,
+    "torch.distributed.tensor._dtensor_spec.ShardOrderEntry": _ShardOrderEntry,
+    "torch.distributed.tensor.placement_types.Shard": _Shard,
+    "torch.distributed.tensor.placement_types._StridedShard": _StridedShard,
+    "torch.distributed.tensor.placement_types.Replicate": _Replicate,
+    "torch.distributed.tensor.placement_types.Partial": _Partial,
+}
+
+
+def _stand_ins() -> list[tuple[type, str]]:
+    """The stand-ins for names the allowlist does not hold yet; none once torch's DTensor
+    classes are loaded (two classes under one name would make the pick arbitrary)."""
+    if "torch.distributed.tensor" in sys.modules:
+        return []
+    taken = set()
+    for entry in torch.serialization.get_safe_globals():
+        if isinstance(entry, tuple):
+            taken.add(entry[1])
+        else:
+            taken.add(f"{entry.__module__}.{entry.__qualname__}")
+    if "torch.distributed.tensor.DTensor" in taken:
+        return []
+    return [(cls, name) for name, cls in _STAND_INS.items() if name not in taken]
 
 
 def _zip_damage(path: str) -> str | None:

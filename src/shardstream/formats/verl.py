@@ -18,7 +18,7 @@ import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent
-from .torch_pt import load_layout, local_layout
+from .torch_pt import DistributedTensor, MeshLayout, Placement, load_layout, local_layout
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
@@ -93,16 +93,16 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
     return world_size, [ranks[r] for r in range(world_size)]
 
 
-def _mesh_coordinate(mesh, rank: int, path: str) -> tuple[int, ...]:
-    shape = tuple(mesh.shape)
-    coordinate = getattr(mesh, "_coordinate_on_dim", None)
-    saved_rank = getattr(mesh, "_rank", rank)
+def _mesh_coordinate(mesh: MeshLayout, rank: int, path: str) -> tuple[int, ...]:
+    shape = mesh.shape
+    coordinate = mesh.coordinate
+    saved_rank = rank if mesh.rank is None else mesh.rank
     if saved_rank != rank:
         raise CheckpointFormatError(
             f"{path}: file is named for rank {rank} but was saved by rank {saved_rank}"
         )
     if coordinate is None:
-        rank_map = getattr(mesh, "_flatten_rank_map", None) or tuple(range(math.prod(shape)))
+        rank_map = mesh.rank_map or tuple(range(math.prod(shape)))
         flat = list(rank_map).index(rank)
         coordinate = []
         for size in reversed(shape):
@@ -112,8 +112,8 @@ def _mesh_coordinate(mesh, rank: int, path: str) -> tuple[int, ...]:
     return tuple(int(c) for c in coordinate)
 
 
-def _describe_placements(placements, mesh) -> str:
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(len(placements)))
+def _describe_placements(placements: tuple[Placement, ...], mesh: MeshLayout) -> str:
+    names = mesh.dim_names or tuple(f"dim{i}" for i in range(len(placements)))
     return ", ".join(f"{n}:{p}" for n, p in zip(names, placements))
 
 
@@ -148,8 +148,6 @@ class RankLayouts:
 
 def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
     """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
-
     order: list[str] = []
     meta: dict[str, tuple] = {}
     blocks: dict[str, list[Block]] = {}
@@ -172,22 +170,22 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
                 f"{path}: tensor names differ from rank 0's (first difference: {diff[0]!r})"
             )
         for name, value in state.items():
-            if isinstance(value, DTensor):
-                mesh = value.device_mesh
-                local = local_layout(path, name, value._local_tensor, file_size)
-                key = (local.dtype, tuple(value.shape), tuple(value.placements), tuple(mesh.shape))
+            if isinstance(value, DistributedTensor):
+                mesh = value.mesh
+                local = local_layout(path, name, value.local, file_size)
+                key = (local.dtype, value.shape, value.placements, mesh.shape)
                 desc = _describe_placements(value.placements, mesh)
-                mesh_desc = f"{tuple(mesh.shape)} {mesh.mesh_dim_names}"
+                mesh_desc = f"{mesh.shape} {mesh.dim_names}"
                 coordinate = _mesh_coordinate(mesh, rank, path)
                 start, length = [0] * len(value.shape), list(value.shape)
                 keep = True
                 for dim, (placement, c) in enumerate(zip(value.placements, coordinate)):
-                    if isinstance(placement, Shard) and type(placement) is Shard:
+                    if placement.kind == "Shard" and 0 <= placement.dim < len(length):
                         d = placement.dim
                         s, n = chunk_extent(length[d], mesh.shape[dim], c)
                         start[d] += s
                         length[d] = n
-                    elif isinstance(placement, Replicate):
+                    elif placement.kind == "Replicate":
                         keep = keep and c == 0
                     else:
                         raise CheckpointFormatError(
@@ -280,7 +278,7 @@ def open_verl_optimizer(
                 )
             for key, value in values.items():
                 flat = f"{prefix}{names[pid]}.{key}"
-                if isinstance(value, torch.Tensor):
+                if isinstance(value, (torch.Tensor, DistributedTensor)):
                     out[flat] = value
                 else:
                     scalars[flat] = value
