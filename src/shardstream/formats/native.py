@@ -591,7 +591,7 @@ def _global_tensor(
                 f"manifest says {dtype}{list(sizes)}"
             )
         blocks.append(dense_block(path, header.data_start + entry.begin, dtype, sizes, offsets))
-    if rows is None:  # a part of a grid does not tile; the whole grid does by construction
+    if "grid" not in info:  # a grid tiles by construction (and a part of one would not)
         check_blocks_tile(fqn, shape, blocks)
     return GlobalTensor(fqn, dtype, shape, tuple(blocks))
 
