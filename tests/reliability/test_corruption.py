@@ -235,14 +235,8 @@ def test_flip_that_parses_to_the_same_manifest(saved_run, tmp_path, manager):
     assert error is not None and "manifest checksum mismatch" in str(error)
 
 
-def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_path):
-    """A real 2-rank restore: rank 1 reads its own extra state and must refuse a damaged one;
-    rank 0 must learn of it (not wait in a barrier for a process that may never exit)."""
-    step = tmp_path / "global_step_3"
-    shutil.copytree(saved_run.step, step)
-    victim = step / "extra-rank-00001.safetensors"
-    header = read_header(victim)
-    _flip(victim, (header.data_start + header.file_size) // 2, 0x10)
+def _two_rank_restore(forkserver, step: Path, tmp_path: Path) -> list[dict]:
+    """Restore ``step`` on 2 real ranks; each rank's outcome (ok, error type and message)."""
     out = tmp_path / "out"
     out.mkdir()
     spec = {
@@ -253,11 +247,23 @@ def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_p
         "out": str(out),
     }
     assert forkserver.run("restore", spec, nprocs=2, timeout=120) == [0, 0], forkserver.logs()
-    rank1 = json.loads((out / "rank-1.json").read_text())
+    return [json.loads((out / f"rank-{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_path):
+    """A real 2-rank restore: rank 1 reads its own extra state and must refuse a damaged one;
+    rank 0 must learn of it (not wait in a barrier for a process that may never exit)."""
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    victim = step / "extra-rank-00001.safetensors"
+    header = read_header(victim)
+    _flip(victim, (header.data_start + header.file_size) // 2, 0x10)
+    results = _two_rank_restore(forkserver, step, tmp_path)
+    rank1 = results[1]
     assert rank1["ok"] is False and rank1["shardstream_error"], rank1
     assert "extra-rank-00001.safetensors" in rank1["message"]
     assert "checksum mismatch" in rank1["message"]
-    rank0 = json.loads((out / "rank-0.json").read_text())
+    rank0 = results[0]
     # Rank 0 read nothing wrong, but must fail too, told why, rather than wait for rank 1.
     assert rank0["ok"] is False and rank0["shardstream_error"], rank0
     assert "rank 1" in rank0["message"] and "extra-rank-00001.safetensors" in rank0["message"]
@@ -387,18 +393,9 @@ def test_two_rank_restore_fails_on_every_rank_when_one_rank_file_is_damaged(
     owner = next(r for r in (0, 1) if native.rank_file(r) not in shared)
     victim = step / native.rank_file(owner)
     _flip(victim, read_header(victim).data_start // 2, 0x01)
-    out = tmp_path / "out"
-    out.mkdir()
-    spec = {
-        "world": 2,
-        "init": str(tmp_path / "gloo"),
-        "scratch": str(tmp_path / "scratch"),
-        "path": str(step),
-        "out": str(out),
-    }
-    assert forkserver.run("restore", spec, nprocs=2, timeout=120) == [0, 0], forkserver.logs()
-    mine = json.loads((out / f"rank-{owner}.json").read_text())
+    results = _two_rank_restore(forkserver, step, tmp_path)
+    mine = results[owner]
     assert mine["ok"] is False and victim.name in mine["message"], mine
-    other = json.loads((out / f"rank-{1 - owner}.json").read_text())
+    other = results[1 - owner]
     assert other["ok"] is False and other["shardstream_error"], other
     assert f"rank {owner}" in other["message"] and victim.name in other["message"], other

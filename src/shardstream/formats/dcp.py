@@ -859,6 +859,29 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
     )
 
 
+def _stored_range(directory: Path, meta_path: Path, key: str, info, sizes, fds, kind="tensor"):
+    """The data file and byte range of a storage entry, opened once and checked to fit."""
+    path = _data_file(directory, info.relative_path, meta_path)
+    if path not in sizes:
+        if not path.is_file():
+            raise CheckpointNotFoundError(
+                f"{path}: missing DCP data file (referenced by {meta_path.name} for {key!r})"
+            )
+        fds[path] = os.open(path, os.O_RDONLY)
+        sizes[path] = os.fstat(fds[path]).st_size
+    start, length = info.offset, info.length
+    if type(start) is not int or type(length) is not int or start < 0 or length < 0:
+        raise CheckpointFormatError(
+            f"{meta_path}: {kind} {key!r} has an invalid byte range {start!r}+{length!r}"
+        )
+    if start + length > sizes[path]:
+        raise CheckpointFormatError(
+            f"{path}: truncated: {kind} {key!r} needs bytes [{start}, {start + length}) but the "
+            f"file has {sizes[path]}"
+        )
+    return path, start, length
+
+
 def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) -> GlobalTensor:
     try:
         dtype = code_of(getattr(md.properties, "dtype", None))
@@ -898,24 +921,7 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
                 f"{list(info.transform_descriptors)} (e.g. zstd compression); shardstream streams "
                 "byte ranges and cannot read transformed chunks; save without _extensions"
             )
-        path = _data_file(directory, info.relative_path, meta_path)
-        if path not in sizes:
-            if not path.is_file():
-                raise CheckpointNotFoundError(
-                    f"{path}: missing DCP data file (referenced by {meta_path.name} for {key!r})"
-                )
-            fds[path] = os.open(path, os.O_RDONLY)
-            sizes[path] = os.fstat(fds[path]).st_size
-        start, length = info.offset, info.length
-        if type(start) is not int or type(length) is not int or start < 0 or length < 0:
-            raise CheckpointFormatError(
-                f"{meta_path}: tensor {key!r} has an invalid byte range {start!r}+{length!r}"
-            )
-        if start + length > sizes[path]:
-            raise CheckpointFormatError(
-                f"{path}: truncated: tensor {key!r} needs bytes [{start}, {start + length}) but "
-                f"the file has {sizes[path]}"
-            )
+        path, start, length = _stored_range(directory, meta_path, key, info, sizes, fds)
         what = f"chunk of {key!r} at {list(offsets)}"
         layout = read_chunk_layout(fds[path], str(path), start, length, what)
         if layout.shape != lengths:
@@ -999,25 +1005,10 @@ def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fd
     info = by_chunk.get((key, None))
     if info is None:
         raise CheckpointFormatError(f"{meta_path}: entry {key!r} has no storage entry")
-    path = _data_file(directory, info.relative_path, meta_path)
-    if path not in sizes:
-        if not path.is_file():
-            raise CheckpointNotFoundError(
-                f"{path}: missing DCP data file (referenced by {meta_path.name} for {key!r})"
-            )
-        fds[path] = os.open(path, os.O_RDONLY)
-        sizes[path] = os.fstat(fds[path]).st_size
-    start, length = info.offset, info.length
-    if type(start) is not int or type(length) is not int or start < 0 or length < 0:
-        raise CheckpointFormatError(f"{meta_path}: entry {key!r} has an invalid byte range")
+    path, start, length = _stored_range(directory, meta_path, key, info, sizes, fds, "entry")
     if length > MAX_OBJECT_BYTES:
         raise UnsafeCheckpointError(
             f"{path}: entry {key!r} declares {length} bytes, over the {MAX_OBJECT_BYTES} limit"
-        )
-    if start + length > sizes[path]:
-        raise CheckpointFormatError(
-            f"{path}: truncated: entry {key!r} needs bytes [{start}, {start + length}) but the "
-            f"file has {sizes[path]}"
         )
     data = os.pread(fds[path], length, start)
     try:
