@@ -1172,8 +1172,8 @@ def _reading(results: dict) -> list[str]:
                 f"{r['wall_s'] / d['wall_s']:.2f}× dcp.load + set_state_dict "
                 f"({d['wall_s']:.1f} s); with `verify=False` {nv['wall_s']:.1f} s = "
                 f"{nv['wall_s'] / d['wall_s']:.2f}×. The difference is checksum verification "
-                "(xxh3 over every byte read, which DCP does not do) and copies through the "
-                "staging buffer; with 2 cores for "
+                "(xxh3 over every byte read, each chunk read and hashed once, which DCP does not "
+                "do); its reads land straight in the live tensors. With 2 cores for "
                 f"{ws} ranks plus other people's jobs this is CPU-bound, not disk-bound "
                 "(restores read from a warm page cache)."
             )
@@ -1235,19 +1235,11 @@ def _diagnoses(results: dict) -> list[str]:
         }
         where = "; ".join(f"world size {ws}: {_ranks(v)} MiB" for ws, v in sorted(worst.items()))
         out.append(
-            f"**Budget missed by a save with hf_model** ({where}, rank 0 only, not every "
-            "repeat). Each phase of that save stays within the budget: the sharded write touches "
-            "~130 MiB of its buffers, the export ~135 MiB of a fresh, separately allocated set. "
-            "On rank 0 the first set's memory was freed to glibc but not returned to the kernel, "
-            "so the two added up. Reproduced outside the bench (gather baseline, sharded save, "
-            "save with hf_model, in that order, in one process): rank 0 sat 130 MiB above its "
-            "baseline after the sharded phase; a `malloc_trim(0)` between the phases brought it "
-            "back and the peak down to 137 MiB. A fix belongs in shardstream, not the bench: "
-            "one set of buffers per save, reused by every phase (sharded write, extra, export), "
-            "or buffers mmapped directly so freeing them unmaps. The export also copies every "
-            "piece once more (`np.ascontiguousarray(rows).tobytes()` in `export._pwrite_rows`) "
-            "where it could `pwrite` the array itself; with a bf16 `hf_dtype` it also touches "
-            "the conversion buffer, so the sum can exceed the budget by more."
+            f"**Budget missed by a save with hf_model** ({where}). The phases of one save "
+            "(sharded write, extra, export) share one buffer set of the budget's size, mapped "
+            "on its own (`copy.one_buffer_set`), and the export writes fp32 rows straight from "
+            "the live tensors, so the excess is memory outside those buffers: profile that "
+            "save's allocations (DCP planning, JSON, the allocator) before changing the bench."
         )
     strict = sorted(ws for ws, name in missed if name.startswith("save with hf_model / save"))
     if strict:
@@ -1286,15 +1278,10 @@ def _diagnoses(results: dict) -> list[str]:
     if restore:
         out.append(
             f"**Restore slower than the target** (world size {', '.join(map(str, restore))}). "
-            "`verify=False` runs at or below dcp.load's time, so the miss is verification plus "
-            "copies. A cProfile of rank 0 at world size 2 (separate run at 8895688, whose copy "
-            "engine is this commit's): "
-            "`preadv` 35%, xxh3 13%, the copy from the verified chunk scratch into the read "
-            "buffer 10%, the copy from the read buffer into the live tensor 13%. DCP reads each "
-            "item and does one copy. Two copies could go: read whole chunks straight into the "
-            "destination tensor when a run is contiguous and needs no dtype conversion (as the "
-            "save path now reads straight into its window) and hash them there. Hashing itself "
-            "stays; on 2 cores shared by 4 ranks it is what makes world size 4 worse."
+            "Reads already land straight in the live tensors and each checksum chunk is read "
+            "and hashed once (a chunk only partly wanted is kept for the next read), so what "
+            "`verify=True` adds over `verify=False` is xxh3 over every byte; compare the two "
+            "rows to see whether the miss is that or the machine's noise."
         )
     return out
 
