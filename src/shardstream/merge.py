@@ -215,7 +215,9 @@ def merge(
                 for index, lo, hi in split_ranges(
                     [job.data_size for job in jobs], coll.world(), DEFAULT_CHUNK_BYTES
                 )[rank]:
-                    digests = fill_range(jobs[index], streamer, lo, hi, progress=progress)
+                    digests = fill_range(
+                        jobs[index], streamer, lo, hi, progress=progress, writeback=True
+                    )
                     mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests
             except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
                 error = exc

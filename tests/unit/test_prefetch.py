@@ -161,3 +161,47 @@ def test_prefetch_is_a_hint(tmp_path, monkeypatch):
     blocks = saved_shards(tmp_path, full, 1, 2)
     result, _ = stream_logged(tmp_path, full, blocks, "F32", tiny(16, 16))
     assert torch.equal(result, full)
+
+
+def test_writeback_hints_cover_written_windows_in_order(tmp_path, monkeypatch):
+    """fill_range(writeback=True) hands finished windows to the disk in order, never past what
+    was written, and the file is the same as without the hints."""
+    from shardstream.formats.writer import OutputTensor, create_file, fill_range, plan_file
+    from shardstream.plan import GlobalTensor
+
+    full = torch.randn(64, 48)
+    blocks = saved_shards(tmp_path, full, 0, 2)
+    tensor = GlobalTensor("w", "F32", tuple(full.shape), tuple(blocks))
+    outputs = [OutputTensor("w", "BF16", tensor)]
+    real = os.posix_fadvise
+    hints = []
+
+    def record(fd, offset, length, advice):
+        if advice == os.POSIX_FADV_DONTNEED:
+            hints.append((offset, offset + length))
+        real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", record)
+    files = []
+    for writeback in (False, True):
+        job = plan_file(str(tmp_path / f"out-{writeback}.safetensors"), outputs, chunk_bytes=256)
+        create_file(job)
+        opened: dict[str, FileEndpoint] = {}
+
+        def endpoint(location: str, opened=opened) -> FileEndpoint:
+            if location not in opened:
+                opened[location] = FileEndpoint(location)
+            return opened[location]
+
+        fill_range(job, Streamer(endpoint, tiny(512, 1024)), writeback=writeback)
+        for ep in opened.values():
+            ep.close()
+        files.append(open(job.path, "rb").read())
+        if not writeback:
+            assert hints == []
+    assert files[0] == files[1]
+    assert len(hints) >= 4
+    data_start = job.header_bytes
+    assert hints[0][0] == data_start
+    assert all(a[1] == b[0] for a, b in zip(hints, hints[1:]))  # contiguous, in order
+    assert hints[-1][1] <= data_start + job.data_size - 512  # the last windows: fsync's job
