@@ -47,6 +47,8 @@ LOCK_FILE = ".shardstream.lock"
 # the directory taken.
 LOCK_GRACE_S = 1.0
 STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# restore() of the newest step retries when retention deleted it mid-read (a run saving here).
+RESTORE_ATTEMPTS = 5
 
 # verl's checkpoint keys that mean nothing here; accepted so a verl config loads unchanged.
 _IGNORED_VERL_KEYS = frozenset(
@@ -445,9 +447,15 @@ class CheckpointManager:
         self._guard()
         if self._async is not None:
             self._async.wait()
-        if path is None:
-            if step is None:
-                step = self.latest_step()
+        if path is not None:
+            result = self._load(path)
+            return result.step if step is None else step, result.extra
+        explicit = step is not None
+        for attempt in range(RESTORE_ATTEMPTS):
+            if not explicit:
+                # Every rank must read the same step, and a run saving here (this manager needs
+                # no lock to restore) may commit another one meanwhile: rank 0 picks.
+                step = coll.broadcast(self.latest_step() if coll.rank() == 0 else None)
                 if step is None:
                     return None
             elif step not in self.all_steps():
@@ -455,8 +463,23 @@ class CheckpointManager:
                     f"{self.root}: no committed checkpoint for step {step} "
                     f"(committed: {self.all_steps() or 'none'})"
                 )
-            path = self.step_dir(step)
-        result = ck.load(
+            try:
+                result = self._load(self.step_dir(step))
+            except ShardstreamError:
+                # The saving run's retention may delete the newest step but two while it is
+                # read; then the newest is another one, so read that.
+                gone = coll.broadcast(
+                    not self.step_dir(step).exists() if coll.rank() == 0 else None
+                )
+                if explicit or not gone or attempt + 1 == RESTORE_ATTEMPTS:
+                    raise
+                log.info("shardstream: step %s was deleted while restoring it; retrying", step)
+                continue
+            return step, result.extra
+        raise AssertionError("unreachable")
+
+    def _load(self, path: str | os.PathLike):
+        return ck.load(
             path,
             model=self.model,
             optimizer=self.optimizer,
@@ -465,7 +488,6 @@ class CheckpointManager:
             verify=self.config.verify_on_load,
             buffer_size=self.config.staging_budget_bytes,
         )
-        return result.step if step is None else step, result.extra
 
     # --- lifecycle ----------------------------------------------------------------------------
 

@@ -116,6 +116,8 @@ def job_train(spec: dict, rank: int) -> int:
         async_save=async_save,
     )
     manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    if spec.get("lock_at_start"):
+        manager.acquire_lock()  # fail before training, not at the first save
     restored = manager.restore()
     start = restored[0] if restored else 0
     side = Path(spec["side"]) / spec["run"]

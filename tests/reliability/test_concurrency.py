@@ -90,6 +90,9 @@ def test_two_runs_start_on_one_directory(forkserver, tmp_path):
                 "side": str(side),
                 "run": f"run-{attempt}-{i}",
                 "keep_last": 2,
+                # Half the runs fail fast (acquire_lock() at start-up); the others restore
+                # first, racing the winner's retention, and get the error at their first save.
+                "lock_at_start": attempt % 2 == 1,
             }
             for i in range(2)
         ]
@@ -163,7 +166,7 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
         stats["CheckpointManager.save refused to a second manager while the run saves"] += 1
         end = time.monotonic() + duration
         while time.monotonic() < end:
-            op = rng.choice(("restore", "manager restore", "verify", "merge"))
+            op = rng.choice(("restore", "manager restore", "manager latest", "verify", "merge"))
             step = read_latest(root)
             step_dir = root / f"global_step_{step}"
             try:
@@ -172,6 +175,15 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
                     expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
                     diffs = state_differences(full_state(model, optimizer), expected)
                     assert not diffs, f"restore of step {step} during saves: {diffs[:5]}"
+                elif op == "manager latest":  # retried if retention deletes it mid-read
+                    try:
+                        got, extra = reader.restore()
+                    except ShardstreamError as exc:
+                        raise AssertionError(f"restore() of the latest step failed: {exc}") from exc
+                    assert extra.get("step") == got, (got, extra)
+                    expected = torch.load(side / "writer" / f"step_{got}.pt", weights_only=True)
+                    diffs = state_differences(full_state(model, optimizer), expected)
+                    assert not diffs, f"restore() of step {got} during saves: {diffs[:5]}"
                 elif op == "manager restore":
                     got, extra = reader.restore(step=step)
                     assert got == step and extra.get("step") == step, (got, extra)
