@@ -364,8 +364,17 @@ _ARENA = threading.local()
 
 def _anonymous(nbytes: int) -> np.ndarray:
     """Zeroed memory of its own mapping: untouched pages cost nothing, and dropping the last
-    reference unmaps it, so it goes back to the kernel instead of staying in malloc's heap."""
-    return np.frombuffer(mmap.mmap(-1, max(nbytes, 1)), dtype=np.uint8)[:nbytes]
+    reference unmaps it, so it goes back to the kernel instead of staying in malloc's heap.
+
+    Private (a shared anonymous mapping is shmem, which gets no huge pages) and advised for
+    huge pages as ``np.empty`` does: with 4 KiB pages, faulting in the windows made saves
+    measurably slower on a THP=madvise host.
+    """
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        with contextlib.suppress(OSError):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+    return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
 
 
 @contextlib.contextmanager

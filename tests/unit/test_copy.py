@@ -534,3 +534,18 @@ def test_one_buffer_set_is_shared_by_the_phases_inside_it():
     c, d = Buffers.sized(1 << 20), Buffers.sized(1 << 20)
     assert not np.shares_memory(c.window, d.window)
     assert sum(x.nbytes for x in (c.window, c.spare, c.src)) + c.staging.numel() <= 1 << 20
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/maps"), reason="Linux /proc only")
+def test_buffers_are_private_memory():
+    """Shared anonymous memory is shmem (no huge pages, counted apart); buffers must be private."""
+    buffers = Buffers.sized(8 << 20)
+    address = buffers.window.ctypes.data
+    with open("/proc/self/maps") as maps:
+        for line in maps:
+            span, perms = line.split()[:2]
+            lo, hi = (int(x, 16) for x in span.split("-"))
+            if lo <= address < hi:
+                assert perms.endswith("p"), line
+                return
+    raise AssertionError("buffer mapping not found")
