@@ -272,8 +272,10 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
         lines += [
             "**Start-up floor**: the same command with `--help` (interpreter, imports, argument "
             "parsing, no data), run inside each case's rotation so it sees the same page cache "
-            "and load; median wall / peak RSS — " + " · ".join(floor_rows) + ". Everything above "
-            "that is the merge itself; `cp -r` has no such floor, which dominates the small case.",
+            "and load; median wall / peak RSS — " + " · ".join(floor_rows) + ". `cp -r` has no "
+            "such floor, which dominates the small case. shardstream's CLI imports lazily, so its "
+            "`--help` no longer loads torch: its *past start-up* figures below include importing "
+            "torch (about 1–1.5 s and 200+ MiB on this machine), verl's do not.",
             "",
         ]
     for p in images:
