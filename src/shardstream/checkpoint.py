@@ -379,7 +379,7 @@ def _open_source(
         tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
         saved, objects = {"model"}, {}
         if want_optimizer:
-            train = dcp_format.open_dcp_train_state(path)
+            train = dcp_format.open_dcp_train_state(path, metadata=ckpt.metadata)
             if train.optimizer_tensors or "optimizer" in train.objects:
                 tensors.update({t.name: t for t in train.optimizer_tensors})
                 live = st.optimizer_param_groups(model, optimizer)

@@ -90,6 +90,7 @@ class DcpCheckpoint:
     dcp_version: str | None
     skipped: dict[str, str] = field(default_factory=dict)
     replicas: dict[str, list[Block]] = field(default_factory=dict)
+    metadata: _Metadata | None = field(default=None, repr=False)  # the unpickled .metadata
 
     @property
     def format(self) -> str:
@@ -822,11 +823,7 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
             )
         seen[name] = key
 
-    by_chunk: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
-    for index, info in storage.items():
-        if not isinstance(info, _StorageInfo):
-            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
-        by_chunk[_index_key(index)] = info
+    by_chunk = _storage_by_chunk(storage, meta_path)
 
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
@@ -856,7 +853,18 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
         layout=layout,
         dcp_version=version,
         skipped=skipped,
+        metadata=meta,
     )
+
+
+def _storage_by_chunk(storage: dict, meta_path: Path) -> dict:
+    """``storage_data`` keyed by (key, chunk offsets), each entry checked to be a _StorageInfo."""
+    by_chunk: dict[tuple[str, tuple[int, ...] | None], _StorageInfo] = {}
+    for index, info in storage.items():
+        if not isinstance(info, _StorageInfo):
+            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
+        by_chunk[_index_key(index)] = info
+    return by_chunk
 
 
 def _stored_range(directory: Path, meta_path: Path, key: str, info, sizes, fds, kind="tensor"):
@@ -961,20 +969,21 @@ class DcpTrainState:
 
 
 def open_dcp_train_state(
-    directory: str | os.PathLike, containers: tuple[str, ...] = ("optimizer", "lr_scheduler")
+    directory: str | os.PathLike,
+    containers: tuple[str, ...] = ("optimizer", "lr_scheduler"),
+    metadata: _Metadata | None = None,
 ) -> DcpTrainState:
-    """Describe the optimizer tensors of a DCP checkpoint and read its small non-tensor state."""
+    """Describe the optimizer tensors of a DCP checkpoint and read its small non-tensor state.
+
+    ``metadata``: the ``.metadata`` ``open_dcp`` already unpickled, so it is not read twice.
+    """
     directory = Path(directory)
     meta_path = directory / METADATA_FILE
-    meta = load_metadata(meta_path)
+    meta = metadata if metadata is not None else load_metadata(meta_path)
     entries, storage = meta.state_dict_metadata, meta.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
-    by_chunk = {}
-    for index, info in storage.items():
-        if not isinstance(info, _StorageInfo):
-            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
-        by_chunk[_index_key(index)] = info
+    by_chunk = _storage_by_chunk(storage, meta_path)
     paths = _object_paths(meta.planner_data) or {}
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
