@@ -168,13 +168,7 @@ def test_random_byte_flips_in_merged_hf_files(saved_run, tmp_path):
             else rng.randrange(header.data_start, header.file_size)
         )
         xor = rng.randrange(1, 256)
-        original = _flip(path, offset, xor)
-        try:
-            report = verify(hf)
-            assert not report.ok, f"trial {trial}: flip at {path.name}[{offset}] ^ {xor:#x} missed"
-            assert any(p.path == str(path) for p in report.problems), report.problems
-        finally:
-            path.write_bytes(original)
+        _assert_verify_finds_flip(hf, path, offset, xor, f"trial {trial}: flip at ")
         stats["header" if in_header else "data"] += 1
     record(
         "corruption: random byte flips in a merged HF model",
@@ -184,6 +178,17 @@ def test_random_byte_flips_in_merged_hf_files(saved_run, tmp_path):
         violations=0,
         stats=dict(stats),
     )
+
+
+def _assert_verify_finds_flip(hf: Path, path: Path, offset: int, xor: int, label: str = ""):
+    """XOR one byte of ``path``, check ``verify`` reports that file, then put the byte back."""
+    original = _flip(path, offset, xor)
+    try:
+        report = verify(hf)
+        assert not report.ok, f"{label}{path.name}[{offset}] ^ {xor:#x} missed"
+        assert any(p.path == str(path) for p in report.problems), report.problems
+    finally:
+        path.write_bytes(original)
 
 
 def test_every_change_to_chunk_bytes_of_a_one_chunk_file(saved_run, tmp_path):
@@ -202,13 +207,7 @@ def test_every_change_to_chunk_bytes_of_a_one_chunk_file(saved_run, tmp_path):
     stats: Counter = Counter()
     for offset in range(start, end):
         for xor in range(1, 256):
-            _flip(path, offset, xor)
-            try:
-                report = verify(hf)
-                assert not report.ok, f"{path.name}[{offset}] ^ {xor:#x} missed"
-                assert any(p.path == str(path) for p in report.problems), report.problems
-            finally:
-                path.write_bytes(raw)
+            _assert_verify_finds_flip(hf, path, offset, xor)
             stats["digit changed" if chr(raw[offset] ^ xor).isdigit() else "other byte"] += 1
     assert verify(hf).ok
     record(
