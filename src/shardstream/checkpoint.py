@@ -113,6 +113,7 @@ def _write_extra(
             str(tmp / tensor_name),
             outputs,
             Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes)),
+            borrow=True,
         )
         records[tensor_name] = {"size": written.size, "header_xxh3": written.header_digest}
     return records

@@ -460,6 +460,20 @@ class Streamer:
         staged.copy_(values)
         return self.buf.staging[: k * n * d_isz].numpy().reshape(k, n * d_isz)
 
+    def borrow(self, run: CopyRun, i0: int, i1: int, e0: int, e1: int) -> np.ndarray | None:
+        """Rows [i0, i1), elements [e0, e1) as a view of the source's own host memory, when
+        they need no conversion and are contiguous there; None otherwise."""
+        width = (e1 - e0) * itemsize(run.src_dtype)
+        if run.src_dtype != run.dst_dtype or run.tensor in self.transforms:
+            return None
+        if i1 - i0 > 1 and run.src_step != width:
+            return None
+        view = getattr(self.endpoint(run.src), "host_view", None)
+        if view is None:
+            return None
+        first = run.src_offset + i0 * run.src_step + e0 * itemsize(run.src_dtype)
+        return view(first, (i1 - i0) * width)
+
     def batches(self, run: CopyRun, lo: int, hi: int, max_dst_bytes: int):
         """Yield (i0, i1, e0, e1) pieces of ``run`` restricted to destination bytes [lo, hi)."""
         d_isz, s_isz = itemsize(run.dst_dtype), itemsize(run.src_dtype)
@@ -524,6 +538,7 @@ def stream_file(
     window_hook: Callable[[int, int], None] | None = None,
     start: int = 0,
     end: int | None = None,
+    borrow: bool = False,
 ) -> list[str]:
     """Fill the data section of an open file from ``runs``; return the chunk digests.
 
@@ -533,6 +548,9 @@ def stream_file(
     ``window_hook(lo, hi)`` is told each data range before its sources are read; everything
     before ``lo`` has been read by then (async saves use it to track live tensors).
     Windows are written and hashed on a second thread while the next one fills.
+    With ``borrow``, bytes that need no conversion and lie contiguous in a source's host memory
+    (live CPU tensors) are hashed and written from there, not copied into the window first; the
+    sources must then stay unchanged until this returns (a synchronous save).
     Raises if any byte of the range is left without a source.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -545,20 +563,22 @@ def stream_file(
     digests: list[str] = []
     state = {"hasher": new_hasher(), "in_chunk": 0}
 
-    def flush(view: np.ndarray, lo: int) -> None:
-        """pwrite a filled window and hash it in fixed chunks, independent of window edges."""
-        _pwrite_all(fd, path, view, data_start + lo)
-        pos = 0
-        while pos < view.nbytes:
-            take = min(chunk_bytes - state["in_chunk"], view.nbytes - pos)
-            state["hasher"].update(memoryview(view[pos : pos + take]))
-            state["in_chunk"] += take
-            pos += take
-            if state["in_chunk"] == chunk_bytes:
-                digests.append(state["hasher"].hexdigest())
-                state["hasher"], state["in_chunk"] = new_hasher(), 0
+    def flush(parts: list[np.ndarray], lo: int) -> None:
+        """pwrite a window's parts in order and hash them in fixed chunks, independent of
+        window edges."""
+        _pwritev_all(fd, path, parts, data_start + lo)
+        for view in parts:
+            pos = 0
+            while pos < view.nbytes:
+                take = min(chunk_bytes - state["in_chunk"], view.nbytes - pos)
+                state["hasher"].update(memoryview(view[pos : pos + take]))
+                state["in_chunk"] += take
+                pos += take
+                if state["in_chunk"] == chunk_bytes:
+                    digests.append(state["hasher"].hexdigest())
+                    state["hasher"], state["in_chunk"] = new_hasher(), 0
         if progress:
-            progress(view.nbytes)
+            progress(sum(view.nbytes for view in parts))
 
     writer = ThreadPoolExecutor(1, thread_name_prefix="shardstream-write")
     pending = None
@@ -584,7 +604,8 @@ def stream_file(
             _prefetch_sources(upcoming, lo if turn == 0 else hi, ahead, streamer)
             window = streamer.buf.windows[turn % 2]
             turn += 1
-            filled = _fill_window(window, lo, hi, active, streamer)
+            borrowed: list[tuple[int, np.ndarray]] | None = [] if borrow else None
+            filled = _fill_window(window, lo, hi, active, streamer, borrowed)
             if filled != hi - lo:
                 name = next((n for b, e, _, n in tensor_bounds if b <= lo < e), "?")
                 raise CheckpointFormatError(
@@ -593,7 +614,7 @@ def stream_file(
                 )
             if pending is not None:
                 pending.result()  # the other window is free again
-            pending = writer.submit(flush, window[: hi - lo], lo)
+            pending = writer.submit(flush, _window_parts(window[: hi - lo], borrowed), lo)
             lo = hi
         if pending is not None:
             pending.result()
@@ -648,15 +669,30 @@ def _prefetch_sources(
 
 
 def _fill_window(
-    window: np.ndarray, lo: int, hi: int, active: Sequence[CopyRun], streamer: Streamer
+    window: np.ndarray,
+    lo: int,
+    hi: int,
+    active: Sequence[CopyRun],
+    streamer: Streamer,
+    borrowed: list[tuple[int, np.ndarray]] | None = None,
 ) -> int:
-    """Fill destination bytes [lo, hi) into ``window``; return how many bytes were placed."""
+    """Fill destination bytes [lo, hi) into ``window``; return how many bytes were placed.
+
+    With a ``borrowed`` list, pieces the streamer can lend from host memory are appended to it
+    as (window position, view) instead of being copied.
+    """
     filled = 0
     for run in active:
         d_isz = itemsize(run.dst_dtype)
         for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
             pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
             count, width = i1 - i0, (e1 - e0) * d_isz
+            if borrowed is not None and (count == 1 or run.dst_step == width):
+                view = streamer.borrow(run, i0, i1, e0, e1)
+                if view is not None:
+                    borrowed.append((pos, view))
+                    filled += count * width
+                    continue
             if count == 1 or run.dst_step == width:
                 direct = window[pos : pos + count * width]
                 rows = streamer.rows(run, i0, i1, e0, e1, out=direct)
@@ -670,6 +706,46 @@ def _fill_window(
                 target[...] = rows
             filled += count * width
     return filled
+
+
+def _window_parts(
+    window: np.ndarray, borrowed: list[tuple[int, np.ndarray]] | None
+) -> list[np.ndarray]:
+    """The window's bytes in order: borrowed views, and the window slices between them."""
+    if not borrowed:
+        return [window]
+    parts, cursor = [], 0
+    for pos, view in sorted(borrowed, key=lambda item: item[0]):
+        if pos > cursor:
+            parts.append(window[cursor:pos])
+        parts.append(view)
+        cursor = pos + view.nbytes
+    if cursor < window.nbytes:
+        parts.append(window[cursor:])
+    return parts
+
+
+_IOV_MAX = 512
+
+
+def _pwritev_all(fd: int, path: str, parts: Sequence[np.ndarray], offset: int) -> None:
+    """``pwritev`` the parts back to back from ``offset``, resuming after short writes."""
+    views = [memoryview(p).cast("B") for p in parts if p.nbytes]
+    try:
+        while views:
+            n = os.pwritev(fd, views[:_IOV_MAX], offset)
+            if n <= 0:
+                raise OSError(errno.EIO, "pwritev wrote nothing")
+            offset += n
+            while n:
+                if n >= len(views[0]):
+                    n -= len(views.pop(0))
+                else:
+                    views[0], n = views[0][n:], 0
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
+        raise
 
 
 def _pwrite_all(fd: int, path: str, data: np.ndarray, offset: int) -> None:

@@ -285,6 +285,7 @@ def test_out_of_space_while_writing(tmp_path, monkeypatch):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(os, "pwrite", full_disk)
+    monkeypatch.setattr(os, "pwritev", full_disk)
     with pytest.raises(OutOfSpaceError, match=r"out\.bin: no space left on device"):
         merge_to_file(tmp_path, (4, 3), "F32", blocks, Buffers.sized(1))
 
@@ -549,3 +550,61 @@ def test_buffers_are_private_memory():
                 assert perms.endswith("p"), line
                 return
     raise AssertionError("buffer mapping not found")
+
+
+@pytest.mark.parametrize("window", [12, 40, 4096])
+def test_borrowed_live_tensors_write_the_same_file_as_copies(tmp_path, monkeypatch, window):
+    """A sync save writes unconverted live CPU tensors from their own memory: same bytes, same
+    chunk digests as copying them through the window, however windows cut the tensors."""
+    torch.manual_seed(5)
+    base = torch.randn(9, 6)
+    live = {
+        "plain": torch.randn(7, 3),
+        "converted": torch.randn(5),  # F32 -> BF16: must go through the window
+        "strided": base[:, 1:4],  # rows not contiguous in memory: must be gathered
+        "offset": base[2:5],  # contiguous, at a storage offset
+        "ints": torch.arange(11, dtype=torch.int16),
+    }
+    endpoints, outputs = {}, []
+    for name, t in live.items():
+        location = f"memory:{name}"
+        endpoints[location] = TensorEndpoint(name, t)
+        dtype = CODE_BY_TORCH[t.dtype]
+        block = Block(
+            location,
+            t.storage_offset() * t.element_size(),
+            dtype,
+            (0,) * t.dim(),
+            tuple(t.shape),
+            tuple(t.stride()),
+        )
+        out_dtype = "BF16" if name == "converted" else dtype
+        outputs.append(
+            OutputTensor(name, out_dtype, GlobalTensor(name, dtype, block.shape, (block,)))
+        )
+    lent = []
+    original = Streamer.borrow
+
+    def counting_borrow(self, *args):
+        view = original(self, *args)
+        lent.append(0 if view is None else view.nbytes)
+        return view
+
+    monkeypatch.setattr(Streamer, "borrow", counting_borrow)
+    results = {}
+    for borrow in (False, True):
+        path = tmp_path / f"borrow-{borrow}.safetensors"
+        streamer = Streamer(endpoints.__getitem__, tiny_buffers(window, window))
+        written = write_safetensors(str(path), outputs, streamer, chunk_bytes=16, borrow=borrow)
+        results[borrow] = (path.read_bytes(), written.chunks)
+    assert results[True] == results[False]
+    # Lent: plain, offset and ints whole, and of the strided tensor the rows that a window
+    # cuts into single-row pieces (each row is contiguous); never the converted tensor.
+    whole = (7 * 3 + 3 * 6) * 4 + 11 * 2
+    assert sum(lent) == whole + {12: 9, 40: 2, 4096: 0}[window] * 3 * 4
+    from safetensors.torch import load_file
+
+    loaded = load_file(str(tmp_path / "borrow-True.safetensors"))
+    for name, t in live.items():
+        expected = t.to(torch.bfloat16) if name == "converted" else t
+        assert torch.equal(loaded[name], expected), name

@@ -170,6 +170,7 @@ class StreamingWriter(StorageWriter):
                 streamer,
                 chunk_bytes=self.chunk_bytes,
                 window_hook=window_hook,
+                borrow=self.guard is None,  # an async save reads live tensors only under guard
             )
         finally:
             if self.guard is not None:

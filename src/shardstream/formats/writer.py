@@ -113,6 +113,7 @@ def fill_range(
     progress: Callable[[int], None] | None = None,
     window_hook: Callable[[int, int], None] | None = None,
     writeback: bool = False,
+    borrow: bool = False,
 ) -> list[str]:
     """Stream data bytes [start, end) (chunk-aligned) into the file; return their digests.
 
@@ -136,6 +137,7 @@ def fill_range(
             window_hook,
             start,
             job.data_size if end is None else end,
+            borrow,
         )
         os.fsync(fd)
     finally:
@@ -202,11 +204,15 @@ def write_safetensors(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     progress: Callable[[int], None] | None = None,
     window_hook: Callable[[int, int], None] | None = None,
+    borrow: bool = False,
 ) -> WrittenFile:
-    """Write one safetensors file: header first (placeholder checksums), data, final header."""
+    """Write one safetensors file: header first (placeholder checksums), data, final header.
+
+    ``borrow``: write unconverted bytes straight from live host tensors (see ``stream_file``).
+    """
     job = plan_file(path, tensors, metadata, chunk_bytes)
     create_file(job)
-    chunks = fill_range(job, streamer, progress=progress, window_hook=window_hook)
+    chunks = fill_range(job, streamer, progress=progress, window_hook=window_hook, borrow=borrow)
     return seal_file(job, chunks)
 
 
