@@ -8,6 +8,7 @@ do not share a filesystem, pieces stream to rank 0 in bounded messages instead.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import uuid
@@ -175,12 +176,40 @@ def write_hf_model(
     ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
     streamer = Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes, ratio))
     paths = [target_dir / name for name, *_ in layouts]
+    hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
     if shared:
-        _write_local(paths, runs, streamer)
+        _write_local(paths, runs, streamer, hashed)
     else:
-        _ship_to_rank0(paths, runs, streamer)
+        _ship_to_rank0(paths, runs, streamer, hashed)
     coll.barrier()
-    return _seal(paths, layouts, shared)
+    return _seal(paths, layouts, shared, hashed.digests)
+
+
+class _WrittenChunks:
+    """Digests of the checksum chunks a rank writes whole in one contiguous stretch, hashed
+    from memory as they go to the file, so sealing reads back only the chunks ranks share."""
+
+    def __init__(self, data_starts: list[int], sizes: list[int], chunk: int = DEFAULT_CHUNK_BYTES):
+        self.starts, self.sizes, self.chunk = data_starts, sizes, chunk
+        self.digests: dict[tuple[int, int], str] = {}
+        self._stretch: dict[int, list] = {}  # file -> [next data offset, hasher, chunk index]
+
+    def wrote(self, index: int, offset: int, data: np.ndarray) -> None:
+        """``data`` (contiguous bytes) was written at file ``index``'s byte ``offset``."""
+        at, n, chunk = offset - self.starts[index], data.nbytes, self.chunk
+        stretch = self._stretch.get(index)
+        if stretch is None or stretch[0] != at:  # a new stretch: hash from its first boundary
+            stretch = self._stretch[index] = [at, new_hasher(), -(-at // chunk)]
+        pos = min(n, stretch[2] * chunk - at) if at < stretch[2] * chunk else 0
+        while pos < n:
+            chunk_end = min((stretch[2] + 1) * chunk, self.sizes[index])
+            take = min(n - pos, chunk_end - (at + pos))
+            stretch[1].update(memoryview(data[pos : pos + take]))
+            pos += take
+            if at + pos == chunk_end:
+                self.digests[(index, stretch[2])] = stretch[1].hexdigest()
+                stretch[1], stretch[2] = new_hasher(), stretch[2] + 1
+        stretch[0] = at + n
 
 
 def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
@@ -207,22 +236,28 @@ def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
             yield index, offset, run.dst_step, rows
 
 
-def _pwrite_rows(fd: int, path: str, offset: int, step: int, rows: np.ndarray) -> None:
+def _pwrite_rows(
+    fd: int, path: str, offset: int, step: int, rows: np.ndarray, on_written: Callable
+) -> None:
     count, width = rows.shape
     if count == 1 or step == width:
-        pwrite_array(fd, path, np.ascontiguousarray(rows).reshape(-1), offset)
+        data = np.ascontiguousarray(rows).reshape(-1)
+        pwrite_array(fd, path, data, offset)
+        on_written(offset, data)
         return
     for i in range(count):
         pwrite_array(fd, path, rows[i], offset + i * step)
+        on_written(offset + i * step, rows[i])
 
 
-def _write_local(paths: list[Path], runs, streamer: Streamer) -> None:
+def _write_local(paths: list[Path], runs, streamer: Streamer, hashed: _WrittenChunks) -> None:
     fds = {}
     try:
         for index, offset, step, rows in _pieces(runs, streamer):
             if index not in fds:
                 fds[index] = os.open(paths[index], os.O_WRONLY)
-            _pwrite_rows(fds[index], str(paths[index]), offset, step, rows)
+            written = functools.partial(hashed.wrote, index)
+            _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -230,7 +265,7 @@ def _write_local(paths: list[Path], runs, streamer: Streamer) -> None:
             os.close(fd)
 
 
-def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
+def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer, hashed: _WrittenChunks) -> None:
     """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order."""
     rank, world = coll.rank(), coll.world()
     grp, root = coll.group(), coll.global_rank(0)
@@ -245,7 +280,7 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
             dist.send(torch.from_numpy(np.ascontiguousarray(rows)).view(-1), root, group=grp)
         dist.send(torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64), root, group=grp)
         return
-    _write_local(paths, runs, streamer)
+    _write_local(paths, runs, streamer, hashed)
     fds = {}
     try:
         for peer in range(1, world):
@@ -260,7 +295,8 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
                 if index not in fds:
                     fds[index] = os.open(paths[index], os.O_WRONLY)
                 rows = data.numpy().reshape(count, width)
-                _pwrite_rows(fds[index], str(paths[index]), offset, step, rows)
+                written = functools.partial(hashed.wrote, index)
+                _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
         for fd in fds.values():
             os.fsync(fd)
     finally:
@@ -268,15 +304,21 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer) -> None:
             os.close(fd)
 
 
-def _seal(paths: list[Path], layouts, shared: bool) -> dict:
-    """Hash the files' chunks (spread over ranks when they share the files); seal the headers."""
+def _seal(
+    paths: list[Path], layouts, shared: bool, from_memory: dict[tuple[int, int], str]
+) -> dict:
+    """Seal the headers with every chunk's digest: those hashed from memory while writing,
+    and the rest read back from the files (spread over ranks when they share the files)."""
     rank, world = coll.rank(), coll.world()
     chunk = DEFAULT_CHUNK_BYTES
     hashers = world if shared else 1
-    mine: dict[tuple[int, int], str] = {}
+    known = {key for keys in coll.gather(sorted(from_memory)) for key in map(tuple, keys)}
+    mine = dict(from_memory)
     counter = 0
     for index, (_, _, _, _, header, size) in enumerate(layouts):
         for j in range(-(-size // chunk) if size else 0):
+            if (index, j) in known:
+                continue
             if counter % hashers == rank:
                 length = min(chunk, size - j * chunk)
                 mine[(index, j)] = _hash_range(paths[index], len(header) + j * chunk, length)
@@ -305,15 +347,16 @@ def _seal(paths: list[Path], layouts, shared: bool) -> dict:
 
 def _hash_range(path: Path, offset: int, length: int) -> str:
     hasher = new_hasher()
-    with open(path, "rb") as f:
+    buffer = bytearray(min(length, 1 << 20))
+    with open(path, "rb", buffering=0) as f:
         f.seek(offset)
         left = length
         while left:
-            data = f.read(min(left, 1 << 20))
-            if not data:
+            n = f.readinto(memoryview(buffer)[: min(left, len(buffer))])
+            if not n:
                 break
-            hasher.update(data)
-            left -= len(data)
+            hasher.update(memoryview(buffer)[:n])
+            left -= n
     return hasher.hexdigest()
 
 
