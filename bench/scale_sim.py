@@ -598,30 +598,32 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     point.add("load.read_manifest", t * w)
     probe.mark("load.manifest", w)
 
-    def build_tensors(headers=headers):
+    def build_tensors(headers=headers, model_only=False):
         return {
             fqn: native._global_tensor(gdir, fqn, info, headers)
             for fqn, info in loaded["tensors"].items()
+            if not model_only or fqn.startswith(native.MODEL_PREFIX)
         }
 
-    tensors, t = timed(build_tensors, 0)
+    # a merge describes the model tensors only (open_native(model_only=True))
+    merged, t = timed(lambda: build_tensors(model_only=True), 0)
     point.add("merge.open", t * w)
     probe.mark("merge.open", w)
     if group.layer is None:  # the tiling check inside it, on this group
         share = point.tile_share
         blocks = [
             (f, t_.shape, t_.blocks)
-            for f, t_ in tensors.items()
+            for f, t_ in merged.items()
             if "grid" not in loaded["tensors"][f]  # grids tile by construction
         ]
         _, t = timed(lambda: [check_blocks_tile(*b) for b in blocks])
         point.add("merge.tile_check", t * share)
 
     # restore opens only the regions this rank restores (checkpoint.load -> open_native)
-    regions = {
-        fqn: local_chunk(Entry(fqn, t_.shape, bool(t_.shape)), dest, dest // 2)
-        for fqn, t_ in tensors.items()
-    }
+    regions = {}
+    for fqn, info in loaded["tensors"].items():
+        shape = tuple(info["shape"])
+        regions[fqn] = local_chunk(Entry(fqn, shape, bool(shape)), dest, dest // 2)
 
     def open_lazy(headers=headers):
         return {
@@ -655,8 +657,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     # merge: every model tensor into bf16 output files
     model = [
         GlobalTensor(name[len(native.MODEL_PREFIX) :], t_.dtype, t_.shape, t_.blocks)
-        for name, t_ in tensors.items()
-        if name.startswith(native.MODEL_PREFIX)
+        for name, t_ in merged.items()
     ]
     outputs = choose_outputs(model, BF16, set())
     (_, mruns), t = timed(lambda: plan_file_runs("merged.safetensors", outputs))

@@ -206,7 +206,7 @@ def compare_with_reference(
         raise UsageError(f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32)")
 
     reference, ref_config = read_reference(test_hf_dir)
-    checkpoint = open_checkpoint(local_dir)
+    checkpoint = open_checkpoint(local_dir, model_only=True)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")

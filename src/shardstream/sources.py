@@ -12,8 +12,12 @@ from .errors import CheckpointFormatError, CheckpointNotFoundError
 NATIVE_MANIFEST = "manifest.json"
 
 
-def open_checkpoint(path: str | os.PathLike):
-    """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...)."""
+def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False):
+    """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...).
+
+    ``model_only``: the caller reads model tensors only (merge, test), so a format that also
+    holds optimizer state need not describe it.
+    """
     from .formats import verl
 
     path = Path(path)
@@ -25,7 +29,7 @@ def open_checkpoint(path: str | os.PathLike):
         from .formats import native
 
         if native.is_native_checkpoint(path):
-            return native.open_native(path)
+            return native.open_native(path, model_only=model_only)
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path)
     from .formats import dcp

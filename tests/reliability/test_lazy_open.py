@@ -23,3 +23,18 @@ def test_regions_open_only_the_files_they_overlap(saved_run):
     # The whole checkpoint, opened without regions, reads every header.
     full = native.open_native(saved_run.step)
     assert len(full.headers) == sum("header_xxh3" in f for f in doc["files"].values())
+
+
+def test_a_merge_opens_only_model_tensors(saved_run):
+    """A merge describes model tensors only, the same as a full open does, and reads only the
+    headers of the files holding them."""
+    doc = json.loads((saved_run.step / native.MANIFEST).read_bytes())
+    model = sorted(n for n in doc["tensors"] if n.startswith(native.MODEL_PREFIX))
+    assert model and len(model) < len(doc["tensors"])  # the run saved optimizer state too
+    merge_view = native.open_native(saved_run.step, model_only=True)
+    full = native.open_native(saved_run.step)
+    assert sorted(merge_view.all_tensors) == model
+    assert merge_view.tensors == full.tensors
+    holding = {b.location for n in model for b in full.all_tensors[n].blocks}
+    assert set(merge_view.headers) == holding
+    assert len(merge_view.headers) < len(full.headers)  # extra-state files are not opened

@@ -459,17 +459,21 @@ def is_native_checkpoint(directory: Path) -> bool:
 
 
 def open_native(
-    directory: str | os.PathLike, regions: dict[str, Region] | None = None
+    directory: str | os.PathLike,
+    regions: dict[str, Region] | None = None,
+    *,
+    model_only: bool = False,
 ) -> NativeCheckpoint:
     """Read and cross-check the manifest against every data file's header.
 
     With ``regions`` (tensor name -> the (start, shape) a restoring rank needs), only those
     tensors are described, grid entries only by the chunks overlapping the region, and only
     the headers of the files they name are read: a rank's work no longer grows with the
-    number of ranks that saved (docs/scaling.md).
+    number of ranks that saved (docs/scaling.md). With ``model_only`` (a merge), only model
+    tensors are described, and only the headers of files holding them are read.
     """
     try:
-        return _open_native(Path(directory), regions)
+        return _open_native(Path(directory), regions, model_only)
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointNotFoundError):
             raise
@@ -477,7 +481,9 @@ def open_native(
         raise CheckpointNotFoundError(f"{exc.filename}: missing (removed meanwhile?)") from None
 
 
-def _open_native(directory: Path, regions: dict[str, Region] | None = None) -> NativeCheckpoint:
+def _open_native(
+    directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
+) -> NativeCheckpoint:
     manifest = read_manifest(directory)
     headers = _Headers()
     digests = headers.digests
@@ -494,11 +500,13 @@ def _open_native(directory: Path, regions: dict[str, Region] | None = None) -> N
         if "header_xxh3" not in info:
             continue  # a JSON side file; its digest is checked when it is read
         headers.pending[str(path)] = info["header_xxh3"]
-        if regions is None:
+        if regions is None and not model_only:
             headers.get(str(path))
     tensors: dict[str, GlobalTensor] = {}
     checked: dict[str, str] = {}  # file names are few; chunks are many
     for fqn, info in manifest.get("tensors", {}).items():
+        if model_only and not fqn.startswith(MODEL_PREFIX):
+            continue
         if regions is None:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
         elif fqn in regions:
