@@ -38,7 +38,7 @@ from .errors import (
 from .formats import native
 from .formats.safetensors import read_header
 from .formats.writer import OutputTensor, write_safetensors
-from .memory import peak_rss_bytes
+from .memory import gc_paused, peak_rss_bytes
 from .plan import GlobalTensor, dense_block
 from .units import parse_size
 
@@ -213,6 +213,7 @@ def save(
     return execute_save(prepared)
 
 
+@gc_paused()
 def execute_save(prepared: PreparedSave) -> SaveResult:
     """Write, agree, commit: every rank calls this (on the thread's checkpoint group)."""
     started = time.perf_counter()
@@ -540,6 +541,7 @@ def _verl_extra(state: dict) -> dict:
     return {"user": {}, "rng": out} if "torch" in out else {"user": {}}
 
 
+@gc_paused()
 def load(
     path: str | os.PathLike,
     *,

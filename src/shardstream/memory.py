@@ -1,8 +1,12 @@
-"""Peak resident memory as the kernel reports it."""
+"""Peak resident memory as the kernel reports it, and the garbage collector around planning."""
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import resource
+import threading
+from collections.abc import Iterator
 
 
 def peak_rss_bytes() -> int:
@@ -36,3 +40,25 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector around planning.
+
+    Planning a wide checkpoint builds millions of small objects, none of them cyclic garbage;
+    each collection would walk them all, so with the collector on, planning at 256 to 2,048
+    ranks took 1.7 to 2.4 times as long (docs/scaling.md). Reference counting still frees
+    everything. The collector's previous state is restored on exit. Off the main thread (an
+    async save) this does nothing: the switch is process-wide, and training runs meanwhile.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()

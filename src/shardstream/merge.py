@@ -25,7 +25,7 @@ from .formats.writer import (
     seal_file,
     write_safetensors,
 )
-from .memory import peak_rss_bytes
+from .memory import gc_paused, peak_rss_bytes
 from .plan import GlobalTensor, split_ranges
 from .sources import open_checkpoint
 from .units import parse_size
@@ -105,6 +105,7 @@ def one_conversion_thread() -> Iterator[None]:
 
 
 @one_conversion_thread()
+@gc_paused()
 def merge(
     local_dir: str | os.PathLike,
     target_dir: str | os.PathLike,
