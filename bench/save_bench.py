@@ -1146,10 +1146,11 @@ def _reading(results: dict) -> list[str]:
             f"write + fsync rate. shardstream's extra memory peaked at {worst:.0f} MiB on the "
             f"worst rank ({BUDGET} budget); DCP and torch.save added "
             f"{max(dcp_['extra_rss_mib_per_rank']):.0f} and "
-            f"{max(ts['extra_rss_mib_per_rank']):.0f} MiB, because on CPU they write straight "
-            "from the live tensors. shardstream's buffers buy checksums of every byte, an "
-            "atomic commit and (on GPU) bounded host staging; on this CPU-only run the "
-            "baselines need no staging at all."
+            f"{max(ts['extra_rss_mib_per_rank']):.0f} MiB. On CPU all three write straight "
+            "from the live tensors (shardstream's sync save lends them to `pwritev`; its "
+            "buffers hold only bytes that need converting or gathering); shardstream also "
+            "hashes every byte it writes and commits atomically, and on GPU stages through "
+            "bounded host buffers."
         )
         if "gather_hf" in s:
             g = s["gather_hf"]["extra_rss_mib_per_rank"]
