@@ -147,19 +147,17 @@ def write_hf_model(
         )
         layouts.append((name, tensors, layout, entries, header, size))
 
+    error = None
     if rank == 0:
-        target_dir.mkdir()
-        for name, _, _, _, header, size in layouts:
-            fd = os.open(target_dir / name, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-            try:
-                os.ftruncate(fd, len(header) + size)
-                write_all(fd, name, header, 0)
-            finally:
-                os.close(fd)
-        _write_configs(target_dir, hf_config, tokenizer, source, out_dtype)
-        if len(files) > 1:
-            (target_dir / hf.INDEX_FILE).write_text(json.dumps(hf.index_document(files), indent=2))
-    coll.barrier()
+        try:
+            _create_files(target_dir, layouts)
+            _write_configs(target_dir, hf_config, tokenizer, source, out_dtype)
+            if len(files) > 1:
+                index = json.dumps(hf.index_document(files), indent=2)
+                (target_dir / hf.INDEX_FILE).write_text(index)
+        except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
+            error = exc
+    coll.agree_or_raise(error)  # also the barrier before any rank writes
 
     # Plan this rank's runs, then write (or ship) them.
     endpoints = {}
@@ -210,6 +208,23 @@ class _WrittenChunks:
                 self.digests[(index, stretch[2])] = stretch[1].hexdigest()
                 stretch[1], stretch[2] = new_hasher(), stretch[2] + 1
         stretch[0] = at + n
+
+
+def _create_files(target_dir: Path, layouts) -> None:
+    """Create every HF file at full size, its header (placeholder digests) written."""
+    from .formats.writer import reserve_space
+
+    target_dir.mkdir()
+    for name, _, _, _, header, size in layouts:
+        path = target_dir / name
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            # Blocks claimed up front: a full disk fails here, before any rank streams, and
+            # the ranks' writes find their blocks allocated instead of reserving them per page.
+            reserve_space(fd, str(path), len(header) + size)
+            write_all(fd, str(path), header, 0)
+        finally:
+            os.close(fd)
 
 
 def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):

@@ -193,3 +193,42 @@ def test_merge_on_a_full_disk(saved_run, tmp_path, capsys):
 
 def test_out_of_space_error_is_a_shardstream_error():
     assert issubclass(OutOfSpaceError, ShardstreamError) and issubclass(OutOfSpaceError, OSError)
+
+
+def test_hf_model_export_on_a_full_disk(tmp_path):
+    """Space runs out while the export creates or fills its HF files: OutOfSpaceError, no
+    partial step left, the previous step still the latest and intact."""
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2")
+    model = build_tiny_model(config, seed=1)
+    hf_bytes = sum(p.numel() * p.element_size() for p in model.state_dict().values())
+    with small_filesystem(tmp_path / "disk", "4M") as disk:
+        root = disk / "run"
+        cfg = CheckpointConfig(
+            directory=str(root), save_contents=("model", "hf_model"), keep_last=1
+        )
+        outcomes: Counter = Counter()
+        with CheckpointManager(cfg, model=model, hf_config=config) as manager:
+            manager.save(1)
+            size = sum(p.stat().st_size for p in (root / "global_step_1").rglob("*") if p.is_file())
+            assert size > hf_bytes  # the sharded copy and the export
+            for step, leave in enumerate(range(hf_bytes // 4, 2 * size, max(1, size // 8)), 2):
+                latest = read_latest(root)
+                fill(disk / "ballast", leave)
+                try:
+                    manager.save(step)
+                except OutOfSpaceError as exc:
+                    assert "no space left" in str(exc), exc
+                    outcomes["out of space"] += 1
+                    if "huggingface" in str(exc):
+                        outcomes["  in the hf export"] += 1
+                    assert not (root / f"global_step_{step}").exists()
+                    assert read_latest(root) == latest
+                else:
+                    outcomes["saved"] += 1
+                finally:
+                    (disk / "ballast").unlink()
+                assert _leftovers(root) == [], f"partial output left: {_leftovers(root)}"
+                assert verify(root).ok
+    assert outcomes["  in the hf export"] > 0 and outcomes["saved"] > 0, outcomes

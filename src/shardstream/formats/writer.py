@@ -99,7 +99,7 @@ def create_file(job: FileJob) -> None:
     """Create the file at full size (a full disk fails here) with the placeholder header."""
     fd = os.open(job.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        _reserve(fd, job.path, job.header_bytes + job.data_size)
+        reserve_space(fd, job.path, job.header_bytes + job.data_size)
         write_all(fd, job.path, job.header(None), 0)
     finally:
         os.close(fd)
@@ -216,7 +216,7 @@ def write_safetensors(
     return seal_file(job, chunks)
 
 
-def _reserve(fd: int, path: str, size: int) -> None:
+def reserve_space(fd: int, path: str, size: int) -> None:
     """Claim the file's blocks up front so a full disk fails before any data is streamed."""
     try:
         if size:
