@@ -35,7 +35,7 @@ from .errors import (
     ShardstreamError,
     UsageError,
 )
-from .formats import native
+from .formats import local_save, native
 from .formats.safetensors import read_header
 from .formats.writer import OutputTensor, write_safetensors
 from .memory import gc_paused, peak_rss_bytes
@@ -213,6 +213,18 @@ def save(
     return execute_save(prepared)
 
 
+def _rank_local_plan(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]] | None:
+    """This rank's items when every rank can plan alone (formats/local_save.py), else None.
+
+    One gather of a short signature makes every rank take the same path."""
+    items = local_save.local_items(tensors, coll.rank(), coll.world())
+    mine = None if items is None else local_save.layout_signature(tensors)
+    everyone = coll.gather(mine)
+    if mine is None or any(sig != mine for sig in everyone):
+        return None
+    return items
+
+
 @gc_paused()
 def execute_save(prepared: PreparedSave) -> SaveResult:
     """Write, agree, commit: every rank calls this (on the thread's checkpoint group)."""
@@ -241,7 +253,16 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             tensors, objects = prepared.tensors, prepared.objects
             writer = native.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
             tensor_section, file_section = {}, {}
-            if tensors:
+            records: dict[str, Any] = {}
+            local = _rank_local_plan(tensors) if tensors else None
+            if local is not None:
+                # Each rank knows its part and rank 0 the manifest: no plans are gathered.
+                name = native.rank_file(coll.rank())
+                written = writer.write_tensors(name, local)
+                records[name] = {"size": written.size, "header_xxh3": written.header_digest}
+                if coll.rank() == 0:
+                    tensor_section = local_save.manifest_tensors(tensors, coll.world())
+            elif tensors:
                 with _single_process_quiet():
                     dcp.save(
                         tensors,
@@ -253,7 +274,6 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     tensor_section, file_section = native.tensor_manifest(
                         writer.metadata, writer.results
                     )
-            records: dict[str, Any] = {}
             if prepared.extra is not None:
                 records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
             if prepared.hf_export is not None:

@@ -256,3 +256,41 @@ def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: b
         "next": train_step(model, optimizer, scheduler, 3),
         "step": restored,
     }
+
+
+def planning_paths_run(rank: int, world: int, root: str, layout: str) -> dict:
+    """Save one trained state twice: as shardstream plans it, and forced through DCP's global
+    planner. Returns (rank 0) both manifests and which path each save took."""
+    import json
+
+    from torch.distributed import checkpoint as dcp
+
+    from shardstream import checkpoint as ck
+    from shardstream import save
+    from shardstream.formats import native
+
+    model, optimizer, scheduler, _ = build(_world_mesh(world, layout))
+    train_step(model, optimizer, scheduler, 0)
+    calls = []
+    real_save = dcp.save
+
+    def counting_save(*args, **kwargs):
+        calls.append(1)
+        return real_save(*args, **kwargs)
+
+    ck.dcp.save = counting_save
+    out = {}
+    try:
+        save(Path(root) / "planned", model=model, optimizer=optimizer, step=1)
+        out["planned_used_dcp"] = bool(calls)
+        real_plan, ck._rank_local_plan = ck._rank_local_plan, lambda tensors: None
+        try:
+            save(Path(root) / "dcp", model=model, optimizer=optimizer, step=1)
+        finally:
+            ck._rank_local_plan = real_plan
+    finally:
+        ck.dcp.save = real_save
+    if rank == 0:
+        for name in ("planned", "dcp"):
+            out[name] = json.loads((Path(root) / name / native.MANIFEST).read_text())
+    return out

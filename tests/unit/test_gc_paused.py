@@ -41,17 +41,17 @@ def test_other_threads_leave_the_collector_alone():
 
 def test_save_and_load_plan_with_the_collector_paused(tmp_path, monkeypatch):
     seen = {}
-    manifest, read = native.tensor_manifest, native.open_native
+    write, read = native.StreamingWriter.write_tensors, native.open_native
 
-    def tensor_manifest(*args, **kwargs):
+    def write_tensors(*args, **kwargs):
         seen["save"] = gc.isenabled()
-        return manifest(*args, **kwargs)
+        return write(*args, **kwargs)
 
     def open_native(*args, **kwargs):
         seen["load"] = gc.isenabled()
         return read(*args, **kwargs)
 
-    monkeypatch.setattr(native, "tensor_manifest", tensor_manifest)
+    monkeypatch.setattr(native.StreamingWriter, "write_tensors", write_tensors)
     monkeypatch.setattr(native, "open_native", open_native)
     model = torch.nn.Linear(4, 3)
     shardstream.save(tmp_path / "step", model=model, contents=("model",))

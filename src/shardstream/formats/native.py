@@ -57,7 +57,7 @@ from ..errors import (
 )
 from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent, dense_block, plan_copy
 from .safetensors import build_header, read_header, stored_checksums, tensors_in_range
-from .writer import OutputTensor, write_safetensors
+from .writer import OutputTensor, WrittenFile, write_safetensors
 
 FORMAT = "shardstream"
 FORMAT_VERSION = 2
@@ -127,16 +127,37 @@ class StreamingWriter(StorageWriter):
 
     def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
         name = plan.storage_data
-        outputs: list[OutputTensor] = []
-        endpoints: dict[str, Endpoint] = {}
+        items = []
         for item in plan.items:
             if item.type == WriteItemType.BYTE_IO:
                 raise CheckpointFormatError(
                     f"state entry {item.index.fqn!r} is not a tensor; shardstream keeps "
                     "non-tensor state in JSON"
                 )
-            tensor = planner.resolve_data(item).detach()
-            key = _item_key(item.index)
+            items.append((_item_key(item.index), planner.resolve_data(item).detach()))
+        written = self.write_tensors(name, items)
+        results = [
+            WriteResult(
+                index=item.index,
+                size_in_bytes=item.tensor_storage_size() or 0,
+                storage_data={
+                    "file": name,
+                    "key": _item_key(item.index),
+                    "file_size": written.size,
+                    "header": written.header_digest,
+                },
+            )
+            for item in plan.items
+        ]
+        future: Future[list[WriteResult]] = Future()
+        future.set_result(results)
+        return future
+
+    def write_tensors(self, name: str, items: list[tuple[str, torch.Tensor]]) -> WrittenFile:
+        """Stream (key, local tensor) pairs into the rank file ``name``; nothing is staged whole."""
+        outputs: list[OutputTensor] = []
+        endpoints: dict[str, Endpoint] = {}
+        for key, tensor in items:
             location = f"memory:{key}"
             endpoints[location] = TensorEndpoint(key, tensor)
             dtype = code_of(tensor.dtype)
@@ -176,22 +197,7 @@ class StreamingWriter(StorageWriter):
             if self.guard is not None:
                 self.guard.written()
         self.written = written
-        results = [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=item.tensor_storage_size() or 0,
-                storage_data={
-                    "file": name,
-                    "key": _item_key(item.index),
-                    "file_size": written.size,
-                    "header": written.header_digest,
-                },
-            )
-            for item in plan.items
-        ]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
+        return written
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         # The manifest needs more than DCP knows (objects, extra, hf files); the caller writes it.
