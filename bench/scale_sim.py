@@ -76,7 +76,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from shardstream.checksum import digest
 from shardstream.copy import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
-from shardstream.formats import hf, native
+from shardstream.formats import hf, local_save, native
 from shardstream.formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -445,6 +445,12 @@ STAGES = [
     Stage("save.gather_results", "rank 0", "torch DCP", "unpickle N lists of WriteResults"),
     Stage("save.manifest_build", "rank 0", "shardstream", "tensor_manifest"),
     Stage("save.manifest_serialize", "rank 0", "shardstream", "canonical JSON x2 + digest"),
+    Stage(
+        "save.local_plan",
+        "rank 0",
+        "shardstream",
+        "rank-local path: N signatures + N file records + grid manifest",
+    ),
     Stage("load.read_manifest", "every rank", "shardstream", "read_manifest"),
     Stage("load.headers", "every rank", "shardstream", "parse the headers of the files it reads"),
     Stage("load.open", "every rank", "shardstream", "_global_tensor for its own regions"),
@@ -468,6 +474,11 @@ TOTALS = {
         "save.validate",
         "save.gather_results",
         "save.manifest_build",
+        "save.manifest_serialize",
+    ],
+    "save, rank 0, rank-local path": [
+        "save.rank_plan",
+        "save.local_plan",
         "save.manifest_serialize",
     ],
     "save, other ranks": ["save.rank_plan"],
@@ -702,6 +713,21 @@ def simulate(
     point.rank0_bytes_written = sum(r.dst_nbytes for r in runs0)
     point.mean_bytes_written = total_param_bytes // world
     mean_file = point.mean_bytes_written + len(header0)
+
+    # save, rank 0, on the rank-local path (FSDP2 on a 1-D mesh, formats/local_save.py): agree
+    # on the path (N signatures), collect N file records, build the grid manifest
+    def local_plan_rank0():
+        signature = digest(repr([(e.fqn, list(e.shape)) for e in all_entries]).encode())
+        everyone = [signature] * world  # what the gather hands rank 0
+        assert all(s == signature for s in everyone)
+        files = {
+            native.rank_file(r): {"size": mean_file, "header_xxh3": signature} for r in range(world)
+        }
+        layout_ = [(e.fqn, list(e.shape), F32, e.sharded) for e in all_entries]
+        return files, local_save.manifest_entries(layout_, world)
+
+    _, t = timed(local_plan_rank0)
+    point.add("save.local_plan", t)
 
     # load: every rank parses every rank file's header (open_native); measured on one, times N
     def parse_one():

@@ -217,8 +217,11 @@ def _rank_local_plan(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.
     """This rank's items when every rank can plan alone (formats/local_save.py), else None.
 
     One gather of a short signature makes every rank take the same path."""
-    items = local_save.local_items(tensors, coll.rank(), coll.world())
-    mine = None if items is None else local_save.layout_signature(tensors)
+    try:
+        items = local_save.local_items(tensors, coll.rank(), coll.world())
+        mine = None if items is None else local_save.layout_signature(tensors)
+    except Exception:  # noqa: BLE001 - DCP's path then plans it, or reports it on every rank
+        items = mine = None
     everyone = coll.gather(mine)
     if mine is None or any(sig != mine for sig in everyone):
         return None
