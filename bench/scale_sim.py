@@ -723,7 +723,7 @@ def simulate(
         files = {
             native.rank_file(r): {"size": mean_file, "header_xxh3": signature} for r in range(world)
         }
-        layout_ = [(e.fqn, list(e.shape), F32, e.sharded) for e in all_entries]
+        layout_ = [(e.fqn, list(e.shape), F32, world if e.sharded else None) for e in all_entries]
         return files, local_save.manifest_entries(layout_, world)
 
     _, t = timed(local_plan_rank0)

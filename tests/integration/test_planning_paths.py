@@ -11,15 +11,32 @@ from shardstream.testing.distributed import run
 from . import workers
 
 
-@pytest.mark.parametrize("world, layout", [(2, "fsdp"), (3, "fsdp"), (4, "hsdp")])
-def test_rank_local_planning_matches_dcp(tmp_path, world, layout):
-    results = run(workers.planning_paths_run, world, str(tmp_path), layout)
-    # FSDP2 on a 1-D mesh plans locally; HSDP replicas need DCP's dedup, so it falls back.
-    assert all(r["planned_used_dcp"] == (layout == "hsdp") for r in results)
+@pytest.mark.parametrize("world", [2, 3])
+def test_rank_local_planning_matches_dcp(tmp_path, world):
+    """FSDP2 on a 1-D mesh: planned alone, the manifest is the one DCP's planner gives."""
+    results = run(workers.planning_paths_run, world, str(tmp_path), "fsdp")
+    assert not any(r["planned_used_dcp"] for r in results)
     planned, reference = results[0]["planned"], results[0]["dcp"]
     assert planned["tensors"] == reference["tensors"]
     assert sorted(planned["files"]) == sorted(reference["files"])
     assert planned["objects"] == reference["objects"]
+    for name in ("planned", "dcp"):
+        assert verify(tmp_path / name).ok
+
+
+def test_hsdp_is_planned_alone_as_grids_over_the_first_replica(tmp_path):
+    """HSDP 2 x 2: the first replica (ranks 0, 1) writes; every sharded tensor is a grid over
+    the shard group, where DCP's dedup spreads the copies over replicas in chunk lists.
+    (Restores of it at other world sizes: test_manager_roundtrip.py.)"""
+    results = run(workers.planning_paths_run, 4, str(tmp_path), "hsdp")
+    assert not any(r["planned_used_dcp"] for r in results)
+    planned, reference = results[0]["planned"], results[0]["dcp"]
+    assert planned["tensors"].keys() == reference["tensors"].keys()
+    for name, entry in planned["tensors"].items():
+        same = {k: reference["tensors"][name][k] for k in ("dtype", "shape")}
+        assert {k: entry[k] for k in ("dtype", "shape")} == same
+        if name.startswith("model.") or name.endswith(("exp_avg", "exp_avg_sq")):
+            assert entry.get("grid") == 2, name
     for name in ("planned", "dcp"):
         assert verify(tmp_path / name).ok
 

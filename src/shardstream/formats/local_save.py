@@ -1,13 +1,14 @@
 """Rank-local save planning for the common FSDP2 layout: no plans gathered to rank 0.
 
 When every tensor of the state is either a ``Shard(0)`` DTensor over the whole process group
-(FSDP2 on a 1-D mesh) or a plain tensor (a replica, written once by rank 0), each rank already
-knows what it writes (its ``torch.chunk`` rows, under the key DCP would give them) and rank 0
-knows the whole manifest: grid entries, O(tensors). DCP's global plan would gather every
-rank's plan and write results to rank 0 and walk them, O(ranks × tensors) there
-(docs/scaling.md: 10 min and 21 GiB at 8,192 ranks). Any other layout (HSDP, ``Shard(1)``,
-uneven splits, empty dimensions) goes through DCP's planner as before; ranks agree on the path
-with one small gather, so they never take different ones.
+(FSDP2 on a 1-D mesh), a ``(Replicate(), Shard(0))`` one (HSDP: the first replica writes), or
+a plain tensor (a replica, written once by rank 0), each rank already knows what it writes
+(its ``torch.chunk`` rows, under the key DCP would give them) and rank 0 knows the whole
+manifest: grid entries, O(tensors). DCP's global plan would gather every rank's plan and
+write results to rank 0 and walk them, O(ranks × tensors) there (docs/scaling.md: 10 min and
+21 GiB at 8,192 ranks). Any other layout (``Shard(1)``, other meshes, uneven splits, empty
+dimensions) goes through DCP's planner as before; ranks agree on the path with one small
+gather, so they never take different ones.
 """
 
 from __future__ import annotations
@@ -26,12 +27,30 @@ def _key(fqn: str, offsets: list[int]) -> str:
     return f"{fqn}@{','.join(map(str, offsets))}"
 
 
+def _shard_group(tensor, rank: int, world: int) -> tuple[int, int, bool] | None:
+    """(shard-group size, this rank's index in it, whether this rank writes) for a DTensor
+    sharded as FSDP2 (``Shard(0)`` on a 1-D mesh) or HSDP (``(Replicate(), Shard(0))`` on a
+    (replicas, shards) mesh whose first replica is ranks 0..shards-1, which write); else None."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh, placements = tensor.device_mesh, tuple(tensor.placements)
+    if mesh.mesh.flatten().tolist() != list(range(world)):
+        return None
+    if mesh.ndim == 1 and placements == (Shard(0),):
+        return (world, rank, True) if mesh.get_local_rank() == rank else None
+    if mesh.ndim == 2 and placements == (Replicate(), Shard(0)):
+        replica, shard = mesh.get_local_rank(0), mesh.get_local_rank(1)
+        shards = mesh.size(1)
+        return (shards, shard, replica == 0) if replica * shards + shard == rank else None
+    return None
+
+
 def local_items(
     tensors: Mapping[str, torch.Tensor], rank: int, world: int
 ) -> list[tuple[str, torch.Tensor]] | None:
     """(file key, local tensor) for what this rank writes, or None if some tensor's layout is
     not one that rank-local planning covers."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     items = []
     for fqn, tensor in tensors.items():
@@ -39,19 +58,15 @@ def local_items(
         if 0 in shape:
             return None
         if isinstance(tensor, DTensor):
-            mesh = tensor.device_mesh
-            if (
-                mesh.ndim != 1
-                or mesh.size() != world
-                or mesh.get_local_rank() != rank
-                or tuple(tensor.placements) != (Shard(0),)
-            ):
+            group = _shard_group(tensor, rank, world)
+            if group is None or not shape:
                 return None
-            start, rows = chunk_extent(shape[0], world, rank)
+            shards, index, writes = group
+            start, rows = chunk_extent(shape[0], shards, index)
             local = tensor.to_local().detach()
             if list(local.shape) != [rows, *shape[1:]]:
                 return None
-            if rows:
+            if rows and writes:  # rank ``index`` of the first replica: rank_file(index)
                 items.append((_key(fqn, [start] + [0] * (len(shape) - 1)), local))
         elif type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter):
             if rank == 0:
@@ -62,31 +77,40 @@ def local_items(
 
 
 def layout_signature(tensors: Mapping[str, torch.Tensor]) -> str:
-    """What every rank must agree on before planning alone: names, global shapes, dtypes."""
-    layout = sorted((k, list(t.shape), str(t.dtype)) for k, t in tensors.items())
+    """What every rank must agree on before planning alone: names, global shapes, dtypes and
+    the shard-group size of each sharded tensor."""
+    layout = sorted((k, list(t.shape), str(t.dtype), _grid(t)) for k, t in tensors.items())
     return digest(repr(layout).encode())
+
+
+def _grid(tensor: torch.Tensor) -> int | None:
+    """The shard-group size of a sharded tensor (its grid), None for a plain one."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return None
+    mesh = tensor.device_mesh
+    return mesh.size(mesh.ndim - 1)
 
 
 def manifest_tensors(tensors: Mapping[str, torch.Tensor], world: int) -> dict[str, dict]:
     """The manifest's ``tensors`` section for a state planned by ``local_items``."""
-    from torch.distributed.tensor import DTensor
-
-    layout = [
-        (fqn, list(t.shape), code_of(t.dtype), isinstance(t, DTensor)) for fqn, t in tensors.items()
-    ]
+    layout = [(fqn, list(t.shape), code_of(t.dtype), _grid(t)) for fqn, t in tensors.items()]
     return manifest_entries(layout, world)
 
 
-def manifest_entries(layout: list[tuple[str, list[int], str, bool]], world: int) -> dict[str, dict]:
-    """Pure: (name, global shape, dtype code, sharded) per tensor -> the ``tensors`` section.
+def manifest_entries(
+    layout: list[tuple[str, list[int], str, int | None]], world: int
+) -> dict[str, dict]:
+    """Pure: (name, global shape, dtype code, grid or None) per tensor -> ``tensors`` section.
 
-    A sharded tensor is a grid entry; a plain one is a single chunk in rank 0's file (a grid
-    too at world size 1)."""
+    A sharded tensor is a grid entry over its shard group (ranks 0..grid-1 hold the rows); a
+    plain one is a single chunk in rank 0's file (a grid too at world size 1)."""
     section = {}
-    for fqn, shape, dtype, sharded in layout:
+    for fqn, shape, dtype, grid in layout:
         entry: dict = {"dtype": dtype, "shape": shape}
-        if sharded:
-            entry["grid"] = world
+        if grid is not None:
+            entry["grid"] = grid
         else:
             offsets = [0] * len(shape)
             chunk = {
