@@ -258,13 +258,19 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             tensor_section, file_section = {}, {}
             records: dict[str, Any] = {}
             local = _rank_local_plan(tensors) if tensors else None
+            # What each rank writes alone may fail on one rank only: those errors are agreed
+            # on before the next collective (the export, or the gather below), never skipped.
+            local_error: BaseException | None = None
             if local is not None:
                 # Each rank knows its part and rank 0 the manifest: no plans are gathered.
-                name = native.rank_file(coll.rank())
-                written = writer.write_tensors(name, local)
-                records[name] = {"size": written.size, "header_xxh3": written.header_digest}
-                if coll.rank() == 0:
-                    tensor_section = local_save.manifest_tensors(tensors, coll.world())
+                try:
+                    name = native.rank_file(coll.rank())
+                    written = writer.write_tensors(name, local)
+                    records[name] = {"size": written.size, "header_xxh3": written.header_digest}
+                    if coll.rank() == 0:
+                        tensor_section = local_save.manifest_tensors(tensors, coll.world())
+                except Exception as exc:  # noqa: BLE001
+                    local_error = _save_error(exc, target)
             elif tensors:
                 with _single_process_quiet():
                     dcp.save(
@@ -277,21 +283,32 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     tensor_section, file_section = native.tensor_manifest(
                         writer.metadata, writer.results
                     )
-            if prepared.extra is not None:
-                records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
+            if prepared.extra is not None and local_error is None:
+                try:
+                    records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
+                except Exception as exc:  # noqa: BLE001
+                    local_error = _save_error(exc, target)
             if prepared.hf_export is not None:
+                coll.agree_or_raise(local_error)  # the export's collectives need every rank
                 if prepared.guard is not None:
                     prepared.guard.wait_all()  # the export reads model weights too
                 records.update(prepared.hf_export(tmp, buffer_bytes))
-        gathered = coll.gather(records)
+            elif local_error is not None:
+                raise local_error
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
         error = _save_error(exc, target)
-    try:
-        coll.agree_or_raise(error)
-    except BaseException:
+    # One collective whatever happened: every rank's records, or its error.
+    outcomes = coll.gather(
+        (records, None) if error is None else (None, f"rank {coll.rank()}: {error}")
+    )
+    failed = [message for _, message in outcomes if message]
+    if failed:
         if coll.rank() == 0:  # every rank has stopped writing: leave no partial output behind
             shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        if error is not None:
+            raise error
+        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
+    gathered = [rank_records for rank_records, _ in outcomes]
 
     if coll.rank() == 0:
         try:

@@ -175,11 +175,15 @@ def write_hf_model(
     streamer = Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes, ratio))
     paths = [target_dir / name for name, *_ in layouts]
     hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
-    if shared:
-        _write_local(paths, runs, streamer, hashed)
-    else:
-        _ship_to_rank0(paths, runs, streamer, hashed)
-    coll.barrier()
+    error = None
+    try:
+        if shared:
+            _write_local(paths, runs, streamer, hashed)
+        else:
+            _ship_to_rank0(paths, runs, streamer, hashed)
+    except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
+        error = exc
+    coll.agree_or_raise(error)  # also the barrier before sealing
     return _seal(paths, layouts, shared, hashed.digests)
 
 
@@ -295,7 +299,13 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer, hashed: _Written
             dist.send(torch.from_numpy(np.ascontiguousarray(rows)).view(-1), root, group=grp)
         dist.send(torch.tensor([-1, 0, 0, 0, 0], dtype=torch.int64), root, group=grp)
         return
-    _write_local(paths, runs, streamer, hashed)
+    # A write that fails (a full disk) stops the writing, not the receiving: the peers'
+    # sends must all be matched, or they would wait forever. The error is raised at the end.
+    error = None
+    try:
+        _write_local(paths, runs, streamer, hashed)
+    except Exception as exc:  # noqa: BLE001
+        error = exc
     fds = {}
     try:
         for peer in range(1, world):
@@ -307,16 +317,24 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer, hashed: _Written
                     break
                 data = torch.empty(count * width, dtype=torch.uint8)
                 dist.recv(data, coll.global_rank(peer), group=grp)
-                if index not in fds:
-                    fds[index] = os.open(paths[index], os.O_WRONLY)
-                rows = data.numpy().reshape(count, width)
-                written = functools.partial(hashed.wrote, index)
-                _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
-        for fd in fds.values():
-            os.fsync(fd)
+                if error is not None:
+                    continue
+                try:
+                    if index not in fds:
+                        fds[index] = os.open(paths[index], os.O_WRONLY)
+                    rows = data.numpy().reshape(count, width)
+                    written = functools.partial(hashed.wrote, index)
+                    _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
+                except Exception as exc:  # noqa: BLE001
+                    error = exc
+        if error is None:
+            for fd in fds.values():
+                os.fsync(fd)
     finally:
         for fd in fds.values():
             os.close(fd)
+    if error is not None:
+        raise error
 
 
 def _seal(
@@ -377,13 +395,16 @@ def _hash_range(path: Path, offset: int, length: int) -> str:
 
 def _shared_filesystem(tmp: Path) -> bool:
     """Whether every rank sees the file rank 0 just wrote into the save directory."""
-    token = None
+    token, error = None, None
     if coll.rank() == 0:
         token = uuid.uuid4().hex
-        (tmp / f".probe-{token}").write_text(token)
+        try:
+            (tmp / f".probe-{token}").write_text(token)
+        except OSError as exc:  # a full disk: every rank must hear of it, not wait for a token
+            error = exc
     token = coll.broadcast(token)
+    coll.agree_or_raise(error)  # also the barrier: the probe is written
     probe = tmp / f".probe-{token}"
-    coll.barrier()
     sees = probe.is_file() and probe.read_text() == token
     everyone = coll.gather(sees)
     coll.barrier()

@@ -50,7 +50,10 @@ def _write(spec: dict, name: str, rank: int, doc: dict) -> None:
 
 
 def disk_full_ranks(spec: dict, rank: int) -> int:
-    """2 FSDP2 ranks save step 1, rank 0 fills the disk to ``leave`` free bytes, all save step 2."""
+    """2 FSDP2 ranks save step 1, rank 0 fills the disk to ``leave`` free bytes, all save step 2.
+
+    With ``hf``, saves include ``hf_model`` and ``leave`` counts beyond what step 1's sharded
+    files took, so the space runs out in the export, which rank 0 creates alone."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -65,17 +68,22 @@ def disk_full_ranks(spec: dict, rank: int) -> int:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(model)
-    manager = CheckpointManager(
-        CheckpointConfig(directory=spec["root"], keep_last=2), model=model, optimizer=optimizer
-    )
+    contents = ("model", "optimizer", "extra") + (("hf_model",) if spec.get("hf") else ())
+    config = CheckpointConfig(directory=spec["root"], keep_last=2, save_contents=contents)
+    source = spec.get("hf_source")
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, hf_source_dir=source)
     train_step(model, optimizer, 0, 1)
     manager.save(1)
     dist.barrier()
     if rank == 0:
+        leave = spec["leave"]
+        if spec.get("hf"):
+            step = Path(spec["root"], "global_step_1")
+            leave += sum(p.stat().st_size for p in step.iterdir() if p.is_file())
         free = os.statvfs(spec["root"]).f_bavail * os.statvfs(spec["root"]).f_frsize
         with open(Path(spec["ballast"]), "wb") as f:
-            if free > spec["leave"]:
-                os.posix_fallocate(f.fileno(), 0, free - spec["leave"])
+            if free > leave:
+                os.posix_fallocate(f.fileno(), 0, free - leave)
     dist.barrier()
     train_step(model, optimizer, 0, 2)
     result = _outcome(lambda: manager.save(2))
