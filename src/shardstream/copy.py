@@ -21,9 +21,9 @@ import numpy as np
 import torch
 
 from .checksum import new_hasher
-from .dtypes import TORCH_BY_CODE, itemsize
+from .dtypes import TORCH_BY_CODE, code_of, itemsize
 from .errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
-from .plan import CopyRun
+from .plan import Block, CopyRun
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
 DEFAULT_CHUNK_BYTES = 4 * 2**20
@@ -214,6 +214,19 @@ class TensorEndpoint(Endpoint):
         else:
             target = torch.as_strided(self.bytes, (count, width), (step, 1), offset)
             target.copy_(torch.from_numpy(rows))
+
+
+def live_block(location: str, tensor: torch.Tensor) -> Block:
+    """The block of a live tensor inside its own storage (``TensorEndpoint`` bytes), strides
+    and storage offset kept, so views are read where they lie."""
+    return Block(
+        location,
+        tensor.storage_offset() * tensor.element_size(),
+        code_of(tensor.dtype),
+        (0,) * tensor.dim(),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
 
 
 class HostTransfer:

@@ -116,70 +116,63 @@ def _stage(message: str) -> str:
     return next((name for marker, name in stages.items() if marker in message), "elsewhere")
 
 
+def _two_rank_save(forkserver, tmp_path: Path, disk: Path, leave: int, **spec) -> tuple:
+    """Run ``scenarios.disk_full_ranks`` on 2 ranks; (its root, each rank's save outcome)."""
+    root, out = disk / f"run-{leave}", tmp_path / "out"
+    out.mkdir(exist_ok=True)
+    spec = {
+        "target": "scenarios:disk_full_ranks",
+        "world": 2,
+        "init": str(tmp_path / f"gloo-{leave}"),
+        "root": str(root),
+        "ballast": str(disk / "ballast"),
+        "leave": leave,
+        "out": str(out),
+        **spec,
+    }
+    assert forkserver.run("call", spec, nprocs=2) == [0, 0], forkserver.logs()
+    (disk / "ballast").unlink()
+    return root, [json.loads((out / f"save-{r}.json").read_text()) for r in (0, 1)]
+
+
+def _failed_together(root: Path, ranks: list[dict]) -> None:
+    """Every rank raised a ShardstreamError, one for the full disk; step 1 is intact."""
+    assert all(not r["ok"] and r["shardstream"] for r in ranks), ranks
+    assert any(r["out_of_space"] for r in ranks), ranks
+    assert read_latest(root) == 1 and committed_steps(root) == [1]
+    assert _leftovers(root) == []
+    assert verify(root).ok
+
+
 def test_two_ranks_save_on_a_full_disk(forkserver, tmp_path):
     with small_filesystem(tmp_path / "disk", "4M") as disk:
-        out = tmp_path / "out"
-        out.mkdir()
         outcomes = []
         for leave in (0, 24 * 1024):
-            root = disk / f"run-{leave}"
-            spec = {
-                "target": "scenarios:disk_full_ranks",
-                "world": 2,
-                "init": str(tmp_path / f"gloo-{leave}"),
-                "root": str(root),
-                "ballast": str(disk / "ballast"),
-                "leave": leave,
-                "out": str(out),
-            }
-            assert forkserver.run("call", spec, nprocs=2) == [0, 0], forkserver.logs()
-            (disk / "ballast").unlink()
-            ranks = [json.loads((out / f"save-{r}.json").read_text()) for r in (0, 1)]
-            assert all(not r["ok"] and r["shardstream"] for r in ranks), ranks
-            assert any(r["out_of_space"] for r in ranks), ranks
+            root, ranks = _two_rank_save(forkserver, tmp_path, disk, leave)
+            _failed_together(root, ranks)
             assert all("no space left" in r["message"] for r in ranks), ranks
-            assert read_latest(root) == 1 and committed_steps(root) == [1]
-            assert _leftovers(root) == []
-            assert verify(root).ok
             outcomes.append([f"{r['type']}: {r['message']}" for r in ranks])
     record("disk full during save (2 ranks)", trials=2, violations=0, errors=outcomes)
 
 
 def test_two_ranks_hf_export_on_a_full_disk(forkserver, tmp_path):
-    """Space runs out in the hf_model export, whose files rank 0 creates alone: every rank
-    fails with the error (none is left waiting), step 1 stays the latest, nothing is left."""
+    """Space runs out around the hf_model export, whose files rank 0 creates alone: every
+    rank fails with the error (none is left waiting), step 1 stays the latest, nothing is
+    left. (Before this test, rank 0 failing alone left rank 1 waiting in the export.)"""
     source = tmp_path / "config"
     source.mkdir()
     config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
     (source / "config.json").write_text(json.dumps(config))
     with small_filesystem(tmp_path / "disk", "4M") as disk:
-        out = tmp_path / "out"
-        out.mkdir()
         in_export = 0
         for leave in (0, 4096, 16384):
-            root = disk / f"run-{leave}"
-            spec = {
-                "target": "scenarios:disk_full_ranks",
-                "world": 2,
-                "init": str(tmp_path / f"gloo-{leave}"),
-                "root": str(root),
-                "ballast": str(disk / "ballast"),
-                "leave": leave,
-                "hf": True,
-                "hf_source": str(source),
-                "out": str(out),
-            }
-            assert forkserver.run("call", spec, nprocs=2) == [0, 0], forkserver.logs()
-            (disk / "ballast").unlink()
-            ranks = [json.loads((out / f"save-{r}.json").read_text()) for r in (0, 1)]
+            root, ranks = _two_rank_save(
+                forkserver, tmp_path, disk, leave, hf=True, hf_source=str(source)
+            )
             if all(r["ok"] for r in ranks):
                 continue
-            assert all(not r["ok"] and r["shardstream"] for r in ranks), ranks
-            assert any(r["out_of_space"] for r in ranks), ranks
+            _failed_together(root, ranks)
             in_export += "huggingface" in ranks[0]["message"]
-            assert read_latest(root) == 1 and committed_steps(root) == [1]
-            assert _leftovers(root) == []
-            assert verify(root).ok
             shutil.rmtree(root)
     assert in_export > 0
 

@@ -18,6 +18,7 @@ from shardstream.copy import (
     Streamer,
     TensorEndpoint,
     hash_block,
+    live_block,
     new_digest,
     stream_file,
     stream_into_memory,
@@ -569,15 +570,8 @@ def test_borrowed_live_tensors_write_the_same_file_as_copies(tmp_path, monkeypat
     for name, t in live.items():
         location = f"memory:{name}"
         endpoints[location] = TensorEndpoint(name, t)
-        dtype = CODE_BY_TORCH[t.dtype]
-        block = Block(
-            location,
-            t.storage_offset() * t.element_size(),
-            dtype,
-            (0,) * t.dim(),
-            tuple(t.shape),
-            tuple(t.stride()),
-        )
+        block = live_block(location, t)
+        dtype = block.dtype
         out_dtype = "BF16" if name == "converted" else dtype
         outputs.append(
             OutputTensor(name, out_dtype, GlobalTensor(name, dtype, block.shape, (block,)))

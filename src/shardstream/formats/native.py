@@ -46,6 +46,7 @@ from ..copy import (
     FileEndpoint,
     Streamer,
     TensorEndpoint,
+    live_block,
     stream_into_memory,
 )
 from ..dtypes import TORCH_BY_CODE, code_of
@@ -160,17 +161,11 @@ class StreamingWriter(StorageWriter):
         for key, tensor in items:
             location = f"memory:{key}"
             endpoints[location] = TensorEndpoint(key, tensor)
-            dtype = code_of(tensor.dtype)
-            block = Block(
-                location,
-                tensor.storage_offset() * tensor.element_size(),
-                dtype,
-                (0,) * tensor.dim(),
-                tuple(tensor.shape),
-                tuple(tensor.stride()),
-            )
+            block = live_block(location, tensor)
             outputs.append(
-                OutputTensor(key, dtype, GlobalTensor(key, dtype, block.shape, (block,)))
+                OutputTensor(
+                    key, block.dtype, GlobalTensor(key, block.dtype, block.shape, (block,))
+                )
             )
         lookup = endpoints.__getitem__
         window_hook = None
