@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .checksum import new_hasher
+from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, code_of, itemsize
 from .errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
 from .plan import Block, CopyRun
@@ -474,18 +474,21 @@ class Streamer:
         return self.buf.staging[: k * n * d_isz].numpy().reshape(k, n * d_isz)
 
     def borrow(self, run: CopyRun, i0: int, i1: int, e0: int, e1: int) -> np.ndarray | None:
-        """Rows [i0, i1), elements [e0, e1) as a view of the source's own host memory, when
-        they need no conversion and are contiguous there; None otherwise."""
-        width = (e1 - e0) * itemsize(run.src_dtype)
+        """Rows [i0, i1), elements [e0, e1) as a (rows, bytes) view of the source's own host
+        memory, strided as they lie there, when they need no conversion; None otherwise."""
         if run.src_dtype != run.dst_dtype or run.tensor in self.transforms:
-            return None
-        if i1 - i0 > 1 and run.src_step != width:
             return None
         view = getattr(self.endpoint(run.src), "host_view", None)
         if view is None:
             return None
-        first = run.src_offset + i0 * run.src_step + e0 * itemsize(run.src_dtype)
-        return view(first, (i1 - i0) * width)
+        count, isz = i1 - i0, itemsize(run.src_dtype)
+        width = (e1 - e0) * isz
+        first = run.src_offset + i0 * run.src_step + e0 * isz
+        span = view(first, (count - 1) * run.src_step + width if count else 0)
+        if span is None:
+            return None
+        step = run.src_step if count > 1 else 0
+        return np.lib.stride_tricks.as_strided(span, shape=(count, width), strides=(step, 1))
 
     def batches(self, run: CopyRun, lo: int, hi: int, max_dst_bytes: int):
         """Yield (i0, i1, e0, e1) pieces of ``run`` restricted to destination bytes [lo, hi)."""
@@ -573,23 +576,14 @@ def stream_file(
     end = data_size if end is None else min(end, data_size)
     runs = sorted(runs, key=lambda r: r.dst_offset)
     bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
-    digests: list[str] = []
-    state = {"hasher": new_hasher(), "in_chunk": 0}
+    chunks = ChunkHasher(chunk_bytes, max(0, end - start))
 
     def flush(parts: list[np.ndarray], lo: int) -> None:
         """pwrite a window's parts in order and hash them in fixed chunks, independent of
         window edges."""
         _pwritev_all(fd, path, parts, data_start + lo)
         for view in parts:
-            pos = 0
-            while pos < view.nbytes:
-                take = min(chunk_bytes - state["in_chunk"], view.nbytes - pos)
-                state["hasher"].update(memoryview(view[pos : pos + take]))
-                state["in_chunk"] += take
-                pos += take
-                if state["in_chunk"] == chunk_bytes:
-                    digests.append(state["hasher"].hexdigest())
-                    state["hasher"], state["in_chunk"] = new_hasher(), 0
+            chunks.update(view)
         if progress:
             progress(sum(view.nbytes for view in parts))
 
@@ -633,9 +627,7 @@ def stream_file(
             pending.result()
     finally:
         writer.shutdown(wait=True)
-    if state["in_chunk"]:
-        digests.append(state["hasher"].hexdigest())
-    return digests
+    return chunks.digests
 
 
 def _first_at_or_after(runs: Sequence[CopyRun], begin: int, offset: int) -> int:
@@ -700,10 +692,10 @@ def _fill_window(
         for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
             pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
             count, width = i1 - i0, (e1 - e0) * d_isz
-            if borrowed is not None and (count == 1 or run.dst_step == width):
-                view = streamer.borrow(run, i0, i1, e0, e1)
-                if view is not None:
-                    borrowed.append((pos, view))
+            if borrowed is not None and (count == 1 or run.dst_step == run.src_step == width):
+                rows = streamer.borrow(run, i0, i1, e0, e1)  # contiguous at both ends
+                if rows is not None:
+                    borrowed.append((pos, rows.reshape(-1)))
                     filled += count * width
                     continue
             if count == 1 or run.dst_step == width:
@@ -761,25 +753,13 @@ def _pwritev_all(fd: int, path: str, parts: Sequence[np.ndarray], offset: int) -
         raise
 
 
-def _pwrite_all(fd: int, path: str, data: np.ndarray, offset: int) -> None:
-    view = memoryview(data).cast("B")
-    done = 0
-    try:
-        while done < len(view):
-            done += os.pwrite(fd, view[done:], offset + done)
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
-        raise
-
-
 def write_all(fd: int, path: str, data: bytes, offset: int) -> None:
-    _pwrite_all(fd, path, np.frombuffer(data, dtype=np.uint8), offset)
+    _pwritev_all(fd, path, [np.frombuffer(data, dtype=np.uint8)], offset)
 
 
 def pwrite_array(fd: int, path: str, data: np.ndarray, offset: int) -> None:
     """``pwrite`` a contiguous array's bytes where they are (no copy)."""
-    _pwrite_all(fd, path, data, offset)
+    _pwritev_all(fd, path, [data], offset)
 
 
 def stream_into_memory(

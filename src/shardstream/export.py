@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from . import collectives as coll
-from .checksum import digest, new_hasher
+from .checksum import ChunkHasher, digest, new_hasher
 from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
 from .errors import UsageError
@@ -175,14 +175,18 @@ def write_hf_model(
     streamer = Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes, ratio))
     paths = [target_dir / name for name, *_ in layouts]
     hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
+    files = _HfFiles(paths, hashed)
     error = None
     try:
         if shared:
-            _write_local(paths, runs, streamer, hashed)
+            _write_local(files, runs, streamer)
+            files.fsync()
         else:
-            _ship_to_rank0(paths, runs, streamer, hashed)
+            _ship_to_rank0(files, runs, streamer)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc
+    finally:
+        files.close()
     coll.agree_or_raise(error)  # also the barrier before sealing
     return _seal(paths, layouts, shared, hashed.digests)
 
@@ -194,24 +198,22 @@ class _WrittenChunks:
     def __init__(self, data_starts: list[int], sizes: list[int], chunk: int = DEFAULT_CHUNK_BYTES):
         self.starts, self.sizes, self.chunk = data_starts, sizes, chunk
         self.digests: dict[tuple[int, int], str] = {}
-        self._stretch: dict[int, list] = {}  # file -> [next data offset, hasher, chunk index]
+        # file -> [next data offset, first chunk index, its hasher, digests recorded from it]
+        self._stretch: dict[int, list] = {}
 
     def wrote(self, index: int, offset: int, data: np.ndarray) -> None:
         """``data`` (contiguous bytes) was written at file ``index``'s byte ``offset``."""
-        at, n, chunk = offset - self.starts[index], data.nbytes, self.chunk
+        at, chunk = offset - self.starts[index], self.chunk
         stretch = self._stretch.get(index)
         if stretch is None or stretch[0] != at:  # a new stretch: hash from its first boundary
-            stretch = self._stretch[index] = [at, new_hasher(), -(-at // chunk)]
-        pos = min(n, stretch[2] * chunk - at) if at < stretch[2] * chunk else 0
-        while pos < n:
-            chunk_end = min((stretch[2] + 1) * chunk, self.sizes[index])
-            take = min(n - pos, chunk_end - (at + pos))
-            stretch[1].update(memoryview(data[pos : pos + take]))
-            pos += take
-            if at + pos == chunk_end:
-                self.digests[(index, stretch[2])] = stretch[1].hexdigest()
-                stretch[1], stretch[2] = new_hasher(), stretch[2] + 1
-        stretch[0] = at + n
+            first = -(-at // chunk)
+            hasher = ChunkHasher(chunk, max(0, self.sizes[index] - first * chunk))
+            stretch = self._stretch[index] = [at, first, hasher, 0]
+        _, first, hasher, recorded = stretch
+        hasher.update(data[max(0, first * chunk + hasher.fed - at) :])  # bytes before a boundary
+        for k in range(recorded, len(hasher.digests)):
+            self.digests[(index, first + k)] = hasher.digests[k]
+        stretch[0], stretch[3] = at + data.nbytes, len(hasher.digests)
 
 
 def _create_files(target_dir: Path, layouts) -> None:
@@ -233,23 +235,13 @@ def _create_files(target_dir: Path, layouts) -> None:
 
 def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
     """(file index, offset, step, rows) per batch; rows of a same-dtype run in host memory are
-    views of the live tensor itself, so they go to the file with no copy and no buffer."""
+    views of the live tensor itself (``Streamer.borrow``), so they go to the file with no copy
+    and no buffer."""
     cap = streamer.buf.window.nbytes
     for index, run in runs:
-        view = getattr(streamer.endpoint(run.src), "host_view", None)
-        plain = run.src_dtype == run.dst_dtype
-        isz = itemsize(run.src_dtype)
         for i0, i1, e0, e1 in streamer.batches(run, 0, 1 << 62, cap):
             offset = run.dst_offset + i0 * run.dst_step + e0 * itemsize(run.dst_dtype)
-            rows = None
-            if plain and view is not None:
-                count, width = i1 - i0, (e1 - e0) * isz
-                first = run.src_offset + i0 * run.src_step + e0 * isz
-                span = view(first, (count - 1) * run.src_step + width if count else 0)
-                if span is not None:
-                    rows = np.lib.stride_tricks.as_strided(
-                        span, shape=(count, width), strides=(run.src_step if count > 1 else 0, 1)
-                    )
+            rows = streamer.borrow(run, i0, i1, e0, e1)
             if rows is None:
                 rows = streamer.rows(run, i0, i1, e0, e1)
             yield index, offset, run.dst_step, rows
@@ -269,22 +261,36 @@ def _pwrite_rows(
         on_written(offset + i * step, rows[i])
 
 
-def _write_local(paths: list[Path], runs, streamer: Streamer, hashed: _WrittenChunks) -> None:
-    fds = {}
-    try:
-        for index, offset, step, rows in _pieces(runs, streamer):
-            if index not in fds:
-                fds[index] = os.open(paths[index], os.O_WRONLY)
-            written = functools.partial(hashed.wrote, index)
-            _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
-        for fd in fds.values():
+class _HfFiles:
+    """The HF files a rank writes pieces into, each opened on first use; every write is
+    hashed from memory as it goes (``_WrittenChunks``)."""
+
+    def __init__(self, paths: list[Path], hashed: _WrittenChunks):
+        self.paths, self.hashed = paths, hashed
+        self.fds: dict[int, int] = {}
+
+    def write(self, index: int, offset: int, step: int, rows: np.ndarray) -> None:
+        if index not in self.fds:
+            self.fds[index] = os.open(self.paths[index], os.O_WRONLY)
+        written = functools.partial(self.hashed.wrote, index)
+        _pwrite_rows(self.fds[index], str(self.paths[index]), offset, step, rows, written)
+
+    def fsync(self) -> None:
+        for fd in self.fds.values():
             os.fsync(fd)
-    finally:
-        for fd in fds.values():
+
+    def close(self) -> None:
+        for fd in self.fds.values():
             os.close(fd)
+        self.fds.clear()
 
 
-def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer, hashed: _WrittenChunks) -> None:
+def _write_local(files: _HfFiles, runs, streamer: Streamer) -> None:
+    for piece in _pieces(runs, streamer):
+        files.write(*piece)
+
+
+def _ship_to_rank0(files: _HfFiles, runs, streamer: Streamer) -> None:
     """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order."""
     rank, world = coll.rank(), coll.world()
     grp, root = coll.group(), coll.global_rank(0)
@@ -303,38 +309,26 @@ def _ship_to_rank0(paths: list[Path], runs, streamer: Streamer, hashed: _Written
     # sends must all be matched, or they would wait forever. The error is raised at the end.
     error = None
     try:
-        _write_local(paths, runs, streamer, hashed)
+        _write_local(files, runs, streamer)
     except Exception as exc:  # noqa: BLE001
         error = exc
-    fds = {}
-    try:
-        for peer in range(1, world):
-            while True:
-                meta = torch.empty(5, dtype=torch.int64)
-                dist.recv(meta, coll.global_rank(peer), group=grp)
-                index, offset, step, count, width = (int(v) for v in meta)
-                if index < 0:
-                    break
-                data = torch.empty(count * width, dtype=torch.uint8)
-                dist.recv(data, coll.global_rank(peer), group=grp)
-                if error is not None:
-                    continue
+    for peer in range(1, world):
+        while True:
+            meta = torch.empty(5, dtype=torch.int64)
+            dist.recv(meta, coll.global_rank(peer), group=grp)
+            index, offset, step, count, width = (int(v) for v in meta)
+            if index < 0:
+                break
+            data = torch.empty(count * width, dtype=torch.uint8)
+            dist.recv(data, coll.global_rank(peer), group=grp)
+            if error is None:
                 try:
-                    if index not in fds:
-                        fds[index] = os.open(paths[index], os.O_WRONLY)
-                    rows = data.numpy().reshape(count, width)
-                    written = functools.partial(hashed.wrote, index)
-                    _pwrite_rows(fds[index], str(paths[index]), offset, step, rows, written)
+                    files.write(index, offset, step, data.numpy().reshape(count, width))
                 except Exception as exc:  # noqa: BLE001
                     error = exc
-        if error is None:
-            for fd in fds.values():
-                os.fsync(fd)
-    finally:
-        for fd in fds.values():
-            os.close(fd)
     if error is not None:
         raise error
+    files.fsync()
 
 
 def _seal(

@@ -285,7 +285,6 @@ def test_out_of_space_while_writing(tmp_path, monkeypatch):
     def full_disk(*args):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(os, "pwrite", full_disk)
     monkeypatch.setattr(os, "pwritev", full_disk)
     with pytest.raises(OutOfSpaceError, match=r"out\.bin: no space left on device"):
         merge_to_file(tmp_path, (4, 3), "F32", blocks, Buffers.sized(1))
