@@ -297,18 +297,12 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 raise local_error
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
         error = _save_error(exc, target)
-    # One collective whatever happened: every rank's records, or its error.
-    outcomes = coll.gather(
-        (records, None) if error is None else (None, f"rank {coll.rank()}: {error}")
-    )
-    failed = [message for _, message in outcomes if message]
-    if failed:
+    try:  # one collective whatever happened: every rank's records, or its error
+        gathered = coll.gather_or_raise(records if error is None else None, error)
+    except BaseException:
         if coll.rank() == 0:  # every rank has stopped writing: leave no partial output behind
             shutil.rmtree(tmp, ignore_errors=True)
-        if error is not None:
-            raise error
-        raise ShardstreamError(f"save failed on another rank: {failed[0]}")
-    gathered = [rank_records for rank_records, _ in outcomes]
+        raise
 
     if coll.rank() == 0:
         try:

@@ -75,12 +75,20 @@ def gather(value: Any) -> list[Any]:
 
 def agree_or_raise(error: BaseException | None, what: str = "save") -> None:
     """Make every rank fail together, so no rank waits forever on a collective."""
-    errors = gather(None if error is None else f"rank {rank()}: {error}")
-    failed = [e for e in errors if e]
-    if failed and error is None:
-        raise ShardstreamError(f"{what} failed on another rank: {failed[0]}")
+    gather_or_raise(None, error, what)
+
+
+def gather_or_raise(value: Any, error: BaseException | None, what: str = "save") -> list[Any]:
+    """Every rank's ``value`` in one collective, or, if any rank has an ``error``, that
+    error raised on every rank (its own where it has one)."""
+    message = None if error is None else f"rank {rank()}: {error}"
+    outcomes = gather((value if error is None else None, message))
+    failed = [m for _, m in outcomes if m]
     if error is not None:
         raise error
+    if failed:
+        raise ShardstreamError(f"{what} failed on another rank: {failed[0]}")
+    return [v for v, _ in outcomes]
 
 
 def init_from_environment() -> bool:
