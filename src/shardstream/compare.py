@@ -39,6 +39,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import lora
 from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .errors import (
@@ -212,7 +213,12 @@ def compare_with_reference(
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
     force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
-    drop = tied_duplicates(checkpoint.tensors, config, force_tie)
+    tensors, factors = _merged_names(checkpoint.tensors)
+    adapter = Path(test_hf_dir) / lora.ADAPTER_DIR / lora.ADAPTER_FILE
+    if factors and adapter.is_file():  # compared with the adapter merge writes beside the model
+        reference = reference + _tensors_of(read_header(adapter))
+        tensors = tensors + factors
+    drop = tied_duplicates(tensors, config, force_tie)
 
     report = CompareReport(
         reference=str(test_hf_dir),
@@ -221,15 +227,17 @@ def compare_with_reference(
         atol=atol,
         rtol=rtol,
     )
-    ours = {t.name: t for t in checkpoint.tensors}
+    ours = {t.name: t for t in tensors}
     theirs = {t.name: t for t in reference}
     report.skipped = sorted(n for n in drop if n not in theirs)
+    if factors and not adapter.is_file():
+        report.skipped += [t.name for t in factors]
     for t in reference:
         if t.name not in ours:
             report.problem(
                 f"tensor {t.name!r}: missing from the checkpoint (the reference has it in {t.path})"
             )
-    for t in checkpoint.tensors:
+    for t in tensors:
         if t.name not in theirs and t.name not in drop:
             report.problem(f"tensor {t.name!r}: unexpected; the reference has no such tensor")
 
@@ -276,6 +284,17 @@ def compare_with_reference(
             ep.close()
     report.wall_s = time.perf_counter() - start
     return report
+
+
+def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list[GlobalTensor]]:
+    """The base tensors under the names merge writes, and LoRA factors under PEFT's names."""
+    split = lora.split_lora(tensors)
+    if split is None:
+        return tensors, []
+    factors = [
+        GlobalTensor(name, t.dtype, t.shape, t.blocks) for name, t in lora.adapter_tensors(split)
+    ]
+    return split.base, factors
 
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:

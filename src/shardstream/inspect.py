@@ -32,7 +32,7 @@ def describe(path: str | os.PathLike) -> dict:
     from .formats.hf import read_config
 
     config = read_config(config_dir)
-    out_dtype = output_dtype(None, config)
+    out_dtype = output_dtype(None, config, checkpoint.format)
     dropped = tied_duplicates(checkpoint.tensors, config, False)
     tensors = []
     stored = written = 0

@@ -54,12 +54,20 @@ class MergeSummary:
         return {**asdict(self), "throughput_bytes_per_s": self.throughput_bytes_per_s}
 
 
-def output_dtype(requested: str | None, config: dict) -> str | None:
-    """``--dtype`` if given, else the dtype config.json names, else keep the stored dtype."""
+# verl's merger always writes bfloat16: merging a verl checkpoint whose config.json names no
+# dtype does the same, so swapping the tools gives the same files.
+VERL_DEFAULT_DTYPE = "bfloat16"
+
+
+def output_dtype(requested: str | None, config: dict, source_format: str = "") -> str | None:
+    """``--dtype`` if given, else the dtype config.json names, else bfloat16 for a verl
+    checkpoint (as verl's merger) and the stored dtype (None) for other formats."""
     if requested:
         return parse_dtype(requested)
     named = config.get("dtype") or config.get("torch_dtype")
-    return parse_dtype(named) if isinstance(named, str) and named != "auto" else None
+    if isinstance(named, str) and named != "auto":
+        return parse_dtype(named)
+    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
 
 
 def choose_outputs(
@@ -160,7 +168,7 @@ def merge(
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
-    out_dtype = output_dtype(dtype, config)
+    out_dtype = output_dtype(dtype, config, checkpoint.format)
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)
     tensors = split.base if split else checkpoint.tensors
@@ -286,7 +294,7 @@ def write_adapter(
         OutputTensor(name, dtype if dtype and t.dtype in FLOATING else t.dtype, t)
         for name, t in lora.adapter_tensors(split)
     ]
-    record = write_safetensors(str(adapter_dir / "adapter_model.safetensors"), factors, streamer)
+    record = write_safetensors(str(adapter_dir / lora.ADAPTER_FILE), factors, streamer)
     settings = lora.adapter_config(split, *rank_alpha, config.get("_name_or_path") or None)
     (adapter_dir / lora.ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
     return record.size

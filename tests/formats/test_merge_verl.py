@@ -175,7 +175,8 @@ def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path)
             assert code == 0
             got = load_file(target / "model.safetensors")
             assert got.keys() == full.keys()
-            assert all(torch.equal(got[k], v) for k, v in full.items())
+            # No config.json names a dtype: bfloat16, as verl's merger writes.
+            assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in full.items())
         else:
             assert code == 1 and not target.exists()
 
@@ -243,3 +244,34 @@ def test_dtensor_stand_ins_read_what_torchs_classes_read(checkpoints):
     here = scope["describe_files"](paths)
     assert json.loads(fresh) == json.loads(here)
     assert '"dtensor"' in here and "Shard(dim=1)" in here and "Replicate()" in here
+
+
+def test_compare_lora_checkpoint_with_its_merge(checkpoints, tmp_path):
+    """``shardstream test`` on a LoRA run compares what merge writes: base weights under HF
+    names, and the factors against ``lora_adapter/`` when the reference has one."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from shardstream.compare import compare_with_reference
+
+    root, actor = checkpoints["ws4-lora"]
+    target = tmp_path / "merged"
+    merge(actor, target, "--dtype", "float32")
+    adapter_file = target / "lora_adapter" / "adapter_model.safetensors"
+    n_base = len(load_file(target / "model.safetensors"))
+    adapter = load_file(adapter_file)
+    report = compare_with_reference(actor, target)
+    assert report.ok, report.problems
+    assert report.compared == n_base + len(adapter) and report.max_abs_diff == 0.0
+
+    name = sorted(adapter)[0]
+    adapter[name] = adapter[name] + 1
+    save_file(adapter, str(adapter_file), metadata={"format": "pt"})
+    report = compare_with_reference(actor, target)
+    assert not report.ok and any(name in line for line in report.problems)
+
+    shutil.rmtree(target / "lora_adapter")
+    report = compare_with_reference(actor, target)
+    assert report.ok and report.compared == n_base
+    assert sorted(report.skipped) == sorted(adapter)
