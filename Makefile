@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardstream-installed
 
-.PHONY: demo test lint format bench soak clean
+.PHONY: demo test lint format bench interop soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,12 +30,19 @@ format: $(STAMP)
 	$(PY) -m ruff format src tests bench
 	$(PY) -m ruff check --fix src tests bench
 
-# Benchmarks write docs/benchmarks*.md and docs/img/ (about an hour on 2 cores).
+# Benchmarks write docs/benchmarks*.md, docs/interop.md and docs/img/ (about 90 minutes on 2 cores).
 bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py
 	$(PY) bench/distributed_merge_bench.py --ckpt bench/results/ckpt/qwen2-4gb-ws4/global_step_1/actor --repeats 1
 	$(PY) bench/dcp_merge_bench.py
+	$(PY) bench/save_bench.py --at-commit HEAD
+	$(PY) bench/verl_interop.py
+
+# verl 0.9.1's own checkpoint manager saves; verl's merger and shardstream merge and restore
+# (bit for bit); writes docs/interop.md (about 3 minutes).
+interop: $(STAMP)
+	$(PY) bench/verl_interop.py
 
 # Long reliability trials (kill -9, corruption, fuzzing); writes docs/reliability.md.
 soak: $(STAMP)

@@ -12,7 +12,8 @@ PIP="$VENV/bin/python -m pip"
 TORCH="torch==2.13.0"
 # verl==0.9.1's own requirements list wandb, datasets, ray[default], ... that the merger never
 # imports, so verl goes in with --no-deps and only what `python -m verl.model_merger` imports is
-# added, inside verl's declared ranges (tensordict<=0.10.0, transformers<5.11).
+# added, inside verl's declared ranges (tensordict<=0.10.0, transformers<5.11). The last four are
+# what verl's own FSDPCheckpointManager imports (bench/verl_interop.py saves with it).
 DEPS=(
     "ray==2.60.0"
     "tensordict==0.10.0"
@@ -23,6 +24,10 @@ DEPS=(
     "numpy"
     "tqdm"
     "psutil"
+    "peft==0.21.2"
+    "datasets==5.2.0"
+    "pillow==13.0.0"
+    "codetiming==1.4.0"
 )
 PINS="verl==0.9.1 $TORCH ${DEPS[*]}"
 STAMP="$VENV/.bench-installed"
@@ -38,6 +43,7 @@ $PIP install --quiet --no-deps verl==0.9.1
 $PIP install --quiet "$TORCH" "${DEPS[@]}"
 # Fail here, not in the middle of a benchmark, if the merger cannot even start.
 "$VENV/bin/python" -m verl.model_merger merge --help >/dev/null
+"$VENV/bin/python" -c "import verl.utils.checkpoint.fsdp_checkpoint_manager"
 "$VENV/bin/python" - <<'PY'
 import torch
 assert torch.__version__.startswith("2.13.0"), torch.__version__
