@@ -147,8 +147,12 @@ def prepare_save(
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
     hf_export: Any = None,
+    lora_only: bool = False,
 ) -> PreparedSave:
-    """Capture references to the state to save; local to this rank, no collectives."""
+    """Capture references to the state to save; local to this rank, no collectives.
+
+    ``lora_only``: "model" saves only LoRA weights when the model has any (verl's
+    ``save_lora_only``)."""
     contents = check_contents(contents, "save_contents")
     if "model" in contents and model is None:
         raise UsageError("save_contents includes 'model' but no model was given")
@@ -161,7 +165,11 @@ def prepare_save(
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     if "model" in contents:
-        tensors.update(st.model_tensors(model))
+        model_part = st.model_tensors(model)
+        tensors.update(st.lora_only(model_part) if lora_only else model_part)
+        lora = st.lora_settings(model)
+        if lora is not None:  # merge needs r and alpha to write or fuse the adapter
+            objects["lora"] = lora
     if "optimizer" in contents:
         optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
@@ -474,6 +482,10 @@ def _checked_targets(
     for what, tensors in (("model", model_tensors), ("optimizer", optim_tensors)):
         if tensors is not None and what not in saved:
             raise CheckpointFormatError(f"{path}: holds no {what} state (saved: {sorted(saved)})")
+    saved_model = [k for k in available if k.startswith(native.MODEL_PREFIX)]
+    if model_tensors and saved_model and all(st.is_lora_name(k) for k in saved_model):
+        # A LoRA-only checkpoint (save_lora_only): fill the adapters, keep the base weights.
+        model_tensors = {k: v for k, v in model_tensors.items() if st.is_lora_name(k)}
     targets = {**(model_tensors or {}), **(optim_tensors or {})}
     missing = [k for k in targets if k not in available]
     if missing:

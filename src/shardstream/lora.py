@@ -62,8 +62,14 @@ def split_lora(tensors: list[GlobalTensor]) -> LoraSplit | None:
     return split
 
 
-def lora_settings(directory: Path) -> tuple[int, float]:
-    """(r, lora_alpha) from verl's lora_train_meta.json or lora_adapter/adapter_config.json."""
+def lora_settings(directory: Path, recorded: dict | None = None) -> tuple[int, float]:
+    """(r, lora_alpha) as the checkpoint ``recorded`` them (shardstream's manifest), else from
+    verl's lora_train_meta.json or lora_adapter/adapter_config.json."""
+    if recorded is not None:
+        try:
+            return int(recorded["r"]), float(recorded["lora_alpha"])
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointFormatError(f"{directory}: no usable r/lora_alpha ({exc})") from None
     for path in (directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG):
         if path.is_file():
             try:

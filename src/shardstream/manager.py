@@ -63,6 +63,7 @@ _IGNORED_VERL_KEYS = frozenset(
         "checkpoint_engine",
         "mbridge_config",
         "save_hf_model",
+        "strict",  # verl: strict weight export (Megatron); shardstream's checks are always strict
     }
 )
 _SYNONYMS = {
@@ -89,6 +90,8 @@ class CheckpointConfig:
         shared_filesystem: whether all ranks see one filesystem (None: detect at save time).
         stagger_host_transfers: ranks on one host take turns copying device tensors to host
             memory (GPU runs), so they don't saturate the host link together.
+        save_lora_only: on a model with LoRA adapters, "model" saves only the adapter weights
+            (verl's key); restoring such a checkpoint fills those and leaves the base weights.
     """
 
     directory: str
@@ -101,6 +104,7 @@ class CheckpointConfig:
     async_save: bool = False
     shared_filesystem: bool | None = None
     stagger_host_transfers: bool = False
+    save_lora_only: bool = False
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -386,6 +390,7 @@ class CheckpointManager:
             buffer_size=buffer_bytes,
             overwrite=True,
             hf_export=exporter,
+            lora_only=self.config.save_lora_only,
         )
 
     def _commit(self, prepared):

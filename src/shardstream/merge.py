@@ -171,12 +171,21 @@ def merge(
     out_dtype = output_dtype(dtype, config, checkpoint.format)
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)
+    adapter_only = split is not None and not split.base  # saved with save_lora_only
+    if adapter_only and fuse_lora:
+        raise UsageError(
+            f"{local_dir}: the checkpoint holds LoRA weights only (save_lora_only), so there "
+            "are no base weights to fuse them into; merge without --fuse-lora for the adapter"
+        )
     tensors = split.base if split else checkpoint.tensors
     if split:
-        rank_alpha = lora.lora_settings(Path(getattr(checkpoint, "directory", local_dir)))
+        rank_alpha = lora.lora_settings(
+            Path(getattr(checkpoint, "directory", local_dir)),
+            getattr(checkpoint, "lora_settings", None),
+        )
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     outputs = choose_outputs(tensors, out_dtype, drop)
-    files = hf.plan_hf_files(outputs, max_file_bytes)
+    files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes)
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
 
@@ -240,7 +249,10 @@ def merge(
                     index_doc = json.dumps(hf.index_document(files), indent=2) + "\n"
                     (tmp / hf.INDEX_FILE).write_text(index_doc)
                 if split and not fuse_lora:
-                    written += write_adapter(tmp, split, rank_alpha, out_dtype, streamer, config)
+                    adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
+                    written += write_adapter(
+                        adapter_dir, split, rank_alpha, out_dtype, streamer, config
+                    )
                 if config_dir is not None:
                     dtype_name = (
                         str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
@@ -253,8 +265,8 @@ def merge(
     return MergeSummary(
         target=str(target),
         format=checkpoint.format,
-        files=[name for name, _ in files],
-        tensors=len(outputs),
+        files=[lora.ADAPTER_FILE] if adapter_only else [name for name, _ in files],
+        tensors=2 * len(split.factors) if adapter_only else len(outputs),
         bytes_written=written,
         wall_s=time.perf_counter() - start,
         peak_rss_bytes=peak_rss_bytes(),
@@ -280,16 +292,16 @@ def _assemble(index: int, gathered: list[dict]) -> list[str]:
 
 
 def write_adapter(
-    tmp: Path,
+    adapter_dir: Path,
     split: lora.LoraSplit,
     rank_alpha: tuple[int, float],
     dtype: str | None,
     streamer: Streamer,
     config: dict,
 ) -> int:
-    """The LoRA factors as a PEFT adapter in ``lora_adapter/`` beside the base model."""
-    adapter_dir = tmp / lora.ADAPTER_DIR
-    adapter_dir.mkdir()
+    """The LoRA factors as a PEFT adapter in ``adapter_dir``: ``lora_adapter/`` beside the
+    base model, or the output itself for a LoRA-only checkpoint."""
+    adapter_dir.mkdir(exist_ok=True)
     factors = [
         OutputTensor(name, dtype if dtype and t.dtype in FLOATING else t.dtype, t)
         for name, t in lora.adapter_tensors(split)

@@ -34,6 +34,44 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def is_lora_name(name: str) -> bool:
+    """A LoRA/adapter weight, by the test verl uses for LoRA-only checkpoints."""
+    return "lora_" in name or ".adapter_" in name
+
+
+def lora_only(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The LoRA weights of a model's tensors; all of them when the model has none."""
+    lora = {k: v for k, v in tensors.items() if is_lora_name(k)}
+    return lora or tensors
+
+
+def lora_settings(model: torch.nn.Module) -> dict[str, Any] | None:
+    """r, lora_alpha and task_type of a PEFT model's first adapter (what verl records in
+    lora_train_meta.json), or None for a model without LoRA."""
+    config = getattr(model, "peft_config", None)
+    if isinstance(config, dict):
+        config = config.get("default") or next(iter(config.values()), None)
+    if config is None:
+        return None
+
+    def field(name: str, default: Any = None) -> Any:
+        return (
+            config.get(name, default)
+            if isinstance(config, dict)
+            else getattr(config, name, default)
+        )
+
+    r = int(field("r", 0) or 0)
+    if r <= 0:
+        return None
+    task = field("task_type", None) or "CAUSAL_LM"
+    return {
+        "r": r,
+        "lora_alpha": float(field("lora_alpha", r)),
+        "task_type": str(getattr(task, "value", task)),
+    }
+
+
 def optimizer_state(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:

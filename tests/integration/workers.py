@@ -294,3 +294,35 @@ def planning_paths_run(rank: int, world: int, root: str, layout: str) -> dict:
         for name in ("planned", "dcp"):
             out[name] = json.loads((Path(root) / name / native.MANIFEST).read_text())
     return out
+
+
+def lora_only_run(rank: int, world: int, root: str, stage: str, seed: int) -> dict:
+    """A LoRA model (PEFT's key names) on FSDP2: stage "save" trains a step and saves with
+    ``save_lora_only``; "restore" restores into a model built from ``seed``; "fresh" only
+    builds it."""
+    from shardstream.testing.tiny_models import add_lora
+
+    torch.manual_seed(seed)
+    model = add_lora(build_tiny_model(tiny_config("qwen2"), seed=seed))
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+        for layer in model.base_model.model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=1e-2)
+    cfg = CheckpointConfig(directory=root, save_lora_only=True)
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+    if stage == "save":
+        ids = batch(1)
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        manager.save(1)
+    elif stage == "restore":
+        manager.restore()
+    manager.close()
+    return {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}

@@ -427,6 +427,11 @@ class NativeCheckpoint:
             t.name: f"{len(t.blocks)} chunk(s) over {self.world_size} rank(s)" for t in self.tensors
         }
 
+    @property
+    def lora_settings(self) -> dict | None:
+        """``{"r", "lora_alpha", ...}`` of a model saved with LoRA adapters, else None."""
+        return self.manifest.get("objects", {}).get("lora")
+
     def config_dir(self) -> Path | None:
         hf = self.directory / "huggingface"
         if not (hf / "config.json").is_file():
