@@ -63,7 +63,16 @@ CASES: dict[str, dict] = {
         "mesh": [2],
         "lora": True,
         "contents": ["model", "optimizer", "extra"],
-        "restore": [],
+        "restore": [[3], None],
+    },
+    "qwen2-lora-only-fsdp4": {
+        "arch": "qwen2",
+        "tie": False,
+        "mesh": [4],
+        "lora": True,
+        "lora_only": True,  # verl's save_lora_only: the model files hold the adapters only
+        "contents": ["model", "optimizer", "extra"],
+        "restore": [[2]],
     },
 }
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
@@ -121,7 +130,11 @@ def _save_main(case_name: str, root: Path) -> None:
         optimizer=optimizer,
         lr_scheduler=scheduler,
         processing_class=tm.build_tiny_tokenizer(vocab),
-        checkpoint_config={"save_contents": contents, "load_contents": contents},
+        checkpoint_config={
+            "save_contents": contents,
+            "load_contents": contents,
+            "save_lora_only": case.get("lora_only", False),
+        },
     )
     actor = root / f"global_step_{STEP}" / "actor"
     manager.save_checkpoint(local_path=str(actor), global_step=STEP)
@@ -190,12 +203,16 @@ def merge_case(name: str, root: Path) -> dict:
 
     actor = root / f"global_step_{STEP}" / "actor"
     out = root / "merged"
+    out.mkdir(parents=True, exist_ok=True)
     verl_flags = ["merge", "--backend", "fsdp", "--local_dir", str(actor)]
     result: dict = {"checks": []}
 
     def check(label: str, ok: bool, detail: str = "") -> None:
         result["checks"].append({"check": label, "ok": bool(ok), "detail": detail})
 
+    if CASES[name].get("lora_only"):
+        _merge_lora_only(actor, root, out, result, check)
+        return result
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     verl = _run(
         [str(BENCH_PY), "-m", "verl.model_merger", *verl_flags, "--target_dir", str(out / "verl")],
@@ -283,6 +300,41 @@ def merge_case(name: str, root: Path) -> dict:
     return result
 
 
+def _merge_lora_only(actor: Path, root: Path, out: Path, result: dict, check) -> None:
+    """A save_lora_only checkpoint merges to a PEFT adapter equal to the LoRA weights verl saved;
+    verl's own merger is run for the record."""
+    import torch
+    from safetensors.torch import load_file
+
+    target = out / "ss-adapter"
+    flags = ["merge", "--backend", "fsdp", "--local_dir", str(actor), "--target_dir", str(target)]
+    proc = _run([sys.executable, "-m", "shardstream", *flags, "--dtype", "float32", "--quiet"])
+    check("shardstream merge of the LoRA-only checkpoint runs", proc.returncode == 0, proc.stderr)
+    if proc.returncode:
+        return
+    files = sorted(p.name for p in target.iterdir())
+    check("it writes a PEFT adapter directory", "adapter_model.safetensors" in files, str(files))
+    adapter = load_file(target / "adapter_model.safetensors")
+    saved = load_file(root / "reference" / "model.safetensors")
+    lora = {k: v for k, v in saved.items() if "lora_" in k}
+    same = len(adapter) == len(lora) and all(
+        torch.equal(t, lora.get(n.replace(".weight", ".default.weight"), torch.empty(0)))
+        for n, t in adapter.items()
+    )
+    check("adapter == the LoRA weights verl saved, bit for bit (fp32)", same)
+    config = json.loads((target / "adapter_config.json").read_text())
+    want = (LORA["r"], LORA["lora_alpha"], sorted(LORA["target_modules"]))
+    got = (config["r"], config["lora_alpha"], sorted(config["target_modules"]))
+    check("adapter_config.json: r, lora_alpha, target_modules as trained", got == want, str(got))
+    result["adapter_tensors"] = len(adapter)
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
+    verl = _run([str(BENCH_PY), "-m", "verl.model_merger", *flags[:-1], str(out / "verl")], env=env)
+    lines = (verl.stderr.strip() or verl.stdout.strip() or "no output").splitlines()
+    result["verl_merger"] = (
+        "exit 0" if verl.returncode == 0 else f"exit {verl.returncode}: {lines[-1]}"
+    )
+
+
 def _loads(path: Path) -> tuple[bool, str]:
     from transformers import AutoModelForCausalLM
 
@@ -297,8 +349,11 @@ def _loads(path: Path) -> tuple[bool, str]:
 # ---------------------------------------------------------------- stage 3: restore
 
 
-def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None) -> dict:
-    """shardstream restores verl's checkpoint into a differently seeded model at this world size."""
+def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None, case_name: str) -> dict:
+    """shardstream restores verl's checkpoint into a differently seeded model at this world size.
+
+    LoRA cases use ``tiny_models.add_lora``, which names its tensors as peft does; after a
+    save_lora_only checkpoint the base weights must keep their pre-restore values."""
     import torch
     from safetensors.torch import load_file
     from torch.distributed.checkpoint.state_dict import (
@@ -314,25 +369,31 @@ def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None) -> di
     actor_path = Path(actor)
     root = actor_path.parent.parent
     config = AutoConfig.from_pretrained(actor_path / "huggingface")
+    spec = CASES[case_name]
     model = tm.build_tiny_model(config, seed=1234)
+    layers = model.model.layers
+    if spec["lora"]:
+        model = tm.add_lora(model, **LORA)
     if mesh is not None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
         names = ("fsdp",) if len(mesh) == 1 else ("ddp", "fsdp")
         device_mesh = init_device_mesh("cpu", tuple(mesh), mesh_dim_names=names)
-        for layer in model.model.layers:
+        for layer in layers:
             fully_shard(layer, mesh=device_mesh)
         fully_shard(model, mesh=device_mesh)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=5e-1, weight_decay=0.5)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trainable, lr=5e-1, weight_decay=0.5)
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=1, num_training_steps=10
     )
     cfg = CheckpointConfig(directory=str(root / f"shardstream-ws{world}"))
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    options = StateDictOptions(full_state_dict=True)
+    before = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
     restored = manager.restore(path=str(actor_path))
     rng_next = torch.rand(2).tolist()
-    options = StateDictOptions(full_state_dict=True)
     model_sd = get_model_state_dict(model, options=options)
     optim_sd = get_optimizer_state_dict(model, optimizer, options=options)
     manager.close()
@@ -342,6 +403,8 @@ def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None) -> di
     mismatches: list[str] = []
     model_ref = load_file(root / "reference" / "model.safetensors")
     for key, want in model_ref.items():
+        if spec.get("lora_only") and "lora_" not in key:
+            want = before[key]  # not in the checkpoint: restore must leave it alone
         got = model_sd.get(key)
         if got is None or got.dtype != want.dtype or not torch.equal(got, want):
             mismatches.append(f"model {key}")
@@ -374,7 +437,7 @@ def restore_case(name: str, root: Path) -> list[dict]:
     for mesh in CASES[name]["restore"]:
         world = 1 if mesh is None else math.prod(mesh)
         t0 = time.perf_counter()
-        result = run(restore_run, world, actor, mesh)[0]
+        result = run(restore_run, world, actor, mesh, name)[0]
         result.update(mesh=mesh, world=world, seconds=round(time.perf_counter() - t0, 1))
         rows.append(result)
     return rows
@@ -467,7 +530,12 @@ def render(results: dict) -> str:
             if vs.get("identical")
             else "**differs**"
         )
-        if merge.get("adapter_tensors"):
+        if spec.get("lora_only"):
+            merge_cell = (
+                f"shardstream writes the PEFT adapter ({merge.get('adapter_tensors')} tensors, "
+                f"equal to verl's saved LoRA weights); verl's merger: {merge.get('verl_merger')}"
+            )
+        elif merge.get("adapter_tensors"):
             merge_cell += f"; `lora_adapter/` identical ({merge['adapter_tensors']} tensors)"
         restores = []
         for r in case["restore"]:
@@ -479,10 +547,11 @@ def render(results: dict) -> str:
         mesh = "×".join(map(str, spec["mesh"]))
         title = spec["arch"] + (", tied" if spec["tie"] else "")
         title += ", LoRA (peft)" if spec["lora"] else ""
+        title += ", save_lora_only" if spec.get("lora_only") else ""
         lines.append(
             f"| {name} ({title}) | {mesh} | {', '.join(spec['contents'])} | {placements} "
             f"| {merge_cell} | "
-            f"{'; '.join(restores) or 'not run (peft model)'} |"
+            f"{'; '.join(restores) or 'not run'} |"
         )
     lines += ["", "## Every check", ""]
     for name, case in results["cases"].items():
@@ -514,8 +583,9 @@ def render(results: dict) -> str:
         "same files.",
         "- The restore side shards with plain `fully_shard` (`Shard(0)`) at a different world "
         "size, so every tensor is resharded across both dimension and rank count.",
-        "- The LoRA case merges a real `peft` model; restoring a peft model through the manager "
-        "is not run here (the project venv has no peft).",
+        "- LoRA: verl trains a real `peft` model. The project venv has no peft, so the restore "
+        "side uses `shardstream.testing.tiny_models.add_lora`, which gives the same tensor "
+        "names. After a `save_lora_only` checkpoint the base weights must keep their values.",
         "- FSDP1 checkpoints written by verl are not covered: FSDP1's sharded state dict needs a "
         "device mesh to hold DTensors, and verl's FSDP1 path is GPU-centred.",
         "",
