@@ -27,6 +27,7 @@ from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
 from .formats.safetensors import build_header, checksum_metadata
+from .formats.writer import start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
 from .state import model_tensors
 
@@ -274,6 +275,7 @@ class _HfFiles:
             self.fds[index] = os.open(self.paths[index], os.O_WRONLY)
         written = functools.partial(self.hashed.wrote, index)
         _pwrite_rows(self.fds[index], str(self.paths[index]), offset, step, rows, written)
+        start_writeback(self.fds[index], offset, (rows.shape[0] - 1) * step + rows.shape[1])
 
     def fsync(self) -> None:
         for fd in self.fds.values():
