@@ -154,9 +154,14 @@ def _fsdp1_rank(rank: int, world: int, root: str, with_mesh: bool) -> dict:
     kwargs = {"device_id": torch.device("cpu")}
     if with_mesh:
         kwargs["device_mesh"] = init_device_mesh("cpu", (world,))
-    wrapped = FSDP(model, **kwargs)
+    wrapped = FSDP(model, use_orig_params=True, **kwargs)
+    optimizer = torch.optim.AdamW(wrapped.parameters(), lr=1e-2)
+    wrapped(torch.ones(3, 6)).sum().backward()
+    optimizer.step()
     with FSDP.state_dict_type(wrapped, StateDictType.SHARDED_STATE_DICT):
         torch.save(wrapped.state_dict(), f"{root}/model_world_size_{world}_rank_{rank}.pt")
+        # As verl saves it: the optimizer's own state dict, flat-parameter fragments.
+        torch.save(optimizer.state_dict(), f"{root}/optim_world_size_{world}_rank_{rank}.pt")
     with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
         return {k: v.clone() for k, v in wrapped.state_dict().items()}
 
@@ -179,6 +184,23 @@ def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path)
             assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in full.items())
         else:
             assert code == 1 and not target.exists()
+    _fsdp1_optimizer_is_refused(tmp_path / "fsdp1-True", full)
+
+
+def _fsdp1_optimizer_is_refused(actor, full: dict) -> None:
+    """FSDP1's optimizer files cannot be resharded: restore says so and names the file;
+    the model alone restores (here into a plain module on one process)."""
+    import shardstream
+    from shardstream.errors import CheckpointFormatError
+
+    torch.manual_seed(5)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 30), torch.nn.Linear(30, 5))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with pytest.raises(CheckpointFormatError, match="flat-parameter shards") as err:
+        shardstream.load(actor, model=model, optimizer=optimizer, contents=("model", "optimizer"))
+    assert "optim_world_size_2_rank_" in str(err.value)
+    shardstream.load(actor, model=model, optimizer=optimizer, contents=("model",))
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in full.items())
 
 
 # What load_layout says about every tensor of a .pt file, as JSON; run in a fresh process

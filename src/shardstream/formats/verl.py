@@ -278,6 +278,13 @@ def open_verl_optimizer(
                 )
             for key, value in values.items():
                 flat = f"{prefix}{names[pid]}.{key}"
+                if isinstance(value, torch.Tensor) and value.dim() > 0 and world_size > 1:
+                    raise CheckpointFormatError(
+                        f"{path}: optimizer state {names[pid]}.{key} is a plain per-rank "
+                        "fragment (FSDP1 keeps flat-parameter shards), which cannot be placed "
+                        "in the model; restore without 'optimizer' in load_contents (the "
+                        "model and extra restore at any world size)"
+                    )
                 if isinstance(value, (torch.Tensor, DistributedTensor)):
                     out[flat] = value
                 else:
