@@ -65,6 +65,17 @@ CASES: dict[str, dict] = {
         "contents": ["model", "optimizer", "extra"],
         "restore": [[3], None],
     },
+    "qwen2-fsdp1-ws2": {
+        "arch": "qwen2",
+        "tie": False,
+        "mesh": [2],
+        "lora": False,
+        "fsdp1": True,  # FullyShardedDataParallel with a device mesh: DTensor shards
+        "contents": ["model", "optimizer", "extra"],
+        "restore": [[3]],
+        # FSDP1's optimizer files hold flat-parameter fragments: no reshardable optimizer.
+        "restore_contents": ["model", "extra"],
+    },
     "qwen2-lora-only-fsdp4": {
         "arch": "qwen2",
         "tie": False,
@@ -86,6 +97,11 @@ def _save_main(case_name: str, root: Path) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager
@@ -107,8 +123,21 @@ def _save_main(case_name: str, root: Path) -> None:
         model = get_peft_model(model, LoraConfig(**LORA, task_type="CAUSAL_LM"))
     names = ("fsdp",) if len(case["mesh"]) == 1 else ("ddp", "fsdp")
     mesh = init_device_mesh("cpu", tuple(case["mesh"]), mesh_dim_names=names)
-    placement = get_shard_placement_fn(fsdp_size=case["mesh"][-1])
-    apply_fsdp2(model, {"mesh": mesh, "shard_placement_fn": placement}, {})
+    if case.get("fsdp1"):
+        from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+        from torch.distributed.fsdp.wrap import ModuleWrapPolicy
+
+        layer_cls = type(model.model.layers[0])
+        model = FSDP(
+            model,
+            device_id=torch.device("cpu"),
+            device_mesh=mesh,
+            auto_wrap_policy=ModuleWrapPolicy({layer_cls}),
+            use_orig_params=True,
+        )
+    else:
+        placement = get_shard_placement_fn(fsdp_size=case["mesh"][-1])
+        apply_fsdp2(model, {"mesh": mesh, "shard_placement_fn": placement}, {})
 
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = torch.optim.AdamW(params, lr=1e-3, weight_decay=0.01)
@@ -140,18 +169,19 @@ def _save_main(case_name: str, root: Path) -> None:
     manager.save_checkpoint(local_path=str(actor), global_step=STEP)
     rng_next = torch.rand(2).tolist()  # continues the RNG state verl just saved
 
-    def full(value):
-        return value.full_tensor() if isinstance(value, DTensor) else value
-
-    model_ref = {k: full(v).detach().clone() for k, v in model.state_dict().items()}
-    fqns = [n for n, p in model.named_parameters() if p.requires_grad]
-    optim_sd = optimizer.state_dict()
+    # The reference: every tensor gathered whole, keyed by parameter name (DSD handles FSDP1
+    # and FSDP2 alike), and the placements as verl wrote them to rank 0's file.
+    full = StateDictOptions(full_state_dict=True)
+    model_ref = {
+        k: v.detach().clone() for k, v in get_model_state_dict(model, options=full).items()
+    }
     optim_ref = {}
-    for pid, entries in optim_sd["state"].items():
+    for fqn, entries in get_optimizer_state_dict(model, optimizer, options=full)["state"].items():
         for key, value in entries.items():
-            optim_ref[f"{fqns[pid]}/{key}"] = full(value).detach().clone()
+            optim_ref[f"{fqn}/{key}"] = torch.as_tensor(value).detach().clone()
     placements = {}
-    for v in model.state_dict().values():
+    written = torch.load(actor / f"model_world_size_{world}_rank_0.pt", weights_only=True)
+    for v in written.values():
         label = str(v.placements) if isinstance(v, DTensor) else "plain"
         placements[label] = placements.get(label, 0) + 1
     if rank == 0:
@@ -349,7 +379,14 @@ def _loads(path: Path) -> tuple[bool, str]:
 # ---------------------------------------------------------------- stage 3: restore
 
 
-def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None, case_name: str) -> dict:
+def restore_run(
+    rank: int,
+    world: int,
+    actor: str,
+    mesh: list[int] | None,
+    case_name: str,
+    contents: list[str] | None = None,
+) -> dict:
     """shardstream restores verl's checkpoint into a differently seeded model at this world size.
 
     LoRA cases use ``tiny_models.add_lora``, which names its tensors as peft does; after a
@@ -388,7 +425,8 @@ def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None, case_
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=1, num_training_steps=10
     )
-    cfg = CheckpointConfig(directory=str(root / f"shardstream-ws{world}"))
+    contents = tuple(contents or spec.get("restore_contents", ("model", "optimizer", "extra")))
+    cfg = CheckpointConfig(directory=str(root / f"shardstream-ws{world}"), load_contents=contents)
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     options = StateDictOptions(full_state_dict=True)
     before = {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
@@ -409,15 +447,17 @@ def restore_run(rank: int, world: int, actor: str, mesh: list[int] | None, case_
         if got is None or got.dtype != want.dtype or not torch.equal(got, want):
             mismatches.append(f"model {key}")
     optim_ref = load_file(root / "reference" / "optim" / "optim.safetensors")
+    if "optimizer" not in contents:
+        optim_ref = {}
     for key, want in optim_ref.items():
         fqn, field = key.rsplit("/", 1)
         got = optim_sd["state"].get(fqn, {}).get(field)
         if got is None or not torch.equal(torch.as_tensor(got), want):
             mismatches.append(f"optimizer {key}")
     meta = json.loads((root / "reference" / "meta.json").read_text())
-    if optimizer.param_groups[0]["lr"] != meta["lr"]:
+    if "optimizer" in contents and optimizer.param_groups[0]["lr"] != meta["lr"]:
         mismatches.append(f"lr {optimizer.param_groups[0]['lr']} != {meta['lr']}")
-    if scheduler.last_epoch != meta["scheduler_last_epoch"]:
+    if "optimizer" in contents and scheduler.last_epoch != meta["scheduler_last_epoch"]:
         mismatches.append(f"scheduler.last_epoch {scheduler.last_epoch}")
     if rng_next != meta["rng_next_rank0"]:
         mismatches.append("rank 0's torch RNG stream")
@@ -440,6 +480,16 @@ def restore_case(name: str, root: Path) -> list[dict]:
         result = run(restore_run, world, actor, mesh, name)[0]
         result.update(mesh=mesh, world=world, seconds=round(time.perf_counter() - t0, 1))
         rows.append(result)
+    if "restore_contents" in CASES[name]:  # what is left out must be refused clearly
+        try:
+            run(restore_run, 2, actor, [2], name, ["model", "optimizer", "extra"])
+            said = "restored without an error"
+        except Exception as exc:  # noqa: BLE001  (the message is the result)
+            said = str(exc)
+        lines = [line for line in said.splitlines() if "CheckpointFormatError" in line]
+        ok = "flat-parameter shards" in said and "optim_world_size_" in said
+        said = (lines or [said])[-1].replace(str(root) + "/", "")
+        rows.append({"probe": "optimizer", "said": said[-400:], "ok": ok})
     return rows
 
 
@@ -489,7 +539,12 @@ def failures(results: dict) -> list[str]:
         out += [
             f"{name}: restore at {r['mesh']}: {r['mismatches'][:5]}"
             for r in case["restore"]
-            if r["mismatches"]
+            if "probe" not in r and r["mismatches"]
+        ]
+        out += [
+            f"{name}: restoring its {r['probe']} was not refused clearly: {r['said']}"
+            for r in case["restore"]
+            if "probe" in r and not r["ok"]
         ]
     return out
 
@@ -512,7 +567,8 @@ def render(results: dict) -> str:
         f"- **verl side** (`.bench-venv`): verl {v.get('verl')}, torch {v.get('torch')}, "
         f"transformers {v.get('transformers')}, peft {v.get('peft')}",
         "- **How verl trains:** a tiny model from a config (random weights), sharded with verl's "
-        "`apply_fsdp2` and `get_shard_placement_fn` on a CPU mesh over gloo (torchrun), AdamW, "
+        "`apply_fsdp2` and `get_shard_placement_fn` (FSDP1: `FullyShardedDataParallel` per "
+        "decoder layer) on a CPU mesh over gloo (torchrun), AdamW, "
         "verl's cosine schedule with warm-up, two steps on different data per rank, then "
         "`save_checkpoint(global_step=2)`.",
         "",
@@ -538,14 +594,15 @@ def render(results: dict) -> str:
         elif merge.get("adapter_tensors"):
             merge_cell += f"; `lora_adapter/` identical ({merge['adapter_tensors']} tensors)"
         restores = []
-        for r in case["restore"]:
+        for r in [r for r in case["restore"] if "probe" not in r]:
             where = (
                 "1 process, plain module" if r["mesh"] is None else "×".join(map(str, r["mesh"]))
             )
             verdict = "all equal" if not r["mismatches"] else f"**{len(r['mismatches'])} differ**"
             restores.append(f"{where}: {verdict}")
         mesh = "×".join(map(str, spec["mesh"]))
-        title = spec["arch"] + (", tied" if spec["tie"] else "")
+        title = spec["arch"] + (", FSDP1" if spec.get("fsdp1") else "")
+        title += ", tied" if spec["tie"] else ""
         title += ", LoRA (peft)" if spec["lora"] else ""
         title += ", save_lora_only" if spec.get("lora_only") else ""
         lines.append(
@@ -561,13 +618,23 @@ def render(results: dict) -> str:
         for c in case["merge"]["checks"]:
             lines.append(f"- {'pass' if c['ok'] else '**FAIL**'}: {c['check']}")
         for r in case["restore"]:
+            if "probe" in r:
+                state = "pass" if r["ok"] else "**FAIL**"
+                lines.append(
+                    f"- {state}: restoring its {r['probe']} state is refused, naming the file: "
+                    f"`{r['said'].strip()}`"
+                )
+                continue
             where = "1 process (plain module)" if r["mesh"] is None else f"mesh {r['mesh']}"
             state = "pass" if not r["mismatches"] else "**FAIL**"
+            optim = (
+                f"{r['optimizer_tensors']} optimizer tensors, learning rate, schedule step"
+                if r["optimizer_tensors"]
+                else "no optimizer (not restorable, below)"
+            )
             lines.append(
-                f"- {state}: restore at {where}: {r['model_tensors']} model and "
-                f"{r['optimizer_tensors']} optimizer tensors bit for bit, learning rate, "
-                "schedule step and rank 0's RNG stream "
-                f"({r['seconds']} s)"
+                f"- {state}: restore at {where}: {r['model_tensors']} model tensors and {optim} "
+                f"bit for bit, and rank 0's RNG stream ({r['seconds']} s)"
                 + (f"; differ: {', '.join(r['mismatches'][:5])}" if r["mismatches"] else "")
             )
         lines.append("")
@@ -586,8 +653,11 @@ def render(results: dict) -> str:
         "- LoRA: verl trains a real `peft` model. The project venv has no peft, so the restore "
         "side uses `shardstream.testing.tiny_models.add_lora`, which gives the same tensor "
         "names. After a `save_lora_only` checkpoint the base weights must keep their values.",
-        "- FSDP1 checkpoints written by verl are not covered: FSDP1's sharded state dict needs a "
-        "device mesh to hold DTensors, and verl's FSDP1 path is GPU-centred.",
+        "- FSDP1: verl's manager saves `FullyShardedDataParallel` (with a device mesh, "
+        "`use_orig_params`) the same way; its model shards are DTensors and merge and restore "
+        "them like FSDP2's. Its optimizer files hold flat-parameter fragments with no "
+        "placement, so they cannot be resharded; restore refuses them by name. FSDP1 without "
+        "a device mesh (`ShardedTensor`) is refused by merge.",
         "",
     ]
     return "\n".join(lines)
