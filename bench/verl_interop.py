@@ -645,9 +645,11 @@ def render(results: dict) -> str:
         "that divides the fsdp size, so weights whose rows do not divide it (the tiny models' "
         "vocabulary of 101, MLP width of 86) are `Shard(1)`; the table counts them.",
         "- Dtype: verl's merger always writes bfloat16. shardstream writes the dtype config.json "
-        "names; verl saves the config of a model built with `from_config` without one, and then "
-        "shardstream also writes bfloat16 for a verl checkpoint, so the same command gives the "
-        "same files.",
+        "names, and bfloat16 for a verl checkpoint whose config names none (these runs: a model "
+        "built with `from_config`; the hf_model case's config says bfloat16), so the same "
+        "command gives the same files here. When the config names float32 (verl's fp32 actor "
+        "under transformers 5), shardstream writes float32 and prints a note that "
+        "`--dtype bfloat16` gives verl's output.",
         "- The restore side shards with plain `fully_shard` (`Shard(0)`) at a different world "
         "size, so every tensor is resharded across both dimension and rank count.",
         "- LoRA: verl trains a real `peft` model. The project venv has no peft, so the restore "

@@ -297,3 +297,27 @@ def test_compare_lora_checkpoint_with_its_merge(checkpoints, tmp_path):
     report = compare_with_reference(actor, target)
     assert report.ok and report.compared == n_base
     assert sorted(report.skipped) == sorted(adapter)
+
+
+def test_float32_config_is_honoured_and_the_difference_from_verl_is_said(
+    checkpoints, tmp_path, capsys
+):
+    """verl's actor config can name float32 (transformers 5 rewrites it for an fp32 actor):
+    merge writes what config.json names and says that verl's merger would write bf16."""
+    import shutil
+
+    root, actor = checkpoints["ws4"]
+    copy = tmp_path / "actor"
+    shutil.copytree(actor, copy)
+    config_path = copy / "huggingface" / "config.json"
+    config = json.loads(config_path.read_text())
+    config["dtype"] = "float32"
+    config_path.write_text(json.dumps(config))
+    target = tmp_path / "merged"
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(copy), "--target_dir", str(target)]
+    assert main(args) == 0
+    err = capsys.readouterr().err
+    assert "note: wrote float32" in err and "--dtype bfloat16" in err
+    assert all(t.dtype == torch.float32 for t in merged_tensors(target).values())
+    assert main([*args[:-1], str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert "note:" not in capsys.readouterr().err
