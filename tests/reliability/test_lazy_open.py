@@ -38,3 +38,7 @@ def test_a_merge_opens_only_model_tensors(saved_run):
     holding = {b.location for n in model for b in full.all_tensors[n].blocks}
     assert set(merge_view.headers) == holding
     assert len(merge_view.headers) < len(full.headers)  # extra-state files are not opened
+    for path, header in merge_view.headers.items():  # a merge keeps model entries only
+        kept = set(header.tensors)
+        assert kept and all(k.startswith(native.MODEL_PREFIX) for k in kept)
+        assert kept < set(full.headers[path].tensors)  # the optimizer's were dropped

@@ -491,7 +491,9 @@ def _open_native(
     directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    headers = _Headers()
+    # A merge keeps only the model entries of each rank file's header: with AdamW they are a
+    # third of it, and at thousands of ranks the headers are most of a merge's heap.
+    headers = _Headers(keep=MODEL_PREFIX if model_only else "")
     digests = headers.digests
     for name, info in manifest.get("files", {}).items():
         path = check_name(directory, name, "files")
@@ -524,10 +526,11 @@ class _Headers(dict):
     """Parsed data-file headers by path, each read and checked against its manifest digest on
     first use."""
 
-    def __init__(self):
+    def __init__(self, keep: str = ""):
         super().__init__()
         self.pending: dict[str, str] = {}
         self.digests: dict[str, tuple[int, int, list[str]]] = {}
+        self.keep = keep  # retain only the entries whose key starts with this
 
     def get(self, path, default=None):
         if path in self:
@@ -545,8 +548,11 @@ class _Headers(dict):
         sums = stored_checksums(header)
         if sums is None:
             raise CheckpointFormatError(f"{path}: no shardstream checksums in the header")
-        self[path] = header
         self.digests[path] = (header.data_start, sums.chunk_bytes, sums.chunks)
+        if self.keep:
+            kept = {k: e for k, e in header.tensors.items() if k.startswith(self.keep)}
+            header = dataclasses.replace(header, tensors=kept, metadata={})
+        self[path] = header
         return header
 
 
