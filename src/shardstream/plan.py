@@ -8,6 +8,7 @@ executor in ``copy.py`` streams them with bounded buffers.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -16,7 +17,7 @@ from .dtypes import itemsize
 from .errors import CheckpointFormatError
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Block:
     """A rectangular block of a global tensor stored in ``location`` from byte ``offset``."""
 
@@ -32,6 +33,13 @@ class Block:
         return math.prod(self.shape)
 
 
+@functools.lru_cache(maxsize=4096)
+def _shared(shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """One shape tuple and its strides for all the blocks of that shape (millions of blocks
+    in a merge of a many-rank checkpoint share a few dozen shapes)."""
+    return shape, row_major_strides(shape)
+
+
 def row_major_strides(shape: Sequence[int]) -> tuple[int, ...]:
     strides, acc = [], 1
     for dim in reversed(shape):
@@ -44,10 +52,8 @@ def dense_block(
     location: str, offset: int, dtype: str, shape: Sequence[int], start: Sequence[int] | None = None
 ) -> Block:
     """A contiguous row-major block, e.g. a tensor in a safetensors file."""
-    shape = tuple(shape)
-    return Block(
-        location, offset, dtype, tuple(start or (0,) * len(shape)), shape, row_major_strides(shape)
-    )
+    shape, strides = _shared(tuple(shape))
+    return Block(location, offset, dtype, tuple(start or (0,) * len(shape)), shape, strides)
 
 
 @dataclass(frozen=True)

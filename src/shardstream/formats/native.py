@@ -442,8 +442,9 @@ class NativeCheckpoint:
 
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one data file that checks every chunk it reads."""
-        header = self.headers.get(location)  # read and checked now if it was not yet
-        if header is None:
+        if location not in self.digests:
+            self.headers.get(location)  # read and checked now if it was not yet
+        if location not in self.digests:
             raise CheckpointFormatError(f"{location}: not a data file of this checkpoint")
         data_start, chunk_bytes, chunks = self.digests[location]
         return FileEndpoint(
@@ -451,13 +452,17 @@ class NativeCheckpoint:
             chunks,
             data_start,
             chunk_bytes,
-            describe=lambda lo, hi: _describe_range(header, lo, hi),
+            describe=lambda lo, hi: self._describe_range(location, lo, hi),
         )
 
-
-def _describe_range(header, lo: int, hi: int) -> str:
-    names = tensors_in_range(header, lo, hi)
-    return f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else " (header)"
+    def _describe_range(self, location: str, lo: int, hi: int) -> str:
+        """The tensors a damaged range belongs to, for the error message."""
+        header = self.headers.get(location)
+        try:
+            names = tensors_in_range(header or read_header(location), lo, hi)
+        except (OSError, CheckpointFormatError):
+            return ""
+        return f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else " (header)"
 
 
 def is_native_checkpoint(directory: Path) -> bool:
@@ -491,8 +496,8 @@ def _open_native(
     directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    # A merge keeps only the model entries of each rank file's header: with AdamW they are a
-    # third of it, and at thousands of ranks the headers are most of a merge's heap.
+    # A merge keeps only the model entries of each rank file's header while it opens the
+    # tensors, and drops the headers after: at thousands of ranks they were most of its heap.
     headers = _Headers(keep=MODEL_PREFIX if model_only else "")
     digests = headers.digests
     for name, info in manifest.get("files", {}).items():
@@ -519,6 +524,8 @@ def _open_native(
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
         elif fqn in regions:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked, regions[fqn])
+    if model_only:  # the blocks hold every offset a merge needs; the digests stay
+        headers.clear()
     return NativeCheckpoint(directory, manifest, tensors, digests, headers)
 
 

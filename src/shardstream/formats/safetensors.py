@@ -26,7 +26,7 @@ MAX_TENSORS = 10_000_000
 METADATA_KEY = "__metadata__"
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorEntry:
     """One tensor of a safetensors file; ``begin``/``end`` are relative to the data section."""
 
