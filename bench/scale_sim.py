@@ -743,6 +743,14 @@ def simulate(
         keep = parse_one()
         point.memory["header"] = tracemalloc.get_traced_memory()[0] - before
         del keep
+        # what a merge retains of it: the model entries only (_Headers(keep=MODEL_PREFIX))
+        before = tracemalloc.get_traced_memory()[0]
+        parsed = parse_one()
+        kept = {k: e for k, e in parsed.tensors.items() if k.startswith(native.MODEL_PREFIX)}
+        keep = dataclasses.replace(parsed, tensors=kept, metadata={})
+        del parsed, kept
+        point.memory["header_model"] = tracemalloc.get_traced_memory()[0] - before
+        del keep
 
     # the manifest skeleton (files, objects) and its load cost
     skeleton = manifest_skeleton(world, params, mean_file)
@@ -966,7 +974,7 @@ def memory_estimates(mem: Point | None, points: list[Point]) -> None:
             + m.get("header", 0) * p.files_read
         )
         p.memory["merge_heap"] = (
-            manifest_heap + m.get("merge.open", 0) * k + m.get("header", 0) * p.ranks
+            manifest_heap + m.get("merge.open", 0) * k + m.get("header_model", 0) * p.ranks
         )
 
 
