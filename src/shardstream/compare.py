@@ -206,7 +206,13 @@ def compare_with_reference(
     if wanted_dtype is not None and wanted_dtype not in FLOATING:
         raise UsageError(f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32)")
 
-    reference, ref_config = read_reference(test_hf_dir)
+    ref_dir = Path(test_hf_dir)
+    adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run
+    if adapter_dir is not None:
+        reference = _tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE))
+        ref_config = hf.read_config(ref_dir)
+    else:
+        reference, ref_config = read_reference(test_hf_dir)
     checkpoint = open_checkpoint(local_dir, model_only=True)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
@@ -214,8 +220,12 @@ def compare_with_reference(
     config = hf.read_config(config_dir)
     force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
     tensors, factors = _merged_names(checkpoint.tensors)
-    adapter = Path(test_hf_dir) / lora.ADAPTER_DIR / lora.ADAPTER_FILE
-    if factors and adapter.is_file():  # compared with the adapter merge writes beside the model
+    adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
+    unreferenced: list[str] = []
+    if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
+        unreferenced = [t.name for t in tensors]
+        tensors, adapter = factors, adapter_dir / lora.ADAPTER_FILE
+    elif factors and adapter.is_file():  # the adapter merge writes beside the model
         reference = reference + _tensors_of(read_header(adapter))
         tensors = tensors + factors
     drop = tied_duplicates(tensors, config, force_tie)
@@ -232,6 +242,7 @@ def compare_with_reference(
     report.skipped = sorted(n for n in drop if n not in theirs)
     if factors and not adapter.is_file():
         report.skipped += [t.name for t in factors]
+    report.skipped += unreferenced
     for t in reference:
         if t.name not in ours:
             report.problem(
@@ -284,6 +295,15 @@ def compare_with_reference(
             ep.close()
     report.wall_s = time.perf_counter() - start
     return report
+
+
+def _adapter_only(directory: Path) -> Path | None:
+    """``directory`` when it holds a PEFT adapter and no model weights, else None."""
+    if not directory.is_dir() or not (directory / lora.ADAPTER_FILE).is_file():
+        return None
+    if (directory / hf.SINGLE_FILE).is_file() or (directory / hf.INDEX_FILE).is_file():
+        return None
+    return directory
 
 
 def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list[GlobalTensor]]:

@@ -35,6 +35,7 @@ def test_merge_of_lora_only_checkpoint_writes_the_adapter(tmp_path):
     from safetensors.torch import load_file
 
     from shardstream.cli import main
+    from shardstream.compare import compare_with_reference
 
     root = str(tmp_path / "run")
     saved = run(workers.lora_only_run, 2, root, "save", 0)[0]
@@ -51,6 +52,9 @@ def test_merge_of_lora_only_checkpoint_writes_the_adapter(tmp_path):
     assert len(adapter) == sum(".lora_" in k for k in saved)
     for name, tensor in adapter.items():  # PEFT's saved names drop the adapter name
         assert torch.equal(tensor, saved[name.replace(".weight", ".default.weight")]), name
+    # shardstream test against the adapter directory compares the factors
+    report = compare_with_reference(f"{root}/global_step_1", target)
+    assert report.ok and report.compared == len(adapter), report.problems
     assert main([*args[:-1], str(tmp_path / "fused"), "--fuse-lora", "--quiet"]) == 2
     assert not (tmp_path / "fused").exists()
 
