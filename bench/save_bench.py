@@ -59,6 +59,7 @@ MODEL_QUICK = dict(MODEL_FULL, hidden_size=512, intermediate_size=1408, num_atte
 SAVE_METHODS = (
     "shardstream",
     "shardstream_hf",
+    "shardstream_hf_bf16",
     "shardstream_model",
     "shardstream_hf_only",
     "torch_save",
@@ -69,6 +70,7 @@ RESTORE_METHODS = ("shardstream_restore", "shardstream_restore_noverify", "dcp_l
 LABELS = {
     "shardstream": "shardstream save (model+optim+extra)",
     "shardstream_hf": "shardstream save (+hf_model)",
+    "shardstream_hf_bf16": "shardstream save (+hf_model in bf16)",
     "shardstream_model": "shardstream save (model only)",
     "shardstream_hf_only": "shardstream save (hf_model only)",
     "torch_save": "torch.save per rank (verl)",
@@ -81,9 +83,12 @@ LABELS = {
 SS_CONTENTS = {
     "shardstream": ("model", "optimizer", "extra"),
     "shardstream_hf": ("model", "optimizer", "extra", "hf_model"),
+    "shardstream_hf_bf16": ("model", "optimizer", "extra", "hf_model"),
     "shardstream_model": ("model",),
     "shardstream_hf_only": ("hf_model",),
 }
+# The export's dtype: the model's (fp32) unless named here; bf16 is the usual publish dtype.
+HF_DTYPE = {"shardstream_hf_bf16": "bfloat16"}
 
 # Targets from the issues.
 TARGET_SAVE_VS_DCP = 1.1
@@ -358,7 +363,12 @@ class Methods:
                     staging_budget=BUDGET,
                 )
                 self.managers[method] = CheckpointManager(
-                    cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, hf_config=config
+                    cfg,
+                    model=model,
+                    optimizer=optimizer,
+                    lr_scheduler=scheduler,
+                    hf_config=config,
+                    hf_dtype=HF_DTYPE.get(method),
                 )
 
     def close(self) -> None:
@@ -759,6 +769,9 @@ def evaluate(results: dict) -> list[dict]:
             ("shardstream_hf", "shardstream",
              "save with hf_model / save without (stricter reading of the hf_model target)",
              TARGET_HF_VS_SHARDED),
+            ("shardstream_hf_bf16", "shardstream",
+             "save with hf_model in bf16 / save without (the stricter reading, publish dtype)",
+             TARGET_HF_VS_SHARDED),
             ("shardstream_restore", "dcp_load", "restore time / dcp.load", TARGET_RESTORE_VS_DCP),
         )  # fmt: skip
         for num, den, name, goal in ratios:
@@ -793,6 +806,7 @@ IMG = REPO / "docs" / "img"
 COLORS = {
     "shardstream": "#1f77b4",
     "shardstream_hf": "#17becf",
+    "shardstream_hf_bf16": "#8c564b",
     "shardstream_model": "#aec7e8",
     "shardstream_hf_only": "#9edae5",
     "torch_save": "#ff7f0e",
@@ -809,6 +823,7 @@ COLORS = {
 SHORT = {
     "shardstream": "ss save",
     "shardstream_hf": "ss save +hf",
+    "shardstream_hf_bf16": "ss save +hf bf16",
     "shardstream_model": "ss model only",
     "shardstream_hf_only": "ss hf only",
     "torch_save": "torch.save",
