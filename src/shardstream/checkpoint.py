@@ -167,7 +167,7 @@ def prepare_save(
     if "model" in contents:
         model_part = st.model_tensors(model)
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
-        lora = st.lora_settings(model)
+        lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
             objects["lora"] = lora
     if "optimizer" in contents:

@@ -181,9 +181,9 @@ def write_hf_model(
     try:
         if shared:
             _write_local(files, runs, streamer)
-            files.fsync()
         else:
             _ship_to_rank0(files, runs, streamer)
+        files.fsync()  # the files this rank wrote (none on a shipping rank)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc
     finally:
@@ -330,7 +330,6 @@ def _ship_to_rank0(files: _HfFiles, runs, streamer: Streamer) -> None:
                     error = exc
     if error is not None:
         raise error
-    files.fsync()
 
 
 def _seal(

@@ -45,7 +45,7 @@ def lora_only(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return lora or tensors
 
 
-def lora_settings(model: torch.nn.Module) -> dict[str, Any] | None:
+def model_lora_meta(model: torch.nn.Module) -> dict[str, Any] | None:
     """r, lora_alpha and task_type of a PEFT model's first adapter (what verl records in
     lora_train_meta.json), or None for a model without LoRA."""
     config = getattr(model, "peft_config", None)
