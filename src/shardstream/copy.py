@@ -27,6 +27,7 @@ from .plan import Block, CopyRun
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20
 DEFAULT_CHUNK_BYTES = 4 * 2**20
+DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
 _MIN_WINDOW = 4096
 
 # fix(rows_fp32, first_flat_index, index_step, elem_offset) -> rows_fp32; used for LoRA fusion.
@@ -360,8 +361,8 @@ class Buffers:
         Inside ``one_buffer_set`` the split is carved from that set's one allocation.
         """
         ratio = max(ratio, 1e-3)
-        window = max(_MIN_WINDOW, int(buffer_bytes / (3 + ratio)))
-        src = max(_MIN_WINDOW, int(window * ratio))
+        window = max(_MIN_WINDOW, int(buffer_bytes / (3 + ratio)) // DIRECT_ALIGN * DIRECT_ALIGN)
+        src = max(_MIN_WINDOW, int(window * ratio) // DIRECT_ALIGN * DIRECT_ALIGN)
         arena = getattr(_ARENA, "memory", None)
         if arena is None or 3 * window + src > arena.nbytes:
             arena = _anonymous(3 * window + src)
@@ -555,6 +556,7 @@ def stream_file(
     start: int = 0,
     end: int | None = None,
     borrow: bool = False,
+    direct_fd: int | None = None,
 ) -> list[str]:
     """Fill the data section of an open file from ``runs``; return the chunk digests.
 
@@ -567,6 +569,9 @@ def stream_file(
     With ``borrow``, bytes that need no conversion and lie contiguous in a source's host memory
     (live CPU tensors) are hashed and written from there, not copied into the window first; the
     sources must then stay unchanged until this returns (a synchronous save).
+    With ``direct_fd`` (the same file opened ``O_DIRECT``), windows are cut at
+    ``DIRECT_ALIGN`` boundaries of the file and their aligned bytes written through it; a
+    file system that refuses direct writes gets them through ``fd`` instead.
     Raises if any byte of the range is left without a source.
     """
     from concurrent.futures import ThreadPoolExecutor
@@ -578,10 +583,19 @@ def stream_file(
     bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
     chunks = ChunkHasher(chunk_bytes, max(0, end - start))
 
+    direct = [direct_fd]
+
     def flush(parts: list[np.ndarray], lo: int) -> None:
         """pwrite a window's parts in order and hash them in fixed chunks, independent of
         window edges."""
-        _pwritev_all(fd, path, parts, data_start + lo)
+        offset, rest = data_start + lo, parts
+        if direct[0] is not None and len(parts) == 1:
+            try:
+                done = _pwrite_direct(direct[0], path, parts[0], offset)
+            except _DirectRefused:
+                direct[0], done = None, 0
+            offset, rest = offset + done, [parts[0][done:]]
+        _pwritev_all(fd, path, rest, offset)
         for view in parts:
             chunks.update(view)
         if progress:
@@ -596,6 +610,9 @@ def stream_file(
         capacity = streamer.buf.window.nbytes
         while lo < end:
             hi = min(end, lo + capacity)
+            cut = (data_start + hi) % DIRECT_ALIGN
+            if hi < end and direct[0] is not None and hi - cut > lo:
+                hi -= cut  # the next window starts aligned too
             if hi < end:
                 hi = max(_snap(hi, bounds), lo + 1)
             while next_run < len(runs) and runs[next_run].dst_offset < hi:
@@ -751,6 +768,33 @@ def _pwritev_all(fd: int, path: str, parts: Sequence[np.ndarray], offset: int) -
         if exc.errno in (errno.ENOSPC, errno.EDQUOT):
             raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
         raise
+
+
+class _DirectRefused(Exception):
+    """The file system rejected a direct write (EINVAL): write through the page cache."""
+
+
+def _pwrite_direct(fd: int, path: str, data: np.ndarray, offset: int) -> int:
+    """Write the largest ``DIRECT_ALIGN``-sized prefix of ``data`` at ``offset`` through an
+    ``O_DIRECT`` descriptor; return how many bytes it wrote (0 where offset or address are
+    unaligned). Raises ``_DirectRefused`` when the file system refuses before any byte."""
+    n = data.nbytes // DIRECT_ALIGN * DIRECT_ALIGN
+    if n == 0 or offset % DIRECT_ALIGN or data.ctypes.data % DIRECT_ALIGN:
+        return 0
+    view, done = memoryview(data[:n]).cast("B"), 0
+    try:
+        while done < n:
+            wrote = os.pwrite(fd, view[done:], offset + done)
+            if wrote <= 0 or wrote % DIRECT_ALIGN:
+                return done + max(wrote, 0)
+            done += wrote
+    except OSError as exc:
+        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
+        if exc.errno == errno.EINVAL and done == 0:
+            raise _DirectRefused from None
+        raise
+    return done
 
 
 def write_all(fd: int, path: str, data: bytes, offset: int) -> None:

@@ -13,7 +13,14 @@ from pathlib import Path
 from . import collectives as coll
 from . import lora
 from .commit import staged_directory
-from .copy import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, Buffers, FileEndpoint, Streamer
+from .copy import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    DIRECT_ALIGN,
+    Buffers,
+    FileEndpoint,
+    Streamer,
+)
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .errors import CheckpointFormatError, UsageError
 from .formats import hf
@@ -222,7 +229,7 @@ def merge(
                     error = exc
             coll.agree_or_raise(error)
             tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
-            jobs = [plan_file(str(tmp / name), group) for name, group in files]
+            jobs = [plan_file(str(tmp / name), group, align=DIRECT_ALIGN) for name, group in files]
             error = None
             try:
                 if rank == 0:
@@ -234,7 +241,13 @@ def merge(
                     [job.data_size for job in jobs], coll.world(), DEFAULT_CHUNK_BYTES
                 )[rank]:
                     digests = fill_range(
-                        jobs[index], streamer, lo, hi, progress=progress, writeback=True
+                        jobs[index],
+                        streamer,
+                        lo,
+                        hi,
+                        progress=progress,
+                        direct=True,
+                        writeback=True,
                     )
                     mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests
             except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)

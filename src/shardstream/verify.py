@@ -13,6 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checksum import digest, new_hasher
+from .copy import DIRECT_ALIGN
 from .errors import ShardstreamError
 from .formats import hf, native
 from .formats.safetensors import (
@@ -251,10 +252,13 @@ def _verify_safetensors(
 
 
 def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
-    """Whether ``raw`` is exactly what shardstream's writer makes of this header's contents."""
+    """Whether ``raw`` is exactly what shardstream's writer makes of this header's contents:
+    data aligned for direct I/O, or (files written before that) to 8 bytes."""
     entries = sorted(header.tensors.values(), key=lambda e: e.begin)
-    rebuilt, _ = build_header([(e.name, e.dtype, e.shape) for e in entries], header.metadata)
-    return rebuilt == raw and header.metadata.get("format") == "pt"
+    layout = [(e.name, e.dtype, e.shape) for e in entries]
+    return header.metadata.get("format") == "pt" and any(
+        build_header(layout, header.metadata, align)[0] == raw for align in (DIRECT_ALIGN, 8)
+    )
 
 
 def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:

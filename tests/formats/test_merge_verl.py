@@ -13,6 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from shardstream.cli import main
+from shardstream.copy import DIRECT_ALIGN
+from shardstream.dtypes import itemsize
+from shardstream.formats.safetensors import read_header
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoints
 
 CASES = {
@@ -90,6 +93,10 @@ def test_merge_is_bit_equal_to_unsharded_model(checkpoints, case, dtype, tmp_pat
         expected = tensor.to(cast) if tensor.is_floating_point() else tensor
         assert got[name].dtype == expected.dtype, name
         assert torch.equal(got[name], expected), name
+    for file in target.glob("*.safetensors"):  # laid out for direct writes
+        header = read_header(file)
+        assert header.data_start % DIRECT_ALIGN == 0, file
+        assert all(e.begin % itemsize(e.dtype) == 0 for e in header.tensors.values()), file
     if fx.lora:
         adapter = load_file(target / "lora_adapter" / "adapter_model.safetensors")
         reference = load_file(root / "reference" / "adapter_model.safetensors")

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..commit import is_temporary
+from ..dtypes import itemsize
 from ..plan import split_into_files
 from .writer import OutputTensor
 
@@ -20,15 +21,25 @@ _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", "
 def plan_hf_files(
     tensors: Sequence[OutputTensor], max_file_bytes: int
 ) -> list[tuple[str, list[OutputTensor]]]:
-    """File names and contents, as ``save_pretrained`` would split them."""
+    """File names and contents, as ``save_pretrained`` would split them.
+
+    Inside a file, tensors are laid out by descending element size (stable otherwise), as the
+    safetensors library does: every tensor then starts at a multiple of its element size, so
+    any aligned byte range of the file (a direct write, a merging rank's share) starts and
+    ends on element boundaries.
+    """
     groups = split_into_files([t.nbytes for t in tensors], max_file_bytes)
     if len(groups) <= 1:
-        return [(SINGLE_FILE, list(tensors))]
+        return [(SINGLE_FILE, _by_element_size(tensors))]
     n = len(groups)
     return [
-        (f"model-{i + 1:05d}-of-{n:05d}.safetensors", [tensors[j] for j in group])
+        (f"model-{i + 1:05d}-of-{n:05d}.safetensors", _by_element_size([tensors[j] for j in group]))
         for i, group in enumerate(groups)
     ]
+
+
+def _by_element_size(tensors: Sequence[OutputTensor]) -> list[OutputTensor]:
+    return sorted(tensors, key=lambda t: -itemsize(t.dtype))
 
 
 def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:

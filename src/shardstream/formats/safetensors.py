@@ -59,12 +59,18 @@ def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
 
 
 def build_header(
-    tensors: Iterable[tuple[str, str, tuple[int, ...]]], metadata: Mapping[str, str] | None = None
+    tensors: Iterable[tuple[str, str, tuple[int, ...]]],
+    metadata: Mapping[str, str] | None = None,
+    align: int = 8,
 ) -> tuple[bytes, list[TensorEntry]]:
     """Serialize a header for tensors laid out in the given order.
 
     Returns the full prefix (length + JSON + padding) and the entries with their data offsets.
+    The JSON is padded with spaces so the data starts at a multiple of ``align`` (a multiple
+    of 8; 4096 lets the data be written with direct I/O).
     """
+    if align <= 0 or align % 8:
+        raise ValueError(f"header alignment {align} is not a positive multiple of 8")
     doc: dict[str, object] = {}
     if metadata:
         doc[METADATA_KEY] = dict(metadata)
@@ -82,7 +88,7 @@ def build_header(
         }
         offset += nbytes
     body = json.dumps(doc, separators=(",", ":")).encode()
-    body += b" " * (-len(body) % 8)
+    body += b" " * (-(len(body) + 8) % align)
     return struct.pack("<Q", len(body)) + body, entries
 
 
