@@ -583,17 +583,16 @@ def stream_file(
     bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
     chunks = ChunkHasher(chunk_bytes, max(0, end - start))
 
-    direct = [direct_fd]
-
     def flush(parts: list[np.ndarray], lo: int) -> None:
         """pwrite a window's parts in order and hash them in fixed chunks, independent of
         window edges."""
+        nonlocal direct_fd
         offset, rest = data_start + lo, parts
-        if direct[0] is not None and len(parts) == 1:
+        if direct_fd is not None and len(parts) == 1:
             try:
-                done = _pwrite_direct(direct[0], path, parts[0], offset)
+                done = _pwrite_direct(direct_fd, path, parts[0], offset)
             except _DirectRefused:
-                direct[0], done = None, 0
+                direct_fd, done = None, 0
             offset, rest = offset + done, [parts[0][done:]]
         _pwritev_all(fd, path, rest, offset)
         for view in parts:
@@ -611,7 +610,7 @@ def stream_file(
         while lo < end:
             hi = min(end, lo + capacity)
             cut = (data_start + hi) % DIRECT_ALIGN
-            if hi < end and direct[0] is not None and hi - cut > lo:
+            if hi < end and direct_fd is not None and hi - cut > lo:
                 hi -= cut  # the next window starts aligned too
             if hi < end:
                 hi = max(_snap(hi, bounds), lo + 1)
