@@ -187,3 +187,28 @@ def test_verify_accepts_headers_padded_to_8_or_to_the_direct_boundary(tmp_path):
     repadded = (length + 8).to_bytes(8, "little") + raw[8 : 8 + length] + b" " * 8
     (tmp_path / "model-8" / "model.safetensors").write_bytes(repadded + raw[8 + length :])
     assert not verify(tmp_path / "model-8").ok
+
+
+def test_a_file_system_refusing_direct_writes_gets_them_through_the_page_cache(
+    tmp_path, monkeypatch
+):
+    """EINVAL on the first direct write (some FUSE and network file systems): that window and
+    every later one are written through the page cache, and the file is the same."""
+    outputs = _outputs(tmp_path)
+    _, plain, expected = _write(tmp_path, "plain", outputs, direct=False)
+    real, refused = os.pwrite, []
+
+    def refuse_direct(fd, data, offset):
+        if O_DIRECT and fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT:
+            refused.append(offset)
+            raise OSError(22, "Invalid argument")
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", refuse_direct)
+    _, written, got = _write(tmp_path, "refused", outputs, direct=True)
+    assert got == expected and written.chunks == plain.chunks
+    probe = open_direct(str(tmp_path / "refused.safetensors"))
+    if probe is None:
+        pytest.skip("this file system refuses O_DIRECT at open: the fallback never tried it")
+    os.close(probe)
+    assert len(refused) == 1  # tried once, then never again
