@@ -196,6 +196,15 @@ def test_truncated_pt(capsys, copy_variant, out, keep):
     merge_fails(capsys, ckpt, out, str(path), "truncated")
 
 
+def test_pt_with_a_byte_prepended(capsys, copy_variant, out):
+    """Every record shifts by one, so torch's unpickler reads a garbled stream and fails with
+    an IndexError deep inside it (found by the soak fuzzer); merge names the file instead."""
+    ckpt = copy_variant("base")
+    path = ckpt / RANK1
+    path.write_bytes(b"a" + path.read_bytes())
+    merge_fails(capsys, ckpt, out, str(path), "corrupt")
+
+
 @pytest.mark.parametrize("where", ["pickle-start", "pickle-middle", "central-directory"])
 def test_corrupt_pt(capsys, copy_variant, out, where):
     ckpt = copy_variant("base")

@@ -126,10 +126,14 @@ def _load(path: str):
             f"{path}: refused to unpickle: the file asks for code or types outside the safe "
             f"allowlist{': ' + detail.strip() if detail else ''}"
         ) from None
-    except (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError) as exc:
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    except Exception as exc:  # noqa: BLE001  (a damaged pickle fails anywhere in the unpickler)
+        text = str(exc).strip()
+        message = text.splitlines()[0] if text else ""
+        if not isinstance(exc, (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError)):
+            message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         raise CheckpointFormatError(
-            f"{path}: not a readable torch checkpoint (truncated or corrupt?): {message}"
+            f"{path}: not a readable torch checkpoint (truncated or corrupt?): "
+            f"{message or type(exc).__name__}"
         ) from None
 
 
