@@ -53,6 +53,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--max-shard-size", default="5GB", help="split output files (default 5GB)")
     _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
+    _flag(
+        merge,
+        "--no-direct-io",
+        action="store_true",
+        help="write through the page cache, not with O_DIRECT (used where the file system allows)",
+    )
     merge.add_argument(
         "--distributed",
         "--distributed_merge",
@@ -139,6 +145,7 @@ def run_merge(args: argparse.Namespace) -> int:
             tie_word_embedding=args.tie_word_embedding,
             fuse_lora=args.fuse_lora,
             distributed=args.distributed,
+            direct_io=not args.no_direct_io,
             progress=progress.update,
             on_plan=progress.start,
         )

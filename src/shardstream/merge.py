@@ -133,10 +133,14 @@ def merge(
     tie_word_embedding: bool = False,
     fuse_lora: bool = False,
     distributed: bool = False,
+    direct_io: bool = True,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
 ) -> MergeSummary:
     """Merge the sharded checkpoint in ``local_dir`` into a HF model directory ``target_dir``.
+
+    ``direct_io=False`` writes the output through the page cache instead of with ``O_DIRECT``
+    (which is used where the file system accepts it).
 
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -155,6 +159,7 @@ def merge(
                 tie_word_embedding=tie_word_embedding,
                 fuse_lora=fuse_lora,
                 distributed=True,
+                direct_io=direct_io,
                 progress=progress,
                 on_plan=on_plan,
             )
@@ -246,7 +251,7 @@ def merge(
                         lo,
                         hi,
                         progress=progress,
-                        direct=True,
+                        direct=direct_io,
                         writeback=True,
                     )
                     mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests

@@ -328,3 +328,39 @@ def test_float32_config_is_honoured_and_the_difference_from_verl_is_said(
     assert all(t.dtype == torch.float32 for t in merged_tensors(target).values())
     assert main([*args[:-1], str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_no_direct_io_writes_the_same_files_through_the_page_cache(
+    checkpoints, tmp_path, monkeypatch
+):
+    """``--no-direct-io`` is the escape hatch for file systems where O_DIRECT misbehaves: no
+    write goes through an O_DIRECT descriptor, and the files are byte-identical."""
+    import fcntl
+    import os
+
+    _, actor = checkpoints["ws4-shard1"]
+    real, direct_writes = os.pwrite, []
+
+    def spy(fd, data, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            direct_writes.append(offset)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", spy)
+    merge(actor, tmp_path / "direct", "--dtype", "bfloat16", "--buffer-size", "64KiB")
+    used_direct = bool(direct_writes)
+    direct_writes.clear()
+    merge(
+        actor, tmp_path / "paged", "--dtype", "bfloat16", "--buffer-size", "64KiB", "--no-direct-io"
+    )
+    assert direct_writes == []
+    names = sorted(p.name for p in (tmp_path / "direct").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "paged").iterdir())
+    for name in names:
+        assert (tmp_path / "direct" / name).read_bytes() == (tmp_path / "paged" / name).read_bytes()
+    from shardstream.formats.writer import open_direct
+
+    probe = open_direct(str(tmp_path / "direct" / "config.json"))
+    if probe is not None:
+        os.close(probe)
+        assert used_direct, "the default merge wrote nothing with O_DIRECT"
