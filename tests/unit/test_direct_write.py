@@ -54,8 +54,9 @@ def _outputs(tmp_path) -> list[OutputTensor]:
     ]
 
 
-def _write(tmp_path, tag: str, outputs, direct: bool, ranges=None, spy=None):
-    job = plan_file(str(tmp_path / f"{tag}.safetensors"), outputs, chunk_bytes=8192, align=4096)
+def _write(path, outputs, direct: bool, ranges=None, align: int = DIRECT_ALIGN):
+    """Plan, create, fill (whole, or by data ``ranges``) and seal one safetensors file."""
+    job = plan_file(str(path), outputs, chunk_bytes=8192, align=align)
     create_file(job)
     opened: dict[str, FileEndpoint] = {}
 
@@ -103,9 +104,9 @@ def test_direct_writes_the_same_bytes_and_digests(tmp_path, monkeypatch, ranges)
         calls.append((bool(fcntl.fcntl(fd, fcntl.F_GETFL) & O_DIRECT), offset, len(data)))
         return real(fd, data, offset)
 
-    _, plain, expected = _write(tmp_path, "plain", outputs, direct=False, ranges=ranges)
+    _, plain, expected = _write(tmp_path / "plain.st", outputs, direct=False, ranges=ranges)
     monkeypatch.setattr(os, "pwrite", spy)
-    job, direct, got = _write(tmp_path, "direct", outputs, direct=True, ranges=ranges)
+    job, direct, got = _write(tmp_path / "direct.st", outputs, direct=True, ranges=ranges)
     assert got == expected
     assert direct.chunks == plain.chunks and direct.size == plain.size
     assert job.header_bytes % DIRECT_ALIGN == 0
@@ -166,18 +167,7 @@ def test_verify_accepts_headers_padded_to_8_or_to_the_direct_boundary(tmp_path):
     for align in (8, DIRECT_ALIGN):
         model = tmp_path / f"model-{align}"
         model.mkdir()
-        job = plan_file(str(model / "model.safetensors"), outputs, align=align)
-        create_file(job)
-        opened: dict[str, FileEndpoint] = {}
-
-        def endpoint(location: str, opened=opened) -> FileEndpoint:
-            if location not in opened:
-                opened[location] = FileEndpoint(location)
-            return opened[location]
-
-        seal_file(job, fill_range(job, Streamer(endpoint, Buffers.sized(1 << 16))))
-        for ep in opened.values():
-            ep.close()
+        job, _, _ = _write(model / "model.safetensors", outputs, direct=True, align=align)
         assert job.header_bytes % align == 0
         report = verify(model)
         assert report.ok, report.problems
@@ -195,7 +185,7 @@ def test_a_file_system_refusing_direct_writes_gets_them_through_the_page_cache(
     """EINVAL on the first direct write (some FUSE and network file systems): that window and
     every later one are written through the page cache, and the file is the same."""
     outputs = _outputs(tmp_path)
-    _, plain, expected = _write(tmp_path, "plain", outputs, direct=False)
+    _, plain, expected = _write(tmp_path / "plain.st", outputs, direct=False)
     real, refused = os.pwrite, []
 
     def refuse_direct(fd, data, offset):
@@ -205,9 +195,9 @@ def test_a_file_system_refusing_direct_writes_gets_them_through_the_page_cache(
         return real(fd, data, offset)
 
     monkeypatch.setattr(os, "pwrite", refuse_direct)
-    _, written, got = _write(tmp_path, "refused", outputs, direct=True)
+    _, written, got = _write(tmp_path / "refused.st", outputs, direct=True)
     assert got == expected and written.chunks == plain.chunks
-    probe = open_direct(str(tmp_path / "refused.safetensors"))
+    probe = open_direct(str(tmp_path / "refused.st"))
     if probe is None:
         pytest.skip("this file system refuses O_DIRECT at open: the fallback never tried it")
     os.close(probe)
