@@ -127,14 +127,17 @@ def _load(path: str):
             f"allowlist{': ' + detail.strip() if detail else ''}"
         ) from None
     except Exception as exc:  # noqa: BLE001  (a damaged pickle fails anywhere in the unpickler)
-        text = str(exc).strip()
-        message = text.splitlines()[0] if text else ""
-        if not isinstance(exc, (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError)):
+        lines = str(exc).strip().splitlines()
+        message = lines[0] if lines else ""
+        if not message or not isinstance(exc, _READ_ERRORS):  # name the unexpected ones
             message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         raise CheckpointFormatError(
-            f"{path}: not a readable torch checkpoint (truncated or corrupt?): "
-            f"{message or type(exc).__name__}"
+            f"{path}: not a readable torch checkpoint (truncated or corrupt?): {message}"
         ) from None
+
+
+# What torch.load raises for a truncated or corrupt archive; anything else is named by type.
+_READ_ERRORS = (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError)
 
 
 def _records(obj, path: str, convert, depth: int = 0):
