@@ -361,8 +361,9 @@ class Buffers:
         Inside ``one_buffer_set`` the split is carved from that set's one allocation.
         """
         ratio = max(ratio, 1e-3)
+        # Whole pages, so both windows start page-aligned for direct writes.
         window = max(_MIN_WINDOW, int(buffer_bytes / (3 + ratio)) // DIRECT_ALIGN * DIRECT_ALIGN)
-        src = max(_MIN_WINDOW, int(window * ratio) // DIRECT_ALIGN * DIRECT_ALIGN)
+        src = max(_MIN_WINDOW, int(window * ratio))
         arena = getattr(_ARENA, "memory", None)
         if arena is None or 3 * window + src > arena.nbytes:
             arena = _anonymous(3 * window + src)
