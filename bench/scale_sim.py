@@ -458,7 +458,7 @@ STAGES = [
     Stage("load.read_items", "every rank", "torch DCP", "create_read_items_for_chunk_list"),
     Stage("load.plan_copy", "every rank", "shardstream", "plan_copy per overlapping chunk"),
     Stage("merge.headers", "one process", "shardstream", "N x parse a rank-file header"),
-    Stage("merge.open", "one process", "shardstream", "_global_tensor, every chunk"),
+    Stage("merge.open", "one process", "shardstream", "merge_view: an offset per chunk"),
     Stage("merge.tile_check", "one process", "shardstream", "of which check_blocks_tile"),
     Stage("merge.split_files", "one process", "shardstream", "choose_outputs + plan_hf_files"),
     Stage("merge.plan_runs", "one process", "shardstream", "plan_file_runs, all model tensors"),
@@ -526,6 +526,7 @@ class Point:
     validate: dict[str, dict] = field(default_factory=dict)
     wall_s: float = 0.0
     tile_share: float = 1.0
+    merge_file_share: float = 1.0  # the largest output file's share of the model's bytes
     files: set = field(default_factory=set)  # data files one restoring rank reads
 
     @property
@@ -609,15 +610,16 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     point.add("load.read_manifest", t * w)
     probe.mark("load.manifest", w)
 
-    def build_tensors(headers=headers, model_only=False):
-        return {
-            fqn: native._global_tensor(gdir, fqn, info, headers)
-            for fqn, info in loaded["tensors"].items()
-            if not model_only or fqn.startswith(native.MODEL_PREFIX)
-        }
+    # a merge describes the model tensors only (open_native(model_only=True) -> merge_view):
+    # grids as one offset per rank, each header let go once read ("merge.headers" times the
+    # parsing; the stand-ins here are parsed already)
+    def open_for_merge(headers=headers):
+        cache = native._Headers(keep=native.MODEL_PREFIX)
+        cache.update(headers)
+        return native.merge_view(gdir, loaded, cache, {})
 
-    # a merge describes the model tensors only (open_native(model_only=True))
-    merged, t = timed(lambda: build_tensors(model_only=True), 0)
+    probe.start()
+    merged, t = timed(open_for_merge, 0)
     point.add("merge.open", t * w)
     probe.mark("merge.open", w)
     if group.layer is None:  # the tiling check inside it, on this group
@@ -671,8 +673,10 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
         for name, t_ in merged.items()
     ]
     outputs = choose_outputs(model, BF16, set())
+    probe.start()
     (_, mruns), t = timed(lambda: plan_file_runs("merged.safetensors", outputs))
     point.add("merge.plan_runs", t * w)
+    probe.mark("merge.runs", w)  # all files' runs; a merge holds one file's at a time
     if sum(r.dst_nbytes for r in mruns) != sum(o.nbytes for o in outputs):
         raise AssertionError(f"merge runs do not cover the output at N={world}")
     point.merge_runs += w * len(mruns)
@@ -743,14 +747,6 @@ def simulate(
         keep = parse_one()
         point.memory["header"] = tracemalloc.get_traced_memory()[0] - before
         del keep
-        # what a merge retains of it: the model entries only (_Headers(keep=MODEL_PREFIX))
-        before = tracemalloc.get_traced_memory()[0]
-        parsed = parse_one()
-        kept = {k: e for k, e in parsed.tensors.items() if k.startswith(native.MODEL_PREFIX)}
-        keep = dataclasses.replace(parsed, tensors=kept, metadata={})
-        del parsed, kept
-        point.memory["header_model"] = tracemalloc.get_traced_memory()[0] - before
-        del keep
 
     # the manifest skeleton (files, objects) and its load cost
     skeleton = manifest_skeleton(world, params, mean_file)
@@ -771,6 +767,8 @@ def simulate(
     files, t = timed(split_files)
     point.add("merge.split_files", t)
     point.merge_files = len(files)
+    model_bytes = sum(o.nbytes for _, group in files for o in group)
+    point.merge_file_share = max(sum(o.nbytes for o in g) for _, g in files) / model_bytes
 
     # export (hf_model in training), every rank: layout of every HF file + this rank's runs
     def export_plan():
@@ -973,8 +971,13 @@ def memory_estimates(mem: Point | None, points: list[Point]) -> None:
             + m.get("load.read_metadata", 0)
             + m.get("header", 0) * p.files_read
         )
+        # A merge holds one offset per grid chunk, one parsed header at a time, and the copy
+        # runs of the output file it is filling (the largest file's share of all runs).
         p.memory["merge_heap"] = (
-            manifest_heap + m.get("merge.open", 0) * k + m.get("header_model", 0) * p.ranks
+            manifest_heap
+            + m.get("merge.open", 0) * k
+            + m.get("header", 0)
+            + m.get("merge.runs", 0) * k * p.merge_file_share
         )
 
 

@@ -234,7 +234,12 @@ def merge(
                     error = exc
             coll.agree_or_raise(error)
             tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
-            jobs = [plan_file(str(tmp / name), group, align=DIRECT_ALIGN) for name, group in files]
+            # Each file's copy runs are planned when it is filled, and dropped after: a merge
+            # of a many-rank checkpoint holds one file's runs, not the whole model's.
+            jobs = [
+                plan_file(str(tmp / name), group, align=DIRECT_ALIGN, plan_runs=False)
+                for name, group in files
+            ]
             error = None
             try:
                 if rank == 0:
@@ -242,9 +247,15 @@ def merge(
                         create_file(job)
                 coll.barrier()
                 mine = {}
+                planned = None  # this rank's ranges come in file order
                 for index, lo, hi in split_ranges(
                     [job.data_size for job in jobs], coll.world(), DEFAULT_CHUNK_BYTES
                 )[rank]:
+                    if planned is not jobs[index]:
+                        if planned is not None:
+                            planned.runs = None
+                        planned = jobs[index]
+                        planned.runs = planned.copy_runs()
                     digests = fill_range(
                         jobs[index],
                         streamer,

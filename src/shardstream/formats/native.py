@@ -11,7 +11,8 @@ import dataclasses
 import json
 import os
 import re
-from collections.abc import Iterator
+from array import array
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -323,13 +324,17 @@ def grid_chunks(
         start, rows = chunk_extent(shape[0], world, r)
         if rows == 0:
             return
-        offsets = [start] + [0] * (len(shape) - 1)
         yield {
-            "offsets": offsets,
+            "offsets": [start] + [0] * (len(shape) - 1),
             "sizes": [rows, *shape[1:]],
             "file": rank_file(r),
-            "key": f"{fqn}@{','.join(map(str, offsets))}",
+            "key": grid_key(fqn, start, len(shape)),
         }
+
+
+def grid_key(fqn: str, start: int, ndim: int) -> str:
+    """The rank-file key of a grid chunk starting at row ``start``: ``fqn@start,0,...``."""
+    return f"{fqn}@{start}{',0' * (ndim - 1)}"
 
 
 def _is_grid(fqn: str, shape: list[int], chunks: list[dict], world: int) -> bool:
@@ -481,7 +486,8 @@ def open_native(
     tensors are described, grid entries only by the chunks overlapping the region, and only
     the headers of the files they name are read: a rank's work no longer grows with the
     number of ranks that saved (docs/scaling.md). With ``model_only`` (a merge), only model
-    tensors are described, and only the headers of files holding them are read.
+    tensors are described (``merge_view``), and only the headers of files holding them are
+    read, one at a time.
     """
     try:
         return _open_native(Path(directory), regions, model_only)
@@ -496,8 +502,7 @@ def _open_native(
     directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    # A merge keeps only the model entries of each rank file's header while it opens the
-    # tensors, and drops the headers after: at thousands of ranks they were most of its heap.
+    # A merge keeps only the model entries of a rank file's header while it reads it.
     headers = _Headers(keep=MODEL_PREFIX if model_only else "")
     digests = headers.digests
     for name, info in manifest.get("files", {}).items():
@@ -515,8 +520,11 @@ def _open_native(
         headers.pending[str(path)] = info["header_xxh3"]
         if regions is None and not model_only:
             headers.get(str(path))
-    tensors: dict[str, GlobalTensor] = {}
     checked: dict[str, str] = {}  # file names are few; chunks are many
+    if model_only and regions is None:
+        tensors = merge_view(directory, manifest, headers, checked)
+        return NativeCheckpoint(directory, manifest, tensors, digests, headers)
+    tensors: dict[str, GlobalTensor] = {}
     for fqn, info in manifest.get("tensors", {}).items():
         if model_only and not fqn.startswith(MODEL_PREFIX):
             continue
@@ -524,9 +532,20 @@ def _open_native(
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
         elif fqn in regions:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked, regions[fqn])
-    if model_only:  # the blocks hold every offset a merge needs; the digests stay
-        headers.clear()
     return NativeCheckpoint(directory, manifest, tensors, digests, headers)
+
+
+def merge_view(
+    directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str]
+) -> dict[str, GlobalTensor]:
+    """The model tensors, in manifest order, as a merge reads them: grid entries as one
+    offset per rank (``_open_grids``), the rest as blocks. No header is kept after."""
+    tensors = _open_grids(directory, manifest, headers, checked)
+    for fqn, info in manifest.get("tensors", {}).items():
+        if fqn.startswith(MODEL_PREFIX) and fqn not in tensors:
+            tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
+    headers.clear()  # the blocks hold every offset a merge needs; the digests stay
+    return {fqn: tensors[fqn] for fqn in manifest.get("tensors", {}) if fqn in tensors}
 
 
 class _Headers(dict):
@@ -574,17 +593,10 @@ def _global_tensor(
     checked = {} if checked is None else checked
     where = f"{directory / MANIFEST}: tensor {fqn!r}"
     rows = None
+    files = len(headers) + len(getattr(headers, "pending", ()))
+    dtype, shape, world = _entry_layout(where, info, files)
     try:
-        dtype = info["dtype"]
-        shape = tuple(int(d) for d in info["shape"])
-        if dtype not in TORCH_BY_CODE or any(d < 0 for d in shape):
-            raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
-        if "grid" in info:
-            world = info["grid"]
-            # A grid names one file per rank; more ranks than files is damage, not a layout.
-            files = len(headers) + len(getattr(headers, "pending", ()))
-            if type(world) is not int or not 1 <= world <= files or not shape:
-                raise ValueError(f"grid {world!r} for shape {list(shape)}")
+        if world is not None:
             if region is not None:  # the grid tiles by construction: only what is needed
                 start, count = region[0][0], region[1][0]
                 rows = (start, start + count) if all(region[1]) else (0, 0)
@@ -611,17 +623,122 @@ def _global_tensor(
             raise CheckpointFormatError(f"{where}: malformed chunk ({exc})") from None
         header = headers.get(path)
         entry = header.tensors.get(key) if header else None
-        if entry is None:
-            raise CheckpointFormatError(f"{where}: chunk {key!r} is not in {path}")
-        if entry.dtype != dtype or entry.shape != sizes or len(offsets) != len(shape):
+        _check_chunk(where, key, path, entry, dtype, sizes)
+        if len(offsets) != len(shape):
             raise CheckpointFormatError(
-                f"{where}: chunk {key!r} in {path} is {entry.dtype}{list(entry.shape)}, "
-                f"manifest says {dtype}{list(sizes)}"
+                f"{where}: chunk {key!r} has {len(offsets)} offsets for {len(shape)} dims"
             )
         blocks.append(dense_block(path, header.data_start + entry.begin, dtype, sizes, offsets))
     if "grid" not in info:  # a grid tiles by construction (and a part of one would not)
         check_blocks_tile(fqn, shape, blocks)
     return GlobalTensor(fqn, dtype, shape, tuple(blocks))
+
+
+def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ...], int | None]:
+    """A manifest tensor entry's dtype, shape and grid size (None for a chunk list)."""
+    try:
+        dtype = info["dtype"]
+        shape = tuple(int(d) for d in info["shape"])
+        if dtype not in TORCH_BY_CODE or any(d < 0 for d in shape):
+            raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
+        world = info.get("grid")
+        # A grid names one file per rank; more ranks than files is damage, not a layout.
+        if "grid" in info and (type(world) is not int or not 1 <= world <= files or not shape):
+            raise ValueError(f"grid {world!r} for shape {list(shape)}")
+    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+        raise CheckpointFormatError(f"{where}: malformed entry ({exc})") from None
+    return dtype, shape, world
+
+
+def _check_chunk(where: str, key: str, path: str, entry: Any, dtype: str, sizes: tuple) -> None:
+    if entry is None:
+        raise CheckpointFormatError(f"{where}: chunk {key!r} is not in {path}")
+    if entry.dtype != dtype or entry.shape != sizes:
+        raise CheckpointFormatError(
+            f"{where}: chunk {key!r} in {path} is {entry.dtype}{list(entry.shape)}, "
+            f"manifest says {dtype}{list(sizes)}"
+        )
+
+
+class GridBlocks(Sequence):
+    """The blocks of a grid entry, made when asked for from one byte offset per rank.
+
+    A merge of a many-rank checkpoint keeps 8 bytes per chunk this way instead of a ``Block``
+    and a parsed header entry (docs/scaling.md). Rank r holds block r; reads like a tuple.
+    """
+
+    __slots__ = ("dtype", "shape", "world", "paths", "offsets")
+
+    def __init__(
+        self, dtype: str, shape: tuple[int, ...], world: int, paths: list[str], offsets: array
+    ):
+        self.dtype, self.shape, self.world = dtype, shape, world
+        self.paths, self.offsets = paths, offsets
+
+    def __len__(self) -> int:
+        return len(self.offsets)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        rank = range(len(self))[index]  # negative indices and IndexError, as a tuple's
+        start, rows = chunk_extent(self.shape[0], self.world, rank)
+        origin = (start,) + (0,) * (len(self.shape) - 1)
+        sizes = (rows, *self.shape[1:])
+        return dense_block(self.paths[rank], self.offsets[rank], self.dtype, sizes, origin)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, str):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    def __hash__(self) -> int:
+        return hash(tuple(self))
+
+
+def _open_grids(
+    directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str]
+) -> dict[str, GlobalTensor]:
+    """The model's grid tensors, for a merge: rank file by rank file, each header is read
+    once, the offsets of its grid chunks noted, and the header let go (unless a chunk-list
+    tensor needs it too). Heap: 8 bytes per chunk, one header at a time."""
+    files = len(headers) + len(headers.pending)
+    grids: dict[str, tuple[str, tuple[int, ...], int]] = {}
+    listed: set[str] = set()  # files that chunk-list model tensors name
+    for fqn, info in manifest.get("tensors", {}).items():
+        if not fqn.startswith(MODEL_PREFIX):
+            continue
+        where = f"{directory / MANIFEST}: tensor {fqn!r}"
+        dtype, shape, world = _entry_layout(where, info, files)
+        if world is not None:
+            grids[fqn] = (dtype, shape, world)
+        elif isinstance(info.get("chunks"), list):
+            listed.update(c.get("file") for c in info["chunks"] if isinstance(c, dict))
+    ranks = max((world for _, _, world in grids.values()), default=0)
+    paths: list[str] = []
+    for r in range(ranks):
+        name = rank_file(r)
+        if name not in checked:
+            checked[name] = str(check_name(directory, name, "a grid entry"))
+        paths.append(checked[name])
+    offsets = {fqn: array("q") for fqn in grids}
+    for r, path in enumerate(paths):
+        header = headers.get(path)
+        for fqn, (dtype, shape, world) in grids.items():
+            start, rows = chunk_extent(shape[0], world, r)
+            if r >= world or rows == 0:
+                continue
+            key = grid_key(fqn, start, len(shape))
+            entry = header.tensors.get(key) if header else None
+            where = f"{directory / MANIFEST}: tensor {fqn!r}"
+            _check_chunk(where, key, path, entry, dtype, (rows, *shape[1:]))
+            offsets[fqn].append(header.data_start + entry.begin)
+        if rank_file(r) not in listed:
+            headers.pop(path, None)
+    return {
+        fqn: GlobalTensor(fqn, dtype, shape, GridBlocks(dtype, shape, world, paths, offsets[fqn]))
+        for fqn, (dtype, shape, world) in grids.items()
+    }
 
 
 class StreamingReader(StorageReader):

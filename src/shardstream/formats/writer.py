@@ -66,10 +66,17 @@ class FileJob:
     metadata: dict[str, str]
     header_bytes: int
     data_size: int
-    runs: list[CopyRun]
+    runs: list[CopyRun] | None  # None: planned when the file is filled (``copy_runs``)
     bounds: list[tuple[int, int, int, str]]
     chunk_bytes: int
     align: int = 8
+    tensors: Sequence[OutputTensor] = ()
+
+    def copy_runs(self) -> list[CopyRun]:
+        """The file's copy runs: kept ones, or planned now (``plan_file(plan_runs=False)``)."""
+        if self.runs is not None:
+            return self.runs
+        return plan_file_runs(self.path, self.tensors)[1]
 
     def header(self, chunks: list[str] | None) -> bytes:
         meta = {
@@ -85,16 +92,23 @@ def plan_file(
     metadata: Mapping[str, str] | None = None,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     align: int = 8,
+    plan_runs: bool = True,
 ) -> FileJob:
     """Plan one output file; ``align`` pads its header so the data starts at that multiple
-    (``DIRECT_ALIGN`` for files that ``fill_range(direct=True)`` will fill)."""
+    (``DIRECT_ALIGN`` for files that ``fill_range(direct=True)`` will fill).
+
+    ``plan_runs=False`` leaves the copy runs to be planned when the file is filled, so that
+    a caller planning many files holds one file's runs at a time, not all of them.
+    """
     layout = [(t.name, t.dtype, t.shape) for t in tensors]
     _, entries = build_header(layout)
     data_size = entries[-1].end if entries else 0
     meta = {"format": "pt", **(metadata or {})}
-    _, runs = plan_file_runs(path, tensors)
+    runs = plan_file_runs(path, tensors)[1] if plan_runs else None
     bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
-    job = FileJob(path, layout, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align)
+    job = FileJob(
+        path, layout, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align, tensors
+    )
     job.header_bytes = len(job.header(None))
     return job
 
@@ -137,7 +151,7 @@ def fill_range(
             job.path,
             job.header_bytes,
             job.data_size,
-            job.runs,
+            job.copy_runs(),
             job.bounds,
             streamer,
             job.chunk_bytes,
