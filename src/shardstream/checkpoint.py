@@ -735,6 +735,7 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
                 )
                 endpoint.read_into(header.data_start + entry.begin, view)
                 tensors[name] = out
+            endpoint.finish()
         finally:
             endpoint.close()
     return st.decode(json.loads(body), tensors)

@@ -48,6 +48,9 @@ class Endpoint:
     def prefetch(self, offset: int, nbytes: int) -> None:
         """Hint that bytes [offset, offset + nbytes) will be read soon; never required."""
 
+    def finish(self) -> None:
+        """Check whatever was read but not yet verified; raise if it is damaged."""
+
     def close(self) -> None:
         pass
 
@@ -55,12 +58,17 @@ class Endpoint:
 class FileEndpoint(Endpoint):
     """A file read with ``preadv``; optionally every read is checked against chunk digests.
 
-    With digests, each chunk is hashed when it is read from the file. Chunks that a request
-    covers whole are read straight into the caller's array and hashed there; a chunk a request
-    covers only in part is read into a one-chunk scratch, checked, and kept, so the small reads
-    that follow it (small tensors, another rank's slice) are served from memory instead of
-    reading and hashing the same chunk again. Reads in file order touch each chunk about once.
+    With digests, the chunk a read falls in is hashed as its bytes stream past: read straight
+    into the caller's array and fed to the chunk's hash, and bytes the caller skips read into a
+    small transient buffer and hashed too. When the last byte of a chunk has been hashed, its
+    digest is compared, and a mismatch raises. Nothing is kept, so a merge reading thousands of
+    rank files side by side holds a hash state per file, not a chunk. Bytes are handed out
+    before the rest of their chunk has been read: ``finish()`` reads and checks the chunk in
+    progress, and every caller calls it before it commits or returns what it read. Reads in
+    file order touch each byte once; a read behind the chunk in progress restarts that chunk.
     """
+
+    _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
 
     def __init__(
         self,
@@ -77,9 +85,10 @@ class FileEndpoint(Endpoint):
         self.data_start = data_start
         self.chunk_bytes = chunk_bytes
         self.describe = describe or (lambda a, b: "")
-        self._scratch = np.empty(0, dtype=np.uint8)
-        self._cached = (0, 0)  # file bytes [lo, hi) held in the scratch, already verified
-        self.chunks_read = 0  # chunks read and hashed (tests and benchmarks watch this)
+        self._chunk: int | None = None  # index of the chunk being hashed, if any
+        self._lo = self._hi = self._hashed_to = 0  # its bytes, and how far they are hashed
+        self._hasher = new_hasher()
+        self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
 
     def _pread(self, offset: int, out: np.ndarray) -> None:
         view = memoryview(out).cast("B")
@@ -87,11 +96,13 @@ class FileEndpoint(Endpoint):
         while done < len(view):
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n == 0:
-                raise CheckpointFormatError(
-                    f"{self.name}: truncated: needed bytes [{offset}, {offset + len(view)}) "
-                    f"but the file ends at {self.size}"
-                )
+                self._truncated(offset, offset + len(view))
             done += n
+
+    def _truncated(self, lo: int, hi: int) -> None:
+        raise CheckpointFormatError(
+            f"{self.name}: truncated: needed bytes [{lo}, {hi}) but the file ends at {self.size}"
+        )
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
         if self.digests is None:
@@ -110,36 +121,50 @@ class FileEndpoint(Endpoint):
         flat = out.reshape(-1).view(np.uint8)
         pos, end = offset, offset + flat.nbytes
         while pos < end:
-            lo, hi = self._cached
-            if lo <= pos < hi:  # verified earlier: serve from the scratch
-                take = min(end, hi) - pos
-                flat[pos - offset : pos - offset + take] = self._scratch[pos - lo : pos - lo + take]
-                pos += take
-                continue
+            if pos >= self.size:
+                self._truncated(offset, end)
             index = (pos - self.data_start) // self.chunk_bytes
-            lo = self.data_start + index * self.chunk_bytes
-            hi = lo + self.chunk_bytes
-            if pos == lo and (hi <= end or end >= self.size):
-                # The request covers this chunk whole: read and hash it where it lands.
-                piece = flat[pos - offset : min(hi, end) - offset]
-                self._pread(lo, piece)
-                self._check(index, lo, piece)
-                pos += piece.nbytes
-                continue
-            # Only part of the chunk is wanted: read all of it (the digest covers all of it).
-            hi = min(hi, max(self.size, end))
-            if self._scratch.nbytes < hi - lo:
-                self._scratch = np.empty(max(hi - lo, self.chunk_bytes), dtype=np.uint8)
-            self._cached = (0, 0)
-            piece = self._scratch[: hi - lo]
-            self._pread(lo, piece)
-            self._check(index, lo, piece)
-            self._cached = (lo, hi)
+            if index != self._chunk or pos < self._hashed_to:
+                self.finish()
+                self._begin(index)
+            self._hash_through(pos)
+            take = min(end, self._hi) - pos
+            piece = flat[pos - offset : pos - offset + take]
+            self._pread(pos, piece)
+            self._hasher.update(memoryview(piece))
+            self._hashed_to = pos = pos + take
+            if pos == self._hi:
+                self._check()
 
-    def _check(self, index: int, lo: int, piece: np.ndarray) -> None:
+    def finish(self) -> None:
+        """Read the rest of the chunk in progress and check it (every byte handed out from it
+        is then verified). Raises ``ChecksumMismatchError`` naming the file and bytes."""
+        if self._chunk is not None:
+            self._hash_through(self._hi)
+            self._check()
+
+    def _begin(self, index: int) -> None:
+        self._chunk = index
+        self._lo = self._hashed_to = self.data_start + index * self.chunk_bytes
+        self._hi = min(self._lo + self.chunk_bytes, self.size)
+        self._hasher.reset()
+
+    def _hash_through(self, pos: int) -> None:
+        """Read and hash the chunk's bytes up to ``pos`` that no caller asked for."""
+        if pos <= self._hashed_to:
+            return
+        scratch = np.empty(min(pos - self._hashed_to, self._SKIP_BYTES), dtype=np.uint8)
+        while self._hashed_to < pos:
+            piece = scratch[: min(pos - self._hashed_to, scratch.nbytes)]
+            self._pread(self._hashed_to, piece)
+            self._hasher.update(memoryview(piece))
+            self._hashed_to += piece.nbytes
+
+    def _check(self) -> None:
+        index, lo, hi = self._chunk, self._lo, self._hi
+        self._chunk = None
         self.chunks_read += 1
-        if index >= len(self.digests) or new_digest(piece) != self.digests[index]:
-            hi = lo + piece.nbytes
+        if index >= len(self.digests) or self._hasher.hexdigest() != self.digests[index]:
             raise ChecksumMismatchError(
                 f"{self.name}: checksum mismatch in bytes [{lo}, {hi}){self.describe(lo, hi)}"
             )

@@ -266,6 +266,8 @@ def merge(
                         writeback=True,
                     )
                     mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests
+                for ep in list(endpoints.values()):
+                    ep.finish()  # every source byte this rank read is verified before commit
             except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
                 error = exc
             gathered = coll.gather(mine if error is None else None)
@@ -282,6 +284,8 @@ def merge(
                     written += write_adapter(
                         adapter_dir, split, rank_alpha, out_dtype, streamer, config
                     )
+                    for ep in endpoints.values():
+                        ep.finish()
                 if config_dir is not None:
                     dtype_name = (
                         str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None

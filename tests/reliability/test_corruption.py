@@ -26,7 +26,7 @@ import pytest
 from shardstream import checkpoint as ck
 from shardstream.errors import ShardstreamError
 from shardstream.formats import native
-from shardstream.formats.safetensors import read_header
+from shardstream.formats.safetensors import read_header, stored_checksums
 from shardstream.manager import CheckpointConfig, CheckpointManager
 from shardstream.verify import verify
 
@@ -398,3 +398,40 @@ def test_two_rank_restore_fails_on_every_rank_when_one_rank_file_is_damaged(
     other = results[1 - owner]
     assert other["ok"] is False and other["shardstream_error"], other
     assert f"rank {owner}" in other["message"] and victim.name in other["message"], other
+
+
+def test_random_byte_flips_in_rank_files_fail_a_merge(saved_run, tmp_path):
+    """A merge reads the model's bytes only, but every chunk it touches is checked whole:
+    a flip anywhere in such a chunk (optimizer state beside the model included) fails the
+    merge, names the file, and leaves no output."""
+    from shardstream.merge import merge
+
+    seed = 2_000_003
+    rng = random.Random(seed)
+    count = trials(12, 200)
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    for trial in range(count):
+        path = rng.choice(sorted(step.glob("rank-*.safetensors")))
+        header = read_header(path)
+        stored = stored_checksums(header)
+        model_end = max(e.end for n, e in header.tensors.items() if n.startswith("model."))
+        last_model_chunk = (model_end - 1) // stored.chunk_bytes
+        hi = min(header.file_size, header.data_start + (last_model_chunk + 1) * stored.chunk_bytes)
+        offset = rng.randrange(header.data_start, hi)
+        original = _flip(path, offset, rng.randrange(1, 256))
+        where = f"trial {trial} (seed {seed}): flip at {path.name}[{offset}]"
+        target = tmp_path / f"merged-{trial}"
+        try:
+            with pytest.raises(ShardstreamError) as caught:
+                merge(step, target)
+            assert path.name in str(caught.value) and _in_range(str(caught.value), offset), (
+                f"{where}: {caught.value}"
+            )
+            assert not target.exists() and not list(tmp_path.glob(f"merged-{trial}*")), where
+        finally:
+            path.write_bytes(original)
+    merge(step, tmp_path / "merged-intact")  # the restored files merge fine
+    record(
+        "corruption: byte flips in rank files fail a merge", seed=seed, trials=count, violations=0
+    )

@@ -388,7 +388,7 @@ def test_large_reads_hash_whole_chunks_in_place(tmp_path):
         endpoint.read_into(header.data_start + 10, out)
         assert np.array_equal(out, raw[10:])
         assert endpoint.chunks_read == len(stored.chunks)
-        assert endpoint._scratch.nbytes <= stored.chunk_bytes  # no request-sized scratch
+        assert endpoint._chunk is None  # read to the end: every chunk checked, none pending
     finally:
         endpoint.close()
 
@@ -421,11 +421,75 @@ def test_flip_is_detected_after_neighbouring_chunks_were_cached(tmp_path, positi
         with pytest.raises(ChecksumMismatchError, match=rf"\[{lo}, \d+\) \(w\)"):
             for start in range(0, 800, 5):
                 endpoint.read_into(header.data_start + start, np.empty(5, dtype=np.uint8))
-        # a failed chunk is not kept: reading it again fails again
+        # a failed chunk is not kept: reading it again fails again, by the time it is finished
         with pytest.raises(ChecksumMismatchError):
             endpoint.read_into(lo, np.empty(1, dtype=np.uint8))
+            endpoint.finish()
     finally:
         endpoint.close()
+
+
+@pytest.mark.parametrize("position", [30, 63])
+def test_finish_checks_the_unread_rest_of_a_chunk(tmp_path, position):
+    """A read that stops inside a chunk hands its bytes out at once; ``finish`` reads the rest
+    of that chunk and fails when the damage is in bytes nobody asked for."""
+    path, header, stored, _ = written_file(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + position] ^= 0x01
+    path.write_bytes(bytes(raw))
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        endpoint.read_into(header.data_start + 2, np.empty(10, dtype=np.uint8))
+        with pytest.raises(ChecksumMismatchError, match=rf"\[{header.data_start}, "):
+            endpoint.finish()
+        endpoint.finish()  # nothing pending after the failure
+    finally:
+        endpoint.close()
+
+
+def test_side_by_side_reads_keep_no_chunk_in_memory(tmp_path):
+    """A merge reads many rank files in turn, a slice of each: every file keeps a hash state,
+    not a copy of the chunk it is in the middle of (that was 4 MiB per file)."""
+    import tracemalloc
+
+    chunk = 1 << 20
+    files = []
+    for i in range(6):
+        t = torch.arange(i, i + 4 * chunk // 4, dtype=torch.float32)
+        raw = tmp_path / f"src{i}.bin"
+        raw.write_bytes(t.numpy().tobytes())  # save_raw's bytes(storage) is slow at this size
+        block = dense_block(str(raw), 0, "F32", tuple(t.shape))
+        path = tmp_path / f"rank{i}.safetensors"
+        src = GlobalTensor("w", "F32", tuple(t.shape), (block,))
+        endpoints = Endpoints()
+        write_safetensors(
+            str(path),
+            [OutputTensor("w", "F32", src)],
+            Streamer(endpoints, Buffers.sized(1 << 20)),
+            chunk_bytes=chunk,
+        )
+        endpoints.close()
+        header = read_header(path)
+        files.append((checked_endpoint(path, header, stored_checksums(header)), header, t))
+    out = np.empty(48 << 10, dtype=np.uint8)
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        grown = 0
+        for step in range(0, 4 * chunk, 3 * out.nbytes):  # a slice of each file in turn
+            for endpoint, header, t in files:
+                endpoint.read_into(header.data_start + step, out)
+                expected = t.numpy().view(np.uint8)[step : step + out.nbytes]
+                assert np.array_equal(out, expected)
+                grown = max(grown, tracemalloc.get_traced_memory()[0] - base)
+        for endpoint, _, _ in files:
+            endpoint.finish()
+            assert endpoint.chunks_read == 4
+    finally:
+        tracemalloc.stop()
+        for endpoint, _, _ in files:
+            endpoint.close()
+    assert grown < chunk, grown  # six files, less than one chunk in all
 
 
 def test_restore_reads_straight_into_a_contiguous_live_tensor(tmp_path):

@@ -538,14 +538,23 @@ def _open_native(
 def merge_view(
     directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str]
 ) -> dict[str, GlobalTensor]:
-    """The model tensors, in manifest order, as a merge reads them: grid entries as one
-    offset per rank (``_open_grids``), the rest as blocks. No header is kept after."""
+    """The model tensors as a merge reads them: grid entries as one offset per rank
+    (``_open_grids``), the rest as blocks. No header is kept after.
+
+    They come in the order the rank files hold them (the model's own order), so a merge
+    that writes them in turn reads every rank file front to back, each byte once.
+    """
     tensors = _open_grids(directory, manifest, headers, checked)
     for fqn, info in manifest.get("tensors", {}).items():
         if fqn.startswith(MODEL_PREFIX) and fqn not in tensors:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
     headers.clear()  # the blocks hold every offset a merge needs; the digests stay
-    return {fqn: tensors[fqn] for fqn in manifest.get("tensors", {}) if fqn in tensors}
+
+    def stored_at(fqn: str) -> tuple[str, int]:
+        blocks = tensors[fqn].blocks
+        return (blocks[0].location, blocks[0].offset) if len(blocks) else ("", 0)
+
+    return {fqn: tensors[fqn] for fqn in sorted(tensors, key=stored_at)}
 
 
 class _Headers(dict):
@@ -823,6 +832,8 @@ class StreamingReader(StorageReader):
                 self.bytes_read += sum(r.src_nbytes for r in runs)
                 planner.commit_tensor(req, target)
                 del endpoints[dst_name]
+            for ep in endpoints.values():
+                ep.finish()  # every byte read is verified before the load returns
         finally:
             for ep in endpoints.values():
                 ep.close()
