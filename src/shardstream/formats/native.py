@@ -739,8 +739,10 @@ def _open_grids(
                 continue
             key = grid_key(fqn, start, len(shape))
             entry = header.tensors.get(key) if header else None
-            where = f"{directory / MANIFEST}: tensor {fqn!r}"
-            _check_chunk(where, key, path, entry, dtype, (rows, *shape[1:]))
+            sizes = (rows, *shape[1:])
+            if entry is None or entry.dtype != dtype or entry.shape != sizes:
+                where = f"{directory / MANIFEST}: tensor {fqn!r}"
+                _check_chunk(where, key, path, entry, dtype, sizes)
             offsets[fqn].append(header.data_start + entry.begin)
         if rank_file(r) not in listed:
             headers.pop(path, None)
