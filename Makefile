@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(PY) bench/run.py
 	$(PY) bench/distributed_merge_bench.py --ckpt bench/results/ckpt/qwen2-4gb-ws4/global_step_1/actor --repeats 1
 	$(PY) bench/dcp_merge_bench.py
+	$(PY) bench/wide_merge_bench.py
 	$(PY) bench/save_bench.py --at-commit HEAD
 	$(PY) bench/verl_interop.py
 

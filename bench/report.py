@@ -377,6 +377,8 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
         "- [Distributed merge speed-up](benchmarks-distributed.md) "
         "(`bench/distributed_merge_bench.py`)",
         "- [Merging PyTorch DCP checkpoints](benchmarks-dcp.md) (`bench/dcp_merge_bench.py`)",
+        "- [Merging a checkpoint saved by many ranks](benchmarks-wide-merge.md) "
+        "(`bench/wide_merge_bench.py`)",
         "- [Scaling to 70B on 1,024 and 8,192 ranks](scaling.md) (`bench/scale_sim.py`)",
         "- GPU: `bench/gpu_check.py` (pinned ring, async stall, restore) has not run on a GPU "
         "yet; every figure here is from CPU.",
