@@ -50,7 +50,7 @@ from .errors import (
 )
 from .formats import hf
 from .formats.safetensors import SafetensorsHeader, read_header
-from .plan import CopyRun, GlobalTensor, dense_block, plan_copy
+from .plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
 from .sources import open_checkpoint
 from .units import parse_size
 
@@ -272,11 +272,16 @@ def compare_with_reference(
             continue
         pairs.append((ref, ckpt, target))
 
+    # The checkpoint's side in the order its files hold it, so each file is read front to back.
+    pairs.sort(key=lambda pair: stored_at(pair[1]))
     endpoints: dict[str, FileEndpoint] = {}
+    checked = getattr(checkpoint, "digests", {})  # shardstream's format: data files with digests
 
     def endpoint(location: str) -> FileEndpoint:
         if location not in endpoints:
-            endpoints[location] = FileEndpoint(location)
+            # Checksummed files are verified as they are read, as merge and restore do.
+            opener = checkpoint.endpoint if location in checked else FileEndpoint
+            endpoints[location] = opener(location)
         return endpoints[location]
 
     ratio = max(
@@ -290,6 +295,8 @@ def compare_with_reference(
         check_replicas(checkpoint, ours_side)
         for ref, ckpt, target in pairs:
             _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
+        for ep in endpoints.values():
+            ep.finish()
     finally:
         for ep in endpoints.values():
             ep.close()

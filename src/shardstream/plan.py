@@ -280,6 +280,12 @@ class GlobalTensor:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
+def stored_at(tensor: GlobalTensor) -> tuple[str, int]:
+    """Where a tensor's first block is stored: sorting by it reads each file front to back."""
+    blocks = tensor.blocks
+    return (blocks[0].location, blocks[0].offset) if len(blocks) else ("", 0)
+
+
 def split_ranges(
     sizes: Sequence[int], parts: int, align: int, units_per_part: int = 4
 ) -> list[list[tuple[int, int, int]]]:

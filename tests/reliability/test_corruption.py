@@ -435,3 +435,24 @@ def test_random_byte_flips_in_rank_files_fail_a_merge(saved_run, tmp_path):
     record(
         "corruption: byte flips in rank files fail a merge", seed=seed, trials=count, violations=0
     )
+
+
+def test_shardstream_test_verifies_what_it_reads(saved_run, tmp_path, capsys):
+    """``shardstream test`` compares a checkpoint of shardstream's format with a reference;
+    the checkpoint's bytes are checked against their digests on the way, so a damaged rank
+    file is reported as damage (file and bytes named, exit 1), not as different values."""
+    from shardstream.cli import main
+
+    step = tmp_path / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+    argv = ["test", "--local_dir", str(step), "--test_hf_dir", str(saved_run.hf)]
+    assert main(argv) == 0, capsys.readouterr()
+    capsys.readouterr()
+    victim = step / native.rank_file(1)
+    header = read_header(victim)
+    entry = next(e for n, e in header.tensors.items() if n.startswith("model."))
+    offset = header.data_start + entry.begin
+    _flip(victim, offset, 0x40)
+    assert main(argv) == 1
+    _, err = capsys.readouterr()
+    assert "checksum mismatch" in err and victim.name in err and _in_range(err, offset), err

@@ -57,7 +57,15 @@ from ..errors import (
     ChecksumMismatchError,
     UnsafeCheckpointError,
 )
-from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent, dense_block, plan_copy
+from ..plan import (
+    Block,
+    GlobalTensor,
+    check_blocks_tile,
+    chunk_extent,
+    dense_block,
+    plan_copy,
+    stored_at,
+)
 from .safetensors import build_header, read_header, stored_checksums, tensors_in_range
 from .writer import OutputTensor, WrittenFile, write_safetensors
 
@@ -549,12 +557,7 @@ def merge_view(
         if fqn.startswith(MODEL_PREFIX) and fqn not in tensors:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
     headers.clear()  # the blocks hold every offset a merge needs; the digests stay
-
-    def stored_at(fqn: str) -> tuple[str, int]:
-        blocks = tensors[fqn].blocks
-        return (blocks[0].location, blocks[0].offset) if len(blocks) else ("", 0)
-
-    return {fqn: tensors[fqn] for fqn in sorted(tensors, key=stored_at)}
+    return {fqn: tensors[fqn] for fqn in sorted(tensors, key=lambda f: stored_at(tensors[f]))}
 
 
 class _Headers(dict):
