@@ -559,6 +559,18 @@ def test_chunks_that_do_not_tile_are_refused(tmp_path):
         open_checkpoint(_corrupt(tmp_path / "missing", missing))
 
 
+@pytest.mark.parametrize("field", ["offsets", "sizes"])
+def test_chunk_extents_that_are_not_sequences_are_refused(tmp_path, field):
+    """Found by `make soak`'s fuzzing: a flipped byte turned a chunk's offsets into a bare
+    reference to an allowed callable (no call), and reading it raised a TypeError."""
+
+    def edit(meta, _):
+        setattr(meta.state_dict_metadata["w"].chunks[0], field, torch.Size)  # the class itself
+
+    with pytest.raises(CheckpointFormatError, match=rf"'w' chunk {field} is a .*not a tuple"):
+        open_checkpoint(_corrupt(tmp_path, edit))
+
+
 def test_chunk_shape_or_dtype_disagreeing_with_record_is_refused(tmp_path):
     def edit(meta, _):
         meta.state_dict_metadata["w"].properties.dtype = torch.float64

@@ -469,6 +469,15 @@ def _ints(value, what: str) -> tuple[int, ...]:
     return value
 
 
+def _int_sequence(value, what: str) -> tuple[int, ...]:
+    """A tuple, list or ``torch.Size`` of ints from unpickled metadata (None: empty)."""
+    if value is None:
+        return ()
+    if not isinstance(value, (tuple, list)):
+        raise CheckpointFormatError(f"{what} is a {type(value).__name__}, not a tuple of integers")
+    return _ints(tuple(value), what)
+
+
 def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *rest):
     if not isinstance(storage, _StorageRef) or storage.dtype is None:
         raise CheckpointFormatError("tensor without a typed storage")
@@ -908,8 +917,8 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
     for chunk in md.chunks:
         if not isinstance(chunk, _ChunkStorageMetadata):
             raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has a malformed chunk")
-        offsets = _ints(tuple(chunk.offsets or ()), f"tensor {key!r} chunk offsets")
-        lengths = _ints(tuple(chunk.sizes or ()), f"tensor {key!r} chunk sizes")
+        offsets = _int_sequence(chunk.offsets, f"tensor {key!r} chunk offsets")
+        lengths = _int_sequence(chunk.sizes, f"tensor {key!r} chunk sizes")
         if len(offsets) != len(shape) or len(lengths) != len(shape):
             raise CheckpointFormatError(
                 f"{meta_path}: tensor {key!r} of shape {list(shape)} has a chunk of rank "
