@@ -614,7 +614,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     # grids as one offset per rank, each header let go once read ("merge.headers" times the
     # parsing; the stand-ins here are parsed already)
     def open_for_merge(headers=headers):
-        cache = native._Headers(keep=native.MODEL_PREFIX)
+        cache = native._Headers()
         cache.update(headers)
         return native.merge_view(gdir, loaded, cache, {})
 

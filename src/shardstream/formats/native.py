@@ -510,8 +510,7 @@ def _open_native(
     directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    # A merge keeps only the model entries of a rank file's header while it reads it.
-    headers = _Headers(keep=MODEL_PREFIX if model_only else "")
+    headers = _Headers()
     digests = headers.digests
     for name, info in manifest.get("files", {}).items():
         path = check_name(directory, name, "files")
@@ -564,11 +563,10 @@ class _Headers(dict):
     """Parsed data-file headers by path, each read and checked against its manifest digest on
     first use."""
 
-    def __init__(self, keep: str = ""):
+    def __init__(self):
         super().__init__()
         self.pending: dict[str, str] = {}
         self.digests: dict[str, tuple[int, int, list[str]]] = {}
-        self.keep = keep  # retain only the entries whose key starts with this
 
     def get(self, path, default=None):
         if path in self:
@@ -587,9 +585,6 @@ class _Headers(dict):
         if sums is None:
             raise CheckpointFormatError(f"{path}: no shardstream checksums in the header")
         self.digests[path] = (header.data_start, sums.chunk_bytes, sums.chunks)
-        if self.keep:
-            kept = {k: e for k, e in header.tensors.items() if k.startswith(self.keep)}
-            header = dataclasses.replace(header, tensors=kept, metadata={})
         self[path] = header
         return header
 
@@ -635,7 +630,7 @@ def _global_tensor(
             raise CheckpointFormatError(f"{where}: malformed chunk ({exc})") from None
         header = headers.get(path)
         entry = header.tensors.get(key) if header else None
-        _check_chunk(where, key, path, entry, dtype, sizes)
+        _check_chunk(directory, fqn, key, path, entry, dtype, sizes)
         if len(offsets) != len(shape):
             raise CheckpointFormatError(
                 f"{where}: chunk {key!r} has {len(offsets)} offsets for {len(shape)} dims"
@@ -662,14 +657,19 @@ def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ..
     return dtype, shape, world
 
 
-def _check_chunk(where: str, key: str, path: str, entry: Any, dtype: str, sizes: tuple) -> None:
+def _check_chunk(
+    directory: Path, fqn: str, key: str, path: str, entry: Any, dtype: str, sizes: tuple
+) -> None:
+    """Raise unless a rank file's header ``entry`` holds the chunk the manifest describes."""
+    if entry is not None and entry.dtype == dtype and entry.shape == sizes:
+        return
+    where = f"{directory / MANIFEST}: tensor {fqn!r}"
     if entry is None:
         raise CheckpointFormatError(f"{where}: chunk {key!r} is not in {path}")
-    if entry.dtype != dtype or entry.shape != sizes:
-        raise CheckpointFormatError(
-            f"{where}: chunk {key!r} in {path} is {entry.dtype}{list(entry.shape)}, "
-            f"manifest says {dtype}{list(sizes)}"
-        )
+    raise CheckpointFormatError(
+        f"{where}: chunk {key!r} in {path} is {entry.dtype}{list(entry.shape)}, "
+        f"manifest says {dtype}{list(sizes)}"
+    )
 
 
 class GridBlocks(Sequence):
@@ -742,10 +742,7 @@ def _open_grids(
                 continue
             key = grid_key(fqn, start, len(shape))
             entry = header.tensors.get(key) if header else None
-            sizes = (rows, *shape[1:])
-            if entry is None or entry.dtype != dtype or entry.shape != sizes:
-                where = f"{directory / MANIFEST}: tensor {fqn!r}"
-                _check_chunk(where, key, path, entry, dtype, sizes)
+            _check_chunk(directory, fqn, key, path, entry, dtype, (rows, *shape[1:]))
             offsets[fqn].append(header.data_start + entry.begin)
         if rank_file(r) not in listed:
             headers.pop(path, None)
