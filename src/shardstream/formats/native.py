@@ -12,7 +12,7 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -60,6 +60,7 @@ from ..errors import (
 from ..plan import (
     Block,
     GlobalTensor,
+    GridBlocks,
     check_blocks_tile,
     chunk_extent,
     dense_block,
@@ -670,42 +671,6 @@ def _check_chunk(
         f"{where}: chunk {key!r} in {path} is {entry.dtype}{list(entry.shape)}, "
         f"manifest says {dtype}{list(sizes)}"
     )
-
-
-class GridBlocks(Sequence):
-    """The blocks of a grid entry, made when asked for from one byte offset per rank.
-
-    A merge of a many-rank checkpoint keeps 8 bytes per chunk this way instead of a ``Block``
-    and a parsed header entry (docs/scaling.md). Rank r holds block r; reads like a tuple.
-    """
-
-    __slots__ = ("dtype", "shape", "world", "paths", "offsets")
-
-    def __init__(
-        self, dtype: str, shape: tuple[int, ...], world: int, paths: list[str], offsets: array
-    ):
-        self.dtype, self.shape, self.world = dtype, shape, world
-        self.paths, self.offsets = paths, offsets
-
-    def __len__(self) -> int:
-        return len(self.offsets)
-
-    def __getitem__(self, index):
-        if isinstance(index, slice):
-            return tuple(self[i] for i in range(*index.indices(len(self))))
-        rank = range(len(self))[index]  # negative indices and IndexError, as a tuple's
-        start, rows = chunk_extent(self.shape[0], self.world, rank)
-        origin = (start,) + (0,) * (len(self.shape) - 1)
-        sizes = (rows, *self.shape[1:])
-        return dense_block(self.paths[rank], self.offsets[rank], self.dtype, sizes, origin)
-
-    def __eq__(self, other: object) -> bool:
-        if not isinstance(other, Sequence) or isinstance(other, str):
-            return NotImplemented
-        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
-
-    def __hash__(self) -> int:
-        return hash(tuple(self))
 
 
 def _open_grids(

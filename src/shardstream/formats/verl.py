@@ -11,13 +11,21 @@ import math
 import os
 import pickle
 import re
+from array import array
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..plan import Block, GlobalTensor, check_blocks_tile, chunk_extent
+from ..plan import (
+    Block,
+    GlobalTensor,
+    GridBlocks,
+    check_blocks_tile,
+    chunk_extent,
+    row_major_strides,
+)
 from .torch_pt import DistributedTensor, MeshLayout, Placement, load_layout, local_layout
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -146,11 +154,50 @@ class RankLayouts:
     replicas: dict[str, list[Block]]
 
 
+@dataclass
+class _Grid:
+    """A DTensor's parts so far, while each is dense and ``torch.chunk``'s next part along
+    ``dim``: one offset per part (``GridBlocks``), not one ``Block``."""
+
+    dim: int
+    world: int
+    paths: list[str]  # shared by every tensor split over the same mesh dimension
+    offsets: array
+
+    def blocks(self, dtype: str, shape: tuple[int, ...]) -> GridBlocks:
+        return GridBlocks(dtype, shape, self.world, self.paths, self.offsets, self.dim)
+
+
+def _grid_part(
+    value: DistributedTensor, local, coordinate: tuple[int, ...], path: str, part_paths: dict
+) -> tuple[int, int, int, list[str]] | None:
+    """(tensor dim, parts, part index, shared path list) when this rank's piece can join a
+    grid: one Shard over the mesh, Replicate elsewhere, stored dense and row-major."""
+    shards = [(m, p.dim) for m, p in enumerate(value.placements) if p.kind == "Shard"]
+    dense = local.strides == row_major_strides(local.shape) or 0 in local.shape
+    if len(shards) != 1 or not dense:
+        return None
+    (mesh_dim, dim), parts = shards[0], value.mesh.shape[shards[0][0]]
+    index = coordinate[mesh_dim]
+    paths = part_paths.setdefault((mesh_dim, value.mesh.shape), [])
+    if len(paths) == index:  # the first tensor that meets this rank's part notes its file
+        paths.append(path)
+    if index >= len(paths) or paths[index] != path:
+        return None
+    return dim, parts, index, paths
+
+
 def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
-    """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value."""
+    """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value.
+
+    A DTensor split along one dimension keeps one offset per rank (``GridBlocks``) while every
+    piece is dense; any other layout keeps a ``Block`` per piece.
+    """
     order: list[str] = []
     meta: dict[str, tuple] = {}
     blocks: dict[str, list[Block]] = {}
+    grids: dict[str, _Grid] = {}
+    part_paths: dict[tuple, list[str]] = {}
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
     mesh_desc = "none (plain tensors)"
@@ -198,9 +245,10 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
                         f"placements {desc} of global shape {list(value.shape)} give "
                         f"{length} to rank {rank}; shapes or placements disagree across ranks"
                     )
-                block = local.block(path, tuple(start))
                 if keep:
-                    blocks.setdefault(name, []).append(block)
+                    part = _grid_part(value, local, coordinate, path, part_paths)
+                    piece = (local, tuple(start), path, part, rank)
+                    _add_part(name, value.shape, piece, blocks, grids)
             elif isinstance(value, torch.Tensor):
                 local = local_layout(path, name, value, file_size)
                 key = (local.dtype, local.shape, "replicated")
@@ -225,9 +273,32 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
     tensors = []
     for name in order:
         dtype, shape = meta[name][0], tuple(meta[name][1])
-        check_blocks_tile(name, shape, blocks[name])
-        tensors.append(GlobalTensor(name, dtype, shape, tuple(blocks[name])))
+        grid = grids.get(name)
+        parts = grid.blocks(dtype, shape) if grid else tuple(blocks.get(name, ()))
+        check_blocks_tile(name, shape, parts)
+        tensors.append(GlobalTensor(name, dtype, shape, parts))
     return RankLayouts(tensors, placements, mesh_desc, replicas)
+
+
+def _add_part(name: str, shape, piece: tuple, blocks: dict, grids: dict) -> None:
+    """Note one rank's piece of a DTensor: in its grid while it fits one, else as a Block."""
+    local, start, path, part, rank = piece
+    grid = grids.get(name)
+    if part is not None:
+        dim, parts, index, paths = part
+        empty = local.shape[dim] == 0  # torch.chunk's trailing empty parts are left out
+        if rank == 0 and index == 0 and name not in blocks:
+            grid = grids[name] = _Grid(dim, parts, paths, array("q"))
+        if grid is not None and (grid.dim, grid.world, grid.paths) == (dim, parts, paths):
+            if empty:
+                return
+            if index == len(grid.offsets):
+                grid.offsets.append(local.offset)
+                return
+    if grid is not None:  # this piece breaks the pattern: a Block per piece from here on
+        blocks[name] = list(grid.blocks(local.dtype, tuple(shape)))
+        del grids[name]
+    blocks.setdefault(name, []).append(local.block(path, start))
 
 
 def _show(key: tuple) -> str:
