@@ -201,6 +201,9 @@ def malloc_trim() -> None:
 
 _PAGE = os.sysconf("SC_PAGE_SIZE")
 PREFAULT_BYTES = 1280 * MiB
+# A save's page cache comes from the same free memory: the touch must cover what a method
+# writes, or the rest lands on returned pages and the method pays for it (see prefault).
+PREFAULT_STATE_RATIO = 1.5
 
 
 def prefault(nbytes: int = PREFAULT_BYTES) -> None:
@@ -210,6 +213,10 @@ def prefault(nbytes: int = PREFAULT_BYTES) -> None:
     seconds goes back to the host, and touching it again costs ~10x a normal page fault
     (256 MiB: 0.7 s instead of 0.04-0.07 s). Without this, a method that allocates buffers
     would be charged a cost bare-metal hosts do not have; the ordinary page-fault cost stays in.
+    The page cache a save writes into is taken from the same pool, so ``nbytes`` should cover
+    what a method writes per rank: with 1.25 GiB per rank at world size 2 (1.56 GiB written per
+    rank), the same shardstream save took 2.2 s after a shardstream save and 2.9-3.3 s after
+    torch.save or dcp.save, with 3-4x the kernel CPU time; with 2.5 GiB, 2.2-2.3 s after either.
     """
     import numpy as np
 
@@ -301,7 +308,7 @@ def rng_state() -> dict:
 # the save/restore rank function
 
 
-def _measure(rank: int, fn, sample: bool) -> dict:
+def _measure(rank: int, fn, sample: bool, prefault_bytes: int = PREFAULT_BYTES) -> dict:
     """Run ``fn`` from a common start; wall time, peak RSS above the baseline, RSS samples."""
     import torch.distributed as dist
 
@@ -309,7 +316,7 @@ def _measure(rank: int, fn, sample: bool) -> dict:
 
     malloc_trim()
     os.sync()  # start every method with no dirty pages of anyone's to flush
-    prefault()
+    prefault(prefault_bytes)
     dist.barrier()
     sampler = RssSampler() if sample else None
     reset_peak_rss()
@@ -527,9 +534,9 @@ def _profiled(fn, path: Path):
 def method_order(methods: list[str], rep: int) -> list[str]:
     """Counterbalanced: repeat 2k runs the methods rotated by k, repeat 2k+1 the reverse.
 
-    Over each pair of repeats every method has the same mean position. This disk slows as a
-    repeat's writes pile up, so a plain rotation, where a method always follows the same
-    neighbours and sits later or earlier than another in most repeats, biases their ratio.
+    Over each pair of repeats every method has the same mean position, and no method always
+    follows the same one: on this VM what ran just before a method can move its time (see
+    ``prefault``), and a plain rotation charged that to the same methods every repeat.
     """
     k = (rep // 2) % len(methods)
     order = methods[k:] + methods[:k]
@@ -557,8 +564,10 @@ def save_worker(rank: int, ws: int, spec: dict) -> dict:
         (v.to_local() if hasattr(v, "to_local") else v).untyped_storage().nbytes() for v in tensors
     )
     malloc_trim()
+    prefault_bytes = max(PREFAULT_BYTES, int(PREFAULT_STATE_RATIO * local_state))
     info: dict[str, Any] = {
         "rank": rank,
+        "prefault_mib": prefault_bytes / MiB,
         "warmup_s": warmup_s,
         "setup_s": setup_s,
         "rss_after_setup_mib": current_rss_bytes() / MiB,
@@ -574,7 +583,7 @@ def save_worker(rank: int, ws: int, spec: dict) -> dict:
             fn = m.fn(method, step)
             if rank == 0 and method in spec.get("profile", ()) and rep == spec["repeats"] - 1:
                 fn = _profiled(fn, RESULTS / f"profile-ws{ws}-{method}.txt")
-            r = _measure(rank, fn, sample=(rep == 0 or rank == 0))
+            r = _measure(rank, fn, sample=(rep == 0 or rank == 0), prefault_bytes=prefault_bytes)
             r["repeat"] = rep
             if method in saves:
                 r["disk_bytes"] = m.disk_bytes(method, step)
@@ -956,12 +965,28 @@ def _save_steps(a: dict) -> str:
     return ", ".join(str(i) for i in steps)
 
 
+def _prefault_text(results: dict) -> str:
+    per_ws = {
+        ws: res["ranks"][0].get("prefault_mib") for ws, res in sorted(results["save"].items())
+    }
+    if not all(per_ws.values()):
+        return "1.25 GiB"
+    sizes = ", ".join(
+        f"{mib / 1024:.2f} GiB per rank at world size {ws}" for ws, mib in per_ws.items()
+    )
+    return (
+        f"{sizes} ({PREFAULT_STATE_RATIO}x the rank's state, at least 1.25 GiB: the page cache "
+        "a save writes into comes from the same memory, and a smaller touch left the last part "
+        "of a save on returned pages, charging whichever method ran after another tool's save)"
+    )
+
+
 def _order_text(results: dict) -> str:
     if results.get("order") == "counterbalanced":
         return (
             "in a counterbalanced order (repeat 2k rotates the method list by k, repeat 2k+1 "
-            "runs it reversed, so over each pair every method has the same mean position: this "
-            "disk slows as a repeat's writes pile up)"
+            "runs it reversed: over each pair every method has the same mean position, and no "
+            "method always follows the same one)"
         )
     return "the order rotated each repeat"
 
@@ -1034,14 +1059,14 @@ def _header(results: dict, w) -> None:
         f"- **Design:** per world size, one set of rank processes runs every method ({reps}), "
         f"{_order_text(results)}; first every method runs once on a tiny FSDP2 "
         "model, so first-call costs (imports, lazy initialisation) are not charged to whichever "
-        "method comes first. Before every method: `sync`, and 1.25 GiB touched and freed (this "
-        "VM's balloon returns memory freed for a few seconds to the host, after which touching "
-        "256 MiB costs 0.7 s instead of 0.04 s; bare-metal hosts have no such cost, the ordinary "
-        "page-fault cost stays in). **Wall**: the slowest rank's time from a common barrier to "
-        "its return, median over repeats. **Extra RSS**: per rank, `VmHWM` after the method minus "
-        "`VmRSS` before it (`VmHWM` reset through `/proc/self/clear_refs`, freed heap returned "
-        "with `malloc_trim` first), worst repeat. shardstream uses "
-        f'`staging_budget="{BUDGET}"` and its defaults (checksums on save, '
+        f"method comes first. Before every method: `sync`, and {_prefault_text(results)} "
+        "touched and freed (this VM's balloon returns memory freed for a few seconds to the host, "
+        "after which touching 256 MiB costs 0.7 s instead of 0.04 s; bare-metal hosts have no "
+        "such cost, the ordinary page-fault cost stays in). **Wall**: the slowest rank's time "
+        "from a common barrier to its return, median over repeats. **Extra RSS**: per rank, "
+        "`VmHWM` after the method minus `VmRSS` before it (`VmHWM` reset through "
+        "`/proc/self/clear_refs`, freed heap returned with `malloc_trim` first), worst repeat. "
+        f'shardstream uses `staging_budget="{BUDGET}"` and its defaults (checksums on save, '
         "`verify_on_load=True`). Restores read the checkpoint the same repeat wrote (warm page "
         "cache, for both)."
     )
