@@ -289,7 +289,7 @@ def _add_part(name: str, shape, piece: tuple, blocks: dict, grids: dict) -> None
         empty = local.shape[dim] == 0  # torch.chunk's trailing empty parts are left out
         if rank == 0 and index == 0 and name not in blocks:
             grid = grids[name] = _Grid(dim, parts, paths, array("q"))
-        if grid is not None and (grid.dim, grid.world, grid.paths) == (dim, parts, paths):
+        if grid is not None and (grid.dim, grid.world) == (dim, parts) and grid.paths is paths:
             if empty:
                 return
             if index == len(grid.offsets):
