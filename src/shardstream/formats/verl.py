@@ -154,20 +154,6 @@ class RankLayouts:
     replicas: dict[str, list[Block]]
 
 
-@dataclass
-class _Grid:
-    """A DTensor's parts so far, while each is dense and ``torch.chunk``'s next part along
-    ``dim``: one offset per part (``GridBlocks``), not one ``Block``."""
-
-    dim: int
-    world: int
-    paths: list[str]  # shared by every tensor split over the same mesh dimension
-    offsets: array
-
-    def blocks(self, dtype: str, shape: tuple[int, ...]) -> GridBlocks:
-        return GridBlocks(dtype, shape, self.world, self.paths, self.offsets, self.dim)
-
-
 def _grid_part(
     value: DistributedTensor, local, coordinate: tuple[int, ...], path: str, part_paths: dict
 ) -> tuple[int, int, int, list[str]] | None:
@@ -196,7 +182,7 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
     order: list[str] = []
     meta: dict[str, tuple] = {}
     blocks: dict[str, list[Block]] = {}
-    grids: dict[str, _Grid] = {}
+    grids: dict[str, GridBlocks] = {}  # while every piece so far is the grid's next one
     part_paths: dict[tuple, list[str]] = {}
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
@@ -247,8 +233,7 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
                     )
                 if keep:
                     part = _grid_part(value, local, coordinate, path, part_paths)
-                    piece = (local, tuple(start), path, part, rank)
-                    _add_part(name, value.shape, piece, blocks, grids)
+                    _add_piece(name, value.shape, local, tuple(start), path, part, blocks, grids)
             elif isinstance(value, torch.Tensor):
                 local = local_layout(path, name, value, file_size)
                 key = (local.dtype, local.shape, "replicated")
@@ -273,30 +258,29 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
     tensors = []
     for name in order:
         dtype, shape = meta[name][0], tuple(meta[name][1])
-        grid = grids.get(name)
-        parts = grid.blocks(dtype, shape) if grid else tuple(blocks.get(name, ()))
+        parts = grids[name] if name in grids else tuple(blocks.get(name, ()))
         check_blocks_tile(name, shape, parts)
         tensors.append(GlobalTensor(name, dtype, shape, parts))
     return RankLayouts(tensors, placements, mesh_desc, replicas)
 
 
-def _add_part(name: str, shape, piece: tuple, blocks: dict, grids: dict) -> None:
+def _add_piece(name, shape, local, start, path, part, blocks: dict, grids: dict) -> None:
     """Note one rank's piece of a DTensor: in its grid while it fits one, else as a Block."""
-    local, start, path, part, rank = piece
     grid = grids.get(name)
     if part is not None:
         dim, parts, index, paths = part
-        empty = local.shape[dim] == 0  # torch.chunk's trailing empty parts are left out
-        if rank == 0 and index == 0 and name not in blocks:
-            grid = grids[name] = _Grid(dim, parts, paths, array("q"))
+        if index == 0 and grid is None and name not in blocks:  # the tensor's first piece
+            grid = grids[name] = GridBlocks(
+                local.dtype, tuple(shape), parts, paths, array("q"), dim
+            )
         if grid is not None and (grid.dim, grid.world) == (dim, parts) and grid.paths is paths:
-            if empty:
+            if local.shape[dim] == 0:  # torch.chunk's trailing empty parts are left out
                 return
             if index == len(grid.offsets):
                 grid.offsets.append(local.offset)
                 return
     if grid is not None:  # this piece breaks the pattern: a Block per piece from here on
-        blocks[name] = list(grid.blocks(local.dtype, tuple(shape)))
+        blocks[name] = list(grid)
         del grids[name]
     blocks.setdefault(name, []).append(local.block(path, start))
 
