@@ -56,7 +56,13 @@ class Endpoint:
 
 
 class FileEndpoint(Endpoint):
-    """A file read with ``preadv``; optionally every read is checked against chunk digests.
+    """A file read through the page cache; optionally every read is checked against chunk
+    digests.
+
+    Reads copy from short-lived mappings of the file (``preadv`` where it cannot be mapped),
+    and ``mapped`` lends the bytes themselves, so a dtype conversion reads the page cache
+    directly instead of a copy of it. A file truncated by someone else while it is mapped
+    kills the process (SIGBUS); outputs are staged, so nothing half-written is committed.
 
     With digests, the chunk a read falls in is hashed as its bytes stream past: read straight
     into the caller's array and fed to the chunk's hash, and bytes the caller skips read into a
@@ -69,6 +75,7 @@ class FileEndpoint(Endpoint):
     """
 
     _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
+    _MAP_PIECE_BYTES = 8 << 20  # the most bytes mapped at once by a copying read
 
     def __init__(
         self,
@@ -89,15 +96,50 @@ class FileEndpoint(Endpoint):
         self._lo = self._hi = self._hashed_to = 0  # its bytes, and how far they are hashed
         self._hasher = new_hasher()
         self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
+        self._unmappable = False
 
     def _pread(self, offset: int, out: np.ndarray) -> None:
+        """Copy bytes [offset, offset + out.nbytes) into ``out``: from a mapping of the page
+        cache, a piece at a time, or with ``preadv`` where the file cannot be mapped."""
         view = memoryview(out).cast("B")
+        flat = np.frombuffer(view, dtype=np.uint8)
         done = 0
         while done < len(view):
+            take = min(len(view) - done, self._MAP_PIECE_BYTES)
+            mapped = self._map(offset + done, take)
+            if mapped is not None:
+                np.copyto(flat[done : done + take], mapped)
+                done += take
+                continue
             n = os.preadv(self.fd, [view[done:]], offset + done)
             if n == 0:
                 self._truncated(offset, offset + len(view))
             done += n
+
+    def _map(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) mapped from the page cache, unmapped when the array
+        is dropped; None where mapping is refused (some network and FUSE file systems).
+
+        Private and writable only so that torch accepts the array without a warning: nothing
+        writes to it, and a write would touch a private copy, never the file.
+        """
+        if nbytes <= 0 or self._unmappable:
+            return None
+        if offset + nbytes > self.size:
+            self._truncated(offset, offset + nbytes)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            memory = mmap.mmap(
+                self.fd,
+                offset + nbytes - base,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=base,
+            )
+        except (OSError, ValueError):
+            self._unmappable = True
+            return None
+        return np.frombuffer(memory, dtype=np.uint8)[offset - base :]
 
     def _truncated(self, lo: int, hi: int) -> None:
         raise CheckpointFormatError(
@@ -108,17 +150,31 @@ class FileEndpoint(Endpoint):
         if self.digests is None:
             self._pread(offset, out)
             return
-        if offset < self.data_start:
-            raise CheckpointFormatError(
-                f"{self.name}: bytes [{offset}, {offset + out.nbytes}) start before the "
-                f"checksummed data section at {self.data_start}"
-            )
         if not out.flags.c_contiguous:
             staged = np.empty(out.nbytes, dtype=np.uint8)
             self.read_into(offset, staged)
             out[...] = staged.view(out.dtype).reshape(out.shape)
             return
-        flat = out.reshape(-1).view(np.uint8)
+        self._checked(offset, out.reshape(-1).view(np.uint8), copy=True)
+
+    def mapped(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) as an array over the page cache, with no copy
+        (checked like ``read_into`` when the file has digests); None where the file cannot
+        be mapped. The mapping lives as long as the array, so keep ``nbytes`` to a buffer's
+        size: its pages count as resident while it lives."""
+        view = self._map(offset, nbytes)
+        if view is not None and self.digests is not None:
+            self._checked(offset, view, copy=False)
+        return view
+
+    def _checked(self, offset: int, flat: np.ndarray, copy: bool) -> None:
+        """Hash bytes [offset, offset + flat.nbytes) chunk by chunk, reading them into
+        ``flat`` first with ``copy`` (else ``flat`` already holds them)."""
+        if offset < self.data_start:
+            raise CheckpointFormatError(
+                f"{self.name}: bytes [{offset}, {offset + flat.nbytes}) start before the "
+                f"checksummed data section at {self.data_start}"
+            )
         pos, end = offset, offset + flat.nbytes
         while pos < end:
             if pos >= self.size:
@@ -130,7 +186,8 @@ class FileEndpoint(Endpoint):
             self._hash_through(pos)
             take = min(end, self._hi) - pos
             piece = flat[pos - offset : pos - offset + take]
-            self._pread(pos, piece)
+            if copy:
+                self._pread(pos, piece)
             self._hasher.update(memoryview(piece))
             self._hashed_to = pos = pos + take
             if pos == self._hi:
@@ -470,14 +527,27 @@ class Streamer:
             source.read_into(first, out)  # straight into the destination window
             return out.reshape(k, width)
         src = self.buf.src[:need].reshape(k, width) if need else self.buf.src[:0].reshape(k, 0)
-        view = getattr(source, "host_view", None) if transform is None else None
-        if contiguous and not plain and view is not None:
-            src = view(first, need).reshape(k, width)  # convert straight from host memory
+        view = None
+        if transform is None:
+            view = getattr(source, "host_view", None) or getattr(source, "mapped", None)
+        span = (k - 1) * run.src_step + width if k else 0
+        lent = None  # the source's own bytes, when it can lend them
+        if view is not None and not contiguous and span <= self.buf.src.nbytes:
+            lent = view(first, span)
+        elif view is not None and contiguous and not plain:
+            lent = view(first, need)
+        if contiguous and not plain and lent is not None:
+            src = lent.reshape(k, width)  # convert straight from host memory or page cache
         elif contiguous:
             source.read_into(first, self.buf.src[:need])
         else:
-            span = (k - 1) * run.src_step + width
-            if span <= self.buf.src.nbytes and span <= 2 * need:
+            if lent is not None:
+                rows = np.lib.stride_tricks.as_strided(
+                    lent, shape=(k, width), strides=(run.src_step, 1)
+                )
+                # Packed first: torch converts NaNs in strided memory differently.
+                np.copyto(src, rows)
+            elif span <= self.buf.src.nbytes and span <= 2 * need:
                 source.read_into(first, self.buf.src[:span])
                 rows = np.lib.stride_tricks.as_strided(
                     self.buf.src, shape=(k, width), strides=(run.src_step, 1)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import math
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -405,6 +406,77 @@ def test_checked_reads_in_any_order_match_plain_reads(tmp_path_factory, reads):
             out = np.empty(length, dtype=np.uint8)
             endpoint.read_into(header.data_start + start, out)
             assert np.array_equal(out, raw[start : start + length])
+    finally:
+        endpoint.close()
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.booleans(), st.integers(0, 799), st.integers(0, 200)), min_size=1, max_size=12
+    )
+)
+def test_mapped_and_copied_reads_mix_and_stay_checked(tmp_path_factory, reads):
+    """``mapped`` lends the page cache's bytes and feeds the same chunk checks as ``read_into``,
+    in any order of the two."""
+    path, header, stored, t = written_file(tmp_path_factory.mktemp("m"))
+    raw = t.numpy().view(np.uint8).reshape(-1)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        for lend, start, length in reads:
+            length = min(length, 800 - start)
+            if lend and length:
+                got = np.array(endpoint.mapped(header.data_start + start, length))
+            else:
+                got = np.empty(length, dtype=np.uint8)
+                endpoint.read_into(header.data_start + start, got)
+            assert np.array_equal(got, raw[start : start + length])
+        endpoint.finish()
+    finally:
+        endpoint.close()
+
+
+@pytest.mark.parametrize("position", [0, 100, 799])
+def test_a_flip_in_mapped_bytes_is_detected(tmp_path, position):
+    path, header, stored, _ = written_file(tmp_path)
+    raw = bytearray(path.read_bytes())
+    raw[header.data_start + position] ^= 0x01
+    path.write_bytes(bytes(raw))
+    lo = header.data_start + position // 64 * 64
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        with pytest.raises(ChecksumMismatchError, match=rf"\[{lo}, \d+\) \(w\)"):
+            endpoint.mapped(header.data_start, 800)
+    finally:
+        endpoint.close()
+
+
+def test_files_that_cannot_be_mapped_are_read_with_preadv(tmp_path, monkeypatch):
+    """Some network and FUSE file systems refuse mmap; reads then fall back to ``preadv``, and
+    conversions read through the staging buffer, with the same bytes."""
+    import mmap
+
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENODEV, "No such device")
+
+    full = special_floats(6000).reshape(600, 10)
+    blocks = shards(tmp_path, full, 0, 3)
+    mapped_result, _, _ = merge_to_file(
+        tmp_path, tuple(full.shape), "F32", blocks, Buffers.sized(1 << 20), out_dtype="BF16"
+    )
+    buffers = Buffers.sized(1 << 20)  # anonymous memory is mapped too: before the refusal
+    monkeypatch.setattr(mmap, "mmap", refuse)
+    result, _, _ = merge_to_file(
+        tmp_path, tuple(full.shape), "F32", blocks, buffers, out_dtype="BF16"
+    )
+    assert torch.equal(result.view(torch.int16), full.to(torch.bfloat16).view(torch.int16))
+    assert torch.equal(result.view(torch.int16), mapped_result.view(torch.int16))
+    endpoint = FileEndpoint(blocks[0].location)
+    try:
+        assert endpoint.mapped(0, 8) is None
+        out = np.empty(8, dtype=np.uint8)
+        endpoint.read_into(0, out)
+        assert out.tobytes() == Path(blocks[0].location).read_bytes()[:8]
     finally:
         endpoint.close()
 
