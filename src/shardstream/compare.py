@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import lora
-from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer
+from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, OpenEndpoints, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .errors import (
     CheckpointFormatError,
@@ -274,15 +274,13 @@ def compare_with_reference(
 
     # The checkpoint's side in the order its files hold it, so each file is read front to back.
     pairs.sort(key=lambda pair: stored_at(pair[1]))
-    endpoints: dict[str, FileEndpoint] = {}
     checked = getattr(checkpoint, "digests", {})  # shardstream's format: data files with digests
 
-    def endpoint(location: str) -> FileEndpoint:
-        if location not in endpoints:
-            # Checksummed files are verified as they are read, as merge and restore do.
-            opener = checkpoint.endpoint if location in checked else FileEndpoint
-            endpoints[location] = opener(location)
-        return endpoints[location]
+    def open_endpoint(location: str) -> FileEndpoint:
+        # Checksummed files are verified as they are read, as merge and restore do.
+        return (checkpoint.endpoint if location in checked else FileEndpoint)(location)
+
+    endpoint = OpenEndpoints(open_endpoint)
 
     ratio = max(
         (itemsize(src) / itemsize(target) for r, c, target in pairs for src in (r.dtype, c.dtype)),
@@ -295,11 +293,9 @@ def compare_with_reference(
         check_replicas(checkpoint, ours_side)
         for ref, ckpt, target in pairs:
             _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
-        for ep in endpoints.values():
-            ep.finish()
+        endpoint.finish()
     finally:
-        for ep in endpoints.values():
-            ep.close()
+        endpoint.close()
     report.wall_s = time.perf_counter() - start
     return report
 

@@ -237,6 +237,33 @@ class FileEndpoint(Endpoint):
         os.close(self.fd)
 
 
+class OpenEndpoints:
+    """Endpoints opened on first use, then verified and closed together.
+
+    Every user calls ``finish()`` before it commits or returns what it read (checked files
+    verify the rest of their chunk in progress), and ``close()`` in a ``finally``.
+    """
+
+    def __init__(self, opener: Callable[[str], Endpoint] = FileEndpoint):
+        self.opener = opener
+        self.opened: dict[str, Endpoint] = {}
+
+    def __call__(self, location: str) -> Endpoint:
+        endpoint = self.opened.get(location)
+        if endpoint is None:
+            endpoint = self.opened[location] = self.opener(location)
+        return endpoint
+
+    def finish(self) -> None:
+        for endpoint in list(self.opened.values()):
+            endpoint.finish()
+
+    def close(self) -> None:
+        for endpoint in self.opened.values():
+            endpoint.close()
+        self.opened.clear()
+
+
 def new_digest(data: np.ndarray) -> str:
     h = new_hasher()
     h.update(memoryview(data))

@@ -19,6 +19,7 @@ from .copy import (
     DIRECT_ALIGN,
     Buffers,
     FileEndpoint,
+    OpenEndpoints,
     Streamer,
 )
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
@@ -201,17 +202,10 @@ def merge(
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
 
-    endpoints: dict[str, FileEndpoint] = {}
-
-    def endpoint(location: str) -> FileEndpoint:
-        if location not in endpoints:
-            # Sources with checksums (shardstream's own format) verify every byte they hand out.
-            opener = getattr(checkpoint, "endpoint", FileEndpoint)
-            endpoints[location] = opener(location)
-        return endpoints[location]
-
+    # Sources with checksums (shardstream's own format) verify every byte they hand out.
+    endpoints = OpenEndpoints(getattr(checkpoint, "endpoint", FileEndpoint))
     ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)
-    streamer = Streamer(endpoint, Buffers.sized(buffer_bytes, ratio))
+    streamer = Streamer(endpoints, Buffers.sized(buffer_bytes, ratio))
     written = 0
     rank = coll.rank()
     try:
@@ -266,8 +260,7 @@ def merge(
                         writeback=True,
                     )
                     mine[(index, lo // DEFAULT_CHUNK_BYTES)] = digests
-                for ep in list(endpoints.values()):
-                    ep.finish()  # every source byte this rank read is verified before commit
+                endpoints.finish()  # every source byte this rank read is verified before commit
             except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
                 error = exc
             gathered = coll.gather(mine if error is None else None)
@@ -284,8 +277,7 @@ def merge(
                     written += write_adapter(
                         adapter_dir, split, rank_alpha, out_dtype, streamer, config
                     )
-                    for ep in endpoints.values():
-                        ep.finish()
+                    endpoints.finish()
                 if config_dir is not None:
                     dtype_name = (
                         str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
@@ -293,8 +285,7 @@ def merge(
                     hf.copy_config(config_dir, tmp, dtype_name)
         coll.barrier()
     finally:
-        for ep in endpoints.values():
-            ep.close()
+        endpoints.close()
     return MergeSummary(
         target=str(target),
         format=checkpoint.format,

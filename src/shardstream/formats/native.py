@@ -45,6 +45,7 @@ from ..copy import (
     Buffers,
     Endpoint,
     FileEndpoint,
+    OpenEndpoints,
     Streamer,
     TensorEndpoint,
     live_block,
@@ -761,14 +762,8 @@ class StreamingReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        endpoints: dict[str, Endpoint] = {}
-
-        def endpoint(location: str) -> Endpoint:
-            if location not in endpoints:
-                endpoints[location] = self.make_endpoint(location)
-            return endpoints[location]
-
-        streamer = Streamer(endpoint, Buffers.sized(self.buffer_bytes, 2.0))
+        endpoints = OpenEndpoints(self.make_endpoint)
+        streamer = Streamer(endpoints, Buffers.sized(self.buffer_bytes, 2.0))
         items = sorted(
             plan.items,
             key=lambda r: (
@@ -785,7 +780,7 @@ class StreamingReader(StorageReader):
                 target = planner.resolve_tensor(req).detach()
                 start = tuple(s + o for s, o in zip(src.start, req.storage_offsets))
                 dst_name = f"target:{fqn}"
-                endpoints[dst_name] = TensorEndpoint(fqn, target)
+                endpoints.opened[dst_name] = TensorEndpoint(fqn, target)
                 dst = Block(
                     dst_name,
                     target.storage_offset() * target.element_size(),
@@ -798,12 +793,10 @@ class StreamingReader(StorageReader):
                 stream_into_memory(runs, streamer)
                 self.bytes_read += sum(r.src_nbytes for r in runs)
                 planner.commit_tensor(req, target)
-                del endpoints[dst_name]
-            for ep in endpoints.values():
-                ep.finish()  # every byte read is verified before the load returns
+                del endpoints.opened[dst_name]
+            endpoints.finish()  # every byte read is verified before the load returns
         finally:
-            for ep in endpoints.values():
-                ep.close()
+            endpoints.close()
         future: Future[None] = Future()
         future.set_result(None)
         return future
