@@ -76,6 +76,7 @@ class FileEndpoint(Endpoint):
 
     _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
     _MAP_PIECE_BYTES = 8 << 20  # the most bytes mapped at once by a copying read
+    _MAP_MIN_BYTES = 1 << 20  # smaller reads use preadv: a mapping costs more than it saves
 
     def __init__(
         self,
@@ -118,12 +119,13 @@ class FileEndpoint(Endpoint):
 
     def _map(self, offset: int, nbytes: int) -> np.ndarray | None:
         """Bytes [offset, offset + nbytes) mapped from the page cache, unmapped when the array
-        is dropped; None where mapping is refused (some network and FUSE file systems).
+        is dropped; None for small reads and where mapping is refused (some network and FUSE
+        file systems).
 
         Private and writable only so that torch accepts the array without a warning: nothing
         writes to it, and a write would touch a private copy, never the file.
         """
-        if nbytes <= 0 or self._unmappable:
+        if nbytes < self._MAP_MIN_BYTES or self._unmappable:
             return None
         if offset + nbytes > self.size:
             self._truncated(offset, offset + nbytes)
@@ -159,9 +161,9 @@ class FileEndpoint(Endpoint):
 
     def mapped(self, offset: int, nbytes: int) -> np.ndarray | None:
         """Bytes [offset, offset + nbytes) as an array over the page cache, with no copy
-        (checked like ``read_into`` when the file has digests); None where the file cannot
-        be mapped. The mapping lives as long as the array, so keep ``nbytes`` to a buffer's
-        size: its pages count as resident while it lives."""
+        (checked like ``read_into`` when the file has digests); None for small reads and where
+        the file cannot be mapped. The mapping lives as long as the array, so keep ``nbytes``
+        to a buffer's size: its pages count as resident while it lives."""
         view = self._map(offset, nbytes)
         if view is not None and self.digests is not None:
             self._checked(offset, view, copy=False)

@@ -30,6 +30,17 @@ from shardstream.formats.safetensors import read_header, stored_checksums
 from shardstream.formats.writer import OutputTensor, write_safetensors
 from shardstream.plan import Block, GlobalTensor, chunk_extent, dense_block, plan_copy
 
+DEFAULT_MAP_MIN_BYTES = FileEndpoint._MAP_MIN_BYTES
+
+
+@pytest.fixture(autouse=True, scope="module")
+def map_reads_of_any_size():
+    """These files are small; map their reads anyway, so the mapped path is what runs here.
+    (Reads under 1 MiB normally use preadv, which the merge tests on real models cover.)"""
+    FileEndpoint._MAP_MIN_BYTES = 1
+    yield
+    FileEndpoint._MAP_MIN_BYTES = DEFAULT_MAP_MIN_BYTES
+
 
 def save_raw(tmp_path, name: str, tensor: torch.Tensor, lead: int = 24) -> tuple[str, Block, int]:
     """Write ``tensor``'s whole storage after ``lead`` junk bytes; return its block in the file.
@@ -477,6 +488,23 @@ def test_files_that_cannot_be_mapped_are_read_with_preadv(tmp_path, monkeypatch)
         out = np.empty(8, dtype=np.uint8)
         endpoint.read_into(0, out)
         assert out.tobytes() == Path(blocks[0].location).read_bytes()[:8]
+    finally:
+        endpoint.close()
+
+
+def test_only_reads_of_a_mebibyte_or_more_are_mapped(tmp_path, monkeypatch):
+    monkeypatch.setattr(FileEndpoint, "_MAP_MIN_BYTES", DEFAULT_MAP_MIN_BYTES)
+    data = np.random.default_rng(0).integers(0, 256, 3 << 20, dtype=np.uint8)
+    path = tmp_path / "big.bin"
+    path.write_bytes(data.tobytes())
+    endpoint = FileEndpoint(str(path))
+    try:
+        assert endpoint.mapped(5, 4096) is None  # a mapping costs more than it saves
+        lent = endpoint.mapped(5, 1 << 20)
+        assert lent is not None and np.array_equal(lent, data[5 : 5 + (1 << 20)])
+        out = np.empty((3 << 20) - 7, dtype=np.uint8)  # copied a mapped piece at a time
+        endpoint.read_into(7, out)
+        assert np.array_equal(out, data[7:])
     finally:
         endpoint.close()
 
