@@ -229,4 +229,6 @@ def warm_cache(path: Path) -> int:
 
 
 def tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -21,7 +21,7 @@ TOOL_LABEL = {
     "cp": "cp -r",
     "cp_fsync": "cp -r + fsync",
 }
-TOOLS_CMD_ORDER = ("cp", "cp_fsync", "shardstream", "verl")
+TOOLS_CMD_ORDER = ("cp", "cp_fsync", "shardstream", "verl", "disk_write_floor")
 COLORS = {"shardstream": "#1f77b4", "verl": "#d62728", "cp": "#7f7f7f", "cp_fsync": "#bcbcbc"}
 
 
@@ -151,6 +151,24 @@ def startup_of(r: dict, by_tool: dict, tool: str) -> dict | None:
     return by_tool.get(f"{tool}_startup") or (r.get("startup_floor") or {}).get(tool)
 
 
+def merge_call_of(r: dict, size: str, cache: str) -> tuple[float, float] | None:
+    """Median wall time of shardstream's merge call as it reports it (everything after the
+    interpreter, imports and argument parsing), and the output MiB/s it implies."""
+    calls = [
+        x["self_report"]
+        for x in r.get("runs", [])
+        if x.get("tool") == "shardstream"
+        and str(x.get("size_gb")) == str(size)
+        and x.get("cache") == cache
+        and (x.get("self_report") or {}).get("wall_s")
+    ]
+    if not calls:
+        return None
+    wall = statistics.median(c["wall_s"] for c in calls)
+    written = statistics.median(c["bytes_written"] for c in calls)
+    return wall, written / 2**20 / wall
+
+
 def render_reading(r: dict) -> list[str]:
     """Derived facts that help read the table; all computed from the JSON."""
     out = ["## Reading the numbers", ""]
@@ -169,6 +187,18 @@ def render_reading(r: dict) -> list[str]:
                     f"{TOOL_LABEL[tool]} {work:.1f} s past start-up "
                     f"(≈ {rate:.0f} MiB/s of checkpoint), +{extra:.0f} MiB over its start-up RSS"
                 )
+                inner = merge_call_of(r, size, cache) if tool == "shardstream" else None
+                if inner:
+                    bits[-1] += (
+                        f", of which {inner[0]:.2f} s in the merge itself (open, plan, copy, "
+                        f"fsync, rename; from `--json`), writing {inner[1]:.0f} MiB/s of output"
+                    )
+                    floor = by_tool.get("disk_write_floor") or {}
+                    if floor.get("wall_s"):
+                        bits[-1] += (
+                            f" ({inner[0] / floor['wall_s']:.2f}× the {floor['wall_s']:.2f} s "
+                            "dd took to write as many bytes with O_DIRECT and fsync)"
+                        )
             loads = [s.get("loadavg_1m_before") for s in by_tool.values()]
             loads = [x for x in loads if x is not None]
             if bits:
@@ -197,8 +227,9 @@ def render_reading(r: dict) -> list[str]:
         "- `cp -r` (coreutils 9 on ext4) copies in the kernel (`copy_file_range`), converts "
         "nothing, and leaves its output as dirty page cache; it writes the fp32 shards, i.e. "
         "twice the bytes of a bf16 merge. `cp -r + fsync` also fsyncs every copied file.",
-        "- `shardstream merge` reads byte ranges into a bounded buffer, casts to the output "
-        "dtype, checksums, and fsyncs its output before renaming it into place (crash-safe).",
+        "- `shardstream merge` maps byte ranges of the rank files a buffer's worth at a time, "
+        "casts them into a bounded window, checksums, writes with O_DIRECT and fsyncs its output "
+        "before renaming it into place (crash-safe).",
         "- verl's merger `torch.load`s every rank file whole, casts to bf16 (hard-coded), "
         "concatenates in memory and writes with `save_pretrained`; it does not fsync.",
         "",

@@ -36,6 +36,10 @@ COPY_TOOLS = ("cp", "cp_fsync")
 # argument parsing, no data), measured inside every case's rotation so it sees the same
 # page cache and machine load as the real runs.
 STARTUP = {"shardstream": "shardstream_startup", "verl": "verl_startup"}
+# The disk's own pace for a merge's output: dd writes as many bytes as the merged model has
+# (from the page-cached rank files, so no zero-detection in the storage stack flatters it),
+# with O_DIRECT and a final fsync, as the merge does. Run in each case's rotation.
+DISK_FLOOR = "disk_write_floor"
 
 # Targets from the issue; evaluated into merge.json and the doc.
 TARGET_RSS_MIB = 512
@@ -126,6 +130,18 @@ def tool_argv(tool: str, actor: Path, out: Path, a: argparse.Namespace) -> list[
         return [*tool_argv(tool.removesuffix("_startup"), actor, out, a)[:4], "--help"]
     if tool == "cp":
         return ["cp", "-r", str(actor), str(out)]
+    if tool == DISK_FLOOR:
+        out_bytes = merged_bytes(actor, a.dtype)
+        return [
+            "sh",
+            "-c",
+            'f="$1"; n="$2"; shift 2; cat "$@" | dd of="$f" bs=4M count="$n" iflag=fullblock '
+            "oflag=direct conv=fsync status=none",
+            DISK_FLOOR,
+            str(out),
+            str(-(-out_bytes // (4 << 20))),
+            *map(str, sorted(actor.glob("model_world_size_*_rank_*.pt"))),
+        ]
     if tool == "cp_fsync":
         # The durable copy: shardstream fsyncs what it writes, plain cp leaves dirty pages.
         # coreutils `sync FILE...` fsyncs exactly those files (not the whole machine).
@@ -167,6 +183,12 @@ def tool_argv(tool: str, actor: Path, out: Path, a: argparse.Namespace) -> list[
             str(out),
         ]
     raise ValueError(tool)
+
+
+def merged_bytes(actor: Path, dtype: str) -> int:
+    """About the bytes a merge of ``actor``'s fp32 rank files writes in ``dtype``."""
+    fp32 = sum(f.stat().st_size for f in actor.glob("model_world_size_*_rank_*.pt"))
+    return fp32 if dtype == "float32" else fp32 // 2
 
 
 def child_env() -> dict[str, str]:
@@ -231,9 +253,13 @@ def run_one(tool: str, actor: Path, out: Path, cache: str, a: argparse.Namespace
 # Buckets for the profile of one shardstream run: which calls the time goes to.
 PROFILE_BUCKETS = (
     ("read (preadv/pread)", ("posix.preadv", "posix.pread", "preadv", "readinto")),
+    ("map / unmap source pages (mmap)", ("mmap.mmap", "mmap' objects", "_map")),
     ("write (pwrite)", ("posix.pwrite", "posix.pwritev", "posix.write")),
     ("fsync", ("posix.fsync", "posix.fdatasync")),
-    ("dtype cast / copy (torch copy_)", ("copy_", "'to' of", "numpy.ndarray' objects")),
+    (
+        "dtype cast / copy, faulting in mapped source pages (torch copy_, numpy copyto)",
+        ("copy_", "'to' of", "numpy.ndarray' objects", "copyto"),
+    ),
     ("checksum (xxhash)", ("xxhash",)),
     ("waiting on other threads (lock.acquire)", ("'acquire' of '_thread.lock'",)),
 )
@@ -515,6 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     case_tools = list(a.tools)
     if not a.no_startup:
         case_tools += [STARTUP[t] for t in a.tools if t in STARTUP]
+    if "shardstream" in a.tools:
+        case_tools.append(DISK_FLOOR)
 
     runs: list[dict] = []
     summary: dict[str, dict[str, dict[str, dict]]] = {}
@@ -545,6 +573,8 @@ def main(argv: list[str] | None = None) -> int:
                         problems.append(msg)
                     if tool in COPY_TOOLS:
                         shutil.rmtree(outroot / tool, ignore_errors=True)
+                    if tool == DISK_FLOOR:
+                        (outroot / tool).unlink(missing_ok=True)
             summary[size][cache] = {t: summarize_runs(rs) for t, rs in per_tool.items()}
 
         # Sanity check: the last shardstream and verl outputs must hold the same tensors.
@@ -599,7 +629,15 @@ def main(argv: list[str] | None = None) -> int:
             .replace(a.python, ".venv/bin/python")
             .replace("'", "")
             for t in TOOLS
-        },
+        }
+        | (
+            {
+                DISK_FLOOR: "cat CKPT/global_step_1/actor/model_world_size_*_rank_*.pt | dd of=OUT "
+                "bs=4M count=<merged bytes / 4 MiB> iflag=fullblock oflag=direct conv=fsync"
+            }
+            if DISK_FLOOR in case_tools
+            else {}
+        ),
         "machine": facts,
         "versions": versions,
         "notes": notes,
