@@ -280,22 +280,22 @@ def compare_with_reference(
         # Checksummed files are verified as they are read, as merge and restore do.
         return (checkpoint.endpoint if location in checked else FileEndpoint)(location)
 
-    endpoint = OpenEndpoints(open_endpoint)
+    endpoints = OpenEndpoints(open_endpoint)
 
     ratio = max(
         (itemsize(src) / itemsize(target) for r, c, target in pairs for src in (r.dtype, c.dtype)),
         default=1.0,
     )
     half = buffer_bytes // 2
-    ours_side = Streamer(endpoint, Buffers.sized(half, ratio))
-    ref_side = Streamer(endpoint, Buffers.sized(half, ratio))
+    ours_side = Streamer(endpoints, Buffers.sized(half, ratio))
+    ref_side = Streamer(endpoints, Buffers.sized(half, ratio))
     try:
         check_replicas(checkpoint, ours_side)
         for ref, ckpt, target in pairs:
             _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
-        endpoint.finish()
+        endpoints.finish()
     finally:
-        endpoint.close()
+        endpoints.close()
     report.wall_s = time.perf_counter() - start
     return report
 
