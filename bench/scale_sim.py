@@ -75,8 +75,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from torch.distributed.checkpoint.storage import WriteResult
 
 from shardstream.checksum import digest
-from shardstream.copy import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
-from shardstream.formats import hf, local_save, native
+from shardstream.formats import hf, local_save, native, native_storage
 from shardstream.formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -94,6 +93,7 @@ from shardstream.plan import (
     dense_block,
     plan_copy,
 )
+from shardstream.sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
 
 DEFAULT_RANKS = (64, 256, 1024, 2048, 4096, 8192)
 HF_FILE_BYTES = 5 * 10**9
@@ -253,7 +253,7 @@ def rank_write_plan(items: list[WriteItem], name: str) -> tuple[bytes, list]:
     (placeholder checksums, as ``write_safetensors``) and its copy runs."""
     outputs = []
     for item in items:
-        key = native._item_key(item.index)
+        key = native_storage._item_key(item.index)
         sizes = tuple(item.tensor_data.chunk.sizes)
         block = dense_block(f"memory:{key}", 0, F32, sizes)
         outputs.append(OutputTensor(key, F32, GlobalTensor(key, F32, sizes, (block,))))
@@ -274,16 +274,16 @@ def write_results(plan: SavePlan, file_size: int) -> list[WriteResult]:
         WriteResult(
             index=item.index,
             size_in_bytes=item.tensor_storage_size() or 0,
-            storage_data={**info, "key": native._item_key(item.index)},
+            storage_data={**info, "key": native_storage._item_key(item.index)},
         )
         for item in plan.items
     ]
 
 
-def global_save_plan(all_plans: list[SavePlan], writer: native.StreamingWriter):
+def global_save_plan(all_plans: list[SavePlan], writer: native_storage.StreamingWriter):
     """DefaultSavePlanner._create_global_plan without its validation, then shardstream's
     ``prepare_global_plan`` (one file name per rank)."""
-    deduped = native.dedup_plans(all_plans)  # what LinearCheckSavePlanner runs
+    deduped = native_storage.dedup_plans(all_plans)  # what LinearCheckSavePlanner runs
     global_plan, metadata = create_default_global_save_plan(deduped)
     merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
     metadata = dataclasses.replace(metadata, planner_data=merged)
@@ -352,7 +352,7 @@ def header_stand_ins(directory: Path, plans: list[SavePlan]) -> dict[str, Safete
     headers = {}
     for plan in plans:
         layout = [
-            (native._item_key(it.index), F32, tuple(it.tensor_data.chunk.sizes))
+            (native_storage._item_key(it.index), F32, tuple(it.tensor_data.chunk.sizes))
             for it in plan.items
         ]
         _, entries = build_header(layout)
@@ -564,7 +564,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     entries = group.entries
     gdir = scratch / f"n{world}-{group.params[0][0]}"
     gdir.mkdir(parents=True, exist_ok=True)
-    writer = native.StreamingWriter(gdir)
+    writer = native_storage.StreamingWriter(gdir)
 
     # save: rank 0 receives every rank's plan (pickled by gather_object), plans, validates
     blobs = [pickle.dumps(local_plan(entries, world, r)) for r in range(world)]
@@ -587,7 +587,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     del blobs
     point.add("save.gather_results", t * w)
     probe.mark("save.results", w)
-    (section, _), t = timed(lambda m=metadata, r=results: native.tensor_manifest(m, r), 0)
+    (section, _), t = timed(lambda m=metadata, r=results: native_storage.tensor_manifest(m, r), 0)
     point.add("save.manifest_build", t * w)
     probe.mark("save.tensors_section", w)
     del results
@@ -652,7 +652,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     # Every layer reads the same rank files: its rows sit at the same place in each, and small
     # replicated tensors (the step scalars) all live in the lowest rank's file (dedup_plans).
     point.files |= {Path(b.location).name for t_ in mine.values() for b in t_.blocks}
-    reader = native.StreamingReader(mine)
+    reader = native_storage.StreamingReader(mine)
     md, t = timed(reader.read_metadata, 0)
     point.add("load.read_metadata", t * w)
     probe.mark("load.read_metadata", w)
@@ -824,7 +824,7 @@ def simulate(
         if projected:
             point.projected.append(key)
         point.add("reference.dcp_validate", t * count)
-        # What shardstream runs instead (native.LinearCheckSavePlanner): blocks + tiling check.
+        # What shardstream runs instead (LinearCheckSavePlanner): blocks + tiling check.
         _, t = timed(
             lambda chunks=chunks, shape=shape: check_blocks_tile(
                 "x",
@@ -854,14 +854,14 @@ def simulate(
 def full_manifest_bytes(layout: Layout, world: int) -> int:
     """The manifest of every tensor at once (no weighting), for checking the extrapolation."""
     entries = state_entries(layout.params())
-    writer = native.StreamingWriter("unused")
+    writer = native_storage.StreamingWriter("unused")
     plans = [local_plan(entries, world, r) for r in range(world)]
     global_plan, metadata = global_save_plan(plans, writer)
     mean_file = 12 * layout.numel // world
     probe_header = rank_write_plan(plans[0].items, native.rank_file(0))[0]
     mean_file += len(probe_header)
     results = [write_results(p, mean_file) for p in global_plan]
-    section, files = native.tensor_manifest(metadata, results)
+    section, files = native_storage.tensor_manifest(metadata, results)
     doc = manifest_skeleton(world, layout.params(), mean_file)
     doc["tensors"] = section
     return len(seal(doc))

@@ -27,7 +27,7 @@ from . import collectives as coll
 from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
-from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, Streamer, one_buffer_set
+from .copy import Buffers, FileEndpoint, Streamer, one_buffer_set
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -35,11 +35,12 @@ from .errors import (
     ShardstreamError,
     UsageError,
 )
-from .formats import local_save, native
+from .formats import local_save, native, native_storage
 from .formats.safetensors import read_header
 from .formats.writer import OutputTensor, write_safetensors
 from .memory import gc_paused, peak_rss_bytes
 from .plan import GlobalTensor, dense_block
+from .sizes import DEFAULT_BUFFER_BYTES
 from .units import parse_size
 
 CONTENTS = ("model", "optimizer", "extra", "hf_model")
@@ -262,7 +263,7 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
         # extra state and the hf export share it instead of each allocating their own.
         with one_buffer_set(buffer_bytes):
             tensors, objects = prepared.tensors, prepared.objects
-            writer = native.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
+            writer = native_storage.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
             tensor_section, file_section = {}, {}
             records: dict[str, Any] = {}
             local = _rank_local_plan(tensors) if tensors else None
@@ -284,11 +285,11 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     dcp.save(
                         tensors,
                         storage_writer=writer,
-                        planner=native.save_planner(),
+                        planner=native_storage.save_planner(),
                         process_group=coll.group(),
                     )
                 if coll.rank() == 0:
-                    tensor_section, file_section = native.tensor_manifest(
+                    tensor_section, file_section = native_storage.tensor_manifest(
                         writer.metadata, writer.results
                     )
             if prepared.extra is not None and local_error is None:
@@ -628,7 +629,7 @@ def load(
         error = exc
     coll.agree_or_raise(error, "restore")
     available, endpoint, saved = source.tensors, source.endpoint, source.saved
-    reader = native.StreamingReader(
+    reader = native_storage.StreamingReader(
         {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)
     )
     if targets:

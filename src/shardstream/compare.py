@@ -40,7 +40,7 @@ import numpy as np
 import torch
 
 from . import lora
-from .copy import DEFAULT_BUFFER_BYTES, Buffers, FileEndpoint, OpenEndpoints, Streamer
+from .copy import Buffers, FileEndpoint, OpenEndpoints, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .errors import (
     CheckpointFormatError,
@@ -51,6 +51,7 @@ from .errors import (
 from .formats import hf
 from .formats.safetensors import SafetensorsHeader, read_header
 from .plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
+from .sizes import DEFAULT_BUFFER_BYTES
 from .sources import open_checkpoint
 from .units import parse_size
 

@@ -24,10 +24,8 @@ from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, code_of, itemsize
 from .errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
 from .plan import Block, CopyRun
+from .sizes import DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 
-DEFAULT_BUFFER_BYTES = 64 * 2**20
-DEFAULT_CHUNK_BYTES = 4 * 2**20
-DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
 _MIN_WINDOW = 4096
 
 # fix(rows_fp32, first_flat_index, index_step, elem_offset) -> rows_fp32; used for LoRA fusion.

@@ -2,30 +2,52 @@
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
 from .errors import CheckpointFormatError, UsageError
 
-TORCH_BY_CODE: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "C64": torch.complex64,
+if TYPE_CHECKING:
+    import torch
+
+# Bytes per element of each safetensors dtype code. Kept free of torch, so that commands which
+# only read headers and hash bytes (verify, inspect of shardstream's format) never import it.
+ITEMSIZE: dict[str, int] = {
+    "F64": 8,
+    "F32": 4,
+    "F16": 2,
+    "BF16": 2,
+    "I64": 8,
+    "I32": 4,
+    "I16": 2,
+    "I8": 1,
+    "U8": 1,
+    "U16": 2,
+    "U32": 4,
+    "U64": 8,
+    "BOOL": 1,
+    "F8_E4M3": 1,
+    "F8_E5M2": 1,
+    "C64": 8,
 }
-CODE_BY_TORCH: dict[torch.dtype, str] = {v: k for k, v in TORCH_BY_CODE.items()}
-ITEMSIZE: dict[str, int] = {code: dt.itemsize for code, dt in TORCH_BY_CODE.items()}
+# torch's names of the codes (``str(torch.bfloat16)`` less its ``torch.`` prefix).
+TORCH_NAME: dict[str, str] = {
+    "F64": "float64",
+    "F32": "float32",
+    "F16": "float16",
+    "BF16": "bfloat16",
+    "I64": "int64",
+    "I32": "int32",
+    "I16": "int16",
+    "I8": "int8",
+    "U8": "uint8",
+    "U16": "uint16",
+    "U32": "uint32",
+    "U64": "uint64",
+    "BOOL": "bool",
+    "F8_E4M3": "float8_e4m3fn",
+    "F8_E5M2": "float8_e5m2",
+    "C64": "complex64",
+}
 FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
 
 # What users type (--dtype, config.json's torch_dtype) to a code.
@@ -43,9 +65,42 @@ _ALIASES = {
 }
 
 
+def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    by_code = {
+        "F64": torch.float64,
+        "F32": torch.float32,
+        "F16": torch.float16,
+        "BF16": torch.bfloat16,
+        "I64": torch.int64,
+        "I32": torch.int32,
+        "I16": torch.int16,
+        "I8": torch.int8,
+        "U8": torch.uint8,
+        "U16": torch.uint16,
+        "U32": torch.uint32,
+        "U64": torch.uint64,
+        "BOOL": torch.bool,
+        "F8_E4M3": torch.float8_e4m3fn,
+        "F8_E5M2": torch.float8_e5m2,
+        "C64": torch.complex64,
+    }
+    return by_code, {v: k for k, v in by_code.items()}
+
+
+def __getattr__(name: str):
+    """``TORCH_BY_CODE`` and ``CODE_BY_TORCH``, built (and torch imported) on first use."""
+    if name in ("TORCH_BY_CODE", "CODE_BY_TORCH"):
+        by_code, by_torch = _torch_tables()
+        globals().update(TORCH_BY_CODE=by_code, CODE_BY_TORCH=by_torch)
+        return globals()[name]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def code_of(dtype: torch.dtype) -> str:
     try:
-        return CODE_BY_TORCH[dtype]
+        return (globals().get("CODE_BY_TORCH") or __getattr__("CODE_BY_TORCH"))[dtype]
     except KeyError:
         raise CheckpointFormatError(f"unsupported tensor dtype {dtype}") from None
 

@@ -22,13 +22,14 @@ import torch.distributed as dist
 
 from . import collectives as coll
 from .checksum import ChunkHasher, digest, new_hasher
-from .copy import DEFAULT_CHUNK_BYTES, Buffers, Streamer, TensorEndpoint, pwrite_array, write_all
+from .copy import Buffers, Streamer, TensorEndpoint, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
 from .formats.safetensors import build_header, checksum_metadata
 from .formats.writer import start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
+from .sizes import DEFAULT_CHUNK_BYTES
 from .state import model_tensors
 
 HF_DIR = "huggingface"

@@ -11,8 +11,8 @@ import os
 from pathlib import Path
 
 from . import memory
-from .copy import DEFAULT_BUFFER_BYTES
-from .dtypes import FLOATING, TORCH_BY_CODE, itemsize
+from .dtypes import FLOATING, TORCH_NAME, itemsize
+from .sizes import DEFAULT_BUFFER_BYTES
 from .units import format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
@@ -24,7 +24,7 @@ ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 
 def describe(path: str | os.PathLike) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data."""
-    from .merge import output_dtype, tied_duplicates
+    from .formats.hf import output_dtype, tied_duplicates
     from .sources import open_checkpoint
 
     checkpoint = open_checkpoint(path)
@@ -87,7 +87,7 @@ def describe(path: str | os.PathLike) -> dict:
 
 
 def _dtype_name(code: str) -> str:
-    return str(TORCH_BY_CODE[code]).removeprefix("torch.") if code in TORCH_BY_CODE else code
+    return TORCH_NAME.get(code, code)
 
 
 def render(info: dict) -> str:

@@ -18,7 +18,6 @@ import fcntl
 import json
 import logging
 import os
-import re
 import shutil
 import socket
 import time
@@ -35,18 +34,16 @@ from . import checkpoint as ck
 from . import collectives as coll
 from .commit import TMP_MARK, atomic_write_bytes, fsync_dir
 from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
-from .formats import native
+from .formats.native import LATEST_FILE, committed_steps, read_latest
 from .units import parse_size
 
 log = logging.getLogger(__name__)
 
-LATEST_FILE = "latest_checkpointed_iteration.txt"
 LOCK_FILE = ".shardstream.lock"
 # A manager start that finds the lock free takes it for a moment (a directory listing and a few
 # renames) to clear a dead run's debris; a saver that meets it waits this long before calling
 # the directory taken.
 LOCK_GRACE_S = 1.0
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
 # restore() of the newest step retries when retention deleted it mid-read (a run saving here).
 RESTORE_ATTEMPTS = 5
 
@@ -217,28 +214,6 @@ class _Lock:
             fcntl.flock(self.fd, fcntl.LOCK_UN)
             os.close(self.fd)
         self.fd = -1
-
-
-def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps whose directory holds a manifest, oldest first. Anything else is not a step."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        match = STEP_DIR.match(entry.name)
-        if match and (entry / native.MANIFEST).is_file():
-            steps.append(int(match[1]))
-    return sorted(steps)
-
-
-def read_latest(directory: str | os.PathLike) -> int | None:
-    path = Path(directory) / LATEST_FILE
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 class CheckpointManager:

@@ -13,18 +13,11 @@ from pathlib import Path
 from . import collectives as coll
 from . import lora
 from .commit import staged_directory
-from .copy import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    DIRECT_ALIGN,
-    Buffers,
-    FileEndpoint,
-    OpenEndpoints,
-    Streamer,
-)
-from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from .copy import Buffers, FileEndpoint, OpenEndpoints, Streamer
+from .dtypes import FLOATING, TORCH_BY_CODE, itemsize
 from .errors import CheckpointFormatError, UsageError
 from .formats import hf
+from .formats.hf import output_dtype, tied_duplicates
 from .formats.writer import (
     OutputTensor,
     create_file,
@@ -35,11 +28,9 @@ from .formats.writer import (
 )
 from .memory import gc_paused, peak_rss_bytes
 from .plan import GlobalTensor, split_ranges
+from .sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 from .sources import open_checkpoint
 from .units import parse_size
-
-TIED_HEAD = "lm_head.weight"
-TIED_EMBEDDING_SUFFIX = "embed_tokens.weight"
 
 
 @dataclass
@@ -62,22 +53,6 @@ class MergeSummary:
         return {**asdict(self), "throughput_bytes_per_s": self.throughput_bytes_per_s}
 
 
-# verl's merger always writes bfloat16: merging a verl checkpoint whose config.json names no
-# dtype does the same, so swapping the tools gives the same files.
-VERL_DEFAULT_DTYPE = "bfloat16"
-
-
-def output_dtype(requested: str | None, config: dict, source_format: str = "") -> str | None:
-    """``--dtype`` if given, else the dtype config.json names, else bfloat16 for a verl
-    checkpoint (as verl's merger) and the stored dtype (None) for other formats."""
-    if requested:
-        return parse_dtype(requested)
-    named = config.get("dtype") or config.get("torch_dtype")
-    if isinstance(named, str) and named != "auto":
-        return parse_dtype(named)
-    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
-
-
 def choose_outputs(
     tensors: list[GlobalTensor], dtype: str | None, drop: set[str]
 ) -> list[OutputTensor]:
@@ -89,14 +64,6 @@ def choose_outputs(
         target = dtype if dtype and tensor.dtype in FLOATING else tensor.dtype
         outputs.append(OutputTensor(tensor.name, target, tensor))
     return outputs
-
-
-def tied_duplicates(tensors: list[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
-    """``lm_head.weight`` when the model ties it to the input embedding."""
-    names = {t.name for t in tensors}
-    tied = force_tie or bool(config.get("tie_word_embeddings", False))
-    has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
-    return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()
 
 
 @contextlib.contextmanager

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from .errors import CheckpointFormatError, CheckpointNotFoundError
 
-# formats.native.MANIFEST, looked for here first: formats.native imports
-# torch.distributed.checkpoint (1-2 s), which a merge of any other format never needs.
+# formats.native.MANIFEST. Each format's module is imported only once the directory looks
+# like it: verl's and DCP's import torch (1-2 s), which shardstream's own format never needs.
 NATIVE_MANIFEST = "manifest.json"
 
 
@@ -18,8 +18,6 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False):
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
     holds optimizer state need not describe it.
     """
-    from .formats import verl
-
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such directory")
@@ -30,6 +28,8 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False):
 
         if native.is_native_checkpoint(path):
             return native.open_native(path, model_only=model_only)
+    from .formats import verl
+
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path)
     from .formats import dcp

@@ -13,7 +13,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from .checksum import digest, new_hasher
-from .copy import DIRECT_ALIGN
 from .errors import ShardstreamError
 from .formats import hf, native
 from .formats.safetensors import (
@@ -24,6 +23,7 @@ from .formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
+from .sizes import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
 
@@ -66,7 +66,7 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out."""
-    from .manager import LATEST_FILE, STEP_DIR, committed_steps, read_latest
+    from .formats.native import LATEST_FILE, STEP_DIR, committed_steps, read_latest
 
     root = Path(path)
     if not root.is_dir():
@@ -119,7 +119,7 @@ def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> N
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
-    from .manager import STEP_DIR
+    from .formats.native import STEP_DIR
 
     try:
         manifest = native.read_manifest(directory)

@@ -13,9 +13,9 @@ import torch
 from safetensors.torch import load_file
 
 from shardstream.cli import main
-from shardstream.copy import DIRECT_ALIGN
 from shardstream.dtypes import itemsize
 from shardstream.formats.safetensors import read_header
+from shardstream.sizes import DIRECT_ALIGN
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoints
 
 CASES = {

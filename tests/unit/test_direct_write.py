@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardstream.copy import DIRECT_ALIGN, Buffers, FileEndpoint, Streamer
+from shardstream.copy import Buffers, FileEndpoint, Streamer
 from shardstream.dtypes import CODE_BY_TORCH, itemsize
 from shardstream.formats.safetensors import build_header, read_header
 from shardstream.formats.writer import (
@@ -23,6 +23,7 @@ from shardstream.formats.writer import (
     seal_file,
 )
 from shardstream.plan import Block, GlobalTensor
+from shardstream.sizes import DIRECT_ALIGN
 from shardstream.verify import verify
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)

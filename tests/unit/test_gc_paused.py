@@ -8,7 +8,7 @@ import threading
 import torch
 
 import shardstream
-from shardstream.formats import native
+from shardstream.formats import native, native_storage
 from shardstream.memory import gc_paused
 
 
@@ -41,7 +41,7 @@ def test_other_threads_leave_the_collector_alone():
 
 def test_save_and_load_plan_with_the_collector_paused(tmp_path, monkeypatch):
     seen = {}
-    write, read = native.StreamingWriter.write_tensors, native.open_native
+    write, read = native_storage.StreamingWriter.write_tensors, native.open_native
 
     def write_tensors(*args, **kwargs):
         seen["save"] = gc.isenabled()
@@ -51,7 +51,7 @@ def test_save_and_load_plan_with_the_collector_paused(tmp_path, monkeypatch):
         seen["load"] = gc.isenabled()
         return read(*args, **kwargs)
 
-    monkeypatch.setattr(native.StreamingWriter, "write_tensors", write_tensors)
+    monkeypatch.setattr(native_storage.StreamingWriter, "write_tensors", write_tensors)
     monkeypatch.setattr(native, "open_native", open_native)
     model = torch.nn.Linear(4, 3)
     shardstream.save(tmp_path / "step", model=model, contents=("model",))

@@ -72,3 +72,35 @@ def test_native_manifest_name_matches():
     from shardstream.sources import NATIVE_MANIFEST
 
     assert NATIVE_MANIFEST == native.MANIFEST
+
+
+def test_verify_and_inspect_of_shardstream_checkpoints_import_no_torch(tmp_path):
+    """Reading shardstream's own format is JSON, safetensors headers and hashing: the two
+    commands that do only that start in a fraction of a second instead of importing torch."""
+    import torch
+
+    import shardstream
+
+    shardstream.save(tmp_path / "step", model=torch.nn.Linear(8, 4), contents=("model",))
+    out = run_python(
+        "import sys, contextlib, io\n"
+        "from shardstream.cli import main\n"
+        "codes = []\n"
+        f"for argv in (['verify', {str(tmp_path / 'step')!r}, '--quiet'],\n"
+        f"             ['inspect', {str(tmp_path / 'step')!r}]):\n"
+        "    with contextlib.redirect_stdout(io.StringIO()) as text:\n"
+        "        codes.append(main(argv))\n"
+        "    assert 'weight' in text.getvalue() or argv[0] == 'verify', text.getvalue()\n"
+        f"print(codes, sorted(m for m in {HEAVY!r} if m in sys.modules))"
+    )
+    assert out == "[0, 0] []"
+
+
+def test_torch_free_dtype_tables_match_torch():
+    from shardstream import dtypes
+
+    assert set(dtypes.ITEMSIZE) == set(dtypes.TORCH_NAME) == set(dtypes.TORCH_BY_CODE)
+    for code, dtype in dtypes.TORCH_BY_CODE.items():
+        assert dtypes.ITEMSIZE[code] == dtype.itemsize, code
+        assert dtypes.TORCH_NAME[code] == str(dtype).removeprefix("torch."), code
+        assert dtypes.code_of(dtype) == code and dtypes.CODE_BY_TORCH[dtype] == code

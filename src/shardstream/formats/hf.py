@@ -6,11 +6,15 @@ import json
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..commit import is_temporary
-from ..dtypes import itemsize
+from ..dtypes import itemsize, parse_dtype
 from ..plan import split_into_files
-from .writer import OutputTensor
+
+if TYPE_CHECKING:
+    from ..plan import GlobalTensor
+    from .writer import OutputTensor
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -102,3 +106,29 @@ def read_config(config_dir: Path | None) -> dict:
         raise CheckpointFormatError(
             f"{config_dir / 'config.json'}: not valid JSON ({exc})"
         ) from None
+
+
+TIED_HEAD = "lm_head.weight"
+TIED_EMBEDDING_SUFFIX = "embed_tokens.weight"
+# verl's merger always writes bfloat16: merging a verl checkpoint whose config.json names no
+# dtype does the same, so swapping the tools gives the same files.
+VERL_DEFAULT_DTYPE = "bfloat16"
+
+
+def output_dtype(requested: str | None, config: dict, source_format: str = "") -> str | None:
+    """``--dtype`` if given, else the dtype config.json names, else bfloat16 for a verl
+    checkpoint (as verl's merger) and the stored dtype (None) for other formats."""
+    if requested:
+        return parse_dtype(requested)
+    named = config.get("dtype") or config.get("torch_dtype")
+    if isinstance(named, str) and named != "auto":
+        return parse_dtype(named)
+    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
+
+
+def tied_duplicates(tensors: Sequence[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
+    """``lm_head.weight`` when the model ties it to the input embedding."""
+    names = {t.name for t in tensors}
+    tied = force_tie or bool(config.get("tie_word_embeddings", False))
+    has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
+    return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()

@@ -1,13 +1,13 @@
 """shardstream's own checkpoint format: per-rank safetensors files and a JSON manifest.
 
-Tensors go through torch.distributed.checkpoint's planners (DTensor flattening, replica dedup,
-resharding overlaps); the StorageWriter/StorageReader below move their bytes with the copy
-engine. The manifest is written last and is the commit marker. See docs/format.md.
+This module reads the format (manifest, headers, which bytes hold which tensor) and needs no
+torch, so verify and inspect start fast. The torch.distributed.checkpoint plug-ins that write
+and restore it are in ``native_storage``. The manifest is written last and is the commit
+marker. See docs/format.md.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import re
@@ -15,43 +15,11 @@ from array import array
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
-
-import torch
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    LoadPlanner,
-    SavePlan,
-    SavePlanner,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
-from torch.futures import Future
+from typing import TYPE_CHECKING, Any
 
 from ..checksum import digest
 from ..commit import atomic_write_bytes
-from ..copy import (
-    DEFAULT_BUFFER_BYTES,
-    DEFAULT_CHUNK_BYTES,
-    Buffers,
-    Endpoint,
-    FileEndpoint,
-    OpenEndpoints,
-    Streamer,
-    TensorEndpoint,
-    live_block,
-    stream_into_memory,
-)
-from ..dtypes import TORCH_BY_CODE, code_of
+from ..dtypes import ITEMSIZE
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -59,17 +27,17 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..plan import (
-    Block,
     GlobalTensor,
     GridBlocks,
     check_blocks_tile,
     chunk_extent,
     dense_block,
-    plan_copy,
     stored_at,
 )
-from .safetensors import build_header, read_header, stored_checksums, tensors_in_range
-from .writer import OutputTensor, WrittenFile, write_safetensors
+from .safetensors import read_header, stored_checksums, tensors_in_range
+
+if TYPE_CHECKING:
+    from ..copy import FileEndpoint
 
 FORMAT = "shardstream"
 FORMAT_VERSION = 2
@@ -80,6 +48,35 @@ MAX_MANIFEST_BYTES = 1 << 30
 SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
+
+
+# A run directory: committed steps in global_step_{N}, the newest named in LATEST_FILE (the
+# names verl and Megatron use).
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps whose directory holds a manifest, oldest first. Anything else is not a step."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    steps = []
+    for entry in root.iterdir():
+        match = STEP_DIR.match(entry.name)
+        if match and (entry / MANIFEST).is_file():
+            steps.append(int(match[1]))
+    return sorted(steps)
+
+
+def read_latest(directory: str | os.PathLike) -> int | None:
+    """The step ``LATEST_FILE`` names, or None when it is missing or not a number."""
+    path = Path(directory) / LATEST_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
 
 
 def rank_file(rank: int) -> str:
@@ -102,220 +99,7 @@ def check_name(directory: Path, name: object, what: str) -> Path:
     return path
 
 
-# --- writing -----------------------------------------------------------------------------------
-
-
-class StreamingWriter(StorageWriter):
-    """Each rank streams its items into one safetensors file; nothing is staged whole."""
-
-    def __init__(
-        self,
-        path: str | os.PathLike,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-        guard: Any = None,
-    ):
-        super().__init__()
-        self.path = Path(path)
-        self.guard = guard
-        self.buffer_bytes = buffer_bytes
-        self.chunk_bytes = chunk_bytes
-        self.metadata: Metadata | None = None
-        self.results: list[list[WriteResult]] = []
-        self.written: Any = None
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        if checkpoint_id:
-            self.path = Path(checkpoint_id)
-
-    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
-        self.is_coordinator = is_coordinator
-
-    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return [dataclasses.replace(p, storage_data=rank_file(i)) for i, p in enumerate(plans)]
-
-    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
-        name = plan.storage_data
-        items = []
-        for item in plan.items:
-            if item.type == WriteItemType.BYTE_IO:
-                raise CheckpointFormatError(
-                    f"state entry {item.index.fqn!r} is not a tensor; shardstream keeps "
-                    "non-tensor state in JSON"
-                )
-            items.append((_item_key(item.index), planner.resolve_data(item).detach()))
-        written = self.write_tensors(name, items)
-        results = [
-            WriteResult(
-                index=item.index,
-                size_in_bytes=item.tensor_storage_size() or 0,
-                storage_data={
-                    "file": name,
-                    "key": _item_key(item.index),
-                    "file_size": written.size,
-                    "header": written.header_digest,
-                },
-            )
-            for item in plan.items
-        ]
-        future: Future[list[WriteResult]] = Future()
-        future.set_result(results)
-        return future
-
-    def write_tensors(self, name: str, items: list[tuple[str, torch.Tensor]]) -> WrittenFile:
-        """Stream (key, local tensor) pairs into the rank file ``name``; nothing is staged whole."""
-        outputs: list[OutputTensor] = []
-        endpoints: dict[str, Endpoint] = {}
-        for key, tensor in items:
-            location = f"memory:{key}"
-            endpoints[location] = TensorEndpoint(key, tensor)
-            block = live_block(location, tensor)
-            outputs.append(
-                OutputTensor(
-                    key, block.dtype, GlobalTensor(key, block.dtype, block.shape, (block,))
-                )
-            )
-        lookup = endpoints.__getitem__
-        window_hook = None
-        if self.guard is not None:
-            _, entries = build_header([(t.name, t.dtype, t.shape) for t in outputs])
-            self.guard.register(
-                [
-                    (f"memory:{e.name}", endpoints[f"memory:{e.name}"], e.begin, e.end)
-                    for e in entries
-                ]
-            )
-            lookup, window_hook = self.guard.endpoint, self.guard.window
-        streamer = Streamer(lookup, Buffers.sized(self.buffer_bytes))
-        try:
-            written = write_safetensors(
-                str(self.path / name),
-                outputs,
-                streamer,
-                chunk_bytes=self.chunk_bytes,
-                window_hook=window_hook,
-                borrow=self.guard is None,  # an async save reads live tensors only under guard
-            )
-        finally:
-            if self.guard is not None:
-                self.guard.written()
-        self.written = written
-        return written
-
-    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
-        # The manifest needs more than DCP knows (objects, extra, hf files); the caller writes it.
-        self.metadata = metadata
-        self.results = results
-
-    def storage_meta(self):
-        return None
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True
-
-
-class LinearCheckSavePlanner(DefaultSavePlanner):
-    """DCP's default planner with a linear tiling check in place of ``_validate_global_plan``,
-    which compares chunks pairwise along each tensor's largest dimension: quadratic in the
-    world size when that is not the sharded one (1.5 h on rank 0 at 8,192 ranks, see
-    docs/scaling.md). Planning, dedup and metadata are DCP's own."""
-
-    def _dedup_save_plans(self, all_plans: list[SavePlan]) -> list[SavePlan]:
-        return dedup_plans(all_plans)
-
-    def _create_global_plan(self, all_plans):
-        from collections import ChainMap
-
-        from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
-
-        global_plan, metadata = create_default_global_save_plan(self._dedup_save_plans(all_plans))
-        if self.flatten_state_dict:
-            merged = dict(ChainMap(*[p.planner_data for p in global_plan]))
-            metadata = dataclasses.replace(metadata, planner_data=merged)
-        for fqn, md in metadata.state_dict_metadata.items():
-            if isinstance(md, TensorStorageMetadata):
-                blocks = [
-                    dense_block(fqn, 0, "U8", tuple(c.sizes), tuple(c.offsets)) for c in md.chunks
-                ]
-                check_blocks_tile(fqn, tuple(md.size), blocks)
-        return global_plan, metadata
-
-
-SMALL_REPLICATED_BYTES = 64 << 10
-
-
-def dedup_plans(all_plans: list[SavePlan]) -> list[SavePlan]:
-    """DCP's dedup (an item several ranks hold is written once, by the least loaded of them),
-    except that small items (AdamW's ``step`` scalars, norms under HSDP) all go to the lowest
-    rank holding them: a restoring rank then finds them in a file or two instead of in
-    hundreds of rank files, each of whose headers it would have to read."""
-    from collections import defaultdict
-
-    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-
-    holders: dict[MetadataIndex, list[int]] = defaultdict(list)
-    small: set[MetadataIndex] = set()
-    for rank, plan in enumerate(all_plans):
-        for item in plan.items:
-            holders[item.index].append(rank)
-            if (item.tensor_storage_size() or 0) <= SMALL_REPLICATED_BYTES:
-                small.add(item.index)
-    keep = {index: min(ranks) for index, ranks in holders.items() if index in small}
-    trimmed = [
-        dataclasses.replace(
-            plan,
-            items=[i for i in plan.items if i.index not in keep or keep[i.index] == rank],
-        )
-        for rank, plan in enumerate(all_plans)
-    ]
-    return dedup_save_plans(trimmed, False)
-
-
-def save_planner() -> DefaultSavePlanner:
-    """Ours where this torch has the hook we override, else DCP's default."""
-    if hasattr(DefaultSavePlanner, "_create_global_plan") and hasattr(
-        DefaultSavePlanner, "_dedup_save_plans"
-    ):
-        return LinearCheckSavePlanner()
-    return DefaultSavePlanner()
-
-
-def _item_key(index: MetadataIndex) -> str:
-    offsets = ",".join(str(o) for o in (index.offset or ()))
-    return f"{index.fqn}@{offsets}"
-
-
-def tensor_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> tuple[dict, dict]:
-    """The manifest's ``tensors`` and ``files`` sections from DCP's global metadata."""
-    storage = {wr.index: wr.storage_data for rank in results for wr in rank}
-    tensors: dict[str, dict] = {}
-    files: dict[str, dict] = {}
-    for fqn, md in metadata.state_dict_metadata.items():
-        if not isinstance(md, TensorStorageMetadata):
-            raise CheckpointFormatError(f"state entry {fqn!r} is not a tensor")
-        chunks = []
-        for chunk in md.chunks:
-            info = storage[MetadataIndex(fqn, chunk.offsets)]
-            chunks.append(
-                {
-                    "offsets": list(chunk.offsets),
-                    "sizes": list(chunk.sizes),
-                    "file": info["file"],
-                    "key": info["key"],
-                }
-            )
-            files[info["file"]] = {"size": info["file_size"], "header_xxh3": info["header"]}
-        entry = {"dtype": code_of(md.properties.dtype), "shape": list(md.size)}
-        if _is_grid(fqn, entry["shape"], chunks, len(results)):
-            entry["grid"] = len(results)
-        else:
-            entry["chunks"] = chunks
-        tensors[fqn] = entry
-    return tensors, files
+# --- the manifest ----------------------------------------------------------------------------
 
 
 def grid_chunks(
@@ -462,6 +246,8 @@ class NativeCheckpoint:
         if location not in self.digests:
             raise CheckpointFormatError(f"{location}: not a data file of this checkpoint")
         data_start, chunk_bytes, chunks = self.digests[location]
+        from ..copy import FileEndpoint
+
         return FileEndpoint(
             location,
             chunks,
@@ -648,7 +434,7 @@ def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ..
     try:
         dtype = info["dtype"]
         shape = tuple(int(d) for d in info["shape"])
-        if dtype not in TORCH_BY_CODE or any(d < 0 for d in shape):
+        if dtype not in ITEMSIZE or any(d < 0 for d in shape):
             raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
         world = info.get("grid")
         # A grid names one file per rank; more ranks than files is damage, not a layout.
@@ -716,91 +502,3 @@ def _open_grids(
         fqn: GlobalTensor(fqn, dtype, shape, GridBlocks(dtype, shape, world, paths, offsets[fqn]))
         for fqn, (dtype, shape, world) in grids.items()
     }
-
-
-class StreamingReader(StorageReader):
-    """Presents any set of ``GlobalTensor``s to DCP's load planner and streams the reads."""
-
-    def __init__(
-        self,
-        tensors: dict[str, GlobalTensor],
-        endpoint: Any = FileEndpoint,
-        buffer_bytes: int = DEFAULT_BUFFER_BYTES,
-    ):
-        super().__init__()
-        self.tensors = tensors
-        self.make_endpoint = endpoint
-        self.buffer_bytes = buffer_bytes
-        self.bytes_read = 0
-
-    def reset(self, checkpoint_id: str | os.PathLike | None = None) -> None:
-        pass
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        state, storage = {}, {}
-        for fqn, tensor in self.tensors.items():
-            chunks = []
-            for block in tensor.blocks:
-                chunks.append(
-                    ChunkStorageMetadata(torch.Size(block.start), torch.Size(block.shape))
-                )
-                storage[MetadataIndex(fqn, torch.Size(block.start))] = block
-            state[fqn] = TensorStorageMetadata(
-                TensorProperties(dtype=TORCH_BY_CODE[tensor.dtype]),
-                torch.Size(tensor.shape),
-                chunks,
-            )
-        return Metadata(state_dict_metadata=state, storage_data=storage)
-
-    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *a, **k) -> None:
-        self.storage = metadata.storage_data
-
-    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
-        return plan
-
-    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
-        return plans
-
-    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        endpoints = OpenEndpoints(self.make_endpoint)
-        streamer = Streamer(endpoints, Buffers.sized(self.buffer_bytes, 2.0))
-        items = sorted(
-            plan.items,
-            key=lambda r: (
-                self.storage[r.storage_index].location,
-                self.storage[r.storage_index].offset,
-            ),
-        )
-        try:
-            for req in items:
-                if req.type == LoadItemType.BYTE_IO:
-                    raise CheckpointFormatError(f"entry {req.dest_index.fqn!r} is not a tensor")
-                src: Block = self.storage[req.storage_index]
-                fqn = req.storage_index.fqn
-                target = planner.resolve_tensor(req).detach()
-                start = tuple(s + o for s, o in zip(src.start, req.storage_offsets))
-                dst_name = f"target:{fqn}"
-                endpoints.opened[dst_name] = TensorEndpoint(fqn, target)
-                dst = Block(
-                    dst_name,
-                    target.storage_offset() * target.element_size(),
-                    code_of(target.dtype),
-                    start,
-                    tuple(req.lengths),
-                    tuple(target.stride()),
-                )
-                runs = plan_copy(fqn, self.tensors[fqn].shape, src, dst)
-                stream_into_memory(runs, streamer)
-                self.bytes_read += sum(r.src_nbytes for r in runs)
-                planner.commit_tensor(req, target)
-                del endpoints.opened[dst_name]
-            endpoints.finish()  # every byte read is verified before the load returns
-        finally:
-            endpoints.close()
-        future: Future[None] = Future()
-        future.set_result(None)
-        return future
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike) -> bool:
-        return True

@@ -8,10 +8,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from ..checksum import digest
-from ..copy import DEFAULT_CHUNK_BYTES, Streamer, stream_file, write_all
+from ..copy import Streamer, stream_file, write_all
 from ..dtypes import itemsize
 from ..errors import OutOfSpaceError
 from ..plan import CopyRun, GlobalTensor, dense_block, plan_copy
+from ..sizes import DEFAULT_CHUNK_BYTES
 from .safetensors import build_header, checksum_metadata
 
 
