@@ -326,14 +326,15 @@ class TensorEndpoint(Endpoint):
             target.copy_(torch.from_numpy(rows))
 
 
-def live_block(location: str, tensor: torch.Tensor) -> Block:
+def live_block(location: str, tensor: torch.Tensor, start: tuple[int, ...] | None = None) -> Block:
     """The block of a live tensor inside its own storage (``TensorEndpoint`` bytes), strides
-    and storage offset kept, so views are read where they lie."""
+    and storage offset kept, so views are read where they lie; ``start`` places it in a larger
+    global tensor (the origin by default)."""
     return Block(
         location,
         tensor.storage_offset() * tensor.element_size(),
         code_of(tensor.dtype),
-        (0,) * tensor.dim(),
+        (0,) * tensor.dim() if start is None else tuple(start),
         tuple(tensor.shape),
         tuple(tensor.stride()),
     )

@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from . import collectives as coll
 from .checksum import ChunkHasher, digest, new_hasher
-from .copy import Buffers, Streamer, TensorEndpoint, pwrite_array, write_all
+from .copy import Buffers, Streamer, TensorEndpoint, live_block, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
@@ -54,15 +54,7 @@ def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, tor
         if coll.rank() != 0:
             return None, tensor
         local, start = tensor, (0,) * tensor.dim()
-    block = Block(
-        location,
-        local.storage_offset() * local.element_size(),
-        code_of(local.dtype),
-        start,
-        tuple(local.shape),
-        tuple(local.stride()),
-    )
-    return block, local
+    return live_block(location, local, start), local
 
 
 def _config_dtype(hf_config: Any, source_dir: Path | None) -> str | None:

@@ -328,14 +328,7 @@ class StreamingReader(StorageReader):
                 start = tuple(s + o for s, o in zip(src.start, req.storage_offsets))
                 dst_name = f"target:{fqn}"
                 endpoints.opened[dst_name] = TensorEndpoint(fqn, target)
-                dst = Block(
-                    dst_name,
-                    target.storage_offset() * target.element_size(),
-                    code_of(target.dtype),
-                    start,
-                    tuple(req.lengths),
-                    tuple(target.stride()),
-                )
+                dst = live_block(dst_name, target, start)
                 runs = plan_copy(fqn, self.tensors[fqn].shape, src, dst)
                 stream_into_memory(runs, streamer)
                 self.bytes_read += sum(r.src_nbytes for r in runs)
