@@ -143,7 +143,7 @@ def merge(
     from .commit import check_target
 
     check_target(target.absolute(), overwrite)
-    checkpoint = open_checkpoint(local_dir, model_only=True)
+    checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")

@@ -12,11 +12,12 @@ from .errors import CheckpointFormatError, CheckpointNotFoundError
 NATIVE_MANIFEST = "manifest.json"
 
 
-def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False):
+def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared: bool = False):
     """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...).
 
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
-    holds optimizer state need not describe it.
+    holds optimizer state need not describe it. ``shared``: every process of the current group
+    opens it together, and a verl checkpoint's rank files are unpickled a share per process.
     """
     path = Path(path)
     if not path.exists():
@@ -31,7 +32,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False):
     from .formats import verl
 
     if verl.is_verl_checkpoint(path):
-        return verl.open_verl(path)
+        return verl.open_verl(path, shared=shared)
     from .formats import dcp
 
     if dcp.is_dcp_checkpoint(path):

@@ -9,7 +9,11 @@ import sys
 
 import pytest
 
+from shardstream.formats import verl
+from shardstream.testing.distributed import run
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
+
+from . import workers
 
 # ~24 MB of bf16 output: several 4 MiB chunk ranges, so ranks split single files too.
 BIGGER = {
@@ -95,3 +99,40 @@ def test_distributed_without_torchrun_is_a_usage_error(actor, tmp_path):
     )
     assert done.returncode == 2 and "torchrun" in done.stderr
     assert not (tmp_path / "t").exists()
+
+
+@pytest.fixture(scope="module")
+def actor_ws4(tmp_path_factory):
+    root = tmp_path_factory.mktemp("verl-ws4")
+    fx = VerlFixture(world_size=4, train_steps=0, write_optimizer=False, write_reference=False)
+    return write_verl_checkpoint(root, fx)
+
+
+def test_processes_share_the_unpickling_of_rank_files(actor_ws4):
+    alone = verl.open_verl(actor_ws4)
+    expected = [(t.name, t.dtype, t.shape, list(t.blocks)) for t in alone.tensors]
+    results = run(workers.shared_open_run, 3, str(actor_ws4))
+    # 4 rank files over 3 processes: files 0 and 3 on the first, then one each
+    assert [r["parsed"] for r in results] == [
+        ["model_world_size_4_rank_0.pt", "model_world_size_4_rank_3.pt"],
+        ["model_world_size_4_rank_1.pt"],
+        ["model_world_size_4_rank_2.pt"],
+    ]
+    for result in results:
+        assert result["tensors"] == expected
+        assert result["replicas"] == {n: list(b) for n, b in alone.replicas.items()}
+
+
+def test_a_bad_rank_file_fails_every_process_alike(actor_ws4, tmp_path):
+    import shutil
+
+    actor = tmp_path / "actor"
+    shutil.copytree(actor_ws4, actor)
+    bad = actor / "model_world_size_4_rank_0.pt"
+    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated
+    results = run(workers.shared_open_run, 2, str(actor))
+    errors = {r["error"] for r in results}
+    assert len(errors) == 1
+    (error,) = errors
+    assert error.startswith("CheckpointFormatError: ") and str(bad) in error
+    assert [len(r["parsed"]) for r in results] == [1, 1]  # none goes past the failed round

@@ -326,3 +326,29 @@ def lora_only_run(rank: int, world: int, root: str, stage: str, seed: int) -> di
         manager.restore()
     manager.close()
     return {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+
+
+def shared_open_run(rank: int, world: int, actor: str) -> dict:
+    """Open a verl checkpoint with the rank files' unpickling split over the group; report
+    which files this process unpickled and what it learned (or the error it raised)."""
+    from shardstream.formats import verl
+
+    parsed: list[str] = []
+    original = verl.load_layout
+
+    def counting(path):
+        parsed.append(Path(path).name)
+        return original(path)
+
+    verl.load_layout = counting
+    try:
+        checkpoint = verl.open_verl(actor, shared=True)
+    except Exception as exc:  # noqa: BLE001  (the test compares the errors of every rank)
+        return {"parsed": parsed, "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        verl.load_layout = original
+    return {
+        "parsed": parsed,
+        "tensors": [(t.name, t.dtype, t.shape, list(t.blocks)) for t in checkpoint.tensors],
+        "replicas": {name: list(blocks) for name, blocks in checkpoint.replicas.items()},
+    }

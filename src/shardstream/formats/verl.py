@@ -12,12 +12,19 @@ import os
 import pickle
 import re
 from array import array
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from .. import collectives as coll
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ShardstreamError,
+    UnsafeCheckpointError,
+)
 from ..plan import (
     Block,
     GlobalTensor,
@@ -26,7 +33,14 @@ from ..plan import (
     chunk_extent,
     row_major_strides,
 )
-from .torch_pt import DistributedTensor, MeshLayout, Placement, load_layout, local_layout
+from .torch_pt import (
+    DistributedTensor,
+    LocalTensor,
+    MeshLayout,
+    Placement,
+    load_layout,
+    local_layout,
+)
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
 FSDP_CONFIG = "fsdp_config.json"
@@ -125,15 +139,19 @@ def _describe_placements(placements: tuple[Placement, ...], mesh: MeshLayout) ->
     return ", ".join(f"{n}:{p}" for n, p in zip(names, placements))
 
 
-def open_verl(directory: str | os.PathLike) -> VerlCheckpoint:
-    """Read the layout of every rank file and describe each tensor as blocks of byte ranges."""
+def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlCheckpoint:
+    """Read the layout of every rank file and describe each tensor as blocks of byte ranges.
+
+    ``shared``: every process of the current group calls this together and each unpickles
+    a share of the rank files (a ``--distributed`` merge).
+    """
     directory = Path(directory)
     world_size, files = _rank_files(directory)
     fsdp_version = None
     config = directory / FSDP_CONFIG
     if config.is_file():
         fsdp_version = json.loads(config.read_text()).get("FSDP_version")
-    layout = read_rank_layouts(files, lambda state, path: state)
+    layout = read_rank_layouts(files, lambda state, path: state, shared)
     return VerlCheckpoint(
         directory,
         world_size,
@@ -155,7 +173,7 @@ class RankLayouts:
 
 
 def _grid_part(
-    value: DistributedTensor, local, coordinate: tuple[int, ...], path: str, part_paths: dict
+    value: _Entry, local, coordinate: tuple[int, ...], path: str, part_paths: dict
 ) -> tuple[int, int, int, list[str]] | None:
     """(tensor dim, parts, part index, shared path list) when this rank's piece can join a
     grid: one Shard over the mesh, Replicate elsewhere, stored dense and row-major."""
@@ -173,11 +191,76 @@ def _grid_part(
     return dim, parts, index, paths
 
 
-def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
+@dataclass(frozen=True)
+class _Entry:
+    """One state-dict entry of a rank file, located in it. Plain data, so ranks can share it."""
+
+    local: LocalTensor
+    shape: tuple[int, ...] | None = None  # the global shape of a DTensor; None: a plain tensor
+    placements: tuple[Placement, ...] = ()
+    mesh: MeshLayout | None = None
+
+
+def _read_entries(path: str, flatten) -> dict[str, _Entry]:
+    """Unpickle one rank file's layout and locate each of its tensors."""
+    state = load_layout(path)
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"{path}: expected a state dict, got {type(state).__name__}")
+    state = flatten(state, path)
+    file_size = os.path.getsize(path)
+    entries = {}
+    for name, value in state.items():
+        if isinstance(value, DistributedTensor):
+            local = local_layout(path, name, value.local, file_size)
+            entries[name] = _Entry(local, value.shape, value.placements, value.mesh)
+        elif isinstance(value, torch.Tensor):
+            entries[name] = _Entry(local_layout(path, name, value, file_size))
+        else:
+            raise CheckpointFormatError(
+                f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor"
+            )
+    return entries
+
+
+def _entries_by_file(
+    files: list[str], flatten, shared: bool
+) -> Iterator[tuple[int, str, dict[str, _Entry]]]:
+    """(rank, path, entries) of every rank file in rank order.
+
+    ``shared``: the processes of the current group (a ``--distributed`` merge) split the
+    unpickling, each taking every K-th file, and exchange the located entries K files at a
+    time, so each parses 1/K of the files and holds K files' entries at once. A file that
+    fails raises the same error on every process.
+    """
+    ways = coll.world() if shared else 1
+    if ways == 1:
+        for rank, path in enumerate(files):
+            yield rank, path, _read_entries(path, flatten)
+        return
+    for first in range(0, len(files), ways):
+        mine, entries, error = first + coll.rank(), None, None
+        if mine < len(files):
+            try:
+                entries = _read_entries(files[mine], flatten)
+            except Exception as exc:  # noqa: BLE001  (every process must raise it)
+                error = (
+                    exc
+                    if isinstance(exc, ShardstreamError)
+                    else CheckpointFormatError(f"{files[mine]}: {type(exc).__name__}: {exc}")
+                )
+        for index, (theirs, failure) in enumerate(coll.gather((entries, error)), start=first):
+            if failure is not None:
+                raise failure
+            if index < len(files):
+                yield index, files[index], theirs
+
+
+def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLayouts:
     """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value.
 
     A DTensor split along one dimension keeps one offset per rank (``GridBlocks``) while every
-    piece is dense; any other layout keeps a ``Block`` per piece.
+    piece is dense; any other layout keeps a ``Block`` per piece. ``shared``: see
+    ``_entries_by_file``.
     """
     order: list[str] = []
     meta: dict[str, tuple] = {}
@@ -187,14 +270,7 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
     mesh_desc = "none (plain tensors)"
-    for rank, path in enumerate(files):
-        state = load_layout(path)
-        if not isinstance(state, dict):
-            raise CheckpointFormatError(
-                f"{path}: expected a state dict, got {type(state).__name__}"
-            )
-        state = flatten(state, path)
-        file_size = os.path.getsize(path)
+    for rank, path, state in _entries_by_file(files, flatten, shared):
         if rank == 0:
             order = list(state)
         elif set(state) != set(order):
@@ -202,17 +278,17 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
             raise CheckpointFormatError(
                 f"{path}: tensor names differ from rank 0's (first difference: {diff[0]!r})"
             )
-        for name, value in state.items():
-            if isinstance(value, DistributedTensor):
-                mesh = value.mesh
-                local = local_layout(path, name, value.local, file_size)
-                key = (local.dtype, value.shape, value.placements, mesh.shape)
-                desc = _describe_placements(value.placements, mesh)
+        for name, entry in state.items():
+            local = entry.local
+            if entry.shape is not None:
+                mesh = entry.mesh
+                key = (local.dtype, entry.shape, entry.placements, mesh.shape)
+                desc = _describe_placements(entry.placements, mesh)
                 mesh_desc = f"{mesh.shape} {mesh.dim_names}"
                 coordinate = _mesh_coordinate(mesh, rank, path)
-                start, length = [0] * len(value.shape), list(value.shape)
+                start, length = [0] * len(entry.shape), list(entry.shape)
                 keep = True
-                for dim, (placement, c) in enumerate(zip(value.placements, coordinate)):
+                for dim, (placement, c) in enumerate(zip(entry.placements, coordinate)):
                     if placement.kind == "Shard" and 0 <= placement.dim < len(length):
                         d = placement.dim
                         s, n = chunk_extent(length[d], mesh.shape[dim], c)
@@ -228,14 +304,13 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
                 if tuple(length) != local.shape:
                     raise CheckpointFormatError(
                         f"{path}: tensor {name!r} holds a shard of shape {list(local.shape)}, but "
-                        f"placements {desc} of global shape {list(value.shape)} give "
+                        f"placements {desc} of global shape {list(entry.shape)} give "
                         f"{length} to rank {rank}; shapes or placements disagree across ranks"
                     )
                 if keep:
-                    part = _grid_part(value, local, coordinate, path, part_paths)
-                    _add_piece(name, value.shape, local, tuple(start), path, part, blocks, grids)
-            elif isinstance(value, torch.Tensor):
-                local = local_layout(path, name, value, file_size)
+                    part = _grid_part(entry, local, coordinate, path, part_paths)
+                    _add_piece(name, entry.shape, local, tuple(start), path, part, blocks, grids)
+            else:
                 key = (local.dtype, local.shape, "replicated")
                 desc = "replicated (plain tensor)"
                 block = local.block(path, (0,) * len(local.shape))
@@ -243,10 +318,6 @@ def read_rank_layouts(files: list[str], flatten) -> RankLayouts:
                     blocks[name] = [block]
                 else:
                     replicas.setdefault(name, []).append(block)
-            else:
-                raise CheckpointFormatError(
-                    f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor"
-                )
             if rank == 0:
                 meta[name] = key
                 placements[name] = desc
