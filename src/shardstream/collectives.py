@@ -8,14 +8,16 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
 from .errors import ShardstreamError
 
 _local = threading.local()
+T = TypeVar("T")
+R = TypeVar("R")
 
 
 def initialized() -> bool:
@@ -89,6 +91,37 @@ def gather_or_raise(value: Any, error: BaseException | None, what: str = "save")
     if failed:
         raise ShardstreamError(f"{what} failed on another rank: {failed[0]}")
     return [v for v, _ in outcomes]
+
+
+def in_turns(
+    items: Sequence[T], work: Callable[[int, T], R], shared: bool = True
+) -> Iterator[tuple[int, T, R]]:
+    """``(i, item, work(i, item))`` for every item, in order.
+
+    ``shared``: every process of the group calls this together; item ``i`` is worked on by
+    rank ``i % K`` and the results (plain, picklable data) are exchanged K items at a time,
+    so each process does 1/K of the work and holds K results at once. An item that fails
+    raises the same error on every process, before anyone goes on to the next K.
+    """
+    ways = world() if shared else 1
+    if ways == 1:
+        for index, item in enumerate(items):
+            yield index, item, work(index, item)
+        return
+    for first in range(0, len(items), ways):
+        mine, result, error = first + rank(), None, None
+        if mine < len(items):
+            try:
+                result = work(mine, items[mine])
+            except Exception as exc:  # noqa: BLE001  (every process must raise it)
+                if not isinstance(exc, ShardstreamError):
+                    exc = ShardstreamError(f"{items[mine]}: {type(exc).__name__}: {exc}")
+                error = exc
+        for index, (theirs, failure) in enumerate(gather((result, error)), start=first):
+            if failure is not None:
+                raise failure
+            if index < len(items):
+                yield index, items[index], theirs
 
 
 def init_from_environment() -> bool:

@@ -17,7 +17,8 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
 
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
     holds optimizer state need not describe it. ``shared``: every process of the current group
-    opens it together, and a verl checkpoint's rank files are unpickled a share per process.
+    opens it together, and each reads a share of the rank files' headers (verl's and
+    shardstream's formats).
     """
     path = Path(path)
     if not path.exists():
@@ -28,7 +29,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
         from .formats import native
 
         if native.is_native_checkpoint(path):
-            return native.open_native(path, model_only=model_only)
+            return native.open_native(path, model_only=model_only, shared=shared)
     from .formats import verl
 
     if verl.is_verl_checkpoint(path):

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardstream.formats import verl
+from shardstream.sources import open_checkpoint
 from shardstream.testing.distributed import run
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
 
@@ -108,31 +108,53 @@ def actor_ws4(tmp_path_factory):
     return write_verl_checkpoint(root, fx)
 
 
-def test_processes_share_the_unpickling_of_rank_files(actor_ws4):
-    alone = verl.open_verl(actor_ws4)
-    expected = [(t.name, t.dtype, t.shape, list(t.blocks)) for t in alone.tensors]
-    results = run(workers.shared_open_run, 3, str(actor_ws4))
+@pytest.fixture(scope="module")
+def native_ws4(tmp_path_factory):
+    """shardstream's own format, saved by 4 FSDP2 ranks (model only)."""
+    root = tmp_path_factory.mktemp("native-ws4")
+    run(workers.save_run, 4, str(root), "fsdp", 1, 0, ("model",))
+    return root / "global_step_1"
+
+
+@pytest.mark.parametrize("source", ["verl", "native"])
+def test_processes_share_the_reading_of_rank_file_headers(actor_ws4, native_ws4, source):
+    path = actor_ws4 if source == "verl" else native_ws4
+    expected = workers.opened(open_checkpoint(path, model_only=True))
+    results = run(workers.shared_open_run, 3, str(path))
+    names = {"verl": "model_world_size_4_rank_{}.pt", "native": "rank-{:05d}.safetensors"}
+    name = names[source].format
     # 4 rank files over 3 processes: files 0 and 3 on the first, then one each
-    assert [r["parsed"] for r in results] == [
-        ["model_world_size_4_rank_0.pt", "model_world_size_4_rank_3.pt"],
-        ["model_world_size_4_rank_1.pt"],
-        ["model_world_size_4_rank_2.pt"],
-    ]
+    assert [r["parsed"] for r in results] == [[name(0), name(3)], [name(1)], [name(2)]]
     for result in results:
-        assert result["tensors"] == expected
-        assert result["replicas"] == {n: list(b) for n, b in alone.replicas.items()}
+        for key in ("tensors", "replicas", "digests"):
+            assert result[key] == expected[key], key
 
 
-def test_a_bad_rank_file_fails_every_process_alike(actor_ws4, tmp_path):
+@pytest.mark.parametrize("source", ["verl", "native"])
+def test_a_bad_rank_file_fails_every_process_alike(actor_ws4, native_ws4, source, tmp_path):
     import shutil
 
-    actor = tmp_path / "actor"
-    shutil.copytree(actor_ws4, actor)
-    bad = actor / "model_world_size_4_rank_0.pt"
-    bad.write_bytes(bad.read_bytes()[: bad.stat().st_size // 2])  # truncated
-    results = run(workers.shared_open_run, 2, str(actor))
+    path = tmp_path / "ckpt"
+    shutil.copytree(actor_ws4 if source == "verl" else native_ws4, path)
+    bad = path / ("model_world_size_4_rank_0.pt" if source == "verl" else "rank-00000.safetensors")
+    data = bytearray(bad.read_bytes())
+    if source == "verl":
+        del data[len(data) // 2 :]  # truncated
+    else:
+        data[20] ^= 0xFF  # inside the header, which the manifest's digest covers
+    bad.write_bytes(bytes(data))
+    results = run(workers.shared_open_run, 2, str(path))
     errors = {r["error"] for r in results}
     assert len(errors) == 1
     (error,) = errors
-    assert error.startswith("CheckpointFormatError: ") and str(bad) in error
+    assert error.split(":")[0] in ("CheckpointFormatError", "ChecksumMismatchError")
+    assert str(bad) in error
     assert [len(r["parsed"]) for r in results] == [1, 1]  # none goes past the failed round
+
+
+def test_distributed_merge_of_shardstream_format_is_byte_identical(native_ws4, tmp_path):
+    single, distributed = tmp_path / "single", tmp_path / "distributed"
+    common = ["--local_dir", str(native_ws4), "--quiet"]
+    run_merge([*common, "--target_dir", str(single)], None)
+    run_merge([*common, "--target_dir", str(distributed)], 2)
+    assert same_tree(single, distributed)

@@ -328,27 +328,42 @@ def lora_only_run(rank: int, world: int, root: str, stage: str, seed: int) -> di
     return {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
 
 
-def shared_open_run(rank: int, world: int, actor: str) -> dict:
-    """Open a verl checkpoint with the rank files' unpickling split over the group; report
-    which files this process unpickled and what it learned (or the error it raised)."""
-    from shardstream.formats import verl
+def shared_open_run(rank: int, world: int, path: str) -> dict:
+    """Open a checkpoint for a merge with the rank files' headers split over the group (as
+    ``merge --distributed`` does); report which files this process parsed and what it learned
+    (or the error it raised)."""
+    from shardstream import sources
+    from shardstream.formats import native, verl
 
     parsed: list[str] = []
-    original = verl.load_layout
+    module, name = (
+        (native, "read_header")
+        if Path(path, "manifest.json").exists()
+        else (
+            verl,
+            "load_layout",
+        )
+    )
+    original = getattr(module, name)
 
-    def counting(path):
-        parsed.append(Path(path).name)
-        return original(path)
+    def counting(file, *args, **kwargs):
+        parsed.append(Path(file).name)
+        return original(file, *args, **kwargs)
 
-    verl.load_layout = counting
+    setattr(module, name, counting)
     try:
-        checkpoint = verl.open_verl(actor, shared=True)
+        checkpoint = sources.open_checkpoint(path, model_only=True, shared=True)
     except Exception as exc:  # noqa: BLE001  (the test compares the errors of every rank)
         return {"parsed": parsed, "error": f"{type(exc).__name__}: {exc}"}
     finally:
-        verl.load_layout = original
+        setattr(module, name, original)
+    return {"parsed": parsed, **opened(checkpoint)}
+
+
+def opened(checkpoint) -> dict:
+    """What a merge learns from opening a checkpoint, as comparable plain data."""
     return {
-        "parsed": parsed,
         "tensors": [(t.name, t.dtype, t.shape, list(t.blocks)) for t in checkpoint.tensors],
-        "replicas": {name: list(blocks) for name, blocks in checkpoint.replicas.items()},
+        "replicas": {n: list(b) for n, b in getattr(checkpoint, "replicas", {}).items()},
+        "digests": getattr(checkpoint, "digests", {}),
     }

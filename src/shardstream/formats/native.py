@@ -275,6 +275,7 @@ def open_native(
     regions: dict[str, Region] | None = None,
     *,
     model_only: bool = False,
+    shared: bool = False,
 ) -> NativeCheckpoint:
     """Read and cross-check the manifest against every data file's header.
 
@@ -283,10 +284,11 @@ def open_native(
     the headers of the files they name are read: a rank's work no longer grows with the
     number of ranks that saved (docs/scaling.md). With ``model_only`` (a merge), only model
     tensors are described (``merge_view``), and only the headers of files holding them are
-    read, one at a time.
+    read, one at a time; with ``shared`` too, every process of the current group calls this
+    together and each reads a share of those headers (a distributed merge).
     """
     try:
-        return _open_native(Path(directory), regions, model_only)
+        return _open_native(Path(directory), regions, model_only, shared)
     except FileNotFoundError as exc:
         if isinstance(exc, CheckpointNotFoundError):
             raise
@@ -295,7 +297,10 @@ def open_native(
 
 
 def _open_native(
-    directory: Path, regions: dict[str, Region] | None = None, model_only: bool = False
+    directory: Path,
+    regions: dict[str, Region] | None = None,
+    model_only: bool = False,
+    shared: bool = False,
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
     headers = _Headers()
@@ -317,7 +322,7 @@ def _open_native(
             headers.get(str(path))
     checked: dict[str, str] = {}  # file names are few; chunks are many
     if model_only and regions is None:
-        tensors = merge_view(directory, manifest, headers, checked)
+        tensors = merge_view(directory, manifest, headers, checked, shared)
         return NativeCheckpoint(directory, manifest, tensors, digests, headers)
     tensors: dict[str, GlobalTensor] = {}
     for fqn, info in manifest.get("tensors", {}).items():
@@ -331,7 +336,11 @@ def _open_native(
 
 
 def merge_view(
-    directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str]
+    directory: Path,
+    manifest: dict,
+    headers: _Headers,
+    checked: dict[str, str],
+    shared: bool = False,
 ) -> dict[str, GlobalTensor]:
     """The model tensors as a merge reads them: grid entries as one offset per rank
     (``_open_grids``), the rest as blocks. No header is kept after.
@@ -339,7 +348,7 @@ def merge_view(
     They come in the order the rank files hold them (the model's own order), so a merge
     that writes them in turn reads every rank file front to back, each byte once.
     """
-    tensors = _open_grids(directory, manifest, headers, checked)
+    tensors = _open_grids(directory, manifest, headers, checked, shared)
     for fqn, info in manifest.get("tensors", {}).items():
         if fqn.startswith(MODEL_PREFIX) and fqn not in tensors:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
@@ -461,11 +470,13 @@ def _check_chunk(
 
 
 def _open_grids(
-    directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str]
+    directory: Path, manifest: dict, headers: _Headers, checked: dict[str, str], shared: bool
 ) -> dict[str, GlobalTensor]:
     """The model's grid tensors, for a merge: rank file by rank file, each header is read
     once, the offsets of its grid chunks noted, and the header let go (unless a chunk-list
-    tensor needs it too). Heap: 8 bytes per chunk, one header at a time."""
+    tensor needs it too). Heap: 8 bytes per chunk, one header at a time. ``shared``: the
+    processes of a distributed merge read a share of the headers each and exchange the
+    offsets and chunk digests."""
     files = len(headers) + len(headers.pending)
     grids: dict[str, tuple[str, tuple[int, ...], int]] = {}
     listed: set[str] = set()  # files that chunk-list model tensors name
@@ -485,19 +496,39 @@ def _open_grids(
         if name not in checked:
             checked[name] = str(check_name(directory, name, "a grid entry"))
         paths.append(checked[name])
-    offsets = {fqn: array("q") for fqn in grids}
-    for r, path in enumerate(paths):
+
+    def located(r: int, path: str) -> tuple[list[int | None], tuple | None]:
+        """Rank file ``r``'s offset of each grid's chunk (None: it holds none) and digests."""
         header = headers.get(path)
+        found: list[int | None] = []
         for fqn, (dtype, shape, world) in grids.items():
             start, rows = chunk_extent(shape[0], world, r)
             if r >= world or rows == 0:
+                found.append(None)
                 continue
             key = grid_key(fqn, start, len(shape))
             entry = header.tensors.get(key) if header else None
             _check_chunk(directory, fqn, key, path, entry, dtype, (rows, *shape[1:]))
-            offsets[fqn].append(header.data_start + entry.begin)
+            found.append(header.data_start + entry.begin)
         if rank_file(r) not in listed:
             headers.pop(path, None)
+        return found, headers.digests.get(path)
+
+    if shared:  # only a distributed merge gets here, with torch.distributed loaded already
+        from ..collectives import in_turns
+
+        turns = in_turns(paths, located)
+    else:
+        turns = ((r, path, located(r, path)) for r, path in enumerate(paths))
+    offsets = {fqn: array("q") for fqn in grids}
+    for r, path, (found, sums) in turns:
+        for fqn, offset in zip(grids, found):
+            if offset is not None:
+                offsets[fqn].append(offset)
+        if sums is not None:  # read by another process: its digests, and no second read
+            headers.digests[path] = sums
+            if rank_file(r) not in listed:
+                headers.pending.pop(path, None)
     return {
         fqn: GlobalTensor(fqn, dtype, shape, GridBlocks(dtype, shape, world, paths, offsets[fqn]))
         for fqn, (dtype, shape, world) in grids.items()

@@ -12,7 +12,6 @@ import os
 import pickle
 import re
 from array import array
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +21,6 @@ from .. import collectives as coll
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
-    ShardstreamError,
     UnsafeCheckpointError,
 )
 from ..plan import (
@@ -222,45 +220,13 @@ def _read_entries(path: str, flatten) -> dict[str, _Entry]:
     return entries
 
 
-def _entries_by_file(
-    files: list[str], flatten, shared: bool
-) -> Iterator[tuple[int, str, dict[str, _Entry]]]:
-    """(rank, path, entries) of every rank file in rank order.
-
-    ``shared``: the processes of the current group (a ``--distributed`` merge) split the
-    unpickling, each taking every K-th file, and exchange the located entries K files at a
-    time, so each parses 1/K of the files and holds K files' entries at once. A file that
-    fails raises the same error on every process.
-    """
-    ways = coll.world() if shared else 1
-    if ways == 1:
-        for rank, path in enumerate(files):
-            yield rank, path, _read_entries(path, flatten)
-        return
-    for first in range(0, len(files), ways):
-        mine, entries, error = first + coll.rank(), None, None
-        if mine < len(files):
-            try:
-                entries = _read_entries(files[mine], flatten)
-            except Exception as exc:  # noqa: BLE001  (every process must raise it)
-                error = (
-                    exc
-                    if isinstance(exc, ShardstreamError)
-                    else CheckpointFormatError(f"{files[mine]}: {type(exc).__name__}: {exc}")
-                )
-        for index, (theirs, failure) in enumerate(coll.gather((entries, error)), start=first):
-            if failure is not None:
-                raise failure
-            if index < len(files):
-                yield index, files[index], theirs
-
-
 def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLayouts:
     """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value.
 
     A DTensor split along one dimension keeps one offset per rank (``GridBlocks``) while every
-    piece is dense; any other layout keeps a ``Block`` per piece. ``shared``: see
-    ``_entries_by_file``.
+    piece is dense; any other layout keeps a ``Block`` per piece. ``shared``: the processes
+    of the current group (a ``--distributed`` merge) split the unpickling of the files
+    (``collectives.in_turns``).
     """
     order: list[str] = []
     meta: dict[str, tuple] = {}
@@ -270,7 +236,7 @@ def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLa
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
     mesh_desc = "none (plain tensors)"
-    for rank, path, state in _entries_by_file(files, flatten, shared):
+    for rank, path, state in coll.in_turns(files, lambda _, p: _read_entries(p, flatten), shared):
         if rank == 0:
             order = list(state)
         elif set(state) != set(order):
