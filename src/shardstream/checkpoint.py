@@ -388,13 +388,44 @@ class _Source:
     read_extra: Any  # rank -> {"user": ..., "rng": ...}
 
 
+def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
+    """(a verl checkpoint, with optimizer files), the same on every rank or an error on all.
+
+    The ranks then read a verl checkpoint's rank files in turns, a share each, which only
+    works if every rank takes that path."""
+    from .formats import verl
+
+    here, error = None, None
+    try:
+        is_verl = not native.is_native_checkpoint(path) and verl.is_verl_checkpoint(path)
+        here = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
+    except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
+        error = exc
+    seen = coll.gather_or_raise(here, error, "restore")
+    if any(other != here for other in seen):
+        odd = next(r for r, other in enumerate(seen) if other != seen[0])
+        raise CheckpointFormatError(
+            f"{path}: rank {odd} sees other files there than rank 0 (verl model / optimizer "
+            f"files: {seen[odd]} against {seen[0]}); restore needs the same checkpoint on "
+            "every rank"
+        )
+    return here
+
+
 def _open_source(
-    path: Path, verify: bool, model, optimizer, want_optimizer: bool, regions=None
+    path: Path,
+    verify: bool,
+    model,
+    optimizer,
+    want_optimizer: bool,
+    regions=None,
+    verl_layout: tuple[bool, bool] = (False, False),
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
     ``regions`` (name -> the part of the tensor this rank restores) lets a native checkpoint
-    open only what this rank reads."""
+    open only what this rank reads. ``verl_layout``: from ``_verl_layout_everywhere``; every
+    rank opens a verl checkpoint together, reading a share of its rank files."""
     from .formats import verl
 
     if native.is_native_checkpoint(path):
@@ -439,16 +470,27 @@ def _open_source(
         raise CheckpointNotFoundError(
             f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint"
         )
-    ckpt = verl.open_verl(path)
+    shared = verl_layout[0]  # False: a caller that did not agree with the other ranks
+    ckpt = verl.open_verl(path, shared=shared)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
     saved, objects = {"model"}, {}
     world = ckpt.world_size
-    if want_optimizer and any(path.glob("optim_world_size_*_rank_*.pt")):
-        groups = verl.saved_param_groups(path, world)
-        live = st.optimizer_param_groups(model, optimizer)
-        names = _verl_parameter_names(path, groups, live)
+    if want_optimizer and (
+        verl_layout[1] if shared else any(path.glob("optim_world_size_*_rank_*.pt"))
+    ):
+        error = None
+        try:  # local work between two shared reads: fail on every rank or on none
+            groups = verl.saved_param_groups(path, world)
+            live = st.optimizer_param_groups(model, optimizer)
+            names = _verl_parameter_names(path, groups, live)
+        except Exception as exc:  # noqa: BLE001
+            error = exc
+        if shared:
+            coll.agree_or_raise(error, "restore")
+        elif error is not None:
+            raise error
         prefix = native.OPTIMIZER_PREFIX + st.STATE
-        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix)
+        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=shared)
         tensors.update({t.name: t for t in optim})
         objects["optimizer"] = {
             "param_groups": [
@@ -614,11 +656,12 @@ def load(
     model_tensors = st.model_tensors(model) if want_model else {}
     optim_tensors = st.optimizer_state(model, optimizer)[0] if want_optimizer else {}
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
+    verl_layout = _verl_layout_everywhere(path)
     # Ranks open only the files they read, so one may fail where others do not: fail together,
     # before the collective load.
     error: Exception | None = None
     try:
-        source = _open_source(path, verify, model, optimizer, want_optimizer, regions)
+        source = _open_source(path, verify, model, optimizer, want_optimizer, regions, verl_layout)
         targets = _checked_targets(
             path,
             source,

@@ -55,6 +55,17 @@ def test_verl_checkpoint_restores_at_another_world_size(verl_run, world):
             for key, value in optim_state[pid].items():
                 assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)
         assert state["optim"]["param_groups"][0]["lr"] == groups[0]["lr"]
+    # the ranks share the unpickling of the rank files (each parses a share), and every rank
+    # reads rank 0's optimizer file for the param groups
+    model_files = sorted(f"model_world_size_4_rank_{r}.pt" for r in range(4))
+    optim_files = sorted(f"optim_world_size_4_rank_{r}.pt" for r in range(4))
+    parsed = [name for result in results for name in result["parsed"]]
+    assert sorted(n for n in parsed if n.startswith("model_")) == model_files
+    groups_file = "optim_world_size_4_rank_0.pt"
+    assert sorted(n for n in parsed if n.startswith("optim_")) == sorted(
+        optim_files + [groups_file] * world
+    )
+    assert {len(result["parsed"]) for result in results} == {(4 + 4) // world + 1}
     # rank 0 continues the RNG stream verl saved for rank 0.
     extra = torch.load(actor / "extra_state_world_size_4_rank_0.pt", weights_only=False)
     torch.set_rng_state(extra["rng"]["cpu"])
@@ -67,3 +78,17 @@ def test_model_only_restore_of_verl_checkpoint(verl_run):
     reference = load_file(root / "reference" / "model.safetensors")
     for name, tensor in reference.items():
         assert torch.equal(results[0]["state"]["model"][name], tensor), name
+
+
+def test_ranks_that_see_different_files_fail_together(verl_run, tmp_path):
+    import shutil
+
+    _, actor = verl_run
+    partial = tmp_path / "actor"
+    shutil.copytree(actor, partial)
+    for optim in partial.glob("optim_world_size_*"):
+        optim.unlink()
+    messages = run(workers.verl_restore_error_run, 2, [str(actor), str(partial)])
+    for message in messages:
+        assert message.startswith("CheckpointFormatError: ")
+        assert "rank 1 sees other files there than rank 0" in message

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 import torch
@@ -13,6 +14,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.formats import verl
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -186,11 +188,29 @@ def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict
     root = str(Path(actor).parent.parent / f"shardstream-{world}")
     cfg = CheckpointConfig(directory=root, load_contents=contents)
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
-    restored = manager.restore(path=actor)
+    with counting_calls(verl, "load_layout") as parsed:
+        restored = manager.restore(path=actor)
     state = full_state(model, optimizer, scheduler)
     rng_next = torch.rand(2)
     manager.close()
-    return {"restored": restored, "state": state, "rng_next": rng_next}
+    return {"restored": restored, "state": state, "rng_next": rng_next, "parsed": parsed}
+
+
+@contextlib.contextmanager
+def counting_calls(module, name: str):
+    """The file names ``module.name(path, ...)`` is called with, while the block runs."""
+    calls: list[str] = []
+    original = getattr(module, name)
+
+    def counting(file, *args, **kwargs):
+        calls.append(Path(file).name)
+        return original(file, *args, **kwargs)
+
+    setattr(module, name, counting)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, original)
 
 
 def dcp_restore_run(rank: int, world: int, root: str, stage: str) -> dict:
@@ -333,30 +353,15 @@ def shared_open_run(rank: int, world: int, path: str) -> dict:
     ``merge --distributed`` does); report which files this process parsed and what it learned
     (or the error it raised)."""
     from shardstream import sources
-    from shardstream.formats import native, verl
+    from shardstream.formats import native
 
-    parsed: list[str] = []
-    module, name = (
-        (native, "read_header")
-        if Path(path, "manifest.json").exists()
-        else (
-            verl,
-            "load_layout",
-        )
-    )
-    original = getattr(module, name)
-
-    def counting(file, *args, **kwargs):
-        parsed.append(Path(file).name)
-        return original(file, *args, **kwargs)
-
-    setattr(module, name, counting)
-    try:
-        checkpoint = sources.open_checkpoint(path, model_only=True, shared=True)
-    except Exception as exc:  # noqa: BLE001  (the test compares the errors of every rank)
-        return {"parsed": parsed, "error": f"{type(exc).__name__}: {exc}"}
-    finally:
-        setattr(module, name, original)
+    is_native = Path(path, "manifest.json").exists()
+    target = (native, "read_header") if is_native else (verl, "load_layout")
+    with counting_calls(*target) as parsed:
+        try:
+            checkpoint = sources.open_checkpoint(path, model_only=True, shared=True)
+        except Exception as exc:  # noqa: BLE001  (the test compares the errors of every rank)
+            return {"parsed": parsed, "error": f"{type(exc).__name__}: {exc}"}
     return {"parsed": parsed, **opened(checkpoint)}
 
 
@@ -367,3 +372,17 @@ def opened(checkpoint) -> dict:
         "replicas": {n: list(b) for n, b in getattr(checkpoint, "replicas", {}).items()},
         "digests": getattr(checkpoint, "digests", {}),
     }
+
+
+def verl_restore_error_run(rank: int, world: int, actors: list[str]) -> str:
+    """Restore from ``actors[rank]``; return the error message this rank got."""
+    model, optimizer, _, _ = build((world,), seed=99)
+    cfg = CheckpointConfig(directory=str(Path(actors[rank]).parent / f"run-{rank}"))
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+    try:
+        manager.restore(path=actors[rank])
+    except Exception as exc:  # noqa: BLE001  (the test reads every rank's message)
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        manager.close()
+    return "restored"

@@ -168,6 +168,7 @@ class RankLayouts:
     placements: dict[str, str]
     mesh: str
     replicas: dict[str, list[Block]]
+    scalars: dict[str, object] = field(default_factory=dict)  # with keep_scalars
 
 
 def _grid_part(
@@ -199,28 +200,35 @@ class _Entry:
     mesh: MeshLayout | None = None
 
 
-def _read_entries(path: str, flatten) -> dict[str, _Entry]:
-    """Unpickle one rank file's layout and locate each of its tensors."""
+def _read_entries(
+    path: str, flatten, keep_scalars: bool = False
+) -> tuple[dict[str, _Entry], dict[str, object]]:
+    """Unpickle one rank file's layout and locate each of its tensors; other values are an
+    error, or with ``keep_scalars`` returned beside them."""
     state = load_layout(path)
     if not isinstance(state, dict):
         raise CheckpointFormatError(f"{path}: expected a state dict, got {type(state).__name__}")
     state = flatten(state, path)
     file_size = os.path.getsize(path)
-    entries = {}
+    entries, scalars = {}, {}
     for name, value in state.items():
         if isinstance(value, DistributedTensor):
             local = local_layout(path, name, value.local, file_size)
             entries[name] = _Entry(local, value.shape, value.placements, value.mesh)
         elif isinstance(value, torch.Tensor):
             entries[name] = _Entry(local_layout(path, name, value, file_size))
+        elif keep_scalars:
+            scalars[name] = value
         else:
             raise CheckpointFormatError(
                 f"{path}: entry {name!r} is a {type(value).__name__}, not a tensor"
             )
-    return entries
+    return entries, scalars
 
 
-def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLayouts:
+def read_rank_layouts(
+    files: list[str], flatten, shared: bool = False, keep_scalars: bool = False
+) -> RankLayouts:
     """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value.
 
     A DTensor split along one dimension keeps one offset per rank (``GridBlocks``) while every
@@ -236,7 +244,13 @@ def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLa
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
     mesh_desc = "none (plain tensors)"
-    for rank, path, state in coll.in_turns(files, lambda _, p: _read_entries(p, flatten), shared):
+    scalars: dict[str, object] = {}
+
+    def read(_: int, path: str):
+        return _read_entries(path, flatten, keep_scalars)
+
+    for rank, path, (state, file_scalars) in coll.in_turns(files, read, shared):
+        scalars.update(file_scalars)
         if rank == 0:
             order = list(state)
         elif set(state) != set(order):
@@ -298,7 +312,7 @@ def read_rank_layouts(files: list[str], flatten, shared: bool = False) -> RankLa
         parts = grids[name] if name in grids else tuple(blocks.get(name, ()))
         check_blocks_tile(name, shape, parts)
         tensors.append(GlobalTensor(name, dtype, shape, parts))
-    return RankLayouts(tensors, placements, mesh_desc, replicas)
+    return RankLayouts(tensors, placements, mesh_desc, replicas, scalars)
 
 
 def _add_piece(name, shape, local, start, path, part, blocks: dict, grids: dict) -> None:
@@ -351,11 +365,10 @@ def saved_param_groups(directory: Path, world_size: int) -> list[dict]:
 
 
 def open_verl_optimizer(
-    directory: Path, world_size: int, names: dict[int, str], prefix: str
+    directory: Path, world_size: int, names: dict[int, str], prefix: str, *, shared: bool = False
 ) -> tuple[list[GlobalTensor], dict[str, object]]:
     """Optimizer tensors renamed ``<prefix><fqn>.<key>`` (``names`` maps verl's ids to FQNs),
-    and the non-tensor per-parameter values."""
-    scalars: dict[str, object] = {}
+    and the non-tensor per-parameter values. ``shared``: as for ``open_verl``."""
 
     def flatten(state: dict, path: str) -> dict:
         entries = state.get("state")
@@ -377,14 +390,12 @@ def open_verl_optimizer(
                         "in the model; restore without 'optimizer' in load_contents (the "
                         "model and extra restore at any world size)"
                     )
-                if isinstance(value, (torch.Tensor, DistributedTensor)):
-                    out[flat] = value
-                else:
-                    scalars[flat] = value
+                out[flat] = value
         return out
 
-    layout = read_rank_layouts(optimizer_files(directory, world_size), flatten)
-    return layout.tensors, scalars
+    files = optimizer_files(directory, world_size)
+    layout = read_rank_layouts(files, flatten, shared, keep_scalars=True)
+    return layout.tensors, layout.scalars
 
 
 def read_extra_state(directory: Path, world_size: int, rank: int) -> dict:
