@@ -114,8 +114,10 @@ def main() -> int:
         _verdict(rows),
         "",
         "Why: this machine has 2 cores, so the ceiling is about 2x at K=2 and K=4 only adds "
-        "contention; every rank also pays its own start-up (torchrun, importing torch, reading "
-        "every rank file's layout), a few seconds that a small checkpoint cannot repay. Each "
+        "contention; every rank also pays its own start-up (torchrun, importing torch), a few "
+        "seconds that a small checkpoint cannot repay. The rank files' layouts are read a share "
+        "per process (each parses N/K of them and they exchange the results), so that part "
+        "shrinks with K instead of being paid K times. Each "
         "rank streams disjoint chunk-aligned ranges, so on a node with many cores and a "
         "parallel filesystem the merge scales with the processes until the filesystem's "
         "bandwidth is reached; across nodes, use `torchrun --nnodes=N --node_rank=i "
