@@ -18,11 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import collectives as coll
-from ..errors import (
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    UnsafeCheckpointError,
-)
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import (
     Block,
     GlobalTensor,
@@ -141,7 +137,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
     """Read the layout of every rank file and describe each tensor as blocks of byte ranges.
 
     ``shared``: every process of the current group calls this together and each unpickles
-    a share of the rank files (a ``--distributed`` merge).
+    a share of the rank files (a ``--distributed`` merge, a restore).
     """
     directory = Path(directory)
     world_size, files = _rank_files(directory)
@@ -233,7 +229,7 @@ def read_rank_layouts(
 
     A DTensor split along one dimension keeps one offset per rank (``GridBlocks``) while every
     piece is dense; any other layout keeps a ``Block`` per piece. ``shared``: the processes
-    of the current group (a ``--distributed`` merge) split the unpickling of the files
+    of the current group (a ``--distributed`` merge, a restore) split the unpickling of the files
     (``collectives.in_turns``).
     """
     order: list[str] = []
