@@ -166,9 +166,9 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{format_size(summary.peak_rss_bytes)}"
         )
     if not args.quiet and not args.dtype and summary.format == "verl" and summary.dtype != "BF16":
-        from .dtypes import TORCH_BY_CODE
+        from .dtypes import TORCH_NAME
 
-        written = str(TORCH_BY_CODE[summary.dtype]).removeprefix("torch.")
+        written = TORCH_NAME[summary.dtype]
         print(  # verl's own merger always casts to bf16; say why these files differ from its
             f"note: wrote {written}, the dtype the checkpoint's config.json names; "
             "verl's merger would write bfloat16 (pass --dtype bfloat16 for the same files)",

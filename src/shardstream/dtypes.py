@@ -68,24 +68,7 @@ _ALIASES = {
 def _torch_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
     import torch
 
-    by_code = {
-        "F64": torch.float64,
-        "F32": torch.float32,
-        "F16": torch.float16,
-        "BF16": torch.bfloat16,
-        "I64": torch.int64,
-        "I32": torch.int32,
-        "I16": torch.int16,
-        "I8": torch.int8,
-        "U8": torch.uint8,
-        "U16": torch.uint16,
-        "U32": torch.uint32,
-        "U64": torch.uint64,
-        "BOOL": torch.bool,
-        "F8_E4M3": torch.float8_e4m3fn,
-        "F8_E5M2": torch.float8_e5m2,
-        "C64": torch.complex64,
-    }
+    by_code = {code: getattr(torch, name) for code, name in TORCH_NAME.items()}
     return by_code, {v: k for k, v in by_code.items()}
 
 

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import collectives as coll
 from .checksum import ChunkHasher, digest, new_hasher
 from .copy import Buffers, Streamer, TensorEndpoint, live_block, pwrite_array, write_all
-from .dtypes import FLOATING, TORCH_BY_CODE, code_of, itemsize, parse_dtype
+from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
 from .formats.safetensors import build_header, checksum_metadata
@@ -404,7 +404,7 @@ def _shared_filesystem(tmp: Path) -> bool:
 def _write_configs(
     target: Path, hf_config: Any, tokenizer: Any, source: Path | None, out_dtype: str | None
 ) -> None:
-    dtype_name = str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
+    dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
     if source is not None:
         hf.copy_config(source, target, dtype_name)
     if hf_config is not None:

@@ -14,7 +14,7 @@ from . import collectives as coll
 from . import lora
 from .commit import staged_directory
 from .copy import Buffers, FileEndpoint, OpenEndpoints, Streamer
-from .dtypes import FLOATING, TORCH_BY_CODE, itemsize
+from .dtypes import FLOATING, TORCH_NAME, itemsize
 from .errors import CheckpointFormatError, UsageError
 from .formats import hf
 from .formats.hf import output_dtype, tied_duplicates
@@ -246,9 +246,7 @@ def merge(
                     )
                     endpoints.finish()
                 if config_dir is not None:
-                    dtype_name = (
-                        str(TORCH_BY_CODE[out_dtype]).removeprefix("torch.") if out_dtype else None
-                    )
+                    dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
                     hf.copy_config(config_dir, tmp, dtype_name)
         coll.barrier()
     finally:
