@@ -419,13 +419,15 @@ def _open_source(
     optimizer,
     want_optimizer: bool,
     regions=None,
-    verl_layout: tuple[bool, bool] = (False, False),
+    *,
+    verl_optimizer_files: bool,
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
     ``regions`` (name -> the part of the tensor this rank restores) lets a native checkpoint
-    open only what this rank reads. ``verl_layout``: from ``_verl_layout_everywhere``; every
-    rank opens a verl checkpoint together, reading a share of its rank files."""
+    open only what this rank reads. Every rank opens a verl checkpoint together, reading a
+    share of its rank files; ``verl_optimizer_files`` comes from ``_verl_layout_everywhere``,
+    so all of them agree on whether its optimizer files are read too."""
     from .formats import verl
 
     if native.is_native_checkpoint(path):
@@ -470,14 +472,11 @@ def _open_source(
         raise CheckpointNotFoundError(
             f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint"
         )
-    shared = verl_layout[0]  # False: a caller that did not agree with the other ranks
-    ckpt = verl.open_verl(path, shared=shared)
+    ckpt = verl.open_verl(path, shared=True)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
     saved, objects = {"model"}, {}
     world = ckpt.world_size
-    if want_optimizer and (
-        verl_layout[1] if shared else any(path.glob("optim_world_size_*_rank_*.pt"))
-    ):
+    if want_optimizer and verl_optimizer_files:
         error = None
         try:  # local work between two shared reads: fail on every rank or on none
             groups = verl.saved_param_groups(path, world)
@@ -485,12 +484,9 @@ def _open_source(
             names = _verl_parameter_names(path, groups, live)
         except Exception as exc:  # noqa: BLE001
             error = exc
-        if shared:
-            coll.agree_or_raise(error, "restore")
-        elif error is not None:
-            raise error
+        coll.agree_or_raise(error, "restore")
         prefix = native.OPTIMIZER_PREFIX + st.STATE
-        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=shared)
+        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
         tensors.update({t.name: t for t in optim})
         objects["optimizer"] = {
             "param_groups": [
@@ -656,12 +652,20 @@ def load(
     model_tensors = st.model_tensors(model) if want_model else {}
     optim_tensors = st.optimizer_state(model, optimizer)[0] if want_optimizer else {}
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
-    verl_layout = _verl_layout_everywhere(path)
+    _, verl_optimizer_files = _verl_layout_everywhere(path)
     # Ranks open only the files they read, so one may fail where others do not: fail together,
     # before the collective load.
     error: Exception | None = None
     try:
-        source = _open_source(path, verify, model, optimizer, want_optimizer, regions, verl_layout)
+        source = _open_source(
+            path,
+            verify,
+            model,
+            optimizer,
+            want_optimizer,
+            regions,
+            verl_optimizer_files=verl_optimizer_files,
+        )
         targets = _checked_targets(
             path,
             source,
