@@ -156,4 +156,7 @@ def copy_variant(fsdp_root, tmp_path):
 
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "worker":
+    from shardstream.testing.distributed import exit_finished_rank
+
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+    exit_finished_rank()

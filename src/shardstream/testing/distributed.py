@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import os
 import pickle
+import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import torch.multiprocessing as mp
 
@@ -48,6 +49,16 @@ def _preload() -> None:
     multiprocessing.set_forkserver_preload(
         ["torch", "torch.distributed.checkpoint", "transformers", "shardstream"]
     )
+
+
+def exit_finished_rank() -> NoReturn:
+    """Exit 0 from a rank process whose work is done and whose group is destroyed, skipping
+    interpreter teardown, where gloo's threads have aborted finished ranks ("terminate called
+    without an active exception") on a busy machine. Call it only after success: a failure
+    should raise and exit non-zero with its traceback."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
