@@ -38,7 +38,45 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
 
     if dcp.is_dcp_checkpoint(path):
         return dcp.open_dcp(path)
+    try:
+        hint = _checkpoints_below(path)
+    except OSError:
+        hint = []
+    if hint:
+        raise CheckpointNotFoundError(
+            f"{path}: no model files here, but {' and '.join(map(str, hint))} "
+            f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that directory"
+        )
     raise CheckpointNotFoundError(
         f"{path}: no model files found (expected a shardstream manifest.json, verl's "
         "model_world_size_W_rank_R.pt files, or a DCP .metadata)"
     )
+
+
+def _looks_like_checkpoint(path: Path) -> bool:
+    return (
+        (path / NATIVE_MANIFEST).is_file()
+        or (path / ".metadata").is_file()
+        or any(path.glob("model_world_size_*_rank_*.pt"))
+    )
+
+
+def _checkpoints_below(path: Path) -> list[Path]:
+    """Checkpoints a user may have meant when passing a run or step directory: the latest step
+    of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles."""
+    from .formats.native import LATEST_FILE, STEP_DIR
+
+    steps = {}
+    for entry in path.iterdir():
+        match = STEP_DIR.match(entry.name)
+        if match and entry.is_dir():
+            steps[int(match[1])] = entry
+    if steps:
+        try:
+            named = int((path / LATEST_FILE).read_text().strip())
+        except (OSError, ValueError):
+            named = None
+        path = steps.get(named) or steps[max(steps)]
+        if _looks_like_checkpoint(path):
+            return [path]
+    return sorted(d for d in path.iterdir() if d.is_dir() and _looks_like_checkpoint(d))

@@ -108,6 +108,28 @@ def test_no_model_files(capsys, tmp_path, out):
     merge_fails(capsys, empty, out, str(empty), "no model files", "model_world_size_W_rank_R.pt")
 
 
+def test_run_or_step_directory_names_the_checkpoint_inside(capsys, tmp_path, copy_variant, out):
+    """A user who passes a run or step directory is told which directory to pass."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        for role in ("actor", "critic"):
+            (run / f"global_step_{step}").mkdir(parents=True, exist_ok=True)
+            shutil.copytree(
+                copy_variant("base", f"{step}{role}"), run / f"global_step_{step}" / role
+            )
+    step1 = run / "global_step_1"
+    both = f"{step1 / 'actor'} and {step1 / 'critic'} hold checkpoints; pass that directory"
+    merge_fails(capsys, step1, out, f"{step1}: no model files here", both)
+    (run / "latest_checkpointed_iteration.txt").write_text("1\n")  # the pointer wins
+    merge_fails(capsys, run, out, both)
+    (run / "latest_checkpointed_iteration.txt").unlink()  # else the highest step
+    merge_fails(capsys, run, out, str(run / "global_step_2" / "actor"))
+    native_run = tmp_path / "native_run"  # shardstream's: the step directory is the checkpoint
+    (native_run / "global_step_3").mkdir(parents=True)
+    (native_run / "global_step_3" / "manifest.json").write_text("{}")
+    merge_fails(capsys, native_run, out, f"{native_run / 'global_step_3'} holds a checkpoint")
+
+
 def test_missing_rank_file_is_named(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     (ckpt / RANK1).unlink()
