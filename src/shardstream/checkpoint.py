@@ -39,7 +39,7 @@ from .formats import local_save, native, native_storage
 from .formats.safetensors import read_header
 from .formats.writer import OutputTensor, write_safetensors
 from .memory import gc_paused, peak_rss_bytes
-from .plan import GlobalTensor, dense_block
+from .plan import GlobalTensor, dense_block, tensors_touching
 from .sizes import DEFAULT_BUFFER_BYTES
 from .units import parse_size
 
@@ -502,9 +502,17 @@ def _open_source(
     if any(path.glob("extra_state_world_size_*_rank_*.pt")):
         saved.add("extra")
     match = re.search(r"global_step_(\d+)", str(path.absolute()))
+    named = [(t.name, t.blocks) for t in tensors.values()]
+    from .formats.torch_pt import crc_checked_endpoint
+
+    def checked_endpoint(location: str) -> FileEndpoint:  # each zip record's CRC-32
+        return crc_checked_endpoint(
+            location, lambda lo, hi: tensors_touching(named, location, lo, hi)
+        )
+
     return _Source(
         tensors,
-        FileEndpoint,
+        checked_endpoint if verify else FileEndpoint,
         saved,
         objects,
         int(match[1]) if match else 0,

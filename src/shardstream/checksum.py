@@ -1,6 +1,9 @@
-"""The one checksum shardstream uses: xxh3-64, as 16 lower-case hex digits."""
+"""The one checksum shardstream writes: xxh3-64, as 16 lower-case hex digits; and CRC-32,
+which zip archives (torch's ``.pt`` files) record and shardstream checks when it reads them."""
 
 from __future__ import annotations
+
+import zlib
 
 import xxhash
 
@@ -42,3 +45,19 @@ class ChunkHasher:
             if self.fed == chunk_end:
                 self.digests.append(self._hasher.hexdigest())
                 self._hasher = new_hasher()
+
+
+class Crc32:
+    """zlib's CRC-32 behind the hasher interface of ``new_hasher()``: 8 lower-case hex digits."""
+
+    def __init__(self) -> None:
+        self.value = 0
+
+    def update(self, data) -> None:
+        self.value = zlib.crc32(data, self.value)
+
+    def hexdigest(self) -> str:
+        return f"{self.value:08x}"
+
+    def reset(self) -> None:
+        self.value = 0

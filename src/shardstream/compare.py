@@ -275,11 +275,14 @@ def compare_with_reference(
 
     # The checkpoint's side in the order its files hold it, so each file is read front to back.
     pairs.sort(key=lambda pair: stored_at(pair[1]))
-    checked = getattr(checkpoint, "digests", {})  # shardstream's format: data files with digests
+    # The checkpoint's files are verified as they are read (shardstream's chunk digests, the
+    # CRC-32s of verl's .pt records), as merge and restore do; DCP's files carry none.
+    checked_open = getattr(checkpoint, "endpoint", None)
+    own = {block.location for _, ckpt, _ in pairs for block in ckpt.blocks}
 
     def open_endpoint(location: str) -> FileEndpoint:
-        # Checksummed files are verified as they are read, as merge and restore do.
-        return (checkpoint.endpoint if location in checked else FileEndpoint)(location)
+        opener = checked_open if checked_open and location in own else FileEndpoint
+        return opener(location)
 
     endpoints = OpenEndpoints(open_endpoint)
 

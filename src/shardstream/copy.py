@@ -9,6 +9,7 @@ bit-identical to ``tensor.to(dtype)``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import mmap
@@ -16,6 +17,7 @@ import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -70,6 +72,10 @@ class FileEndpoint(Endpoint):
     before the rest of their chunk has been read: ``finish()`` reads and checks the chunk in
     progress, and every caller calls it before it commits or returns what it read. Reads in
     file order touch each byte once; a read behind the chunk in progress restarts that chunk.
+
+    Chunks are ``chunk_bytes`` apart from ``data_start`` (shardstream's safetensors files), or
+    the given ``spans`` (zip records, whose CRC-32s ``hasher`` computes); bytes outside every
+    span (zip headers) are read unchecked.
     """
 
     _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
@@ -83,6 +89,8 @@ class FileEndpoint(Endpoint):
         data_start: int = 0,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         describe: Callable[[int, int], str] | None = None,
+        spans: Sequence[tuple[int, int]] | None = None,
+        hasher: Callable[[], Any] = new_hasher,
     ):
         self.name = path
         self.fd = os.open(path, os.O_RDONLY)
@@ -90,10 +98,12 @@ class FileEndpoint(Endpoint):
         self.digests = list(digests) if digests is not None else None
         self.data_start = data_start
         self.chunk_bytes = chunk_bytes
+        self.spans = list(spans) if spans is not None else None  # sorted, disjoint
+        self._span_starts = [lo for lo, _ in self.spans] if self.spans is not None else None
         self.describe = describe or (lambda a, b: "")
         self._chunk: int | None = None  # index of the chunk being hashed, if any
         self._lo = self._hi = self._hashed_to = 0  # its bytes, and how far they are hashed
-        self._hasher = new_hasher()
+        self._hasher = hasher()
         self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
         self._unmappable = False
 
@@ -179,10 +189,16 @@ class FileEndpoint(Endpoint):
         while pos < end:
             if pos >= self.size:
                 self._truncated(offset, end)
-            index = (pos - self.data_start) // self.chunk_bytes
+            index, lo, hi = self._chunk_at(pos)
+            if index is None:  # between spans: no digest covers these bytes
+                take = min(end, hi) - pos
+                if copy:
+                    self._pread(pos, flat[pos - offset : pos - offset + take])
+                pos += take
+                continue
             if index != self._chunk or pos < self._hashed_to:
                 self.finish()
-                self._begin(index)
+                self._begin(index, lo, hi)
             self._hash_through(pos)
             take = min(end, self._hi) - pos
             piece = flat[pos - offset : pos - offset + take]
@@ -200,10 +216,23 @@ class FileEndpoint(Endpoint):
             self._hash_through(self._hi)
             self._check()
 
-    def _begin(self, index: int) -> None:
+    def _chunk_at(self, pos: int) -> tuple[int | None, int, int]:
+        """(index, first byte, end) of the chunk holding ``pos``; outside every span, (None,
+        pos, where the next span starts)."""
+        if self.spans is None:
+            index = (pos - self.data_start) // self.chunk_bytes
+            lo = self.data_start + index * self.chunk_bytes
+            return index, lo, min(lo + self.chunk_bytes, self.size)
+        index = bisect.bisect_right(self._span_starts, pos) - 1
+        if index >= 0 and pos < self.spans[index][1]:
+            return index, *self.spans[index]
+        following = self._span_starts[index + 1] if index + 1 < len(self.spans) else self.size
+        return None, pos, max(following, pos + 1)
+
+    def _begin(self, index: int, lo: int, hi: int) -> None:
         self._chunk = index
-        self._lo = self._hashed_to = self.data_start + index * self.chunk_bytes
-        self._hi = min(self._lo + self.chunk_bytes, self.size)
+        self._lo = self._hashed_to = lo
+        self._hi = hi
         self._hasher.reset()
 
     def _hash_through(self, pos: int) -> None:

@@ -327,6 +327,22 @@ class GlobalTensor:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
+def tensors_touching(
+    named_blocks: Iterable[tuple[str, Sequence[Block]]], location: str, lo: int, hi: int
+) -> list[str]:
+    """Names whose blocks touch bytes [lo, hi) of ``location`` (for error messages)."""
+    names = []
+    for name, blocks in named_blocks:
+        for block in blocks:
+            if block.location != location or not block.numel:
+                continue
+            last = sum((n - 1) * s for n, s in zip(block.shape, block.strides))
+            if block.offset < hi and block.offset + (last + 1) * itemsize(block.dtype) > lo:
+                names.append(name)
+                break
+    return names
+
+
 def stored_at(tensor: GlobalTensor) -> tuple[str, int]:
     """Where a tensor's first block is stored: sorting by it reads each file front to back."""
     blocks = tensor.blocks

@@ -4,6 +4,7 @@ traceback, and nothing written (no target directory, no ``*.tmp-*`` leftovers)."
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import struct
 import subprocess
@@ -239,6 +240,23 @@ def test_corrupt_pt(capsys, copy_variant, out, where):
     line = merge_fails(capsys, ckpt, out, str(path), "corrupt")
     if where != "central-directory":
         assert "Bad CRC-32" in line and "data.pkl" in line
+
+
+@pytest.mark.parametrize("record", ["data/0", "data/3"])
+def test_flipped_byte_in_tensor_data(capsys, copy_variant, fsdp_root, out, record):
+    """torch checks no CRC when it loads a file; merge and test check each record's CRC-32 as
+    they read it, and name the file, the record and the tensor."""
+    ckpt = copy_variant("base")
+    path = ckpt / RANK1
+    flip(path, record_offset(path, record) + 2, 1)
+    expected = (
+        rf"{path}: checksum mismatch in bytes \[\d+, \d+\) \(zip record \S+/{record}: '[\w.]+'\)"
+    )
+    line = merge_fails(capsys, ckpt, out, str(path))
+    assert re.search(expected, line), line
+    rc = main(["test", "--local_dir", str(ckpt), "--test_hf_dir", str(fsdp_root / "reference")])
+    err = capsys.readouterr().err
+    assert rc == 1 and re.search(expected, err) and "Traceback" not in err, err
 
 
 def test_pickle_with_code_is_refused_and_never_run(capsys, copy_variant, out, tmp_path):

@@ -92,3 +92,29 @@ def test_ranks_that_see_different_files_fail_together(verl_run, tmp_path):
     for message in messages:
         assert message.startswith("CheckpointFormatError: ")
         assert "rank 1 sees other files there than rank 0" in message
+
+
+def test_flipped_byte_in_a_verl_optimizer_file_fails_the_restore(verl_run, tmp_path):
+    """verify_on_load checks each zip record's CRC-32 in verl's .pt files as it reads them."""
+    import shutil
+    import struct
+    import zipfile
+
+    _, actor = verl_run
+    damaged = tmp_path / "actor"
+    shutil.copytree(actor, damaged)
+    path = damaged / "optim_world_size_4_rank_1.pt"
+    with zipfile.ZipFile(path) as archive:
+        storages = [i for i in archive.infolist() if "/data/" in i.filename]
+        info = max(storages, key=lambda i: i.file_size)  # an exp_avg(_sq) shard
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
+    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    messages = run(workers.verl_restore_error_run, 2, [str(damaged), str(damaged)])
+    assert "restored" not in messages
+    named = [m for m in messages if "checksum mismatch" in m]
+    assert named, messages
+    assert str(path) in named[0] and "'optimizer.state." in named[0], named[0]

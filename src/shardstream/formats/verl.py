@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 
 from .. import collectives as coll
+from ..copy import FileEndpoint
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import (
     Block,
@@ -26,12 +27,14 @@ from ..plan import (
     check_blocks_tile,
     chunk_extent,
     row_major_strides,
+    tensors_touching,
 )
 from .torch_pt import (
     DistributedTensor,
     LocalTensor,
     MeshLayout,
     Placement,
+    crc_checked_endpoint,
     load_layout,
     local_layout,
 )
@@ -64,6 +67,15 @@ class VerlCheckpoint:
             if (candidate / "config.json").is_file():
                 return check_no_links_out(candidate, self.directory)
         return None
+
+    def endpoint(self, location: str) -> FileEndpoint:
+        """A reader of one rank file that checks every zip record's CRC-32 as it reads it."""
+        if location not in self.files:
+            raise CheckpointFormatError(f"{location}: not a rank file of this checkpoint")
+        named = [*((t.name, t.blocks) for t in self.tensors), *self.replicas.items()]
+        return crc_checked_endpoint(
+            location, lambda lo, hi: tensors_touching(named, location, lo, hi)
+        )
 
 
 def is_verl_checkpoint(directory: Path) -> bool:
