@@ -78,7 +78,10 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(test, "--rtol", type=float, default=None, help="relative tolerance")
 
     verify = sub.add_parser("verify", help="recompute checksums; check completeness")
-    verify.add_argument("path", help="step directory, manager root, or HF model directory")
+    verify.add_argument(
+        "path",
+        help="step directory, manager root, HF model directory, or verl checkpoint/step/run",
+    )
     _flag(verify, "--json", action="store_true", help="machine-readable output")
     _flag(verify, "--quiet", action="store_true", help="print problems only")
 

@@ -1,13 +1,15 @@
 """verify: recompute every checksum and check every checkpoint for completeness.
 
-Works on a step directory, a manager root (all steps and the ``latest`` pointer), or a HF model
-directory. Problems are collected, not raised: one line each, naming file, tensor and bytes.
+Works on a step directory, a manager root (all steps and the ``latest`` pointer), a HF model
+directory, or verl's checkpoints (a step's ``actor/``, a step, a run: the CRC-32 of every zip
+record). Problems are collected, not raised: one line each, naming file, tensor and bytes.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from .formats.safetensors import (
 from .sizes import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
+VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, without torch
 
 
 @dataclass
@@ -73,6 +76,12 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "missing")
         report.problems.append(Problem(str(root), "no such directory"))
         return report
+    roles = [] if (root / native.MANIFEST).is_file() else _verl_checkpoints(root)
+    if roles:  # verl's layout: a checkpoint, or a step directory of actor/critic ones
+        report = VerifyReport(str(root), "verl")
+        for role in roles:
+            _verify_verl(role, report, progress)
+        return report
     if (root / native.MANIFEST).is_file() or STEP_DIR.match(root.name):
         report = VerifyReport(str(root), "step")
         _verify_step_or_report(root, report, progress)
@@ -89,10 +98,15 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             Problem(str(root), "not a checkpoint: no manifest.json, step directories or HF model")
         )
         return report
-    report = VerifyReport(str(root), "root", steps=steps)
+    report = VerifyReport(str(root), "root", steps=steps)  # verl steps join as they pass
     for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
         before = len(report.problems)
-        if not (entry / native.MANIFEST).is_file():
+        roles = [] if (entry / native.MANIFEST).is_file() else _verl_checkpoints(entry)
+        if roles:  # a verl run: its steps hold actor/ (critic/) checkpoints
+            for role in roles:
+                _verify_verl(role, report, progress)
+            steps.append(int(STEP_DIR.match(entry.name)[1]))
+        elif not (entry / native.MANIFEST).is_file():
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
         else:
             _verify_step_or_report(entry, report, progress)
@@ -107,6 +121,85 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _verl_checkpoints(directory: Path) -> list[Path]:
+    """``directory`` if it is a verl checkpoint, else its subdirectories that are (a verl step
+    directory holds ``actor/`` and maybe ``critic/``)."""
+
+    def is_verl(path: Path) -> bool:
+        return any(path.glob(VERL_MODEL_FILES))
+
+    if is_verl(directory):
+        return [directory]
+    return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl(d))
+
+
+def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
+    """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
+    none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
+    weights. verl's files carry no checksum of their own beyond these."""
+    from .checksum import Crc32
+    from .formats import verl
+    from .formats.torch_pt import zip_records
+    from .plan import tensors_touching
+
+    bad = []
+    buffer = memoryview(bytearray(READ_BYTES))
+    for file in sorted(directory.glob("*.pt")):
+        try:
+            records = zip_records(str(file))
+            with open(file, "rb", buffering=0) as f:
+                for record in records:
+                    f.seek(record.start)
+                    hasher = Crc32()
+                    _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
+                    if hasher.hexdigest() != record.crc:
+                        bad.append((file, record))
+        except (ShardstreamError, OSError) as exc:
+            report.problems.append(Problem(str(file), _strip(exc, file)))
+            continue
+        report.files_checked += 1
+    for kind in ("optim", "extra_state"):
+        _verl_ranks_complete(directory, kind, report)
+    try:
+        checkpoint = verl.open_verl(directory)
+        named = [(t.name, t.blocks) for t in checkpoint.tensors]
+        named += list(checkpoint.replicas.items())
+    except ShardstreamError as exc:
+        named = []
+        if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
+            report.problems.append(Problem(str(directory), _strip(exc, directory)))
+    for file, record in bad:
+        tensors = tensors_touching(named, str(file), record.start, record.end)
+        report.problems.append(
+            Problem(
+                str(file),
+                f"CRC-32 mismatch in zip record {record.name}",
+                ", ".join(tensors) or None,
+                (record.start, record.end),
+            )
+        )
+    hf_dir = directory / verl.HF_SUBDIR
+    if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
+        _verify_hf(hf_dir, report, progress)
+
+
+def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:
+    """verl's optimizer or extra-state files, if any, come from one world size, every rank."""
+    pattern = re.compile(rf"^{kind}_world_size_(\d+)_rank_(\d+)\.pt$")
+    found = [m for m in map(pattern.match, os.listdir(directory)) if m]
+    sizes = {int(m[1]) for m in found}
+    if len(sizes) > 1:
+        report.problems.append(
+            Problem(str(directory), f"{kind} files from several world sizes {sorted(sizes)}")
+        )
+    elif sizes:
+        (world,) = sizes
+        missing = sorted(set(range(world)) - {int(m[2]) for m in found})
+        for rank in missing:
+            name = f"{kind}_world_size_{world}_rank_{rank}.pt"
+            report.problems.append(Problem(str(directory / name), "missing"))
 
 
 def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> None:

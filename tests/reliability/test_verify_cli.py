@@ -152,3 +152,50 @@ def test_verify_exit_codes_of_the_installed_command(saved_run, tmp_path):
     assert bad.returncode == 1
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and tensor in lines[0] and "rank-00001.safetensors" in lines[0]
+
+
+def test_verify_verl_checkpoint_step_and_run(copy_variant, tmp_path, capsys):
+    """verl's .pt files: every zip record against the CRC-32 torch wrote (and never checks),
+    every rank's optimizer and extra files present, the layout consistent."""
+    import struct
+    import zipfile
+
+    import torch
+
+    run = tmp_path / "run"
+    actor = run / "global_step_7" / "actor"
+    actor.parent.mkdir(parents=True)
+    shutil.copytree(copy_variant("base"), actor)
+    for rank in range(2):
+        torch.save({"state": {}, "param_groups": []}, actor / f"optim_world_size_2_rank_{rank}.pt")
+    (run / "latest_checkpointed_iteration.txt").write_text("7")
+
+    for path, kind in ((actor, "verl"), (actor.parent, "verl"), (run, "root")):
+        code, problems, out = _verify(capsys, path, "--json")
+        doc = json.loads(out)
+        assert (code, doc["ok"], doc["kind"]) == (0, True, kind), doc
+        assert doc["files_checked"] == 4 and doc["bytes_checked"] > 0
+    assert doc["steps"] == [7]
+
+    victim = actor / "model_world_size_2_rank_1.pt"
+    with zipfile.ZipFile(victim) as archive:
+        info = max(
+            (i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size
+        )
+    data = bytearray(victim.read_bytes())
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
+    offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 3
+    data[offset] ^= 0x01
+    victim.write_bytes(bytes(data))
+    (actor / "optim_world_size_2_rank_0.pt").unlink()
+
+    code, lines, _ = _verify(capsys, run)
+    assert code == 1 and len(lines) == 2, lines
+    crc = LINE.match(next(line for line in lines if "CRC-32" in line))
+    assert crc["path"] == str(victim) and crc["tensor"].startswith("'model.")
+    assert int(crc["lo"]) <= offset < int(crc["hi"])
+    assert any(line == f"{actor / 'optim_world_size_2_rank_0.pt'}: missing" for line in lines), (
+        lines
+    )
