@@ -233,9 +233,12 @@ def run_verify(args: argparse.Namespace) -> int:
         if not args.quiet:
             verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
             steps = f", steps {report.steps}" if report.kind == "root" else ""
+            checked = f"{format_size(report.bytes_checked)} checked"
+            if report.kind == "dcp":
+                checked = "metadata and byte ranges checked (DCP stores no checksums)"
             print(
                 f"{verdict}: {report.kind} {report.path}: {report.files_checked} files, "
-                f"{format_size(report.bytes_checked)} checked{steps}"
+                f"{checked}{steps}"
             )
     return 0 if report.ok else EXIT_ERROR
 

@@ -29,6 +29,7 @@ from .sizes import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
 VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, without torch
+DCP_METADATA = ".metadata"
 
 
 @dataclass
@@ -90,12 +91,20 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "huggingface")
         _verify_hf(root, report, progress)
         return report
+    if (root / DCP_METADATA).is_file():
+        report = VerifyReport(str(root), "dcp")
+        _verify_dcp(root, report)
+        return report
     steps = committed_steps(root)
     step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
     if not step_dirs and not (root / LATEST_FILE).exists():
         report = VerifyReport(str(root), "unknown")
         report.problems.append(
-            Problem(str(root), "not a checkpoint: no manifest.json, step directories or HF model")
+            Problem(
+                str(root),
+                "not a checkpoint: no manifest.json, step directories, HF model, verl .pt files "
+                "or DCP .metadata",
+            )
         )
         return report
     report = VerifyReport(str(root), "root", steps=steps)  # verl steps join as they pass
@@ -183,6 +192,20 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
+
+
+def _verify_dcp(directory: Path, report: VerifyReport) -> None:
+    """PyTorch DCP stores no checksums: its metadata is read (safely) and every byte range it
+    names is checked to lie inside a data file that exists."""
+    from .formats.dcp import open_dcp
+
+    try:
+        open_dcp(directory)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        return
+    files = [f for f in directory.iterdir() if f.is_file()]
+    report.files_checked = len(files)
 
 
 def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:

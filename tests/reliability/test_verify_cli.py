@@ -199,3 +199,22 @@ def test_verify_verl_checkpoint_step_and_run(copy_variant, tmp_path, capsys):
     assert any(line == f"{actor / 'optim_world_size_2_rank_0.pt'}: missing" for line in lines), (
         lines
     )
+
+
+def test_verify_dcp_checks_structure_and_says_it_has_no_checksums(tmp_path, capsys):
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(ckpt))
+    code = cli.main(["verify", str(ckpt)])
+    out, err = capsys.readouterr()
+    assert code == 0 and "DCP stores no checksums" in out, (out, err)
+    data = next(ckpt.glob("*.distcp"))
+    data.write_bytes(data.read_bytes()[:100])
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and len(lines) == 1 and "truncated" in lines[0] and data.name in lines[0]
