@@ -325,6 +325,16 @@ def merge_case(name: str, root: Path) -> dict:
     )
     inspect = _run([python, "-m", "shardstream", "inspect", str(actor), "--json"])
     check("shardstream inspect reads it", inspect.returncode == 0, inspect.stderr[-300:])
+    verify = _run([python, "-m", "shardstream", "verify", "--json", str(actor.parent.parent)])
+    try:
+        report = json.loads(verify.stdout)
+    except ValueError:
+        report = {}
+    check(
+        "shardstream verify of verl's run directory: every .pt record matches its CRC-32",
+        verify.returncode == 0 and report.get("files_checked", 0) >= 3,
+        (verify.stdout[-300:] + verify.stderr[-300:]),
+    )
     for label in ("ss-bf16", "ss-verl-flags"):
         check(f"transformers loads {label}", *_loads(out / label))
     return result
