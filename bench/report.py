@@ -228,8 +228,9 @@ def render_reading(r: dict) -> list[str]:
         "nothing, and leaves its output as dirty page cache; it writes the fp32 shards, i.e. "
         "twice the bytes of a bf16 merge. `cp -r + fsync` also fsyncs every copied file.",
         "- `shardstream merge` maps byte ranges of the rank files a buffer's worth at a time, "
-        "casts them into a bounded window, checksums, writes with O_DIRECT and fsyncs its output "
-        "before renaming it into place (crash-safe).",
+        "checks every zip record against the CRC-32 torch stored for it, casts into a bounded "
+        "window, checksums its output, writes with O_DIRECT and fsyncs it before renaming it "
+        "into place (crash-safe).",
         "- verl's merger `torch.load`s every rank file whole, casts to bf16 (hard-coded), "
         "concatenates in memory and writes with `save_pretrained`; it does not fsync.",
         "",

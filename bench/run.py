@@ -261,6 +261,10 @@ PROFILE_BUCKETS = (
         ("copy_", "'to' of", "numpy.ndarray' objects", "copyto"),
     ),
     ("checksum (xxhash)", ("xxhash",)),
+    (
+        "CRC-32 of .pt records, faulting in mapped source pages (zlib.crc32)",
+        ("zlib.crc32",),
+    ),
     ("waiting on other threads (lock.acquire)", ("'acquire' of '_thread.lock'",)),
 )
 
