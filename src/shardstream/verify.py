@@ -139,9 +139,12 @@ def _verl_checkpoints(directory: Path) -> list[Path]:
     def is_verl(path: Path) -> bool:
         return any(path.glob(VERL_MODEL_FILES))
 
-    if is_verl(directory):
-        return [directory]
-    return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl(d))
+    try:
+        if is_verl(directory):
+            return [directory]
+        return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl(d))
+    except OSError:  # gone (a live run's retention removed it while we looked)
+        return []
 
 
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
@@ -175,7 +178,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         checkpoint = verl.open_verl(directory)
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
         named += list(checkpoint.replicas.items())
-    except ShardstreamError as exc:
+    except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
             report.problems.append(Problem(str(directory), _strip(exc, directory)))
