@@ -278,11 +278,11 @@ def compare_with_reference(
     # The checkpoint's files are verified as they are read (shardstream's chunk digests, the
     # CRC-32s of verl's .pt records), as merge and restore do; DCP's files carry none.
     checked_open = getattr(checkpoint, "endpoint", None)
-    own = {block.location for _, ckpt, _ in pairs for block in ckpt.blocks}
+    reference_files = {ref.path for ref, _, _ in pairs}
 
     def open_endpoint(location: str) -> FileEndpoint:
-        opener = checked_open if checked_open and location in own else FileEndpoint
-        return opener(location)
+        own = checked_open is not None and location not in reference_files
+        return (checked_open if own else FileEndpoint)(location)
 
     endpoints = OpenEndpoints(open_endpoint)
 
