@@ -496,7 +496,7 @@ def _open_source(
             "scalars": scalars,
         }
         saved.add("optimizer")
-        scheduler = verl.read_extra_state(path, world, 0).get("lr_scheduler")
+        scheduler = verl.read_extra_state(path, world, 0, verify).get("lr_scheduler")
         if scheduler is not None:
             objects["lr_scheduler"] = scheduler
     if any(path.glob("extra_state_world_size_*_rank_*.pt")):
@@ -510,13 +510,32 @@ def _open_source(
             location, lambda lo, hi: tensors_touching(named, location, lo, hi)
         )
 
+    endpoint = checked_endpoint if verify else FileEndpoint
+    if verify and coll.world() > world:
+        # A record's CRC covers the whole record (a saved rank's shard), and at a larger world
+        # size each restoring rank reads only part of one: checked on read, every rank would
+        # read W'/W times its share. Instead the ranks check the files between them first
+        # (each file once, all bytes read twice in all) and read unchecked after.
+        files = [*ckpt.files, *(verl.optimizer_files(path, world) if "optimizer" in saved else [])]
+        error = None
+        try:
+            for location in files[coll.rank() :: coll.world()]:
+                reader = checked_endpoint(location)
+                try:
+                    reader.check_all()
+                finally:
+                    reader.close()
+        except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
+            error = exc
+        coll.agree_or_raise(error, "restore")
+        endpoint = FileEndpoint
     return _Source(
         tensors,
-        checked_endpoint if verify else FileEndpoint,
+        endpoint,
         saved,
         objects,
         int(match[1]) if match else 0,
-        lambda rank: _verl_extra(verl.read_extra_state(path, world, rank)),
+        lambda rank: _verl_extra(verl.read_extra_state(path, world, rank, verify)),
     )
 
 

@@ -216,6 +216,19 @@ class FileEndpoint(Endpoint):
             self._hash_through(self._hi)
             self._check()
 
+    def check_all(self) -> None:
+        """Read and check every chunk (every span) of the file, front to back, through a small
+        scratch buffer. Raises ``ChecksumMismatchError`` at the first damaged one."""
+        self.finish()
+        for index in range(len(self.digests or ())):
+            if self.spans is not None:
+                lo, hi = self.spans[index]
+            else:
+                lo = self.data_start + index * self.chunk_bytes
+                hi = min(lo + self.chunk_bytes, self.size)
+            self._begin(index, lo, hi)
+            self.finish()
+
     def _chunk_at(self, pos: int) -> tuple[int | None, int, int]:
         """(index, first byte, end) of the chunk holding ``pos``; outside every span, (None,
         pos, where the next span starts)."""

@@ -118,3 +118,35 @@ def test_flipped_byte_in_a_verl_optimizer_file_fails_the_restore(verl_run, tmp_p
     named = [m for m in messages if "checksum mismatch" in m]
     assert named, messages
     assert str(path) in named[0] and "'optimizer.state." in named[0], named[0]
+
+
+def test_restore_at_a_larger_world_size_checks_each_file_once(tmp_path):
+    """At W' > W each restoring rank reads part of a saved record; the ranks then check the
+    files between them before loading (each record's CRC-32 once) instead of each hashing the
+    whole records it touches. Intact: restored bit for bit. Damaged: every rank fails."""
+    import shutil
+    import struct
+    import zipfile
+
+    actor = write_verl_checkpoint(tmp_path / "w2", VerlFixture(world_size=2, train_steps=1), step=1)
+    reference = load_file(tmp_path / "w2" / "reference" / "model.safetensors")
+    results = run(workers.verl_restore_run, 4, str(actor), ("model", "optimizer", "extra"))
+    for result in results:
+        assert result["restored"] == (1, {})
+        for name, tensor in reference.items():
+            assert torch.equal(result["state"]["model"][name], tensor), name
+
+    damaged = tmp_path / "damaged"
+    shutil.copytree(actor, damaged)
+    path = damaged / "optim_world_size_2_rank_1.pt"
+    with zipfile.ZipFile(path) as archive:
+        storages = [i for i in archive.infolist() if "/data/" in i.filename]
+        info = max(storages, key=lambda i: i.file_size)
+    data = bytearray(path.read_bytes())
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
+    data[info.header_offset + 30 + name_len + extra_len + 1] ^= 0x01
+    path.write_bytes(bytes(data))
+    messages = run(workers.verl_restore_error_run, 4, [str(damaged)] * 4)
+    assert all("checksum mismatch" in m and str(path) in m for m in messages), messages

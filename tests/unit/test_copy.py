@@ -382,6 +382,25 @@ def checked_endpoint(path, header, stored):
     )
 
 
+def test_check_all_reads_every_chunk(tmp_path):
+    path, header, stored, _ = written_file(tmp_path)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        endpoint.check_all()
+        assert endpoint.chunks_read == len(stored.chunks)
+    finally:
+        endpoint.close()
+    (tmp_path / "flip").mkdir()
+    path, header, stored = written_file_with_a_flip(tmp_path / "flip", 700)
+    endpoint = checked_endpoint(path, header, stored)
+    try:
+        lo = header.data_start + 640  # the 64-byte chunk holding data byte 700
+        with pytest.raises(ChecksumMismatchError, match=rf"bytes \[{lo}, {lo + 64}\) \(w\)"):
+            endpoint.check_all()
+    finally:
+        endpoint.close()
+
+
 def test_small_reads_in_file_order_read_each_chunk_once(tmp_path):
     """Many small pieces in one chunk (small tensors, a slice per rank) are one read + hash."""
     path, header, stored, t = written_file(tmp_path)

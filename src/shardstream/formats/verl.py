@@ -406,11 +406,12 @@ def open_verl_optimizer(
     return layout.tensors, layout.scalars
 
 
-def read_extra_state(directory: Path, world_size: int, rank: int) -> dict:
+def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool = True) -> dict:
     """verl's extra state of ``rank`` (rank 0's beyond the saved world size): scheduler, RNG.
 
     Loaded with ``weights_only=True``; numpy's array reconstruction is admitted because verl
-    stores numpy's RNG state.
+    stores numpy's RNG state. ``verify``: every zip record is checked against its CRC-32 first
+    (torch checks none).
     """
     import numpy as np
 
@@ -418,6 +419,12 @@ def read_extra_state(directory: Path, world_size: int, rank: int) -> dict:
     path = directory / f"extra_state_world_size_{world_size}_rank_{source}.pt"
     if not path.is_file():
         return {}
+    if verify:
+        reader = crc_checked_endpoint(str(path))
+        try:
+            reader.check_all()
+        finally:
+            reader.close()
     multiarray = getattr(np, "_core", None) or np.core
     allowed = [np.dtype, np.ndarray, multiarray.multiarray._reconstruct]
     allowed += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
