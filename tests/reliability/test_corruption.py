@@ -437,6 +437,57 @@ def test_random_byte_flips_in_rank_files_fail_a_merge(saved_run, tmp_path):
     )
 
 
+def test_random_byte_flips_in_verl_storages(fsdp_root, tmp_path):
+    """verl's .pt files: torch stores a CRC-32 per zip record and checks none on load. A flip in
+    any storage record is reported by verify, naming the file and a byte range holding it; a
+    merge that reads the record fails the same way and leaves no output. A storage no model
+    tensor uses (the saved DeviceMesh's) is not read by a merge, whose output is then unchanged."""
+    from shardstream.formats.torch_pt import zip_records
+    from shardstream.merge import merge
+
+    seed = 3_000_017
+    rng = random.Random(seed)
+    count = trials(16, 300)
+    actor = tmp_path / "actor"
+    shutil.copytree(fsdp_root / "base", actor)
+    merge(actor, tmp_path / "merged-intact")
+    intact = (tmp_path / "merged-intact" / "model.safetensors").read_bytes()
+    files = sorted(actor.glob("model_world_size_*_rank_*.pt"))
+    storages = {f: [r for r in zip_records(str(f)) if "/data/" in r.name] for f in files}
+    outcomes: Counter = Counter()
+    for trial in range(count):
+        path = rng.choice(files)
+        record_ = rng.choice([r for r in storages[path] if r.end > r.start])
+        offset = rng.randrange(record_.start, record_.end)
+        original = _flip(path, offset, rng.randrange(1, 256))
+        where = f"trial {trial} (seed {seed}): flip at {path.name}[{offset}]"
+        target = tmp_path / f"merged-{trial}"
+        try:
+            report = verify(actor)
+            assert [p.path for p in report.problems] == [str(path)], (where, report.problems)
+            lo, hi = report.problems[0].byte_range
+            assert lo <= offset < hi, where
+            try:
+                merge(actor, target)
+            except ShardstreamError as exc:
+                assert path.name in str(exc) and _in_range(str(exc), offset), f"{where}: {exc}"
+                assert not target.exists() and not list(tmp_path.glob(f"merged-{trial}*")), where
+                outcomes["merge failed, naming file and bytes"] += 1
+            else:
+                assert (target / "model.safetensors").read_bytes() == intact, where
+                outcomes["record no model tensor uses: merge output unchanged"] += 1
+        finally:
+            path.write_bytes(original)
+    assert outcomes["merge failed, naming file and bytes"] >= count // 2, outcomes
+    record(
+        "corruption: byte flips in verl storages (verify and merge)",
+        seed=seed,
+        trials=count,
+        outcomes=dict(outcomes),
+        violations=0,
+    )
+
+
 def test_shardstream_test_verifies_what_it_reads(saved_run, tmp_path, capsys):
     """``shardstream test`` compares a checkpoint of shardstream's format with a reference;
     the checkpoint's bytes are checked against their digests on the way, so a damaged rank
