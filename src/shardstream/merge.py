@@ -169,7 +169,8 @@ def merge(
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
 
-    # Sources with checksums (shardstream's own format) verify every byte they hand out.
+    # Sources with checksums verify every byte they hand out: shardstream's chunk digests,
+    # the CRC-32 of each record of verl's .pt files. DCP's files carry none.
     endpoints = OpenEndpoints(getattr(checkpoint, "endpoint", FileEndpoint))
     ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)
     streamer = Streamer(endpoints, Buffers.sized(buffer_bytes, ratio))
