@@ -65,6 +65,11 @@ def part_one() -> None:
     started = time.perf_counter()
     actor = write_verl_checkpoint(root, VerlFixture(world_size=4, train_steps=1))
     print(f"FSDP2 on 4 processes wrote {actor} in {time.perf_counter() - started:.1f} s")
+    checked = cli("verify", str(actor), "--json")
+    print(
+        f"shardstream verify {actor}: OK ({checked['files_checked']} .pt files, every zip "
+        "record against the CRC-32 torch wrote and never checks)"
+    )
     target = OUT / "merged_from_verl"
     summary = cli(
         "merge",
