@@ -179,6 +179,8 @@ def merge(
     try:
         error = None
         try:
+            if coll.world() > 1 and hasattr(checkpoint, "check_split_records"):
+                checkpoint.check_split_records([t.source for t in outputs])
             if rank == 0:
                 check_replicas(checkpoint, streamer)
             if split and fuse_lora:

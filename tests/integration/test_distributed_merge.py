@@ -158,3 +158,45 @@ def test_distributed_merge_of_shardstream_format_is_byte_identical(native_ws4, t
     run_merge([*common, "--target_dir", str(single)], None)
     run_merge([*common, "--target_dir", str(distributed)], 2)
     assert same_tree(single, distributed)
+
+
+def test_split_tensors_records_are_checked_once(tmp_path):
+    """Shard(1) tensors: every process writing part of one reads part of each of its records.
+    Their CRC-32s are checked once, dealt out over the processes, not once per process; the
+    output is the single-process merge's, and a damaged record fails every process."""
+    import shutil
+
+    from shardstream.formats.torch_pt import zip_records
+
+    fx = VerlFixture(
+        world_size=2,
+        shard_dim=1,
+        train_steps=0,
+        write_optimizer=False,
+        write_reference=False,
+        config_overrides=BIGGER,
+    )
+    actor = write_verl_checkpoint(tmp_path / "shard1", fx)
+    single = tmp_path / "single"
+    run_merge(["--local_dir", str(actor), "--target_dir", str(single), "--quiet"], None)
+    results = run(workers.merge_hashing_run, 2, str(actor), str(tmp_path / "split"))
+    assert [r["error"] for r in results] == [None, None]
+    assert same_tree(single, tmp_path / "split")
+    files = sorted(actor.glob("model_world_size_*_rank_*.pt"))
+    stored = sum(r.end - r.start for f in files for r in zip_records(str(f)))
+    hashed = [r["hashed"] for r in results]
+    assert min(hashed) > 0, hashed  # both processes took a share of the checks
+    assert sum(hashed) <= 1.05 * stored, (hashed, stored)
+
+    victim = files[1]
+    record = max(zip_records(str(victim)), key=lambda r: r.end - r.start)
+    data = bytearray(victim.read_bytes())
+    data[(record.start + record.end) // 2] ^= 0x04
+    damaged = tmp_path / "damaged"
+    shutil.copytree(actor, damaged)
+    (damaged / victim.name).write_bytes(bytes(data))
+    results = run(workers.merge_hashing_run, 2, str(damaged), str(tmp_path / "bad"))
+    for result in results:
+        assert result["error"] and "checksum mismatch" in result["error"], results
+        assert victim.name in result["error"], results
+    assert not (tmp_path / "bad").exists()

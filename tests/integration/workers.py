@@ -386,3 +386,26 @@ def verl_restore_error_run(rank: int, world: int, actors: list[str]) -> str:
     finally:
         manager.close()
     return "restored"
+
+
+def merge_hashing_run(rank: int, world: int, actor: str, target: str) -> dict:
+    """Merge ``actor`` split over the group; report the bytes this process fed to CRC-32 (the
+    checks of verl's zip records), and the error it raised if any."""
+    from shardstream import checksum
+    from shardstream.merge import merge
+
+    hashed = [0]
+    original = checksum.Crc32.update
+
+    def counting(self, data) -> None:
+        hashed[0] += memoryview(data).nbytes
+        original(self, data)
+
+    checksum.Crc32.update = counting
+    try:
+        merge(actor, target)
+    except Exception as exc:  # noqa: BLE001  (the test compares every process's error)
+        return {"hashed": hashed[0], "error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        checksum.Crc32.update = original
+    return {"hashed": hashed[0], "error": None}

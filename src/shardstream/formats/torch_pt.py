@@ -421,11 +421,14 @@ def zip_records(path: str) -> list[ZipRecord]:
 
 
 def crc_checked_endpoint(
-    path: str, tensors_in: Callable[[int, int], list[str]] | None = None
+    path: str,
+    tensors_in: Callable[[int, int], list[str]] | None = None,
+    keep: Callable[[ZipRecord], bool] | None = None,
 ) -> FileEndpoint:
     """A reader of a ``.pt`` file that checks each zip record's CRC-32 as its bytes stream
-    past; ``tensors_in(lo, hi)`` names the tensors of a damaged range."""
-    records = zip_records(path)
+    past; ``tensors_in(lo, hi)`` names the tensors of a damaged range. ``keep``: only the
+    records it accepts are checked (the others were checked already)."""
+    records = [r for r in zip_records(path) if keep is None or keep(r)]
 
     def describe(lo: int, hi: int) -> str:
         names = [r.name for r in records if r.start == lo]

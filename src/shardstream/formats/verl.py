@@ -6,12 +6,14 @@ shapes and placements on a ("fsdp",) or ("ddp", "fsdp") mesh; plain tensors are 
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import os
 import pickle
 import re
 from array import array
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -37,6 +39,7 @@ from .torch_pt import (
     crc_checked_endpoint,
     load_layout,
     local_layout,
+    zip_records,
 )
 
 MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
@@ -54,6 +57,8 @@ class VerlCheckpoint:
     mesh: str
     files: list[str]
     replicas: dict[str, list[Block]] = field(default_factory=dict)
+    # file -> starts of zip records checked before the merge read them (check_split_records)
+    checked_records: dict[str, set[int]] = field(default_factory=dict)
 
     @property
     def format(self) -> str:
@@ -69,13 +74,63 @@ class VerlCheckpoint:
         return None
 
     def endpoint(self, location: str) -> FileEndpoint:
-        """A reader of one rank file that checks every zip record's CRC-32 as it reads it."""
+        """A reader of one rank file that checks every zip record's CRC-32 as it reads it
+        (but those ``check_split_records`` checked already)."""
         if location not in self.files:
             raise CheckpointFormatError(f"{location}: not a rank file of this checkpoint")
-        named = [*((t.name, t.blocks) for t in self.tensors), *self.replicas.items()]
+        done = self.checked_records.get(location, set())
         return crc_checked_endpoint(
-            location, lambda lo, hi: tensors_touching(named, location, lo, hi)
+            location,
+            lambda lo, hi: tensors_touching(self._named_blocks(), location, lo, hi),
+            keep=lambda record: record.start not in done,
         )
+
+    def check_split_records(self, tensors: Sequence[GlobalTensor]) -> None:
+        """For a merge whose processes split the output: a record holds a whole saved shard,
+        and a tensor not split along dim 0 has every process that writes part of it read part
+        of each of its records, so each would hash them whole. Those records are checked once
+        here instead, dealt out over the processes (a damaged one fails every process alike),
+        and ``endpoint`` reads them unchecked after. Dim-0 grids stay checked on read."""
+        wanted: dict[str, set[int]] = {}
+        for tensor in tensors:
+            blocks = tensor.blocks
+            if isinstance(blocks, GridBlocks) and blocks.dim == 0:
+                continue
+            for block in blocks:
+                if block.numel:
+                    wanted.setdefault(block.location, set()).add(block.offset)
+        error = None
+        try:
+            pairs = []
+            for location in sorted(wanted):
+                records = zip_records(location)
+                starts = [r.start for r in records]
+                for offset in wanted[location]:
+                    index = bisect.bisect_right(starts, offset) - 1
+                    if index >= 0 and offset < records[index].end:
+                        pairs.append((location, records[index].start))
+            pairs = sorted(set(pairs))
+            mine: dict[str, set[int]] = {}
+            for location, start in pairs[coll.rank() :: coll.world()]:
+                mine.setdefault(location, set()).add(start)
+            for location, starts_of_mine in mine.items():
+                reader = crc_checked_endpoint(
+                    location,
+                    lambda lo, hi, at=location: tensors_touching(self._named_blocks(), at, lo, hi),
+                    keep=lambda record, chosen=starts_of_mine: record.start in chosen,
+                )
+                try:
+                    reader.check_all()
+                finally:
+                    reader.close()
+        except Exception as exc:  # noqa: BLE001  (every process must learn of it)
+            error = exc
+        coll.agree_or_raise(error, "merge")
+        for location, start in pairs:
+            self.checked_records.setdefault(location, set()).add(start)
+
+    def _named_blocks(self) -> list:
+        return [*((t.name, t.blocks) for t in self.tensors), *self.replicas.items()]
 
 
 def is_verl_checkpoint(directory: Path) -> bool:
