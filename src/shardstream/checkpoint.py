@@ -503,12 +503,13 @@ def _open_source(
         saved.add("extra")
     match = re.search(r"global_step_(\d+)", str(path.absolute()))
     named = [(t.name, t.blocks) for t in tensors.values()]
-    from .formats.torch_pt import crc_checked_endpoint
+    from .formats.torch_pt import check_records, crc_checked_endpoint
+
+    def tensors_in(location: str):
+        return lambda lo, hi: tensors_touching(named, location, lo, hi)
 
     def checked_endpoint(location: str) -> FileEndpoint:  # each zip record's CRC-32
-        return crc_checked_endpoint(
-            location, lambda lo, hi: tensors_touching(named, location, lo, hi)
-        )
+        return crc_checked_endpoint(location, tensors_in(location))
 
     endpoint = checked_endpoint if verify else FileEndpoint
     if verify and coll.world() > world:
@@ -520,11 +521,7 @@ def _open_source(
         error = None
         try:
             for location in files[coll.rank() :: coll.world()]:
-                reader = checked_endpoint(location)
-                try:
-                    reader.check_all()
-                finally:
-                    reader.close()
+                check_records(location, tensors_in(location))
         except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc
         coll.agree_or_raise(error, "restore")

@@ -445,6 +445,20 @@ def crc_checked_endpoint(
     )
 
 
+def check_records(
+    path: str,
+    tensors_in: Callable[[int, int], list[str]] | None = None,
+    keep: Callable[[ZipRecord], bool] | None = None,
+) -> None:
+    """Read every record of ``path`` (those ``keep`` accepts) and check its CRC-32; raises
+    ``ChecksumMismatchError`` naming the file, record and tensors of the first damaged one."""
+    reader = crc_checked_endpoint(path, tensors_in, keep)
+    try:
+        reader.check_all()
+    finally:
+        reader.close()
+
+
 def local_layout(path: str, name: str, tensor: torch.Tensor, file_size: int) -> LocalTensor:
     """The layout of a plain (non-distributed) meta tensor loaded by ``load_layout``."""
     storage = tensor.untyped_storage()

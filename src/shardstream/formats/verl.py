@@ -36,6 +36,7 @@ from .torch_pt import (
     LocalTensor,
     MeshLayout,
     Placement,
+    check_records,
     crc_checked_endpoint,
     load_layout,
     local_layout,
@@ -113,16 +114,12 @@ class VerlCheckpoint:
             mine: dict[str, set[int]] = {}
             for location, start in pairs[coll.rank() :: coll.world()]:
                 mine.setdefault(location, set()).add(start)
-            for location, starts_of_mine in mine.items():
-                reader = crc_checked_endpoint(
+            for location, chosen in mine.items():
+                check_records(
                     location,
                     lambda lo, hi, at=location: tensors_touching(self._named_blocks(), at, lo, hi),
-                    keep=lambda record, chosen=starts_of_mine: record.start in chosen,
+                    lambda record, chosen=chosen: record.start in chosen,
                 )
-                try:
-                    reader.check_all()
-                finally:
-                    reader.close()
         except Exception as exc:  # noqa: BLE001  (every process must learn of it)
             error = exc
         coll.agree_or_raise(error, "merge")
@@ -475,11 +472,7 @@ def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool =
     if not path.is_file():
         return {}
     if verify:
-        reader = crc_checked_endpoint(str(path))
-        try:
-            reader.check_all()
-        finally:
-            reader.close()
+        check_records(str(path))
     multiarray = getattr(np, "_core", None) or np.core
     allowed = [np.dtype, np.ndarray, multiarray.multiarray._reconstruct]
     allowed += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
