@@ -423,12 +423,12 @@ def zip_records(path: str) -> list[ZipRecord]:
 def crc_checked_endpoint(
     path: str,
     tensors_in: Callable[[int, int], list[str]] | None = None,
-    keep: Callable[[ZipRecord], bool] | None = None,
+    records: list[ZipRecord] | None = None,
 ) -> FileEndpoint:
     """A reader of a ``.pt`` file that checks each zip record's CRC-32 as its bytes stream
-    past; ``tensors_in(lo, hi)`` names the tensors of a damaged range. ``keep``: only the
-    records it accepts are checked (the others were checked already)."""
-    records = [r for r in zip_records(path) if keep is None or keep(r)]
+    past; ``tensors_in(lo, hi)`` names the tensors of a damaged range. ``records``: the ones
+    to check (of ``zip_records(path)``; default all, the others were checked already)."""
+    records = zip_records(path) if records is None else records
 
     def describe(lo: int, hi: int) -> str:
         names = [r.name for r in records if r.start == lo]
@@ -448,11 +448,11 @@ def crc_checked_endpoint(
 def check_records(
     path: str,
     tensors_in: Callable[[int, int], list[str]] | None = None,
-    keep: Callable[[ZipRecord], bool] | None = None,
+    records: list[ZipRecord] | None = None,
 ) -> None:
-    """Read every record of ``path`` (those ``keep`` accepts) and check its CRC-32; raises
+    """Read every record of ``path`` (or just ``records``) and check its CRC-32; raises
     ``ChecksumMismatchError`` naming the file, record and tensors of the first damaged one."""
-    reader = crc_checked_endpoint(path, tensors_in, keep)
+    reader = crc_checked_endpoint(path, tensors_in, records)
     try:
         reader.check_all()
     finally:

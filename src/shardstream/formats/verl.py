@@ -36,6 +36,7 @@ from .torch_pt import (
     LocalTensor,
     MeshLayout,
     Placement,
+    ZipRecord,
     check_records,
     crc_checked_endpoint,
     load_layout,
@@ -83,7 +84,7 @@ class VerlCheckpoint:
         return crc_checked_endpoint(
             location,
             lambda lo, hi: tensors_touching(self._named_blocks(), location, lo, hi),
-            keep=lambda record: record.start not in done,
+            [r for r in zip_records(location) if r.start not in done],
         )
 
     def check_split_records(self, tensors: Sequence[GlobalTensor]) -> None:
@@ -102,29 +103,29 @@ class VerlCheckpoint:
                     wanted.setdefault(block.location, set()).add(block.offset)
         error = None
         try:
-            pairs = []
+            pairs = set()  # (file, record) holding a block of such a tensor
             for location in sorted(wanted):
                 records = zip_records(location)
                 starts = [r.start for r in records]
                 for offset in wanted[location]:
                     index = bisect.bisect_right(starts, offset) - 1
                     if index >= 0 and offset < records[index].end:
-                        pairs.append((location, records[index].start))
-            pairs = sorted(set(pairs))
-            mine: dict[str, set[int]] = {}
-            for location, start in pairs[coll.rank() :: coll.world()]:
-                mine.setdefault(location, set()).add(start)
-            for location, chosen in mine.items():
+                        pairs.add((location, records[index]))
+            pairs = sorted(pairs, key=lambda pair: (pair[0], pair[1].start))
+            mine: dict[str, list[ZipRecord]] = {}
+            for location, record in pairs[coll.rank() :: coll.world()]:
+                mine.setdefault(location, []).append(record)
+            for location, records in mine.items():
                 check_records(
                     location,
                     lambda lo, hi, at=location: tensors_touching(self._named_blocks(), at, lo, hi),
-                    lambda record, chosen=chosen: record.start in chosen,
+                    records,
                 )
         except Exception as exc:  # noqa: BLE001  (every process must learn of it)
             error = exc
         coll.agree_or_raise(error, "merge")
-        for location, start in pairs:
-            self.checked_records.setdefault(location, set()).add(start)
+        for location, record in pairs:
+            self.checked_records.setdefault(location, set()).add(record.start)
 
     def _named_blocks(self) -> list:
         return [*((t.name, t.blocks) for t in self.tensors), *self.replicas.items()]
