@@ -221,21 +221,22 @@ class FileEndpoint(Endpoint):
         scratch buffer. Raises ``ChecksumMismatchError`` at the first damaged one."""
         self.finish()
         for index in range(len(self.digests or ())):
-            if self.spans is not None:
-                lo, hi = self.spans[index]
-            else:
-                lo = self.data_start + index * self.chunk_bytes
-                hi = min(lo + self.chunk_bytes, self.size)
-            self._begin(index, lo, hi)
+            self._begin(index, *self._chunk_bounds(index))
             self.finish()
+
+    def _chunk_bounds(self, index: int) -> tuple[int, int]:
+        """First byte and end of chunk (or span) ``index``."""
+        if self.spans is not None:
+            return self.spans[index]
+        lo = self.data_start + index * self.chunk_bytes
+        return lo, min(lo + self.chunk_bytes, self.size)
 
     def _chunk_at(self, pos: int) -> tuple[int | None, int, int]:
         """(index, first byte, end) of the chunk holding ``pos``; outside every span, (None,
         pos, where the next span starts)."""
         if self.spans is None:
             index = (pos - self.data_start) // self.chunk_bytes
-            lo = self.data_start + index * self.chunk_bytes
-            return index, lo, min(lo + self.chunk_bytes, self.size)
+            return index, *self._chunk_bounds(index)
         index = bisect.bisect_right(self._span_starts, pos) - 1
         if index >= 0 and pos < self.spans[index][1]:
             return index, *self.spans[index]
