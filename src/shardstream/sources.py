@@ -10,6 +10,8 @@ from .errors import CheckpointFormatError, CheckpointNotFoundError
 # formats.native.MANIFEST. Each format's module is imported only once the directory looks
 # like it: verl's and DCP's import torch (1-2 s), which shardstream's own format never needs.
 NATIVE_MANIFEST = "manifest.json"
+VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, as a glob
+DCP_METADATA = ".metadata"
 
 
 def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared: bool = False):
@@ -56,15 +58,15 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
 def _looks_like_checkpoint(path: Path) -> bool:
     return (
         (path / NATIVE_MANIFEST).is_file()
-        or (path / ".metadata").is_file()
-        or any(path.glob("model_world_size_*_rank_*.pt"))
+        or (path / DCP_METADATA).is_file()
+        or any(path.glob(VERL_MODEL_FILES))
     )
 
 
 def _checkpoints_below(path: Path) -> list[Path]:
     """Checkpoints a user may have meant when passing a run or step directory: the latest step
     of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles."""
-    from .formats.native import LATEST_FILE, STEP_DIR
+    from .formats.native import STEP_DIR, read_latest
 
     steps = {}
     for entry in path.iterdir():
@@ -72,11 +74,7 @@ def _checkpoints_below(path: Path) -> list[Path]:
         if match and entry.is_dir():
             steps[int(match[1])] = entry
     if steps:
-        try:
-            named = int((path / LATEST_FILE).read_text().strip())
-        except (OSError, ValueError):
-            named = None
-        path = steps.get(named) or steps[max(steps)]
+        path = steps.get(read_latest(path)) or steps[max(steps)]
         if _looks_like_checkpoint(path):
             return [path]
     return sorted(d for d in path.iterdir() if d.is_dir() and _looks_like_checkpoint(d))

@@ -26,10 +26,9 @@ from .formats.safetensors import (
     tensors_in_range,
 )
 from .sizes import DIRECT_ALIGN
+from .sources import DCP_METADATA, VERL_MODEL_FILES
 
 READ_BYTES = 8 * 2**20
-VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, without torch
-DCP_METADATA = ".metadata"
 
 
 @dataclass
