@@ -16,7 +16,7 @@ import time
 import uuid
 import warnings
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +133,7 @@ class PreparedSave:
     buffer_bytes: int
     overwrite: bool
     hf_export: Any = None
+    hf_entries: dict[str, dict] = field(default_factory=dict)  # model tensors kept in huggingface/
     guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
 
 
@@ -149,11 +150,14 @@ def prepare_save(
     overwrite: bool = False,
     hf_export: Any = None,
     lora_only: bool = False,
+    share_hf_weights: bool = False,
 ) -> PreparedSave:
     """Capture references to the state to save; local to this rank, no collectives.
 
     ``lora_only``: "model" saves only LoRA weights when the model has any (verl's
-    ``save_lora_only``)."""
+    ``save_lora_only``). ``share_hf_weights``: with "model" and "hf_model", a model tensor
+    exported in its own dtype is stored once, in ``huggingface/``, and the manifest points
+    there."""
     contents = check_contents(contents, "save_contents")
     if "model" in contents and model is None:
         raise UsageError("save_contents includes 'model' but no model was given")
@@ -165,12 +169,16 @@ def prepare_save(
         raise UsageError("save_contents includes 'hf_model' but no model was given")
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
+    hf_entries: dict[str, dict] = {}
     if "model" in contents:
         model_part = st.model_tensors(model)
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
             objects["lora"] = lora
+        elif share_hf_weights and "hf_model" in contents and hf_export is not None:
+            hf_entries = hf_export.same_bytes(tensors)
+            tensors = {k: v for k, v in tensors.items() if k not in hf_entries}
     if "optimizer" in contents:
         optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
@@ -187,6 +195,7 @@ def prepare_save(
         buffer_bytes=parse_size(buffer_size),
         overwrite=overwrite,
         hf_export=hf_export if "hf_model" in contents else None,
+        hf_entries=hf_entries,
     )
 
 
@@ -202,6 +211,7 @@ def save(
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
     hf_export: Any = None,
+    share_hf_weights: bool = False,
 ) -> SaveResult:
     """Save a checkpoint to ``path`` from every rank; it appears there only when complete.
 
@@ -218,6 +228,7 @@ def save(
         buffer_size=buffer_size,
         overwrite=overwrite,
         hf_export=hf_export,
+        share_hf_weights=share_hf_weights,
     )
     return execute_save(prepared)
 
@@ -302,6 +313,7 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 if prepared.guard is not None:
                     prepared.guard.wait_all()  # the export reads model weights too
                 records.update(prepared.hf_export(tmp, buffer_bytes))
+                tensor_section.update(prepared.hf_entries)
             elif local_error is not None:
                 raise local_error
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)

@@ -26,6 +26,7 @@ from .copy import Buffers, Streamer, TensorEndpoint, live_block, pwrite_array, w
 from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
+from .formats.native import MODEL_PREFIX
 from .formats.safetensors import build_header, checksum_metadata
 from .formats.writer import start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
@@ -76,6 +77,60 @@ def _tied(hf_config: Any, source_dir: Path | None) -> bool:
     return bool(hf.read_config(source_dir).get("tie_word_embeddings", False))
 
 
+class HfExport:
+    """hf_model for ``checkpoint.save``: writes ``huggingface/`` into the step directory."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        hf_config: Any,
+        tokenizer: Any,
+        source: Path | None,
+        dtype: str | None,
+        shared_filesystem: bool | None,
+    ):
+        self.model, self.hf_config, self.tokenizer = model, hf_config, tokenizer
+        self.source, self.dtype, self.shared_filesystem = source, dtype, shared_filesystem
+
+    def __call__(self, tmp: Path, buffer_bytes: int) -> dict:
+        return write_hf_model(
+            tmp,
+            self.model,
+            self.hf_config,
+            self.tokenizer,
+            self.source,
+            self.dtype,
+            self.shared_filesystem,
+            buffer_bytes,
+        )
+
+    def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
+        """Manifest entries for those of ``tensors`` (``model.<fqn>``) whose exported copy holds
+        exactly their bytes (same dtype, not a dropped tied weight): one chunk each, the whole
+        tensor in its ``huggingface/`` file."""
+        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
+        _, files = _plan_files(live, self.hf_config, self.source, self.dtype)
+        entries = {}
+        for file_name, outputs in files:
+            for out in outputs:
+                name = MODEL_PREFIX + out.name
+                if name not in tensors or out.dtype != code_of(tensors[name].dtype):
+                    continue
+                entries[name] = {
+                    "dtype": out.dtype,
+                    "shape": list(out.shape),
+                    "chunks": [
+                        {
+                            "offsets": [0] * len(out.shape),
+                            "sizes": list(out.shape),
+                            "file": f"{HF_DIR}/{file_name}",
+                            "key": out.name,
+                        }
+                    ],
+                }
+        return entries
+
+
 def hf_exporter(
     model: torch.nn.Module | None,
     hf_config: Any = None,
@@ -83,8 +138,8 @@ def hf_exporter(
     source_dir: str | os.PathLike | None = None,
     dtype: str | None = None,
     shared_filesystem: bool | None = None,
-) -> Callable[[Path, int], dict]:
-    """A callback for ``checkpoint.save`` that writes ``huggingface/`` into the step directory."""
+) -> HfExport:
+    """The hf_model writer for ``checkpoint.save``, its arguments checked now."""
     if model is None:
         raise UsageError("save_contents includes 'hf_model' but no model was given")
     if hf_config is None and source_dir is None:
@@ -93,13 +148,27 @@ def hf_exporter(
             "config) or hf_source_dir= (a directory with config.json)"
         )
     source = Path(source_dir) if source_dir is not None else None
+    return HfExport(model, hf_config, tokenizer, source, dtype, shared_filesystem)
 
-    def export(tmp: Path, buffer_bytes: int) -> dict:
-        return write_hf_model(
-            tmp, model, hf_config, tokenizer, source, dtype, shared_filesystem, buffer_bytes
-        )
 
-    return export
+def _plan_files(
+    live: dict[str, torch.Tensor], hf_config: Any, source: Path | None, dtype: str | None
+) -> tuple[str | None, list[tuple[str, list]]]:
+    """The publish dtype and the HF files (name, tensors) for the model's tensors ``live``;
+    computed from shapes and dtypes alone, so every rank gets the same answer."""
+    from .formats.writer import OutputTensor
+
+    out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
+    drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
+    outputs = []
+    for name, tensor in live.items():
+        if name in drop:
+            continue
+        src_dtype = code_of(tensor.dtype)
+        target = out_dtype if out_dtype and src_dtype in FLOATING else src_dtype
+        block = dense_block("layout", 0, src_dtype, tuple(tensor.shape))
+        outputs.append(OutputTensor(name, target, GlobalTensor(name, src_dtype, block.shape, ())))
+    return out_dtype, hf.plan_hf_files(outputs, 5 * 10**9)
 
 
 def write_hf_model(
@@ -113,20 +182,8 @@ def write_hf_model(
     buffer_bytes: int,
 ) -> dict:
     rank = coll.rank()
-    out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
-    live = {k[len("model.") :]: v for k, v in model_tensors(model).items()}
-    drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
-    from .formats.writer import OutputTensor
-
-    outputs = []
-    for name, tensor in live.items():
-        if name in drop:
-            continue
-        src_dtype = code_of(tensor.dtype)
-        target = out_dtype if out_dtype and src_dtype in FLOATING else src_dtype
-        block = dense_block("layout", 0, src_dtype, tuple(tensor.shape))
-        outputs.append(OutputTensor(name, target, GlobalTensor(name, src_dtype, block.shape, ())))
-    files = hf.plan_hf_files(outputs, 5 * 10**9)
+    live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(model).items()}
+    out_dtype, files = _plan_files(live, hf_config, source, dtype)
     target_dir = tmp / HF_DIR
     shared = _shared_filesystem(tmp) if shared_filesystem is None else shared_filesystem
 

@@ -89,6 +89,10 @@ class CheckpointConfig:
             memory (GPU runs), so they don't saturate the host link together.
         save_lora_only: on a model with LoRA adapters, "model" saves only the adapter weights
             (verl's key); restoring such a checkpoint fills those and leaves the base weights.
+        share_hf_weights: with "model" and "hf_model" saved together, a weight exported in the
+            model's own dtype (an fp32 export of fp32 weights) is written once, into
+            ``huggingface/``, and the manifest points there: a quarter less to write for an
+            fp32 model with AdamW. The checkpoint then needs its ``huggingface/`` directory.
     """
 
     directory: str
@@ -102,6 +106,7 @@ class CheckpointConfig:
     shared_filesystem: bool | None = None
     stagger_host_transfers: bool = False
     save_lora_only: bool = False
+    share_hf_weights: bool = False
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -366,6 +371,7 @@ class CheckpointManager:
             overwrite=True,
             hf_export=exporter,
             lora_only=self.config.save_lora_only,
+            share_hf_weights=self.config.share_hf_weights,
         )
 
     def _commit(self, prepared):

@@ -116,9 +116,10 @@ def restore_run(
     extra_steps: int,
     load_contents: tuple,
     path: str | None = None,
+    tie: bool = False,
 ) -> dict:
     """Restore into a freshly built (differently seeded) model, compare, continue training."""
-    model, optimizer, scheduler, _ = build(_world_mesh(world, layout), seed=123)
+    model, optimizer, scheduler, _ = build(_world_mesh(world, layout), seed=123, tie=tie)
     cfg = CheckpointConfig(directory=root, load_contents=load_contents)
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     restored = manager.restore(path=path)
@@ -243,6 +244,36 @@ def hf_export_run(rank: int, world: int, root: str, shared: bool | None, tie: bo
     manager.close()
     full = full_state(model, optimizer, scheduler)["model"]
     return {"full": full}
+
+
+def shared_hf_save_run(
+    rank: int, world: int, root: str, layout: str, tie: bool, hf_dtype: str | None
+) -> dict:
+    """Train two steps, then save model, optimizer, extra and hf_model with
+    ``share_hf_weights``; the reference state goes to ``root/reference.pt``."""
+    model, optimizer, scheduler, config = build(_world_mesh(world, layout), tie=tie)
+    for step in (1, 2):
+        train_step(model, optimizer, scheduler, step)
+    cfg = CheckpointConfig(
+        directory=root,
+        save_contents=("model", "optimizer", "extra", "hf_model"),
+        share_hf_weights=True,
+    )
+    manager = CheckpointManager(
+        cfg,
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        hf_config=config,
+        hf_dtype=hf_dtype,
+    )
+    manager.save(2, extra={"data": {"epoch": 1, "offset": 14}})
+    manager.close()
+    reference = full_state(model, optimizer, scheduler)
+    reference["rng_next"] = torch.rand(3)
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+    return {"after": [train_step(model, optimizer, scheduler, 3)]}
 
 
 def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: bool) -> dict:

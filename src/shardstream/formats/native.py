@@ -222,8 +222,12 @@ class NativeCheckpoint:
 
     @property
     def placements(self) -> dict[str, str]:
+        hf_dir = str(self.directory / "huggingface") + os.sep
         return {
-            t.name: f"{len(t.blocks)} chunk(s) over {self.world_size} rank(s)" for t in self.tensors
+            t.name: "in huggingface/ (shared with the export)"
+            if t.blocks and all(str(b.location).startswith(hf_dir) for b in t.blocks)
+            else f"{len(t.blocks)} chunk(s) over {self.world_size} rank(s)"
+            for t in self.tensors
         }
 
     @property
