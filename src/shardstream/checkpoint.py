@@ -309,9 +309,10 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 except Exception as exc:  # noqa: BLE001
                     local_error = _save_error(exc, target)
             if prepared.hf_export is not None:
-                coll.agree_or_raise(local_error)  # the export's collectives need every rank
-                if prepared.guard is not None:
-                    prepared.guard.wait_all()  # the export reads model weights too
+                # The export's collectives need every rank. An async save holds the next
+                # optimizer step until it is finished (SourceGuard.hold_until_finished), so
+                # the weights the export reads are still the saved step's.
+                coll.agree_or_raise(local_error)
                 records.update(prepared.hf_export(tmp, buffer_bytes))
                 tensor_section.update(prepared.hf_entries)
             elif local_error is not None:

@@ -29,6 +29,23 @@ def test_async_checkpoints_hold_the_state_of_their_step(tmp_path, budget):
         assert len(result["stalls"]) >= 3  # the optimizer pre-hook ran while saves were live
 
 
+@pytest.mark.parametrize("hf_model", ["export", "shared"])
+def test_async_hf_model_export_holds_the_state_of_its_step(tmp_path, hf_model):
+    from safetensors.torch import load_file
+
+    root = tmp_path / "run"
+    results = run(workers.async_run, 2, str(root), 3, "64MiB", hf_model)
+    expected = results[0]["expected"]
+    for result in results:
+        for step, state in result["restored"].items():
+            assert_state_equal(state, expected[step])
+    for step in (2, 3):  # keep_last is None: every step is there
+        exported = load_file(root / f"global_step_{step}" / "huggingface" / "model.safetensors")
+        assert exported.keys() == expected[step]["model"].keys()
+        for name, tensor in expected[step]["model"].items():
+            assert torch.equal(exported[name], tensor), (step, name)
+
+
 def _endpoint(n: int) -> TensorEndpoint:
     return TensorEndpoint("t", torch.arange(n, dtype=torch.uint8))
 

@@ -140,10 +140,13 @@ def restore_run(
     }
 
 
-def async_run(rank: int, world: int, root: str, steps: int, budget: str) -> dict:
+def async_run(
+    rank: int, world: int, root: str, steps: int, budget: str, hf_model: str | None = None
+) -> dict:
     """Train with async saves at every step; then restore each step and compare with the
     state the model had when that save was requested. Reads of live tensors are slowed down
-    so that every optimizer step meets a save still in flight."""
+    so that every optimizer step meets a save still in flight. ``hf_model``: "export" adds
+    hf_model to the contents, "shared" also sets ``share_hf_weights``."""
     import time as _time
 
     from shardstream import copy as engine
@@ -155,9 +158,19 @@ def async_run(rank: int, world: int, root: str, steps: int, budget: str) -> dict
         return original(self, offset, out)
 
     engine.TensorEndpoint.read_into = slow_read
-    model, optimizer, scheduler, _ = build((world,))
-    cfg = CheckpointConfig(directory=root, save_interval=1, async_save=True, staging_budget=budget)
-    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    model, optimizer, scheduler, config = build((world,))
+    contents = ("model", "optimizer", "extra") + (("hf_model",) if hf_model else ())
+    cfg = CheckpointConfig(
+        directory=root,
+        save_contents=contents,
+        save_interval=1,
+        async_save=True,
+        staging_budget=budget,
+        share_hf_weights=hf_model == "shared",
+    )
+    manager = CheckpointManager(
+        cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler, hf_config=config
+    )
     expected = {}
     for step in range(1, steps + 1):
         train_step(model, optimizer, scheduler, step)
