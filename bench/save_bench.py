@@ -60,6 +60,7 @@ SAVE_METHODS = (
     "shardstream",
     "shardstream_hf",
     "shardstream_hf_bf16",
+    "shardstream_hf_shared",
     "shardstream_model",
     "shardstream_hf_only",
     "torch_save",
@@ -71,6 +72,7 @@ LABELS = {
     "shardstream": "shardstream save (model+optim+extra)",
     "shardstream_hf": "shardstream save (+hf_model)",
     "shardstream_hf_bf16": "shardstream save (+hf_model in bf16)",
+    "shardstream_hf_shared": "shardstream save (+hf_model, share_hf_weights)",
     "shardstream_model": "shardstream save (model only)",
     "shardstream_hf_only": "shardstream save (hf_model only)",
     "torch_save": "torch.save per rank (verl)",
@@ -84,11 +86,14 @@ SS_CONTENTS = {
     "shardstream": ("model", "optimizer", "extra"),
     "shardstream_hf": ("model", "optimizer", "extra", "hf_model"),
     "shardstream_hf_bf16": ("model", "optimizer", "extra", "hf_model"),
+    "shardstream_hf_shared": ("model", "optimizer", "extra", "hf_model"),
     "shardstream_model": ("model",),
     "shardstream_hf_only": ("hf_model",),
 }
 # The export's dtype: the model's (fp32) unless named here; bf16 is the usual publish dtype.
 HF_DTYPE = {"shardstream_hf_bf16": "bfloat16"}
+# Saves whose fp32 weights are written once, into huggingface/ (CheckpointConfig.share_hf_weights).
+SHARE_HF = {"shardstream_hf_shared"}
 
 # Targets from the issues.
 TARGET_SAVE_VS_DCP = 1.1
@@ -368,6 +373,7 @@ class Methods:
                     save_contents=SS_CONTENTS[method],
                     load_contents=("model", "optimizer", "extra"),
                     staging_budget=BUDGET,
+                    share_hf_weights=method in SHARE_HF,
                 )
                 self.managers[method] = CheckpointManager(
                     cfg,
@@ -769,6 +775,24 @@ def _target(ws, name, value, unit, goal, ok) -> dict:
     }
 
 
+def _shared_sentence(results: dict, world_sizes: list[int]) -> str:
+    """What ``share_hf_weights`` makes of the stricter hf_model reading, where it was run."""
+    parts = []
+    for ws in world_sizes:
+        s = results["save"][str(ws)]["summary"]
+        if "shardstream_hf_shared" in s:
+            ratio = s["shardstream_hf_shared"]["wall_s"] / s["shardstream"]["wall_s"]
+            disk = s["shardstream_hf_shared"]["disk_gib"]
+            parts.append(f"world size {ws}: {ratio:.2f}x, {disk:.2f} GiB on disk")
+    if not parts:
+        return ""
+    return (
+        " With `share_hf_weights=True` the fp32 weights are written once, into `huggingface/`, "
+        "which the manifest points to (the checkpoint then needs that directory), and a save "
+        f"with hf_model takes this long against one without: {'; '.join(parts)}."
+    )
+
+
 def evaluate(results: dict) -> list[dict]:
     """The targets, each with the measured value, goal and whether it is met."""
     rows = []
@@ -791,6 +815,9 @@ def evaluate(results: dict) -> list[dict]:
              TARGET_HF_VS_SHARDED),
             ("shardstream_hf_bf16", "shardstream",
              "save with hf_model in bf16 / save without (the stricter reading, publish dtype)",
+             TARGET_HF_VS_SHARDED),
+            ("shardstream_hf_shared", "shardstream",
+             "save with hf_model, share_hf_weights / save without (the stricter reading)",
              TARGET_HF_VS_SHARDED),
             ("shardstream_restore", "dcp_load", "restore time / dcp.load", TARGET_RESTORE_VS_DCP),
         )  # fmt: skip
@@ -827,6 +854,7 @@ COLORS = {
     "shardstream": "#1f77b4",
     "shardstream_hf": "#17becf",
     "shardstream_hf_bf16": "#8c564b",
+    "shardstream_hf_shared": "#bcbd22",
     "shardstream_model": "#aec7e8",
     "shardstream_hf_only": "#9edae5",
     "torch_save": "#ff7f0e",
@@ -844,6 +872,7 @@ SHORT = {
     "shardstream": "ss save",
     "shardstream_hf": "ss save +hf",
     "shardstream_hf_bf16": "ss save +hf bf16",
+    "shardstream_hf_shared": "ss save +hf shared",
     "shardstream_model": "ss model only",
     "shardstream_hf_only": "ss hf only",
     "torch_save": "torch.save",
@@ -1334,7 +1363,7 @@ def _diagnoses(results: dict) -> list[str]:
                 else ""
             )
             + " Measured alone against the same weights saved sharded (the other hf_model "
-            "row), the export is within the target."
+            "row), the export is within the target." + _shared_sentence(results, strict)
         )
     restore = sorted(ws for ws, name in missed if name == "restore time / dcp.load")
     if restore:
