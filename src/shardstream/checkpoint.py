@@ -166,7 +166,10 @@ def prepare_save(
             "save_contents includes 'optimizer' but no optimizer (and model) was given"
         )
     if "hf_model" in contents and hf_export is None:
-        raise UsageError("save_contents includes 'hf_model' but no model was given")
+        raise UsageError(
+            "save_contents includes 'hf_model' but no HF export was set up (hf_config= or "
+            "hf_source_dir=)"
+        )
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     hf_entries: dict[str, dict] = {}
@@ -210,13 +213,27 @@ def save(
     step: int = 0,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
-    hf_export: Any = None,
+    hf_config: Any = None,
+    tokenizer: Any = None,
+    hf_source_dir: str | os.PathLike | None = None,
+    hf_dtype: str | None = None,
     share_hf_weights: bool = False,
 ) -> SaveResult:
     """Save a checkpoint to ``path`` from every rank; it appears there only when complete.
 
+    With "hf_model" in ``contents``, ``huggingface/`` gets the model in its publish dtype
+    (``hf_dtype``, else the config's), with the config of ``hf_config`` (a transformers config)
+    or of ``hf_source_dir``, and ``tokenizer``'s files; see ``CheckpointConfig`` for
+    ``share_hf_weights``.
+
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
+    contents = check_contents(contents, "contents")
+    exporter = None
+    if "hf_model" in contents:
+        from .export import hf_exporter
+
+        exporter = hf_exporter(model, hf_config, tokenizer, hf_source_dir, hf_dtype)
     prepared = prepare_save(
         path,
         model=model,
@@ -227,7 +244,7 @@ def save(
         step=step,
         buffer_size=buffer_size,
         overwrite=overwrite,
-        hf_export=hf_export,
+        hf_export=exporter,
         share_hf_weights=share_hf_weights,
     )
     return execute_save(prepared)

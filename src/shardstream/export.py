@@ -144,8 +144,8 @@ def hf_exporter(
         raise UsageError("save_contents includes 'hf_model' but no model was given")
     if hf_config is None and source_dir is None:
         raise UsageError(
-            "save_contents includes 'hf_model': give the manager hf_config= (a transformers "
-            "config) or hf_source_dir= (a directory with config.json)"
+            "save_contents includes 'hf_model': give hf_config= (a transformers config) or "
+            "hf_source_dir= (a directory with config.json)"
         )
     source = Path(source_dir) if source_dir is not None else None
     return HfExport(model, hf_config, tokenizer, source, dtype, shared_filesystem)

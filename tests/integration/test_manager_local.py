@@ -295,3 +295,70 @@ def test_save_with_hf_model_uses_one_buffer_set(tmp_path, monkeypatch, hf_dtype)
     for name, tensor in model.state_dict().items():
         assert torch.equal(saved[name], tensor.to(dtype)), name
     assert shardstream.verify(tmp_path / "run").ok
+
+
+def test_plain_save_exports_hf_model(tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2")
+    model = build_tiny_model(config, seed=1)
+    with pytest.raises(UsageError, match="hf_config="):
+        shardstream.save(tmp_path / "a", model=model, contents=("model", "hf_model"))
+    assert not (tmp_path / "a").exists()
+    shardstream.save(
+        tmp_path / "c",
+        model=model,
+        contents=("model", "hf_model"),
+        hf_config=config,
+        share_hf_weights=True,
+    )
+    manifest = json.loads((tmp_path / "c" / native.MANIFEST).read_text())
+    first = manifest["tensors"]["model.model.embed_tokens.weight"]["chunks"][0]
+    assert first["file"] == "huggingface/model.safetensors"
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "c" / "huggingface")
+    other = build_tiny_model(config, seed=2)
+    shardstream.load(tmp_path / "c", model=other, contents=("model",))
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(exported.state_dict()[name], tensor), name
+        assert torch.equal(other.state_dict()[name], tensor), name
+
+
+def _tiny_tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"[UNK]": 0, "hello": 1, "world": 2}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+@pytest.mark.parametrize("given", ["objects", "source_dir"])
+def test_hf_model_config_and_tokenizer_files(tmp_path, given):
+    """hf_config= and tokenizer=, or hf_source_dir=: huggingface/ gets config.json (in the
+    publish dtype), generation_config.json and the tokenizer, and loads with transformers."""
+    from transformers import AutoConfig, PreTrainedTokenizerFast
+
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2")
+    model = build_tiny_model(config, seed=1)
+    tokenizer = _tiny_tokenizer()
+    if given == "objects":
+        hf_args = {"hf_config": config, "tokenizer": tokenizer}
+    else:
+        source = tmp_path / "source"
+        config.save_pretrained(source)
+        tokenizer.save_pretrained(source)
+        hf_args = {"hf_source_dir": source}
+    contents = ("model", "hf_model")
+    shardstream.save(tmp_path / "c", model=model, contents=contents, hf_dtype="bfloat16", **hf_args)
+    export = tmp_path / "c" / "huggingface"
+    assert AutoConfig.from_pretrained(export).dtype == torch.bfloat16
+    loaded = PreTrainedTokenizerFast.from_pretrained(export)  # not Auto: config.json says qwen2
+    assert loaded("hello world oops")["input_ids"] == [1, 2, 0]
+    if given == "objects":
+        assert (export / "generation_config.json").is_file()
+    assert shardstream.verify(tmp_path / "c").ok
