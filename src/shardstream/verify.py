@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -212,17 +211,16 @@ def _verify_dcp(directory: Path, report: VerifyReport) -> None:
 
 def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:
     """verl's optimizer or extra-state files, if any, come from one world size, every rank."""
-    pattern = re.compile(rf"^{kind}_world_size_(\d+)_rank_(\d+)\.pt$")
-    found = [m for m in map(pattern.match, os.listdir(directory)) if m]
-    sizes = {int(m[1]) for m in found}
-    if len(sizes) > 1:
+    from .formats import verl
+
+    found = verl.files_by_world_size(directory, kind)
+    if len(found) > 1:
         report.problems.append(
-            Problem(str(directory), f"{kind} files from several world sizes {sorted(sizes)}")
+            Problem(str(directory), f"{kind} files from several world sizes {sorted(found)}")
         )
-    elif sizes:
-        (world,) = sizes
-        missing = sorted(set(range(world)) - {int(m[2]) for m in found})
-        for rank in missing:
+    elif found:
+        ((world, ranks),) = found.items()
+        for rank in sorted(set(range(world)) - set(ranks)):
             name = f"{kind}_world_size_{world}_rank_{rank}.pt"
             report.problems.append(Problem(str(directory / name), "missing"))
 

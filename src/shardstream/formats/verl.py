@@ -44,7 +44,8 @@ from .torch_pt import (
     zip_records,
 )
 
-MODEL_FILE = re.compile(r"^model_world_size_(\d+)_rank_(\d+)\.pt$")
+FILE_PATTERN = r"^{kind}_world_size_(\d+)_rank_(\d+)\.pt$"
+MODEL_FILE = re.compile(FILE_PATTERN.format(kind="model"))
 FSDP_CONFIG = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
 
@@ -135,12 +136,20 @@ def is_verl_checkpoint(directory: Path) -> bool:
     return directory.is_dir() and any(MODEL_FILE.match(p.name) for p in directory.iterdir())
 
 
-def _rank_files(directory: Path) -> tuple[int, list[str]]:
+def files_by_world_size(directory: Path, kind: str) -> dict[int, dict[int, str]]:
+    """verl's ``{kind}_world_size_W_rank_R.pt`` files (kind: model, optim, extra_state):
+    world size -> rank -> path."""
+    pattern = MODEL_FILE if kind == "model" else re.compile(FILE_PATTERN.format(kind=kind))
     found: dict[int, dict[int, str]] = {}
     for entry in directory.iterdir():
-        match = MODEL_FILE.match(entry.name)
+        match = pattern.match(entry.name)
         if match:
             found.setdefault(int(match[1]), {})[int(match[2])] = str(entry)
+    return found
+
+
+def _rank_files(directory: Path) -> tuple[int, list[str]]:
+    found = files_by_world_size(directory, "model")
     if not found:
         raise CheckpointNotFoundError(
             f"{directory}: no model files (expected model_world_size_W_rank_R.pt)"
