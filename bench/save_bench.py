@@ -1352,8 +1352,9 @@ def _diagnoses(results: dict) -> list[str]:
         out.append(
             f"**Save with hf_model vs without** (world size {', '.join(map(str, strict))}): "
             f"the fp32 hf_model adds {extra:.0%} more bytes to a save that is bound by the "
-            "disk, so under this reading (+20% time at most) the target cannot be met by any "
-            "writer; a bf16 `hf_dtype` would add half as many bytes. Effective write rates of "
+            "disk, so under this reading (+20% time at most) the target cannot be met by a "
+            "writer that stores the weights twice; a bf16 `hf_dtype` would add half as many "
+            "bytes. Effective write rates of "
             f"model only / model+optim+extra / +hf_model: {'; '.join(parts)}."
             + (
                 f" At world size {', '.join(falling)} the rate fell the more one save wrote "
