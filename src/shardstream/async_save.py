@@ -43,6 +43,7 @@ class SourceGuard:
         self.reading_upto = 0  # bytes [0, reading_upto) of the rank file are read or being read
         self.done_upto = 0  # bytes [0, done_upto) are written
         self.staged_bytes = 0
+        self.released = False  # no live tensor will be read again (hold_until_finished saves)
         self.finished = False
 
     # --- the writer's side ---------------------------------------------------------------------
@@ -67,6 +68,12 @@ class SourceGuard:
             self.done_upto = self.reading_upto = 1 << 62
             self.cond.notify_all()
 
+    def release(self) -> None:
+        """This save reads no live tensor from now on: a held optimizer step may go."""
+        with self.cond:
+            self.released = True
+            self.cond.notify_all()
+
     def finish(self) -> None:
         with self.cond:
             self.finished = True
@@ -79,7 +86,7 @@ class SourceGuard:
         started = time.perf_counter()
         with self.cond:
             if self.hold_until_finished:
-                self.cond.wait_for(lambda: self.finished)
+                self.cond.wait_for(lambda: self.finished or self.released)
                 return time.perf_counter() - started
             self.cond.wait_for(lambda: self.finished or self.sources is not None)
             if self.finished:

@@ -327,10 +327,11 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     local_error = _save_error(exc, target)
             if prepared.hf_export is not None:
                 # The export's collectives need every rank. An async save holds the next
-                # optimizer step until it is finished (SourceGuard.hold_until_finished), so
-                # the weights the export reads are still the saved step's.
+                # optimizer step until the export has read the weights (hold_until_finished,
+                # released after its last read), so they are still the saved step's.
                 coll.agree_or_raise(local_error)
-                records.update(prepared.hf_export(tmp, buffer_bytes))
+                release = prepared.guard.release if prepared.guard is not None else None
+                records.update(prepared.hf_export(tmp, buffer_bytes, release))
                 tensor_section.update(prepared.hf_entries)
             elif local_error is not None:
                 raise local_error

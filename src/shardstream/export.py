@@ -92,7 +92,9 @@ class HfExport:
         self.model, self.hf_config, self.tokenizer = model, hf_config, tokenizer
         self.source, self.dtype, self.shared_filesystem = source, dtype, shared_filesystem
 
-    def __call__(self, tmp: Path, buffer_bytes: int) -> dict:
+    def __call__(
+        self, tmp: Path, buffer_bytes: int, after_reads: Callable[[], None] | None = None
+    ) -> dict:
         return write_hf_model(
             tmp,
             self.model,
@@ -102,6 +104,7 @@ class HfExport:
             self.dtype,
             self.shared_filesystem,
             buffer_bytes,
+            after_reads,
         )
 
     def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -180,7 +183,11 @@ def write_hf_model(
     dtype: str | None,
     shared_filesystem: bool | None,
     buffer_bytes: int,
+    after_reads: Callable[[], None] | None = None,
 ) -> dict:
+    """Write ``huggingface/`` into ``tmp`` from every rank; rank 0 returns the manifest's file
+    records. ``after_reads`` is called once this rank has read the last live tensor (before
+    the fsync and the sealing, which read only the files)."""
     rank = coll.rank()
     live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(model).items()}
     out_dtype, files = _plan_files(live, hf_config, source, dtype)
@@ -233,6 +240,8 @@ def write_hf_model(
             _write_local(files, runs, streamer)
         else:
             _ship_to_rank0(files, runs, streamer)
+        if after_reads is not None:
+            after_reads()
         files.fsync()  # the files this rank wrote (none on a shipping rank)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc

@@ -97,3 +97,24 @@ def test_background_error_surfaces_on_next_call(tmp_path, monkeypatch):
     manager.save(2)
     manager.close()
     assert manager.all_steps() == [2] and manager.latest_step() == 2
+
+
+def test_held_step_goes_once_the_save_reads_no_live_tensor():
+    """hf_model saves hold the optimizer step (nothing is staged) until ``release()``, which
+    the export calls after its last read of the weights, not until the save is committed."""
+    guard = SourceGuard(staging_bytes=1 << 20, hold_until_finished=True)
+    guard.register([("a", _endpoint(100), 0, 100)])
+    guard.written()  # the rank file is done; the export still reads the weights
+    released = threading.Event()
+
+    def trainer():
+        guard.freeze()
+        released.set()
+
+    thread = threading.Thread(target=trainer)
+    thread.start()
+    time.sleep(0.2)
+    assert not released.is_set() and guard.staged_bytes == 0
+    guard.release()
+    thread.join(timeout=5)
+    assert released.is_set() and not guard.finished
