@@ -69,7 +69,12 @@ def disk_full_ranks(spec: dict, rank: int) -> int:
     fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(model)
     contents = ("model", "optimizer", "extra") + (("hf_model",) if spec.get("hf") else ())
-    config = CheckpointConfig(directory=spec["root"], keep_last=2, save_contents=contents)
+    config = CheckpointConfig(
+        directory=spec["root"],
+        keep_last=2,
+        save_contents=contents,
+        share_hf_weights=spec.get("share", False),
+    )
     source = spec.get("hf_source")
     manager = CheckpointManager(config, model=model, optimizer=optimizer, hf_source_dir=source)
     train_step(model, optimizer, 0, 1)

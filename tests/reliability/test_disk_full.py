@@ -12,6 +12,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
+import pytest
 import torch
 
 from shardstream import checkpoint as ck
@@ -155,10 +156,12 @@ def test_two_ranks_save_on_a_full_disk(forkserver, tmp_path):
     record("disk full during save (2 ranks)", trials=2, violations=0, errors=outcomes)
 
 
-def test_two_ranks_hf_export_on_a_full_disk(forkserver, tmp_path):
+@pytest.mark.parametrize("share", [False, True], ids=["export", "share_hf_weights"])
+def test_two_ranks_hf_export_on_a_full_disk(forkserver, tmp_path, share):
     """Space runs out around the hf_model export, whose files rank 0 creates alone: every
     rank fails with the error (none is left waiting), step 1 stays the latest, nothing is
-    left. (Before this test, rank 0 failing alone left rank 1 waiting in the export.)"""
+    left. (Before this test, rank 0 failing alone left rank 1 waiting in the export.) With
+    ``share_hf_weights`` the export holds the only copy of the weights: the same holds."""
     source = tmp_path / "config"
     source.mkdir()
     config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
@@ -167,7 +170,7 @@ def test_two_ranks_hf_export_on_a_full_disk(forkserver, tmp_path):
         in_export = 0
         for leave in (0, 4096, 16384):
             root, ranks = _two_rank_save(
-                forkserver, tmp_path, disk, leave, hf=True, hf_source=str(source)
+                forkserver, tmp_path, disk, leave, hf=True, hf_source=str(source), share=share
             )
             if all(r["ok"] for r in ranks):
                 continue
