@@ -109,13 +109,16 @@ def job_train(spec: dict, rank: int) -> int:
     fully_shard(model, mesh=mesh)
     optimizer = build_optimizer(model)
     async_save = spec.get("async_save", False)
+    hf_source = spec.get("hf_source")  # also save hf_model, its weights shared (huggingface/)
     config = CheckpointConfig(
         directory=spec["root"],
         save_interval=1,
         keep_last=spec.get("keep_last", 2),
         async_save=async_save,
+        save_contents=("model", "optimizer", "extra") + (("hf_model",) if hf_source else ()),
+        share_hf_weights=bool(hf_source),
     )
-    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    manager = CheckpointManager(config, model=model, optimizer=optimizer, hf_source_dir=hf_source)
     if spec.get("lock_at_start"):
         manager.acquire_lock()  # fail before training, not at the first save
     restored = manager.restore()

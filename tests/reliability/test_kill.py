@@ -22,6 +22,7 @@ directory (nothing named ``TARGET.tmp-*`` is left).
 from __future__ import annotations
 
 import importlib.util
+import json
 import random
 import shutil
 import time
@@ -47,7 +48,9 @@ EARLY_S = 1.0  # or, one trial in ten, this long after the fork (start-up, resto
 GRACE_S = 5.0  # after killing one rank, how long the others get to fail by themselves
 
 
-def _kill_save_trials(forkserver, base: Path, count: int, seed: int, async_save: bool) -> dict:
+def _kill_save_trials(
+    forkserver, base: Path, count: int, seed: int, async_save: bool, hf_source: str | None = None
+) -> dict:
     rng = random.Random(seed)
     stats: Counter = Counter()
     debris: Counter = Counter()
@@ -71,6 +74,7 @@ def _kill_save_trials(forkserver, base: Path, count: int, seed: int, async_save:
             "run": run,
             "keep_last": KEEP_LAST,
             "async_save": async_save,
+            "hf_source": hf_source,
         }
         pids = forkserver.spawn("train", spec, nprocs=world)
         try:
@@ -140,6 +144,21 @@ def test_kill9_during_async_save(forkserver, tmp_path):
     count = trials(6, 60)
     figures = _kill_save_trials(forkserver, tmp_path, count, seed, async_save=True)
     record("kill -9 during async save", seed=seed, trials=count, violations=0, **figures)
+
+
+def test_kill9_during_save_with_shared_hf_weights(forkserver, tmp_path):
+    """Saves with hf_model and share_hf_weights, whose model weights live only in
+    huggingface/: the same guarantees, restore reading the weights from there."""
+    source = tmp_path / "config"
+    source.mkdir()
+    config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
+    (source / "config.json").write_text(json.dumps(config))
+    seed = 20240603
+    count = trials(6, 60)
+    figures = _kill_save_trials(forkserver, tmp_path, count, seed, False, str(source))
+    record("kill -9 during save (hf_model, share_hf_weights)", seed=seed, trials=count,
+           violations=0, **figures)  # fmt: skip
+    assert figures["stats"]["trials"] == count
 
 
 # --- merge ---------------------------------------------------------------------------------------
