@@ -260,7 +260,8 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(Problem(str(directory / native.MANIFEST), str(exc)))
             continue
         if not file.is_file():
-            report.problems.append(Problem(str(file), "missing (named in the manifest)"))
+            note = native.missing_note(manifest, name)
+            report.problems.append(Problem(str(file), f"missing (named in the manifest){note}"))
             continue
         size = file.stat().st_size
         if not isinstance(info, dict) or size != info.get("size"):

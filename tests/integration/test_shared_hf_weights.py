@@ -108,3 +108,18 @@ def test_nothing_is_shared_when_the_export_converts(tmp_path):
     files = chunk_files(root / STEP)
     assert files and all(f.startswith("rank-") for where in files.values() for f in where)
     assert verify(root).ok
+
+
+def test_a_missing_export_is_named_as_holding_the_weights(saved, tmp_path):
+    import shutil
+
+    from shardstream.errors import CheckpointNotFoundError
+
+    step_dir = tmp_path / STEP
+    shutil.copytree(saved["root"] / STEP, step_dir)
+    shutil.rmtree(step_dir / "huggingface")
+    report = verify(step_dir)
+    assert any("holds model weights" in p.line() for p in report.problems), report.problems
+    with pytest.raises(CheckpointNotFoundError, match="holds model weights"):
+        merge(step_dir, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()

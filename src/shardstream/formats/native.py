@@ -99,6 +99,18 @@ def check_name(directory: Path, name: object, what: str) -> Path:
     return path
 
 
+def missing_note(manifest: dict, name: str) -> str:
+    """What to add when file ``name`` is missing: a huggingface/ file that holds model weights
+    (saved with share_hf_weights) cannot be left out."""
+    if not name.startswith("huggingface/"):
+        return ""
+    for entry in manifest.get("tensors", {}).values():
+        chunks = entry.get("chunks") if isinstance(entry, dict) else None
+        if any(isinstance(c, dict) and c.get("file") == name for c in chunks or ()):
+            return "; it holds model weights of this checkpoint (saved with share_hf_weights)"
+    return ""
+
+
 # --- the manifest ----------------------------------------------------------------------------
 
 
@@ -312,7 +324,9 @@ def _open_native(
     for name, info in manifest.get("files", {}).items():
         path = check_name(directory, name, "files")
         if not path.is_file():
-            raise CheckpointNotFoundError(f"{path}: data file named in the manifest is missing")
+            raise CheckpointNotFoundError(
+                f"{path}: data file named in the manifest is missing{missing_note(manifest, name)}"
+            )
         size = path.stat().st_size
         if not isinstance(info, dict) or size != info.get("size"):
             expected = info.get("size") if isinstance(info, dict) else None
