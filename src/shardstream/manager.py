@@ -126,6 +126,12 @@ class CheckpointConfig:
             )
         if self.staging_budget_bytes < 1 << 20:
             raise UsageError(f"staging_budget must be at least 1MiB, got {self.staging_budget!r}")
+        if self.share_hf_weights and not {"model", "hf_model"} <= set(self.save_contents):
+            warnings.warn(
+                "share_hf_weights does nothing unless save_contents has both 'model' and "
+                "'hf_model'",
+                stacklevel=3,
+            )
 
     @property
     def staging_budget_bytes(self) -> int:

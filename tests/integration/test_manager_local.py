@@ -362,3 +362,8 @@ def test_hf_model_config_and_tokenizer_files(tmp_path, given):
     if given == "objects":
         assert (export / "generation_config.json").is_file()
     assert shardstream.verify(tmp_path / "c").ok
+
+
+def test_share_hf_weights_without_hf_model_warns(tmp_path):
+    with pytest.warns(UserWarning, match="share_hf_weights does nothing"):
+        CheckpointConfig(str(tmp_path), save_contents=("model",), share_hf_weights=True)
