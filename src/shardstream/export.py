@@ -13,6 +13,7 @@ import json
 import os
 import uuid
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -77,35 +78,24 @@ def _tied(hf_config: Any, source_dir: Path | None) -> bool:
     return bool(hf.read_config(source_dir).get("tie_word_embeddings", False))
 
 
+@dataclass(frozen=True)
 class HfExport:
-    """hf_model for ``checkpoint.save``: writes ``huggingface/`` into the step directory."""
+    """hf_model for ``checkpoint.save``: writes ``huggingface/`` into the step directory.
 
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        hf_config: Any,
-        tokenizer: Any,
-        source: Path | None,
-        dtype: str | None,
-        shared_filesystem: bool | None,
-    ):
-        self.model, self.hf_config, self.tokenizer = model, hf_config, tokenizer
-        self.source, self.dtype, self.shared_filesystem = source, dtype, shared_filesystem
+    ``source``: a directory with config.json (and tokenizer files) to copy; ``dtype``: the
+    publish dtype (None: the config's); ``shared_filesystem``: None detects it at save time."""
+
+    model: torch.nn.Module
+    hf_config: Any
+    tokenizer: Any
+    source: Path | None
+    dtype: str | None
+    shared_filesystem: bool | None
 
     def __call__(
         self, tmp: Path, buffer_bytes: int, after_reads: Callable[[], None] | None = None
     ) -> dict:
-        return write_hf_model(
-            tmp,
-            self.model,
-            self.hf_config,
-            self.tokenizer,
-            self.source,
-            self.dtype,
-            self.shared_filesystem,
-            buffer_bytes,
-            after_reads,
-        )
+        return write_hf_model(self, tmp, buffer_bytes, after_reads)
 
     def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
         """Manifest entries for those of ``tensors`` (``model.<fqn>``) whose exported copy holds
@@ -175,13 +165,8 @@ def _plan_files(
 
 
 def write_hf_model(
+    export: HfExport,
     tmp: Path,
-    model: torch.nn.Module,
-    hf_config: Any,
-    tokenizer: Any,
-    source: Path | None,
-    dtype: str | None,
-    shared_filesystem: bool | None,
     buffer_bytes: int,
     after_reads: Callable[[], None] | None = None,
 ) -> dict:
@@ -189,10 +174,12 @@ def write_hf_model(
     records. ``after_reads`` is called once this rank has read the last live tensor (before
     the fsync and the sealing, which read only the files)."""
     rank = coll.rank()
-    live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(model).items()}
-    out_dtype, files = _plan_files(live, hf_config, source, dtype)
+    live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(export.model).items()}
+    out_dtype, files = _plan_files(live, export.hf_config, export.source, export.dtype)
     target_dir = tmp / HF_DIR
-    shared = _shared_filesystem(tmp) if shared_filesystem is None else shared_filesystem
+    shared = export.shared_filesystem
+    if shared is None:
+        shared = _shared_filesystem(tmp)
 
     layouts = []
     for name, tensors in files:
@@ -209,7 +196,7 @@ def write_hf_model(
     if rank == 0:
         try:
             _create_files(target_dir, layouts)
-            _write_configs(target_dir, hf_config, tokenizer, source, out_dtype)
+            _write_configs(target_dir, export.hf_config, export.tokenizer, export.source, out_dtype)
             if len(files) > 1:
                 index = json.dumps(hf.index_document(files), indent=2)
                 (target_dir / hf.INDEX_FILE).write_text(index)

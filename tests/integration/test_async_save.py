@@ -50,11 +50,9 @@ def _endpoint(n: int) -> TensorEndpoint:
     return TensorEndpoint("t", torch.arange(n, dtype=torch.uint8))
 
 
-def test_guard_stages_what_the_writer_has_not_reached():
-    guard = SourceGuard(staging_bytes=150)
-    a, b, c = _endpoint(100), _endpoint(100), _endpoint(100)
-    guard.register([("a", a, 0, 100), ("b", b, 100, 200), ("c", c, 200, 300)])
-    guard.window(0, 100)  # the writer is reading a
+def _freeze_in_thread(guard: SourceGuard) -> tuple[threading.Thread, threading.Event]:
+    """An optimizer step's pre-hook, in a thread; the event is set once ``freeze`` returns.
+    Returns after giving the thread 0.2 s to block."""
     released = threading.Event()
 
     def trainer():
@@ -64,6 +62,15 @@ def test_guard_stages_what_the_writer_has_not_reached():
     thread = threading.Thread(target=trainer)
     thread.start()
     time.sleep(0.2)
+    return thread, released
+
+
+def test_guard_stages_what_the_writer_has_not_reached():
+    guard = SourceGuard(staging_bytes=150)
+    a, b, c = _endpoint(100), _endpoint(100), _endpoint(100)
+    guard.register([("a", a, 0, 100), ("b", b, 100, 200), ("c", c, 200, 300)])
+    guard.window(0, 100)  # the writer is reading a
+    thread, released = _freeze_in_thread(guard)
     # c (written last) was staged; b did not fit the budget, so the step waits for it.
     assert guard.endpoint("c") is not c and guard.endpoint("b") is b
     assert not released.is_set()
@@ -105,15 +112,7 @@ def test_held_step_goes_once_the_save_reads_no_live_tensor():
     guard = SourceGuard(staging_bytes=1 << 20, hold_until_finished=True)
     guard.register([("a", _endpoint(100), 0, 100)])
     guard.written()  # the rank file is done; the export still reads the weights
-    released = threading.Event()
-
-    def trainer():
-        guard.freeze()
-        released.set()
-
-    thread = threading.Thread(target=trainer)
-    thread.start()
-    time.sleep(0.2)
+    thread, released = _freeze_in_thread(guard)
     assert not released.is_set() and guard.staged_bytes == 0
     guard.release()
     thread.join(timeout=5)
