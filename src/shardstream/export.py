@@ -27,7 +27,7 @@ from .copy import Buffers, Streamer, TensorEndpoint, live_block, pwrite_array, w
 from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
 from .errors import UsageError
 from .formats import hf
-from .formats.native import MODEL_PREFIX
+from .formats.native import MODEL_PREFIX, whole_chunk
 from .formats.safetensors import build_header, checksum_metadata
 from .formats.writer import start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
@@ -109,18 +109,8 @@ class HfExport:
                 name = MODEL_PREFIX + out.name
                 if name not in tensors or out.dtype != code_of(tensors[name].dtype):
                     continue
-                entries[name] = {
-                    "dtype": out.dtype,
-                    "shape": list(out.shape),
-                    "chunks": [
-                        {
-                            "offsets": [0] * len(out.shape),
-                            "sizes": list(out.shape),
-                            "file": f"{HF_DIR}/{file_name}",
-                            "key": out.name,
-                        }
-                    ],
-                }
+                chunk = whole_chunk(list(out.shape), f"{HF_DIR}/{file_name}", out.name)
+                entries[name] = {"dtype": out.dtype, "shape": list(out.shape), "chunks": [chunk]}
         return entries
 
 

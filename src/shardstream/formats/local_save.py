@@ -20,7 +20,7 @@ import torch
 from ..checksum import digest
 from ..dtypes import code_of
 from ..plan import chunk_extent
-from .native import _is_grid, rank_file
+from .native import _is_grid, rank_file, whole_chunk
 
 
 def _key(fqn: str, offsets: list[int]) -> str:
@@ -112,13 +112,7 @@ def manifest_entries(
         if grid is not None:
             entry["grid"] = grid
         else:
-            offsets = [0] * len(shape)
-            chunk = {
-                "offsets": offsets,
-                "sizes": shape,
-                "file": rank_file(0),
-                "key": _key(fqn, offsets),
-            }
+            chunk = whole_chunk(shape, rank_file(0), _key(fqn, [0] * len(shape)))
             if _is_grid(fqn, shape, [chunk], world):
                 entry["grid"] = world
             else:

@@ -138,6 +138,11 @@ def grid_chunks(
         }
 
 
+def whole_chunk(shape: list[int], file: str, key: str) -> dict:
+    """The one chunk of a tensor stored whole, as tensor ``key`` of ``file``."""
+    return {"offsets": [0] * len(shape), "sizes": list(shape), "file": file, "key": key}
+
+
 def grid_key(fqn: str, start: int, ndim: int) -> str:
     """The rank-file key of a grid chunk starting at row ``start``: ``fqn@start,0,...``."""
     return f"{fqn}@{start}{',0' * (ndim - 1)}"
