@@ -534,7 +534,7 @@ def _open_source(
         saved.add("extra")
     match = re.search(r"global_step_(\d+)", str(path.absolute()))
     named = [(t.name, t.blocks) for t in tensors.values()]
-    from .formats.torch_pt import check_records, crc_checked_endpoint
+    from .formats.torch_pt import crc_checked_endpoint
 
     def tensors_in(location: str):
         return lambda lo, hi: tensors_touching(named, location, lo, hi)
@@ -549,13 +549,7 @@ def _open_source(
         # read W'/W times its share. Instead the ranks check the files between them first
         # (each file once, all bytes read twice in all) and read unchecked after.
         files = [*ckpt.files, *(verl.optimizer_files(path, world) if "optimizer" in saved else [])]
-        error = None
-        try:
-            for location in files[coll.rank() :: coll.world()]:
-                check_records(location, tensors_in(location))
-        except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
-            error = exc
-        coll.agree_or_raise(error, "restore")
+        verl.check_dealt_out([(location, None) for location in files], named, "restore")
         endpoint = FileEndpoint
     return _Source(
         tensors,

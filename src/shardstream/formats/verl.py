@@ -102,9 +102,8 @@ class VerlCheckpoint:
             for block in blocks:
                 if block.numel:
                     wanted.setdefault(block.location, set()).add(block.offset)
-        error = None
+        error, pairs = None, set()  # (file, record) holding a block of such a tensor
         try:
-            pairs = set()  # (file, record) holding a block of such a tensor
             for location in sorted(wanted):
                 records = zip_records(location)
                 starts = [r.start for r in records]
@@ -112,24 +111,41 @@ class VerlCheckpoint:
                     index = bisect.bisect_right(starts, offset) - 1
                     if index >= 0 and offset < records[index].end:
                         pairs.add((location, records[index]))
-            pairs = sorted(pairs, key=lambda pair: (pair[0], pair[1].start))
-            mine: dict[str, list[ZipRecord]] = {}
-            for location, record in pairs[coll.rank() :: coll.world()]:
-                mine.setdefault(location, []).append(record)
-            for location, records in mine.items():
-                check_records(
-                    location,
-                    lambda lo, hi, at=location: tensors_touching(self._named_blocks(), at, lo, hi),
-                    records,
-                )
         except Exception as exc:  # noqa: BLE001  (every process must learn of it)
             error = exc
         coll.agree_or_raise(error, "merge")
+        pairs = sorted(pairs, key=lambda pair: (pair[0], pair[1].start))
+        check_dealt_out(pairs, self._named_blocks(), "merge")
         for location, record in pairs:
             self.checked_records.setdefault(location, set()).add(record.start)
 
     def _named_blocks(self) -> list:
         return [*((t.name, t.blocks) for t in self.tensors), *self.replicas.items()]
+
+
+def check_dealt_out(
+    work: Sequence[tuple[str, ZipRecord | None]], named_blocks: list, what: str
+) -> None:
+    """Check zip records once across the process group: item i of ``work`` (a record of a
+    file, or None for all of the file's records) by process i % K. A damaged record fails
+    every process alike, its error naming the tensors of ``named_blocks`` it holds."""
+    mine: dict[str, list[ZipRecord] | None] = {}
+    for location, record in work[coll.rank() :: coll.world()]:
+        if record is None:
+            mine[location] = None
+        else:
+            mine.setdefault(location, []).append(record)
+    error = None
+    try:
+        for location, records in mine.items():
+            check_records(
+                location,
+                lambda lo, hi, at=location: tensors_touching(named_blocks, at, lo, hi),
+                records,
+            )
+    except Exception as exc:  # noqa: BLE001  (every process must learn of it)
+        error = exc
+    coll.agree_or_raise(error, what)
 
 
 def is_verl_checkpoint(directory: Path) -> bool:
