@@ -6,16 +6,15 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import struct
 import subprocess
 import sys
-import zipfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from shardstream.cli import main
+from shardstream.testing.verl_checkpoint import zip_member_data
 
 RANK0 = "model_world_size_2_rank_0.pt"
 RANK1 = "model_world_size_2_rank_1.pt"
@@ -70,13 +69,7 @@ def flip(path: Path, offset: int, count: int = 4) -> None:
 
 def record_offset(path: Path, suffix: str) -> int:
     """File offset of the data of the zip member ending in ``suffix`` (local header skipped)."""
-    with zipfile.ZipFile(path) as archive:
-        info = next(i for i in archive.infolist() if i.filename.endswith(suffix))
-    raw = path.read_bytes()
-    name_len, extra_len = struct.unpack(
-        "<HH", raw[info.header_offset + 26 : info.header_offset + 30]
-    )
-    return info.header_offset + 30 + name_len + extra_len
+    return zip_member_data(path, suffix)[0]
 
 
 class CodeOnLoad:

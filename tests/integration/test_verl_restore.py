@@ -7,7 +7,11 @@ import torch
 from safetensors.torch import load_file
 
 from shardstream.testing.distributed import run
-from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
+from shardstream.testing.verl_checkpoint import (
+    VerlFixture,
+    write_verl_checkpoint,
+    zip_member_data,
+)
 
 from . import workers
 
@@ -97,21 +101,14 @@ def test_ranks_that_see_different_files_fail_together(verl_run, tmp_path):
 def test_flipped_byte_in_a_verl_optimizer_file_fails_the_restore(verl_run, tmp_path):
     """verify_on_load checks each zip record's CRC-32 in verl's .pt files as it reads them."""
     import shutil
-    import struct
-    import zipfile
 
     _, actor = verl_run
     damaged = tmp_path / "actor"
     shutil.copytree(actor, damaged)
     path = damaged / "optim_world_size_4_rank_1.pt"
-    with zipfile.ZipFile(path) as archive:
-        storages = [i for i in archive.infolist() if "/data/" in i.filename]
-        info = max(storages, key=lambda i: i.file_size)  # an exp_avg(_sq) shard
+    start, size = zip_member_data(path)  # the largest storage: an exp_avg(_sq) shard
     data = bytearray(path.read_bytes())
-    name_len, extra_len = struct.unpack(
-        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
-    )
-    data[info.header_offset + 30 + name_len + extra_len + info.file_size // 2] ^= 0x01
+    data[start + size // 2] ^= 0x01
     path.write_bytes(bytes(data))
     messages = run(workers.verl_restore_error_run, 2, [str(damaged), str(damaged)])
     assert "restored" not in messages
@@ -125,8 +122,6 @@ def test_restore_at_a_larger_world_size_checks_each_file_once(tmp_path):
     files between them before loading (each record's CRC-32 once) instead of each hashing the
     whole records it touches. Intact: restored bit for bit. Damaged: every rank fails."""
     import shutil
-    import struct
-    import zipfile
 
     actor = write_verl_checkpoint(tmp_path / "w2", VerlFixture(world_size=2, train_steps=1), step=1)
     reference = load_file(tmp_path / "w2" / "reference" / "model.safetensors")
@@ -139,14 +134,9 @@ def test_restore_at_a_larger_world_size_checks_each_file_once(tmp_path):
     damaged = tmp_path / "damaged"
     shutil.copytree(actor, damaged)
     path = damaged / "optim_world_size_2_rank_1.pt"
-    with zipfile.ZipFile(path) as archive:
-        storages = [i for i in archive.infolist() if "/data/" in i.filename]
-        info = max(storages, key=lambda i: i.file_size)
+    start, _ = zip_member_data(path)
     data = bytearray(path.read_bytes())
-    name_len, extra_len = struct.unpack(
-        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
-    )
-    data[info.header_offset + 30 + name_len + extra_len + 1] ^= 0x01
+    data[start + 1] ^= 0x01
     path.write_bytes(bytes(data))
     messages = run(workers.verl_restore_error_run, 4, [str(damaged)] * 4)
     assert all("checksum mismatch" in m and str(path) in m for m in messages), messages

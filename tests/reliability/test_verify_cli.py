@@ -18,6 +18,7 @@ import pytest
 
 from shardstream import cli
 from shardstream.formats.safetensors import read_header
+from shardstream.testing.verl_checkpoint import zip_member_data
 
 from .harness import record
 
@@ -157,8 +158,6 @@ def test_verify_exit_codes_of_the_installed_command(saved_run, tmp_path):
 def test_verify_verl_checkpoint_step_and_run(copy_variant, tmp_path, capsys):
     """verl's .pt files: every zip record against the CRC-32 torch wrote (and never checks),
     every rank's optimizer and extra files present, the layout consistent."""
-    import struct
-    import zipfile
 
     import torch
 
@@ -178,15 +177,9 @@ def test_verify_verl_checkpoint_step_and_run(copy_variant, tmp_path, capsys):
     assert doc["steps"] == [7]
 
     victim = actor / "model_world_size_2_rank_1.pt"
-    with zipfile.ZipFile(victim) as archive:
-        info = max(
-            (i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size
-        )
+    start, size = zip_member_data(victim)
+    offset = start + size // 3
     data = bytearray(victim.read_bytes())
-    name_len, extra_len = struct.unpack(
-        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
-    )
-    offset = info.header_offset + 30 + name_len + extra_len + info.file_size // 3
     data[offset] ^= 0x01
     victim.write_bytes(bytes(data))
     (actor / "optim_world_size_2_rank_0.pt").unlink()

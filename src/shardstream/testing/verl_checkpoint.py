@@ -151,6 +151,26 @@ def actor_dir(root: str | Path, step: int = 1) -> Path:
     return Path(root) / f"global_step_{step}" / "actor"
 
 
+def zip_member_data(path: str | Path, suffix: str | None = None) -> tuple[int, int]:
+    """(file offset, size) of the data of the zip member of ``path`` whose name ends in
+    ``suffix``, or of its largest tensor storage (``.../data/N``) without one. Found with
+    ``zipfile`` and the local header, independently of shardstream's own zip reading, so tests
+    can damage exact bytes of a ``.pt`` file."""
+    import struct
+    import zipfile
+
+    with zipfile.ZipFile(path) as archive:
+        members = archive.infolist()
+    if suffix is None:
+        info = max((i for i in members if "/data/" in i.filename), key=lambda i: i.file_size)
+    else:
+        info = next(i for i in members if i.filename.endswith(suffix))
+    with open(path, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_len, extra_len = struct.unpack("<HH", f.read(4))
+    return info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
 def write_verl_checkpoint(
     root: str | Path, fx: VerlFixture, step: int = 1, *, timeout: float = 900.0
 ) -> Path:
