@@ -3,8 +3,10 @@
 Nothing is copied up front. Parameters and optimizer state only change in ``optimizer.step()``,
 so an optimizer step pre-hook calls ``SourceGuard.freeze()``: tensors the writer has not started
 yet are staged into host memory while the staging budget lasts (the last ones to be written
-first), and the step waits only for the rest. The background save runs on a process group of
-its own, so its collectives never interleave with training's.
+first), and the step waits only for the rest. An hf_model export that reads live weights (not
+the rank file: ``checkpoint.execute_save``) holds the step until its last read instead. The
+background save runs on a process group of its own, so its collectives never interleave with
+training's.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ class SourceGuard:
         self.staged_bytes = 0
         self.released = False  # no live tensor will be read again (hold_until_finished saves)
         self.finished = False
+        self.held = False  # an optimizer step waited for the whole hold
 
     # --- the writer's side ---------------------------------------------------------------------
 
@@ -68,6 +71,13 @@ class SourceGuard:
             self.done_upto = self.reading_upto = 1 << 62
             self.cond.notify_all()
 
+    def stop_holding(self) -> None:
+        """Live tensors are read by the rank-file writer alone (an hf_model export reads the
+        rank file): steps stage and wait as for any save, not for the hold."""
+        with self.cond:
+            self.hold_until_finished = False
+            self.cond.notify_all()
+
     def release(self) -> None:
         """This save reads no live tensor from now on: a held optimizer step may go."""
         with self.cond:
@@ -85,11 +95,15 @@ class SourceGuard:
         """Return once no live tensor will be read again; the seconds this stalled."""
         started = time.perf_counter()
         with self.cond:
-            if self.hold_until_finished:
-                self.cond.wait_for(lambda: self.finished or self.released)
-                return time.perf_counter() - started
-            self.cond.wait_for(lambda: self.finished or self.sources is not None)
-            if self.finished:
+            self.cond.wait_for(
+                lambda: (
+                    self.finished
+                    or self.released
+                    or (not self.hold_until_finished and self.sources is not None)
+                )
+            )
+            if self.finished or self.released:
+                self.held = self.held or self.hold_until_finished
                 return time.perf_counter() - started
             # Stage what the writer has not reached, starting with what it would reach last.
             for source in sorted(self.sources.values(), key=lambda s: -s.begin):
@@ -121,6 +135,7 @@ class AsyncSaver:
         self.step: int | None = None
         self.error: BaseException | None = None
         self.stalls: list[float] = []
+        self.held_steps = 0  # optimizer steps that waited for an export's reads of live tensors
         self.hook = None
         if manager.optimizer is not None:
             self.hook = manager.optimizer.register_step_pre_hook(self._before_step)
@@ -153,6 +168,8 @@ class AsyncSaver:
         guard = self.guard
         if guard is not None and not guard.finished:
             self.stalls.append(guard.freeze())
+            self.held_steps += guard.held
+            guard.held = False
 
     def in_flight_steps(self) -> set[int]:
         alive = self.thread is not None and self.thread.is_alive()

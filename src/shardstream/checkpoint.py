@@ -295,6 +295,14 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             tensor_section, file_section = {}, {}
             records: dict[str, Any] = {}
             local = _rank_local_plan(tensors) if tensors else None
+            export_keys = None
+            if prepared.guard is not None and prepared.hf_export is not None and local is not None:
+                # An async export reads this rank's rows back from its rank file when that holds
+                # them all: the next optimizer step then waits only for the rank file.
+                export_keys = prepared.hf_export.rank_file_keys(local)
+                if export_keys is not None:
+                    prepared.guard.stop_holding()
+            rank_rows = None
             # What each rank writes alone may fail on one rank only: those errors are agreed
             # on before the next collective (the export, or the gather below), never skipped.
             local_error: BaseException | None = None
@@ -304,6 +312,10 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     name = native.rank_file(coll.rank())
                     written = writer.write_tensors(name, local)
                     records[name] = {"size": written.size, "header_xxh3": written.header_digest}
+                    if export_keys is not None:
+                        from .export import RankFileRows
+
+                        rank_rows = RankFileRows.of(written, local, export_keys)
                     if coll.rank() == 0:
                         tensor_section = local_save.manifest_tensors(tensors, coll.world())
                 except Exception as exc:  # noqa: BLE001
@@ -326,12 +338,13 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 except Exception as exc:  # noqa: BLE001
                     local_error = _save_error(exc, target)
             if prepared.hf_export is not None:
-                # The export's collectives need every rank. An async save holds the next
-                # optimizer step until the export has read the weights (hold_until_finished,
-                # released after its last read), so they are still the saved step's.
+                # The export's collectives need every rank. An async save whose export reads
+                # live tensors holds the next optimizer step until the export has read them
+                # (hold_until_finished, released after its last read), so they are still the
+                # saved step's.
                 coll.agree_or_raise(local_error)
                 release = prepared.guard.release if prepared.guard is not None else None
-                records.update(prepared.hf_export(tmp, buffer_bytes, release))
+                records.update(prepared.hf_export(tmp, buffer_bytes, release, rank_rows))
                 tensor_section.update(prepared.hf_entries)
             elif local_error is not None:
                 raise local_error

@@ -23,13 +23,22 @@ import torch.distributed as dist
 
 from . import collectives as coll
 from .checksum import ChunkHasher, digest, new_hasher
-from .copy import Buffers, Streamer, TensorEndpoint, live_block, pwrite_array, write_all
+from .copy import (
+    Buffers,
+    Endpoint,
+    FileEndpoint,
+    Streamer,
+    TensorEndpoint,
+    live_block,
+    pwrite_array,
+    write_all,
+)
 from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
 from .errors import UsageError
-from .formats import hf
+from .formats import hf, local_save
 from .formats.native import MODEL_PREFIX, whole_chunk
 from .formats.safetensors import build_header, checksum_metadata
-from .formats.writer import start_writeback
+from .formats.writer import WrittenFile, start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
 from .sizes import DEFAULT_CHUNK_BYTES
 from .state import model_tensors
@@ -93,9 +102,36 @@ class HfExport:
     shared_filesystem: bool | None
 
     def __call__(
-        self, tmp: Path, buffer_bytes: int, after_reads: Callable[[], None] | None = None
+        self,
+        tmp: Path,
+        buffer_bytes: int,
+        after_reads: Callable[[], None] | None = None,
+        rank_file: RankFileRows | None = None,
     ) -> dict:
-        return write_hf_model(self, tmp, buffer_bytes, after_reads)
+        return write_hf_model(self, tmp, buffer_bytes, after_reads, rank_file)
+
+    def rank_file_keys(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, str] | None:
+        """HF name -> rank-file key of every tensor this rank exports rows of, when ``items``
+        (what this rank's file of the same save holds: ``local_save.local_items``) hold each
+        of them with the same shape and dtype; else None."""
+        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
+        _, files = _plan_files(live, self.hf_config, self.source, self.dtype)
+        held = dict(items)
+        keys = {}
+        for _, outputs in files:
+            for out in outputs:
+                block, _ = _local_block("", live[out.name])
+                if block is None:
+                    continue
+                key = local_save.item_key(MODEL_PREFIX + out.name, list(block.start))
+                saved = held.get(key)
+                if saved is None or (tuple(saved.shape), code_of(saved.dtype)) != (
+                    block.shape,
+                    block.dtype,
+                ):
+                    return None
+                keys[out.name] = key
+        return keys
 
     def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
         """Manifest entries for those of ``tensors`` (``model.<fqn>``) whose exported copy holds
@@ -134,6 +170,29 @@ def hf_exporter(
     return HfExport(model, hf_config, tokenizer, source, dtype, shared_filesystem)
 
 
+@dataclass(frozen=True)
+class RankFileRows:
+    """Where this rank's exported rows lie in its rank file of the same save: an async save's
+    export reads them there, so the next optimizer step need not wait for the export."""
+
+    file: WrittenFile
+    offsets: dict[str, int]  # HF name -> absolute byte offset of this rank's rows
+
+    @classmethod
+    def of(
+        cls, file: WrittenFile, items: list[tuple[str, torch.Tensor]], keys: dict[str, str]
+    ) -> RankFileRows:
+        """``file`` as written from ``items``; ``keys`` from ``HfExport.rank_file_keys``."""
+        _, entries = build_header([(k, code_of(t.dtype), tuple(t.shape)) for k, t in items])
+        begin = {e.name: file.data_start + e.begin for e in entries}
+        return cls(file, {name: begin[key] for name, key in keys.items()})
+
+    def endpoint(self) -> FileEndpoint:
+        """The rank file, every read checked against the chunk digests just written."""
+        f = self.file
+        return FileEndpoint(f.path, f.chunks, f.data_start, f.chunk_bytes)
+
+
 def _plan_files(
     live: dict[str, torch.Tensor], hf_config: Any, source: Path | None, dtype: str | None
 ) -> tuple[str | None, list[tuple[str, list]]]:
@@ -159,10 +218,12 @@ def write_hf_model(
     tmp: Path,
     buffer_bytes: int,
     after_reads: Callable[[], None] | None = None,
+    rank_file: RankFileRows | None = None,
 ) -> dict:
     """Write ``huggingface/`` into ``tmp`` from every rank; rank 0 returns the manifest's file
     records. ``after_reads`` is called once this rank has read the last live tensor (before
-    the fsync and the sealing, which read only the files)."""
+    the fsync and the sealing, which read only the files). With ``rank_file``, this rank's
+    rows are read from there, not from the live tensors."""
     rank = coll.rank()
     live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(export.model).items()}
     out_dtype, files = _plan_files(live, export.hf_config, export.source, export.dtype)
@@ -195,7 +256,7 @@ def write_hf_model(
     coll.agree_or_raise(error)  # also the barrier before any rank writes
 
     # Plan this rank's runs, then write (or ship) them.
-    endpoints = {}
+    endpoints: dict[str, Endpoint] = {}
     runs: list[tuple[int, CopyRun]] = []
     for index, (_, tensors, _, entries, header, _) in enumerate(layouts):
         for tensor, entry in zip(tensors, entries):
@@ -203,7 +264,11 @@ def write_hf_model(
             block, local = _local_block(location, live[tensor.name])
             if block is None:
                 continue
-            endpoints[location] = TensorEndpoint(tensor.name, local)
+            if rank_file is not None:
+                at = rank_file.offsets[tensor.name]
+                block = dense_block(rank_file.file.path, at, block.dtype, local.shape, block.start)
+            else:
+                endpoints[location] = TensorEndpoint(tensor.name, local)
             dst = dense_block(str(index), len(header) + entry.begin, tensor.dtype, tensor.shape)
             runs.extend((index, r) for r in plan_copy(tensor.name, tensor.shape, block, dst))
     ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
@@ -213,10 +278,14 @@ def write_hf_model(
     files = _HfFiles(paths, hashed)
     error = None
     try:
+        if rank_file is not None:
+            endpoints[rank_file.file.path] = rank_file.endpoint()
         if shared:
             _write_local(files, runs, streamer)
         else:
             _ship_to_rank0(files, runs, streamer)
+        for endpoint in endpoints.values():
+            endpoint.finish()  # the rank file's last chunk read is checked
         if after_reads is not None:
             after_reads()
         files.fsync()  # the files this rank wrote (none on a shipping rank)
@@ -224,6 +293,8 @@ def write_hf_model(
         error = exc
     finally:
         files.close()
+        for endpoint in endpoints.values():
+            endpoint.close()
     coll.agree_or_raise(error)  # also the barrier before sealing
     return _seal(paths, layouts, shared, hashed.digests)
 

@@ -37,6 +37,8 @@ def test_async_hf_model_export_holds_the_state_of_its_step(tmp_path, hf_model):
     results = run(workers.async_run, 2, str(root), 3, "64MiB", hf_model)
     expected = results[0]["expected"]
     for result in results:
+        if hf_model == "export":  # read back from the rank files: no step waits for the export
+            assert result["held_steps"] == 0
         for step, state in result["restored"].items():
             assert_state_equal(state, expected[step])
     for step in (2, 3):  # keep_last is None: every step is there
@@ -116,4 +118,22 @@ def test_held_step_goes_once_the_save_reads_no_live_tensor():
     assert not released.is_set() and guard.staged_bytes == 0
     guard.release()
     thread.join(timeout=5)
-    assert released.is_set() and not guard.finished
+    assert released.is_set() and not guard.finished and guard.held
+
+
+def test_step_held_before_the_save_starts_stages_once_the_export_reads_the_rank_file():
+    """A step that meets an hf_model save before it has begun waits for the hold; once the
+    save finds that the export can read the rank file (``stop_holding``), the step stages and
+    waits as for a save without hf_model."""
+    guard = SourceGuard(staging_bytes=100, hold_until_finished=True)
+    thread, released = _freeze_in_thread(guard)
+    assert not released.is_set()
+    guard.stop_holding()
+    a, b = _endpoint(100), _endpoint(100)
+    guard.register([("a", a, 0, 100), ("b", b, 100, 200)])
+    guard.window(0, 100)  # the writer reads a; b is staged within the budget
+    time.sleep(0.1)
+    assert not released.is_set() and guard.endpoint("b") is not b
+    guard.window(100, 200)  # a is written: nothing live is read again, long before release
+    thread.join(timeout=5)
+    assert released.is_set() and not guard.held and not guard.released

@@ -14,15 +14,21 @@ from . import workers
 
 
 @pytest.mark.parametrize(
-    "shared, tie, world",
-    [(None, False, 3), (False, False, 2), (None, True, 2)],
-    ids=["shared-fs-detected", "ship-to-rank0", "tied"],
+    "shared, tie, world, async_save",
+    [
+        (None, False, 3, False),
+        (False, False, 2, False),
+        (None, True, 2, False),
+        (False, True, 3, True),
+    ],
+    # async: each rank's rows are read back from its rank file (shipped to rank 0 here)
+    ids=["shared-fs-detected", "ship-to-rank0", "tied", "async-from-rank-files"],
 )
-def test_hf_model_export_loads_with_transformers(tmp_path, shared, tie, world):
+def test_hf_model_export_loads_with_transformers(tmp_path, shared, tie, world, async_save):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path / "run"
-    full = run(workers.hf_export_run, world, str(root), shared, tie)[0]["full"]
+    full = run(workers.hf_export_run, world, str(root), shared, tie, async_save)[0]["full"]
     export = root / "global_step_1" / "huggingface"
     assert verify(root).ok
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)

@@ -178,7 +178,7 @@ def async_run(
         expected[step] = full_state(model, optimizer, scheduler)
     manager.wait()
     engine.TensorEndpoint.read_into = original
-    stalls = list(manager._async.stalls)
+    stalls, held_steps = list(manager._async.stalls), manager._async.held_steps
     manager.close()
     fresh, fresh_opt, fresh_sched, _ = build((world,), seed=7)
     checker = CheckpointManager(
@@ -192,7 +192,7 @@ def async_run(
         assert checker.restore(step=step) == (step, {"step": step})
         restored[step] = full_state(fresh, fresh_opt, fresh_sched)
     checker.close()
-    return {"expected": expected, "restored": restored, "stalls": stalls}
+    return {"expected": expected, "restored": restored, "stalls": stalls, "held_steps": held_steps}
 
 
 def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict:
@@ -245,12 +245,17 @@ def dcp_restore_run(rank: int, world: int, root: str, stage: str) -> dict:
     return full_state(model, optimizer, scheduler)["model"]
 
 
-def hf_export_run(rank: int, world: int, root: str, shared: bool | None, tie: bool) -> dict:
-    """Save hf_model from FSDP2 ranks; return the unsharded model's logits for comparison."""
+def hf_export_run(
+    rank: int, world: int, root: str, shared: bool | None, tie: bool, async_save: bool = False
+) -> dict:
+    """Save hf_model from FSDP2 ranks; return the unsharded model's state for comparison."""
     model, optimizer, scheduler, config = build((world,), tie=tie)
     train_step(model, optimizer, scheduler, 1)
     cfg = CheckpointConfig(
-        directory=root, save_contents=("model", "hf_model"), shared_filesystem=shared
+        directory=root,
+        save_contents=("model", "hf_model"),
+        shared_filesystem=shared,
+        async_save=async_save,
     )
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
     manager.save(1)

@@ -23,7 +23,8 @@ from ..plan import chunk_extent
 from .native import _is_grid, rank_file, whole_chunk
 
 
-def _key(fqn: str, offsets: list[int]) -> str:
+def item_key(fqn: str, offsets: list[int]) -> str:
+    """The rank-file key of the piece of ``fqn`` that starts at ``offsets``."""
     return f"{fqn}@{','.join(map(str, offsets))}"
 
 
@@ -67,10 +68,10 @@ def local_items(
             if list(local.shape) != [rows, *shape[1:]]:
                 return None
             if rows and writes:  # rank ``index`` of the first replica: rank_file(index)
-                items.append((_key(fqn, [start] + [0] * (len(shape) - 1)), local))
+                items.append((item_key(fqn, [start] + [0] * (len(shape) - 1)), local))
         elif type(tensor) is torch.Tensor or isinstance(tensor, torch.nn.Parameter):
             if rank == 0:
-                items.append((_key(fqn, [0] * len(shape)), tensor.detach()))
+                items.append((item_key(fqn, [0] * len(shape)), tensor.detach()))
         else:
             return None
     return items
@@ -112,7 +113,7 @@ def manifest_entries(
         if grid is not None:
             entry["grid"] = grid
         else:
-            chunk = whole_chunk(shape, rank_file(0), _key(fqn, [0] * len(shape)))
+            chunk = whole_chunk(shape, rank_file(0), item_key(fqn, [0] * len(shape)))
             if _is_grid(fqn, shape, [chunk], world):
                 entry["grid"] = world
             else:
