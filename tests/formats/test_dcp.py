@@ -38,6 +38,7 @@ from shardstream.errors import (
     UnsafeCheckpointError,
 )
 from shardstream.formats import dcp as dcp_format
+from shardstream.formats import dcp_pickles
 from shardstream.sources import open_checkpoint
 
 TINY = {
@@ -487,7 +488,7 @@ def test_metadata_cannot_modify_the_reader_types(tmp_path):
     (tmp_path / "ck" / ".metadata").write_bytes(payload)
     with pytest.raises(UnsafeCheckpointError, match=r"\.metadata: refused.*modify Metadata"):
         open_checkpoint(tmp_path / "ck")
-    assert dcp_format._Metadata.version is None
+    assert dcp_pickles.Metadata.version is None
 
 
 def test_hostile_chunk_record_is_refused(tmp_path):
