@@ -21,7 +21,7 @@ from typing import Any
 import torch.distributed as dist
 
 from . import collectives as coll
-from .copy import TensorEndpoint
+from .endpoints import TensorEndpoint
 
 log = logging.getLogger(__name__)
 

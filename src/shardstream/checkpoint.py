@@ -27,7 +27,8 @@ from . import collectives as coll
 from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
-from .copy import Buffers, FileEndpoint, Streamer, one_buffer_set
+from .copy import Buffers, Streamer, one_buffer_set
+from .endpoints import FileEndpoint
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -99,8 +100,8 @@ def _write_extra(
         endpoints = {}
         outputs = []
         for key, tensor in tensors.items():
-            from .copy import TensorEndpoint
             from .dtypes import code_of
+            from .endpoints import TensorEndpoint
 
             location = f"memory:{key}"
             endpoints[location] = TensorEndpoint(key, tensor)

@@ -40,8 +40,9 @@ import numpy as np
 import torch
 
 from . import lora
-from .copy import Buffers, FileEndpoint, OpenEndpoints, Streamer
+from .copy import Buffers, Streamer
 from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from .endpoints import FileEndpoint, OpenEndpoints
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,

@@ -23,17 +23,9 @@ import torch.distributed as dist
 
 from . import collectives as coll
 from .checksum import ChunkHasher, digest, new_hasher
-from .copy import (
-    Buffers,
-    Endpoint,
-    FileEndpoint,
-    Streamer,
-    TensorEndpoint,
-    live_block,
-    pwrite_array,
-    write_all,
-)
+from .copy import Buffers, Streamer, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
+from .endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
 from .errors import UsageError
 from .formats import hf, local_save
 from .formats.native import MODEL_PREFIX, whole_chunk

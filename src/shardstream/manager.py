@@ -268,7 +268,7 @@ class CheckpointManager:
             for path in doomed:  # outside the lock: they are ours alone after the rename
                 shutil.rmtree(path, ignore_errors=True)
         if config.stagger_host_transfers:
-            from .copy import configure_host_transfers
+            from .endpoints import configure_host_transfers
 
             configure_host_transfers(stagger=True)
         if config.async_save:

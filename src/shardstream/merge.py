@@ -13,8 +13,9 @@ from pathlib import Path
 from . import collectives as coll
 from . import lora
 from .commit import staged_directory
-from .copy import Buffers, FileEndpoint, OpenEndpoints, Streamer
+from .copy import Buffers, Streamer
 from .dtypes import FLOATING, TORCH_NAME, itemsize
+from .endpoints import FileEndpoint, OpenEndpoints
 from .errors import CheckpointFormatError, UsageError
 from .formats import hf
 from .formats.hf import output_dtype, tied_duplicates

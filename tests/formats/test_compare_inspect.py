@@ -301,13 +301,13 @@ def test_describe(fsdp_root):
 
 
 def test_describe_reads_no_tensor_data(fsdp_root, monkeypatch):
-    from shardstream import copy
+    from shardstream import endpoints
 
     def forbidden(*args, **kwargs):
         raise AssertionError("inspect read tensor data")
 
-    monkeypatch.setattr(copy.FileEndpoint, "read_into", forbidden)
-    monkeypatch.setattr(copy.FileEndpoint, "__init__", forbidden)
+    monkeypatch.setattr(endpoints.FileEndpoint, "read_into", forbidden)
+    monkeypatch.setattr(endpoints.FileEndpoint, "__init__", forbidden)
     assert describe(fsdp_root / "base")["num_tensors"] == 8
 
 

@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 import shardstream
 from shardstream import CheckpointConfig, CheckpointManager
-from shardstream.copy import HostTransfer, TensorEndpoint, default_transfer
+from shardstream.endpoints import HostTransfer, TensorEndpoint, default_transfer
 
 DEVICES = [
     "cpu",

@@ -11,7 +11,7 @@ import torch
 
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.async_save import SourceGuard
-from shardstream.copy import TensorEndpoint
+from shardstream.endpoints import TensorEndpoint
 from shardstream.formats import native
 from shardstream.testing.distributed import run
 

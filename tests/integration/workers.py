@@ -149,7 +149,7 @@ def async_run(
     hf_model to the contents, "shared" also sets ``share_hf_weights``."""
     import time as _time
 
-    from shardstream import copy as engine
+    from shardstream import endpoints as engine
 
     original = engine.TensorEndpoint.read_into
 

@@ -13,18 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstream.copy import (
-    Buffers,
-    FileEndpoint,
-    Streamer,
-    TensorEndpoint,
-    hash_block,
-    live_block,
-    new_digest,
-    stream_file,
-    stream_into_memory,
-)
+from shardstream.checksum import digest as xxh3_digest
+from shardstream.copy import Buffers, Streamer, hash_block, stream_file, stream_into_memory
 from shardstream.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.endpoints import FileEndpoint, TensorEndpoint, live_block
 from shardstream.errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
 from shardstream.formats.safetensors import read_header, stored_checksums
 from shardstream.formats.writer import OutputTensor, write_safetensors
@@ -267,7 +259,7 @@ def test_stream_file_digests_cover_the_data_section(tmp_path):
     result, digests, data = merge_to_file(tmp_path, (10, 10), "F32", blocks, tiny_buffers(28, 20))
     chunk = 4 * 2**20
     assert digests == [
-        new_digest(np.frombuffer(bytes(data[i : i + chunk]), dtype=np.uint8))
+        xxh3_digest(np.frombuffer(bytes(data[i : i + chunk]), dtype=np.uint8))
         for i in range(0, len(data), chunk)
     ]
 
@@ -630,7 +622,7 @@ def test_hash_block_is_the_digest_of_row_major_bytes(tmp_path):
     endpoints = Endpoints()
     digest = hash_block("t", (5, 7), block, Streamer(endpoints, tiny_buffers(12, 8)))
     endpoints.close()
-    assert digest == new_digest(full.contiguous().numpy().view(np.uint8).reshape(-1))
+    assert digest == xxh3_digest(full.contiguous().numpy().view(np.uint8).reshape(-1))
 
 
 def test_buffers_sized_respects_ratio_and_minimum():
@@ -681,7 +673,7 @@ def test_random_layouts_dtypes_and_buffers(data):
 
 
 def test_host_transfer_ring_copies_in_bounded_slots(tmp_path):
-    from shardstream.copy import HostTransfer, TensorEndpoint
+    from shardstream.endpoints import HostTransfer, TensorEndpoint
 
     data = torch.arange(1000, dtype=torch.int32)
     lock = tmp_path / "d2h.lock"

@@ -11,8 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardstream.copy import Buffers, FileEndpoint, Streamer
+from shardstream.copy import Buffers, Streamer
 from shardstream.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.endpoints import FileEndpoint
 from shardstream.formats.safetensors import build_header, read_header
 from shardstream.formats.writer import (
     OutputTensor,

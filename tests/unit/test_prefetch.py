@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 import torch
 
-from shardstream.copy import Buffers, FileEndpoint, Streamer, stream_file
+from shardstream.copy import Buffers, Streamer, stream_file
 from shardstream.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.endpoints import FileEndpoint
 from shardstream.plan import Block, chunk_extent, dense_block, plan_copy
 
 

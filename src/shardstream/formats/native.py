@@ -37,7 +37,7 @@ from ..plan import (
 from .safetensors import read_header, stored_checksums, tensors_in_range
 
 if TYPE_CHECKING:
-    from ..copy import FileEndpoint
+    from ..endpoints import FileEndpoint
 
 FORMAT = "shardstream"
 FORMAT_VERSION = 2
@@ -267,7 +267,7 @@ class NativeCheckpoint:
         if location not in self.digests:
             raise CheckpointFormatError(f"{location}: not a data file of this checkpoint")
         data_start, chunk_bytes, chunks = self.digests[location]
-        from ..copy import FileEndpoint
+        from ..endpoints import FileEndpoint
 
         return FileEndpoint(
             location,

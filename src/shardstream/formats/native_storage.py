@@ -33,17 +33,9 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..copy import (
-    Buffers,
-    Endpoint,
-    FileEndpoint,
-    OpenEndpoints,
-    Streamer,
-    TensorEndpoint,
-    live_block,
-    stream_into_memory,
-)
+from ..copy import Buffers, Streamer, stream_into_memory
 from ..dtypes import TORCH_BY_CODE, code_of
+from ..endpoints import Endpoint, FileEndpoint, OpenEndpoints, TensorEndpoint, live_block
 from ..errors import CheckpointFormatError
 from ..plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
 from ..sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES

@@ -30,8 +30,8 @@ from types import MappingProxyType
 import torch
 
 from ..checksum import Crc32
-from ..copy import FileEndpoint
 from ..dtypes import code_of
+from ..endpoints import FileEndpoint
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import Block
 

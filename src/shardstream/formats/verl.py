@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import collectives as coll
-from ..copy import FileEndpoint
+from ..endpoints import FileEndpoint
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import (
     Block,

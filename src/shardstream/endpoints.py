@@ -1,0 +1,476 @@
+"""Endpoints: the places the executor moves bytes between, a file or a live tensor's storage.
+
+``FileEndpoint`` reads a file through short-lived mappings of the page cache and checks every
+read against chunk digests (or zip CRC-32s) as the bytes stream past. ``TensorEndpoint`` reads
+and writes a tensor's storage in place; device tensors reach the host through ``HostTransfer``,
+a bounded ring of pinned buffers.
+"""
+
+from __future__ import annotations
+
+import bisect
+import contextlib
+import mmap
+import os
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .checksum import new_hasher
+from .dtypes import code_of
+from .errors import CheckpointFormatError, ChecksumMismatchError
+from .plan import Block
+from .sizes import DEFAULT_CHUNK_BYTES
+
+
+class Endpoint:
+    """A byte-addressable place: a file or a tensor's storage."""
+
+    name: str
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def write_rows(self, offset: int, step: int, rows: np.ndarray) -> None:
+        raise NotImplementedError
+
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Hint that bytes [offset, offset + nbytes) will be read soon; never required."""
+
+    def finish(self) -> None:
+        """Check whatever was read but not yet verified; raise if it is damaged."""
+
+    def close(self) -> None:
+        pass
+
+
+class FileEndpoint(Endpoint):
+    """A file read through the page cache; optionally every read is checked against chunk
+    digests.
+
+    Reads copy from short-lived mappings of the file (``preadv`` where it cannot be mapped),
+    and ``mapped`` lends the bytes themselves, so a dtype conversion reads the page cache
+    directly instead of a copy of it. A file truncated by someone else while it is mapped
+    kills the process (SIGBUS); outputs are staged, so nothing half-written is committed.
+
+    With digests, the chunk a read falls in is hashed as its bytes stream past: read straight
+    into the caller's array and fed to the chunk's hash, and bytes the caller skips read into a
+    small transient buffer and hashed too. When the last byte of a chunk has been hashed, its
+    digest is compared, and a mismatch raises. Nothing is kept, so a merge reading thousands of
+    rank files side by side holds a hash state per file, not a chunk. Bytes are handed out
+    before the rest of their chunk has been read: ``finish()`` reads and checks the chunk in
+    progress, and every caller calls it before it commits or returns what it read. Reads in
+    file order touch each byte once; a read behind the chunk in progress restarts that chunk.
+
+    Chunks are ``chunk_bytes`` apart from ``data_start`` (shardstream's safetensors files), or
+    the given ``spans`` (zip records, whose CRC-32s ``hasher`` computes); bytes outside every
+    span (zip headers) are read unchecked.
+    """
+
+    _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
+    _MAP_PIECE_BYTES = 8 << 20  # the most bytes mapped at once by a copying read
+    _MAP_MIN_BYTES = 1 << 20  # smaller reads use preadv: a mapping costs more than it saves
+
+    def __init__(
+        self,
+        path: str,
+        digests: Sequence[str] | None = None,
+        data_start: int = 0,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        describe: Callable[[int, int], str] | None = None,
+        spans: Sequence[tuple[int, int]] | None = None,
+        hasher: Callable[[], Any] = new_hasher,
+    ):
+        self.name = path
+        self.fd = os.open(path, os.O_RDONLY)
+        self.size = os.fstat(self.fd).st_size
+        self.digests = list(digests) if digests is not None else None
+        self.data_start = data_start
+        self.chunk_bytes = chunk_bytes
+        self.spans = list(spans) if spans is not None else None  # sorted, disjoint
+        self._span_starts = [lo for lo, _ in self.spans] if self.spans is not None else None
+        self.describe = describe or (lambda a, b: "")
+        self._chunk: int | None = None  # index of the chunk being hashed, if any
+        self._lo = self._hi = self._hashed_to = 0  # its bytes, and how far they are hashed
+        self._hasher = hasher()
+        self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
+        self._unmappable = False
+
+    def _pread(self, offset: int, out: np.ndarray) -> None:
+        """Copy bytes [offset, offset + out.nbytes) into ``out``: from a mapping of the page
+        cache, a piece at a time, or with ``preadv`` where the file cannot be mapped."""
+        view = memoryview(out).cast("B")
+        flat = np.frombuffer(view, dtype=np.uint8)
+        done = 0
+        while done < len(view):
+            take = min(len(view) - done, self._MAP_PIECE_BYTES)
+            mapped = self._map(offset + done, take)
+            if mapped is not None:
+                np.copyto(flat[done : done + take], mapped)
+                done += take
+                continue
+            n = os.preadv(self.fd, [view[done:]], offset + done)
+            if n == 0:
+                self._truncated(offset, offset + len(view))
+            done += n
+
+    def _map(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) mapped from the page cache, unmapped when the array
+        is dropped; None for small reads and where mapping is refused (some network and FUSE
+        file systems).
+
+        Private and writable only so that torch accepts the array without a warning: nothing
+        writes to it, and a write would touch a private copy, never the file.
+        """
+        if nbytes < self._MAP_MIN_BYTES or self._unmappable:
+            return None
+        if offset + nbytes > self.size:
+            self._truncated(offset, offset + nbytes)
+        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        try:
+            memory = mmap.mmap(
+                self.fd,
+                offset + nbytes - base,
+                flags=mmap.MAP_PRIVATE,
+                prot=mmap.PROT_READ | mmap.PROT_WRITE,
+                offset=base,
+            )
+        except (OSError, ValueError):
+            self._unmappable = True
+            return None
+        return np.frombuffer(memory, dtype=np.uint8)[offset - base :]
+
+    def _truncated(self, lo: int, hi: int) -> None:
+        raise CheckpointFormatError(
+            f"{self.name}: truncated: needed bytes [{lo}, {hi}) but the file ends at {self.size}"
+        )
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        if self.digests is None:
+            self._pread(offset, out)
+            return
+        if not out.flags.c_contiguous:
+            staged = np.empty(out.nbytes, dtype=np.uint8)
+            self.read_into(offset, staged)
+            out[...] = staged.view(out.dtype).reshape(out.shape)
+            return
+        self._checked(offset, out.reshape(-1).view(np.uint8), copy=True)
+
+    def mapped(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) as an array over the page cache, with no copy
+        (checked like ``read_into`` when the file has digests); None for small reads and where
+        the file cannot be mapped. The mapping lives as long as the array, so keep ``nbytes``
+        to a buffer's size: its pages count as resident while it lives."""
+        view = self._map(offset, nbytes)
+        if view is not None and self.digests is not None:
+            self._checked(offset, view, copy=False)
+        return view
+
+    def _checked(self, offset: int, flat: np.ndarray, copy: bool) -> None:
+        """Hash bytes [offset, offset + flat.nbytes) chunk by chunk, reading them into
+        ``flat`` first with ``copy`` (else ``flat`` already holds them)."""
+        if offset < self.data_start:
+            raise CheckpointFormatError(
+                f"{self.name}: bytes [{offset}, {offset + flat.nbytes}) start before the "
+                f"checksummed data section at {self.data_start}"
+            )
+        pos, end = offset, offset + flat.nbytes
+        while pos < end:
+            if pos >= self.size:
+                self._truncated(offset, end)
+            index, lo, hi = self._chunk_at(pos)
+            if index is None:  # between spans: no digest covers these bytes
+                take = min(end, hi) - pos
+                if copy:
+                    self._pread(pos, flat[pos - offset : pos - offset + take])
+                pos += take
+                continue
+            if index != self._chunk or pos < self._hashed_to:
+                self.finish()
+                self._begin(index, lo, hi)
+            self._hash_through(pos)
+            take = min(end, self._hi) - pos
+            piece = flat[pos - offset : pos - offset + take]
+            if copy:
+                self._pread(pos, piece)
+            self._hasher.update(memoryview(piece))
+            self._hashed_to = pos = pos + take
+            if pos == self._hi:
+                self._check()
+
+    def finish(self) -> None:
+        """Read the rest of the chunk in progress and check it (every byte handed out from it
+        is then verified). Raises ``ChecksumMismatchError`` naming the file and bytes."""
+        if self._chunk is not None:
+            self._hash_through(self._hi)
+            self._check()
+
+    def check_all(self) -> None:
+        """Read and check every chunk (every span) of the file, front to back, through a small
+        scratch buffer. Raises ``ChecksumMismatchError`` at the first damaged one."""
+        self.finish()
+        for index in range(len(self.digests or ())):
+            self._begin(index, *self._chunk_bounds(index))
+            self.finish()
+
+    def _chunk_bounds(self, index: int) -> tuple[int, int]:
+        """First byte and end of chunk (or span) ``index``."""
+        if self.spans is not None:
+            return self.spans[index]
+        lo = self.data_start + index * self.chunk_bytes
+        return lo, min(lo + self.chunk_bytes, self.size)
+
+    def _chunk_at(self, pos: int) -> tuple[int | None, int, int]:
+        """(index, first byte, end) of the chunk holding ``pos``; outside every span, (None,
+        pos, where the next span starts)."""
+        if self.spans is None:
+            index = (pos - self.data_start) // self.chunk_bytes
+            return index, *self._chunk_bounds(index)
+        index = bisect.bisect_right(self._span_starts, pos) - 1
+        if index >= 0 and pos < self.spans[index][1]:
+            return index, *self.spans[index]
+        following = self._span_starts[index + 1] if index + 1 < len(self.spans) else self.size
+        return None, pos, max(following, pos + 1)
+
+    def _begin(self, index: int, lo: int, hi: int) -> None:
+        self._chunk = index
+        self._lo = self._hashed_to = lo
+        self._hi = hi
+        self._hasher.reset()
+
+    def _hash_through(self, pos: int) -> None:
+        """Read and hash the chunk's bytes up to ``pos`` that no caller asked for."""
+        if pos <= self._hashed_to:
+            return
+        scratch = np.empty(min(pos - self._hashed_to, self._SKIP_BYTES), dtype=np.uint8)
+        while self._hashed_to < pos:
+            piece = scratch[: min(pos - self._hashed_to, scratch.nbytes)]
+            self._pread(self._hashed_to, piece)
+            self._hasher.update(memoryview(piece))
+            self._hashed_to += piece.nbytes
+
+    def _check(self) -> None:
+        index, lo, hi = self._chunk, self._lo, self._hi
+        self._chunk = None
+        self.chunks_read += 1
+        if index >= len(self.digests) or self._hasher.hexdigest() != self.digests[index]:
+            raise ChecksumMismatchError(
+                f"{self.name}: checksum mismatch in bytes [{lo}, {hi}){self.describe(lo, hi)}"
+            )
+
+    def prefetch(self, offset: int, nbytes: int) -> None:
+        """Start reading the range into the page cache (``POSIX_FADV_WILLNEED``), so the disk
+        works while the caller converts what it already has. A hint: failures are ignored."""
+        if nbytes > 0 and hasattr(os, "posix_fadvise"):
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class OpenEndpoints:
+    """Endpoints opened on first use, then verified and closed together.
+
+    Every user calls ``finish()`` before it commits or returns what it read (checked files
+    verify the rest of their chunk in progress), and ``close()`` in a ``finally``.
+    """
+
+    def __init__(self, opener: Callable[[str], Endpoint] = FileEndpoint):
+        self.opener = opener
+        self.opened: dict[str, Endpoint] = {}
+
+    def __call__(self, location: str) -> Endpoint:
+        endpoint = self.opened.get(location)
+        if endpoint is None:
+            endpoint = self.opened[location] = self.opener(location)
+        return endpoint
+
+    def finish(self) -> None:
+        for endpoint in list(self.opened.values()):
+            endpoint.finish()
+
+    def close(self) -> None:
+        for endpoint in self.opened.values():
+            endpoint.close()
+        self.opened.clear()
+
+
+class TensorEndpoint(Endpoint):
+    """The storage of a live tensor (CPU, or any device through host copies)."""
+
+    def __init__(self, name: str, tensor: torch.Tensor, transfer: HostTransfer | None = None):
+        self.name = name
+        storage = tensor.untyped_storage()
+        self.device = tensor.device
+        self.bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)
+        if transfer is None and self.device.type != "cpu":
+            transfer = default_transfer()
+        self.transfer = transfer
+
+    def snapshot(self) -> TensorEndpoint:
+        """A private host copy of the whole storage, at the same offsets (async staging)."""
+        copy = TensorEndpoint.__new__(TensorEndpoint)
+        copy.name, copy.device, copy.transfer = self.name, torch.device("cpu"), None
+        pinned = self.device.type == "cuda"
+        copy.bytes = torch.empty(self.bytes.numel(), dtype=torch.uint8, pin_memory=pinned)
+        copy.bytes.copy_(self.bytes)
+        return copy
+
+    @property
+    def nbytes(self) -> int:
+        return self.bytes.numel()
+
+    def host_view(self, offset: int, nbytes: int) -> np.ndarray | None:
+        """Bytes [offset, offset + nbytes) as a writable array, when the tensor is in host memory
+        (reads land in it, writes and conversions read from it, with no copy); None otherwise."""
+        if self.device.type != "cpu" or self.transfer is not None:
+            return None
+        return self.bytes.numpy()[offset : offset + nbytes]
+
+    def read_into(self, offset: int, out: np.ndarray) -> None:
+        src = self.bytes[offset : offset + out.nbytes]
+        if self.transfer is not None:
+            self.transfer.copy_to_host(src, out)
+        elif self.device.type == "cpu":
+            out[...] = src.numpy()
+        else:
+            torch.from_numpy(out).copy_(src)
+
+    def write_rows(self, offset: int, step: int, rows: np.ndarray) -> None:
+        count, width = rows.shape
+        if count == 0 or width == 0:
+            return
+        if self.device.type == "cpu":
+            flat = self.bytes.numpy()
+            target = np.lib.stride_tricks.as_strided(
+                flat[offset:], shape=(count, width), strides=(step, 1)
+            )
+            target[...] = rows
+        else:
+            target = torch.as_strided(self.bytes, (count, width), (step, 1), offset)
+            target.copy_(torch.from_numpy(rows))
+
+
+def live_block(location: str, tensor: torch.Tensor, start: tuple[int, ...] | None = None) -> Block:
+    """The block of a live tensor inside its own storage (``TensorEndpoint`` bytes), strides
+    and storage offset kept, so views are read where they lie; ``start`` places it in a larger
+    global tensor (the origin by default)."""
+    return Block(
+        location,
+        tensor.storage_offset() * tensor.element_size(),
+        code_of(tensor.dtype),
+        (0,) * tensor.dim() if start is None else tuple(start),
+        tuple(tensor.shape),
+        tuple(tensor.stride()),
+    )
+
+
+class HostTransfer:
+    """Device-to-host copies through a bounded ring of (pinned) host buffers.
+
+    Slot ``i + 1`` is filled on a side stream while slot ``i`` is copied out, so transfers
+    overlap; the ring bounds host memory at ``slots * slot_bytes``. With ``stagger_path``,
+    ranks on one host take turns (an flock per slot), so they don't saturate the host link
+    together. CPU tensors run the same logic without streams, which is how it is tested.
+    """
+
+    def __init__(self, slot_bytes: int = 8 << 20, slots: int = 3, stagger_path: str | None = None):
+        self.slot_bytes, self.count = slot_bytes, slots
+        self.stagger_path = stagger_path
+        self.slots: list[torch.Tensor] = []
+        self.stream = None
+        self.transfers = 0
+
+    def _ensure(self, device: torch.device) -> None:
+        if self.slots:
+            return
+        pinned = device.type == "cuda" and torch.cuda.is_available()
+        self.slots = [
+            torch.empty(self.slot_bytes, dtype=torch.uint8, pin_memory=pinned)
+            for _ in range(self.count)
+        ]
+        if pinned:
+            self.stream = torch.cuda.Stream(device=device)
+
+    def copy_to_host(self, src: torch.Tensor, out: np.ndarray) -> None:
+        self._ensure(src.device)
+        total = out.nbytes
+        pending: list[tuple[int, int, torch.Tensor, object]] = []
+        position = 0
+        index = 0
+        while position < total or pending:
+            # Keep up to ``count - 1`` copies in flight ahead of the one being drained.
+            while position < total and (len(pending) < self.count - 1 or not pending):
+                n = min(self.slot_bytes, total - position)
+                slot = self.slots[index % self.count]
+                index += 1
+                event = self._issue(slot[:n], src[position : position + n])
+                pending.append((position, n, slot, event))
+                position += n
+            start, n, slot, event = pending.pop(0)
+            if event is not None:
+                event.synchronize()
+            out[start : start + n] = slot[:n].numpy()
+
+    def _issue(self, slot: torch.Tensor, src: torch.Tensor):
+        self.transfers += 1
+        with self._turn():
+            if self.stream is None:
+                slot.copy_(src)
+                return None
+            with torch.cuda.stream(self.stream):
+                slot.copy_(src, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(self.stream)
+            return event
+
+    def _turn(self):
+        import contextlib
+
+        if self.stagger_path is None:
+            return contextlib.nullcontext()
+        return _HostTurn(self.stagger_path)
+
+
+class _HostTurn:
+    """An exclusive turn among the processes of one host (flock on a shared lock file)."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __enter__(self):
+        import fcntl
+
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        import fcntl
+
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        os.close(self.fd)
+
+
+_DEFAULT_TRANSFER: HostTransfer | None = None
+
+
+def default_transfer() -> HostTransfer:
+    global _DEFAULT_TRANSFER
+    if _DEFAULT_TRANSFER is None:
+        _DEFAULT_TRANSFER = HostTransfer()
+    return _DEFAULT_TRANSFER
+
+
+def configure_host_transfers(stagger: bool, slot_bytes: int = 8 << 20, slots: int = 3) -> None:
+    """Set how device tensors reach the host (``stagger_host_transfers`` in the config)."""
+    import tempfile
+
+    global _DEFAULT_TRANSFER
+    path = None
+    if stagger:
+        job = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or "local"
+        path = os.path.join(tempfile.gettempdir(), f"shardstream-d2h-{job}.lock")
+    _DEFAULT_TRANSFER = HostTransfer(slot_bytes, slots, path)
