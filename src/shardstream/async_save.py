@@ -4,7 +4,7 @@ Nothing is copied up front. Parameters and optimizer state only change in ``opti
 so an optimizer step pre-hook calls ``SourceGuard.freeze()``: tensors the writer has not started
 yet are staged into host memory while the staging budget lasts (the last ones to be written
 first), and the step waits only for the rest. An hf_model export that reads live weights (not
-the rank file: ``checkpoint.execute_save``) holds the step until its last read instead. The
+the rank file: ``checkpoint.execute_save``) registers them too, after the rank file's. The
 background save runs on a process group of its own, so its collectives never interleave with
 training's.
 """
@@ -35,54 +35,71 @@ class _Source:
 
 
 class SourceGuard:
-    """Coordinates the background writer's reads of live tensors with optimizer steps."""
+    """Coordinates the background save's reads of live tensors with optimizer steps.
 
-    def __init__(self, staging_bytes: int, hold_until_finished: bool = False):
+    Sources are ordered as the save reads them: the rank file's tensors at their data offsets,
+    then the hf_model export's (when it reads live tensors) from ``EXPORT_START`` on, in the
+    order it reads them. The readers report which range they are reading (``window``).
+    """
+
+    EXPORT_START = 1 << 60  # the export's sources come after every rank-file byte
+
+    def __init__(self, staging_bytes: int):
         self.cond = threading.Condition()
         self.staging_bytes = staging_bytes
-        self.hold_until_finished = hold_until_finished
-        self.sources: dict[str, _Source] | None = None
-        self.reading_upto = 0  # bytes [0, reading_upto) of the rank file are read or being read
-        self.done_upto = 0  # bytes [0, done_upto) are written
+        self.sources: dict[str, _Source] = {}
+        self.ready = False  # every source of this save is registered
+        self.reading_upto = 0  # sources below reading_upto are read or being read
+        self.done_upto = 0  # sources below done_upto are read
         self.staged_bytes = 0
-        self.released = False  # no live tensor will be read again (hold_until_finished saves)
         self.finished = False
-        self.held = False  # an optimizer step waited for the whole hold
 
-    # --- the writer's side ---------------------------------------------------------------------
+    # --- the save's side -----------------------------------------------------------------------
 
-    def register(self, items: list[tuple[str, TensorEndpoint, int, int]]) -> None:
+    def register(
+        self, items: list[tuple[str, TensorEndpoint, int, int]], ready: bool = True
+    ) -> None:
+        """Add (location, live endpoint, begin, end) sources; ``ready``: none will follow."""
         with self.cond:
-            self.sources = {loc: _Source(ep, begin, end) for loc, ep, begin, end in items}
+            for location, live, begin, end in items:
+                self.sources[location] = _Source(live, begin, end)
+            self.ready = self.ready or ready
             self.cond.notify_all()
+
+    def register_export(self, items: list[tuple[str, TensorEndpoint]]) -> None:
+        """The export's live sources, in the order it reads them; registered before the rank
+        file's, which make the set ready."""
+        at, placed = self.EXPORT_START, []
+        for location, live in items:
+            placed.append((location, live, at, at + live.nbytes))
+            at += live.nbytes
+        self.register(placed, ready=False)
+
+    def mark_ready(self) -> None:
+        self.register([], ready=True)
 
     def endpoint(self, location: str) -> TensorEndpoint:
         with self.cond:
             source = self.sources[location]
             return source.staged or source.live
 
+    def reading(self, location: str) -> None:
+        """The export starts reading ``location``: every source before it is read."""
+        with self.cond:
+            source = self.sources[location]
+        self.window(source.begin, source.end)
+
     def window(self, lo: int, hi: int) -> None:
         with self.cond:
             self.done_upto, self.reading_upto = lo, hi
             self.cond.notify_all()
 
-    def written(self) -> None:
-        with self.cond:
-            self.done_upto = self.reading_upto = 1 << 62
-            self.cond.notify_all()
+    def rank_file_read(self) -> None:
+        """The rank file is written: only the export's sources may still be read."""
+        self.window(self.EXPORT_START, self.EXPORT_START)
 
-    def stop_holding(self) -> None:
-        """Live tensors are read by the rank-file writer alone (an hf_model export reads the
-        rank file): steps stage and wait as for any save, not for the hold."""
-        with self.cond:
-            self.hold_until_finished = False
-            self.cond.notify_all()
-
-    def release(self) -> None:
-        """This save reads no live tensor from now on: a held optimizer step may go."""
-        with self.cond:
-            self.released = True
-            self.cond.notify_all()
+    def all_read(self) -> None:
+        self.window(1 << 62, 1 << 62)
 
     def finish(self) -> None:
         with self.cond:
@@ -95,17 +112,10 @@ class SourceGuard:
         """Return once no live tensor will be read again; the seconds this stalled."""
         started = time.perf_counter()
         with self.cond:
-            self.cond.wait_for(
-                lambda: (
-                    self.finished
-                    or self.released
-                    or (not self.hold_until_finished and self.sources is not None)
-                )
-            )
-            if self.finished or self.released:
-                self.held = self.held or self.hold_until_finished
+            self.cond.wait_for(lambda: self.finished or self.ready)
+            if self.finished:
                 return time.perf_counter() - started
-            # Stage what the writer has not reached, starting with what it would reach last.
+            # Stage what the save has not reached, starting with what it would reach last.
             for source in sorted(self.sources.values(), key=lambda s: -s.begin):
                 if source.staged or source.begin < self.reading_upto:
                     continue
@@ -135,7 +145,6 @@ class AsyncSaver:
         self.step: int | None = None
         self.error: BaseException | None = None
         self.stalls: list[float] = []
-        self.held_steps = 0  # optimizer steps that waited for an export's reads of live tensors
         self.hook = None
         if manager.optimizer is not None:
             self.hook = manager.optimizer.register_step_pre_hook(self._before_step)
@@ -148,7 +157,7 @@ class AsyncSaver:
         budget = config.staging_budget_bytes
         buffer_bytes = max(1 << 20, min(64 << 20, budget // 4))
         prepared = self.manager._prepare(step, extra, buffer_bytes)
-        prepared.guard = SourceGuard(budget - buffer_bytes, "hf_model" in config.save_contents)
+        prepared.guard = SourceGuard(budget - buffer_bytes)
         self.guard, self.step = prepared.guard, step
         self.thread = threading.Thread(
             target=self._run, args=(prepared,), name=f"shardstream-save-{step}", daemon=True
@@ -168,8 +177,6 @@ class AsyncSaver:
         guard = self.guard
         if guard is not None and not guard.finished:
             self.stalls.append(guard.freeze())
-            self.held_steps += guard.held
-            guard.held = False
 
     def in_flight_steps(self) -> set[int]:
         alive = self.thread is not None and self.thread.is_alive()

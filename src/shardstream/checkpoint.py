@@ -133,7 +133,7 @@ class PreparedSave:
     extra: tuple[Any, dict[str, torch.Tensor]] | None
     buffer_bytes: int
     overwrite: bool
-    hf_export: Any = None
+    hf_export: Any = None  # export.ExportPlan, captured with the tensors
     hf_entries: dict[str, dict] = field(default_factory=dict)  # model tensors kept in huggingface/
     guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
 
@@ -174,14 +174,15 @@ def prepare_save(
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     hf_entries: dict[str, dict] = {}
+    export_plan = hf_export.capture() if "hf_model" in contents else None
     if "model" in contents:
         model_part = st.model_tensors(model)
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
             objects["lora"] = lora
-        elif share_hf_weights and "hf_model" in contents and hf_export is not None:
-            hf_entries = hf_export.same_bytes(tensors)
+        elif share_hf_weights and export_plan is not None:
+            hf_entries = export_plan.same_bytes(tensors)
             tensors = {k: v for k, v in tensors.items() if k not in hf_entries}
     if "optimizer" in contents:
         optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
@@ -198,7 +199,7 @@ def prepare_save(
         extra=encode_extra(extra) if "extra" in contents else None,
         buffer_bytes=parse_size(buffer_size),
         overwrite=overwrite,
-        hf_export=hf_export if "hf_model" in contents else None,
+        hf_export=export_plan,
         hf_entries=hf_entries,
     )
 
@@ -296,14 +297,14 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             tensor_section, file_section = {}, {}
             records: dict[str, Any] = {}
             local = _rank_local_plan(tensors) if tensors else None
-            export_keys = None
-            if prepared.guard is not None and prepared.hf_export is not None and local is not None:
+            guard, export_keys, rank_rows = prepared.guard, None, None
+            if guard is not None and prepared.hf_export is not None:
                 # An async export reads this rank's rows back from its rank file when that holds
-                # them all: the next optimizer step then waits only for the rank file.
-                export_keys = prepared.hf_export.rank_file_keys(local)
-                if export_keys is not None:
-                    prepared.guard.stop_holding()
-            rank_rows = None
+                # them all; else the guard learns of its live reads before any read starts.
+                if local is not None:
+                    export_keys = prepared.hf_export.rank_file_keys(local)
+                if export_keys is None:
+                    guard.register_export(prepared.hf_export.live_reads())
             # What each rank writes alone may fail on one rank only: those errors are agreed
             # on before the next collective (the export, or the gather below), never skipped.
             local_error: BaseException | None = None
@@ -339,13 +340,10 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 except Exception as exc:  # noqa: BLE001
                     local_error = _save_error(exc, target)
             if prepared.hf_export is not None:
-                # The export's collectives need every rank. An async save whose export reads
-                # live tensors holds the next optimizer step until the export has read them
-                # (hold_until_finished, released after its last read), so they are still the
-                # saved step's.
-                coll.agree_or_raise(local_error)
-                release = prepared.guard.release if prepared.guard is not None else None
-                records.update(prepared.hf_export(tmp, buffer_bytes, release, rank_rows))
+                coll.agree_or_raise(local_error)  # the export's collectives need every rank
+                if guard is not None:
+                    guard.mark_ready()  # with no rank file, the export's reads are all there is
+                records.update(prepared.hf_export(tmp, buffer_bytes, guard, rank_rows))
                 tensor_section.update(prepared.hf_entries)
             elif local_error is not None:
                 raise local_error

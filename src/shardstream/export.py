@@ -15,7 +15,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -34,6 +34,9 @@ from .formats.writer import WrittenFile, start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
 from .sizes import DEFAULT_CHUNK_BYTES
 from .state import model_tensors
+
+if TYPE_CHECKING:
+    from .async_save import SourceGuard
 
 HF_DIR = "huggingface"
 
@@ -93,46 +96,61 @@ class HfExport:
     dtype: str | None
     shared_filesystem: bool | None
 
+    def capture(self) -> ExportPlan:
+        """One save's export, on the training thread: references to the live (sharded)
+        tensors and the HF files. A background save must not touch the model itself: its
+        state dict hooks would race with FSDP's forward and backward."""
+        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
+        out_dtype, files = _plan_files(live, self.hf_config, self.source, self.dtype)
+        return ExportPlan(self, out_dtype, files, tuple(_owned(live, files)))
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """hf_model of one save (``HfExport.capture``): the HF files, and what this rank reads."""
+
+    export: HfExport
+    out_dtype: str | None
+    files: list[tuple[str, list]]  # (file name, OutputTensors), as hf.plan_hf_files gives them
+    reads: tuple[tuple[str, Block, torch.Tensor], ...]  # see _owned
+
     def __call__(
         self,
         tmp: Path,
         buffer_bytes: int,
-        after_reads: Callable[[], None] | None = None,
+        guard: SourceGuard | None = None,
         rank_file: RankFileRows | None = None,
     ) -> dict:
-        return write_hf_model(self, tmp, buffer_bytes, after_reads, rank_file)
+        return write_hf_model(self, tmp, buffer_bytes, guard, rank_file)
+
+    def live_reads(self) -> list[tuple[str, TensorEndpoint]]:
+        """(location, live endpoint) of what this rank reads, in order: for an async save's
+        ``SourceGuard.register_export``."""
+        return [(block.location, TensorEndpoint(name, local)) for name, block, local in self.reads]
 
     def rank_file_keys(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, str] | None:
         """HF name -> rank-file key of every tensor this rank exports rows of, when ``items``
         (what this rank's file of the same save holds: ``local_save.local_items``) hold each
         of them with the same shape and dtype; else None."""
-        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
-        _, files = _plan_files(live, self.hf_config, self.source, self.dtype)
         held = dict(items)
         keys = {}
-        for _, outputs in files:
-            for out in outputs:
-                block, _ = _local_block("", live[out.name])
-                if block is None:
-                    continue
-                key = local_save.item_key(MODEL_PREFIX + out.name, list(block.start))
-                saved = held.get(key)
-                if saved is None or (tuple(saved.shape), code_of(saved.dtype)) != (
-                    block.shape,
-                    block.dtype,
-                ):
-                    return None
-                keys[out.name] = key
+        for name, block, _ in self.reads:
+            key = local_save.item_key(MODEL_PREFIX + name, list(block.start))
+            saved = held.get(key)
+            if saved is None or (tuple(saved.shape), code_of(saved.dtype)) != (
+                block.shape,
+                block.dtype,
+            ):
+                return None
+            keys[name] = key
         return keys
 
     def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
         """Manifest entries for those of ``tensors`` (``model.<fqn>``) whose exported copy holds
         exactly their bytes (same dtype, not a dropped tied weight): one chunk each, the whole
         tensor in its ``huggingface/`` file."""
-        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
-        _, files = _plan_files(live, self.hf_config, self.source, self.dtype)
         entries = {}
-        for file_name, outputs in files:
+        for file_name, outputs in self.files:
             for out in outputs:
                 name = MODEL_PREFIX + out.name
                 if name not in tensors or out.dtype != code_of(tensors[name].dtype):
@@ -206,19 +224,18 @@ def _plan_files(
 
 
 def write_hf_model(
-    export: HfExport,
+    plan: ExportPlan,
     tmp: Path,
     buffer_bytes: int,
-    after_reads: Callable[[], None] | None = None,
+    guard: SourceGuard | None = None,
     rank_file: RankFileRows | None = None,
 ) -> dict:
     """Write ``huggingface/`` into ``tmp`` from every rank; rank 0 returns the manifest's file
-    records. ``after_reads`` is called once this rank has read the last live tensor (before
-    the fsync and the sealing, which read only the files). With ``rank_file``, this rank's
-    rows are read from there, not from the live tensors."""
+    records. With ``rank_file``, this rank's rows are read from there, not from the live
+    tensors; else an async save's ``guard`` (where ``live_reads()`` is registered) hands out
+    the live or staged tensors and learns how far the reads are."""
     rank = coll.rank()
-    live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(export.model).items()}
-    out_dtype, files = _plan_files(live, export.hf_config, export.source, export.dtype)
+    export, out_dtype, files = plan.export, plan.out_dtype, plan.files
     target_dir = tmp / HF_DIR
     shared = export.shared_filesystem
     if shared is None:
@@ -249,22 +266,24 @@ def write_hf_model(
 
     # Plan this rank's runs, then write (or ship) them.
     endpoints: dict[str, Endpoint] = {}
+    guarded = guard is not None and rank_file is None
     runs: list[tuple[int, CopyRun]] = []
+    mine = {name: (block, local) for name, block, local in plan.reads}
     for index, (_, tensors, _, entries, header, _) in enumerate(layouts):
         for tensor, entry in zip(tensors, entries):
-            location = f"memory:{tensor.name}"
-            block, local = _local_block(location, live[tensor.name])
-            if block is None:
+            if tensor.name not in mine:  # another rank exports its rows
                 continue
+            name, (block, local) = tensor.name, mine[tensor.name]
             if rank_file is not None:
-                at = rank_file.offsets[tensor.name]
+                at = rank_file.offsets[name]
                 block = dense_block(rank_file.file.path, at, block.dtype, local.shape, block.start)
-            else:
-                endpoints[location] = TensorEndpoint(tensor.name, local)
+            elif not guarded:
+                endpoints[block.location] = TensorEndpoint(name, local)
             dst = dense_block(str(index), len(header) + entry.begin, tensor.dtype, tensor.shape)
-            runs.extend((index, r) for r in plan_copy(tensor.name, tensor.shape, block, dst))
+            runs.extend((index, r) for r in plan_copy(name, tensor.shape, block, dst))
     ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
-    streamer = Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes, ratio))
+    lookup = _guarded_lookup(guard) if guarded else endpoints.__getitem__
+    streamer = Streamer(lookup, Buffers.sized(buffer_bytes, ratio))
     paths = [target_dir / name for name, *_ in layouts]
     hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
     files = _HfFiles(paths, hashed)
@@ -278,8 +297,8 @@ def write_hf_model(
             _ship_to_rank0(files, runs, streamer)
         for endpoint in endpoints.values():
             endpoint.finish()  # the rank file's last chunk read is checked
-        if after_reads is not None:
-            after_reads()
+        if guarded:
+            guard.all_read()  # the next optimizer step need not wait for the fsync and sealing
         files.fsync()  # the files this rank wrote (none on a shipping rank)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc
@@ -289,6 +308,31 @@ def write_hf_model(
             endpoint.close()
     coll.agree_or_raise(error)  # also the barrier before sealing
     return _seal(paths, layouts, shared, hashed.digests)
+
+
+def _owned(live: dict[str, torch.Tensor], files: list[tuple[str, list]]):
+    """(HF name, this rank's block, its local tensor) for every tensor of ``files`` this rank
+    exports rows of, in file order: the order the export reads them."""
+    for _, tensors in files:
+        for tensor in tensors:
+            block, local = _local_block(f"export:{tensor.name}", live[tensor.name])
+            if block is not None:
+                yield tensor.name, block, local
+
+
+def _guarded_lookup(guard: SourceGuard) -> Callable[[str], Endpoint]:
+    """The export's endpoint lookup under an async save's guard: the live or staged tensor,
+    and moving to a new source tells the guard the ones before it are read."""
+    current = None
+
+    def lookup(location: str) -> Endpoint:
+        nonlocal current
+        if location != current:
+            guard.reading(location)
+            current = location
+        return guard.endpoint(location)
+
+    return lookup
 
 
 class _WrittenChunks:

@@ -29,22 +29,39 @@ def test_async_checkpoints_hold_the_state_of_their_step(tmp_path, budget):
         assert len(result["stalls"]) >= 3  # the optimizer pre-hook ran while saves were live
 
 
-@pytest.mark.parametrize("hf_model", ["export", "shared"])
-def test_async_hf_model_export_holds_the_state_of_its_step(tmp_path, hf_model):
+@pytest.mark.parametrize(
+    "hf_model, budget",
+    [("export", "64MiB"), ("shared", "64MiB"), ("shared", "1MiB")],
+    # export: read back from the rank files; shared: live weights, staged or waited for
+    ids=["export", "shared-stage-all", "shared-wait-for-export"],
+)
+def test_async_hf_model_export_holds_the_state_of_its_step(tmp_path, hf_model, budget):
     from safetensors.torch import load_file
 
     root = tmp_path / "run"
-    results = run(workers.async_run, 2, str(root), 3, "64MiB", hf_model)
+    results = run(workers.async_run, 2, str(root), 3, budget, hf_model)
     expected = results[0]["expected"]
     for result in results:
-        if hf_model == "export":  # read back from the rank files: no step waits for the export
-            assert result["held_steps"] == 0
         for step, state in result["restored"].items():
             assert_state_equal(state, expected[step])
     for step in (2, 3):  # keep_last is None: every step is there
         exported = load_file(root / f"global_step_{step}" / "huggingface" / "model.safetensors")
         assert exported.keys() == expected[step]["model"].keys()
         for name, tensor in expected[step]["model"].items():
+            assert torch.equal(exported[name], tensor), (step, name)
+
+
+def test_async_hf_model_alone_runs_beside_training(tmp_path):
+    """The export's tensors are captured when save() is called: a background save that asked
+    the model for its state dict while FSDP ran forward got unsharded, freed parameters."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "run"
+    expected = run(workers.async_hf_only_run, 2, str(root), 3)[0]["expected"]
+    for step, state in expected.items():
+        exported = load_file(root / f"global_step_{step}" / "huggingface" / "model.safetensors")
+        assert exported.keys() == state.keys()
+        for name, tensor in state.items():
             assert torch.equal(exported[name], tensor), (step, name)
 
 
@@ -108,32 +125,40 @@ def test_background_error_surfaces_on_next_call(tmp_path, monkeypatch):
     assert manager.all_steps() == [2] and manager.latest_step() == 2
 
 
-def test_held_step_goes_once_the_save_reads_no_live_tensor():
-    """hf_model saves hold the optimizer step (nothing is staged) until ``release()``, which
-    the export calls after its last read of the weights, not until the save is committed."""
-    guard = SourceGuard(staging_bytes=1 << 20, hold_until_finished=True)
-    guard.register([("a", _endpoint(100), 0, 100)])
-    guard.written()  # the rank file is done; the export still reads the weights
+def test_export_reads_are_staged_or_waited_for_after_the_rank_file():
+    """An export that reads live tensors registers them before the rank file's, in its read
+    order: a step stages those it has not reached (the last first) and waits only for the
+    rest, not for the fsync, sealing and commit that follow."""
+    guard = SourceGuard(staging_bytes=150)
+    e1, e2, e3 = _endpoint(100), _endpoint(100), _endpoint(100)
+    guard.register_export([("e1", e1), ("e2", e2), ("e3", e3)])
     thread, released = _freeze_in_thread(guard)
-    assert not released.is_set() and guard.staged_bytes == 0
-    guard.release()
+    assert not released.is_set() and guard.staged_bytes == 0  # not ready: the rank file's next
+    guard.register([("r", _endpoint(100), 0, 100)])
+    guard.window(0, 100)  # the rank file is being written
+    time.sleep(0.1)
+    # e3 (read last) is staged; e2 does not fit the budget; e1 is not staged either.
+    assert guard.endpoint("e3") is not e3 and guard.endpoint("e2") is e2
+    assert guard.endpoint("e1") is e1 and not released.is_set()
+    guard.rank_file_read()
+    guard.reading("e1")
+    time.sleep(0.1)
+    assert not released.is_set()
+    guard.reading("e2")  # e1 is read; e2 is being read
+    time.sleep(0.1)
+    assert not released.is_set()
+    guard.reading("e3")  # e2 is read; e3 comes from its staged copy
     thread.join(timeout=5)
-    assert released.is_set() and not guard.finished and guard.held
+    assert released.is_set() and not guard.finished
 
 
-def test_step_held_before_the_save_starts_stages_once_the_export_reads_the_rank_file():
-    """A step that meets an hf_model save before it has begun waits for the hold; once the
-    save finds that the export can read the rank file (``stop_holding``), the step stages and
-    waits as for a save without hf_model."""
-    guard = SourceGuard(staging_bytes=100, hold_until_finished=True)
+def test_a_save_with_only_export_reads_is_ready_when_marked():
+    """No rank file (hf_model alone): the export's sources are all there is once marked ready."""
+    guard = SourceGuard(staging_bytes=1 << 20)
+    e1 = _endpoint(100)
+    guard.register_export([("e1", e1)])
     thread, released = _freeze_in_thread(guard)
     assert not released.is_set()
-    guard.stop_holding()
-    a, b = _endpoint(100), _endpoint(100)
-    guard.register([("a", a, 0, 100), ("b", b, 100, 200)])
-    guard.window(0, 100)  # the writer reads a; b is staged within the budget
-    time.sleep(0.1)
-    assert not released.is_set() and guard.endpoint("b") is not b
-    guard.window(100, 200)  # a is written: nothing live is read again, long before release
+    guard.mark_ready()  # e1 is staged: the step goes before the export reads anything
     thread.join(timeout=5)
-    assert released.is_set() and not guard.held and not guard.released
+    assert released.is_set() and guard.endpoint("e1") is not e1

@@ -178,7 +178,7 @@ def async_run(
         expected[step] = full_state(model, optimizer, scheduler)
     manager.wait()
     engine.TensorEndpoint.read_into = original
-    stalls, held_steps = list(manager._async.stalls), manager._async.held_steps
+    stalls = list(manager._async.stalls)
     manager.close()
     fresh, fresh_opt, fresh_sched, _ = build((world,), seed=7)
     checker = CheckpointManager(
@@ -192,7 +192,24 @@ def async_run(
         assert checker.restore(step=step) == (step, {"step": step})
         restored[step] = full_state(fresh, fresh_opt, fresh_sched)
     checker.close()
-    return {"expected": expected, "restored": restored, "stalls": stalls, "held_steps": held_steps}
+    return {"expected": expected, "restored": restored, "stalls": stalls}
+
+
+def async_hf_only_run(rank: int, world: int, root: str, steps: int) -> dict:
+    """Async saves of hf_model alone, each followed at once by a training step: the export
+    runs beside forward, backward and the optimizer step. Returns the model at each save."""
+    model, optimizer, scheduler, config = build((world,))
+    cfg = CheckpointConfig(
+        directory=root, save_contents=("hf_model",), async_save=True, staging_budget="2MiB"
+    )
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
+    expected = {}
+    for step in range(1, steps + 1):
+        expected[step] = full_state(model, optimizer, scheduler)["model"]
+        manager.save(step)
+        train_step(model, optimizer, scheduler, step)
+    manager.close()
+    return {"expected": expected}
 
 
 def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict:

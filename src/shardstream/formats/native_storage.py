@@ -140,7 +140,7 @@ class StreamingWriter(StorageWriter):
             )
         finally:
             if self.guard is not None:
-                self.guard.written()
+                self.guard.rank_file_read()
         self.written = written
         return written
 
