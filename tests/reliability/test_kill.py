@@ -146,17 +146,20 @@ def test_kill9_during_async_save(forkserver, tmp_path):
     record("kill -9 during async save", seed=seed, trials=count, violations=0, **figures)
 
 
-def test_kill9_during_save_with_shared_hf_weights(forkserver, tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill9_during_save_with_shared_hf_weights(forkserver, tmp_path, async_save):
     """Saves with hf_model and share_hf_weights, whose model weights live only in
-    huggingface/: the same guarantees, restore reading the weights from there."""
+    huggingface/: the same guarantees, restore reading the weights from there. Async: the
+    export reads the live weights under the guard while training goes on."""
     source = tmp_path / "config"
     source.mkdir()
     config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
     (source / "config.json").write_text(json.dumps(config))
-    seed = 20240603
+    seed = 20240604 if async_save else 20240603
     count = trials(6, 60)
-    figures = _kill_save_trials(forkserver, tmp_path, count, seed, False, str(source))
-    record("kill -9 during save (hf_model, share_hf_weights)", seed=seed, trials=count,
+    figures = _kill_save_trials(forkserver, tmp_path, count, seed, async_save, str(source))
+    kind = "async save" if async_save else "save"
+    record(f"kill -9 during {kind} (hf_model, share_hf_weights)", seed=seed, trials=count,
            violations=0, **figures)  # fmt: skip
     assert figures["stats"]["trials"] == count
 
