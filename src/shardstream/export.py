@@ -286,24 +286,24 @@ def write_hf_model(
     streamer = Streamer(lookup, Buffers.sized(buffer_bytes, ratio))
     paths = [target_dir / name for name, *_ in layouts]
     hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
-    files = _HfFiles(paths, hashed)
+    hf_files = _HfFiles(paths, hashed)
     error = None
     try:
         if rank_file is not None:
             endpoints[rank_file.file.path] = rank_file.endpoint()
         if shared:
-            _write_local(files, runs, streamer)
+            _write_local(hf_files, runs, streamer)
         else:
-            _ship_to_rank0(files, runs, streamer)
+            _ship_to_rank0(hf_files, runs, streamer)
         for endpoint in endpoints.values():
             endpoint.finish()  # the rank file's last chunk read is checked
         if guarded:
             guard.all_read()  # the next optimizer step need not wait for the fsync and sealing
-        files.fsync()  # the files this rank wrote (none on a shipping rank)
+        hf_files.fsync()  # the files this rank wrote (none on a shipping rank)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc
     finally:
-        files.close()
+        hf_files.close()
         for endpoint in endpoints.values():
             endpoint.close()
     coll.agree_or_raise(error)  # also the barrier before sealing
