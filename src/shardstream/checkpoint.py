@@ -28,6 +28,7 @@ from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
 from .copy import Buffers, Streamer, one_buffer_set
+from .dtypes import TORCH_NAME
 from .endpoints import FileEndpoint
 from .errors import (
     CheckpointFormatError,
@@ -184,6 +185,13 @@ def prepare_save(
         elif share_hf_weights and export_plan is not None:
             hf_entries = export_plan.same_bytes(tensors)
             tensors = {k: v for k, v in tensors.items() if k not in hf_entries}
+            if not hf_entries and export_plan.out_dtype is not None:
+                warnings.warn(
+                    "share_hf_weights: the export converts the weights to "
+                    f"{TORCH_NAME[export_plan.out_dtype]}, so none is stored once; the rank "
+                    "files keep them (export in the weights' own dtype, hf_dtype=, to share)",
+                    stacklevel=3,
+                )
     if "optimizer" in contents:
         optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)

@@ -93,6 +93,7 @@ class CheckpointConfig:
             model's own dtype (an fp32 export of fp32 weights) is written once, into
             ``huggingface/``, and the manifest points there: a quarter less to write for an
             fp32 model with AdamW. The checkpoint then needs its ``huggingface/`` directory.
+            An export that converts every weight (bf16 of fp32) shares none, and warns so.
     """
 
     directory: str

@@ -104,7 +104,8 @@ def test_merge_and_transformers_read_the_shared_weights(saved, tmp_path):
 
 def test_nothing_is_shared_when_the_export_converts(tmp_path):
     root = tmp_path / "run"
-    run(workers.shared_hf_save_run, 2, str(root), "fsdp", False, "bfloat16")
+    result = run(workers.shared_hf_save_run, 2, str(root), "fsdp", False, "bfloat16")[0]
+    assert any("converts the weights to bfloat16" in w for w in result["warnings"])
     files = chunk_files(root / STEP)
     assert files and all(f.startswith("rank-") for where in files.values() for f in where)
     assert verify(root).ok

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import warnings
 from pathlib import Path
 
 import torch
@@ -302,13 +303,16 @@ def shared_hf_save_run(
         hf_config=config,
         hf_dtype=hf_dtype,
     )
-    manager.save(2, extra={"data": {"epoch": 1, "offset": 14}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        manager.save(2, extra={"data": {"epoch": 1, "offset": 14}})
     manager.close()
     reference = full_state(model, optimizer, scheduler)
     reference["rng_next"] = torch.rand(3)
     if rank == 0:
         torch.save(reference, Path(root) / "reference.pt")
-    return {"after": [train_step(model, optimizer, scheduler, 3)]}
+    after = [train_step(model, optimizer, scheduler, 3)]
+    return {"after": after, "warnings": [str(w.message) for w in caught]}
 
 
 def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: bool) -> dict:
