@@ -78,15 +78,19 @@ def time_limit(what: str):
 @contextlib.contextmanager
 def memory_limit():
     """Cap the address space (so a memory bomb cannot get the test run OOM-killed) and trace
-    Python allocations (so one that stays under the cap is still seen)."""
+    Python allocations (so one that stays under the cap is still seen); yields a function
+    giving the peak of what was allocated since."""
     with open("/proc/self/status") as f:
         vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
     soft, hard = resource.getrlimit(resource.RLIMIT_AS)
     cap = vm + ADDRESS_SPACE_HEADROOM
     resource.setrlimit(resource.RLIMIT_AS, (cap if hard < 0 else min(cap, hard), hard))
     tracemalloc.reset_peak()
+    # Tracing started with the module: what earlier tests and fixtures left allocated (imports)
+    # is the baseline, not the example's.
+    base = tracemalloc.get_traced_memory()[0]
     try:
-        yield
+        yield lambda: tracemalloc.get_traced_memory()[1] - base
     finally:
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
@@ -104,12 +108,12 @@ def outcome(target: str, call, must_reject: bool = False) -> None:
     ``must_reject``: the input is known to be damaged, so success is a missed detection.
     """
     rejected = None
-    with time_limit(target), memory_limit():
+    with time_limit(target), memory_limit() as allocated:
         try:
             call()
         except ShardstreamError as exc:
             rejected = exc
-        peak = tracemalloc.get_traced_memory()[1]
+        peak = allocated()
     if rejected is not None:
         bomb = any(isinstance(e, MemoryError) for e in _chain(rejected))
         assert not bomb, f"{target}: the input made the reader run out of memory: {rejected}"
@@ -447,9 +451,9 @@ def test_dcp_metadata_giant_declared_length(dcp_copy, opcode):
     with replaced(path, damaged):
         for call in (lambda: dcp_format.load_metadata(path), lambda: dcp_format.open_dcp(dcp_copy)):
             started = time.monotonic()
-            with memory_limit(), pytest.raises(UnsafeCheckpointError) as info:
+            with memory_limit() as allocated, pytest.raises(UnsafeCheckpointError) as info:
                 call()
-            peak = tracemalloc.get_traced_memory()[1]
+            peak = allocated()
             assert str(info.value).startswith(str(path)), info.value
             assert str(giant) in str(info.value), info.value
             assert not any(isinstance(e, (MemoryError, OverflowError)) for e in _chain(info.value))
