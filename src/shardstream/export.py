@@ -291,14 +291,17 @@ def write_hf_model(
     try:
         if rank_file is not None:
             endpoints[rank_file.file.path] = rank_file.endpoint()
+        # Once this rank's pieces are read, the next optimizer step need not wait for the
+        # rest (rank 0 receiving the others' pieces, the fsync, the sealing).
+        reads_done = guard.all_read if guarded else None
         if shared:
             _write_local(hf_files, runs, streamer)
         else:
-            _ship_to_rank0(hf_files, runs, streamer)
+            _ship_to_rank0(hf_files, runs, streamer, reads_done)
         for endpoint in endpoints.values():
             endpoint.finish()  # the rank file's last chunk read is checked
-        if guarded:
-            guard.all_read()  # the next optimizer step need not wait for the fsync and sealing
+        if reads_done is not None:
+            reads_done()
         hf_files.fsync()  # the files this rank wrote (none on a shipping rank)
     except Exception as exc:  # noqa: BLE001 - a full disk on one rank: all must stop here
         error = exc
@@ -435,8 +438,11 @@ def _write_local(files: _HfFiles, runs, streamer: Streamer) -> None:
         files.write(*piece)
 
 
-def _ship_to_rank0(files: _HfFiles, runs, streamer: Streamer) -> None:
-    """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order."""
+def _ship_to_rank0(
+    files: _HfFiles, runs, streamer: Streamer, reads_done: Callable[[], None] | None = None
+) -> None:
+    """Non-shared filesystems: ranks send bounded pieces; rank 0 writes them in rank order.
+    ``reads_done`` is called once this rank has read all of its own."""
     rank, world = coll.rank(), coll.world()
     grp, root = coll.group(), coll.global_rank(0)
     if rank != 0:
@@ -455,6 +461,8 @@ def _ship_to_rank0(files: _HfFiles, runs, streamer: Streamer) -> None:
     error = None
     try:
         _write_local(files, runs, streamer)
+        if reads_done is not None:
+            reads_done()
     except Exception as exc:  # noqa: BLE001
         error = exc
     for peer in range(1, world):

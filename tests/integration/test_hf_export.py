@@ -14,21 +14,26 @@ from . import workers
 
 
 @pytest.mark.parametrize(
-    "shared, tie, world, async_save",
+    "shared, tie, world, async_save, share_weights",
     [
-        (None, False, 3, False),
-        (False, False, 2, False),
-        (None, True, 2, False),
-        (False, True, 3, True),
+        (None, False, 3, False, False),
+        (False, False, 2, False, False),
+        (None, True, 2, False, False),
+        # async: rows read back from the rank files, or (weights shared) live under the guard;
+        # both shipped to rank 0
+        (False, True, 3, True, False),
+        (False, False, 2, True, True),
     ],
-    # async: each rank's rows are read back from its rank file (shipped to rank 0 here)
-    ids=["shared-fs-detected", "ship-to-rank0", "tied", "async-from-rank-files"],
+    ids=["shared-fs-detected", "ship-to-rank0", "tied", "async-from-rank-files", "async-live"],
 )
-def test_hf_model_export_loads_with_transformers(tmp_path, shared, tie, world, async_save):
+def test_hf_model_export_loads_with_transformers(
+    tmp_path, shared, tie, world, async_save, share_weights
+):
     from transformers import AutoModelForCausalLM
 
     root = tmp_path / "run"
-    full = run(workers.hf_export_run, world, str(root), shared, tie, async_save)[0]["full"]
+    args = (shared, tie, async_save, share_weights)
+    full = run(workers.hf_export_run, world, str(root), *args)[0]["full"]
     export = root / "global_step_1" / "huggingface"
     assert verify(root).ok
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)

@@ -264,7 +264,13 @@ def dcp_restore_run(rank: int, world: int, root: str, stage: str) -> dict:
 
 
 def hf_export_run(
-    rank: int, world: int, root: str, shared: bool | None, tie: bool, async_save: bool = False
+    rank: int,
+    world: int,
+    root: str,
+    shared: bool | None,
+    tie: bool,
+    async_save: bool = False,
+    share_weights: bool = False,
 ) -> dict:
     """Save hf_model from FSDP2 ranks; return the unsharded model's state for comparison."""
     model, optimizer, scheduler, config = build((world,), tie=tie)
@@ -274,6 +280,7 @@ def hf_export_run(
         save_contents=("model", "hf_model"),
         shared_filesystem=shared,
         async_save=async_save,
+        share_hf_weights=share_weights,
     )
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
     manager.save(1)
