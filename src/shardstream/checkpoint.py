@@ -175,9 +175,9 @@ def prepare_save(
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     hf_entries: dict[str, dict] = {}
-    export_plan = hf_export.capture() if "hf_model" in contents else None
-    if "model" in contents:
-        model_part = st.model_tensors(model)
+    model_part = st.model_tensors(model) if "model" in contents else None
+    export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
+    if model_part is not None:
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter

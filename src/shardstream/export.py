@@ -96,11 +96,13 @@ class HfExport:
     dtype: str | None
     shared_filesystem: bool | None
 
-    def capture(self) -> ExportPlan:
+    def capture(self, tensors: dict[str, torch.Tensor] | None = None) -> ExportPlan:
         """One save's export, on the training thread: references to the live (sharded)
         tensors and the HF files. A background save must not touch the model itself: its
-        state dict hooks would race with FSDP's forward and backward."""
-        live = {k[len(MODEL_PREFIX) :]: v for k, v in model_tensors(self.model).items()}
+        state dict hooks would race with FSDP's forward and backward. ``tensors``: the
+        model's ``state.model_tensors``, when the caller has them already."""
+        tensors = model_tensors(self.model) if tensors is None else tensors
+        live = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items()}
         out_dtype, files = _plan_files(live, self.hf_config, self.source, self.dtype)
         return ExportPlan(self, out_dtype, files, tuple(_owned(live, files)))
 
