@@ -27,8 +27,8 @@ from .copy import Buffers, Streamer, pwrite_array, write_all
 from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
 from .endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
 from .errors import UsageError
-from .formats import hf, local_save
-from .formats.native import MODEL_PREFIX, whole_chunk
+from .formats import hf
+from .formats.native import MODEL_PREFIX, item_key, whole_chunk
 from .formats.safetensors import build_header, checksum_metadata
 from .formats.writer import WrittenFile, start_writeback
 from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
@@ -137,7 +137,7 @@ class ExportPlan:
         held = dict(items)
         keys = {}
         for name, block, _ in self.reads:
-            key = local_save.item_key(MODEL_PREFIX + name, list(block.start))
+            key = item_key(MODEL_PREFIX + name, list(block.start))
             saved = held.get(key)
             if saved is None or (tuple(saved.shape), code_of(saved.dtype)) != (
                 block.shape,
@@ -278,7 +278,7 @@ def write_hf_model(
             name, (block, local) = tensor.name, mine[tensor.name]
             if rank_file is not None:
                 at = rank_file.offsets[name]
-                block = dense_block(rank_file.file.path, at, block.dtype, local.shape, block.start)
+                block = dense_block(rank_file.file.path, at, block.dtype, block.shape, block.start)
             elif not guarded:
                 endpoints[block.location] = TensorEndpoint(name, local)
             dst = dense_block(str(index), len(header) + entry.begin, tensor.dtype, tensor.shape)

@@ -20,12 +20,7 @@ import torch
 from ..checksum import digest
 from ..dtypes import code_of
 from ..plan import chunk_extent
-from .native import _is_grid, rank_file, whole_chunk
-
-
-def item_key(fqn: str, offsets: list[int]) -> str:
-    """The rank-file key of the piece of ``fqn`` that starts at ``offsets``."""
-    return f"{fqn}@{','.join(map(str, offsets))}"
+from .native import _is_grid, item_key, rank_file, whole_chunk
 
 
 def _shard_group(tensor, rank: int, world: int) -> tuple[int, int, bool] | None:

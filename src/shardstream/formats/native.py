@@ -143,9 +143,14 @@ def whole_chunk(shape: list[int], file: str, key: str) -> dict:
     return {"offsets": [0] * len(shape), "sizes": list(shape), "file": file, "key": key}
 
 
+def item_key(fqn: str, offsets: list[int]) -> str:
+    """The rank-file key of the piece of ``fqn`` that starts at ``offsets``: ``fqn@o0,o1,...``."""
+    return f"{fqn}@{','.join(map(str, offsets))}"
+
+
 def grid_key(fqn: str, start: int, ndim: int) -> str:
     """The rank-file key of a grid chunk starting at row ``start``: ``fqn@start,0,...``."""
-    return f"{fqn}@{start}{',0' * (ndim - 1)}"
+    return item_key(fqn, [start] + [0] * (ndim - 1))
 
 
 def _is_grid(fqn: str, shape: list[int], chunks: list[dict], world: int) -> bool:

@@ -39,7 +39,7 @@ from ..endpoints import Endpoint, FileEndpoint, OpenEndpoints, TensorEndpoint, l
 from ..errors import CheckpointFormatError
 from ..plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
 from ..sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
-from .native import _is_grid, rank_file
+from .native import _is_grid, item_key, rank_file
 from .safetensors import build_header
 from .writer import OutputTensor, WrittenFile, write_safetensors
 
@@ -224,8 +224,7 @@ def save_planner() -> DefaultSavePlanner:
 
 
 def _item_key(index: MetadataIndex) -> str:
-    offsets = ",".join(str(o) for o in (index.offset or ()))
-    return f"{index.fqn}@{offsets}"
+    return item_key(index.fqn, list(index.offset or ()))
 
 
 def tensor_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> tuple[dict, dict]:
