@@ -40,6 +40,9 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # Interpreter teardown beside gloo's threads has crashed finished ranks (SIGSEGV, abort)
+    # on a busy machine; the work and its result are complete here, so skip it.
+    exit_finished_rank()
 
 
 def _preload() -> None:
@@ -88,7 +91,10 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
                     status, value = pickle.loads(path.read_bytes())
                     if status == "error":
                         details.append(f"--- rank {rank} ---\n{value}")
-            raise RuntimeError("\n".join(details) or str(exc)) from None
+            if not details:  # say how far the ranks got: a crash in fn, or after it
+                done = [r for r in range(world_size) if Path(tmp, f"{r}.pkl").exists()]
+                details.append(f"{exc} (ranks that had returned their result: {done})")
+            raise RuntimeError("\n".join(details)) from None
         results = []
         for rank in range(world_size):
             status, value = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
