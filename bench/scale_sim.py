@@ -632,7 +632,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
         _, t = timed(lambda: [check_blocks_tile(*b) for b in blocks])
         point.add("merge.tile_check", t * share)
 
-    # restore opens only the regions this rank restores (checkpoint.load -> open_native)
+    # restore opens only the regions this rank restores (loading.load -> open_native)
     regions = {}
     for fqn, info in loaded["tensors"].items():
         shape = tuple(info["shape"])

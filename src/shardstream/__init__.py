@@ -24,17 +24,18 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .checkpoint import load, save
+    from .loading import load
     from .manager import CheckpointConfig, CheckpointManager
     from .merge import MergeSummary, merge
+    from .saving import save
     from .verify import verify
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported when the name is first looked up
 _LAZY = {
-    "load": ".checkpoint",
-    "save": ".checkpoint",
+    "load": ".loading",
+    "save": ".saving",
     "CheckpointConfig": ".manager",
     "CheckpointManager": ".manager",
     "MergeSummary": ".merge",

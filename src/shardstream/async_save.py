@@ -4,7 +4,7 @@ Nothing is copied up front. Parameters and optimizer state only change in ``opti
 so an optimizer step pre-hook calls ``SourceGuard.freeze()``: tensors the writer has not started
 yet are staged into host memory while the staging budget lasts (the last ones to be written
 first), and the step waits only for the rest. An hf_model export that reads live weights (not
-the rank file: ``checkpoint.execute_save``) registers them too, after the rank file's. The
+the rank file: ``saving.execute_save``) registers them too, after the rank file's. The
 background save runs on a process group of its own, so its collectives never interleave with
 training's.
 """

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
@@ -27,6 +28,14 @@ def initialized() -> bool:
 def group() -> Any:
     """The process group this thread's checkpoint collectives use (None: the default group)."""
     return getattr(_local, "group", None)
+
+
+@contextlib.contextmanager
+def quiet_without_group() -> Iterator[None]:
+    """DCP warns when used without a process group; that is a supported mode here."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 @contextlib.contextmanager

@@ -40,3 +40,27 @@ class UsageError(ShardstreamError, ValueError):
 
 class CheckpointLockedError(ShardstreamError, RuntimeError):
     """Another live process holds the checkpoint directory's lock."""
+
+
+def causes(exc: BaseException):
+    """``exc`` and every exception behind it, including those DCP wraps per rank."""
+    seen = set()
+    stack = [exc]
+    while stack:
+        e = stack.pop()
+        if id(e) in seen or e is None:
+            continue
+        seen.add(id(e))
+        yield e
+        stack.extend([e.__cause__, e.__context__])
+        failures = getattr(e, "failures", None)
+        if isinstance(failures, dict):  # CheckpointException: rank -> (exception, traceback)
+            for v in failures.values():
+                v = v[0] if isinstance(v, tuple) and v else v
+                if isinstance(v, BaseException):
+                    stack.append(v)
+
+
+def shardstream_cause(exc: BaseException) -> ShardstreamError | None:
+    """The first deliberate error behind ``exc`` (DCP wraps a rank's failure in its own)."""
+    return next((e for e in causes(exc) if isinstance(e, ShardstreamError)), None)

@@ -84,7 +84,7 @@ def _tied(hf_config: Any, source_dir: Path | None) -> bool:
 
 @dataclass(frozen=True)
 class HfExport:
-    """hf_model for ``checkpoint.save``: writes ``huggingface/`` into the step directory.
+    """hf_model for ``saving.save``: writes ``huggingface/`` into the step directory.
 
     ``source``: a directory with config.json (and tokenizer files) to copy; ``dtype``: the
     publish dtype (None: the config's); ``shared_filesystem``: None detects it at save time."""
@@ -170,7 +170,7 @@ def hf_exporter(
     dtype: str | None = None,
     shared_filesystem: bool | None = None,
 ) -> HfExport:
-    """The hf_model writer for ``checkpoint.save``, its arguments checked now."""
+    """The hf_model writer for ``saving.save``, its arguments checked now."""
     if model is None:
         raise UsageError("save_contents includes 'hf_model' but no model was given")
     if hf_config is None and source_dir is None:

@@ -30,10 +30,11 @@ from typing import Any
 
 import torch
 
-from . import checkpoint as ck
 from . import collectives as coll
+from . import loading, saving
 from .commit import TMP_MARK, atomic_write_bytes, fsync_dir
 from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
+from .formats import native
 from .formats.native import LATEST_FILE, committed_steps, read_latest
 from .units import parse_size
 
@@ -97,8 +98,8 @@ class CheckpointConfig:
     """
 
     directory: str
-    save_contents: tuple[str, ...] = ck.DEFAULT_CONTENTS
-    load_contents: tuple[str, ...] = ck.DEFAULT_CONTENTS
+    save_contents: tuple[str, ...] = native.DEFAULT_CONTENTS
+    load_contents: tuple[str, ...] = native.DEFAULT_CONTENTS
     save_interval: int | None = None
     keep_last: int | None = None
     staging_budget: int | str = "256MiB"
@@ -116,7 +117,7 @@ class CheckpointConfig:
             value = getattr(self, name)
             if isinstance(value, str):
                 raise UsageError(f"{name} must be a list of items, got the string {value!r}")
-            object.__setattr__(self, name, ck.check_contents(value, name))
+            object.__setattr__(self, name, native.check_contents(value, name))
         if self.save_interval is not None and not isinstance(self.save_interval, int):
             raise UsageError(f"save_interval must be an integer, got {self.save_interval!r}")
         if self.keep_last is not None and (
@@ -366,7 +367,7 @@ class CheckpointManager:
                 self.hf_dtype,
                 self.config.shared_filesystem,
             )
-        return ck.prepare_save(
+        return saving.prepare_save(
             self.step_dir(step),
             model=self.model,
             optimizer=self.optimizer,
@@ -383,7 +384,7 @@ class CheckpointManager:
 
     def _commit(self, prepared):
         """Write, commit, move ``latest``, apply retention (every rank, collectively)."""
-        result = ck.execute_save(prepared)
+        result = saving.execute_save(prepared)
         if coll.rank() == 0:
             atomic_write_bytes(self.root / LATEST_FILE, f"{prepared.step}\n".encode())
             self._retain(prepared.step)
@@ -472,7 +473,7 @@ class CheckpointManager:
         raise AssertionError("unreachable")
 
     def _load(self, path: str | os.PathLike):
-        return ck.load(
+        return loading.load(
             path,
             model=self.model,
             optimizer=self.optimizer,

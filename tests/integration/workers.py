@@ -362,8 +362,7 @@ def planning_paths_run(rank: int, world: int, root: str, layout: str) -> dict:
 
     from torch.distributed import checkpoint as dcp
 
-    from shardstream import checkpoint as ck
-    from shardstream import save
+    from shardstream import save, saving
     from shardstream.formats import native
 
     model, optimizer, scheduler, _ = build(_world_mesh(world, layout))
@@ -375,18 +374,18 @@ def planning_paths_run(rank: int, world: int, root: str, layout: str) -> dict:
         calls.append(1)
         return real_save(*args, **kwargs)
 
-    ck.dcp.save = counting_save
+    saving.dcp.save = counting_save
     out = {}
     try:
         save(Path(root) / "planned", model=model, optimizer=optimizer, step=1)
         out["planned_used_dcp"] = bool(calls)
-        real_plan, ck._rank_local_plan = ck._rank_local_plan, lambda tensors: None
+        real_plan, saving._rank_local_plan = saving._rank_local_plan, lambda tensors: None
         try:
             save(Path(root) / "dcp", model=model, optimizer=optimizer, step=1)
         finally:
-            ck._rank_local_plan = real_plan
+            saving._rank_local_plan = real_plan
     finally:
-        ck.dcp.save = real_save
+        saving.dcp.save = real_save
     if rank == 0:
         for name in ("planned", "dcp"):
             out[name] = json.loads((Path(root) / name / native.MANIFEST).read_text())

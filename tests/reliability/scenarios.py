@@ -19,9 +19,10 @@ from pathlib import Path
 import torch._dynamo  # noqa: F401
 from forkserver import build_model, build_optimizer, train_step
 
-import shardstream.checkpoint  # noqa: F401
 import shardstream.cli  # noqa: F401
+import shardstream.loading  # noqa: F401
 import shardstream.merge  # noqa: F401
+import shardstream.saving  # noqa: F401
 import shardstream.verify  # noqa: F401
 from shardstream.errors import OutOfSpaceError, ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, read_latest
@@ -101,8 +102,7 @@ def disk_full_ranks(spec: dict, rank: int) -> int:
 def unprivileged_denied(spec: dict, rank: int) -> int:
     """As nobody, in a directory owned by root (mode 0755): save, start a manager, merge into it;
     and read a root-owned checkpoint, which is allowed."""
-    from shardstream import checkpoint as ck
-    from shardstream import cli
+    from shardstream import cli, loading, saving
     from shardstream.verify import verify
 
     denied = Path(spec["denied"])
@@ -116,7 +116,7 @@ def unprivileged_denied(spec: dict, rank: int) -> int:
             ).save(1)
         ),
         "save": _outcome(
-            lambda: ck.save(denied / "step", model=model, optimizer=optimizer, step=1) and None
+            lambda: saving.save(denied / "step", model=model, optimizer=optimizer, step=1) and None
         ),
         "merge": _outcome(
             lambda: cli.main(
@@ -125,7 +125,7 @@ def unprivileged_denied(spec: dict, rank: int) -> int:
             )
         ),
         "restore_readable": _outcome(
-            lambda: ck.load(spec["readable"], model=model, optimizer=optimizer).step
+            lambda: loading.load(spec["readable"], model=model, optimizer=optimizer).step
         ),
         "verify_readable": _outcome(lambda: str(verify(spec["readable"]).ok)),
     }
@@ -136,7 +136,7 @@ def unprivileged_denied(spec: dict, rank: int) -> int:
 def unprivileged_mid_run(spec: dict, rank: int) -> int:
     """As nobody, in its own run directory: save step 1, lose write permission, try step 2,
     regain it, save step 3; then make a data file unreadable and restore."""
-    from shardstream import checkpoint as ck
+    from shardstream import loading
     from shardstream.verify import verify
 
     root = Path(spec["root"])
@@ -161,7 +161,7 @@ def unprivileged_mid_run(spec: dict, rank: int) -> int:
     rank_file = root / "global_step_3" / "rank-00000.safetensors"
     rank_file.chmod(0)
     results["restore_unreadable_file"] = _outcome(
-        lambda: ck.load(root / "global_step_3", model=model, optimizer=optimizer).step
+        lambda: loading.load(root / "global_step_3", model=model, optimizer=optimizer).step
     )
     results["verify_unreadable_file"] = _outcome(
         lambda: [p.line() for p in verify(root / "global_step_3").problems]
@@ -170,7 +170,7 @@ def unprivileged_mid_run(spec: dict, rank: int) -> int:
     extra = root / "global_step_3" / "extra-rank-00000.json"
     extra.chmod(0)
     results["restore_unreadable_extra"] = _outcome(
-        lambda: ck.load(root / "global_step_3", model=model, optimizer=optimizer).step
+        lambda: loading.load(root / "global_step_3", model=model, optimizer=optimizer).step
     )
     results["verify_unreadable_extra"] = _outcome(
         lambda: [p.line() for p in verify(root / "global_step_3").problems]

@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstream import checkpoint as ck
+from shardstream import loading
 from shardstream.errors import CheckpointLockedError, ShardstreamError
 from shardstream.manager import LOCK_FILE, CheckpointConfig, CheckpointManager, read_latest
 from shardstream.merge import merge
@@ -171,7 +171,7 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
             step_dir = root / f"global_step_{step}"
             try:
                 if op == "restore":
-                    ck.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
+                    loading.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
                     expected = torch.load(side / "writer" / f"step_{step}.pt", weights_only=True)
                     diffs = state_differences(full_state(model, optimizer), expected)
                     assert not diffs, f"restore of step {step} during saves: {diffs[:5]}"

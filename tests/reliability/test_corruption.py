@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream import checkpoint as ck
+from shardstream import loading
 from shardstream.errors import ShardstreamError
 from shardstream.formats import native
 from shardstream.formats.safetensors import read_header, stored_checksums
@@ -57,7 +57,7 @@ def _restore_error(manager, step: Path) -> ShardstreamError | None:
 def _rank1_error(step: Path) -> ShardstreamError | None:
     """What rank 1 reads beyond rank 0 in a 2-rank restore: its own extra state."""
     try:
-        ck._read_extra(native.open_native(step), 1)
+        loading._read_extra(native.open_native(step), 1)
     except ShardstreamError as exc:
         return exc
     return None

@@ -15,8 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstream import checkpoint as ck
-from shardstream import cli
+from shardstream import cli, loading
 from shardstream.commit import TMP_MARK
 from shardstream.errors import OutOfSpaceError, ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, committed_steps, read_latest
@@ -44,7 +43,7 @@ def _clone(value):
 def _restored_state(step_dir: Path) -> dict:
     model = build_model(seed=99)  # different initial values: every byte must come from disk
     optimizer = build_optimizer(model)
-    ck.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
+    loading.load(step_dir, model=model, optimizer=optimizer, restore_rng=False)
     return full_state(model, optimizer)
 
 

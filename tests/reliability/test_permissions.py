@@ -14,8 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from shardstream import checkpoint as ck
-from shardstream import cli
+from shardstream import cli, loading, saving
 from shardstream.errors import ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, read_latest
 from shardstream.verify import verify
@@ -58,7 +57,7 @@ def test_read_only_filesystem(saved_run, tmp_path, capsys):
         assert "Read-only file system" in str(caught.value)
 
         with pytest.raises(ShardstreamError) as caught:
-            ck.save(root / "global_step_3", model=model, optimizer=optimizer, step=3)
+            saving.save(root / "global_step_3", model=model, optimizer=optimizer, step=3)
         errors["save into the read-only root"] = str(caught.value)
         assert "Read-only file system" in str(caught.value)
 
@@ -75,9 +74,8 @@ def test_read_only_filesystem(saved_run, tmp_path, capsys):
         # Reading works: verify, restore and merge out of the read-only disk.
         assert verify(root).ok and verify(merged).ok
         fresh = build_model(seed=7)
-        assert (
-            ck.load(root / "global_step_2", model=fresh, optimizer=build_optimizer(fresh)).step == 2
-        )
+        loaded = loading.load(root / "global_step_2", model=fresh, optimizer=build_optimizer(fresh))
+        assert loaded.step == 2
         assert cli.main([*argv, "--target_dir", str(tmp_path / "out")]) == 0
     record(
         "read-only filesystem",

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -25,6 +25,7 @@ from ..errors import (
     CheckpointNotFoundError,
     ChecksumMismatchError,
     UnsafeCheckpointError,
+    UsageError,
 )
 from ..plan import (
     GlobalTensor,
@@ -46,6 +47,8 @@ MANIFEST = "manifest.json"
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape) of a block of a tensor
 MAX_MANIFEST_BYTES = 1 << 30
 SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+CONTENTS = ("model", "optimizer", "extra", "hf_model")  # what a step directory can hold
+DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
 
@@ -81,6 +84,20 @@ def read_latest(directory: str | os.PathLike) -> int | None:
 
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
+
+
+def check_contents(contents: Iterable[str], what: str) -> tuple[str, ...]:
+    """``contents`` as a tuple, each item one of ``CONTENTS``."""
+    contents = tuple(contents)
+    unknown = [c for c in contents if c not in CONTENTS]
+    if unknown:
+        raise UsageError(f"{what}: unknown item {unknown[0]!r}; expected any of {CONTENTS}")
+    return contents
+
+
+def extra_files(rank: int) -> tuple[str, str]:
+    """A rank's extra state: its JSON file and the safetensors file of the tensors inside it."""
+    return f"extra-rank-{rank:05d}.json", f"extra-rank-{rank:05d}.safetensors"
 
 
 def check_name(directory: Path, name: object, what: str) -> Path:

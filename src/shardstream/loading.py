@@ -1,22 +1,18 @@
-"""save and load one checkpoint directory: sharded, streamed, checksummed, committed atomically.
+"""load: read a checkpoint directory back into live objects, at any world size, in place.
 
-Every rank calls the same function. Tensors go through torch.distributed.checkpoint's planners
-with shardstream's streaming StorageWriter/StorageReader; non-tensor state is JSON.
+Every rank calls the same function and reads only the byte ranges of its own shards, through
+torch.distributed.checkpoint's load planner with shardstream's streaming StorageReader. Input
+is a shardstream checkpoint (``saving.py``), or a verl or PyTorch DCP one read as if it were.
 """
 
 from __future__ import annotations
 
-import contextlib
-import errno
 import json
 import os
 import re
-import shutil
 import time
-import uuid
-import warnings
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -26,397 +22,21 @@ import torch.distributed.checkpoint as dcp
 from . import collectives as coll
 from . import state as st
 from .checksum import digest
-from .commit import TMP_MARK, fsync_dir, fsync_tree
-from .copy import Buffers, Streamer, one_buffer_set
-from .dtypes import TORCH_NAME
 from .endpoints import FileEndpoint
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
-    OutOfSpaceError,
     ShardstreamError,
     UsageError,
+    causes,
+    shardstream_cause,
 )
-from .formats import local_save, native, native_storage
+from .formats import native, native_storage
 from .formats.safetensors import read_header
-from .formats.writer import OutputTensor, write_safetensors
-from .memory import gc_paused, peak_rss_bytes
-from .plan import GlobalTensor, dense_block, tensors_touching
+from .memory import gc_paused
+from .plan import GlobalTensor, tensors_touching
 from .sizes import DEFAULT_BUFFER_BYTES
 from .units import parse_size
-
-CONTENTS = ("model", "optimizer", "extra", "hf_model")
-DEFAULT_CONTENTS = ("model", "optimizer", "extra")
-
-
-def check_contents(contents: Iterable[str], what: str) -> tuple[str, ...]:
-    contents = tuple(contents)
-    unknown = [c for c in contents if c not in CONTENTS]
-    if unknown:
-        raise UsageError(f"{what}: unknown item {unknown[0]!r}; expected any of {CONTENTS}")
-    return contents
-
-
-@contextlib.contextmanager
-def _single_process_quiet():
-    """DCP warns when used without a process group; that is a supported mode here."""
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        yield
-
-
-@dataclass
-class SaveResult:
-    path: str
-    step: int
-    bytes_written: int
-    wall_s: float
-    peak_rss_bytes: int
-
-
-def extra_files(rank: int) -> tuple[str, str]:
-    return f"extra-rank-{rank:05d}.json", f"extra-rank-{rank:05d}.safetensors"
-
-
-def encode_extra(extra: Mapping[str, Any] | None) -> tuple[Any, dict[str, torch.Tensor]]:
-    """This rank's extra state and RNG as tagged JSON plus private copies of its tensors."""
-    tensors: dict[str, torch.Tensor] = {}
-    doc = st.encode({"user": dict(extra or {}), "rng": st.rng_state()}, tensors)
-    return doc, {k: v.clone() for k, v in tensors.items()}
-
-
-def _write_extra(
-    tmp: Path, rank: int, doc: Any, tensors: dict[str, torch.Tensor], buffer_bytes: int
-) -> dict:
-    """This rank's extra state: JSON plus a safetensors file for the tensors inside it."""
-    json_name, tensor_name = extra_files(rank)
-    records = {}
-    body = json.dumps(doc, sort_keys=True).encode()
-    with open(tmp / json_name, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
-    records[json_name] = {"size": len(body), "xxh3": digest(body)}
-    if tensors:
-        endpoints = {}
-        outputs = []
-        for key, tensor in tensors.items():
-            from .dtypes import code_of
-            from .endpoints import TensorEndpoint
-
-            location = f"memory:{key}"
-            endpoints[location] = TensorEndpoint(key, tensor)
-            block = dense_block(location, 0, code_of(tensor.dtype), tuple(tensor.shape))
-            outputs.append(
-                OutputTensor(
-                    key, block.dtype, GlobalTensor(key, block.dtype, block.shape, (block,))
-                )
-            )
-        written = write_safetensors(
-            str(tmp / tensor_name),
-            outputs,
-            Streamer(endpoints.__getitem__, Buffers.sized(buffer_bytes)),
-            borrow=True,
-        )
-        records[tensor_name] = {"size": written.size, "header_xxh3": written.header_digest}
-    return records
-
-
-@dataclass
-class PreparedSave:
-    """Everything a save needs, captured on the training thread without copying tensors."""
-
-    target: Path
-    step: int
-    contents: tuple[str, ...]
-    tensors: dict[str, torch.Tensor]
-    objects: dict[str, Any]
-    extra: tuple[Any, dict[str, torch.Tensor]] | None
-    buffer_bytes: int
-    overwrite: bool
-    hf_export: Any = None  # export.ExportPlan, captured with the tensors
-    hf_entries: dict[str, dict] = field(default_factory=dict)  # model tensors kept in huggingface/
-    guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
-
-
-def prepare_save(
-    path: str | os.PathLike,
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr_scheduler: Any = None,
-    extra: Mapping[str, Any] | None = None,
-    contents: Iterable[str] = DEFAULT_CONTENTS,
-    step: int = 0,
-    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
-    overwrite: bool = False,
-    hf_export: Any = None,
-    lora_only: bool = False,
-    share_hf_weights: bool = False,
-) -> PreparedSave:
-    """Capture references to the state to save; local to this rank, no collectives.
-
-    ``lora_only``: "model" saves only LoRA weights when the model has any (verl's
-    ``save_lora_only``). ``share_hf_weights``: with "model" and "hf_model", a model tensor
-    exported in its own dtype is stored once, in ``huggingface/``, and the manifest points
-    there."""
-    contents = check_contents(contents, "save_contents")
-    if "model" in contents and model is None:
-        raise UsageError("save_contents includes 'model' but no model was given")
-    if "optimizer" in contents and (optimizer is None or model is None):
-        raise UsageError(
-            "save_contents includes 'optimizer' but no optimizer (and model) was given"
-        )
-    if "hf_model" in contents and hf_export is None:
-        raise UsageError(
-            "save_contents includes 'hf_model' but no HF export was set up (hf_config= or "
-            "hf_source_dir=)"
-        )
-    tensors: dict[str, torch.Tensor] = {}
-    objects: dict[str, Any] = {}
-    hf_entries: dict[str, dict] = {}
-    model_part = st.model_tensors(model) if "model" in contents else None
-    export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
-    if model_part is not None:
-        tensors.update(st.lora_only(model_part) if lora_only else model_part)
-        lora = st.model_lora_meta(model)
-        if lora is not None:  # merge needs r and alpha to write or fuse the adapter
-            objects["lora"] = lora
-        elif share_hf_weights and export_plan is not None:
-            hf_entries = export_plan.same_bytes(tensors)
-            tensors = {k: v for k, v in tensors.items() if k not in hf_entries}
-            if not hf_entries and export_plan.out_dtype is not None:
-                warnings.warn(
-                    "share_hf_weights: the export converts the weights to "
-                    f"{TORCH_NAME[export_plan.out_dtype]}, so none is stored once; the rank "
-                    "files keep them (export in the weights' own dtype, hf_dtype=, to share)",
-                    stacklevel=3,
-                )
-    if "optimizer" in contents:
-        optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
-        tensors.update(optim_tensors)
-        objects["optimizer"] = st.encode(optim_objects, {})
-        if lr_scheduler is not None:
-            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
-    return PreparedSave(
-        target=Path(path).absolute(),
-        step=int(step),
-        contents=contents,
-        tensors=tensors,
-        objects=objects,
-        extra=encode_extra(extra) if "extra" in contents else None,
-        buffer_bytes=parse_size(buffer_size),
-        overwrite=overwrite,
-        hf_export=export_plan,
-        hf_entries=hf_entries,
-    )
-
-
-def save(
-    path: str | os.PathLike,
-    *,
-    model: torch.nn.Module | None = None,
-    optimizer: torch.optim.Optimizer | None = None,
-    lr_scheduler: Any = None,
-    extra: Mapping[str, Any] | None = None,
-    contents: Iterable[str] = DEFAULT_CONTENTS,
-    step: int = 0,
-    buffer_size: int | str = DEFAULT_BUFFER_BYTES,
-    overwrite: bool = False,
-    hf_config: Any = None,
-    tokenizer: Any = None,
-    hf_source_dir: str | os.PathLike | None = None,
-    hf_dtype: str | None = None,
-    share_hf_weights: bool = False,
-) -> SaveResult:
-    """Save a checkpoint to ``path`` from every rank; it appears there only when complete.
-
-    With "hf_model" in ``contents``, ``huggingface/`` gets the model in its publish dtype
-    (``hf_dtype``, else the config's), with the config of ``hf_config`` (a transformers config)
-    or of ``hf_source_dir``, and ``tokenizer``'s files; see ``CheckpointConfig`` for
-    ``share_hf_weights``.
-
-    >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
-    """
-    contents = check_contents(contents, "contents")
-    exporter = None
-    if "hf_model" in contents:
-        from .export import hf_exporter
-
-        exporter = hf_exporter(model, hf_config, tokenizer, hf_source_dir, hf_dtype)
-    prepared = prepare_save(
-        path,
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=lr_scheduler,
-        extra=extra,
-        contents=contents,
-        step=step,
-        buffer_size=buffer_size,
-        overwrite=overwrite,
-        hf_export=exporter,
-        share_hf_weights=share_hf_weights,
-    )
-    return execute_save(prepared)
-
-
-def _rank_local_plan(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]] | None:
-    """This rank's items when every rank can plan alone (formats/local_save.py), else None.
-
-    One gather of a short signature makes every rank take the same path."""
-    try:
-        items = local_save.local_items(tensors, coll.rank(), coll.world())
-        mine = None if items is None else local_save.layout_signature(tensors)
-    except Exception:  # noqa: BLE001 - DCP's path then plans it, or reports it on every rank
-        items = mine = None
-    everyone = coll.gather(mine)
-    if mine is None or any(sig != mine for sig in everyone):
-        return None
-    return items
-
-
-@gc_paused()
-def execute_save(prepared: PreparedSave) -> SaveResult:
-    """Write, agree, commit: every rank calls this (on the thread's checkpoint group)."""
-    started = time.perf_counter()
-    target, step, contents = prepared.target, prepared.step, prepared.contents
-    buffer_bytes, overwrite = prepared.buffer_bytes, prepared.overwrite
-    error: BaseException | None = None
-    tmp_name = None
-    if coll.rank() == 0:
-        try:
-            if target.exists() and not overwrite:
-                raise UsageError(f"{target} already exists; pass overwrite=True to replace it")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            tmp_name = f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-            (target.parent / tmp_name).mkdir()
-        except (OSError, ShardstreamError) as exc:
-            error = exc if isinstance(exc, ShardstreamError) else UsageError(f"{target}: {exc}")
-    tmp_name = coll.broadcast(tmp_name)
-    coll.agree_or_raise(error)
-    tmp = target.parent / tmp_name
-
-    try:
-        # One buffer set, sized from the budget, for every phase: the sharded write, the
-        # extra state and the hf export share it instead of each allocating their own.
-        with one_buffer_set(buffer_bytes):
-            tensors, objects = prepared.tensors, prepared.objects
-            writer = native_storage.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
-            tensor_section, file_section = {}, {}
-            records: dict[str, Any] = {}
-            local = _rank_local_plan(tensors) if tensors else None
-            guard, export_keys, rank_rows = prepared.guard, None, None
-            if guard is not None and prepared.hf_export is not None:
-                # An async export reads this rank's rows back from its rank file when that holds
-                # them all; else the guard learns of its live reads before any read starts.
-                if local is not None:
-                    export_keys = prepared.hf_export.rank_file_keys(local)
-                if export_keys is None:
-                    guard.register_export(prepared.hf_export.live_reads())
-            # What each rank writes alone may fail on one rank only: those errors are agreed
-            # on before the next collective (the export, or the gather below), never skipped.
-            local_error: BaseException | None = None
-            if local is not None:
-                # Each rank knows its part and rank 0 the manifest: no plans are gathered.
-                try:
-                    name = native.rank_file(coll.rank())
-                    written = writer.write_tensors(name, local)
-                    records[name] = {"size": written.size, "header_xxh3": written.header_digest}
-                    if export_keys is not None:
-                        from .export import RankFileRows
-
-                        rank_rows = RankFileRows.of(written, local, export_keys)
-                    if coll.rank() == 0:
-                        tensor_section = local_save.manifest_tensors(tensors, coll.world())
-                except Exception as exc:  # noqa: BLE001
-                    local_error = _save_error(exc, target)
-            elif tensors:
-                with _single_process_quiet():
-                    dcp.save(
-                        tensors,
-                        storage_writer=writer,
-                        planner=native_storage.save_planner(),
-                        process_group=coll.group(),
-                    )
-                if coll.rank() == 0:
-                    tensor_section, file_section = native_storage.tensor_manifest(
-                        writer.metadata, writer.results
-                    )
-            if prepared.extra is not None and local_error is None:
-                try:
-                    records.update(_write_extra(tmp, coll.rank(), *prepared.extra, buffer_bytes))
-                except Exception as exc:  # noqa: BLE001
-                    local_error = _save_error(exc, target)
-            if prepared.hf_export is not None:
-                coll.agree_or_raise(local_error)  # the export's collectives need every rank
-                if guard is not None:
-                    guard.mark_ready()  # with no rank file, the export's reads are all there is
-                records.update(prepared.hf_export(tmp, buffer_bytes, guard, rank_rows))
-                tensor_section.update(prepared.hf_entries)
-            elif local_error is not None:
-                raise local_error
-    except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
-        error = _save_error(exc, target)
-    try:  # one collective whatever happened: every rank's records, or its error
-        gathered = coll.gather_or_raise(records if error is None else None, error)
-    except BaseException:
-        if coll.rank() == 0:  # every rank has stopped writing: leave no partial output behind
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-    if coll.rank() == 0:
-        try:
-            for rank_records in gathered:
-                file_section.update(rank_records)
-            manifest = {
-                "format": native.FORMAT,
-                "version": native.FORMAT_VERSION,
-                "step": int(step),
-                "world_size": coll.world(),
-                "contents": list(contents),
-                "created_unix": time.time(),
-                "torch_version": torch.__version__,
-                "tensors": tensor_section,
-                "files": file_section,
-                "objects": objects,
-            }
-            fsync_tree(tmp)
-            native.write_manifest(tmp, manifest)
-            if target.exists():
-                old = target.with_name(f"{target.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
-                os.rename(target, old)
-                os.rename(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, target)
-            fsync_dir(target.parent)
-        except BaseException as exc:  # noqa: BLE001
-            error = _save_error(exc, target)
-            shutil.rmtree(tmp, ignore_errors=True)
-    coll.agree_or_raise(error)
-    written = (
-        sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if coll.rank() == 0 else 0
-    )
-    return SaveResult(
-        str(target), int(step), written, time.perf_counter() - started, peak_rss_bytes()
-    )
-
-
-def _save_error(exc: BaseException, target: Path) -> BaseException:
-    """The error to report for a failed save: ours if DCP wrapped one, a full disk named."""
-    cause = _shardstream_cause(exc)
-    if cause is not None:
-        return cause
-    if any(
-        isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in _causes(exc)
-    ):
-        return OutOfSpaceError(
-            f"{target}: no space left on device while saving; partial output removed"
-        )
-    return exc
-
-
-# --- load --------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -702,7 +322,7 @@ def load(
     model: torch.nn.Module | None = None,
     optimizer: torch.optim.Optimizer | None = None,
     lr_scheduler: Any = None,
-    contents: Iterable[str] = DEFAULT_CONTENTS,
+    contents: Iterable[str] = native.DEFAULT_CONTENTS,
     verify: bool = True,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     restore_rng: bool = True,
@@ -712,7 +332,7 @@ def load(
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
     started = time.perf_counter()
-    contents = check_contents(contents, "load_contents")
+    contents = native.check_contents(contents, "load_contents")
     path = Path(path)
     if not path.is_dir():
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
@@ -750,16 +370,16 @@ def load(
     )
     if targets:
         try:
-            with _single_process_quiet():
+            with coll.quiet_without_group():
                 dcp.load(targets, storage_reader=reader, process_group=coll.group())
         except ShardstreamError:
             raise
         except BaseException as exc:  # DCP wraps rank failures (CheckpointException is a
             # BaseException, not an Exception); surface ours
-            cause = _shardstream_cause(exc)
+            cause = shardstream_cause(exc)
             if cause is not None:
                 raise cause from None
-            lost = next((e for e in _causes(exc) if isinstance(e, FileNotFoundError)), None)
+            lost = next((e for e in causes(exc) if isinstance(e, FileNotFoundError)), None)
             if lost is not None:  # e.g. deleted by the saving run's retention while we read
                 raise CheckpointNotFoundError(
                     f"{path}: {lost.filename or 'a data file'} disappeared while being read"
@@ -790,35 +410,12 @@ def load(
     return LoadResult(source.step, extra, reader.bytes_read, time.perf_counter() - started)
 
 
-def _causes(exc: BaseException):
-    """``exc`` and every exception behind it, including those DCP wraps per rank."""
-    seen = set()
-    stack = [exc]
-    while stack:
-        e = stack.pop()
-        if id(e) in seen or e is None:
-            continue
-        seen.add(id(e))
-        yield e
-        stack.extend([e.__cause__, e.__context__])
-        failures = getattr(e, "failures", None)
-        if isinstance(failures, dict):  # CheckpointException: rank -> (exception, traceback)
-            for v in failures.values():
-                v = v[0] if isinstance(v, tuple) and v else v
-                if isinstance(v, BaseException):
-                    stack.append(v)
-
-
-def _shardstream_cause(exc: BaseException) -> ShardstreamError | None:
-    return next((e for e in _causes(exc) if isinstance(e, ShardstreamError)), None)
-
-
 def _read_extra(ckpt, rank: int) -> dict[str, Any]:
     """This rank's extra state (rank 0's when the checkpoint had fewer ranks)."""
     files = ckpt.manifest.get("files", {})
-    json_name, tensor_name = extra_files(rank)
+    json_name, tensor_name = native.extra_files(rank)
     if json_name not in files:
-        json_name, tensor_name = extra_files(0)
+        json_name, tensor_name = native.extra_files(0)
     if json_name not in files:
         return {}
     json_path = native.check_name(ckpt.directory, json_name, "extra")
