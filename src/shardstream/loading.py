@@ -16,16 +16,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
 from . import collectives as coll
 from . import state as st
 from .checksum import digest
+from .dtypes import TORCH_BY_CODE
 from .endpoints import FileEndpoint
 from .errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
+    ChecksumMismatchError,
     ShardstreamError,
     UsageError,
     causes,
@@ -426,8 +429,6 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
     except FileNotFoundError:  # listed in the manifest: removed since (retention, by hand)
         raise CheckpointNotFoundError(f"{json_path}: missing (named in the manifest)") from None
     if digest(body) != files[json_name].get("xxh3"):
-        from .errors import ChecksumMismatchError
-
         raise ChecksumMismatchError(f"{json_path}: checksum mismatch in extra state")
     tensors: dict[str, torch.Tensor] = {}
     if tensor_name in files:
@@ -439,10 +440,6 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
             raise CheckpointNotFoundError(f"{tensor_path}: missing (removed meanwhile)") from None
         try:
             for name, entry in header.tensors.items():
-                import numpy as np
-
-                from .dtypes import TORCH_BY_CODE
-
                 out = torch.empty(entry.shape, dtype=TORCH_BY_CODE[entry.dtype])
                 view = (
                     out.view(-1).view(torch.uint8).numpy() if out.numel() else np.empty(0, np.uint8)

@@ -29,7 +29,8 @@ from . import state as st
 from .checksum import digest
 from .commit import TMP_MARK, fsync_dir, fsync_tree
 from .copy import Buffers, Streamer, one_buffer_set
-from .dtypes import TORCH_NAME
+from .dtypes import TORCH_NAME, code_of
+from .endpoints import TensorEndpoint
 from .errors import OutOfSpaceError, ShardstreamError, UsageError, causes, shardstream_cause
 from .formats import local_save, native, native_storage
 from .formats.writer import OutputTensor, write_safetensors
@@ -71,9 +72,6 @@ def _write_extra(
         endpoints = {}
         outputs = []
         for key, tensor in tensors.items():
-            from .dtypes import code_of
-            from .endpoints import TensorEndpoint
-
             location = f"memory:{key}"
             endpoints[location] = TensorEndpoint(key, tensor)
             block = dense_block(location, 0, code_of(tensor.dtype), tuple(tensor.shape))
