@@ -262,8 +262,8 @@ PROFILE_BUCKETS = (
     ),
     ("checksum (xxhash)", ("xxhash",)),
     (
-        "CRC-32 of .pt records, faulting in mapped source pages (zlib.crc32)",
-        ("zlib.crc32",),
+        "CRC-32 of .pt records, faulting in mapped source pages (zlib-ng crc32)",
+        ("crc32",),
     ),
     ("waiting on other threads (lock.acquire)", ("'acquire' of '_thread.lock'",)),
 )

@@ -3,9 +3,12 @@ which zip archives (torch's ``.pt`` files) record and shardstream checks when it
 
 from __future__ import annotations
 
-import zlib
-
 import xxhash
+
+try:  # zlib-ng's CRC-32 uses carry-less multiplication: ~10x the stdlib's on x86-64
+    from zlib_ng.zlib_ng import crc32
+except ImportError:  # pragma: no cover - the same function, slower
+    from zlib import crc32
 
 ALGORITHM = "xxh3_64"
 EMPTY_DIGEST = xxhash.xxh3_64_hexdigest(b"")
@@ -48,13 +51,13 @@ class ChunkHasher:
 
 
 class Crc32:
-    """zlib's CRC-32 behind the hasher interface of ``new_hasher()``: 8 lower-case hex digits."""
+    """CRC-32 (zip's) behind the hasher interface of ``new_hasher()``: 8 lower-case hex digits."""
 
     def __init__(self) -> None:
         self.value = 0
 
     def update(self, data) -> None:
-        self.value = zlib.crc32(data, self.value)
+        self.value = crc32(data, self.value)
 
     def hexdigest(self) -> str:
         return f"{self.value:08x}"
