@@ -41,8 +41,13 @@ def directory_bytes(path: Path) -> int:
 def same_logits(hf_dir: Path, reference: dict[str, torch.Tensor], ids: torch.Tensor) -> bool:
     """Logits of the model in ``hf_dir`` against the unsharded weights cast to its dtype."""
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
-    merged = AutoModelForCausalLM.from_pretrained(hf_dir)
+    hf_logging.disable_progress_bar()
+    merged, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    odd = {k: v for k, v in info.items() if k in ("missing_keys", "unexpected_keys") and v}
+    if odd:
+        raise SystemExit(f"{hf_dir}: transformers loads it with {odd}")
     # The same architecture loaded the same way, holding the unsharded weights instead.
     unsharded = AutoModelForCausalLM.from_pretrained(hf_dir)
     state = {k: v.to(merged.dtype) for k, v in reference.items()}
