@@ -265,7 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "verify": run_verify,
     }
     try:
-        return handlers[args.command](args)
+        code = handlers[args.command](args)
+        sys.stdout.flush()  # a closed pipe raises here, not at interpreter exit
+        return code
     except UsageError as exc:
         print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_USAGE
@@ -275,6 +277,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"shardstream {args.command}: interrupted; nothing was committed", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # the reader went away (`| head`): stop quietly
+        import os
+
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
 
 
 if __name__ == "__main__":

@@ -350,7 +350,8 @@ def read_rank_layouts(
                 mesh = entry.mesh
                 key = (local.dtype, entry.shape, entry.placements, mesh.shape)
                 desc = _describe_placements(entry.placements, mesh)
-                mesh_desc = f"{mesh.shape} {mesh.dim_names}"
+                names = mesh.dim_names or tuple(f"dim{i}" for i in range(len(mesh.shape)))
+                mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
                 coordinate = _mesh_coordinate(mesh, rank, path)
                 start, length = [0] * len(entry.shape), list(entry.shape)
                 keep = True
