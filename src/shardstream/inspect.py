@@ -23,10 +23,14 @@ ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 
 
 def describe(path: str | os.PathLike) -> dict:
-    """Everything known about the checkpoint at ``path`` without reading tensor data."""
+    """Everything known about the checkpoint at ``path`` without reading tensor data; for a
+    run directory (a manager's), its steps and the newest committed one."""
     from .formats.hf import output_dtype, tied_duplicates
     from .sources import open_checkpoint
 
+    run = _run(Path(path))
+    if run is not None:
+        return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
     checkpoint = open_checkpoint(path)
     config_dir = checkpoint.config_dir()
     from .formats.hf import read_config
@@ -65,6 +69,8 @@ def describe(path: str | os.PathLike) -> dict:
         "world_size": getattr(checkpoint, "world_size", None),
         "fsdp_version": getattr(checkpoint, "fsdp_version", None),
         "mesh": getattr(checkpoint, "mesh", None),
+        "step": getattr(checkpoint, "manifest", {}).get("step"),
+        "contents": getattr(checkpoint, "manifest", {}).get("contents"),
         "config_dir": str(config_dir) if config_dir else None,
         "num_files": len(files),
         "files_bytes": file_bytes,
@@ -86,6 +92,26 @@ def describe(path: str | os.PathLike) -> dict:
     }
 
 
+def _run(path: Path) -> dict | None:
+    """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
+    from .commit import TMP_MARK
+    from .formats.native import MANIFEST, committed_steps, read_latest
+
+    if (path / MANIFEST).exists():
+        return None
+    steps = committed_steps(path)
+    if not steps:
+        return None
+    leftovers = sorted(p.name for p in path.iterdir() if TMP_MARK in p.name)
+    return {
+        "directory": str(path),
+        "steps": steps,
+        "latest_pointer": read_latest(path),
+        "newest": steps[-1],
+        "uncommitted": leftovers,
+    }
+
+
 def _dtype_name(code: str) -> str:
     return TORCH_NAME.get(code, code)
 
@@ -93,10 +119,30 @@ def _dtype_name(code: str) -> str:
 def render(info: dict) -> str:
     """A human-readable report of ``describe``'s result."""
     m = info["merge"]
-    lines = [
+    lines = []
+    run = info.get("run")
+    if run:
+        lines += [
+            f"{run['directory']}: shardstream run, committed steps "
+            f"{', '.join(map(str, run['steps']))}; latest_checkpointed_iteration.txt: "
+            f"{run['latest_pointer'] if run['latest_pointer'] is not None else 'missing'}"
+            + (
+                f"; uncommitted (ignored): {', '.join(run['uncommitted'])}"
+                if run["uncommitted"]
+                else ""
+            ),
+            f"the newest committed step, {run['newest']}:",
+            "",
+        ]
+    lines += [
         f"{info['path']}: {info['format']} checkpoint, world size {info['world_size']}"
         + (f", FSDP v{info['fsdp_version']}" if info.get("fsdp_version") else ""),
-        f"mesh: {info['mesh']}",
+        *([f"mesh: {info['mesh']}"] if info.get("mesh") else []),
+        *(
+            [f"step {info['step']}, contents: {', '.join(info['contents'])}"]
+            if info.get("contents") is not None
+            else []
+        ),
         f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
         f"config: {info['config_dir'] or 'none found (pass --hf_model_path to merge)'}",
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",

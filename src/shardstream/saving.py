@@ -105,6 +105,8 @@ class PreparedSave:
     hf_export: Any = None  # export.ExportPlan, captured with the tensors
     hf_entries: dict[str, dict] = field(default_factory=dict)  # model tensors kept in huggingface/
     guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
+    placements: dict[str, str] = field(default_factory=dict)  # rank 0: name -> st.placement_of
+    mesh: dict[str, Any] | None = None  # rank 0: the device mesh, for the manifest
 
 
 def prepare_save(
@@ -145,8 +147,11 @@ def prepare_save(
     hf_entries: dict[str, dict] = {}
     model_part = st.model_tensors(model) if "model" in contents else None
     export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
+    placements: dict[str, str] = {}
     if model_part is not None:
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
+        if coll.rank() == 0:  # before share_hf_weights moves some into huggingface/
+            placements.update({k: st.placement_of(v) for k, v in tensors.items()})
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
             objects["lora"] = lora
@@ -163,6 +168,8 @@ def prepare_save(
     if "optimizer" in contents:
         optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
+        if coll.rank() == 0:
+            placements.update({k: st.placement_of(v) for k, v in optim_tensors.items()})
         objects["optimizer"] = st.encode(optim_objects, {})
         if lr_scheduler is not None:
             objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
@@ -177,6 +184,8 @@ def prepare_save(
         overwrite=overwrite,
         hf_export=export_plan,
         hf_entries=hf_entries,
+        placements=placements,
+        mesh=st.mesh_of(tensors) if coll.rank() == 0 else None,
     )
 
 
@@ -336,11 +345,15 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
         try:
             for rank_records in gathered:
                 file_section.update(rank_records)
+            for name, entry in tensor_section.items():
+                if name in prepared.placements:
+                    entry["placement"] = prepared.placements[name]
             manifest = {
                 "format": native.FORMAT,
                 "version": native.FORMAT_VERSION,
                 "step": int(step),
                 "world_size": coll.world(),
+                **({"mesh": prepared.mesh} if prepared.mesh else {}),
                 "contents": list(contents),
                 "created_unix": time.time(),
                 "torch_version": torch.__version__,

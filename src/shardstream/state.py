@@ -34,6 +34,34 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
+def placement_of(tensor: torch.Tensor) -> str:
+    """How a live tensor is laid out over ranks, as the manifest records it: ``"fsdp:S(0)"``,
+    ``"ddp:R, fsdp:S(0)"`` (HSDP), or ``"plain"`` (a regular tensor, alike on every rank)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    if not isinstance(tensor, DTensor):
+        return "plain"
+    mesh = tensor.device_mesh
+    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+    short = []
+    for name, p in zip(names, tensor.placements):
+        kind = {Shard: f"S({getattr(p, 'dim', '?')})", Replicate: "R"}.get(type(p), str(p))
+        short.append(f"{name}:{kind}")
+    return ", ".join(short)
+
+
+def mesh_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
+    """Shape and dim names of the device mesh of the first DTensor, or None."""
+    from torch.distributed.tensor import DTensor
+
+    for tensor in tensors.values():
+        if isinstance(tensor, DTensor):
+            mesh = tensor.device_mesh
+            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            return {"shape": list(mesh.shape), "dim_names": list(names)}
+    return None
+
+
 def is_lora_name(name: str) -> bool:
     """A LoRA/adapter weight, by the test verl uses for LoRA-only checkpoints."""
     return "lora_" in name or ".adapter_" in name

@@ -343,3 +343,47 @@ def test_inspect_plain_checkpoint(tmp_path):
     assert info["merge"]["bytes_read"] == 2 * info["total_bytes"]
     assert "scalar" in render(info)
     shutil.rmtree(ckpt)
+
+
+def test_inspect_run_directory_describes_the_newest_committed_step(tmp_path, capsys):
+    from shardstream import CheckpointConfig, CheckpointManager
+
+    model = torch.nn.Linear(8, 4)
+    cfg = CheckpointConfig(directory=tmp_path / "run", save_contents=("model",), keep_last=None)
+    manager = CheckpointManager(cfg, model=model)
+    for step in (1, 2):
+        manager.save(step)
+    manager.close()
+    (tmp_path / "run" / "global_step_3.tmp-0123abcd").mkdir()  # a crashed save's leftover
+    info = describe(tmp_path / "run")
+    assert info["run"] == {
+        "directory": str(tmp_path / "run"),
+        "steps": [1, 2],
+        "latest_pointer": 2,
+        "newest": 2,
+        "uncommitted": ["global_step_3.tmp-0123abcd"],
+    }
+    assert info["path"] == str(tmp_path / "run" / "global_step_2") and info["step"] == 2
+    assert info["contents"] == ["model"] and info["mesh"] == ""
+    assert {t["placement"] for t in info["tensors"]} == {"plain; 1 chunk(s) in 1 file(s)"}
+    text = render(info)
+    assert "committed steps 1, 2; latest_checkpointed_iteration.txt: 2" in text
+    assert "uncommitted (ignored): global_step_3.tmp-0123abcd" in text
+    assert "\nmesh:" not in text and "step 2, contents: model" in text
+    assert main(["inspect", str(tmp_path / "run")]) == 0
+    assert capsys.readouterr().out.strip() == text
+
+
+def test_inspect_into_a_closed_pipe_exits_quietly(fsdp_root):
+    """``shardstream inspect D | head -1``: no traceback when the reader goes away."""
+    import subprocess
+    import sys
+
+    child = subprocess.Popen(
+        [sys.executable, "-m", "shardstream", "inspect", str(fsdp_root / "base")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+    )
+    child.stdout.close()  # before it writes anything
+    err = child.stderr.read().decode()
+    assert child.wait() == 1 and err == ""

@@ -18,6 +18,12 @@ def test_rank_local_planning_matches_dcp(tmp_path, world):
     assert not any(r["planned_used_dcp"] for r in results)
     planned, reference = results[0]["planned"], results[0]["dcp"]
     assert planned["tensors"] == reference["tensors"]
+    for manifest in (planned, reference):  # the saving layout, recorded by both paths
+        assert manifest["mesh"] == {"shape": [world], "dim_names": ["fsdp"]}
+        placements = {name: entry["placement"] for name, entry in manifest["tensors"].items()}
+        assert placements["model.model.embed_tokens.weight"] == "fsdp:S(0)"
+        assert placements["optimizer.state.model.embed_tokens.weight.exp_avg"] == "fsdp:S(0)"
+        assert placements["optimizer.state.model.embed_tokens.weight.step"] == "plain"
     assert sorted(planned["files"]) == sorted(reference["files"])
     assert planned["objects"] == reference["objects"]
     for name in ("planned", "dcp"):
@@ -37,6 +43,8 @@ def test_hsdp_is_planned_alone_as_grids_over_the_first_replica(tmp_path):
         assert {k: entry[k] for k in ("dtype", "shape")} == same
         if name.startswith("model.") or name.endswith(("exp_avg", "exp_avg_sq")):
             assert entry.get("grid") == 2, name
+            assert entry["placement"] == "ddp:R, fsdp:S(0)", name
+    assert planned["mesh"] == {"shape": [2, 2], "dim_names": ["ddp", "fsdp"]}
     for name in ("planned", "dcp"):
         assert verify(tmp_path / name).ok
 

@@ -45,7 +45,7 @@ def saved(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"shared-{layout}")
     results = run(workers.shared_hf_save_run, world, str(root), layout, tie, None)
     reference = torch.load(root / "reference.pt", weights_only=False)
-    return {"root": root, "tie": tie, "results": results, "reference": reference}
+    return {"root": root, "layout": layout, "tie": tie, "results": results, "reference": reference}
 
 
 def test_model_weights_are_stored_once_in_huggingface(saved):
@@ -64,7 +64,10 @@ def test_model_weights_are_stored_once_in_huggingface(saved):
     report = verify(saved["root"])
     assert report.ok, report.problems
     placements = native.open_native(step_dir).placements  # what `shardstream inspect` shows
-    assert placements["model.embed_tokens.weight"] == "in huggingface/ (shared with the export)"
+    saved_layout = "fsdp:S(0)" if saved["layout"] == "fsdp" else "ddp:R, fsdp:S(0)"
+    assert placements["model.embed_tokens.weight"] == (
+        f"{saved_layout}; in huggingface/ (shared with the export)"
+    )
 
 
 @pytest.mark.parametrize("layout, world", [("fsdp", 3), ("plain", 1)])

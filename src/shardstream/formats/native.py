@@ -244,7 +244,12 @@ class NativeCheckpoint:
 
     @property
     def mesh(self) -> str:
-        return str(self.manifest.get("mesh", ""))
+        """The saving ranks' device mesh, e.g. ``ddp=2 x fsdp=2``; empty when not recorded."""
+        mesh = self.manifest.get("mesh")
+        if not isinstance(mesh, dict):
+            return ""
+        shape, names = mesh.get("shape") or [], mesh.get("dim_names") or []
+        return " x ".join(f"{n}={s}" for n, s in zip(names, shape))
 
     @property
     def files(self) -> list[str]:
@@ -261,13 +266,20 @@ class NativeCheckpoint:
 
     @property
     def placements(self) -> dict[str, str]:
+        """How each model tensor was laid out when saved, and where its chunks are."""
         hf_dir = str(self.directory / "huggingface") + os.sep
-        return {
-            t.name: "in huggingface/ (shared with the export)"
-            if t.blocks and all(str(b.location).startswith(hf_dir) for b in t.blocks)
-            else f"{len(t.blocks)} chunk(s) over {self.world_size} rank(s)"
-            for t in self.tensors
-        }
+        entries = self.manifest.get("tensors", {})
+        out = {}
+        for t in self.tensors:
+            entry = entries.get(MODEL_PREFIX + t.name)
+            saved = entry.get("placement") if isinstance(entry, dict) else None
+            files = len({b.location for b in t.blocks})
+            if t.blocks and all(str(b.location).startswith(hf_dir) for b in t.blocks):
+                where = "in huggingface/ (shared with the export)"
+            else:
+                where = f"{len(t.blocks)} chunk(s) in {files} file(s)"
+            out[t.name] = f"{saved}; {where}" if isinstance(saved, str) else where
+        return out
 
     @property
     def lora_settings(self) -> dict | None:
