@@ -59,6 +59,8 @@ def describe(path: str | os.PathLike) -> dict:
                 "replicas": len(replicas.get(t.name, ())),
             }
         )
+    manifest = getattr(checkpoint, "manifest", {})
+    contents = manifest.get("contents")
     files = [str(f) for f in getattr(checkpoint, "files", [])]
     file_bytes = sum(os.path.getsize(f) for f in files)
     replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)
@@ -69,8 +71,8 @@ def describe(path: str | os.PathLike) -> dict:
         "world_size": getattr(checkpoint, "world_size", None),
         "fsdp_version": getattr(checkpoint, "fsdp_version", None),
         "mesh": getattr(checkpoint, "mesh", None),
-        "step": getattr(checkpoint, "manifest", {}).get("step"),
-        "contents": getattr(checkpoint, "manifest", {}).get("contents"),
+        "step": manifest.get("step"),
+        "contents": [str(c) for c in contents] if isinstance(contents, list) else None,
         "config_dir": str(config_dir) if config_dir else None,
         "num_files": len(files),
         "files_bytes": file_bytes,

@@ -387,3 +387,20 @@ def test_inspect_into_a_closed_pipe_exits_quietly(fsdp_root):
     child.stdout.close()  # before it writes anything
     err = child.stderr.read().decode()
     assert child.wait() == 1 and err == ""
+
+
+def test_inspect_tolerates_odd_informational_manifest_fields(tmp_path):
+    """mesh, placement and contents are informational: odd values never break inspect."""
+    from shardstream import save
+    from shardstream.formats import native
+
+    save(tmp_path / "step", model=torch.nn.Linear(8, 4), contents=("model",))
+    doc = native.read_manifest(tmp_path / "step")
+    doc["mesh"], doc["contents"] = {"shape": 4, "dim_names": None}, ["model", 7]
+    for entry in doc["tensors"].values():
+        entry["placement"] = ["not", "a", "string"]
+    native.write_manifest(tmp_path / "step", doc)
+    info = describe(tmp_path / "step")
+    assert info["mesh"] == "" and info["contents"] == ["model", "7"]
+    assert {t["placement"] for t in info["tensors"]} == {"1 chunk(s) in 1 file(s)"}
+    assert "step 0, contents: model, 7" in render(info)

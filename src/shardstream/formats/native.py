@@ -248,7 +248,9 @@ class NativeCheckpoint:
         mesh = self.manifest.get("mesh")
         if not isinstance(mesh, dict):
             return ""
-        shape, names = mesh.get("shape") or [], mesh.get("dim_names") or []
+        shape, names = mesh.get("shape"), mesh.get("dim_names")
+        if not isinstance(shape, list) or not isinstance(names, list):
+            return ""
         return " x ".join(f"{n}={s}" for n, s in zip(names, shape))
 
     @property
