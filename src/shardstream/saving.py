@@ -148,10 +148,12 @@ def prepare_save(
     model_part = st.model_tensors(model) if "model" in contents else None
     export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
     placements: dict[str, str] = {}
+    mesh = None
     if model_part is not None:
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         if coll.rank() == 0:  # before share_hf_weights moves some into huggingface/
             placements.update({k: st.placement_of(v) for k, v in tensors.items()})
+            mesh = st.mesh_of(tensors)
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
             objects["lora"] = lora
@@ -170,6 +172,7 @@ def prepare_save(
         tensors.update(optim_tensors)
         if coll.rank() == 0:
             placements.update({k: st.placement_of(v) for k, v in optim_tensors.items()})
+            mesh = mesh or st.mesh_of(optim_tensors)
         objects["optimizer"] = st.encode(optim_objects, {})
         if lr_scheduler is not None:
             objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
@@ -185,7 +188,7 @@ def prepare_save(
         hf_export=export_plan,
         hf_entries=hf_entries,
         placements=placements,
-        mesh=st.mesh_of(tensors) if coll.rank() == 0 else None,
+        mesh=mesh,
     )
 
 

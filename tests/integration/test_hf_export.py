@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from shardstream import verify
+from shardstream.formats import native
 from shardstream.testing.distributed import run
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
@@ -36,6 +37,11 @@ def test_hf_model_export_loads_with_transformers(
     full = run(workers.hf_export_run, world, str(root), *args)[0]["full"]
     export = root / "global_step_1" / "huggingface"
     assert verify(root).ok
+    # The saving layout is recorded even when every weight is stored in huggingface/ only.
+    manifest = native.read_manifest(root / "global_step_1")
+    assert manifest["mesh"] == {"shape": [world], "dim_names": ["fsdp"]}
+    placements = {entry["placement"] for entry in manifest["tensors"].values()}
+    assert placements == {"fsdp:S(0)"}
     model, info = AutoModelForCausalLM.from_pretrained(export, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"]
     state = model.state_dict()
