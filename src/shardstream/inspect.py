@@ -96,7 +96,7 @@ def describe(path: str | os.PathLike) -> dict:
 
 def _run(path: Path) -> dict | None:
     """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
-    from .commit import TMP_MARK
+    from .commit import is_temporary
     from .formats.native import MANIFEST, committed_steps, read_latest
 
     if (path / MANIFEST).exists():
@@ -104,7 +104,7 @@ def _run(path: Path) -> dict | None:
     steps = committed_steps(path)
     if not steps:
         return None
-    leftovers = sorted(p.name for p in path.iterdir() if TMP_MARK in p.name)
+    leftovers = sorted(p.name for p in path.iterdir() if is_temporary(p.name))
     return {
         "directory": str(path),
         "steps": steps,

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from .errors import CheckpointFormatError, UsageError
 from .formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
+from .layout_names import describe_placements, mesh_dim_names
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 STATE = "state."
@@ -37,17 +38,14 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 def placement_of(tensor: torch.Tensor) -> str:
     """How a live tensor is laid out over ranks, as the manifest records it: ``"fsdp:S(0)"``,
     ``"ddp:R, fsdp:S(0)"`` (HSDP), or ``"plain"`` (a regular tensor, alike on every rank)."""
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
+
+    from .formats.torch_pt import Placement
 
     if not isinstance(tensor, DTensor):
         return "plain"
-    mesh = tensor.device_mesh
-    names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
-    short = []
-    for name, p in zip(names, tensor.placements):
-        kind = {Shard: f"S({getattr(p, 'dim', '?')})", Replicate: "R"}.get(type(p), str(p))
-        short.append(f"{name}:{kind}")
-    return ", ".join(short)
+    kinds = [str(Placement(type(p).__name__, getattr(p, "dim", None))) for p in tensor.placements]
+    return describe_placements(tensor.device_mesh.mesh_dim_names, kinds)
 
 
 def mesh_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
@@ -57,7 +55,7 @@ def mesh_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
     for tensor in tensors.values():
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
-            names = mesh.mesh_dim_names or tuple(f"dim{i}" for i in range(mesh.ndim))
+            names = mesh_dim_names(mesh.mesh_dim_names, mesh.ndim)
             return {"shape": list(mesh.shape), "dim_names": list(names)}
     return None
 

@@ -27,6 +27,7 @@ from ..errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from ..layout_names import describe_mesh
 from ..plan import (
     GlobalTensor,
     GridBlocks,
@@ -251,7 +252,7 @@ class NativeCheckpoint:
         shape, names = mesh.get("shape"), mesh.get("dim_names")
         if not isinstance(shape, list) or not isinstance(names, list):
             return ""
-        return " x ".join(f"{n}={s}" for n, s in zip(names, shape))
+        return describe_mesh(names, shape)
 
     @property
     def files(self) -> list[str]:

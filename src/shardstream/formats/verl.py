@@ -22,6 +22,7 @@ import torch
 from .. import collectives as coll
 from ..endpoints import FileEndpoint
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..layout_names import describe_mesh, describe_placements
 from ..plan import (
     Block,
     GlobalTensor,
@@ -218,11 +219,6 @@ def _mesh_coordinate(mesh: MeshLayout, rank: int, path: str) -> tuple[int, ...]:
     return tuple(int(c) for c in coordinate)
 
 
-def _describe_placements(placements: tuple[Placement, ...], mesh: MeshLayout) -> str:
-    names = mesh.dim_names or tuple(f"dim{i}" for i in range(len(placements)))
-    return ", ".join(f"{n}:{p}" for n, p in zip(names, placements))
-
-
 def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlCheckpoint:
     """Read the layout of every rank file and describe each tensor as blocks of byte ranges.
 
@@ -329,7 +325,7 @@ def read_rank_layouts(
     part_paths: dict[tuple, list[str]] = {}
     replicas: dict[str, list[Block]] = {}
     placements: dict[str, str] = {}
-    mesh_desc = "none (plain tensors)"
+    last_mesh: MeshLayout | None = None
     scalars: dict[str, object] = {}
 
     def read(_: int, path: str):
@@ -349,9 +345,8 @@ def read_rank_layouts(
             if entry.shape is not None:
                 mesh = entry.mesh
                 key = (local.dtype, entry.shape, entry.placements, mesh.shape)
-                desc = _describe_placements(entry.placements, mesh)
-                names = mesh.dim_names or tuple(f"dim{i}" for i in range(len(mesh.shape)))
-                mesh_desc = " x ".join(f"{n}={s}" for n, s in zip(names, mesh.shape))
+                desc = describe_placements(mesh.dim_names, [str(p) for p in entry.placements])
+                last_mesh = mesh
                 coordinate = _mesh_coordinate(mesh, rank, path)
                 start, length = [0] * len(entry.shape), list(entry.shape)
                 keep = True
@@ -399,6 +394,11 @@ def read_rank_layouts(
         parts = grids[name] if name in grids else tuple(blocks.get(name, ()))
         check_blocks_tile(name, shape, parts)
         tensors.append(GlobalTensor(name, dtype, shape, parts))
+    mesh_desc = (
+        describe_mesh(last_mesh.dim_names, last_mesh.shape)
+        if last_mesh is not None
+        else "none (plain tensors)"
+    )
     return RankLayouts(tensors, placements, mesh_desc, replicas, scalars)
 
 
