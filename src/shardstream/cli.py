@@ -284,5 +284,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
 
 
+def console_main() -> None:
+    """The ``shardstream`` command: ``main()``, then exit without tearing the interpreter down.
+
+    Unloading torch's modules at exit takes ~0.5 s (a quarter of a small merge). By the time
+    ``main`` returns every output is fsynced and renamed and every thread joined; only the
+    standard streams are left to flush. An exception from ``main`` exits the usual way.
+    """
+    code = main()
+    try:
+        sys.stdout.flush()
+        sys.stderr.flush()
+    except BrokenPipeError:
+        code = code or EXIT_ERROR
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    console_main()

@@ -150,6 +150,40 @@ def test_default_dtype_comes_from_config_and_small_shards_split(checkpoints, tmp
     assert (target / "tokenizer.json").is_file() and (target / "generation_config.json").is_file()
 
 
+def test_command_in_a_fresh_process_prints_everything_and_exits_with_its_code(
+    checkpoints, tmp_path
+):
+    """``python -m shardstream`` ends without interpreter teardown (``console_main``): its
+    output through a pipe is still whole, the merge is complete, and errors still exit 1."""
+    import subprocess
+    import sys
+
+    root, actor = checkpoints["ws2-tied"]
+    target = tmp_path / "merged"
+    command = [sys.executable, "-m", "shardstream", "merge", "--local_dir", str(actor)]
+    done = subprocess.run(
+        [*command, "--target_dir", str(target), "--json", "--dtype", "float32"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr
+    summary = json.loads(done.stdout)
+    got = merged_tensors(target)
+    assert summary["tensors"] == len(got) and summary["target"] == str(target)
+    want = load_file(root / "reference" / "model.safetensors")
+    assert got.keys() == want.keys() - {"lm_head.weight"}
+    assert all(torch.equal(got[k], want[k]) for k in got)
+
+    refused = subprocess.run(
+        [*command, "--target_dir", str(target)], capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 1 and refused.stdout == ""
+    assert refused.stderr.startswith("shardstream merge: error: ") and str(target) in (
+        refused.stderr
+    )
+
+
 def _fsdp1_rank(rank: int, world: int, root: str, with_mesh: bool) -> dict:
     """FSDP1 (device_id=cpu) SHARDED_STATE_DICT in verl's file naming."""
     from torch.distributed.device_mesh import init_device_mesh
