@@ -40,6 +40,7 @@ STARTUP = {"shardstream": "shardstream_startup", "verl": "verl_startup"}
 # (from the page-cached rank files, so no zero-detection in the storage stack flatters it),
 # with O_DIRECT and a final fsync, as the merge does. Run in each case's rotation.
 DISK_FLOOR = "disk_write_floor"
+CAST_FLOOR = "cast_floor"  # bench/cast_floor.py: the least Python work a bf16 merge needs
 
 # Targets from the issue; evaluated into merge.json and the doc.
 TARGET_RSS_MIB = 512
@@ -142,6 +143,9 @@ def tool_argv(tool: str, actor: Path, out: Path, a: argparse.Namespace) -> list[
             str(-(-out_bytes // (4 << 20))),
             *map(str, sorted(actor.glob("model_world_size_*_rank_*.pt"))),
         ]
+    if tool == CAST_FLOOR:
+        rank_files = sorted(actor.glob("model_world_size_*_rank_*.pt"))
+        return [a.python, str(BENCH / "cast_floor.py"), str(out), *map(str, rank_files)]
     if tool == "cp_fsync":
         # The durable copy: shardstream fsyncs what it writes, plain cp leaves dirty pages.
         # coreutils `sync FILE...` fsyncs exactly those files (not the whole machine).
@@ -389,6 +393,15 @@ def evaluate_targets(summary: dict, sizes: list[str]) -> list[dict]:
                     f"<= {TARGET_VS_CP}x",
                     ss["time_vs_cp_fsync"] <= TARGET_VS_CP,
                 )
+            floor = by_tool.get(CAST_FLOOR) or {}
+            if "time_vs_cp" in floor:
+                add(
+                    f"Python cast floor vs cp -r ({size} GB, {cache}; informational: can any "
+                    "Python merge meet the target?)",
+                    round(floor["time_vs_cp"], 2),
+                    f"<= {TARGET_VS_CP}x",
+                    floor["time_vs_cp"] <= TARGET_VS_CP,
+                )
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
         for cache in summary[hi]:
@@ -547,6 +560,8 @@ def main(argv: list[str] | None = None) -> int:
         case_tools += [STARTUP[t] for t in a.tools if t in STARTUP]
     if "shardstream" in a.tools:
         case_tools.append(DISK_FLOOR)
+        if a.dtype in ("config", "bfloat16"):  # the checkpoints' config.json names bfloat16
+            case_tools.append(CAST_FLOOR)
 
     runs: list[dict] = []
     summary: dict[str, dict[str, dict[str, dict]]] = {}
@@ -577,7 +592,7 @@ def main(argv: list[str] | None = None) -> int:
                         problems.append(msg)
                     if tool in COPY_TOOLS:
                         shutil.rmtree(outroot / tool, ignore_errors=True)
-                    if tool == DISK_FLOOR:
+                    if tool in (DISK_FLOOR, CAST_FLOOR):
                         (outroot / tool).unlink(missing_ok=True)
             summary[size][cache] = {t: summarize_runs(rs) for t, rs in per_tool.items()}
 
@@ -640,6 +655,14 @@ def main(argv: list[str] | None = None) -> int:
                 "bs=4M count=<merged bytes / 4 MiB> iflag=fullblock oflag=direct conv=fsync"
             }
             if DISK_FLOOR in case_tools
+            else {}
+        )
+        | (
+            {
+                CAST_FLOOR: "python bench/cast_floor.py OUT "
+                "CKPT/global_step_1/actor/model_world_size_*_rank_*.pt"
+            }
+            if CAST_FLOOR in case_tools
             else {}
         ),
         "machine": facts,
