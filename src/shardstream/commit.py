@@ -10,7 +10,7 @@ import re
 import shutil
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 from .errors import OutOfSpaceError, ShardstreamError, TargetExistsError, UsageError
@@ -69,6 +69,20 @@ def check_target(target: Path, overwrite: bool) -> None:
             raise UsageError(f"target {target} exists and is not a directory")
         if any(target.iterdir()) and not overwrite:
             raise TargetExistsError(f"target {target} is not empty; pass --overwrite to replace it")
+
+
+def check_target_apart(target: Path, inputs: Mapping[str, str | os.PathLike]) -> None:
+    """Refuse a target that is, or contains, a directory the command reads (``inputs``: what
+    each is, to name it): replacing the target would delete that input."""
+    real_target = Path(os.path.realpath(target))
+    for what, path in inputs.items():
+        real = Path(os.path.realpath(path))
+        if real == real_target or real_target in real.parents:
+            relation = "is" if real == real_target else "contains"
+            raise UsageError(
+                f"target {target} {relation} {what} {path}, which replacing the target would "
+                "delete; choose a target outside it"
+            )
 
 
 @contextlib.contextmanager

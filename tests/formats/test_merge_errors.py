@@ -397,6 +397,43 @@ def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
     assert all(torch.equal(merged[k], reference[k]) for k in merged)
 
 
+def tree_state(root: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
+
+
+def test_target_that_is_or_holds_an_input_is_refused_even_with_overwrite(
+    capsys, copy_variant, tmp_path
+):
+    """--overwrite replaces the target: a target that is the checkpoint, a directory above it,
+    a link to it, or its config directory would delete what is being merged."""
+    ckpt = copy_variant("base", "run/global_step_1/actor")
+    link = tmp_path / "link"
+    link.symlink_to(ckpt)
+    before = tree_state(tmp_path / "run")
+    cases = [
+        (ckpt, "is the checkpoint"),
+        (ckpt.parent, "contains the checkpoint"),
+        (tmp_path / "run", "contains the checkpoint"),
+        (link, "is the checkpoint"),
+        (ckpt / "huggingface", "is the checkpoint's config directory"),
+    ]
+    for target, relation in cases:
+        for extra in ((), ("--overwrite",)):
+            rc, err = merge(capsys, ckpt, target, *extra)
+            assert_clean_failure(rc, err, f"target {target} {relation}", code=2)
+            assert tree_state(tmp_path / "run") == before
+    hf_source = copy_variant("base", "hf_source") / "huggingface"
+    rc, err = merge(capsys, ckpt, tmp_path, "--overwrite", "--hf_model_path", str(hf_source))
+    assert_clean_failure(rc, err, f"target {tmp_path} contains the checkpoint", code=2)
+    rc, err = merge(capsys, ckpt, hf_source, "--overwrite", "--hf_model_path", str(hf_source))
+    assert_clean_failure(rc, err, f"target {hf_source} is --hf_model_path", code=2)
+    assert tree_state(tmp_path / "run") == before and (hf_source / "config.json").is_file()
+
+    rc, err = merge(capsys, ckpt, ckpt / "merged")  # inside the checkpoint: reads nothing there
+    assert rc == 0, err
+    assert (ckpt / "merged" / "model.safetensors").is_file()
+
+
 def test_failed_overwrite_keeps_the_old_target(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)
