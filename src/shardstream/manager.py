@@ -345,9 +345,30 @@ class CheckpointManager:
         if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise UsageError(f"step must be a non-negative integer, got {step!r}")
         self.acquire_lock()
+        self._refuse_foreign_step(step)
         if self._async is not None:
             return self._async.submit(step, extra)
         return self._save(step, extra)
+
+    def _refuse_foreign_step(self, step: int) -> None:
+        """Never replace a step directory shardstream did not write (a verl checkpoint saved
+        into the same directory): saving over it would delete it."""
+        error = None
+        if coll.rank() == 0:
+            path = self.step_dir(step)
+            try:
+                held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
+            except OSError:
+                held = []
+            if held and not (path / native.MANIFEST).is_file():
+                error = UsageError(
+                    f"{path} exists and is not a shardstream checkpoint (it holds "
+                    f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); saving step "
+                    f"{step} would delete it: move it away or save into another directory"
+                )
+        error = coll.broadcast(error)  # every rank raises rank 0's finding
+        if error is not None:
+            raise error
 
     def _save(self, step: int, extra: Mapping[str, Any] | None):
         return self._commit(self._prepare(step, extra, self.config.staging_budget_bytes))
@@ -449,7 +470,9 @@ class CheckpointManager:
             if not explicit:
                 # Every rank must read the same step, and a run saving here (this manager needs
                 # no lock to restore) may commit another one meanwhile: rank 0 picks.
-                step = coll.broadcast(self.latest_step() if coll.rank() == 0 else None)
+                step = coll.broadcast(self._newest_or_refuse() if coll.rank() == 0 else None)
+                if isinstance(step, ShardstreamError):
+                    raise step
                 if step is None:
                     return None
             elif step not in self.all_steps():
@@ -471,6 +494,29 @@ class CheckpointManager:
                 continue
             return step, result.extra
         raise AssertionError("unreachable")
+
+    def _newest_or_refuse(self) -> int | ShardstreamError | None:
+        """The newest committed step; None for a directory holding no checkpoint at all; an
+        error naming them for one that holds only another tool's (verl's
+        ``global_step_N/actor``), which restore() does not silently start over beside."""
+        step = self.latest_step()
+        if step is not None or not self.root.is_dir():
+            return step
+        from .sources import checkpoints_below
+
+        try:
+            found = checkpoints_below(self.root)
+        except OSError:
+            found = []
+        if not found:
+            return None
+        names = " and ".join(map(str, found))
+        return CheckpointNotFoundError(
+            f"{self.root} holds no shardstream checkpoint, but {names} "
+            f"{'is a checkpoint' if len(found) == 1 else 'are checkpoints'} of another format: "
+            f"restore(path=...) resumes from {'it' if len(found) == 1 else 'one'} (at any world "
+            "size); to start afresh, use another directory"
+        )
 
     def _load(self, path: str | os.PathLike):
         return loading.load(
@@ -508,13 +554,12 @@ class CheckpointManager:
         self.close()
 
     def __del__(self) -> None:
-        if not getattr(self, "_closed", True):
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                try:
-                    self._lock.release()
-                except Exception:  # noqa: BLE001
-                    pass
+        # May run at interpreter exit, when modules are half torn down: nothing may raise.
+        try:
+            if not self._closed:
+                self._lock.release()
+        except Exception:  # noqa: BLE001
+            pass
 
     def _guard(self) -> None:
         if self._closed:

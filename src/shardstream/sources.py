@@ -41,7 +41,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
     if dcp.is_dcp_checkpoint(path):
         return dcp.open_dcp(path)
     try:
-        hint = _checkpoints_below(path)
+        hint = checkpoints_below(path)
     except OSError:
         hint = []
     if hint:
@@ -63,7 +63,7 @@ def _looks_like_checkpoint(path: Path) -> bool:
     )
 
 
-def _checkpoints_below(path: Path) -> list[Path]:
+def checkpoints_below(path: Path) -> list[Path]:
     """Checkpoints a user may have meant when passing a run or step directory: the latest step
     of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles."""
     from .formats.native import STEP_DIR, read_latest

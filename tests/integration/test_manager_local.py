@@ -172,6 +172,51 @@ def test_directory_without_manifest_is_not_a_step(tmp_path):
         assert mgr.all_steps() == [] and mgr.restore() is None
 
 
+def verl_step(root, step: int) -> dict:
+    """A stand-in for a verl checkpoint saved into ``root``: its files, and their bytes."""
+    actor = root / f"global_step_{step}" / "actor"
+    actor.mkdir(parents=True)
+    (actor / "model_world_size_1_rank_0.pt").write_bytes(b"verl's weights")
+    (root / f"global_step_{step}" / "data.pt").write_bytes(b"verl's dataloader")
+    (root / LATEST_FILE).write_text(f"{step}\n")
+    return {p: p.read_bytes() for p in root.rglob("*") if p.is_file() and p.name != LATEST_FILE}
+
+
+def test_save_never_replaces_a_step_directory_it_did_not_write(tmp_path):
+    """A verl run's checkpoints in the same directory (a one-word tool swap keeps verl's
+    default_local_dir) are never deleted: saving a step they hold is refused, by name."""
+    model, optimizer, _ = tiny()
+    before = verl_step(tmp_path, 2)
+    (tmp_path / "global_step_4").mkdir()  # empty: nothing to lose
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        with pytest.raises(UsageError, match=r"global_step_2 exists and is not a shardstream "):
+            mgr.save(2)
+        mgr.save(3)
+        mgr.save(4)
+        mgr.save(4)  # its own step: replaced
+        assert mgr.all_steps() == [4]  # retention deleted step 3 and nothing else
+    assert {p: p.read_bytes() for p in before} == before
+
+
+def test_restore_does_not_start_over_beside_another_formats_checkpoint(tmp_path):
+    """restore() in a directory holding only verl checkpoints names them instead of returning
+    None (which a training script reads as "start from scratch")."""
+    model, optimizer, _ = tiny()
+    verl_step(tmp_path, 1)
+    verl_step(tmp_path, 7)
+    cfg = CheckpointConfig(str(tmp_path))
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        with pytest.raises(CheckpointNotFoundError) as caught:
+            mgr.restore()
+        message = str(caught.value)
+        assert f"{tmp_path} holds no shardstream checkpoint" in message
+        assert str(tmp_path / "global_step_7" / "actor") in message
+        assert "restore(path=...)" in message
+        mgr.save(8)  # once it holds one of its own, that is the newest
+        assert mgr.restore()[0] == 8
+
+
 def test_second_manager_on_the_same_directory_is_refused(tmp_path):
     model, optimizer, _ = tiny()
     config = CheckpointConfig(str(tmp_path))

@@ -76,6 +76,32 @@ def test_verl_checkpoint_restores_at_another_world_size(verl_run, world):
     assert torch.equal(results[0]["rng_next"], torch.rand(2))
 
 
+def test_manager_in_verls_directory_resumes_by_path_and_deletes_nothing(verl_run, tmp_path):
+    """Two ranks, directory = verl's run directory: restore() names verl's checkpoint instead
+    of starting over, restore(path=...) resumes from it, saving its step is refused and the next
+    step is saved beside it; retention never touches verl's files."""
+    import shutil
+
+    root, actor = verl_run
+    shutil.copytree(actor.parent, tmp_path / "global_step_2")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("2\n")
+    verl_files = {p: p.read_bytes() for p in (tmp_path / "global_step_2").rglob("*.pt")}
+    results = run(workers.verl_directory_run, 2, str(tmp_path))
+    for result in results:
+        assert result["restore"].startswith("CheckpointNotFoundError: ")
+        assert (
+            f"{tmp_path / 'global_step_2' / 'actor'} is a checkpoint of another format"
+            in (result["restore"])
+        )
+        assert result["resume"] == (2, {})
+        assert result["save_2"].startswith(
+            f"UsageError: {tmp_path / 'global_step_2'} exists and is not a shardstream checkpoint"
+        )
+        assert result["save_3"] is not None and result["steps"] == [3]
+    assert len(verl_files) == 13  # 4 ranks x model, optim, extra_state; data.pt
+    assert {p: p.read_bytes() for p in verl_files} == verl_files
+
+
 def test_model_only_restore_of_verl_checkpoint(verl_run):
     root, actor = verl_run
     results = run(workers.verl_restore_run, 3, str(actor), ("model",))

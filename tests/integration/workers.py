@@ -228,6 +228,30 @@ def verl_restore_run(rank: int, world: int, actor: str, contents: tuple) -> dict
     return {"restored": restored, "state": state, "rng_next": rng_next, "parsed": parsed}
 
 
+def verl_directory_run(rank: int, world: int, root: str) -> dict:
+    """A manager pointed at verl's run directory (a one-word tool swap keeps verl's
+    default_local_dir): what restore() and save() do beside verl's checkpoints, on each rank."""
+    from shardstream.errors import ShardstreamError
+
+    model, optimizer, scheduler, _ = build((world,), seed=99)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: 1.0)
+    cfg = CheckpointConfig(directory=root, keep_last=1)
+    out = {}
+    with CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler) as mgr:
+        for what, call in (
+            ("restore", mgr.restore),
+            ("resume", lambda: mgr.restore(path=f"{root}/global_step_2/actor")),
+            ("save_2", lambda: mgr.save(2)),
+            ("save_3", lambda: mgr.save(3)),
+        ):
+            try:
+                out[what] = call()
+            except ShardstreamError as exc:
+                out[what] = f"{type(exc).__name__}: {exc}"
+        out["steps"] = mgr.all_steps()
+    return out
+
+
 @contextlib.contextmanager
 def counting_calls(module, name: str):
     """The file names ``module.name(path, ...)`` is called with, while the block runs."""
