@@ -255,6 +255,9 @@ class CheckpointManager:
         self.hf_source_dir = hf_source_dir
         self.hf_dtype = hf_dtype
         self.root = Path(config.directory).absolute()
+        self._closed = True  # until constructed: __del__ and close() have nothing to release
+        if self.root.exists() and not self.root.is_dir():
+            raise UsageError(f"checkpoint directory {self.root} exists and is not a directory")
         self._lock = _Lock(self.root / LOCK_FILE)
         self._closed = False
         self._writer = False

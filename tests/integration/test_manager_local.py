@@ -121,6 +121,14 @@ def test_interval_retention_and_latest(tmp_path):
             m2.restore(step=2)
 
 
+def test_directory_that_is_a_file_is_refused(tmp_path):
+    model, _, _ = tiny()
+    (tmp_path / "ckpts").write_text("not a directory")
+    with pytest.raises(UsageError, match=f"{tmp_path / 'ckpts'} exists and is not a directory"):
+        CheckpointManager(CheckpointConfig(str(tmp_path / "ckpts")), model=model)
+    assert (tmp_path / "ckpts").read_text() == "not a directory"
+
+
 def test_restore_returns_none_when_empty(tmp_path):
     model, optimizer, _ = tiny()
     with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model) as mgr:
