@@ -66,6 +66,7 @@ def _looks_like_checkpoint(path: Path) -> bool:
 def checkpoints_below(path: Path) -> list[Path]:
     """Checkpoints a user may have meant when passing a run or step directory: the latest step
     of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles."""
+    from .commit import is_temporary
     from .formats.native import STEP_DIR, read_latest
 
     steps = {}
@@ -77,4 +78,8 @@ def checkpoints_below(path: Path) -> list[Path]:
         path = steps.get(read_latest(path)) or steps[max(steps)]
         if _looks_like_checkpoint(path):
             return [path]
-    return sorted(d for d in path.iterdir() if d.is_dir() and _looks_like_checkpoint(d))
+    return sorted(
+        d
+        for d in path.iterdir()
+        if not is_temporary(d.name) and d.is_dir() and _looks_like_checkpoint(d)
+    )

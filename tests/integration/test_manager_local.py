@@ -10,6 +10,7 @@ import torch
 
 import shardstream
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.commit import TMP_MARK
 from shardstream.errors import (
     CheckpointFormatError,
     CheckpointLockedError,
@@ -223,6 +224,17 @@ def test_restore_does_not_start_over_beside_another_formats_checkpoint(tmp_path)
         assert "restore(path=...)" in message
         mgr.save(8)  # once it holds one of its own, that is the newest
         assert mgr.restore()[0] == 8
+
+
+def test_restore_before_the_first_commit_ignores_a_save_in_progress(tmp_path):
+    """A save's temporary directory holds its manifest for a moment before the rename: a
+    reader finds no checkpoint yet, not one "of another format"."""
+    model, optimizer, _ = tiny()
+    with CheckpointManager(CheckpointConfig(str(tmp_path)), model=model) as mgr:
+        staging = tmp_path / f"global_step_1{TMP_MARK}0123abcd"  # after the debris sweep
+        staging.mkdir()
+        (staging / native.MANIFEST).write_text("{}")
+        assert mgr.restore() is None
 
 
 def test_second_manager_on_the_same_directory_is_refused(tmp_path):
