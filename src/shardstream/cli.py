@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(verify, "--quiet", action="store_true", help="print problems only")
 
     inspect = sub.add_parser("inspect", help="describe a checkpoint without reading its data")
-    inspect.add_argument("path", help="checkpoint directory")
+    inspect.add_argument("path", help="checkpoint, run or HF model directory")
     _flag(inspect, "--json", action="store_true", help="machine-readable output")
     return parser
 

@@ -29,7 +29,6 @@ Choices, following verl (``FSDPModelMerger._test_state_dict``):
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import time
@@ -45,12 +44,10 @@ from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
 from .endpoints import FileEndpoint, OpenEndpoints
 from .errors import (
     CheckpointFormatError,
-    CheckpointNotFoundError,
-    UnsafeCheckpointError,
     UsageError,
 )
 from .formats import hf
-from .formats.safetensors import SafetensorsHeader, read_header
+from .formats.safetensors import read_header
 from .plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
 from .sizes import DEFAULT_BUFFER_BYTES
 from .sources import open_checkpoint
@@ -100,83 +97,6 @@ class CompareReport:
         }
 
 
-@dataclass(frozen=True)
-class ReferenceTensor:
-    name: str
-    path: str
-    dtype: str
-    shape: tuple[int, ...]
-    offset: int  # file offset of the first byte
-
-
-def read_reference(directory: str | os.PathLike) -> tuple[list[ReferenceTensor], dict]:
-    """The tensors of a HF safetensors model (single file or sharded) and its config.json.
-
-    ``directory`` may also be a single ``.safetensors`` file. Only headers are read.
-    """
-    path = Path(directory)
-    if not path.exists():
-        raise CheckpointNotFoundError(f"{path}: no such reference model directory")
-    if path.is_file():
-        if path.suffix != ".safetensors":
-            raise CheckpointFormatError(
-                f"{path}: expected a HF model directory or a .safetensors file"
-            )
-        return _tensors_of(read_header(path)), hf.read_config(path.parent)
-    config = hf.read_config(path)
-    index = path / hf.INDEX_FILE
-    single = path / hf.SINGLE_FILE
-    if index.is_file():
-        return _read_index(path, index), config
-    if single.is_file():
-        return _tensors_of(read_header(single)), config
-    others = sorted(p.name for p in path.iterdir() if p.name.endswith((".bin", ".pt", ".pth")))
-    if others:
-        raise CheckpointFormatError(
-            f"{path}: reference has {others[0]} but no {hf.SINGLE_FILE} or {hf.INDEX_FILE}; "
-            "only safetensors references are supported (re-save it with safe_serialization)"
-        )
-    raise CheckpointNotFoundError(
-        f"{path}: no {hf.SINGLE_FILE} or {hf.INDEX_FILE} in the reference model directory"
-    )
-
-
-def _tensors_of(header: SafetensorsHeader) -> list[ReferenceTensor]:
-    return [
-        ReferenceTensor(e.name, header.path, e.dtype, e.shape, header.data_start + e.begin)
-        for e in sorted(header.tensors.values(), key=lambda e: e.begin)
-    ]
-
-
-def _read_index(directory: Path, index: Path) -> list[ReferenceTensor]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict) or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
-        ):
-            raise ValueError("weight_map must map tensor names to file names")
-    except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointFormatError(f"{index}: not a valid safetensors index ({exc})") from None
-    files: dict[str, list[str]] = {}
-    for name, file in weight_map.items():
-        if Path(file).name != file or file in ("", ".", ".."):
-            raise UnsafeCheckpointError(
-                f"{index}: tensor {name!r} points at {file!r}, outside the model directory"
-            )
-        files.setdefault(file, []).append(name)
-    tensors = []
-    for file, names in sorted(files.items()):
-        header = read_header(directory / file)
-        for name in names:
-            if name not in header.tensors:
-                raise CheckpointFormatError(
-                    f"{index}: lists tensor {name!r} in {file}, but {file} has no such tensor"
-                )
-        wanted = set(names)
-        tensors.extend(t for t in _tensors_of(header) if t.name in wanted)
-    return tensors
-
-
 def compare_with_reference(
     local_dir: str | os.PathLike,
     test_hf_dir: str | os.PathLike,
@@ -211,10 +131,10 @@ def compare_with_reference(
     ref_dir = Path(test_hf_dir)
     adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run
     if adapter_dir is not None:
-        reference = _tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE))
+        reference = hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE))
         ref_config = hf.read_config(ref_dir)
     else:
-        reference, ref_config = read_reference(test_hf_dir)
+        reference, ref_config = hf.read_hf_model(test_hf_dir)
     checkpoint = open_checkpoint(local_dir, model_only=True)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
@@ -228,7 +148,7 @@ def compare_with_reference(
         unreferenced = [t.name for t in tensors]
         tensors, adapter = factors, adapter_dir / lora.ADAPTER_FILE
     elif factors and adapter.is_file():  # the adapter merge writes beside the model
-        reference = reference + _tensors_of(read_header(adapter))
+        reference = reference + hf.tensors_of(read_header(adapter))
         tensors = tensors + factors
     drop = tied_duplicates(tensors, config, force_tie)
 
@@ -335,7 +255,7 @@ def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
 
 
 def _compare_tensor(
-    ref: ReferenceTensor,
+    ref: hf.HfTensor,
     ckpt: GlobalTensor,
     target: str,
     ours: Streamer,

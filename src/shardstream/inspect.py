@@ -31,6 +31,8 @@ def describe(path: str | os.PathLike) -> dict:
     run = _run(Path(path))
     if run is not None:
         return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
+    if _is_hf_model(Path(path)):
+        return _describe_hf_model(Path(path))
     checkpoint = open_checkpoint(path)
     config_dir = checkpoint.config_dir()
     from .formats.hf import read_config
@@ -94,6 +96,57 @@ def describe(path: str | os.PathLike) -> dict:
     }
 
 
+def _is_hf_model(path: Path) -> bool:
+    """A HF safetensors model directory (a merge's output), not a checkpoint that has one."""
+    from .formats.hf import INDEX_FILE, SINGLE_FILE
+    from .sources import DCP_METADATA, NATIVE_MANIFEST, VERL_MODEL_FILES
+
+    if not ((path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()):
+        return False
+    checkpoint = (path / NATIVE_MANIFEST).is_file() or (path / DCP_METADATA).is_file()
+    return not checkpoint and not any(path.glob(VERL_MODEL_FILES))
+
+
+def _describe_hf_model(path: Path) -> dict:
+    """A HF model directory from its safetensors headers: what merge wrote, or any HF model."""
+    from .formats.hf import read_hf_model
+
+    tensors, config = read_hf_model(path)
+    files = sorted({t.path for t in tensors})
+    sizes = [_shape_bytes(t.dtype, t.shape) for t in tensors]
+    dtype = config.get("dtype", config.get("torch_dtype"))
+    return {
+        "path": str(path),
+        "format": "huggingface",
+        "config_dtype": dtype if isinstance(dtype, str) else None,
+        "architectures": [str(a) for a in config.get("architectures") or []],
+        "num_files": len(files),
+        "files_bytes": sum(os.path.getsize(f) for f in files),
+        "files": files,
+        "num_tensors": len(tensors),
+        "total_bytes": sum(sizes),
+        "tensors": [
+            {
+                "name": t.name,
+                "shape": list(t.shape),
+                "dtype": _dtype_name(t.dtype),
+                "placement": "",
+                "bytes": size,
+                "file": os.path.basename(t.path),
+            }
+            for t, size in zip(tensors, sizes)
+        ],
+        "merge": None,
+    }
+
+
+def _shape_bytes(dtype: str, shape: tuple[int, ...]) -> int:
+    n = itemsize(dtype)
+    for d in shape:
+        n *= d
+    return n
+
+
 def _run(path: Path) -> dict | None:
     """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
     from .commit import is_temporary
@@ -136,6 +189,17 @@ def render(info: dict) -> str:
             f"the newest committed step, {run['newest']}:",
             "",
         ]
+    if info["format"] == "huggingface":
+        arch = ", ".join(info["architectures"])
+        lines += [
+            f"{info['path']}: huggingface model"
+            + (f" ({arch})" if arch else "")
+            + (f", config dtype {info['config_dtype']}" if info["config_dtype"] else ""),
+            f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
+            f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
+            "",
+        ]
+        return "\n".join(lines + _tensor_table(info["tensors"]))
     lines += [
         f"{info['path']}: {info['format']} checkpoint, world size {info['world_size']}"
         + (f", FSDP v{info['fsdp_version']}" if info.get("fsdp_version") else ""),
@@ -150,14 +214,7 @@ def render(info: dict) -> str:
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
         "",
     ]
-    rows = [("name", "shape", "dtype", "placement", "size")]
-    for t in info["tensors"]:
-        shape = "x".join(str(d) for d in t["shape"]) or "scalar"
-        rows.append((t["name"], shape, t["dtype"], t["placement"], format_size(t["bytes"])))
-    widths = [max(len(r[i]) for r in rows) for i in range(4)]
-    for r in rows:
-        cells = [r[i].ljust(widths[i]) for i in range(4)]
-        lines.append("  ".join(cells) + "  " + r[4].rjust(10))
+    lines += _tensor_table(info["tensors"])
     lines += [
         "",
         f"merge estimate: output dtype {m['output_dtype']}"
@@ -171,6 +228,17 @@ def render(info: dict) -> str:
         "independent of the model's size",
     ]
     return "\n".join(lines)
+
+
+def _tensor_table(tensors: list[dict]) -> list[str]:
+    """One line per tensor: name, shape, dtype, placement (or file), size."""
+    where = "file" if tensors and "file" in tensors[0] else "placement"
+    rows = [("name", "shape", "dtype", where, "size")]
+    for t in tensors:
+        shape = "x".join(str(d) for d in t["shape"]) or "scalar"
+        rows.append((t["name"], shape, t["dtype"], t.get(where, ""), format_size(t["bytes"])))
+    widths = [max(len(r[i]) for r in rows) for i in range(4)]
+    return ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + f"  {r[4]:>10}" for r in rows]
 
 
 def _duration(seconds: float) -> str:

@@ -191,7 +191,7 @@ def test_empty_and_scalar_tensors(tmp_path):
 
 
 def test_reference_errors(fsdp_root, tmp_path):
-    with pytest.raises(CheckpointNotFoundError, match="nope: no such reference model directory"):
+    with pytest.raises(CheckpointNotFoundError, match="nope: no such model directory"):
         compare_with_reference(fsdp_root / "base", tmp_path / "nope")
     empty = tmp_path / "empty"
     empty.mkdir()
@@ -372,6 +372,44 @@ def test_inspect_run_directory_describes_the_newest_committed_step(tmp_path, cap
     assert "\nmesh:" not in text and "step 2, contents: model" in text
     assert main(["inspect", str(tmp_path / "run")]) == 0
     assert capsys.readouterr().out.strip() == text
+
+
+def test_inspect_of_a_merged_model_reads_its_headers_without_torch(fsdp_root, tmp_path, capsys):
+    """inspect of merge's output (a HF model directory): its files and tensors, as written."""
+    import subprocess
+    import sys
+
+    target = tmp_path / "merged"
+    merge(fsdp_root / "base", target, dtype="bfloat16", max_shard_size="8KB")
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    info = describe(target)
+    assert info["format"] == "huggingface" and info["merge"] is None
+    assert info["num_files"] == len(set(index["weight_map"].values())) > 1
+    assert info["total_bytes"] == index["metadata"]["total_size"]
+    written = {}
+    for file in sorted(set(index["weight_map"].values())):
+        written.update(load_file(target / file))
+    assert {t["name"]: (tuple(t["shape"]), t["dtype"], t["file"]) for t in info["tensors"]} == {
+        name: (tuple(v.shape), "bfloat16", index["weight_map"][name]) for name, v in written.items()
+    }
+    text = render(info)
+    assert text.startswith(f"{target}: huggingface model") and EMBED in text
+    assert main(["inspect", str(target)]) == 0
+    assert capsys.readouterr().out.strip() == text
+    fresh = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys\nfrom shardstream.cli import main\n"
+            f"main(['inspect', {str(target)!r}, '--json'])\n"
+            "assert 'torch' not in sys.modules and 'numpy' not in sys.modules",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert fresh.returncode == 0, fresh.stderr
+    assert json.loads(fresh.stdout) == json.loads(json.dumps(info))
 
 
 def test_inspect_into_a_closed_pipe_exits_quietly(fsdp_root):

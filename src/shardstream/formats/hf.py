@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from ..commit import is_temporary
 from ..dtypes import itemsize, parse_dtype
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..plan import split_into_files
+from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
     from ..plan import GlobalTensor
@@ -132,3 +136,82 @@ def tied_duplicates(tensors: Sequence[GlobalTensor], config: dict, force_tie: bo
     tied = force_tie or bool(config.get("tie_word_embeddings", False))
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
     return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()
+
+
+@dataclass(frozen=True)
+class HfTensor:
+    """A tensor of a HF safetensors model, located by its file offset."""
+
+    name: str
+    path: str
+    dtype: str
+    shape: tuple[int, ...]
+    offset: int  # file offset of the first byte
+
+
+def read_hf_model(directory: str | os.PathLike) -> tuple[list[HfTensor], dict]:
+    """The tensors of a HF safetensors model (single file or sharded) and its config.json.
+
+    ``directory`` may also be a single ``.safetensors`` file. Only headers are read.
+    """
+    path = Path(directory)
+    if not path.exists():
+        raise CheckpointNotFoundError(f"{path}: no such model directory")
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointFormatError(
+                f"{path}: expected a HF model directory or a .safetensors file"
+            )
+        return tensors_of(read_header(path)), read_config(path.parent)
+    config = read_config(path)
+    index = path / INDEX_FILE
+    single = path / SINGLE_FILE
+    if index.is_file():
+        return _read_index(path, index), config
+    if single.is_file():
+        return tensors_of(read_header(single)), config
+    others = sorted(p.name for p in path.iterdir() if p.name.endswith((".bin", ".pt", ".pth")))
+    if others:
+        raise CheckpointFormatError(
+            f"{path}: has {others[0]} but no {SINGLE_FILE} or {INDEX_FILE}; "
+            "only safetensors models are read (re-save it with safe_serialization)"
+        )
+    raise CheckpointNotFoundError(
+        f"{path}: no {SINGLE_FILE} or {INDEX_FILE} in the model directory"
+    )
+
+
+def tensors_of(header: SafetensorsHeader) -> list[HfTensor]:
+    return [
+        HfTensor(e.name, header.path, e.dtype, e.shape, header.data_start + e.begin)
+        for e in sorted(header.tensors.values(), key=lambda e: e.begin)
+    ]
+
+
+def _read_index(directory: Path, index: Path) -> list[HfTensor]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise ValueError("weight_map must map tensor names to file names")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckpointFormatError(f"{index}: not a valid safetensors index ({exc})") from None
+    files: dict[str, list[str]] = {}
+    for name, file in weight_map.items():
+        if Path(file).name != file or file in ("", ".", ".."):
+            raise UnsafeCheckpointError(
+                f"{index}: tensor {name!r} points at {file!r}, outside the model directory"
+            )
+        files.setdefault(file, []).append(name)
+    tensors = []
+    for file, names in sorted(files.items()):
+        header = read_header(directory / file)
+        for name in names:
+            if name not in header.tensors:
+                raise CheckpointFormatError(
+                    f"{index}: lists tensor {name!r} in {file}, but {file} has no such tensor"
+                )
+        wanted = set(names)
+        tensors.extend(t for t in tensors_of(header) if t.name in wanted)
+    return tensors
