@@ -56,8 +56,7 @@ _IGNORED_VERL_KEYS = frozenset(
         "resume_mode",
         "resume_from_path",
         "del_local_ckpt_after_load",
-        "max_actor_ckpt_to_keep",
-        "max_critic_ckpt_to_keep",
+        "max_critic_ckpt_to_keep",  # a critic's manager: pass it as max_ckpt_to_keep
         "checkpoint_engine",
         "mbridge_config",
         "save_hf_model",
@@ -67,7 +66,8 @@ _IGNORED_VERL_KEYS = frozenset(
 _SYNONYMS = {
     "save_freq": "save_interval",
     "default_local_dir": "directory",
-    "max_ckpt_to_keep": "keep_last",
+    "max_ckpt_to_keep": "keep_last",  # verl's checkpoint manager argument
+    "max_actor_ckpt_to_keep": "keep_last",  # verl's trainer key for the same
 }
 
 
@@ -140,15 +140,19 @@ class CheckpointConfig:
         return parse_size(self.staging_budget)
 
     @classmethod
-    def from_dict(cls, values: Mapping[str, Any]) -> CheckpointConfig:
+    def from_dict(
+        cls, values: Mapping[str, Any], directory: str | os.PathLike | None = None
+    ) -> CheckpointConfig:
         """Build from a dict such as verl's ``checkpoint:`` section; verl's keys work verbatim.
+        verl keeps the directory in ``trainer.default_local_dir``: pass it in the dict or as
+        ``directory``.
 
         >>> CheckpointConfig.from_dict({"contents": ["model"], "save_freq": 100,
         ...                             "default_local_dir": "ckpts"}).save_interval
         100
         """
         known = {f.name for f in fields(cls)}
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, Any] = {} if directory is None else {"directory": str(directory)}
         legacy_contents = None
         for key, value in values.items():
             if key in _IGNORED_VERL_KEYS:
@@ -171,6 +175,11 @@ class CheckpointConfig:
             kwargs["save_interval"] = None  # verl: save_freq -1 disables interval saves
         if kwargs.get("keep_last") in (-1, 0):
             kwargs["keep_last"] = None  # verl: max_ckpt_to_keep None/-1 keeps all
+        if "directory" not in kwargs:
+            raise UsageError(
+                "checkpoint config has no directory: set 'default_local_dir' (verl keeps it in "
+                "trainer.default_local_dir) or pass from_dict(..., directory=...)"
+            )
         return cls(**kwargs)
 
 
@@ -299,7 +308,7 @@ class CheckpointManager:
 
     def should_save(self, step: int, final: bool = False) -> bool:
         interval = self.config.save_interval
-        return final or (interval is not None and step % interval == 0)
+        return final or (interval is not None and interval > 0 and step % interval == 0)
 
     # --- saving -------------------------------------------------------------------------------
 

@@ -80,6 +80,20 @@ def test_from_dict_accepts_verl_keys(tmp_path):
     )
     assert cfg.save_contents[-1] == "hf_model" and cfg.load_contents == ("model",)
     assert CheckpointConfig.from_dict({"directory": "x", "save_freq": -1}).save_interval is None
+    verl_section = {"save_contents": ["model"], "load_contents": ["model"], "async_save": False}
+    cfg = CheckpointConfig.from_dict(verl_section, directory=tmp_path)  # trainer's dir apart
+    assert cfg.directory == str(tmp_path) and cfg.save_contents == ("model",)
+    trainer_keys = {"save_freq": 20, "max_actor_ckpt_to_keep": 2, "max_critic_ckpt_to_keep": 1}
+    cfg = CheckpointConfig.from_dict({**verl_section, **trainer_keys}, directory=tmp_path)
+    assert (cfg.save_interval, cfg.keep_last) == (20, 2)
+
+
+@pytest.mark.parametrize("interval", [0, -3])
+def test_interval_of_zero_or_less_saves_only_when_final(interval, tmp_path):
+    cfg = CheckpointConfig(str(tmp_path), save_interval=interval)
+    with CheckpointManager(cfg, model=torch.nn.Linear(2, 2)) as mgr:
+        assert not any(mgr.should_save(step) for step in range(-3, 10))
+        assert mgr.should_save(7, final=True)
 
 
 @pytest.mark.parametrize(
@@ -90,6 +104,7 @@ def test_from_dict_accepts_verl_keys(tmp_path):
         ({"directory": "x", "keep_last": 0.5}, "keep_last"),
         ({"directory": "x", "staging_budget": "lots"}, "invalid size"),
         ({"directory": "x", "save_freq": 3, "save_interval": 4}, "twice"),
+        ({"save_freq": 3}, "no directory: set 'default_local_dir'"),
     ],
 )
 def test_bad_config_is_refused(values, words):

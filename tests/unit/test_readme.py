@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import shlex
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -41,6 +42,11 @@ def test_readme_from_dict_snippet(tmp_path):
     from shardstream import CheckpointConfig
 
     snippet = re.search(r"`(CheckpointConfig\.from_dict\(.*?\))`", README, re.S)[1]
-    config = eval(snippet.replace("\n", " "), {"CheckpointConfig": CheckpointConfig})
+    scope = {
+        "CheckpointConfig": CheckpointConfig,
+        "checkpoint_section": {"save_contents": ["model"], "load_contents": ["model"]},
+        "trainer": SimpleNamespace(default_local_dir=str(tmp_path)),
+    }
+    config = eval(snippet.replace("\n", " "), scope)
     assert config.save_interval == 1000 and config.keep_last == 3
-    assert config.save_contents == ("model",)
+    assert config.save_contents == ("model",) and config.directory == str(tmp_path)
