@@ -143,8 +143,20 @@ def _open_source(
                 objects["lr_scheduler"] = train.objects["lr_scheduler"]
         return _Source(tensors, FileEndpoint, saved, objects, _step_of(path), lambda rank: {})
     if not verl.is_verl_checkpoint(path):
+        from .sources import checkpoints_below
+
+        try:
+            below = checkpoints_below(Path(path)) if Path(path).is_dir() else []
+        except OSError:
+            below = []
+        hint = (
+            f"; {' and '.join(map(str, below))} "
+            + ("holds one: pass that path" if len(below) == 1 else "hold one each: pass one")
+            if below
+            else ""
+        )
         raise CheckpointNotFoundError(
-            f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint"
+            f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint" + hint
         )
     ckpt = verl.open_verl(path, shared=True)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}

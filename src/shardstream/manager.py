@@ -53,8 +53,6 @@ _IGNORED_VERL_KEYS = frozenset(
     {
         "_target_",
         "incremental_save",
-        "resume_mode",
-        "resume_from_path",
         "del_local_ckpt_after_load",
         "max_critic_ckpt_to_keep",  # a critic's manager: pass it as max_ckpt_to_keep
         "checkpoint_engine",
@@ -63,6 +61,7 @@ _IGNORED_VERL_KEYS = frozenset(
         "strict",  # verl: strict weight export (Megatron); shardstream's checks are always strict
     }
 )
+RESUME_MODES = ("auto", "disable", "resume_path")  # verl's trainer.resume_mode values
 _SYNONYMS = {
     "save_freq": "save_interval",
     "default_local_dir": "directory",
@@ -90,6 +89,11 @@ class CheckpointConfig:
             memory (GPU runs), so they don't saturate the host link together.
         save_lora_only: on a model with LoRA adapters, "model" saves only the adapter weights
             (verl's key); restoring such a checkpoint fills those and leaves the base weights.
+        resume_mode: what ``restore()`` without arguments loads, as verl's key: "auto" the
+            newest committed step (None if there is none), "disable" nothing (None),
+            "resume_path" the checkpoint at ``resume_from_path``.
+        resume_from_path: a checkpoint directory, or a verl ``global_step_N`` directory whose
+            only role (``actor/``) is then the checkpoint.
         share_hf_weights: with "model" and "hf_model" saved together, a weight exported in the
             model's own dtype (an fp32 export of fp32 weights) is written once, into
             ``huggingface/``, and the manifest points there: a quarter less to write for an
@@ -109,6 +113,8 @@ class CheckpointConfig:
     stagger_host_transfers: bool = False
     save_lora_only: bool = False
     share_hf_weights: bool = False
+    resume_mode: str = "auto"
+    resume_from_path: str | None = None
 
     def __post_init__(self) -> None:
         if not self.directory:
@@ -126,6 +132,12 @@ class CheckpointConfig:
             raise UsageError(
                 f"keep_last must be a positive integer or None, got {self.keep_last!r}"
             )
+        if self.resume_mode not in RESUME_MODES:
+            raise UsageError(
+                f"resume_mode must be one of {', '.join(RESUME_MODES)}, got {self.resume_mode!r}"
+            )
+        if self.resume_mode == "resume_path" and not self.resume_from_path:
+            raise UsageError("resume_mode 'resume_path' needs resume_from_path")
         if self.staging_budget_bytes < 1 << 20:
             raise UsageError(f"staging_budget must be at least 1MiB, got {self.staging_budget!r}")
         if self.share_hf_weights and not {"model", "hf_model"} <= set(self.save_contents):
@@ -467,13 +479,20 @@ class CheckpointManager:
     # --- restoring ----------------------------------------------------------------------------
 
     def restore(self, step: int | None = None, path: str | os.PathLike | None = None):
-        """Load the newest committed checkpoint (or ``step``, or a verl/shardstream ``path``).
+        """Load the newest committed checkpoint (or ``step``, or a verl/shardstream/DCP
+        ``path``). Without arguments, ``config.resume_mode`` decides, as in verl: "auto" the
+        newest, "disable" nothing, "resume_path" ``config.resume_from_path``.
 
         Returns ``(step, extra)``, or None when there is nothing to restore.
         """
         self._guard()
         if self._async is not None:
             self._async.wait()
+        if path is None and step is None:
+            if self.config.resume_mode == "disable":
+                return None
+            if self.config.resume_mode == "resume_path":
+                path = self._resume_path()
         if path is not None:
             result = self._load(path)
             return result.step if step is None else step, result.extra
@@ -506,6 +525,18 @@ class CheckpointManager:
                 continue
             return step, result.extra
         raise AssertionError("unreachable")
+
+    def _resume_path(self) -> Path:
+        """``resume_from_path``, or the one checkpoint inside it (verl's ``resume_from_path``
+        names a ``global_step_N`` directory, its ``actor/`` being the checkpoint)."""
+        from .sources import checkpoints_below, looks_like_checkpoint
+
+        path = Path(self.config.resume_from_path)
+        if path.is_dir() and not looks_like_checkpoint(path):
+            below = checkpoints_below(path)
+            if len(below) == 1:
+                return below[0]
+        return path
 
     def _newest_or_refuse(self) -> int | ShardstreamError | None:
         """The newest committed step; None for a directory holding no checkpoint at all; an

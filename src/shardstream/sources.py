@@ -55,7 +55,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
     )
 
 
-def _looks_like_checkpoint(path: Path) -> bool:
+def looks_like_checkpoint(path: Path) -> bool:
     return (
         (path / NATIVE_MANIFEST).is_file()
         or (path / DCP_METADATA).is_file()
@@ -76,10 +76,10 @@ def checkpoints_below(path: Path) -> list[Path]:
             steps[int(match[1])] = entry
     if steps:
         path = steps.get(read_latest(path)) or steps[max(steps)]
-        if _looks_like_checkpoint(path):
+        if looks_like_checkpoint(path):
             return [path]
     return sorted(
         d
         for d in path.iterdir()
-        if not is_temporary(d.name) and d.is_dir() and _looks_like_checkpoint(d)
+        if not is_temporary(d.name) and d.is_dir() and looks_like_checkpoint(d)
     )

@@ -105,6 +105,8 @@ def test_interval_of_zero_or_less_saves_only_when_final(interval, tmp_path):
         ({"directory": "x", "staging_budget": "lots"}, "invalid size"),
         ({"directory": "x", "save_freq": 3, "save_interval": 4}, "twice"),
         ({"save_freq": 3}, "no directory: set 'default_local_dir'"),
+        ({"directory": "x", "resume_mode": "latest"}, "resume_mode must be one of auto, "),
+        ({"directory": "x", "resume_mode": "resume_path"}, "needs resume_from_path"),
     ],
 )
 def test_bad_config_is_refused(values, words):
@@ -239,6 +241,17 @@ def test_restore_does_not_start_over_beside_another_formats_checkpoint(tmp_path)
         assert "restore(path=...)" in message
         mgr.save(8)  # once it holds one of its own, that is the newest
         assert mgr.restore()[0] == 8
+
+
+def test_restore_of_a_step_directory_names_the_checkpoint_inside(tmp_path):
+    model, optimizer, _ = tiny()
+    verl_step(tmp_path / "verl", 5)
+    with CheckpointManager(CheckpointConfig(str(tmp_path / "run")), model=model) as mgr:
+        with pytest.raises(CheckpointNotFoundError) as caught:
+            mgr.restore(path=tmp_path / "verl" / "global_step_5")
+    assert f"{tmp_path / 'verl' / 'global_step_5' / 'actor'} holds one: pass that path" in str(
+        caught.value
+    )
 
 
 def test_restore_before_the_first_commit_ignores_a_save_in_progress(tmp_path):

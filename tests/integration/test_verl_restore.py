@@ -98,6 +98,11 @@ def test_manager_in_verls_directory_resumes_by_path_and_deletes_nothing(verl_run
             f"UsageError: {tmp_path / 'global_step_2'} exists and is not a shardstream checkpoint"
         )
         assert result["save_3"] is not None and result["steps"] == [3]
+        assert result["resume_path"] == (2, {}) and result["disable"] is None
+        reference = load_file(root / "reference" / "model.safetensors")
+        resumed, untouched = result["resume_path_weights"], result["disable_weights"]
+        assert all(torch.equal(resumed[name], t) for name, t in reference.items())
+        assert not any(torch.equal(untouched[name], t) for name, t in reference.items() if t.dim())
     assert len(verl_files) == 13  # 4 ranks x model, optim, extra_state; data.pt
     assert {p: p.read_bytes() for p in verl_files} == verl_files
 

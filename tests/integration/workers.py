@@ -249,6 +249,14 @@ def verl_directory_run(rank: int, world: int, root: str) -> dict:
             except ShardstreamError as exc:
                 out[what] = f"{type(exc).__name__}: {exc}"
         out["steps"] = mgr.all_steps()
+    # verl's resume keys: resume_from_path names the step directory, its actor/ is read.
+    for mode in ("resume_path", "disable"):
+        keys = {"resume_mode": mode, "resume_from_path": f"{root}/global_step_2"}
+        cfg = CheckpointConfig.from_dict({"save_freq": 1, **keys}, directory=f"{root}/elsewhere")
+        model, optimizer, scheduler, _ = build((world,), seed=7)
+        with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+            out[mode] = mgr.restore()
+            out[f"{mode}_weights"] = full_state(model, optimizer, scheduler)["model"]
     return out
 
 
