@@ -384,7 +384,12 @@ class CheckpointManager:
                 held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
             except OSError:
                 held = []
-            if held and not (path / native.MANIFEST).is_file():
+            if path.is_symlink() or (path.exists() and not path.is_dir()):
+                error = UsageError(
+                    f"{path} exists and is not a shardstream checkpoint directory; saving step "
+                    f"{step} would replace it: move it away or save into another directory"
+                )
+            elif held and not (path / native.MANIFEST).is_file():
                 error = UsageError(
                     f"{path} exists and is not a shardstream checkpoint (it holds "
                     f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); saving step "

@@ -214,15 +214,19 @@ def test_save_never_replaces_a_step_directory_it_did_not_write(tmp_path):
     model, optimizer, _ = tiny()
     before = verl_step(tmp_path, 2)
     (tmp_path / "global_step_4").mkdir()  # empty: nothing to lose
+    (tmp_path / "global_step_5").write_text("a file")
     cfg = CheckpointConfig(str(tmp_path), keep_last=1)
     with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
         with pytest.raises(UsageError, match=r"global_step_2 exists and is not a shardstream "):
             mgr.save(2)
+        with pytest.raises(UsageError, match=r"global_step_5 exists and is not a shardstream "):
+            mgr.save(5)
         mgr.save(3)
         mgr.save(4)
         mgr.save(4)  # its own step: replaced
         assert mgr.all_steps() == [4]  # retention deleted step 3 and nothing else
     assert {p: p.read_bytes() for p in before} == before
+    assert (tmp_path / "global_step_5").read_text() == "a file"
 
 
 def test_restore_does_not_start_over_beside_another_formats_checkpoint(tmp_path):
