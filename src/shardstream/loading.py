@@ -60,6 +60,10 @@ class _Source:
     objects: dict[str, Any]
     step: int
     read_extra: Any  # rank -> {"user": ..., "rng": ...}
+    # Every tensor name saved, when model tensors the live model lacks are an error
+    # (shardstream's format: saved with the same state-dict function). None: ignored, as DCP's
+    # and verl's own loaders do.
+    all_names: frozenset[str] | None = None
 
 
 def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
@@ -121,6 +125,7 @@ def _open_source(
             {k: st.decode(v, {}) for k, v in manifest.get("objects", {}).items()},
             int(manifest.get("step", 0)),
             lambda rank: _read_extra(ckpt, rank),
+            all_names=frozenset(manifest.get("tensors", ())),
         )
     from .formats import dcp as dcp_format
 
@@ -235,6 +240,14 @@ def _checked_targets(
         raise CheckpointFormatError(
             f"{path}: checkpoint has no tensor {missing[0]!r} ({len(missing)} missing); "
             "was it saved from a different model?"
+        )
+    everything = source.all_names or ()
+    saved_names = sorted(k for k in everything if k.startswith(native.MODEL_PREFIX))
+    unexpected = [k for k in saved_names if k not in model_tensors] if model_tensors else []
+    if unexpected:
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has tensor {unexpected[0]!r}, which the model lacks "
+            f"({len(unexpected)} such); was it saved from a different model?"
         )
     for name, tensor in targets.items():
         if tuple(tensor.shape) != available[name].shape:

@@ -359,6 +359,21 @@ def test_shape_mismatch_names_the_tensor(tmp_path):
         shardstream.load(tmp_path / "c", model=other, contents=("model",))
 
 
+def test_tensors_the_model_lacks_are_named_not_dropped(tmp_path):
+    """A checkpoint of another model (here with biases the model lacks) is refused, as torch's
+    strict load_state_dict would, instead of restoring the tensors both have."""
+    model, _, _ = tiny()
+    shardstream.save(tmp_path / "c", model=model, contents=("model",))
+    other = torch.nn.Sequential(
+        torch.nn.Linear(5, 7, bias=False), torch.nn.ReLU(), torch.nn.Linear(7, 3, bias=False)
+    )
+    other.register_buffer("calls", torch.tensor(0))
+    before = {k: v.clone() for k, v in other.state_dict().items()}
+    with pytest.raises(CheckpointFormatError, match=r"has tensor 'model.0.bias', which the model"):
+        shardstream.load(tmp_path / "c", model=other, contents=("model",))
+    assert all(torch.equal(before[k], v) for k, v in other.state_dict().items())
+
+
 @pytest.mark.parametrize("hf_dtype", [None, "bfloat16"])
 def test_save_with_hf_model_uses_one_buffer_set(tmp_path, monkeypatch, hf_dtype):
     """The sharded write, extra and hf export of one save share one budget-sized allocation,
