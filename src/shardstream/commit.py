@@ -21,6 +21,8 @@ TMP_MARK = ".tmp-"
 # the directory exists. The lock goes when the owner dies, however it dies, so the next
 # staged_directory for T can tell a dead merge's leftovers from a live one's work in progress.
 OWNER_SUFFIX = ".owner"
+# A claim whose new owner file a cleaner removes before it is locked starts again.
+CLAIM_ATTEMPTS = 5
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -136,25 +138,31 @@ def _claim(tmp: Path) -> int | None:
     """Create and lock ``tmp``'s owner file; returns its descriptor (None where the filesystem
     refuses files or locks: the run goes on, its leftovers are then never removed for it)."""
     path = _owner_path(tmp)
-    try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-    except PermissionError:
-        raise UsageError(f"cannot create {path}: permission denied") from None
-    except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutOfSpaceError(f"cannot create {path}: no space left on device") from None
-        raise UsageError(f"cannot create {path}: {exc.strerror}") from None
-    try:
-        # Between the create and the lock a cleaner may hold the lock of this still-empty file
-        # for a moment; it leaves owner files without content alone (see _owner_dead), so wait.
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
-    except OSError:
-        os.close(fd)
-        with contextlib.suppress(OSError):
-            path.unlink()
-        return None
-    return fd
+    for _ in range(CLAIM_ATTEMPTS):
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
+        except PermissionError:
+            raise UsageError(f"cannot create {path}: permission denied") from None
+        except OSError as exc:
+            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+                raise OutOfSpaceError(f"cannot create {path}: no space left on device") from None
+            raise UsageError(f"cannot create {path}: {exc.strerror}") from None
+        try:
+            # Between the create and the lock a cleaner may take this still-empty file for a
+            # dead run's (one killed in that instant looks the same) and remove it: then the
+            # lock is on a removed file, and the claim starts again.
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            if os.fstat(fd).st_nlink == 0:
+                os.close(fd)
+                continue
+            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+        except OSError:
+            os.close(fd)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+        return fd
+    return None
 
 
 def _release(tmp: Path, fd: int | None) -> None:
@@ -185,15 +193,9 @@ def _owner_dead(path: Path) -> int | None:
             os.close(fd)
             return None
         return fd
-    try:
-        content = os.pread(fd, 256, 0)
-    except OSError:
-        content = b""
-    if not content.strip():
-        # Being created (the owner writes right after taking the lock) or torn by a crash in
-        # that instant; both are tiny, so leave them alone.
-        os.close(fd)
-        return None
+    # An owner file without content is a claim cut between its create and its write (the run
+    # is dead), or one between its create and its lock right now: that one redoes its claim
+    # when it finds the file removed (``_claim``), so either way the file may go.
     if os.fstat(fd).st_nlink == 0:
         os.close(fd)  # released by its owner (or removed by another cleaner) after we opened it
         return None

@@ -93,15 +93,56 @@ def test_live_owner_in_another_process_is_kept(tmp_path):
     assert not owner.exists()
 
 
-def test_unknown_and_half_created_leftovers_are_kept(tmp_path):
-    """No owner file (an older shardstream, or not ours), or an empty one (an owner between
-    creating and writing it): not provably dead, so left alone."""
+def test_unknown_leftovers_are_kept_and_half_created_claims_removed(tmp_path):
+    """No owner file (an older shardstream, or not ours): not provably dead, so left alone. An
+    empty, unlocked owner file: a run killed between creating and writing it (kill -9 in the
+    soak left one beside the target), or one about to lock it, which then claims again."""
     target = tmp_path / "out"
     legacy = target.with_name(f"{target.name}{TMP_MARK}fedcba98")
     legacy.mkdir()
     empty = _dead_leftover(target, "0123abcd", content="")
-    assert remove_stale_staging(target) == []
-    assert legacy.is_dir() and empty.is_dir()
+    assert remove_stale_staging(target) == [empty]
+    assert legacy.is_dir() and not empty.exists()
+    assert not empty.with_name(empty.name + OWNER_SUFFIX).exists()
+
+
+def test_a_claim_whose_file_a_cleaner_removed_claims_again(tmp_path):
+    """The claimant created its owner file, a cleaner locked it (empty: taken for dead) and
+    removed it; the claimant, blocked on the lock meanwhile, makes a new one and owns that."""
+    import fcntl
+    import os
+    import threading
+
+    from shardstream import commit
+
+    tmp = tmp_path / f"out{TMP_MARK}0123abcd"
+    owner = tmp.with_name(tmp.name + OWNER_SUFFIX)
+    real_open, cleaner = os.open, {}
+
+    def open_then_cleaner_locks(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if path == owner and "fd" not in cleaner:  # the cleaner gets in right after the create
+            cleaner["fd"] = real_open(path, os.O_RDWR)
+            fcntl.flock(cleaner["fd"], fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+
+    claimed = {}
+    commit.os.open = open_then_cleaner_locks
+    try:
+        claimant = threading.Thread(target=lambda: claimed.update(fd=commit._claim(tmp)))
+        claimant.start()
+        time.sleep(0.2)  # the claimant waits on the cleaner's lock
+        assert claimant.is_alive()
+        owner.unlink()  # the cleaner removes the "dead" claim, then lets go
+        os.close(cleaner["fd"])
+        claimant.join(10)
+    finally:
+        commit.os.open = real_open
+    fd = claimed["fd"]
+    assert fd is not None and owner.is_file() and os.fstat(fd).st_nlink == 1
+    assert owner.read_text().split()[1] == str(os.getpid())
+    commit._release(tmp, fd)
+    assert not owner.exists()
 
 
 def test_swap_cut_between_renames_gets_the_old_target_back(tmp_path):
