@@ -99,21 +99,20 @@ def describe(path: str | os.PathLike) -> dict:
 def _is_hf_model(path: Path) -> bool:
     """A HF safetensors model directory (a merge's output), not a checkpoint that has one."""
     from .formats.hf import INDEX_FILE, SINGLE_FILE
-    from .sources import DCP_METADATA, NATIVE_MANIFEST, VERL_MODEL_FILES
+    from .sources import looks_like_checkpoint
 
-    if not ((path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()):
-        return False
-    checkpoint = (path / NATIVE_MANIFEST).is_file() or (path / DCP_METADATA).is_file()
-    return not checkpoint and not any(path.glob(VERL_MODEL_FILES))
+    has_model = (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
+    return has_model and not looks_like_checkpoint(path)
 
 
 def _describe_hf_model(path: Path) -> dict:
     """A HF model directory from its safetensors headers: what merge wrote, or any HF model."""
     from .formats.hf import read_hf_model
+    from .formats.safetensors import tensor_nbytes
 
     tensors, config = read_hf_model(path)
     files = sorted({t.path for t in tensors})
-    sizes = [_shape_bytes(t.dtype, t.shape) for t in tensors]
+    sizes = [tensor_nbytes(t.dtype, t.shape) for t in tensors]
     dtype = config.get("dtype", config.get("torch_dtype"))
     return {
         "path": str(path),
@@ -138,13 +137,6 @@ def _describe_hf_model(path: Path) -> dict:
         ],
         "merge": None,
     }
-
-
-def _shape_bytes(dtype: str, shape: tuple[int, ...]) -> int:
-    n = itemsize(dtype)
-    for d in shape:
-        n *= d
-    return n
 
 
 def _run(path: Path) -> dict | None:

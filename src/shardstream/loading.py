@@ -150,10 +150,7 @@ def _open_source(
     if not verl.is_verl_checkpoint(path):
         from .sources import checkpoints_below
 
-        try:
-            below = checkpoints_below(Path(path)) if Path(path).is_dir() else []
-        except OSError:
-            below = []
+        below = checkpoints_below(path)
         hint = (
             f"; {' and '.join(map(str, below))} "
             + ("holds one: pass that path" if len(below) == 1 else "hold one each: pass one")

@@ -380,21 +380,23 @@ class CheckpointManager:
         error = None
         if coll.rank() == 0:
             path = self.step_dir(step)
-            try:
-                held = sorted(p.name for p in path.iterdir()) if path.is_dir() else []
-            except OSError:
-                held = []
             if path.is_symlink() or (path.exists() and not path.is_dir()):
                 error = UsageError(
                     f"{path} exists and is not a shardstream checkpoint directory; saving step "
                     f"{step} would replace it: move it away or save into another directory"
                 )
-            elif held and not (path / native.MANIFEST).is_file():
-                error = UsageError(
-                    f"{path} exists and is not a shardstream checkpoint (it holds "
-                    f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); saving step "
-                    f"{step} would delete it: move it away or save into another directory"
-                )
+            elif path.is_dir() and not (path / native.MANIFEST).is_file():
+                try:
+                    held = sorted(p.name for p in path.iterdir())
+                except OSError:  # not ours to judge: the save meets it and reports it
+                    held = []
+                if held:  # an empty one: nothing to lose
+                    error = UsageError(
+                        f"{path} exists and is not a shardstream checkpoint (it holds "
+                        f"{', '.join(held[:4])}{', ...' if len(held) > 4 else ''}); saving "
+                        f"step {step} would delete it: move it away or save into another "
+                        "directory"
+                    )
         error = coll.broadcast(error)  # every rank raises rank 0's finding
         if error is not None:
             raise error
@@ -552,10 +554,7 @@ class CheckpointManager:
             return step
         from .sources import checkpoints_below
 
-        try:
-            found = checkpoints_below(self.root)
-        except OSError:
-            found = []
+        found = checkpoints_below(self.root)
         if not found:
             return None
         names = " and ".join(map(str, found))

@@ -143,16 +143,16 @@ def merge(
     target = Path(target_dir)
     from .commit import check_target, check_target_apart
 
-    inputs = {"the checkpoint": local_dir}
-    if hf_model_path:
-        inputs["--hf_model_path"] = hf_model_path
-    check_target_apart(target, inputs)
     checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
-    if config_dir is not None:
-        check_target_apart(target, {"the checkpoint's config directory": config_dir})
+    inputs = {"the checkpoint": local_dir}
+    if hf_model_path:
+        inputs["--hf_model_path"] = hf_model_path
+    elif config_dir is not None:
+        inputs["the checkpoint's config directory"] = config_dir
+    check_target_apart(target, inputs)
     check_target(target.absolute(), overwrite)
     config = hf.read_config(config_dir)
     out_dtype = output_dtype(dtype, config, checkpoint.format)

@@ -40,10 +40,7 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
 
     if dcp.is_dcp_checkpoint(path):
         return dcp.open_dcp(path)
-    try:
-        hint = checkpoints_below(path)
-    except OSError:
-        hint = []
+    hint = checkpoints_below(path)
     if hint:
         raise CheckpointNotFoundError(
             f"{path}: no model files here, but {' and '.join(map(str, hint))} "
@@ -65,7 +62,15 @@ def looks_like_checkpoint(path: Path) -> bool:
 
 def checkpoints_below(path: Path) -> list[Path]:
     """Checkpoints a user may have meant when passing a run or step directory: the latest step
-    of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles."""
+    of a run (``global_step_N``), and inside a step its ``actor``/``critic``-style roles; none
+    where ``path`` cannot be listed."""
+    try:
+        return _checkpoints_below(path)
+    except OSError:
+        return []
+
+
+def _checkpoints_below(path: Path) -> list[Path]:
     from .commit import is_temporary
     from .formats.native import STEP_DIR, read_latest
 
