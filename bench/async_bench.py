@@ -85,7 +85,7 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from shardstream import CheckpointConfig, CheckpointManager
-    from shardstream.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from shardstream.engine.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     seq, vocab, first = spec["seq"], spec["vocab"], spec["first_step"]
     mgr = None

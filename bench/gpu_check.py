@@ -20,7 +20,8 @@ import torch
 
 
 def transfer_rates(tensor: torch.Tensor) -> dict:
-    from shardstream.endpoints import HostTransfer, TensorEndpoint
+    from shardstream.engine.endpoints import TensorEndpoint
+    from shardstream.engine.transfer import HostTransfer
 
     out = np.empty(tensor.numel() * tensor.element_size(), dtype=np.uint8)
     endpoint = TensorEndpoint("x", tensor, transfer=HostTransfer(slot_bytes=8 << 20, slots=3))

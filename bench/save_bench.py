@@ -317,7 +317,7 @@ def _measure(rank: int, fn, sample: bool, prefault_bytes: int = PREFAULT_BYTES) 
     """Run ``fn`` from a common start; wall time, peak RSS above the baseline, RSS samples."""
     import torch.distributed as dist
 
-    from shardstream.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from shardstream.engine.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     malloc_trim()
     os.sync()  # start every method with no dirty pages of anyone's to flush
@@ -552,7 +552,7 @@ def method_order(methods: list[str], rep: int) -> list[str]:
 def save_worker(rank: int, ws: int, spec: dict) -> dict:
     import torch
 
-    from shardstream.memory import current_rss_bytes
+    from shardstream.engine.memory import current_rss_bytes
 
     out = Path(spec["out"])
     saves, restores = list(spec["save_methods"]), list(spec["restore_methods"])

@@ -74,8 +74,17 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardstream.checksum import digest
-from shardstream.formats import hf, local_save, native, native_storage
+from shardstream.commands.merge import choose_outputs
+from shardstream.engine.checksum import digest
+from shardstream.engine.plan import (
+    Block,
+    GlobalTensor,
+    check_blocks_tile,
+    chunk_extent,
+    dense_block,
+    plan_copy,
+)
+from shardstream.formats import hf, native
 from shardstream.formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -84,16 +93,8 @@ from shardstream.formats.safetensors import (
     stored_checksums,
 )
 from shardstream.formats.writer import OutputTensor, plan_file_runs
-from shardstream.merge import choose_outputs
-from shardstream.plan import (
-    Block,
-    GlobalTensor,
-    check_blocks_tile,
-    chunk_extent,
-    dense_block,
-    plan_copy,
-)
-from shardstream.sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
+from shardstream.training import local_save, native_storage
+from shardstream.units import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
 
 DEFAULT_RANKS = (64, 256, 1024, 2048, 4096, 8192)
 HF_FILE_BYTES = 5 * 10**9

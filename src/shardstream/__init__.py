@@ -7,8 +7,6 @@ start-up do not pay for torch and torch.distributed until a command needs them.
 from __future__ import annotations
 
 import importlib
-import sys
-import types
 from typing import TYPE_CHECKING
 
 from .errors import (
@@ -24,23 +22,23 @@ from .errors import (
 )
 
 if TYPE_CHECKING:
-    from .loading import load
+    from .commands.merge import MergeSummary, merge
+    from .commands.verify import verify
     from .manager import CheckpointConfig, CheckpointManager
-    from .merge import MergeSummary, merge
-    from .saving import save
-    from .verify import verify
+    from .training.load import load
+    from .training.save import save
 
 __version__ = "0.1.0"
 
 # public name -> the module that defines it, imported when the name is first looked up
 _LAZY = {
-    "load": ".loading",
-    "save": ".saving",
+    "load": ".training.load",
+    "save": ".training.save",
     "CheckpointConfig": ".manager",
     "CheckpointManager": ".manager",
-    "MergeSummary": ".merge",
-    "merge": ".merge",
-    "verify": ".verify",
+    "MergeSummary": ".commands.merge",
+    "merge": ".commands.merge",
+    "verify": ".commands.verify",
 }
 
 
@@ -55,20 +53,6 @@ def __getattr__(name: str):
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
-
-
-class _Package(types.ModuleType):
-    """``shardstream.merge`` and ``shardstream.verify`` are functions that share their name with
-    the submodule defining them. Importing the submodule makes the import system bind it on the
-    package; ignore that, so the name keeps meaning the function (as the eager import did)."""
-
-    def __setattr__(self, name: str, value) -> None:
-        if name in _LAZY and isinstance(value, types.ModuleType):
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
 
 
 __all__ = [

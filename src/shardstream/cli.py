@@ -131,7 +131,7 @@ class _Progress:
 
 
 def run_merge(args: argparse.Namespace) -> int:
-    from .merge import merge
+    from .commands.merge import merge
 
     _check_backend(args)
     first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
@@ -154,7 +154,7 @@ def run_merge(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
-    from . import collectives
+    from .storage import collectives
 
     if collectives.rank() != 0:
         return 0
@@ -169,7 +169,7 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{format_size(summary.peak_rss_bytes)}"
         )
     if not args.quiet and not args.dtype and summary.format == "verl" and summary.dtype != "BF16":
-        from .dtypes import TORCH_NAME
+        from .engine.dtypes import TORCH_NAME
 
         written = TORCH_NAME[summary.dtype]
         print(  # verl's own merger always casts to bf16; say why these files differ from its
@@ -181,7 +181,7 @@ def run_merge(args: argparse.Namespace) -> int:
 
 
 def run_test(args: argparse.Namespace) -> int:
-    from .compare import compare_with_reference
+    from .commands.test import compare_with_reference
 
     _check_backend(args)
     report = compare_with_reference(
@@ -209,7 +209,7 @@ def run_test(args: argparse.Namespace) -> int:
 
 
 def run_inspect(args: argparse.Namespace) -> int:
-    from .inspect import describe, render
+    from .commands.inspect import describe, render
 
     info = describe(args.path)
     print(json.dumps(info, indent=2) if args.json else render(info))
@@ -217,7 +217,7 @@ def run_inspect(args: argparse.Namespace) -> int:
 
 
 def run_verify(args: argparse.Namespace) -> int:
-    from .verify import verify
+    from .commands.verify import verify
 
     progress = _Progress(not args.quiet and not args.json, "verify")
     progress.start(_tree_bytes(args.path))

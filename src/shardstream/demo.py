@@ -151,7 +151,7 @@ def _train(rank: int, world: int, root: str, first: int, last: int, export: bool
     from torch.distributed.fsdp import fully_shard
 
     from . import CheckpointConfig, CheckpointManager
-    from .memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
+    from .engine.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
     from .testing.tiny_models import build_tiny_model, tiny_config
 
     config = tiny_config("qwen2")

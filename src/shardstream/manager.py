@@ -30,12 +30,13 @@ from typing import Any
 
 import torch
 
-from . import collectives as coll
-from . import loading, saving
-from .commit import TMP_MARK, atomic_write_bytes, fsync_dir
 from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
 from .formats import native
 from .formats.native import LATEST_FILE, committed_steps, read_latest
+from .storage import collectives as coll
+from .storage.commit import TMP_MARK, atomic_write_bytes, fsync_dir
+from .training import load as loading
+from .training import save as saving
 from .units import parse_size
 
 log = logging.getLogger(__name__)
@@ -294,11 +295,11 @@ class CheckpointManager:
             for path in doomed:  # outside the lock: they are ours alone after the rename
                 shutil.rmtree(path, ignore_errors=True)
         if config.stagger_host_transfers:
-            from .endpoints import configure_host_transfers
+            from .engine.transfer import configure_host_transfers
 
             configure_host_transfers(stagger=True)
         if config.async_save:
-            from .async_save import AsyncSaver
+            from .training.async_save import AsyncSaver
 
             self._async = AsyncSaver(self)
 
@@ -406,7 +407,7 @@ class CheckpointManager:
 
     def _prepare(self, step: int, extra: Mapping[str, Any] | None, buffer_bytes: int):
         """Capture what to save (references, not copies); local to this rank."""
-        from .export import hf_exporter
+        from .training.hf_export import hf_exporter
 
         contents = self.config.save_contents
         exporter = None
@@ -536,7 +537,7 @@ class CheckpointManager:
     def _resume_path(self) -> Path:
         """``resume_from_path``, or the one checkpoint inside it (verl's ``resume_from_path``
         names a ``global_step_N`` directory, its ``actor/`` being the checkpoint)."""
-        from .sources import checkpoints_below, looks_like_checkpoint
+        from .formats.source import checkpoints_below, looks_like_checkpoint
 
         path = Path(self.config.resume_from_path)
         if path.is_dir() and not looks_like_checkpoint(path):
@@ -552,7 +553,7 @@ class CheckpointManager:
         step = self.latest_step()
         if step is not None or not self.root.is_dir():
             return step
-        from .sources import checkpoints_below
+        from .formats.source import checkpoints_below
 
         found = checkpoints_below(self.root)
         if not found:

@@ -1,4 +1,5 @@
-"""Human-readable sizes ("5GB", "64MiB") to byte counts, at the CLI and config boundary only."""
+"""Sizes: the defaults every layer shares, and human-readable sizes ("5GB", "64MiB") parsed
+to byte counts at the CLI and config boundary only (no torch here)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,10 @@ import re
 from fractions import Fraction
 
 from .errors import UsageError
+
+DEFAULT_BUFFER_BYTES = 64 * 2**20  # --buffer-size and staging_budget
+DEFAULT_CHUNK_BYTES = 4 * 2**20  # the span of one checksum in a data file
+DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
 
 _UNITS = {
     "": 1,

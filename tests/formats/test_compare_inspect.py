@@ -12,10 +12,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardstream.cli import main
-from shardstream.compare import DEFAULT_ATOL, DEFAULT_RTOL, compare_with_reference
+from shardstream.commands.inspect import describe, render
+from shardstream.commands.merge import merge
+from shardstream.commands.test import DEFAULT_ATOL, DEFAULT_RTOL, compare_with_reference
 from shardstream.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from shardstream.inspect import describe, render
-from shardstream.merge import merge
 
 EMBED = "model.embed_tokens.weight"
 NORM = "model.norm.weight"
@@ -301,7 +301,7 @@ def test_describe(fsdp_root):
 
 
 def test_describe_reads_no_tensor_data(fsdp_root, monkeypatch):
-    from shardstream import endpoints
+    from shardstream.engine import endpoints
 
     def forbidden(*args, **kwargs):
         raise AssertionError("inspect read tensor data")

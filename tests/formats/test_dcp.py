@@ -39,7 +39,7 @@ from shardstream.errors import (
 )
 from shardstream.formats import dcp as dcp_format
 from shardstream.formats import dcp_pickles
-from shardstream.sources import open_checkpoint
+from shardstream.formats.source import open_checkpoint
 
 TINY = {
     "hidden_size": 48,
@@ -349,8 +349,8 @@ def test_merge_without_config_writes_weights_only(fsdp_runs, tmp_path):
 
 @pytest.mark.slow
 def test_inspect_and_test_commands_accept_dcp(fsdp_runs, tmp_path, capsys):
-    pytest.importorskip("shardstream.inspect")
-    pytest.importorskip("shardstream.compare")
+    pytest.importorskip("shardstream.commands.inspect")
+    pytest.importorskip("shardstream.commands.test")
     from safetensors.torch import save_file
 
     root = fsdp_runs["qwen2"]

@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file
 
 from shardstream.cli import main
-from shardstream.dtypes import itemsize
+from shardstream.engine.dtypes import itemsize
 from shardstream.formats.safetensors import read_header
-from shardstream.sizes import DIRECT_ALIGN
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoints
+from shardstream.units import DIRECT_ALIGN
 
 CASES = {
     "ws1": VerlFixture(world_size=1),
@@ -316,7 +316,7 @@ def test_compare_lora_checkpoint_with_its_merge(checkpoints, tmp_path):
 
     from safetensors.torch import save_file
 
-    from shardstream.compare import compare_with_reference
+    from shardstream.commands.test import compare_with_reference
 
     root, actor = checkpoints["ws4-lora"]
     target = tmp_path / "merged"
@@ -404,8 +404,8 @@ def test_sharded_tensors_keep_one_offset_per_rank(checkpoints, monkeypatch):
     """A DTensor split along one dimension is held as one byte offset per rank (GridBlocks);
     the blocks it hands out are the ones a Block-per-rank reading builds, in every case
     (Shard(0) and Shard(1), uneven rows, HSDP replicas, plain buffers, LoRA)."""
+    from shardstream.engine.plan import GridBlocks
     from shardstream.formats import verl
-    from shardstream.plan import GridBlocks
 
     opened = {name: verl.open_verl(actor) for name, (_, actor) in checkpoints.items()}
     monkeypatch.setattr(verl, "_grid_part", lambda *args: None)

@@ -16,7 +16,8 @@ import torch.distributed as dist
 
 import shardstream
 from shardstream import CheckpointConfig, CheckpointManager
-from shardstream.endpoints import HostTransfer, TensorEndpoint, default_transfer
+from shardstream.engine.endpoints import TensorEndpoint
+from shardstream.engine.transfer import HostTransfer, default_transfer
 
 DEVICES = [
     "cpu",

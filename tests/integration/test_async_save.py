@@ -10,10 +10,10 @@ import pytest
 import torch
 
 from shardstream import CheckpointConfig, CheckpointManager
-from shardstream.async_save import SourceGuard
-from shardstream.endpoints import TensorEndpoint
+from shardstream.engine.endpoints import TensorEndpoint
 from shardstream.formats import native
 from shardstream.testing.distributed import run
+from shardstream.training.async_save import SourceGuard
 
 from . import workers
 from .test_manager_roundtrip import assert_state_equal

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from shardstream.sources import open_checkpoint
+from shardstream.formats.source import open_checkpoint
 from shardstream.testing.distributed import run
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
 

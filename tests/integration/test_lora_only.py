@@ -7,7 +7,7 @@ import json
 import torch
 
 from shardstream import CheckpointConfig
-from shardstream.sources import open_checkpoint
+from shardstream.formats.source import open_checkpoint
 from shardstream.testing.distributed import run
 
 from . import workers
@@ -35,7 +35,7 @@ def test_merge_of_lora_only_checkpoint_writes_the_adapter(tmp_path):
     from safetensors.torch import load_file
 
     from shardstream.cli import main
-    from shardstream.compare import compare_with_reference
+    from shardstream.commands.test import compare_with_reference
 
     root = str(tmp_path / "run")
     saved = run(workers.lora_only_run, 2, root, "save", 0)[0]

@@ -150,7 +150,7 @@ def async_run(
     hf_model to the contents, "shared" also sets ``share_hf_weights``."""
     import time as _time
 
-    from shardstream import endpoints as engine
+    from shardstream.engine import endpoints as engine
 
     original = engine.TensorEndpoint.read_into
 
@@ -394,8 +394,9 @@ def planning_paths_run(rank: int, world: int, root: str, layout: str) -> dict:
 
     from torch.distributed import checkpoint as dcp
 
-    from shardstream import save, saving
+    from shardstream import save
     from shardstream.formats import native
+    from shardstream.training import save as saving
 
     model, optimizer, scheduler, _ = build(_world_mesh(world, layout))
     train_step(model, optimizer, scheduler, 0)
@@ -460,8 +461,8 @@ def shared_open_run(rank: int, world: int, path: str) -> dict:
     """Open a checkpoint for a merge with the rank files' headers split over the group (as
     ``merge --distributed`` does); report which files this process parsed and what it learned
     (or the error it raised)."""
-    from shardstream import sources
     from shardstream.formats import native
+    from shardstream.formats import source as sources
 
     is_native = Path(path, "manifest.json").exists()
     target = (native, "read_header") if is_native else (verl, "load_layout")
@@ -499,8 +500,8 @@ def verl_restore_error_run(rank: int, world: int, actors: list[str]) -> str:
 def merge_hashing_run(rank: int, world: int, actor: str, target: str) -> dict:
     """Merge ``actor`` split over the group; report the bytes this process fed to CRC-32 (the
     checks of verl's zip records), and the error it raised if any."""
-    from shardstream import checksum
-    from shardstream.merge import merge
+    from shardstream.commands.merge import merge
+    from shardstream.engine import checksum
 
     hashed = [0]
     original = checksum.Crc32.update

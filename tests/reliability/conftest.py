@@ -43,7 +43,7 @@ def saved_run(forkserver, tmp_path_factory) -> SavedRun:
     """
     import json
 
-    from shardstream.merge import merge
+    from shardstream.commands.merge import merge
 
     base = tmp_path_factory.mktemp("saved-run")
     spec = {

@@ -254,9 +254,9 @@ def serve() -> None:
     import torch.distributed.tensor  # noqa: F401
 
     import shardstream.cli  # noqa: F401
+    import shardstream.commands.merge  # noqa: F401
+    import shardstream.commands.verify  # noqa: F401
     import shardstream.manager  # noqa: F401
-    import shardstream.merge  # noqa: F401
-    import shardstream.verify  # noqa: F401
 
     def reply(doc: dict) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")

@@ -224,7 +224,7 @@ def check_root_after_crash(
 
     ``durable``: the newest step whose ``save()`` had returned before the kill (None: none).
     """
-    from shardstream.commit import TMP_MARK
+    from shardstream.commands.verify import verify
     from shardstream.manager import (
         LATEST_FILE,
         CheckpointConfig,
@@ -232,7 +232,7 @@ def check_root_after_crash(
         committed_steps,
         read_latest,
     )
-    from shardstream.verify import verify
+    from shardstream.storage.commit import TMP_MARK
 
     from .forkserver import build_model, build_optimizer
 

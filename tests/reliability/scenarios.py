@@ -20,10 +20,10 @@ import torch._dynamo  # noqa: F401
 from forkserver import build_model, build_optimizer, train_step
 
 import shardstream.cli  # noqa: F401
-import shardstream.loading  # noqa: F401
-import shardstream.merge  # noqa: F401
-import shardstream.saving  # noqa: F401
-import shardstream.verify  # noqa: F401
+import shardstream.commands.merge  # noqa: F401
+import shardstream.commands.verify  # noqa: F401
+import shardstream.training.load  # noqa: F401
+import shardstream.training.save  # noqa: F401
 from shardstream.errors import OutOfSpaceError, ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, read_latest
 
@@ -102,8 +102,10 @@ def disk_full_ranks(spec: dict, rank: int) -> int:
 def unprivileged_denied(spec: dict, rank: int) -> int:
     """As nobody, in a directory owned by root (mode 0755): save, start a manager, merge into it;
     and read a root-owned checkpoint, which is allowed."""
-    from shardstream import cli, loading, saving
-    from shardstream.verify import verify
+    from shardstream import cli
+    from shardstream.commands.verify import verify
+    from shardstream.training import load as loading
+    from shardstream.training import save as saving
 
     denied = Path(spec["denied"])
     model = build_model()
@@ -136,8 +138,8 @@ def unprivileged_denied(spec: dict, rank: int) -> int:
 def unprivileged_mid_run(spec: dict, rank: int) -> int:
     """As nobody, in its own run directory: save step 1, lose write permission, try step 2,
     regain it, save step 3; then make a data file unreadable and restore."""
-    from shardstream import loading
-    from shardstream.verify import verify
+    from shardstream.commands.verify import verify
+    from shardstream.training import load as loading
 
     root = Path(spec["root"])
     model = build_model()

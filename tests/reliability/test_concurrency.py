@@ -24,11 +24,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstream import loading
+from shardstream.commands.merge import merge
+from shardstream.commands.verify import verify
 from shardstream.errors import CheckpointLockedError, ShardstreamError
 from shardstream.manager import LOCK_FILE, CheckpointConfig, CheckpointManager, read_latest
-from shardstream.merge import merge
-from shardstream.verify import verify
+from shardstream.training import load as loading
 
 from .forkserver import build_model, build_optimizer
 from .harness import (

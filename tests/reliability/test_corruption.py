@@ -23,12 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from shardstream import loading
+from shardstream.commands.verify import verify
 from shardstream.errors import ShardstreamError
 from shardstream.formats import native
 from shardstream.formats.safetensors import read_header, stored_checksums
 from shardstream.manager import CheckpointConfig, CheckpointManager
-from shardstream.verify import verify
+from shardstream.training import load as loading
 
 from .forkserver import build_model, build_optimizer
 from .harness import record, trials
@@ -404,7 +404,7 @@ def test_random_byte_flips_in_rank_files_fail_a_merge(saved_run, tmp_path):
     """A merge reads the model's bytes only, but every chunk it touches is checked whole:
     a flip anywhere in such a chunk (optimizer state beside the model included) fails the
     merge, names the file, and leaves no output."""
-    from shardstream.merge import merge
+    from shardstream.commands.merge import merge
 
     seed = 2_000_003
     rng = random.Random(seed)
@@ -442,8 +442,8 @@ def test_random_byte_flips_in_verl_storages(fsdp_root, tmp_path):
     any storage record is reported by verify, naming the file and a byte range holding it; a
     merge that reads the record fails the same way and leaves no output. A storage no model
     tensor uses (the saved DeviceMesh's) is not read by a merge, whose output is then unchanged."""
+    from shardstream.commands.merge import merge
     from shardstream.formats.torch_pt import zip_records
-    from shardstream.merge import merge
 
     seed = 3_000_017
     rng = random.Random(seed)

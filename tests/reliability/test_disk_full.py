@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardstream import cli, loading
-from shardstream.commit import TMP_MARK
+from shardstream import cli
+from shardstream.commands.verify import verify
 from shardstream.errors import OutOfSpaceError, ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, committed_steps, read_latest
-from shardstream.verify import verify
+from shardstream.storage.commit import TMP_MARK
+from shardstream.training import load as loading
 
 from .forkserver import build_model, build_optimizer, train_step
 from .harness import full_state, record, state_differences, trials

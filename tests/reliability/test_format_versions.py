@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.commands.verify import verify
 from shardstream.formats import native
-from shardstream.verify import verify
 
 from .forkserver import build_model, build_optimizer
 

@@ -29,7 +29,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardstream.checksum import digest
+from shardstream.engine.checksum import digest
 from shardstream.errors import ShardstreamError
 from shardstream.formats import dcp as dcp_format
 from shardstream.formats import native, verl

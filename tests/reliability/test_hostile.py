@@ -21,11 +21,11 @@ import pytest
 import torch
 
 from shardstream import cli
+from shardstream.commands.verify import verify
 from shardstream.errors import ShardstreamError, UnsafeCheckpointError
 from shardstream.formats import native
 from shardstream.formats.safetensors import read_header
 from shardstream.manager import CheckpointConfig, CheckpointManager
-from shardstream.verify import verify
 
 from .forkserver import build_model, build_optimizer
 from .harness import record

@@ -136,8 +136,8 @@ def test_kill9_during_save(forkserver, tmp_path, seed):
 
 
 @pytest.mark.skipif(
-    importlib.util.find_spec("shardstream.async_save") is None,
-    reason="shardstream.async_save does not exist yet",
+    importlib.util.find_spec("shardstream.training.async_save") is None,
+    reason="shardstream.training.async_save does not exist yet",
 )
 def test_kill9_during_async_save(forkserver, tmp_path):
     seed = 20240602
@@ -197,7 +197,7 @@ def _merge_argv(source: Path, target: Path, overwrite: bool) -> list[str]:
 
 
 def test_kill9_during_merge(forkserver, tmp_path, merge_source):
-    from shardstream.verify import verify
+    from shardstream.commands.verify import verify
 
     seed = 20240603
     rng = random.Random(seed)
@@ -263,7 +263,7 @@ def test_kill9_real_cli_process_during_merge(tmp_path, merge_source):
     import subprocess
     import sys
 
-    from shardstream.verify import verify
+    from shardstream.commands.verify import verify
 
     rng = random.Random(20240604)
     target = tmp_path / "out"

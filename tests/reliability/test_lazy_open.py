@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
+from shardstream.commands.merge import merge
 from shardstream.errors import CheckpointFormatError
 from shardstream.formats import native, writer
-from shardstream.merge import merge
 
 
 def test_regions_open_only_the_files_they_overlap(saved_run):

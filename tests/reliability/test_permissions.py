@@ -14,10 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from shardstream import cli, loading, saving
+from shardstream import cli
+from shardstream.commands.verify import verify
 from shardstream.errors import ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, read_latest
-from shardstream.verify import verify
+from shardstream.training import load as loading
+from shardstream.training import save as saving
 
 from .forkserver import build_model, build_optimizer, train_step
 from .harness import record

@@ -10,8 +10,13 @@ from pathlib import Path
 
 import pytest
 
-from shardstream.commit import OWNER_SUFFIX, TMP_MARK, remove_stale_staging, staged_directory
 from shardstream.errors import TargetExistsError
+from shardstream.storage.commit import (
+    OWNER_SUFFIX,
+    TMP_MARK,
+    remove_stale_staging,
+    staged_directory,
+)
 
 
 def _siblings(target: Path) -> list[str]:
@@ -113,7 +118,7 @@ def test_a_claim_whose_file_a_cleaner_removed_claims_again(tmp_path):
     import os
     import threading
 
-    from shardstream import commit
+    from shardstream.storage import commit
 
     tmp = tmp_path / f"out{TMP_MARK}0123abcd"
     owner = tmp.with_name(tmp.name + OWNER_SUFFIX)

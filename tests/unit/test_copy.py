@@ -13,14 +13,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstream.checksum import digest as xxh3_digest
-from shardstream.copy import Buffers, Streamer, hash_block, stream_file, stream_into_memory
-from shardstream.dtypes import CODE_BY_TORCH, itemsize
-from shardstream.endpoints import FileEndpoint, TensorEndpoint, live_block
+from shardstream.engine.checksum import digest as xxh3_digest
+from shardstream.engine.copy import Buffers, Streamer, hash_block, stream_file, stream_into_memory
+from shardstream.engine.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.engine.endpoints import FileEndpoint, TensorEndpoint, live_block
+from shardstream.engine.plan import Block, GlobalTensor, chunk_extent, dense_block, plan_copy
 from shardstream.errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
 from shardstream.formats.safetensors import read_header, stored_checksums
 from shardstream.formats.writer import OutputTensor, write_safetensors
-from shardstream.plan import Block, GlobalTensor, chunk_extent, dense_block, plan_copy
 
 DEFAULT_MAP_MIN_BYTES = FileEndpoint._MAP_MIN_BYTES
 
@@ -96,7 +96,7 @@ def merge_to_file(tmp_path, shape, dtype, pieces, buffers, out_dtype=None):
     finally:
         os.close(fd)
         endpoints.close()
-    from shardstream.dtypes import TORCH_BY_CODE
+    from shardstream.engine.dtypes import TORCH_BY_CODE
 
     data = bytearray(open(path, "rb").read())
     result = torch.frombuffer(data, dtype=TORCH_BY_CODE[out_dtype]) if data else torch.empty(0)
@@ -673,7 +673,8 @@ def test_random_layouts_dtypes_and_buffers(data):
 
 
 def test_host_transfer_ring_copies_in_bounded_slots(tmp_path):
-    from shardstream.endpoints import HostTransfer, TensorEndpoint
+    from shardstream.engine.endpoints import TensorEndpoint
+    from shardstream.engine.transfer import HostTransfer
 
     data = torch.arange(1000, dtype=torch.int32)
     lock = tmp_path / "d2h.lock"
@@ -689,7 +690,7 @@ def test_host_transfer_ring_copies_in_bounded_slots(tmp_path):
 
 
 def test_one_buffer_set_is_shared_by_the_phases_inside_it():
-    from shardstream.copy import one_buffer_set
+    from shardstream.engine.copy import one_buffer_set
 
     with one_buffer_set(1 << 20):
         a, b = Buffers.sized(1 << 20), Buffers.sized(1 << 20, 2.0)

@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from shardstream.formats.native_storage import SMALL_REPLICATED_BYTES, dedup_plans
+from shardstream.training.native_storage import SMALL_REPLICATED_BYTES, dedup_plans
 
 
 def _item(name: str, numel: int) -> WriteItem:

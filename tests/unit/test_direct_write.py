@@ -11,9 +11,11 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardstream.copy import Buffers, Streamer
-from shardstream.dtypes import CODE_BY_TORCH, itemsize
-from shardstream.endpoints import FileEndpoint
+from shardstream.commands.verify import verify
+from shardstream.engine.copy import Buffers, Streamer
+from shardstream.engine.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.engine.endpoints import FileEndpoint
+from shardstream.engine.plan import Block, GlobalTensor
 from shardstream.formats.safetensors import build_header, read_header
 from shardstream.formats.writer import (
     OutputTensor,
@@ -23,9 +25,7 @@ from shardstream.formats.writer import (
     plan_file,
     seal_file,
 )
-from shardstream.plan import Block, GlobalTensor
-from shardstream.sizes import DIRECT_ALIGN
-from shardstream.verify import verify
+from shardstream.units import DIRECT_ALIGN
 
 O_DIRECT = getattr(os, "O_DIRECT", 0)
 
@@ -141,7 +141,7 @@ def test_hf_files_start_every_tensor_on_its_element_size(tmp_path):
 
 
 def test_unaligned_offsets_and_addresses_are_left_to_the_page_cache(tmp_path):
-    from shardstream.copy import _pwrite_direct
+    from shardstream.engine.copy import _pwrite_direct
 
     path = str(tmp_path / "f.bin")
     os.close(os.open(path, os.O_WRONLY | os.O_CREAT))

@@ -6,8 +6,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstream.checksum import digest as xxh3_digest
-from shardstream.export import _WrittenChunks
+from shardstream.engine.checksum import digest as xxh3_digest
+from shardstream.training.hf_export import _WrittenChunks
 
 
 @settings(max_examples=200, deadline=None)

@@ -8,8 +8,9 @@ import threading
 import torch
 
 import shardstream
-from shardstream.formats import native, native_storage
-from shardstream.memory import gc_paused
+from shardstream.engine.memory import gc_paused
+from shardstream.formats import native
+from shardstream.training import native_storage
 
 
 def test_paused_inside_and_restored_after():

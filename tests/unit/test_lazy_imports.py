@@ -30,7 +30,9 @@ def test_import_and_cli_help_import_no_torch():
     assert out == "[]"
 
 
-@pytest.mark.parametrize("first", ["import shardstream.merge", "import shardstream.verify", ""])
+@pytest.mark.parametrize(
+    "first", ["import shardstream.commands.merge", "import shardstream.commands.verify", ""]
+)
 def test_public_api_names_the_functions(first):
     out = run_python(
         f"{first}\n"
@@ -56,9 +58,9 @@ def test_verl_checkpoint_detection_skips_native_and_dcp_modules(tmp_path):
     """Detecting a verl checkpoint needs neither formats.native nor torch.distributed.checkpoint."""
     (tmp_path / "model_world_size_1_rank_0.pt").write_bytes(b"not a zip")
     out = run_python(
-        "import sys, shardstream.sources\n"
+        "import sys, shardstream.formats.source\n"
         "try:\n"
-        f"    shardstream.sources.open_checkpoint({str(tmp_path)!r})\n"
+        f"    shardstream.formats.source.open_checkpoint({str(tmp_path)!r})\n"
         "except shardstream.CheckpointFormatError as exc:\n"
         "    print('corrupt' in str(exc), end=' ')\n"
         "print('shardstream.formats.native' in sys.modules,\n"
@@ -69,7 +71,7 @@ def test_verl_checkpoint_detection_skips_native_and_dcp_modules(tmp_path):
 
 def test_native_manifest_name_matches():
     from shardstream.formats import native
-    from shardstream.sources import NATIVE_MANIFEST
+    from shardstream.formats.source import NATIVE_MANIFEST
 
     assert NATIVE_MANIFEST == native.MANIFEST
 
@@ -97,7 +99,7 @@ def test_verify_and_inspect_of_shardstream_checkpoints_import_no_torch(tmp_path)
 
 
 def test_torch_free_dtype_tables_match_torch():
-    from shardstream import dtypes
+    from shardstream.engine import dtypes
 
     assert set(dtypes.ITEMSIZE) == set(dtypes.TORCH_NAME) == set(dtypes.TORCH_BY_CODE)
     for code, dtype in dtypes.TORCH_BY_CODE.items():

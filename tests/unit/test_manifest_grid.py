@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from shardstream.engine.plan import chunk_extent
 from shardstream.formats import native
-from shardstream.plan import chunk_extent
 
 
 def _chunks(fqn, shape, world, file_of=native.rank_file):

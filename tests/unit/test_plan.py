@@ -14,8 +14,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstream.errors import CheckpointFormatError
-from shardstream.plan import (
+from shardstream.engine.plan import (
     Block,
     GlobalTensor,
     check_blocks_tile,
@@ -25,6 +24,7 @@ from shardstream.plan import (
     row_major_strides,
     split_into_files,
 )
+from shardstream.errors import CheckpointFormatError
 
 ISZ = 8  # every test tensor is int64 holding its own flat index, so values locate elements
 

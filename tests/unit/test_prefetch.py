@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 import torch
 
-from shardstream.copy import Buffers, Streamer, stream_file
-from shardstream.dtypes import CODE_BY_TORCH, itemsize
-from shardstream.endpoints import FileEndpoint
-from shardstream.plan import Block, chunk_extent, dense_block, plan_copy
+from shardstream.engine.copy import Buffers, Streamer, stream_file
+from shardstream.engine.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.engine.endpoints import FileEndpoint
+from shardstream.engine.plan import Block, chunk_extent, dense_block, plan_copy
 
 
 class Recording(FileEndpoint):
@@ -167,8 +167,8 @@ def test_prefetch_is_a_hint(tmp_path, monkeypatch):
 def test_writeback_hints_cover_written_windows_in_order(tmp_path, monkeypatch):
     """fill_range(writeback=True) hands finished windows to the disk in order, never past what
     was written, and the file is the same as without the hints."""
+    from shardstream.engine.plan import GlobalTensor
     from shardstream.formats.writer import OutputTensor, create_file, fill_range, plan_file
-    from shardstream.plan import GlobalTensor
 
     full = torch.randn(64, 48)
     blocks = saved_shards(tmp_path, full, 0, 2)

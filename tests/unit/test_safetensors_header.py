@@ -12,8 +12,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardstream.checksum import ALGORITHM, DIGEST_WIDTH
-from shardstream.dtypes import ITEMSIZE
+from shardstream.engine.checksum import ALGORITHM, DIGEST_WIDTH
+from shardstream.engine.dtypes import ITEMSIZE
 from shardstream.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from shardstream.formats.safetensors import (
     CHECKSUM_PREFIX,

@@ -11,7 +11,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardstream.checksum import Crc32
+from shardstream.engine.checksum import Crc32
 from shardstream.errors import CheckpointFormatError, ChecksumMismatchError
 from shardstream.formats.torch_pt import crc_checked_endpoint, zip_records
 
@@ -39,7 +39,7 @@ def test_crc32_hasher_matches_zlib_in_pieces():
 
 def test_crc32_is_zlib_ngs():
     """The declared dependency is the one in use: the stdlib's is ~10x slower."""
-    from shardstream import checksum
+    from shardstream.engine import checksum
 
     assert checksum.crc32.__module__ == "zlib_ng.zlib_ng"
 

@@ -37,9 +37,9 @@ from pathlib import Path
 
 import torch
 
-from ..dtypes import code_of
+from ..engine.dtypes import code_of
+from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..plan import Block, GlobalTensor, check_blocks_tile
 from .dcp_pickles import (
     BytesStorageMetadata,
     ChunkStorageMetadata,

@@ -21,7 +21,7 @@ from pathlib import PurePosixPath, PureWindowsPath
 
 import torch
 
-from ..dtypes import code_of, itemsize
+from ..engine.dtypes import code_of, itemsize
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 
 # A chunk record's data.pkl and central directory are a few hundred bytes; refuse absurd sizes.

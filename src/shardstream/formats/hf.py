@@ -10,14 +10,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..commit import is_temporary
-from ..dtypes import itemsize, parse_dtype
+from ..engine.dtypes import itemsize, parse_dtype
+from ..engine.plan import split_into_files
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..plan import split_into_files
+from ..storage.commit import is_temporary
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
-    from ..plan import GlobalTensor
+    from ..engine.plan import GlobalTensor
     from .writer import OutputTensor
 
 SINGLE_FILE = "model.safetensors"

@@ -17,18 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..checksum import digest
-from ..commit import atomic_write_bytes
-from ..dtypes import ITEMSIZE
-from ..errors import (
-    CheckpointFormatError,
-    CheckpointNotFoundError,
-    ChecksumMismatchError,
-    UnsafeCheckpointError,
-    UsageError,
-)
-from ..layout_names import describe_mesh
-from ..plan import (
+from ..engine.checksum import digest
+from ..engine.dtypes import ITEMSIZE
+from ..engine.plan import (
     GlobalTensor,
     GridBlocks,
     check_blocks_tile,
@@ -36,10 +27,19 @@ from ..plan import (
     dense_block,
     stored_at,
 )
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    UnsafeCheckpointError,
+    UsageError,
+)
+from ..storage.commit import atomic_write_bytes
+from .layout_names import describe_mesh
 from .safetensors import read_header, stored_checksums, tensors_in_range
 
 if TYPE_CHECKING:
-    from ..endpoints import FileEndpoint
+    from ..engine.endpoints import FileEndpoint
 
 FORMAT = "shardstream"
 FORMAT_VERSION = 2
@@ -304,7 +304,7 @@ class NativeCheckpoint:
         if location not in self.digests:
             raise CheckpointFormatError(f"{location}: not a data file of this checkpoint")
         data_start, chunk_bytes, chunks = self.digests[location]
-        from ..endpoints import FileEndpoint
+        from ..engine.endpoints import FileEndpoint
 
         return FileEndpoint(
             location,
@@ -575,7 +575,7 @@ def _open_grids(
         return found, headers.digests.get(path)
 
     if shared:  # only a distributed merge gets here, with torch.distributed loaded already
-        from ..collectives import in_turns
+        from ..storage.collectives import in_turns
 
         turns = in_turns(paths, located)
     else:

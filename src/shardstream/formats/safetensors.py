@@ -13,7 +13,7 @@ import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
-from ..dtypes import ITEMSIZE
+from ..engine.dtypes import ITEMSIZE
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -201,7 +201,7 @@ CHECKSUM_PREFIX = "shardstream."
 
 def entries_digest(entries: Iterable[TensorEntry]) -> str:
     """A digest of names, dtypes, shapes and offsets, so a header edit is detected too."""
-    from ..checksum import digest
+    from ..engine.checksum import digest
 
     canon = [[e.name, e.dtype, list(e.shape), e.begin, e.end] for e in entries]
     return digest(json.dumps(canon, separators=(",", ":")).encode())
@@ -210,7 +210,7 @@ def entries_digest(entries: Iterable[TensorEntry]) -> str:
 def checksum_metadata(
     entries: list[TensorEntry], chunk_bytes: int, chunks: list[str] | None, data_size: int
 ) -> dict[str, str]:
-    from ..checksum import ALGORITHM, DIGEST_WIDTH
+    from ..engine.checksum import ALGORITHM, DIGEST_WIDTH
 
     if not _power_of_two(chunk_bytes):
         raise UsageError(f"chunk size {chunk_bytes} is not a power of two")
@@ -237,7 +237,7 @@ class StoredChecksums:
 
 def stored_checksums(header: SafetensorsHeader) -> StoredChecksums | None:
     """The checksums shardstream wrote into this header, or None for a foreign file."""
-    from ..checksum import ALGORITHM, DIGEST_WIDTH
+    from ..engine.checksum import ALGORITHM, DIGEST_WIDTH
 
     meta = header.metadata
     if not any(key.startswith(CHECKSUM_PREFIX) for key in meta):

@@ -29,11 +29,11 @@ from types import MappingProxyType
 
 import torch
 
-from ..checksum import Crc32
-from ..dtypes import code_of
-from ..endpoints import FileEndpoint
+from ..engine.checksum import Crc32
+from ..engine.dtypes import code_of
+from ..engine.endpoints import FileEndpoint
+from ..engine.plan import Block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..plan import Block
 
 
 @dataclass(frozen=True)

@@ -19,11 +19,8 @@ from pathlib import Path
 
 import torch
 
-from .. import collectives as coll
-from ..endpoints import FileEndpoint
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from ..layout_names import describe_mesh, describe_placements
-from ..plan import (
+from ..engine.endpoints import FileEndpoint
+from ..engine.plan import (
     Block,
     GlobalTensor,
     GridBlocks,
@@ -32,6 +29,9 @@ from ..plan import (
     row_major_strides,
     tensors_touching,
 )
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..storage import collectives as coll
+from .layout_names import describe_mesh, describe_placements
 from .torch_pt import (
     DistributedTensor,
     LocalTensor,

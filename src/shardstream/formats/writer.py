@@ -7,12 +7,12 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..checksum import digest
-from ..copy import Streamer, stream_file, write_all
-from ..dtypes import itemsize
+from ..engine.checksum import digest
+from ..engine.copy import Streamer, stream_file, write_all
+from ..engine.dtypes import itemsize
+from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
 from ..errors import OutOfSpaceError
-from ..plan import CopyRun, GlobalTensor, dense_block, plan_copy
-from ..sizes import DEFAULT_CHUNK_BYTES
+from ..units import DEFAULT_CHUNK_BYTES
 from .safetensors import build_header, checksum_metadata
 
 

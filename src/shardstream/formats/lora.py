@@ -15,9 +15,9 @@ from pathlib import Path
 
 import torch
 
-from .copy import RowTransform, Streamer, read_tensor
-from .errors import CheckpointFormatError, UsageError
-from .plan import GlobalTensor
+from ..engine.copy import RowTransform, Streamer, read_tensor
+from ..engine.plan import GlobalTensor
+from ..errors import CheckpointFormatError, UsageError
 
 PEFT_PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")

@@ -38,20 +38,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import lora
-from .copy import Buffers, Streamer
-from .dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
-from .endpoints import FileEndpoint, OpenEndpoints
-from .errors import (
-    CheckpointFormatError,
-    UsageError,
-)
-from .formats import hf
-from .formats.safetensors import read_header
-from .plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
-from .sizes import DEFAULT_BUFFER_BYTES
-from .sources import open_checkpoint
-from .units import parse_size
+from ..engine.copy import Buffers, Streamer
+from ..engine.dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from ..engine.endpoints import FileEndpoint, OpenEndpoints
+from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
+from ..errors import CheckpointFormatError, UsageError
+from ..formats import hf, lora
+from ..formats.safetensors import read_header
+from ..formats.source import open_checkpoint
+from ..units import DEFAULT_BUFFER_BYTES, parse_size
 
 # verl's model_merger test: torch.testing.assert_close(..., atol=1e-6, rtol=1e-6).
 DEFAULT_ATOL = 1e-6

@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from . import memory
-from .dtypes import FLOATING, TORCH_NAME, itemsize
-from .sizes import DEFAULT_BUFFER_BYTES
-from .units import format_size
+from ..engine import memory
+from ..engine.dtypes import FLOATING, TORCH_NAME, itemsize
+from ..units import DEFAULT_BUFFER_BYTES, format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
 BASELINE_RSS_BYTES = getattr(memory, "BASELINE_RSS_BYTES", 260 * 2**20)
@@ -25,8 +24,8 @@ ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 def describe(path: str | os.PathLike) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
     run directory (a manager's), its steps and the newest committed one."""
-    from .formats.hf import output_dtype, tied_duplicates
-    from .sources import open_checkpoint
+    from ..formats.hf import output_dtype, tied_duplicates
+    from ..formats.source import open_checkpoint
 
     run = _run(Path(path))
     if run is not None:
@@ -35,7 +34,7 @@ def describe(path: str | os.PathLike) -> dict:
         return _describe_hf_model(Path(path))
     checkpoint = open_checkpoint(path)
     config_dir = checkpoint.config_dir()
-    from .formats.hf import read_config
+    from ..formats.hf import read_config
 
     config = read_config(config_dir)
     out_dtype = output_dtype(None, config, checkpoint.format)
@@ -98,8 +97,8 @@ def describe(path: str | os.PathLike) -> dict:
 
 def _is_hf_model(path: Path) -> bool:
     """A HF safetensors model directory (a merge's output), not a checkpoint that has one."""
-    from .formats.hf import INDEX_FILE, SINGLE_FILE
-    from .sources import looks_like_checkpoint
+    from ..formats.hf import INDEX_FILE, SINGLE_FILE
+    from ..formats.source import looks_like_checkpoint
 
     has_model = (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
     return has_model and not looks_like_checkpoint(path)
@@ -107,8 +106,8 @@ def _is_hf_model(path: Path) -> bool:
 
 def _describe_hf_model(path: Path) -> dict:
     """A HF model directory from its safetensors headers: what merge wrote, or any HF model."""
-    from .formats.hf import read_hf_model
-    from .formats.safetensors import tensor_nbytes
+    from ..formats.hf import read_hf_model
+    from ..formats.safetensors import tensor_nbytes
 
     tensors, config = read_hf_model(path)
     files = sorted({t.path for t in tensors})
@@ -141,8 +140,8 @@ def _describe_hf_model(path: Path) -> dict:
 
 def _run(path: Path) -> dict | None:
     """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
-    from .commit import is_temporary
-    from .formats.native import MANIFEST, committed_steps, read_latest
+    from ..formats.native import MANIFEST, committed_steps, read_latest
+    from ..storage.commit import is_temporary
 
     if (path / MANIFEST).exists():
         return None

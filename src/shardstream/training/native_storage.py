@@ -33,15 +33,15 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from ..copy import Buffers, Streamer, stream_into_memory
-from ..dtypes import TORCH_BY_CODE, code_of
-from ..endpoints import Endpoint, FileEndpoint, OpenEndpoints, TensorEndpoint, live_block
+from ..engine.copy import Buffers, Streamer, stream_into_memory
+from ..engine.dtypes import TORCH_BY_CODE, code_of
+from ..engine.endpoints import Endpoint, FileEndpoint, OpenEndpoints, TensorEndpoint, live_block
+from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
 from ..errors import CheckpointFormatError
-from ..plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
-from ..sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
-from .native import _is_grid, item_key, rank_file
-from .safetensors import build_header
-from .writer import OutputTensor, WrittenFile, write_safetensors
+from ..formats.native import _is_grid, item_key, rank_file
+from ..formats.safetensors import build_header
+from ..formats.writer import OutputTensor, WrittenFile, write_safetensors
+from ..units import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
 
 
 class StreamingWriter(StorageWriter):

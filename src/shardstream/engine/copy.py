@@ -21,12 +21,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import CheckpointFormatError, OutOfSpaceError
+from ..units import DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, itemsize
 from .endpoints import Endpoint, TensorEndpoint
-from .errors import CheckpointFormatError, OutOfSpaceError
 from .plan import CopyRun
-from .sizes import DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 
 _MIN_WINDOW = 4096
 

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
-from .errors import CheckpointFormatError, UsageError
-from .formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
-from .layout_names import describe_placements, mesh_dim_names
+from ..errors import CheckpointFormatError, UsageError
+from ..formats.layout_names import describe_placements, mesh_dim_names
+from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 STATE = "state."
@@ -40,7 +40,7 @@ def placement_of(tensor: torch.Tensor) -> str:
     ``"ddp:R, fsdp:S(0)"`` (HSDP), or ``"plain"`` (a regular tensor, alike on every rank)."""
     from torch.distributed.tensor import DTensor
 
-    from .formats.torch_pt import Placement
+    from ..formats.torch_pt import Placement
 
     if not isinstance(tensor, DTensor):
         return "plain"

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import torch.distributed as dist
 
-from .errors import ShardstreamError
+from ..errors import ShardstreamError
 
 _local = threading.local()
 T = TypeVar("T")
@@ -139,7 +139,7 @@ def init_from_environment() -> bool:
     Returns True when this call created it (the caller then destroys it when done)."""
     import os
 
-    from .errors import UsageError
+    from ..errors import UsageError
 
     if initialized():
         return False

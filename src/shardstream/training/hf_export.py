@@ -21,18 +21,18 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from . import collectives as coll
-from .checksum import ChunkHasher, digest, new_hasher
-from .copy import Buffers, Streamer, pwrite_array, write_all
-from .dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
-from .endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
-from .errors import UsageError
-from .formats import hf
-from .formats.native import MODEL_PREFIX, item_key, whole_chunk
-from .formats.safetensors import build_header, checksum_metadata
-from .formats.writer import WrittenFile, start_writeback
-from .plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
-from .sizes import DEFAULT_CHUNK_BYTES
+from ..engine.checksum import ChunkHasher, digest, new_hasher
+from ..engine.copy import Buffers, Streamer, pwrite_array, write_all
+from ..engine.dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
+from ..engine.endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
+from ..engine.plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
+from ..errors import UsageError
+from ..formats import hf
+from ..formats.native import MODEL_PREFIX, item_key, whole_chunk
+from ..formats.safetensors import build_header, checksum_metadata
+from ..formats.writer import WrittenFile, start_writeback
+from ..storage import collectives as coll
+from ..units import DEFAULT_CHUNK_BYTES
 from .state import model_tensors
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ def _plan_files(
 ) -> tuple[str | None, list[tuple[str, list]]]:
     """The publish dtype and the HF files (name, tensors) for the model's tensors ``live``;
     computed from shapes and dtypes alone, so every rank gets the same answer."""
-    from .formats.writer import OutputTensor
+    from ..formats.writer import OutputTensor
 
     out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
     drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
@@ -367,7 +367,7 @@ class _WrittenChunks:
 
 def _create_files(target_dir: Path, layouts) -> None:
     """Create every HF file at full size, its header (placeholder digests) written."""
-    from .formats.writer import reserve_space
+    from ..formats.writer import reserve_space
 
     target_dir.mkdir()
     for name, _, _, _, header, size in layouts:

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from . import collectives as coll
-from .endpoints import TensorEndpoint
+from ..engine.endpoints import TensorEndpoint
+from ..storage import collectives as coll
 
 log = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .errors import CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 
 # formats.native.MANIFEST. Each format's module is imported only once the directory looks
 # like it: verl's and DCP's import torch (1-2 s), which shardstream's own format never needs.
@@ -28,15 +28,15 @@ def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
     if (path / NATIVE_MANIFEST).is_file():
-        from .formats import native
+        from . import native
 
         if native.is_native_checkpoint(path):
             return native.open_native(path, model_only=model_only, shared=shared)
-    from .formats import verl
+    from . import verl
 
     if verl.is_verl_checkpoint(path):
         return verl.open_verl(path, shared=shared)
-    from .formats import dcp
+    from . import dcp
 
     if dcp.is_dcp_checkpoint(path):
         return dcp.open_dcp(path)
@@ -71,8 +71,8 @@ def checkpoints_below(path: Path) -> list[Path]:
 
 
 def _checkpoints_below(path: Path) -> list[Path]:
-    from .commit import is_temporary
-    from .formats.native import STEP_DIR, read_latest
+    from ..storage.commit import is_temporary
+    from .native import STEP_DIR, read_latest
 
     steps = {}
     for entry in path.iterdir():

@@ -13,10 +13,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .checksum import digest, new_hasher
-from .errors import ShardstreamError
-from .formats import hf, native
-from .formats.safetensors import (
+from ..engine.checksum import digest, new_hasher
+from ..errors import ShardstreamError
+from ..formats import hf, native
+from ..formats.safetensors import (
     SafetensorsHeader,
     build_header,
     entries_digest,
@@ -24,8 +24,8 @@ from .formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
-from .sizes import DIRECT_ALIGN
-from .sources import DCP_METADATA, VERL_MODEL_FILES
+from ..formats.source import DCP_METADATA, VERL_MODEL_FILES
+from ..units import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
 
@@ -68,7 +68,7 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out."""
-    from .formats.native import LATEST_FILE, STEP_DIR, committed_steps, read_latest
+    from ..formats.native import LATEST_FILE, STEP_DIR, committed_steps, read_latest
 
     root = Path(path)
     if not root.is_dir():
@@ -149,10 +149,10 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
     weights. verl's files carry no checksum of their own beyond these."""
-    from .checksum import Crc32
-    from .formats import verl
-    from .formats.torch_pt import zip_records
-    from .plan import tensors_touching
+    from ..engine.checksum import Crc32
+    from ..engine.plan import tensors_touching
+    from ..formats import verl
+    from ..formats.torch_pt import zip_records
 
     bad = []
     buffer = memoryview(bytearray(READ_BYTES))
@@ -198,7 +198,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
 def _verify_dcp(directory: Path, report: VerifyReport) -> None:
     """PyTorch DCP stores no checksums: its metadata is read (safely) and every byte range it
     names is checked to lie inside a data file that exists."""
-    from .formats.dcp import open_dcp
+    from ..formats.dcp import open_dcp
 
     try:
         open_dcp(directory)
@@ -211,7 +211,7 @@ def _verify_dcp(directory: Path, report: VerifyReport) -> None:
 
 def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:
     """verl's optimizer or extra-state files, if any, come from one world size, every rank."""
-    from .formats import verl
+    from ..formats import verl
 
     found = verl.files_by_world_size(directory, kind)
     if len(found) > 1:
@@ -235,7 +235,7 @@ def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> N
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
-    from .formats.native import STEP_DIR
+    from ..formats.native import STEP_DIR
 
     try:
         manifest = native.read_manifest(directory)

@@ -20,12 +20,12 @@ import numpy as np
 import torch
 import torch.distributed.checkpoint as dcp
 
-from . import collectives as coll
-from . import state as st
-from .checksum import digest
-from .dtypes import TORCH_BY_CODE
-from .endpoints import FileEndpoint
-from .errors import (
+from ..engine.checksum import digest
+from ..engine.dtypes import TORCH_BY_CODE
+from ..engine.endpoints import FileEndpoint
+from ..engine.memory import gc_paused
+from ..engine.plan import GlobalTensor, tensors_touching
+from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
     ChecksumMismatchError,
@@ -34,12 +34,12 @@ from .errors import (
     causes,
     shardstream_cause,
 )
-from .formats import native, native_storage
-from .formats.safetensors import read_header
-from .memory import gc_paused
-from .plan import GlobalTensor, tensors_touching
-from .sizes import DEFAULT_BUFFER_BYTES
-from .units import parse_size
+from ..formats import native
+from ..formats.safetensors import read_header
+from ..storage import collectives as coll
+from ..units import DEFAULT_BUFFER_BYTES, parse_size
+from . import native_storage
+from . import state as st
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
 
     The ranks then read a verl checkpoint's rank files in turns, a share each, which only
     works if every rank takes that path."""
-    from .formats import verl
+    from ..formats import verl
 
     here, error = None, None
     try:
@@ -106,7 +106,7 @@ def _open_source(
     open only what this rank reads. Every rank opens a verl checkpoint together, reading a
     share of its rank files; ``verl_optimizer_files`` comes from ``_verl_layout_everywhere``,
     so all of them agree on whether its optimizer files are read too."""
-    from .formats import verl
+    from ..formats import verl
 
     if native.is_native_checkpoint(path):
         ckpt = native.open_native(path, regions)
@@ -127,7 +127,7 @@ def _open_source(
             lambda rank: _read_extra(ckpt, rank),
             all_names=frozenset(manifest.get("tensors", ())),
         )
-    from .formats import dcp as dcp_format
+    from ..formats import dcp as dcp_format
 
     if not verl.is_verl_checkpoint(path) and dcp_format.is_dcp_checkpoint(path):
         # PyTorch DCP (torchtitan, accelerate): the model, and the optimizer and scheduler
@@ -148,7 +148,7 @@ def _open_source(
                 objects["lr_scheduler"] = train.objects["lr_scheduler"]
         return _Source(tensors, FileEndpoint, saved, objects, _step_of(path), lambda rank: {})
     if not verl.is_verl_checkpoint(path):
-        from .sources import checkpoints_below
+        from ..formats.source import checkpoints_below
 
         below = checkpoints_below(path)
         hint = (
@@ -191,7 +191,7 @@ def _open_source(
         saved.add("extra")
     match = re.search(r"global_step_(\d+)", str(path.absolute()))
     named = [(t.name, t.blocks) for t in tensors.values()]
-    from .formats.torch_pt import crc_checked_endpoint
+    from ..formats.torch_pt import crc_checked_endpoint
 
     def tensors_in(location: str):
         return lambda lo, hi: tensors_touching(named, location, lo, hi)

@@ -24,20 +24,20 @@ from typing import Any
 import torch
 import torch.distributed.checkpoint as dcp
 
-from . import collectives as coll
+from ..engine.checksum import digest
+from ..engine.copy import Buffers, Streamer, one_buffer_set
+from ..engine.dtypes import TORCH_NAME, code_of
+from ..engine.endpoints import TensorEndpoint
+from ..engine.memory import gc_paused, peak_rss_bytes
+from ..engine.plan import GlobalTensor, dense_block
+from ..errors import OutOfSpaceError, ShardstreamError, UsageError, causes, shardstream_cause
+from ..formats import native
+from ..formats.writer import OutputTensor, write_safetensors
+from ..storage import collectives as coll
+from ..storage.commit import TMP_MARK, fsync_dir, fsync_tree
+from ..units import DEFAULT_BUFFER_BYTES, parse_size
+from . import local_save, native_storage
 from . import state as st
-from .checksum import digest
-from .commit import TMP_MARK, fsync_dir, fsync_tree
-from .copy import Buffers, Streamer, one_buffer_set
-from .dtypes import TORCH_NAME, code_of
-from .endpoints import TensorEndpoint
-from .errors import OutOfSpaceError, ShardstreamError, UsageError, causes, shardstream_cause
-from .formats import local_save, native, native_storage
-from .formats.writer import OutputTensor, write_safetensors
-from .memory import gc_paused, peak_rss_bytes
-from .plan import GlobalTensor, dense_block
-from .sizes import DEFAULT_BUFFER_BYTES
-from .units import parse_size
 
 
 @dataclass
@@ -221,7 +221,7 @@ def save(
     contents = native.check_contents(contents, "contents")
     exporter = None
     if "hf_model" in contents:
-        from .export import hf_exporter
+        from .hf_export import hf_exporter
 
         exporter = hf_exporter(model, hf_config, tokenizer, hf_source_dir, hf_dtype)
     prepared = prepare_save(
@@ -303,7 +303,7 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                     written = writer.write_tensors(name, local)
                     records[name] = {"size": written.size, "header_xxh3": written.header_digest}
                     if export_keys is not None:
-                        from .export import RankFileRows
+                        from .hf_export import RankFileRows
 
                         rank_rows = RankFileRows.of(written, local, export_keys)
                     if coll.rank() == 0:

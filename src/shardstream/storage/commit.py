@@ -13,7 +13,7 @@ import uuid
 from collections.abc import Iterator, Mapping
 from pathlib import Path
 
-from .errors import OutOfSpaceError, ShardstreamError, TargetExistsError, UsageError
+from ..errors import OutOfSpaceError, ShardstreamError, TargetExistsError, UsageError
 
 TMP_MARK = ".tmp-"
 # A staged directory ``T.tmp-<token>`` has an owner file ``T.tmp-<token>.owner`` beside it (not

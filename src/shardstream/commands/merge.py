@@ -10,16 +10,16 @@ from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from . import collectives as coll
-from . import lora
-from .commit import staged_directory
-from .copy import Buffers, Streamer
-from .dtypes import FLOATING, TORCH_NAME, itemsize
-from .endpoints import FileEndpoint, OpenEndpoints
-from .errors import CheckpointFormatError, UsageError
-from .formats import hf
-from .formats.hf import output_dtype, tied_duplicates
-from .formats.writer import (
+from ..engine.copy import Buffers, Streamer
+from ..engine.dtypes import FLOATING, TORCH_NAME, itemsize
+from ..engine.endpoints import FileEndpoint, OpenEndpoints
+from ..engine.memory import gc_paused, peak_rss_bytes
+from ..engine.plan import GlobalTensor, split_ranges
+from ..errors import CheckpointFormatError, UsageError
+from ..formats import hf, lora
+from ..formats.hf import output_dtype, tied_duplicates
+from ..formats.source import open_checkpoint
+from ..formats.writer import (
     OutputTensor,
     create_file,
     fill_range,
@@ -27,11 +27,9 @@ from .formats.writer import (
     seal_file,
     write_safetensors,
 )
-from .memory import gc_paused, peak_rss_bytes
-from .plan import GlobalTensor, split_ranges
-from .sizes import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
-from .sources import open_checkpoint
-from .units import parse_size
+from ..storage import collectives as coll
+from ..storage.commit import staged_directory
+from ..units import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, DIRECT_ALIGN, parse_size
 
 
 @dataclass
@@ -141,7 +139,7 @@ def merge(
     if buffer_bytes < 1 << 16:
         raise UsageError("--buffer-size must be at least 64KiB")
     target = Path(target_dir)
-    from .commit import check_target, check_target_apart
+    from ..storage.commit import check_target, check_target_apart
 
     checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
@@ -313,7 +311,7 @@ def write_adapter(
 
 def check_replicas(checkpoint, streamer: Streamer) -> None:
     """Plain tensors stored on every rank must agree; compare their digests, never concatenate."""
-    from .copy import hash_block
+    from ..engine.copy import hash_block
 
     by_name = {t.name: t for t in checkpoint.tensors}
     for name, copies in getattr(checkpoint, "replicas", {}).items():

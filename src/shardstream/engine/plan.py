@@ -14,8 +14,8 @@ from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from ..errors import CheckpointFormatError
 from .dtypes import itemsize
-from .errors import CheckpointFormatError
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from .errors import CheckpointFormatError, UsageError
+from ..errors import CheckpointFormatError, UsageError
 
 if TYPE_CHECKING:
     import torch

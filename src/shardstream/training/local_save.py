@@ -17,10 +17,10 @@ from collections.abc import Mapping
 
 import torch
 
-from ..checksum import digest
-from ..dtypes import code_of
-from ..plan import chunk_extent
-from .native import _is_grid, item_key, rank_file, whole_chunk
+from ..engine.checksum import digest
+from ..engine.dtypes import code_of
+from ..engine.plan import chunk_extent
+from ..formats.native import _is_grid, item_key, rank_file, whole_chunk
 
 
 def _shard_group(tensor, rank: int, world: int) -> tuple[int, int, bool] | None:
