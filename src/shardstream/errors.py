@@ -5,6 +5,12 @@ Each subclass also inherits the fitting builtin, so ``except FileNotFoundError``
 
 from __future__ import annotations
 
+import errno
+import os
+
+# A full disk, a spent quota, or a file larger than the filesystem or the process may write.
+OUT_OF_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+
 
 class ShardstreamError(Exception):
     """Root of all deliberate shardstream errors. ``str(err)`` is a complete one-line message."""
@@ -64,3 +70,15 @@ def causes(exc: BaseException):
 def shardstream_cause(exc: BaseException) -> ShardstreamError | None:
     """The first deliberate error behind ``exc`` (DCP wraps a rank's failure in its own)."""
     return next((e for e in causes(exc) if isinstance(e, ShardstreamError)), None)
+
+
+def out_of_space(
+    exc: BaseException,
+    path: str | os.PathLike,
+    message: str = "{path}: no space left on device",
+) -> OutOfSpaceError | None:
+    """The error for ``exc``, met writing ``path``, if it is a full disk (also behind a wrapper
+    such as DCP's): ``message`` with ``{path}`` filled in. None for any other error."""
+    if any(isinstance(e, OSError) and e.errno in OUT_OF_SPACE_ERRNOS for e in causes(exc)):
+        return OutOfSpaceError(message.format(path=path))
+    return None

@@ -146,7 +146,7 @@ def test_a_claim_whose_file_a_cleaner_removed_claims_again(tmp_path):
     fd = claimed["fd"]
     assert fd is not None and owner.is_file() and os.fstat(fd).st_nlink == 1
     assert owner.read_text().split()[1] == str(os.getpid())
-    commit._release(tmp, fd)
+    commit.Staged(tmp_path / "out", tmp, fd).abandon()
     assert not owner.exists()
 
 

@@ -1,28 +1,49 @@
-"""Nothing counts until it is complete: temporary names, fsync, then rename."""
+"""Nothing counts until it is complete: stage under a temporary name, fsync, then swap in.
+
+Every directory that appears whole (a merge's output, a saved step) and every one that goes
+(retention) passes through here, so one crash-recovery rule covers them all.
+
+Names beside a target ``T`` (a directory)::
+
+    T.tmp-<token>         the staged new directory; after the swap, the old one on its way out
+    T.tmp-<token>.owner   "host pid", flock-ed by the writer while it works (storage/locks.py)
+    T.tmp-<token>.old     the old T, moved aside where the filesystem cannot exchange two names
+
+The swap exchanges ``T.tmp-<token>`` and ``T`` in one atomic ``renameat2(RENAME_EXCHANGE)``;
+where that is unsupported it renames T to ``.old`` and the new directory to T. The rule, once
+a writer is known dead: an ``.old`` whose T is missing (the writer died between those two
+renames) is renamed back to T; every other temporary is removed. A writer is dead when its
+owner file's lock can be taken; one without an owner file only counts as dead to a caller that
+holds the whole directory's lock (the manager).
+"""
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
-import fcntl
 import os
 import re
 import shutil
-import socket
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 
-from ..errors import OutOfSpaceError, ShardstreamError, TargetExistsError, UsageError
+from ..errors import ShardstreamError, TargetExistsError, UsageError, out_of_space
+from . import locks
 
 TMP_MARK = ".tmp-"
-# A staged directory ``T.tmp-<token>`` has an owner file ``T.tmp-<token>.owner`` beside it (not
-# inside, so it never travels into the target): "host pid", flock-ed by the owner for as long as
-# the directory exists. The lock goes when the owner dies, however it dies, so the next
-# staged_directory for T can tell a dead merge's leftovers from a live one's work in progress.
 OWNER_SUFFIX = ".owner"
+OLD_SUFFIX = ".old"
 # A claim whose new owner file a cleaner removes before it is locked starts again.
 CLAIM_ATTEMPTS = 5
+_STAGED = re.compile(
+    r"(?P<target>.+?)" + re.escape(TMP_MARK) + r"(?P<token>[0-9a-f]{8})(?P<kind>|\.owner|\.old)"
+)
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2
+# What renameat2 answers where the kernel, the filesystem or the C library lacks the exchange.
+_NO_EXCHANGE = frozenset({errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP})
 
 
 def fsync_dir(path: str | os.PathLike) -> None:
@@ -58,10 +79,15 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     except OSError as exc:
         with contextlib.suppress(OSError):
             tmp.unlink()
-        if exc.errno == 28:
-            raise OutOfSpaceError(f"{path}: no space left on device") from None
+        full = out_of_space(exc, path)
+        if full is not None:
+            raise full from None
         raise
     fsync_dir(path.parent)
+
+
+def is_temporary(name: str) -> bool:
+    return TMP_MARK in name
 
 
 def check_target(target: Path, overwrite: bool) -> None:
@@ -87,9 +113,97 @@ def check_target_apart(target: Path, inputs: Mapping[str, str | os.PathLike]) ->
             )
 
 
+# --- stage, swap -----------------------------------------------------------------------------
+
+
+class Staged:
+    """A directory being written under a temporary name beside its target, owned by this
+    process until it is committed or abandoned."""
+
+    def __init__(self, target: Path, path: Path, owner: int | None):
+        self.target, self.path, self._owner = target, path, owner
+
+    def commit(self) -> None:
+        """Swap the (already fsynced) directory in as the target, replacing any old one."""
+        try:
+            swap_in(self.path, self.target)
+        finally:
+            self._release()
+
+    def abandon(self) -> None:
+        """Remove the directory; an existing target stays untouched."""
+        try:
+            _remove(self.path)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._owner is None:
+            return
+        with contextlib.suppress(OSError):
+            _owner_path(self.path).unlink()
+        os.close(self._owner)  # releases the lock, after the unlink: none sees a dead owner of ours
+        self._owner = None
+
+
+def stage(target: str | os.PathLike) -> Staged:
+    """Create and claim a temporary sibling of ``target`` to write it in.
+
+    Call ``remove_stale_staging(target)`` first, so that a dead writer's old copy is back.
+    """
+    target = Path(target).absolute()
+    tmp = target.with_name(f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    owner = _claim(tmp)
+    staged = Staged(target, tmp, owner)
+    try:
+        tmp.mkdir()
+    except PermissionError:
+        staged.abandon()
+        raise UsageError(f"cannot create {tmp}: permission denied") from None
+    except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
+        staged.abandon()
+        full = out_of_space(exc, tmp, "cannot create {path}: no space left on device")
+        raise full or UsageError(f"cannot create {tmp}: {exc.strerror}") from None
+    return staged
+
+
+def swap_in(tmp: Path, target: Path) -> None:
+    """Make the complete directory ``tmp`` the ``target``, atomically, and remove the old one.
+
+    A crash at any point leaves ``target`` old or new, or, cut between the two renames of the
+    fallback, the old one under ``.old`` for ``remove_stale_staging`` to put back.
+    """
+    if not os.path.lexists(target):
+        os.rename(tmp, target)
+        fsync_dir(target.parent)
+        return
+    if _exchange(tmp, target):
+        aside = tmp  # the old directory, now under the temporary name
+    else:
+        aside = _old_path(tmp)
+        os.rename(target, aside)
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            with contextlib.suppress(OSError):
+                os.rename(aside, target)
+            raise
+    fsync_dir(target.parent)
+    _remove(aside)
+
+
+def discard(path: Path) -> None:
+    """Remove the directory ``path`` so that it disappears at once: renamed to a temporary name
+    (debris to the next sweep, should this die), then deleted."""
+    grave = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    os.rename(path, grave)
+    fsync_dir(path.parent)
+    _remove(grave)
+
+
 @contextlib.contextmanager
 def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of ``target``; on success it is fsynced and renamed into place.
+    """Yield a temporary sibling of ``target``; on success it is fsynced and swapped in.
 
     On any error the temporary directory is removed, and an existing target stays untouched.
     Leftovers of earlier runs for the same target whose owner process is dead (``kill -9``,
@@ -101,42 +215,77 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     check_target(target, overwrite)
     if not target.parent.is_dir():
         raise UsageError(f"parent directory of target {target} does not exist")
-    token = uuid.uuid4().hex[:8]
-    tmp = target.with_name(f"{target.name}{TMP_MARK}{token}")
-    owner = _claim(tmp)
+    staged = stage(target)
     try:
-        try:
-            tmp.mkdir()
-        except PermissionError:
-            raise UsageError(f"cannot create {tmp}: permission denied") from None
-        except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OutOfSpaceError(f"cannot create {tmp}: no space left on device") from None
-            raise UsageError(f"cannot create {tmp}: {exc.strerror}") from None
-        try:
-            yield tmp
-            fsync_tree(tmp)
-            _replace_directory(tmp, target, overwrite)
-        except BaseException as exc:
-            shutil.rmtree(tmp, ignore_errors=True)
-            if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
-                if exc.errno == 28:
-                    raise OutOfSpaceError(
-                        f"no space left on device while writing {target}; partial output removed"
-                    ) from None
-            raise
-        fsync_dir(target.parent)
-    finally:
-        _release(tmp, owner)
+        yield staged.path
+        fsync_tree(staged.path)
+        check_target(target, overwrite)  # another run may have taken it meanwhile
+        staged.commit()
+    except BaseException as exc:
+        staged.abandon()
+        if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
+            message = "no space left on device while writing {path}; partial output removed"
+            full = out_of_space(exc, target, message)
+            if full is not None:
+                raise full from None
+        raise
+
+
+def _exchange(tmp: Path, target: Path) -> bool:
+    """Swap the two names in one step; False where this system cannot."""
+    try:
+        _renameat2(tmp, target, _RENAME_EXCHANGE)
+    except OSError as exc:
+        if exc.errno in _NO_EXCHANGE:
+            return False
+        raise
+    return True
+
+
+def _renameat2(src: Path, dst: Path, flags: int) -> None:
+    function = getattr(_libc(), "renameat2", None)
+    if function is None:
+        raise OSError(errno.ENOSYS, "renameat2 is not in this C library", str(src))
+    result = function(_AT_FDCWD, os.fsencode(src), _AT_FDCWD, os.fsencode(dst), flags)
+    if result != 0:
+        code = ctypes.get_errno()
+        raise OSError(code, os.strerror(code), str(src), None, str(dst))
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(None, use_errno=True)
+        function = getattr(_LIBC, "renameat2", None)
+        if function is not None:
+            function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p]
+            function.argtypes += [ctypes.c_uint]
+            function.restype = ctypes.c_int
+    return _LIBC
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        with contextlib.suppress(OSError):
+            path.unlink()
 
 
 def _owner_path(tmp: Path) -> Path:
     return tmp.with_name(tmp.name + OWNER_SUFFIX)
 
 
+def _old_path(tmp: Path) -> Path:
+    return tmp.with_name(tmp.name + OLD_SUFFIX)
+
+
 def _claim(tmp: Path) -> int | None:
     """Create and lock ``tmp``'s owner file; returns its descriptor (None where the filesystem
-    refuses files or locks: the run goes on, its leftovers are then never removed for it)."""
+    refuses files or locks: the write goes on, its leftovers are then never removed for it)."""
     path = _owner_path(tmp)
     for _ in range(CLAIM_ATTEMPTS):
         try:
@@ -144,18 +293,17 @@ def _claim(tmp: Path) -> int | None:
         except PermissionError:
             raise UsageError(f"cannot create {path}: permission denied") from None
         except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise OutOfSpaceError(f"cannot create {path}: no space left on device") from None
-            raise UsageError(f"cannot create {path}: {exc.strerror}") from None
+            full = out_of_space(exc, path, "cannot create {path}: no space left on device")
+            raise full or UsageError(f"cannot create {path}: {exc.strerror}") from None
         try:
             # Between the create and the lock a cleaner may take this still-empty file for a
-            # dead run's (one killed in that instant looks the same) and remove it: then the
+            # dead writer's (one killed in that instant looks the same) and remove it: then the
             # lock is on a removed file, and the claim starts again.
-            fcntl.flock(fd, fcntl.LOCK_EX)
+            locks.take(fd, wait=True)
             if os.fstat(fd).st_nlink == 0:
                 os.close(fd)
                 continue
-            os.write(fd, f"{socket.gethostname()} {os.getpid()}\n".encode())
+            os.write(fd, locks.holder_line())
         except OSError:
             os.close(fd)
             with contextlib.suppress(OSError):
@@ -165,119 +313,89 @@ def _claim(tmp: Path) -> int | None:
     return None
 
 
-def _release(tmp: Path, fd: int | None) -> None:
-    if fd is None:
-        return
-    with contextlib.suppress(OSError):
-        _owner_path(tmp).unlink()
-    os.close(fd)  # releases the lock, after the unlink: no one can see a dead owner of ours
-
-
-def _owner_dead(path: Path) -> int | None:
-    """Lock ``path`` if its owner is dead; returns the descriptor holding the lock, else None.
-
-    The owner holds an exclusive flock for its whole run, so getting the lock proves it is gone.
-    Where locks are unsupported, a dead pid on this host counts; another host's is kept.
-    """
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except OSError:
-        return None  # its owner just finished, or another cleaner removed it
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return None  # alive
-    except OSError:
-        if not _dead_on_this_host(fd):
-            os.close(fd)
-            return None
-        return fd
-    # An owner file without content is a claim cut between its create and its write (the run
-    # is dead), or one between its create and its lock right now: that one redoes its claim
-    # when it finds the file removed (``_claim``), so either way the file may go.
-    if os.fstat(fd).st_nlink == 0:
-        os.close(fd)  # released by its owner (or removed by another cleaner) after we opened it
-        return None
-    return fd
-
-
-def _dead_on_this_host(fd: int) -> bool:
-    try:
-        host, pid = os.pread(fd, 256, 0).decode().split()
-        pid = int(pid)
-    except (OSError, ValueError, UnicodeDecodeError):
-        return False
-    if host != socket.gethostname() or pid == os.getpid():
-        return False
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return True
-    except OSError:
-        return False
-    return False
+# --- recovery --------------------------------------------------------------------------------
 
 
 def remove_stale_staging(target: str | os.PathLike) -> list[Path]:
-    """Remove ``target``'s staged directories (``T.tmp-<token>``, ``T.tmp-<token>.old``) whose
-    owner process is dead; returns what was removed. A dead run that had swapped the old target
-    out but not the new one in gets the old one back, never left without a target it had."""
+    """Apply the recovery rule to ``target``'s temporaries whose owner is dead (those without
+    an owner file are kept: nothing proves them dead); returns what was removed."""
     target = Path(target).absolute()
-    pattern = re.compile(
-        re.escape(target.name + TMP_MARK) + r"([0-9a-f]{8})" + re.escape(OWNER_SUFFIX)
-    )
-    removed: list[Path] = []
+    return _sweep(target.parent, lambda name: name == target.name, ownerless_dead=False)
+
+
+def take_debris(directory: Path, belongs: Callable[[str], bool]) -> list[Path]:
+    """Apply the recovery rule to every temporary in ``directory`` whose target name
+    ``belongs``; the caller holds the directory's lock, so no writer is at work and those
+    without an owner file are dead too. Files go at once; directories are renamed to unique
+    temporary names and returned for the caller to ``remove`` (after letting go of its lock)."""
+    return _sweep(directory, belongs, ownerless_dead=True, take=True)
+
+
+def remove(path: Path) -> None:
+    """Delete a file or directory tree ``take_debris`` returned; whatever remains of it is
+    debris to the next sweep."""
+    _remove(path)
+
+
+def _sweep(
+    parent: Path, belongs: Callable[[str], bool], ownerless_dead: bool, take: bool = False
+) -> list[Path]:
     try:
-        names = os.listdir(target.parent)
+        names = os.listdir(parent)
     except OSError:
-        return removed
-    for name in names:
-        if not pattern.fullmatch(name):
-            continue
-        owner = target.parent / name
-        fd = _owner_dead(owner)
-        if fd is None:
+        return []
+    tokens: dict[str, set[str]] = {}
+    loose: list[str] = []  # temporaries of no token (an older shardstream's, a taken one)
+    for name in sorted(names):
+        match = _STAGED.fullmatch(name)
+        if match and belongs(match["target"]):
+            tokens.setdefault(f"{match['target']}{TMP_MARK}{match['token']}", set())
+            tokens[f"{match['target']}{TMP_MARK}{match['token']}"].add(match["kind"])
+        elif not match and is_temporary(name) and belongs(name.split(TMP_MARK)[0]):
+            loose.append(name)
+    removed: list[Path] = []
+    for name, kinds in tokens.items():
+        tmp = parent / name
+        fd = None
+        if OWNER_SUFFIX in kinds:
+            fd = locks.holder_dead(_owner_path(tmp))
+            if fd is None:
+                continue  # a live writer's
+        elif not ownerless_dead:
             continue
         try:
-            tmp = owner.with_name(name[: -len(OWNER_SUFFIX)])
             old = _old_path(tmp)
-            if old.is_dir() and not os.path.lexists(target):
-                os.rename(old, target)  # the swap was cut between its two renames
-                fsync_dir(target.parent)
+            target = parent / name[: name.rindex(TMP_MARK)]
+            if OLD_SUFFIX in kinds and old.is_dir() and not os.path.lexists(target):
+                os.rename(old, target)  # the writer died between the swap's two renames
+                fsync_dir(parent)
             for path in (tmp, old):
-                if path.is_dir() and not path.is_symlink():
-                    shutil.rmtree(path, ignore_errors=True)
-                    removed.append(path)
-            owner.unlink()
+                if os.path.lexists(path):
+                    removed.append(_take(path) if take else _removed(path))
+            if fd is not None:
+                _owner_path(tmp).unlink()
         except OSError:
             pass  # another cleaner got there first, or the directory is not ours to change
         finally:
-            os.close(fd)
-    return removed
+            if fd is not None:
+                os.close(fd)
+    if ownerless_dead:
+        for name in loose:
+            with contextlib.suppress(OSError):
+                removed.append(_take(parent / name) if take else _removed(parent / name))
+    return [path for path in removed if path is not None]
 
 
-def _old_path(tmp: Path) -> Path:
-    return tmp.with_name(tmp.name + ".old")
+def _removed(path: Path) -> Path:
+    _remove(path)
+    return path
 
 
-def _replace_directory(tmp: Path, target: Path, overwrite: bool) -> None:
-    if not target.exists():
-        os.rename(tmp, target)
-        return
-    check_target(target, overwrite)
-    if not any(target.iterdir()):
-        target.rmdir()
-        os.rename(tmp, target)
-        return
-    # Swap the old directory out first so that a crash leaves either old or new in place (or,
-    # cut between the renames, the old one under ``.old``, which remove_stale_staging restores).
-    old = _old_path(tmp)
-    os.rename(target, old)
-    os.rename(tmp, target)
-    fsync_dir(target.parent)
-    shutil.rmtree(old, ignore_errors=True)
-
-
-def is_temporary(name: str) -> bool:
-    return TMP_MARK in name
+def _take(path: Path) -> Path | None:
+    """A directory renamed to a name no writer uses (returned), or a file deleted (None)."""
+    if path.is_dir() and not path.is_symlink():
+        grave = path.with_name(f"{path.name}-{uuid.uuid4().hex[:8]}")
+        os.rename(path, grave)
+        return grave
+    path.unlink(missing_ok=True)
+    return None

@@ -1,0 +1,79 @@
+"""A run directory's names: ``global_step_N`` per step, the latest pointer, and debris.
+
+The names are verl's and Megatron's, so either tool finds its way around a shardstream run::
+
+    directory/
+      latest_checkpointed_iteration.txt   newest committed step (replaced atomically)
+      global_step_{N}/                    one step; committed once manifest.json is inside
+      global_step_{N}.tmp-*               a write in progress, or debris (see commit.py)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+
+from .commit import atomic_write_bytes, is_temporary
+
+LATEST_FILE = "latest_checkpointed_iteration.txt"
+STEP_PREFIX = "global_step_"
+STEP_DIR = re.compile(r"^global_step_(\d+)$")
+# Written last into a step directory (formats/native writes it): its presence commits the step.
+MANIFEST = "manifest.json"
+
+
+def step_name(step: int) -> str:
+    """The directory name of ``step``."""
+    return f"{STEP_PREFIX}{int(step)}"
+
+
+def step_of(name: str) -> int | None:
+    """The step a ``global_step_N`` name is for; None for any other name."""
+    match = STEP_DIR.match(name)
+    return int(match[1]) if match else None
+
+
+def step_in_path(path: str | os.PathLike) -> int | None:
+    """The step of the first ``global_step_N`` in ``path`` (a verl role such as
+    ``global_step_5/actor`` sits inside one); None if there is none."""
+    match = re.search(r"global_step_(\d+)", str(Path(path).absolute()))
+    return int(match[1]) if match else None
+
+
+def step_dirs(directory: str | os.PathLike) -> dict[int, Path]:
+    """Every ``global_step_N`` entry of ``directory`` by step, committed or not."""
+    found = {}
+    for entry in Path(directory).iterdir():
+        step = step_of(entry.name)
+        if step is not None:
+            found[step] = entry
+    return found
+
+
+def committed_steps(directory: str | os.PathLike) -> list[int]:
+    """Steps whose directory holds a manifest, oldest first. Anything else is not a step."""
+    root = Path(directory)
+    if not root.is_dir():
+        return []
+    return sorted(step for step, path in step_dirs(root).items() if (path / MANIFEST).is_file())
+
+
+def read_latest(directory: str | os.PathLike) -> int | None:
+    """The step ``LATEST_FILE`` names, or None when it is missing or not a number."""
+    path = Path(directory) / LATEST_FILE
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def write_latest(directory: str | os.PathLike, step: int) -> None:
+    """Point ``LATEST_FILE`` at ``step``; readers see the old or the new pointer, never part."""
+    atomic_write_bytes(Path(directory) / LATEST_FILE, f"{int(step)}\n".encode())
+
+
+def is_run_debris(name: str) -> bool:
+    """Whether ``name`` in a run directory is a temporary of a step or of the latest pointer."""
+    return is_temporary(name) and name.startswith((STEP_PREFIX, LATEST_FILE))
