@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardstream.commands import verify
+from shardstream import verify
 from shardstream.formats import native
 from shardstream.testing.distributed import run
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from shardstream import load
-from shardstream.commands import verify
+from shardstream import load, verify
 from shardstream.testing.distributed import run
 
 from . import workers

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from shardstream.commands import merge, verify
+from shardstream import merge, verify
 from shardstream.formats import native
 from shardstream.testing.distributed import run
 
