@@ -1,11 +1,11 @@
 """CheckpointManager: interval, retention, atomic commit and restore for a training run.
 
-Directory layout (see docs/format.md)::
+Directory layout (see docs/format.md and storage/run_layout.py)::
 
     directory/
       latest_checkpointed_iteration.txt   newest committed step (replaced atomically)
       global_step_{N}/                    one committed checkpoint (manifest.json inside)
-      global_step_{N}.tmp-*/              a save in progress, or debris of a crashed one
+      global_step_{N}.tmp-*               a save in progress, or debris (storage/commit.py)
       .shardstream.lock                   held by the saving process (flock)
 
 The lock is taken by the first save (or ``acquire_lock()``) and held until ``close()``; a manager
@@ -14,14 +14,11 @@ that only restores never takes it, so an evaluation job can restore while traini
 
 from __future__ import annotations
 
-import fcntl
 import json
 import logging
 import os
-import shutil
 import socket
 import time
-import uuid
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -32,9 +29,16 @@ import torch
 
 from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
 from .formats import native
-from .formats.native import LATEST_FILE, committed_steps, read_latest
 from .storage import collectives as coll
-from .storage.commit import TMP_MARK, atomic_write_bytes, fsync_dir
+from .storage import commit, locks
+from .storage.run_layout import (
+    LATEST_FILE,  # noqa: F401  (importable from here, as before)
+    committed_steps,
+    is_run_entry,
+    read_latest,
+    step_name,
+    write_latest,
+)
 from .training import load as loading
 from .training import save as saving
 from .units import parse_size
@@ -202,24 +206,23 @@ class _Lock:
     fd: int = field(default=-1)
 
     def acquire(self, grace_s: float = LOCK_GRACE_S) -> None:
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        fd = locks.open_lock(self.path)
         deadline = time.monotonic() + grace_s
-        while True:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
-            except BlockingIOError:
-                # Held by a saver, or for a moment by a manager start cleaning up (see
-                # try_cleanup); only a holder still there after the grace period is a saver.
+        try:
+            # Held by a saver, or for a moment by a manager start cleaning up (see
+            # try_cleanup); only a holder still there after the grace period is a saver.
+            while not locks.take(fd):
                 if time.monotonic() < deadline:
                     time.sleep(0.02)
                     continue
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                os.close(fd)
                 raise CheckpointLockedError(
                     f"{self.path.parent}: another live process is saving here ({owner}); use a "
                     "different directory or stop the other run (restoring needs no lock)"
-                ) from None
+                )
+        except BaseException:
+            os.close(fd)
+            raise
         # A lock left by a dead process is released by the kernel, so reaching here means free.
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
@@ -229,25 +232,25 @@ class _Lock:
         """Run ``cleanup()`` under the lock if it is free right now, then release it; False if
         a live process holds it, or the directory cannot take a lock (read-only, forbidden)."""
         try:
-            fd = os.open(self.path, os.O_RDWR)
+            fd = locks.open_lock(self.path, create=False)
         except OSError:
             return False  # no lock file (nothing ever saved here) or not writable
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            taken = locks.take(fd)
         except OSError:
+            taken = False
+        if not taken:
             os.close(fd)
             return False
         try:
             cleanup()
         finally:
-            fcntl.flock(fd, fcntl.LOCK_UN)
-            os.close(fd)
+            locks.release(fd)
         return True
 
     def release(self) -> None:
         if self.fd >= 0:
-            fcntl.flock(self.fd, fcntl.LOCK_UN)
-            os.close(self.fd)
+            locks.release(self.fd)
         self.fd = -1
 
 
@@ -293,7 +296,7 @@ class CheckpointManager:
             except OSError as exc:
                 log.info("shardstream: left incomplete checkpoints in %s: %s", self.root, exc)
             for path in doomed:  # outside the lock: they are ours alone after the rename
-                shutil.rmtree(path, ignore_errors=True)
+                commit.remove(path)
         if config.stagger_host_transfers:
             from .engine.transfer import configure_host_transfers
 
@@ -317,7 +320,7 @@ class CheckpointManager:
         return steps[-1] if steps else None
 
     def step_dir(self, step: int) -> Path:
-        return self.root / f"global_step_{int(step)}"
+        return self.root / step_name(step)
 
     def should_save(self, step: int, final: bool = False) -> bool:
         interval = self.config.save_interval
@@ -439,7 +442,7 @@ class CheckpointManager:
         """Write, commit, move ``latest``, apply retention (every rank, collectively)."""
         result = saving.execute_save(prepared)
         if coll.rank() == 0:
-            atomic_write_bytes(self.root / LATEST_FILE, f"{prepared.step}\n".encode())
+            write_latest(self.root, prepared.step)
             self._retain(prepared.step)
         coll.barrier()
         return result
@@ -454,34 +457,24 @@ class CheckpointManager:
         doomed = [s for s in older[: max(0, len(older) - (keep - 1))] if s not in protected]
         for step in doomed:
             path = self.step_dir(step)
-            graveyard = path.with_name(f"{path.name}{TMP_MARK}deleted")
             try:
-                os.rename(path, graveyard)  # disappears atomically; debris is cleaned later
-                fsync_dir(self.root)
-                shutil.rmtree(graveyard)
+                commit.discard(path)  # disappears atomically; a crash leaves debris to sweep
             except OSError as exc:
                 log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
 
     def _remove_debris(self) -> None:
         """Remove temporary directories left by crashed saves (this process holds the lock)."""
         for path in self._take_debris():
-            shutil.rmtree(path, ignore_errors=True)
+            commit.remove(path)
 
     def _take_debris(self) -> list[Path]:
-        """Rename what crashed saves left to unique names and return them; the caller holds the
-        lock (so no save is in progress) and deletes them, with or without it."""
-        taken = []
-        for entry in self.root.iterdir():
-            if TMP_MARK in entry.name and entry.name.startswith("global_step_"):
-                grave = entry.with_name(f"{entry.name}-{uuid.uuid4().hex[:8]}")
-                try:
-                    os.rename(entry, grave)
-                except FileNotFoundError:
-                    continue  # another manager start took it
-                taken.append(grave)
-                log.info("shardstream: removed incomplete checkpoint %s", entry)
-            elif entry.name.startswith(LATEST_FILE) and TMP_MARK in entry.name:
-                entry.unlink(missing_ok=True)
+        """Apply the commit recovery rule to the steps' and the pointer's temporaries: a step
+        a crash left between the two renames of its swap is put back, the rest is renamed to
+        unique names and returned. The caller holds the lock (so no save is in progress) and
+        deletes them, with or without it."""
+        taken = commit.take_debris(self.root, is_run_entry)
+        for path in taken:
+            log.info("shardstream: removed incomplete checkpoint %s", path)
         return taken
 
     # --- restoring ----------------------------------------------------------------------------

@@ -162,3 +162,100 @@ def test_swap_cut_between_renames_gets_the_old_target_back(tmp_path):
     assert removed == [tmp]
     assert (target / "model.safetensors").read_bytes() == b"old output"
     assert _siblings(target) == []
+
+
+# --- the swap, and the rule a directory lock's holder applies -----------------------------------
+
+
+def _tree(directory: Path) -> dict[str, str]:
+    return {p.name: p.read_text() for p in directory.iterdir()}
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_swap_replaces_a_target_and_leaves_nothing_beside_it(tmp_path, monkeypatch, exchange):
+    import errno
+
+    from shardstream.storage import commit
+
+    if not exchange:
+
+        def refuse(src, dst, flags):
+            raise OSError(errno.EINVAL, "exchange unsupported here")
+
+        monkeypatch.setattr(commit, "_renameat2", refuse)
+    target = tmp_path / "out"
+    target.mkdir()
+    (target / "a").write_text("old")
+    for content in ("new", "newer"):
+        staged = commit.stage(target)
+        (staged.path / "a").write_text(content)
+        staged.commit()
+        assert _tree(target) == {"a": content}
+        assert _siblings(target) == []
+
+
+def test_exchange_failing_otherwise_is_raised(tmp_path):
+    from shardstream.storage import commit
+
+    with pytest.raises(FileNotFoundError):
+        commit._exchange(tmp_path / "missing", tmp_path / "also-missing")
+
+
+def test_directory_lock_holder_recovers_old_copies_and_takes_the_rest(tmp_path):
+    from shardstream.storage import commit
+
+    def tree(name: str, content: str) -> Path:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "a").write_text(content)
+        return tmp_path / name
+
+    tree(f"s1{TMP_MARK}0123abcd", "new, unfinished")  # cut between the renames: s1 is missing
+    tree(f"s1{TMP_MARK}0123abcd.old", "old s1")
+    tree("s2", "s2")  # cut after them: s2 is in place, its old copy is debris
+    tree(f"s2{TMP_MARK}89abcdef.old", "old s2")
+    tree(f"s3{TMP_MARK}deleted", "an older shardstream's retention")
+    (tmp_path / f"latest{TMP_MARK}fedcba98").write_text("3")
+    tree(f"other{TMP_MARK}01234567", "not this caller's")
+    live = tree(f"s4{TMP_MARK}76543210", "a live writer's")
+    with staged_directory(tmp_path / "s5") as mine:  # holds its owner file's lock
+        taken = commit.take_debris(tmp_path, lambda name: name != "other")
+        assert mine.is_dir()
+    for path in taken:
+        assert TMP_MARK in path.name and path.is_dir()
+        commit.remove(path)
+    assert _tree(tmp_path / "s1") == {"a": "old s1"}
+    assert _tree(tmp_path / "s2") == {"a": "s2"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["s1", "s2", "s5", f"other{TMP_MARK}01234567"]
+    )
+    assert not live.exists()  # ownerless: dead to the holder of the directory's lock
+
+
+def test_discard_leaves_nothing(tmp_path):
+    from shardstream.storage import commit
+
+    step = tmp_path / "global_step_1"
+    step.mkdir()
+    (step / "manifest.json").write_text("{}")
+    commit.discard(step)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EFBIG"])
+def test_a_full_disk_is_out_of_space_naming_the_path(code):
+    import errno
+
+    from shardstream.errors import OutOfSpaceError, out_of_space
+
+    full = OSError(getattr(errno, code), "full")
+    assert str(out_of_space(full, "/x/y")) == "/x/y: no space left on device"
+    try:
+        try:
+            raise full
+        except OSError as exc:
+            raise RuntimeError("a wrapper, as DCP's") from exc
+    except RuntimeError as wrapped:
+        error = out_of_space(wrapped, "/x", "no space left on device while writing {path}")
+    assert isinstance(error, OutOfSpaceError)
+    assert str(error) == "no space left on device while writing /x"
+    assert out_of_space(OSError(errno.EIO, "I/O error"), "/x") is None

@@ -140,8 +140,9 @@ def _describe_hf_model(path: Path) -> dict:
 
 def _run(path: Path) -> dict | None:
     """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
-    from ..formats.native import MANIFEST, committed_steps, read_latest
+    from ..formats.native import MANIFEST
     from ..storage.commit import is_temporary
+    from ..storage.run_layout import committed_steps, read_latest
 
     if (path / MANIFEST).exists():
         return None

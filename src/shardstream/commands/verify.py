@@ -68,7 +68,7 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
     """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out."""
-    from ..formats.native import LATEST_FILE, STEP_DIR, committed_steps, read_latest
+    from ..storage.run_layout import LATEST_FILE, STEP_DIR, committed_steps, read_latest
 
     root = Path(path)
     if not root.is_dir():
@@ -235,7 +235,7 @@ def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> N
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
-    from ..formats.native import STEP_DIR
+    from ..storage.run_layout import STEP_DIR
 
     try:
         manifest = native.read_manifest(directory)

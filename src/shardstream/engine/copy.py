@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..errors import CheckpointFormatError, OutOfSpaceError
+from ..errors import CheckpointFormatError, out_of_space
 from ..units import DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, itemsize
@@ -457,6 +457,7 @@ def _window_parts(
 
 
 _IOV_MAX = 512
+_WRITE_FULL = "{path}: no space left on device while writing"
 
 
 def _pwritev_all(fd: int, path: str, parts: Sequence[np.ndarray], offset: int) -> None:
@@ -474,8 +475,9 @@ def _pwritev_all(fd: int, path: str, parts: Sequence[np.ndarray], offset: int) -
                 else:
                     views[0], n = views[0][n:], 0
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
+        full = out_of_space(exc, path, _WRITE_FULL)
+        if full is not None:
+            raise full from None
         raise
 
 
@@ -498,8 +500,9 @@ def _pwrite_direct(fd: int, path: str, data: np.ndarray, offset: int) -> int:
                 return done + max(wrote, 0)
             done += wrote
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-            raise OutOfSpaceError(f"{path}: no space left on device while writing") from None
+        full = out_of_space(exc, path, _WRITE_FULL)
+        if full is not None:
+            raise full from None
         if exc.errno == errno.EINVAL and done == 0:
             raise _DirectRefused from None
         raise

@@ -72,26 +72,9 @@ class HostTransfer:
 
         if self.stagger_path is None:
             return contextlib.nullcontext()
-        return _HostTurn(self.stagger_path)
+        from ..storage import locks
 
-
-class _HostTurn:
-    """An exclusive turn among the processes of one host (flock on a shared lock file)."""
-
-    def __init__(self, path: str):
-        self.path = path
-
-    def __enter__(self):
-        import fcntl
-
-        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc):
-        import fcntl
-
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        os.close(self.fd)
+        return locks.held(self.stagger_path)  # one turn at a time among this host's processes
 
 
 _DEFAULT_TRANSFER: HostTransfer | None = None

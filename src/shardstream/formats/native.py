@@ -35,6 +35,7 @@ from ..errors import (
     UsageError,
 )
 from ..storage.commit import atomic_write_bytes
+from ..storage.run_layout import MANIFEST
 from .layout_names import describe_mesh
 from .safetensors import read_header, stored_checksums, tensors_in_range
 
@@ -44,7 +45,6 @@ if TYPE_CHECKING:
 FORMAT = "shardstream"
 FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
-MANIFEST = "manifest.json"
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape) of a block of a tensor
 MAX_MANIFEST_BYTES = 1 << 30
 SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
@@ -52,35 +52,6 @@ CONTENTS = ("model", "optimizer", "extra", "hf_model")  # what a step directory 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
-
-
-# A run directory: committed steps in global_step_{N}, the newest named in LATEST_FILE (the
-# names verl and Megatron use).
-LATEST_FILE = "latest_checkpointed_iteration.txt"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
-
-
-def committed_steps(directory: str | os.PathLike) -> list[int]:
-    """Steps whose directory holds a manifest, oldest first. Anything else is not a step."""
-    root = Path(directory)
-    if not root.is_dir():
-        return []
-    steps = []
-    for entry in root.iterdir():
-        match = STEP_DIR.match(entry.name)
-        if match and (entry / MANIFEST).is_file():
-            steps.append(int(match[1]))
-    return sorted(steps)
-
-
-def read_latest(directory: str | os.PathLike) -> int | None:
-    """The step ``LATEST_FILE`` names, or None when it is missing or not a number."""
-    path = Path(directory) / LATEST_FILE
-    try:
-        text = path.read_text().strip()
-    except FileNotFoundError:
-        return None
-    return int(text) if text.isdigit() else None
 
 
 def rank_file(rank: int) -> str:

@@ -72,7 +72,7 @@ def checkpoints_below(path: Path) -> list[Path]:
 
 def _checkpoints_below(path: Path) -> list[Path]:
     from ..storage.commit import is_temporary
-    from .native import STEP_DIR, read_latest
+    from ..storage.run_layout import STEP_DIR, read_latest
 
     steps = {}
     for entry in path.iterdir():

@@ -11,7 +11,7 @@ from ..engine.checksum import digest
 from ..engine.copy import Streamer, stream_file, write_all
 from ..engine.dtypes import itemsize
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
-from ..errors import OutOfSpaceError
+from ..errors import out_of_space
 from ..units import DEFAULT_CHUNK_BYTES
 from .safetensors import build_header, checksum_metadata
 
@@ -265,8 +265,9 @@ def reserve_space(fd: int, path: str, size: int) -> None:
         if size:
             os.posix_fallocate(fd, 0, size)
     except OSError as exc:
-        if exc.errno in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG):
-            raise OutOfSpaceError(f"{path}: no space left on device for {size} bytes") from None
+        full = out_of_space(exc, path, f"{{path}}: no space left on device for {size} bytes")
+        if full is not None:
+            raise full from None
         if exc.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
             raise
         os.ftruncate(fd, size)

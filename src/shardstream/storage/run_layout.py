@@ -14,7 +14,7 @@ import os
 import re
 from pathlib import Path
 
-from .commit import atomic_write_bytes, is_temporary
+from .commit import atomic_write_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_PREFIX = "global_step_"
@@ -74,6 +74,7 @@ def write_latest(directory: str | os.PathLike, step: int) -> None:
     atomic_write_bytes(Path(directory) / LATEST_FILE, f"{int(step)}\n".encode())
 
 
-def is_run_debris(name: str) -> bool:
-    """Whether ``name`` in a run directory is a temporary of a step or of the latest pointer."""
-    return is_temporary(name) and name.startswith((STEP_PREFIX, LATEST_FILE))
+def is_run_entry(name: str) -> bool:
+    """Whether ``name`` is a step's or the latest pointer's: their temporaries (``NAME.tmp-*``)
+    are the run's to sweep, anything else in the directory is left alone."""
+    return name == LATEST_FILE or step_of(name) is not None

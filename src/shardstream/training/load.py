@@ -37,6 +37,7 @@ from ..errors import (
 from ..formats import native
 from ..formats.safetensors import read_header
 from ..storage import collectives as coll
+from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import native_storage
 from . import state as st
@@ -111,11 +112,11 @@ def _open_source(
     if native.is_native_checkpoint(path):
         ckpt = native.open_native(path, regions)
         manifest = ckpt.manifest
-        named = re.match(r"^global_step_(\d+)$", path.name)
-        in_root = (path.parent / "latest_checkpointed_iteration.txt").exists()  # a manager's
-        if named and in_root and int(named[1]) != manifest.get("step"):
+        named = step_of(path.name)
+        in_root = (path.parent / LATEST_FILE).exists()  # a manager's
+        if named is not None and in_root and named != manifest.get("step"):
             raise CheckpointFormatError(
-                f"{path}: directory is named for step {named[1]} but its manifest is step "
+                f"{path}: directory is named for step {named} but its manifest is step "
                 f"{manifest.get('step')} (copied or renamed?)"
             )
         return _Source(
@@ -189,7 +190,7 @@ def _open_source(
             objects["lr_scheduler"] = scheduler
     if any(path.glob("extra_state_world_size_*_rank_*.pt")):
         saved.add("extra")
-    match = re.search(r"global_step_(\d+)", str(path.absolute()))
+    run_step = step_in_path(path)
     named = [(t.name, t.blocks) for t in tensors.values()]
     from ..formats.torch_pt import crc_checked_endpoint
 
@@ -213,7 +214,7 @@ def _open_source(
         endpoint,
         saved,
         objects,
-        int(match[1]) if match else 0,
+        run_step or 0,
         lambda rank: _verl_extra(verl.read_extra_state(path, world, rank, verify)),
     )
 

@@ -9,12 +9,9 @@ state is JSON. ``loading.py`` reads it back.
 
 from __future__ import annotations
 
-import errno
 import json
 import os
-import shutil
 import time
-import uuid
 import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -30,11 +27,12 @@ from ..engine.dtypes import TORCH_NAME, code_of
 from ..engine.endpoints import TensorEndpoint
 from ..engine.memory import gc_paused, peak_rss_bytes
 from ..engine.plan import GlobalTensor, dense_block
-from ..errors import OutOfSpaceError, ShardstreamError, UsageError, causes, shardstream_cause
+from ..errors import ShardstreamError, UsageError, out_of_space, shardstream_cause
 from ..formats import native
 from ..formats.writer import OutputTensor, write_safetensors
 from ..storage import collectives as coll
-from ..storage.commit import TMP_MARK, fsync_dir, fsync_tree
+from ..storage import commit
+from ..storage.commit import fsync_tree
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import local_save, native_storage
 from . import state as st
@@ -262,14 +260,15 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
     target, step, contents = prepared.target, prepared.step, prepared.contents
     buffer_bytes, overwrite = prepared.buffer_bytes, prepared.overwrite
     error: BaseException | None = None
-    tmp_name = None
+    tmp_name = staged = None
     if coll.rank() == 0:
         try:
+            commit.remove_stale_staging(target)  # a dead save's old copy comes back first
             if target.exists() and not overwrite:
                 raise UsageError(f"{target} already exists; pass overwrite=True to replace it")
             target.parent.mkdir(parents=True, exist_ok=True)
-            tmp_name = f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
-            (target.parent / tmp_name).mkdir()
+            staged = commit.stage(target)
+            tmp_name = staged.path.name
         except (OSError, ShardstreamError) as exc:
             error = exc if isinstance(exc, ShardstreamError) else UsageError(f"{target}: {exc}")
     tmp_name = coll.broadcast(tmp_name)
@@ -340,8 +339,8 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
     try:  # one collective whatever happened: every rank's records, or its error
         gathered = coll.gather_or_raise(records if error is None else None, error)
     except BaseException:
-        if coll.rank() == 0:  # every rank has stopped writing: leave no partial output behind
-            shutil.rmtree(tmp, ignore_errors=True)
+        if staged is not None:  # every rank has stopped writing: leave no partial output behind
+            staged.abandon()
         raise
 
     if coll.rank() == 0:
@@ -366,17 +365,10 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             }
             fsync_tree(tmp)
             native.write_manifest(tmp, manifest)
-            if target.exists():
-                old = target.with_name(f"{target.name}{TMP_MARK}old-{uuid.uuid4().hex[:8]}")
-                os.rename(target, old)
-                os.rename(tmp, target)
-                shutil.rmtree(old, ignore_errors=True)
-            else:
-                os.rename(tmp, target)
-            fsync_dir(target.parent)
+            staged.commit()
         except BaseException as exc:  # noqa: BLE001
             error = _save_error(exc, target)
-            shutil.rmtree(tmp, ignore_errors=True)
+            staged.abandon()
     coll.agree_or_raise(error)
     written = (
         sum(f.stat().st_size for f in target.iterdir() if f.is_file()) if coll.rank() == 0 else 0
@@ -391,8 +383,5 @@ def _save_error(exc: BaseException, target: Path) -> BaseException:
     cause = shardstream_cause(exc)
     if cause is not None:
         return cause
-    if any(isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT) for e in causes(exc)):
-        return OutOfSpaceError(
-            f"{target}: no space left on device while saving; partial output removed"
-        )
-    return exc
+    message = "{path}: no space left on device while saving; partial output removed"
+    return out_of_space(exc, target, message) or exc
