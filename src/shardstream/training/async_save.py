@@ -53,6 +53,9 @@ class SourceGuard:
         self.done_upto = 0  # sources below done_upto are read
         self.staged_bytes = 0
         self.finished = False
+        # Set once a step calls freeze(). A test seam: tests hold a save's writer on it, so that
+        # the save is certainly in flight when the step comes, whatever the machine's load.
+        self.entered = threading.Event()
 
     # --- the save's side -----------------------------------------------------------------------
 
@@ -111,6 +114,7 @@ class SourceGuard:
     def freeze(self) -> float:
         """Return once no live tensor will be read again; the seconds this stalled."""
         started = time.perf_counter()
+        self.entered.set()
         with self.cond:
             self.cond.wait_for(lambda: self.finished or self.ready)
             if self.finished:
