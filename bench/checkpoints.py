@@ -16,36 +16,13 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.process import run_measured
+from harness.training import QWEN2_WIDTHS, param_count
+
 # Two model families, picked by target size; the layer count is then solved for the target.
 # Shapes are Qwen2-like (GQA with 4 KV heads, head_dim 64 / 128, untied lm_head).
-_SMALL = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-)
-_LARGE = dict(
-    hidden_size=2048,
-    intermediate_size=5632,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-)
-
-
-def qwen2_param_count(c: dict) -> int:
-    h, i, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
-    per_layer = (
-        (h * h + h)  # q_proj (+bias)
-        + 2 * (h * kv + kv)  # k_proj, v_proj (+bias)
-        + h * h  # o_proj
-        + 3 * h * i  # gate, up, down
-        + 2 * h  # input / post-attention RMSNorm
-    )
-    embed = v * h * (1 if c.get("tie_word_embeddings") else 2)
-    return embed + n * per_layer + h  # + final norm
+_SMALL = QWEN2_WIDTHS
+_LARGE = dict(QWEN2_WIDTHS, hidden_size=2048, intermediate_size=5632)
 
 
 def qwen2_overrides_for(target_gb: float) -> dict:
@@ -55,7 +32,7 @@ def qwen2_overrides_for(target_gb: float) -> dict:
     best = None
     for layers in range(1, 200):
         c = dict(base, num_hidden_layers=layers)
-        err = abs(qwen2_param_count(c) - target_params)
+        err = abs(param_count(c) - target_params)
         if best is None or err < best[0]:
             best = (err, c)
     return best[1]
@@ -76,7 +53,7 @@ class CkptSpec:
 
     @property
     def fp32_bytes(self) -> int:
-        return qwen2_param_count(self.overrides) * 4
+        return param_count(self.overrides) * 4
 
     def meta(self) -> dict:
         return {
@@ -127,9 +104,6 @@ def ensure_checkpoint(spec: CkptSpec, cache_root: Path, python: str, log=print) 
         "--overrides",
         json.dumps(spec.overrides),
     ]
-    # Imported lazily so the bench can be built and linted before the generator exists.
-    from measure import run_measured
-
     m = run_measured(cmd)
     if m.returncode != 0:
         raise RuntimeError(
@@ -180,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     for gb in a.show or [0.5, 4.0]:
         c = qwen2_overrides_for(gb)
-        print(f"{gb:g} GB -> {qwen2_param_count(c) / 1e6:.1f} M params, {json.dumps(c)}")
+        print(f"{gb:g} GB -> {param_count(c) / 1e6:.1f} M params, {json.dumps(c)}")
     return 0
 
 

@@ -25,7 +25,6 @@ import argparse
 import json
 import os
 import platform
-import re
 import shutil
 import statistics
 import subprocess
@@ -33,15 +32,16 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-RESULTS = BENCH / "results"
+from harness import REPO, RESULTS, MiB, log
+from harness.cache import tree_bytes, warm_cache
+from harness.machine import mem_total_bytes
+from harness.process import run_measured
+from harness.training import param_count
+
 CKPT_ROOT = RESULTS / "dcp_ckpt"
 MODEL_DIR = "pytorch_model_fsdp_0"
 PYTHON = REPO / ".venv" / "bin" / "python"
 BENCH_VENVS = (REPO / ".bench-venv", REPO / ".bench-venv-dcp")
-GNU_TIME = "/usr/bin/time"
-MiB = 2**20
 
 # Qwen2-0.5B-like shapes with an untied head; the layer count is solved for the target size.
 BASE_CONFIG = dict(
@@ -55,19 +55,7 @@ BASE_CONFIG = dict(
 )
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # --------------------------------------------------------------------------- checkpoint
-
-
-def param_count(c: dict) -> int:
-    h, i, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
-    attn = h * h + h + 2 * (h * kv + kv) + h * h  # q (+bias), k/v (+bias), o
-    layer = attn + 3 * h * i + 2 * h
-    return 2 * v * h + n * layer + h
 
 
 def config_for(gb: float) -> dict:
@@ -201,43 +189,12 @@ def tools(ckpt: Path, out: Path) -> dict[str, list[str]]:
     return found
 
 
-def warm(ckpt: Path) -> None:
-    buf = bytearray(16 * MiB)
-    for path in sorted(ckpt.iterdir()):
-        with open(path, "rb", buffering=0) as f:
-            while f.readinto(buf):
-                pass
-
-
 def measure(argv: list[str]) -> dict:
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    start = time.perf_counter()
-    proc = subprocess.run([GNU_TIME, "-v", *argv], capture_output=True, text=True, env=env)
-    wall = time.perf_counter() - start
-    rss = re.search(r"Maximum resident set size \(kbytes\): (\d+)", proc.stderr)
-    if proc.returncode != 0 or rss is None:
-        raise RuntimeError(f"{argv[0]} failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    return {"wall_s": round(wall, 3), "peak_rss_mib": round(int(rss[1]) / 1024, 1)}
-
-
-def tree_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
-
-
-def same_tensors(a: Path, b: Path) -> tuple[bool, int]:
-    """Compare two single-file safetensors outputs tensor by tensor (one tensor in memory)."""
-    import torch
-    from safetensors import safe_open
-
-    fa_path, fb_path = a / "model.safetensors", b / "model.safetensors"
-    with safe_open(fa_path, "pt") as fa, safe_open(fb_path, "pt") as fb:
-        names = sorted(fa.keys())
-        if names != sorted(fb.keys()):
-            return False, len(names)
-        for name in names:
-            if not torch.equal(fa.get_tensor(name), fb.get_tensor(name)):
-                return False, len(names)
-    return True, len(names)
+    """Wall time and the kernel's peak RSS of one tool run (under GNU time)."""
+    m = run_measured(argv, env={**os.environ, "PYTHONWARNINGS": "ignore"})
+    if m.returncode != 0:
+        raise RuntimeError(f"{argv[0]} failed ({m.returncode}):\n{m.stderr_tail[-3000:]}")
+    return {"wall_s": round(m.wall_s, 3), "peak_rss_mib": round(m.peak_rss_bytes / MiB, 1)}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -262,7 +219,7 @@ def main(argv: list[str] | None = None) -> int:
         for name in selected:
             out = work / f"{name}-{run}"
             argv_ = tools(ckpt, out)[name]
-            warm(ckpt)
+            warm_cache(ckpt)
             log(f"run {run + 1}/{args.runs}: {name}")
             m = measure(argv_)
             m["output_bytes"] = tree_bytes(out)
@@ -275,9 +232,12 @@ def main(argv: list[str] | None = None) -> int:
 
     checks = {}
     if "shardstream" in kept:
+        from compare import compare_dirs  # here: the measured `_torch` child imports this file
+
         for name, out in kept.items():
             if name != "shardstream":
-                ok, count = same_tensors(kept["shardstream"], out)
+                report = compare_dirs(kept["shardstream"], out)
+                ok, count = report["identical"], report["n_common"]
                 checks[f"shardstream == {name}"] = ok
                 log(f"outputs identical (shardstream vs {name}, {count} tensors): {ok}")
     for r in results.values():
@@ -291,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
         "machine": {
             "cpus": os.cpu_count(),
-            "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30),
+            "memory_gib": round(mem_total_bytes() / 2**30),
             "python": platform.python_version(),
             "platform": platform.platform(),
             "load_avg_at_end": os.getloadavg(),

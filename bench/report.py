@@ -12,8 +12,17 @@ import statistics
 import sys
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
+from harness import BENCH, REPO
+from harness.render import (
+    bar_offset,
+    fmt,
+    generated_note,
+    pyplot,
+    save_figure,
+    table,
+    write_doc,
+)
+
 TOOL_ORDER = ("shardstream", "verl", "cp", "cp_fsync", "cast_floor")
 TOOL_LABEL = {
     "shardstream": "shardstream merge",
@@ -24,10 +33,6 @@ TOOL_LABEL = {
 }
 TOOLS_CMD_ORDER = ("cp", "cp_fsync", "shardstream", "verl", "disk_write_floor", "cast_floor")
 COLORS = {"shardstream": "#1f77b4", "verl": "#d62728", "cp": "#7f7f7f", "cp_fsync": "#bcbcbc"}
-
-
-def _f(x, fmt: str = "{:.2f}", none: str = "–") -> str:
-    return none if x is None else fmt.format(x)
 
 
 def _ckpt_label(r: dict, size: str) -> str:
@@ -46,55 +51,60 @@ def cpu_s(r: dict, size: str, cache: str, tool: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+RESULT_HEAD = (
+    "checkpoint | cache | tool | wall s (median) | CPU s (median) | peak RSS MiB (median) "
+    "| time ÷ shardstream | RSS ÷ shardstream | time ÷ cp -r | time ÷ cp -r + fsync "
+    "| written GiB | others' CPU | runs"
+)
+
+
 def render_table(r: dict) -> str:
-    rows = [
-        "| checkpoint | cache | tool | wall s (median) | CPU s (median) | peak RSS MiB (median) "
-        "| time ÷ shardstream | RSS ÷ shardstream | time ÷ cp -r | time ÷ cp -r + fsync "
-        "| written GiB | others' CPU | runs |",
-        "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    rows = []
     for size, by_cache in r["summary"].items():
         for cache, by_tool in by_cache.items():
             for tool in TOOL_ORDER:
                 s = by_tool.get(tool)
                 if not s:
                     continue
+                case = [_ckpt_label(r, size), cache, TOOL_LABEL[tool]]
                 if s["wall_s"] is None:
-                    rows.append(
-                        f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
-                        f"| FAILED | | FAILED | | | | | | | 0/{s['n_failed']} |"
-                    )
+                    rows.append([*case, "FAILED", "", "FAILED", *[""] * 6, f"0/{s['n_failed']}"])
                     continue
                 rows.append(
-                    f"| {_ckpt_label(r, size)} | {cache} | {TOOL_LABEL[tool]} "
-                    f"| {s['wall_s']:.2f} | {_f(cpu_s(r, size, cache, tool))} "
-                    f"| {s['peak_rss_mib']:.0f} "
-                    f"| {_f(s.get('time_vs_shardstream'))} | {_f(s.get('rss_vs_shardstream'))} "
-                    f"| {_f(s.get('time_vs_cp'))} | {_f(s.get('time_vs_cp_fsync'))} "
-                    f"| {_f((s.get('out_bytes') or 0) / 2**30)} "
-                    f"| {_f(s.get('background_cpu_share'), '{:.0%}')} "
-                    f"| {s['n_ok']}/{s['n_ok'] + s['n_failed']} |"
+                    [
+                        *case,
+                        f"{s['wall_s']:.2f}",
+                        fmt(cpu_s(r, size, cache, tool)),
+                        f"{s['peak_rss_mib']:.0f}",
+                        fmt(s.get("time_vs_shardstream")),
+                        fmt(s.get("rss_vs_shardstream")),
+                        fmt(s.get("time_vs_cp")),
+                        fmt(s.get("time_vs_cp_fsync")),
+                        fmt((s.get("out_bytes") or 0) / 2**30),
+                        fmt(s.get("background_cpu_share"), ".0%"),
+                        f"{s['n_ok']}/{s['n_ok'] + s['n_failed']}",
+                    ]
                 )
-    return "\n".join(rows)
+    return "\n".join(table(RESULT_HEAD, "lll" + "r" * 10, rows))
 
 
 def render_targets(r: dict) -> str:
     if not r["targets"]:
         return "_No targets evaluated (shardstream did not run)._"
-    rows = ["| target | measured | goal | result |", "|---|---:|---|---|"]
-    for t in r["targets"]:
-        res = {True: "**pass**", False: "**FAIL**", None: "n/a"}[t["passed"]]
-        rows.append(f"| {t['name']} | {t['value']} | {t['target']} | {res} |")
-    return "\n".join(rows)
+    rows = [
+        (
+            t["name"],
+            t["value"],
+            t["target"],
+            {True: "**pass**", False: "**FAIL**", None: "n/a"}[t["passed"]],
+        )
+        for t in r["targets"]
+    ]
+    return "\n".join(table("target | measured | goal | result", "lrll", rows))
 
 
 def plot(r: dict, img_dir: Path) -> list[Path]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    img_dir.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     sizes = list(r["summary"])
     caches = list(r["options"]["cache_modes"])
     tools = [t for t in TOOL_ORDER if t in r["options"]["tools"]]
@@ -113,7 +123,7 @@ def plot(r: dict, img_dir: Path) -> list[Path]:
                 for j, size in enumerate(sizes):
                     s = r["summary"][size].get(cache, {}).get(tool) or {}
                     if s.get(metric) is not None:
-                        xs.append(j + (i - (len(tools) - 1) / 2) * width)
+                        xs.append(j + bar_offset(i, len(tools), width))
                         ys.append(s[metric])
                 bars = ax.bar(xs, ys, width, label=TOOL_LABEL[tool], color=COLORS[tool])
                 fmt = "{:.1f}" if metric == "wall_s" else "{:.0f}"
@@ -139,11 +149,7 @@ def plot(r: dict, img_dir: Path) -> list[Path]:
         axes[0][0].legend(loc="upper left", fontsize=8)
         title = "Merge wall time" if metric == "wall_s" else "Merge peak RSS (kernel ru_maxrss)"
         fig.suptitle(f"{title} — {r['machine']['cpu_count']} cores, {r['started'][:10]}")
-        fig.tight_layout()
-        p = img_dir / fname
-        fig.savefig(p, dpi=110)
-        plt.close(fig)
-        paths.append(p)
+        paths.append(save_figure(fig, img_dir / fname))
     return paths
 
 
@@ -253,7 +259,7 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
     lines = [
         "# Merge benchmark",
         "",
-        "<!-- Generated by bench/report.py from bench/results/merge.json; do not edit by hand. -->",
+        generated_note("bench/report.py", "bench/results/merge.json"),
         "",
         "`shardstream merge` against verl's own FSDP merger (`python -m verl.model_merger merge "
         "--backend fsdp`) and against a plain `cp -r` of the same checkpoint directory, on real "
@@ -430,9 +436,7 @@ def render_doc(r: dict, img_rel: str, images: list[Path]) -> str:
 def write_report(r: dict, doc: Path, img_dir: Path) -> Path:
     images = plot(r, img_dir)
     rel = Path("img") if img_dir.parent == doc.parent else img_dir
-    doc.parent.mkdir(parents=True, exist_ok=True)
-    doc.write_text(render_doc(r, str(rel), images))
-    return doc
+    return write_doc(doc, render_doc(r, str(rel), images))
 
 
 def main(argv: list[str]) -> int:

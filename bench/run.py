@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import statistics
 import subprocess
@@ -21,15 +20,13 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-sys.path.insert(0, str(BENCH))
+from checkpoints import CkptSpec, ensure_checkpoint
+from compare import compare_dirs, summarize
+from harness import BENCH, REPO, MiB, log
+from harness.cache import drop_caches, prepare, tree_bytes
+from harness.machine import git_revision, machine_facts, src_dirty
+from harness.process import output, run_measured
 
-from checkpoints import CkptSpec, ensure_checkpoint  # noqa: E402
-from compare import compare_dirs, summarize  # noqa: E402
-from measure import drop_caches, run_measured, tree_bytes, warm_cache  # noqa: E402
-
-MiB = 2**20
 TOOLS = ("cp", "cp_fsync", "shardstream", "verl")
 COPY_TOOLS = ("cp", "cp_fsync")
 # Start-up floor of each Python tool: the same command with `--help` (interpreter, imports,
@@ -50,68 +47,26 @@ TARGET_VERL_SPEEDUP = 3.0
 TARGET_VERL_MEM = 4.0
 
 
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
 # ---------------------------------------------------------------------------------------------
 # environment facts
 
 
-def _cmd(argv: list[str], cwd: Path | None = None) -> str:
-    try:
-        return subprocess.run(
-            argv, capture_output=True, text=True, check=True, cwd=cwd, timeout=120
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
-def machine_facts(results_dir: Path) -> dict:
-    mem_kib = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_kib = int(line.split()[1])
-    cpu_model = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    df = _cmd(["df", "-hT", str(results_dir)]).splitlines()
-    disk = df[-1].split() if len(df) > 1 else []
-    usage = shutil.disk_usage(results_dir)
-    return {
-        "cpu_model": cpu_model,
-        "cpu_count": os.cpu_count(),
-        "affinity_cpus": len(os.sched_getaffinity(0)),
-        "mem_total_gib": round(mem_kib / 2**20, 1),
-        "swap": _cmd(["swapon", "--show=NAME,SIZE", "--noheadings"]) or "none",
-        "disk_device": disk[0] if disk else "",
-        "disk_fs": disk[1] if len(disk) > 1 else "",
-        "disk_size_gib": round(usage.total / 2**30),
-        "disk_free_gib": round(usage.free / 2**30),
-        "kernel": platform.release(),
-        "python": platform.python_version(),
-    }
-
-
 def tool_versions(py: str, bench_py: str | None) -> dict:
+    def version(python: str, module: str) -> str:
+        return output([python, "-c", f"import {module}; print({module}.__version__)"])
+
     v = {
-        "cp": _cmd(["cp", "--version"]).splitlines()[0:1],
-        "shardstream_git": _cmd(["git", "rev-parse", "--short", "HEAD"], cwd=REPO),
-        "shardstream_git_dirty": bool(_cmd(["git", "status", "--porcelain", "src"], cwd=REPO)),
-        "torch": _cmd([py, "-c", "import torch; print(torch.__version__)"]),
-        "safetensors": _cmd([py, "-c", "import safetensors; print(safetensors.__version__)"]),
+        "cp": output(["cp", "--version"]).splitlines()[0:1],
+        "shardstream_git": git_revision(),
+        "shardstream_git_dirty": src_dirty(),
+        "torch": version(py, "torch"),
+        "safetensors": version(py, "safetensors"),
     }
     v["cp"] = v["cp"][0] if v["cp"] else ""
     if bench_py:
-        v["verl"] = _cmd([bench_py, "-c", "import verl; print(verl.__version__)"])
-        v["verl_venv_torch"] = _cmd([bench_py, "-c", "import torch; print(torch.__version__)"])
-        v["verl_venv_transformers"] = _cmd(
-            [bench_py, "-c", "import transformers; print(transformers.__version__)"]
-        )
+        v["verl"] = version(bench_py, "verl")
+        v["verl_venv_torch"] = version(bench_py, "torch")
+        v["verl_venv_transformers"] = version(bench_py, "transformers")
     return v
 
 
@@ -225,13 +180,7 @@ def run_one(tool: str, actor: Path, out: Path, cache: str, a: argparse.Namespace
     if out.exists():
         shutil.rmtree(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    os.sync()  # nobody pays for the previous run's dirty pages
-    if cache == "cold":
-        ok, why = drop_caches()
-        if not ok:
-            raise RuntimeError(f"drop_caches failed mid-run: {why}")
-    else:
-        warm_cache(actor)
+    prepare(cache, actor)
     load = os.getloadavg()[0]
     m = run_measured(
         tool_argv(tool, actor, out, a),
@@ -300,8 +249,7 @@ def profile_shardstream(actor: Path, out: Path, a: argparse.Namespace) -> dict:
     argv = [argv[0], "-m", "cProfile", "-o", str(prof), *argv[1:]]
     if out.exists():
         shutil.rmtree(out)
-    os.sync()
-    warm_cache(actor)
+    prepare("warm", actor)
     m = run_measured(argv, env=child_env(), capture_stdout=True, timeout_s=a.timeout)
     shutil.rmtree(out, ignore_errors=True)
     if m.returncode != 0 or not prof.exists():
@@ -379,29 +327,17 @@ def evaluate_targets(summary: dict, sizes: list[str]) -> list[dict]:
                 f"<= {TARGET_RSS_MIB} MiB",
                 ss["peak_rss_mib"] <= TARGET_RSS_MIB,
             )
-            if "time_vs_cp" in ss:
-                add(
-                    f"wall vs cp -r ({size} GB, {cache})",
-                    round(ss["time_vs_cp"], 2),
-                    f"<= {TARGET_VS_CP}x",
-                    ss["time_vs_cp"] <= TARGET_VS_CP,
-                )
-            if "time_vs_cp_fsync" in ss:
-                add(
-                    f"wall vs cp -r + fsync ({size} GB, {cache}; informational)",
-                    round(ss["time_vs_cp_fsync"], 2),
-                    f"<= {TARGET_VS_CP}x",
-                    ss["time_vs_cp_fsync"] <= TARGET_VS_CP,
-                )
             floor = by_tool.get(CAST_FLOOR) or {}
-            if "time_vs_cp" in floor:
-                add(
-                    f"Python cast floor vs cp -r ({size} GB, {cache}; informational: no torch, "
-                    "no checks)",
-                    round(floor["time_vs_cp"], 2),
-                    f"<= {TARGET_VS_CP}x",
-                    floor["time_vs_cp"] <= TARGET_VS_CP,
-                )
+            case = f"{size} GB, {cache}"
+            vs_cp = (
+                (ss, "time_vs_cp", f"wall vs cp -r ({case})"),
+                (ss, "time_vs_cp_fsync", f"wall vs cp -r + fsync ({case}; informational)"),
+                (floor, "time_vs_cp",
+                 f"Python cast floor vs cp -r ({case}; informational: no torch, no checks)"),
+            )  # fmt: skip
+            for s, key, name in vs_cp:
+                if key in s:
+                    add(name, round(s[key], 2), f"<= {TARGET_VS_CP}x", s[key] <= TARGET_VS_CP)
     if len(sizes) >= 2:
         lo, hi = sizes[0], sizes[-1]
         for cache in summary[hi]:

@@ -22,13 +22,10 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
-
-from measure import run_measured  # noqa: E402
-
-RESULTS = ROOT / "bench/results"
-MiB = 1 << 20
+from harness import REPO, RESULTS, MiB
+from harness.machine import git_revision
+from harness.process import run_measured, torchrun
+from harness.render import table
 
 
 def worker(out: Path, width: int, layers: int) -> None:
@@ -63,21 +60,9 @@ def worker(out: Path, width: int, layers: int) -> None:
 def save_checkpoint(out: Path, ranks: int, width: int, layers: int) -> None:
     if (out / "manifest.json").is_file():
         return
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--standalone",
-        f"--nproc_per_node={ranks}",
-        __file__,
-        "--worker",
-        str(out),
-        "--width",
-        str(width),
-        "--layers",
-        str(layers),
-    ]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT / "src")}
+    args = ["--worker", str(out), "--width", str(width), "--layers", str(layers)]
+    cmd = torchrun(ranks, __file__, *args)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO / "src")}
     done = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if done.returncode != 0:
         raise SystemExit(f"!!! saving at {ranks} ranks failed:\n{done.stderr[-3000:]}")
@@ -85,7 +70,7 @@ def save_checkpoint(out: Path, ranks: int, width: int, layers: int) -> None:
 
 def merge_once(ckpt: Path, target: Path, src: Path) -> dict:
     shutil.rmtree(target, ignore_errors=True)
-    subprocess.run(["sync"], check=True)
+    os.sync()
     argv = [sys.executable, "-m", "shardstream", "merge", "--local_dir", str(ckpt)]
     argv += ["--target_dir", str(target), "--dtype", "bfloat16", "--quiet"]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(src)}
@@ -97,31 +82,14 @@ def merge_once(ckpt: Path, target: Path, src: Path) -> dict:
 
 def same_tensors(a: Path, b: Path) -> bool:
     """The two merged models hold the same tensors, bit for bit (file layout may differ)."""
-    import torch
-    from safetensors import safe_open
+    from compare import compare_dirs  # the driver only (ranks import this file too)
 
-    def tensors(directory: Path) -> dict:
-        out = {}
-        for path in sorted(directory.glob("*.safetensors")):
-            with safe_open(str(path), "pt") as f:
-                for key in f.keys():
-                    out[key] = (str(path), key)
-        return out
-
-    left, right = tensors(a), tensors(b)
-    if sorted(left) != sorted(right):
-        return False
-    for key, (path, name) in left.items():
-        with safe_open(path, "pt") as f, safe_open(right[key][0], "pt") as g:
-            x, y = f.get_tensor(name), g.get_tensor(name)
-            if x.dtype != y.dtype or not torch.equal(x.view(torch.uint8), y.view(torch.uint8)):
-                return False
-    return True
+    return compare_dirs(a, b)["identical"]
 
 
 def worktree(rev: str, where: Path) -> Path:
     subprocess.run(
-        ["git", "-C", str(ROOT), "worktree", "add", "-f", "--detach", str(where), rev],
+        ["git", "-C", str(REPO), "worktree", "add", "-f", "--detach", str(where), rev],
         check=True,
         capture_output=True,
     )
@@ -150,13 +118,14 @@ def report(results: dict, args: argparse.Namespace) -> str:
         "",
     ]
     cols = ["this commit"] + ([f"before ({results['before']})"] if args.before else [])
-    header = "| ranks | rank file | " + " | ".join(f"{c}: peak RSS | {c}: wall" for c in cols)
-    lines += [header + " |", "|" + "---:|" * (2 + 2 * len(cols))]
+    head = ["ranks", "rank file", *[f"{c}: {m}" for c in cols for m in ("peak RSS", "wall")]]
+    rows = []
     for row in results["rows"]:
         cells = [str(row["ranks"]), f"{row['rank_file_mib']:.1f} MiB"]
         for key in ["now"] + (["before"] if args.before else []):
             cells += [f"{row[key]['peak_rss_mib']:.0f} MiB", f"{row[key]['wall_s']:.2f} s"]
-        lines.append("| " + " | ".join(cells) + " |")
+        rows.append(cells)
+    lines += table(head, "r" * len(head), rows)
     lines.append("")
     rows = results["rows"]
     if len(rows) > 1:
@@ -190,7 +159,7 @@ def main() -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--before", help="also merge with this older commit's code")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints")
-    ap.add_argument("--doc", type=Path, default=ROOT / "docs/benchmarks-wide-merge.md")
+    ap.add_argument("--doc", type=Path, default=REPO / "docs/benchmarks-wide-merge.md")
     ap.add_argument("--render", action="store_true", help="rewrite the page from the JSON")
     args = ap.parse_args()
     if args.worker:
@@ -215,12 +184,9 @@ def main() -> int:
     tmp = Path(tempfile.mkdtemp(prefix="wide-merge-"))
     try:
         if args.before:
-            results["before"] = subprocess.run(
-                ["git", "-C", str(ROOT), "rev-parse", "--short", args.before],
-                check=True,
-                capture_output=True,
-                text=True,
-            ).stdout.strip()
+            results["before"] = git_revision(args.before)
+            if not results["before"]:
+                raise SystemExit(f"!!! unknown git revision {args.before!r}")
             old_src = worktree(args.before, tmp / "before")
         for ranks in args.ranks:
             ckpt = scratch / f"ws{ranks}"
@@ -229,7 +195,7 @@ def main() -> int:
                 "ranks": ranks,
                 "rank_file_mib": (ckpt / "rank-00000.safetensors").stat().st_size / MiB,
             }
-            versions = [("now", ROOT / "src")] + ([("before", old_src)] if old_src else [])
+            versions = [("now", REPO / "src")] + ([("before", old_src)] if old_src else [])
             for key, src in versions:
                 runs = [merge_once(ckpt, tmp / f"out-{key}", src) for _ in range(args.repeats)]
                 row[key] = {
@@ -245,7 +211,7 @@ def main() -> int:
     finally:
         if old_src:
             subprocess.run(
-                ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(tmp / "before")],
+                ["git", "-C", str(REPO), "worktree", "remove", "--force", str(tmp / "before")],
                 capture_output=True,
             )
         shutil.rmtree(tmp, ignore_errors=True)

@@ -1,4 +1,4 @@
-"""Run one command and measure it the way the kernel sees it.
+"""Run one command and measure it the way the kernel sees it; machine-wide CPU use.
 
 Wall time is ``time.perf_counter`` around spawn .. reap. Peak RSS is the kernel's
 ``ru_maxrss`` of the command, read through GNU ``/usr/bin/time -f %M`` ("Maximum resident set
@@ -19,14 +19,13 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-import psutil
-
-MiB = 1024 * 1024
+from harness import MiB
 
 
 @dataclass
@@ -64,6 +63,8 @@ class _TreeSampler(threading.Thread):
         self._stop_event = threading.Event()
 
     def run(self) -> None:
+        import psutil  # imported here: a measured child that imports harness stays lean
+
         try:
             root = psutil.Process(self.pid)
         except psutil.Error:
@@ -92,7 +93,7 @@ GNU_TIME = "/usr/bin/time"
 _CLK_TCK = os.sysconf("SC_CLK_TCK")
 
 
-def _busy_cpu_s() -> float | None:
+def busy_cpu_s() -> float | None:
     """Machine-wide busy CPU seconds so far (everything in /proc/stat's cpu line but idle and
     iowait; guest time is already inside user/nice)."""
     try:
@@ -139,7 +140,7 @@ def run_measured(
     time_path = tmp / f"bench-time-{os.getpid()}.txt"
     use_time = have_gnu_time()
     full_argv = [GNU_TIME, "-f", "%M %U %S", "-o", str(time_path), *argv] if use_time else argv
-    busy0 = _busy_cpu_s()
+    busy0 = busy_cpu_s()
     with open(stderr_path, "w+b") as err:
         t0 = time.perf_counter()
         proc = subprocess.Popen(full_argv, stdout=stdout, stderr=err, env=env, cwd=cwd)
@@ -164,7 +165,7 @@ def run_measured(
                 break
             time.sleep(0.002)
         wall = time.perf_counter() - t0
-        busy1 = _busy_cpu_s()
+        busy1 = busy_cpu_s()
         sampler.stop()
         if reader is not None:
             reader.join()
@@ -204,31 +205,32 @@ def run_measured(
     )
 
 
-def drop_caches() -> tuple[bool, str]:
-    """``sync; echo 3 > /proc/sys/vm/drop_caches``. Returns (done, reason-if-not)."""
-    os.sync()
+def others_cpu_share(busy0: float | None, wall_s: float, own_cpu_s: float) -> float | None:
+    """Share of the machine's CPU time (all cores) that others used since ``busy0`` (from
+    ``busy_cpu_s``) over ``wall_s`` seconds in which the measured work used ``own_cpu_s``."""
+    busy1 = busy_cpu_s()
+    if busy0 is None or busy1 is None or wall_s <= 0:
+        return None
+    return max(0.0, busy1 - busy0 - own_cpu_s) / (wall_s * (os.cpu_count() or 1))
+
+
+def output(argv: list[str], cwd: Path | None = None, timeout: float = 120) -> str:
+    """``argv``'s stripped stdout, or "" when it cannot run or exits non-zero."""
     try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-    except OSError as e:
-        return False, f"{type(e).__name__}: {e}"
-    return True, ""
+        return subprocess.run(
+            argv, capture_output=True, text=True, check=True, cwd=cwd, timeout=timeout
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
 
 
-def warm_cache(path: Path) -> int:
-    """Read every file under ``path`` once (like ``cat > /dev/null``); returns bytes read."""
-    total = 0
-    buf = bytearray(8 * MiB)
-    view = memoryview(buf)
-    for p in sorted(path.rglob("*")):
-        if p.is_file():
-            with open(p, "rb", buffering=0) as f:
-                while n := f.readinto(view):
-                    total += n
-    return total
-
-
-def tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+def torchrun(procs: int, *args: str, python: str = sys.executable) -> list[str]:
+    """The argv of ``torchrun --standalone --nproc_per_node=PROCS ARGS…`` under ``python``."""
+    return [
+        python,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc_per_node={procs}",
+        *args,
+    ]
