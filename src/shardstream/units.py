@@ -10,6 +10,7 @@ from .errors import UsageError
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20  # --buffer-size and staging_budget
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # the span of one checksum in a data file
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # a HF model's file size limit, as save_pretrained's "5GB"
 DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
 
 _UNITS = {

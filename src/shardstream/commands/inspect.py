@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..engine import memory
-from ..engine.dtypes import FLOATING, TORCH_NAME, itemsize
+from ..engine.dtypes import TORCH_NAME, itemsize
 from ..units import DEFAULT_BUFFER_BYTES, format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
@@ -24,7 +24,7 @@ ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 def describe(path: str | os.PathLike) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
     run directory (a manager's), its steps and the newest committed one."""
-    from ..formats.hf import output_dtype, tied_duplicates
+    from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
     from ..formats.source import open_checkpoint
 
     run = _run(Path(path))
@@ -46,7 +46,7 @@ def describe(path: str | os.PathLike) -> dict:
     for t in checkpoint.tensors:
         nbytes = t.nbytes
         stored += nbytes
-        target = out_dtype if out_dtype and t.dtype in FLOATING else t.dtype
+        target = cast_dtype(t.dtype, out_dtype)
         out_bytes = 0 if t.name in dropped else nbytes // itemsize(t.dtype) * itemsize(target)
         written += out_bytes
         tensors.append(

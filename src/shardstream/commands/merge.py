@@ -11,25 +11,25 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.copy import Buffers, Streamer
-from ..engine.dtypes import FLOATING, TORCH_NAME, itemsize
+from ..engine.dtypes import itemsize
 from ..engine.endpoints import FileEndpoint, OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
-from ..engine.plan import GlobalTensor, split_ranges
+from ..engine.plan import split_ranges
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
+from ..formats.hf_writer import HfModelFiles, output_tensors
 from ..formats.source import open_checkpoint
-from ..formats.writer import (
-    OutputTensor,
-    create_file,
-    fill_range,
-    plan_file,
-    seal_file,
-    write_safetensors,
-)
+from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
 from ..storage.commit import staged_directory
-from ..units import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES, DIRECT_ALIGN, parse_size
+from ..units import (
+    DEFAULT_BUFFER_BYTES,
+    DEFAULT_CHUNK_BYTES,
+    DEFAULT_MAX_SHARD_BYTES,
+    DIRECT_ALIGN,
+    parse_size,
+)
 
 
 @dataclass
@@ -50,19 +50,6 @@ class MergeSummary:
 
     def to_json(self) -> dict:
         return {**asdict(self), "throughput_bytes_per_s": self.throughput_bytes_per_s}
-
-
-def choose_outputs(
-    tensors: list[GlobalTensor], dtype: str | None, drop: set[str]
-) -> list[OutputTensor]:
-    """Floating tensors take the output dtype; integer and bool tensors keep theirs."""
-    outputs = []
-    for tensor in tensors:
-        if tensor.name in drop:
-            continue
-        target = dtype if dtype and tensor.dtype in FLOATING else tensor.dtype
-        outputs.append(OutputTensor(tensor.name, target, tensor))
-    return outputs
 
 
 @contextlib.contextmanager
@@ -93,7 +80,7 @@ def merge(
     target_dir: str | os.PathLike,
     *,
     dtype: str | None = None,
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
     hf_model_path: str | os.PathLike | None = None,
@@ -169,7 +156,7 @@ def merge(
             getattr(checkpoint, "lora_settings", None),
         )
     drop = tied_duplicates(tensors, config, tie_word_embedding)
-    outputs = choose_outputs(tensors, out_dtype, drop)
+    outputs = output_tensors(tensors, out_dtype, drop, config)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes)
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
@@ -205,15 +192,12 @@ def merge(
             tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
             # Each file's copy runs are planned when it is filled, and dropped after: a merge
             # of a many-rank checkpoint holds one file's runs, not the whole model's.
-            jobs = [
-                plan_file(str(tmp / name), group, align=DIRECT_ALIGN, plan_runs=False)
-                for name, group in files
-            ]
+            output = HfModelFiles.plan(tmp, files, align=DIRECT_ALIGN)
+            jobs = output.jobs
             error = None
             try:
                 if rank == 0:
-                    for job in jobs:
-                        create_file(job)
+                    output.create()
                 coll.barrier()
                 mine = {}
                 planned = None  # this rank's ranges come in file order
@@ -241,12 +225,7 @@ def merge(
             gathered = coll.gather(mine if error is None else None)
             coll.agree_or_raise(error)
             if rank == 0:
-                for index, job in enumerate(jobs):
-                    chunks = _assemble(index, gathered)
-                    written += seal_file(job, chunks).size
-                if len(files) > 1:
-                    index_doc = json.dumps(hf.index_document(files), indent=2) + "\n"
-                    (tmp / hf.INDEX_FILE).write_text(index_doc)
+                written += sum(file.size for file in output.seal(gathered))
                 if split and not fuse_lora:
                     adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
                     written += write_adapter(
@@ -254,8 +233,7 @@ def merge(
                     )
                     endpoints.finish()
                 if config_dir is not None:
-                    dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
-                    hf.copy_config(config_dir, tmp, dtype_name)
+                    hf.write_configs(tmp, out_dtype, config_dir)
         coll.barrier()
     finally:
         endpoints.close()
@@ -272,22 +250,6 @@ def merge(
     )
 
 
-def _assemble(index: int, gathered: list[dict]) -> list[str]:
-    """File ``index``'s chunk digests, from every rank's ranges, in order."""
-    parts = sorted(
-        (first, digests)
-        for part in gathered
-        for (file_index, first), digests in part.items()
-        if file_index == index
-    )
-    chunks: list[str] = []
-    for first, digests in parts:
-        if first != len(chunks):
-            raise AssertionError(f"chunk {len(chunks)} of output file {index} has no digest")
-        chunks.extend(digests)
-    return chunks
-
-
 def write_adapter(
     adapter_dir: Path,
     split: lora.LoraSplit,
@@ -300,7 +262,7 @@ def write_adapter(
     base model, or the output itself for a LoRA-only checkpoint."""
     adapter_dir.mkdir(exist_ok=True)
     factors = [
-        OutputTensor(name, dtype if dtype and t.dtype in FLOATING else t.dtype, t)
+        OutputTensor(name, hf.cast_dtype(t.dtype, dtype), t)
         for name, t in lora.adapter_tensors(split)
     ]
     record = write_safetensors(str(adapter_dir / lora.ADAPTER_FILE), factors, streamer)

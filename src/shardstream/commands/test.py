@@ -39,7 +39,7 @@ import numpy as np
 import torch
 
 from ..engine.copy import Buffers, Streamer
-from ..engine.dtypes import FLOATING, TORCH_BY_CODE, itemsize, parse_dtype
+from ..engine.dtypes import TORCH_BY_CODE, is_floating, itemsize, parse_dtype
 from ..engine.endpoints import FileEndpoint, OpenEndpoints
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
 from ..errors import CheckpointFormatError, UsageError
@@ -120,7 +120,7 @@ def compare_with_reference(
     if not (atol >= 0 and rtol >= 0):
         raise UsageError(f"tolerances must be non-negative numbers (atol={atol}, rtol={rtol})")
     wanted_dtype = parse_dtype(dtype) if dtype else None
-    if wanted_dtype is not None and wanted_dtype not in FLOATING:
+    if wanted_dtype is not None and not is_floating(wanted_dtype):
         raise UsageError(f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32)")
 
     ref_dir = Path(test_hf_dir)
@@ -242,7 +242,7 @@ def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
     """The dtype both sides are cast to, or None when they cannot be compared."""
-    if ckpt in FLOATING and ref in FLOATING:
+    if is_floating(ckpt) and is_floating(ref):
         return wanted or ref
     if ckpt == ref:
         return ref
@@ -272,7 +272,7 @@ def _compare_tensor(
     ref_runs = plan_copy(name, shape, ref_block, window)
     capacity = min(ours.buf.window.nbytes, theirs.buf.window.nbytes) // isz * isz
     total = numel * isz
-    floating = target in FLOATING
+    floating = is_floating(target)
     bad = 0
     worst = (-1.0, -1, 0.0, 0.0)  # (diff, flat index, checkpoint value, reference value)
     lo = 0

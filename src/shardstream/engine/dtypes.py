@@ -48,7 +48,7 @@ TORCH_NAME: dict[str, str] = {
     "F8_E5M2": "float8_e5m2",
     "C64": "complex64",
 }
-FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
+_FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
 
 # What users type (--dtype, config.json's torch_dtype) to a code.
 _ALIASES = {
@@ -93,6 +93,12 @@ def itemsize(code: str) -> int:
         return ITEMSIZE[code]
     except KeyError:
         raise CheckpointFormatError(f"unknown dtype code {code!r}") from None
+
+
+def is_floating(code: str) -> bool:
+    """Whether values of this dtype are real floating-point numbers: the ones a requested
+    output dtype casts, and compared with a tolerance."""
+    return code in _FLOATING
 
 
 def parse_dtype(name: str) -> str:

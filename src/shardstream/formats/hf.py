@@ -1,19 +1,24 @@
-"""Sink: a Hugging Face model directory (sharded safetensors, index, config, tokenizer)."""
+"""A Hugging Face model directory (sharded safetensors, index, config, tokenizer): what merge
+and the training export write into one (names, dtypes, files, config), and reading one back.
+
+Free of torch, so that inspect and verify of a model directory start fast; ``hf_writer`` writes
+the files this module plans."""
 
 from __future__ import annotations
 
 import json
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
-from ..engine.dtypes import itemsize, parse_dtype
+from ..engine.dtypes import TORCH_NAME, is_floating, itemsize, parse_dtype
 from ..engine.plan import split_into_files
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage.commit import is_temporary
+from ..units import DEFAULT_MAX_SHARD_BYTES
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
@@ -27,7 +32,7 @@ _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", "
 
 
 def plan_hf_files(
-    tensors: Sequence[OutputTensor], max_file_bytes: int
+    tensors: Sequence[OutputTensor], max_file_bytes: int = DEFAULT_MAX_SHARD_BYTES
 ) -> list[tuple[str, list[OutputTensor]]]:
     """File names and contents, as ``save_pretrained`` would split them.
 
@@ -58,10 +63,6 @@ def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:
 
 def check_no_links_out(config_dir: Path, root: Path) -> Path:
     """merge copies config files into its output: none may lead out of checkpoint ``root``."""
-    import os
-
-    from ..errors import UnsafeCheckpointError
-
     base = Path(os.path.realpath(root))
     for path in (config_dir, *config_dir.iterdir()):
         real = Path(os.path.realpath(path))
@@ -83,20 +84,56 @@ def config_files(config_dir: Path) -> list[Path]:
     )
 
 
+def write_configs(
+    target: Path,
+    out_dtype: str | None,
+    source: Path | None = None,
+    hf_config: Any = None,
+    tokenizer: Any = None,
+) -> None:
+    """The model's config and tokenizer files in ``target``: copied from ``source``, then
+    saved from a transformers config and tokenizer where given; config.json names
+    ``out_dtype`` (None: as it was)."""
+    dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
+    if source is not None:
+        copy_config(source, target, dtype_name)
+    if hf_config is not None:
+        hf_config.save_pretrained(target)
+        _write_generation_config(target, hf_config)
+        if dtype_name:
+            _set_config_dtype(target / "config.json", target / "config.json", dtype_name)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(target)
+
+
 def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[str]:
     """Copy config and tokenizer files; record the output dtype in config.json."""
     copied = []
     for path in config_files(config_dir):
         if path.name == "config.json" and dtype_name:
-            config = json.loads(path.read_text())
-            keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
-            for key in keys:
-                config[key] = dtype_name
-            (target / path.name).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            _set_config_dtype(path, target / path.name, dtype_name)
         else:
             shutil.copyfile(path, target / path.name)
         copied.append(path.name)
     return copied
+
+
+def _set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
+    """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
+    config = json.loads(source.read_text())
+    for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
+        config[key] = dtype_name
+    target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_generation_config(target: Path, hf_config: Any) -> None:
+    if (target / "generation_config.json").exists():
+        return
+    try:
+        from transformers import GenerationConfig
+    except ImportError:  # pragma: no cover
+        return
+    GenerationConfig.from_model_config(hf_config).save_pretrained(target)
 
 
 def read_config(config_dir: Path | None) -> dict:
@@ -105,8 +142,6 @@ def read_config(config_dir: Path | None) -> dict:
     try:
         return json.loads((config_dir / "config.json").read_text())
     except ValueError as exc:
-        from ..errors import CheckpointFormatError
-
         raise CheckpointFormatError(
             f"{config_dir / 'config.json'}: not valid JSON ({exc})"
         ) from None
@@ -130,12 +165,25 @@ def output_dtype(requested: str | None, config: dict, source_format: str = "") -
     return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
 
 
+def cast_dtype(stored: str, out_dtype: str | None) -> str:
+    """The dtype a tensor stored as ``stored`` is written in: floating tensors take the output
+    dtype; integer and bool tensors keep theirs."""
+    return out_dtype if out_dtype and is_floating(stored) else stored
+
+
 def tied_duplicates(tensors: Sequence[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
-    """``lm_head.weight`` when the model ties it to the input embedding."""
+    """``lm_head.weight`` when the model ties it to the input embedding: not written."""
     names = {t.name for t in tensors}
     tied = force_tie or bool(config.get("tie_word_embeddings", False))
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
     return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()
+
+
+def output_names(names: Iterable[str], config: dict) -> dict[str, str]:
+    """Stored name -> the name the model directory gives it, for the model ``config``
+    (config.json's content) describes: where transformers' save-time conversions (renamed
+    and split fused tensors) belong. Every name is kept as it is today."""
+    return {name: name for name in names}
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..engine.checksum import digest
+from ..engine.checksum import digest, new_hasher
 from ..engine.copy import Streamer, stream_file, write_all
 from ..engine.dtypes import itemsize
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
@@ -72,6 +72,10 @@ class FileJob:
     chunk_bytes: int
     align: int = 8
     tensors: Sequence[OutputTensor] = ()
+
+    @property
+    def chunk_count(self) -> int:
+        return -(-self.data_size // self.chunk_bytes)
 
     def copy_runs(self) -> list[CopyRun]:
         """The file's copy runs: kept ones, or planned now (``plan_file(plan_runs=False)``)."""
@@ -237,6 +241,24 @@ def seal_file(job: FileJob, chunks: list[str]) -> WrittenFile:
         tuple(chunks),
         digest(final),
     )
+
+
+def read_chunk_digest(job: FileJob, index: int) -> str:
+    """The digest of the file's data chunk ``index``, read back from the file: for a chunk
+    that no one writer wrote whole."""
+    offset = job.header_bytes + index * job.chunk_bytes
+    left = min(job.chunk_bytes, job.data_size - index * job.chunk_bytes)
+    hasher = new_hasher()
+    buffer = memoryview(bytearray(min(left, 1 << 20)))
+    with open(job.path, "rb", buffering=0) as f:
+        f.seek(offset)
+        while left:
+            n = f.readinto(buffer[: min(left, len(buffer))])
+            if not n:
+                break
+            hasher.update(buffer[:n])
+            left -= n
+    return hasher.hexdigest()
 
 
 def write_safetensors(

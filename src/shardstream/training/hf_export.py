@@ -9,7 +9,6 @@ do not share a filesystem, pieces stream to rank 0 in bounded messages instead.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import uuid
 from collections.abc import Callable
@@ -21,16 +20,17 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine.checksum import ChunkHasher, digest, new_hasher
-from ..engine.copy import Buffers, Streamer, pwrite_array, write_all
-from ..engine.dtypes import FLOATING, TORCH_NAME, code_of, itemsize, parse_dtype
+from ..engine.checksum import ChunkHasher
+from ..engine.copy import Buffers, Streamer, pwrite_array
+from ..engine.dtypes import code_of, itemsize
 from ..engine.endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
 from ..engine.plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
 from ..errors import UsageError
 from ..formats import hf
+from ..formats.hf_writer import HfModelFiles, output_tensors
 from ..formats.native import MODEL_PREFIX, item_key, whole_chunk
-from ..formats.safetensors import build_header, checksum_metadata
-from ..formats.writer import WrittenFile, start_writeback
+from ..formats.safetensors import build_header
+from ..formats.writer import OutputTensor, WrittenFile, read_chunk_digest, start_writeback
 from ..storage import collectives as coll
 from ..units import DEFAULT_CHUNK_BYTES
 from .state import model_tensors
@@ -63,23 +63,10 @@ def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, tor
     return live_block(location, local, start), local
 
 
-def _config_dtype(hf_config: Any, source_dir: Path | None) -> str | None:
-    if hf_config is not None:
-        value = getattr(hf_config, "dtype", None) or getattr(hf_config, "torch_dtype", None)
-    elif source_dir is not None:
-        config = hf.read_config(source_dir)
-        value = config.get("dtype") or config.get("torch_dtype")
-    else:
-        value = None
-    if isinstance(value, torch.dtype):
-        return code_of(value)
-    return parse_dtype(value) if isinstance(value, str) and value != "auto" else None
-
-
-def _tied(hf_config: Any, source_dir: Path | None) -> bool:
-    if hf_config is not None:
-        return bool(getattr(hf_config, "tie_word_embeddings", False))
-    return bool(hf.read_config(source_dir).get("tie_word_embeddings", False))
+def _config(hf_config: Any, source: Path | None) -> dict:
+    """config.json's content, as the HF output policy reads it: the transformers config's,
+    else the source directory's."""
+    return hf_config.to_dict() if hf_config is not None else hf.read_config(source)
 
 
 @dataclass(frozen=True)
@@ -113,7 +100,7 @@ class ExportPlan:
 
     export: HfExport
     out_dtype: str | None
-    files: list[tuple[str, list]]  # (file name, OutputTensors), as hf.plan_hf_files gives them
+    files: list[tuple[str, list[OutputTensor]]]  # as hf.plan_hf_files gives them
     reads: tuple[tuple[str, Block, torch.Tensor], ...]  # see _owned
 
     def __call__(
@@ -131,7 +118,7 @@ class ExportPlan:
         return [(block.location, TensorEndpoint(name, local)) for name, block, local in self.reads]
 
     def rank_file_keys(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, str] | None:
-        """HF name -> rank-file key of every tensor this rank exports rows of, when ``items``
+        """Model name -> rank-file key of every tensor this rank exports rows of, when ``items``
         (what this rank's file of the same save holds: ``local_save.local_items``) hold each
         of them with the same shape and dtype; else None."""
         held = dict(items)
@@ -154,7 +141,7 @@ class ExportPlan:
         entries = {}
         for file_name, outputs in self.files:
             for out in outputs:
-                name = MODEL_PREFIX + out.name
+                name = MODEL_PREFIX + out.source.name
                 if name not in tensors or out.dtype != code_of(tensors[name].dtype):
                     continue
                 chunk = whole_chunk(list(out.shape), f"{HF_DIR}/{file_name}", out.name)
@@ -188,7 +175,7 @@ class RankFileRows:
     export reads them there, so the next optimizer step need not wait for the export."""
 
     file: WrittenFile
-    offsets: dict[str, int]  # HF name -> absolute byte offset of this rank's rows
+    offsets: dict[str, int]  # model name -> absolute byte offset of this rank's rows
 
     @classmethod
     def of(
@@ -207,22 +194,14 @@ class RankFileRows:
 
 def _plan_files(
     live: dict[str, torch.Tensor], hf_config: Any, source: Path | None, dtype: str | None
-) -> tuple[str | None, list[tuple[str, list]]]:
+) -> tuple[str | None, list[tuple[str, list[OutputTensor]]]]:
     """The publish dtype and the HF files (name, tensors) for the model's tensors ``live``;
     computed from shapes and dtypes alone, so every rank gets the same answer."""
-    from ..formats.writer import OutputTensor
-
-    out_dtype = parse_dtype(dtype) if dtype else _config_dtype(hf_config, source)
-    drop = {"lm_head.weight"} if _tied(hf_config, source) and "lm_head.weight" in live else set()
-    outputs = []
-    for name, tensor in live.items():
-        if name in drop:
-            continue
-        src_dtype = code_of(tensor.dtype)
-        target = out_dtype if out_dtype and src_dtype in FLOATING else src_dtype
-        block = dense_block("layout", 0, src_dtype, tuple(tensor.shape))
-        outputs.append(OutputTensor(name, target, GlobalTensor(name, src_dtype, block.shape, ())))
-    return out_dtype, hf.plan_hf_files(outputs, 5 * 10**9)
+    config = _config(hf_config, source)
+    out_dtype = hf.output_dtype(dtype, config)
+    tensors = [GlobalTensor(n, code_of(t.dtype), tuple(t.shape), ()) for n, t in live.items()]
+    drop = hf.tied_duplicates(tensors, config, False)
+    return out_dtype, hf.plan_hf_files(output_tensors(tensors, out_dtype, drop, config))
 
 
 def write_hf_model(
@@ -236,32 +215,19 @@ def write_hf_model(
     records. With ``rank_file``, this rank's rows are read from there, not from the live
     tensors; else an async save's ``guard`` (where ``live_reads()`` is registered) hands out
     the live or staged tensors and learns how far the reads are."""
-    rank = coll.rank()
-    export, out_dtype, files = plan.export, plan.out_dtype, plan.files
-    target_dir = tmp / HF_DIR
+    export = plan.export
+    output = HfModelFiles.plan(tmp / HF_DIR, plan.files)
     shared = export.shared_filesystem
     if shared is None:
         shared = _shared_filesystem(tmp)
 
-    layouts = []
-    for name, tensors in files:
-        layout = [(t.name, t.dtype, t.shape) for t in tensors]
-        _, entries = build_header(layout)
-        size = entries[-1].end if entries else 0
-        header, _ = build_header(
-            layout,
-            {"format": "pt", **checksum_metadata(entries, DEFAULT_CHUNK_BYTES, None, size)},
-        )
-        layouts.append((name, tensors, layout, entries, header, size))
-
     error = None
-    if rank == 0:
+    if coll.rank() == 0:
         try:
-            _create_files(target_dir, layouts)
-            _write_configs(target_dir, export.hf_config, export.tokenizer, export.source, out_dtype)
-            if len(files) > 1:
-                index = json.dumps(hf.index_document(files), indent=2)
-                (target_dir / hf.INDEX_FILE).write_text(index)
+            output.create()
+            hf.write_configs(
+                output.directory, plan.out_dtype, export.source, export.hf_config, export.tokenizer
+            )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
             error = exc
     coll.agree_or_raise(error)  # also the barrier before any rank writes
@@ -271,24 +237,28 @@ def write_hf_model(
     guarded = guard is not None and rank_file is None
     runs: list[tuple[int, CopyRun]] = []
     mine = {name: (block, local) for name, block, local in plan.reads}
-    for index, (_, tensors, _, entries, header, _) in enumerate(layouts):
-        for tensor, entry in zip(tensors, entries):
-            if tensor.name not in mine:  # another rank exports its rows
+    for index, job in enumerate(output.jobs):
+        for tensor, entry in zip(job.tensors, job.entries):
+            name = tensor.source.name
+            if name not in mine:  # another rank exports its rows
                 continue
-            name, (block, local) = tensor.name, mine[tensor.name]
+            block, local = mine[name]
             if rank_file is not None:
                 at = rank_file.offsets[name]
                 block = dense_block(rank_file.file.path, at, block.dtype, block.shape, block.start)
             elif not guarded:
                 endpoints[block.location] = TensorEndpoint(name, local)
-            dst = dense_block(str(index), len(header) + entry.begin, tensor.dtype, tensor.shape)
+            dst = dense_block(
+                str(index), job.header_bytes + entry.begin, tensor.dtype, tensor.shape
+            )
             runs.extend((index, r) for r in plan_copy(name, tensor.shape, block, dst))
     ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
     lookup = _guarded_lookup(guard) if guarded else endpoints.__getitem__
     streamer = Streamer(lookup, Buffers.sized(buffer_bytes, ratio))
-    paths = [target_dir / name for name, *_ in layouts]
-    hashed = _WrittenChunks([len(header) for *_, header, _ in layouts], [s for *_, s in layouts])
-    hf_files = _HfFiles(paths, hashed)
+    hashed = _WrittenChunks(
+        [job.header_bytes for job in output.jobs], [job.data_size for job in output.jobs]
+    )
+    hf_files = _HfFiles([Path(job.path) for job in output.jobs], hashed)
     error = None
     try:
         if rank_file is not None:
@@ -312,17 +282,18 @@ def write_hf_model(
         for endpoint in endpoints.values():
             endpoint.close()
     coll.agree_or_raise(error)  # also the barrier before sealing
-    return _seal(paths, layouts, shared, hashed.digests)
+    return _seal(output, shared, hashed.digests)
 
 
-def _owned(live: dict[str, torch.Tensor], files: list[tuple[str, list]]):
-    """(HF name, this rank's block, its local tensor) for every tensor of ``files`` this rank
-    exports rows of, in file order: the order the export reads them."""
+def _owned(live: dict[str, torch.Tensor], files: list[tuple[str, list[OutputTensor]]]):
+    """(model name, this rank's block, its local tensor) for every tensor of ``files`` this
+    rank exports rows of, in file order: the order the export reads them."""
     for _, tensors in files:
         for tensor in tensors:
-            block, local = _local_block(f"export:{tensor.name}", live[tensor.name])
+            name = tensor.source.name
+            block, local = _local_block(f"export:{name}", live[name])
             if block is not None:
-                yield tensor.name, block, local
+                yield name, block, local
 
 
 def _guarded_lookup(guard: SourceGuard) -> Callable[[str], Endpoint]:
@@ -363,23 +334,6 @@ class _WrittenChunks:
         for k in range(recorded, len(hasher.digests)):
             self.digests[(index, first + k)] = hasher.digests[k]
         stretch[0], stretch[3] = at + data.nbytes, len(hasher.digests)
-
-
-def _create_files(target_dir: Path, layouts) -> None:
-    """Create every HF file at full size, its header (placeholder digests) written."""
-    from ..formats.writer import reserve_space
-
-    target_dir.mkdir()
-    for name, _, _, _, header, size in layouts:
-        path = target_dir / name
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            # Blocks claimed up front: a full disk fails here, before any rank streams, and
-            # the ranks' writes find their blocks allocated instead of reserving them per page.
-            reserve_space(fd, str(path), len(header) + size)
-            write_all(fd, str(path), header, 0)
-        finally:
-            os.close(fd)
 
 
 def _pieces(runs: list[tuple[int, CopyRun]], streamer: Streamer):
@@ -485,60 +439,29 @@ def _ship_to_rank0(
         raise error
 
 
-def _seal(
-    paths: list[Path], layouts, shared: bool, from_memory: dict[tuple[int, int], str]
-) -> dict:
-    """Seal the headers with every chunk's digest: those hashed from memory while writing,
-    and the rest read back from the files (spread over ranks when they share the files)."""
+def _seal(output: HfModelFiles, shared: bool, from_memory: dict[tuple[int, int], str]) -> dict:
+    """Seal the files with every chunk's digest: those hashed from memory while writing, and
+    the rest read back from the files (spread over ranks when they share the files). Rank 0
+    returns the manifest's file records."""
     rank, world = coll.rank(), coll.world()
-    chunk = DEFAULT_CHUNK_BYTES
     hashers = world if shared else 1
     known = {key for keys in coll.gather(sorted(from_memory)) for key in map(tuple, keys)}
-    mine = dict(from_memory)
+    mine = {key: [value] for key, value in from_memory.items()}
     counter = 0
-    for index, (_, _, _, _, header, size) in enumerate(layouts):
-        for j in range(-(-size // chunk) if size else 0):
+    for index, job in enumerate(output.jobs):
+        for j in range(job.chunk_count):
             if (index, j) in known:
                 continue
             if counter % hashers == rank:
-                length = min(chunk, size - j * chunk)
-                mine[(index, j)] = _hash_range(paths[index], len(header) + j * chunk, length)
+                mine[(index, j)] = [read_chunk_digest(job, j)]
             counter += 1
     gathered = coll.gather(mine)
     if rank != 0:
         return {}
-    digests: dict[tuple[int, int], str] = {}
-    for part in gathered:
-        digests.update(part)
-    records = {}
-    for index, (name, _, layout, entries, _, size) in enumerate(layouts):
-        chunks = [digests[(index, j)] for j in range(-(-size // chunk) if size else 0)]
-        final, _ = build_header(
-            layout, {"format": "pt", **checksum_metadata(entries, chunk, chunks, size)}
-        )
-        fd = os.open(paths[index], os.O_WRONLY)
-        try:
-            write_all(fd, str(paths[index]), final, 0)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        records[f"{HF_DIR}/{name}"] = {"size": len(final) + size, "header_xxh3": digest(final)}
-    return records
-
-
-def _hash_range(path: Path, offset: int, length: int) -> str:
-    hasher = new_hasher()
-    buffer = bytearray(min(length, 1 << 20))
-    with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        left = length
-        while left:
-            n = f.readinto(memoryview(buffer)[: min(left, len(buffer))])
-            if not n:
-                break
-            hasher.update(memoryview(buffer)[:n])
-            left -= n
-    return hasher.hexdigest()
+    return {
+        f"{HF_DIR}/{Path(file.path).name}": {"size": file.size, "header_xxh3": file.header_digest}
+        for file in output.seal(gathered)
+    }
 
 
 def _shared_filesystem(tmp: Path) -> bool:
@@ -559,32 +482,3 @@ def _shared_filesystem(tmp: Path) -> bool:
     if coll.rank() == 0:
         probe.unlink(missing_ok=True)
     return all(everyone)
-
-
-def _write_configs(
-    target: Path, hf_config: Any, tokenizer: Any, source: Path | None, out_dtype: str | None
-) -> None:
-    dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
-    if source is not None:
-        hf.copy_config(source, target, dtype_name)
-    if hf_config is not None:
-        hf_config.save_pretrained(target)
-        _write_generation_config(target, hf_config)
-        if dtype_name:
-            path = target / "config.json"
-            config = json.loads(path.read_text())
-            for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
-                config[key] = dtype_name
-            path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    if tokenizer is not None:
-        tokenizer.save_pretrained(target)
-
-
-def _write_generation_config(target: Path, hf_config: Any) -> None:
-    if (target / "generation_config.json").exists():
-        return
-    try:
-        from transformers import GenerationConfig
-    except ImportError:  # pragma: no cover
-        return
-    GenerationConfig.from_model_config(hf_config).save_pretrained(target)

@@ -1,0 +1,87 @@
+"""Writing a Hugging Face model directory: the tensors and files ``hf``'s policy gives, each
+file created at full size, filled by its caller, then sealed with its chunk digests, and the
+index. merge (ranks filling byte ranges) and the training export (ranks writing their own
+rows) both write through it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.plan import GlobalTensor
+from . import hf
+from .writer import FileJob, OutputTensor, WrittenFile, create_file, plan_file, seal_file
+
+# (file index, first chunk) -> the digests of the chunks from there on, as one writer hashed
+# them; the writers' parts together cover every chunk of every file once.
+ChunkDigests = Mapping[tuple[int, int], Sequence[str]]
+
+
+def output_tensors(
+    tensors: Sequence[GlobalTensor], out_dtype: str | None, drop: set[str], config: dict
+) -> list[OutputTensor]:
+    """What the model directory holds: every tensor but those in ``drop``, under its output
+    name (``hf.output_names``) and in its output dtype (``hf.cast_dtype``)."""
+    names = hf.output_names([t.name for t in tensors if t.name not in drop], config)
+    return [
+        OutputTensor(names[t.name], hf.cast_dtype(t.dtype, out_dtype), t)
+        for t in tensors
+        if t.name not in drop
+    ]
+
+
+@dataclass(frozen=True)
+class HfModelFiles:
+    """The safetensors files of one HF model directory: names, contents and file plans."""
+
+    directory: Path
+    files: list[tuple[str, list[OutputTensor]]]  # as hf.plan_hf_files gives them
+    jobs: list[FileJob]  # one per file, in that order; copy runs planned when filled
+
+    @classmethod
+    def plan(
+        cls, directory: Path, files: list[tuple[str, list[OutputTensor]]], align: int = 8
+    ) -> HfModelFiles:
+        """``align``: where each file's data starts (``DIRECT_ALIGN`` for direct writes)."""
+        jobs = [
+            plan_file(str(directory / name), group, align=align, plan_runs=False)
+            for name, group in files
+        ]
+        return cls(directory, files, jobs)
+
+    def create(self) -> None:
+        """Every file at full size, its header (placeholder digests) written: a full disk
+        fails here, before any rank streams, and the writes find their blocks allocated."""
+        self.directory.mkdir(exist_ok=True)
+        for job in self.jobs:
+            create_file(job)
+
+    def seal(self, parts: Iterable[ChunkDigests]) -> list[WrittenFile]:
+        """Seal every file with its chunk digests, from the writers' ``parts``; fsync; write
+        the index when there are several files."""
+        parts = list(parts)
+        written = [seal_file(job, _assemble(i, job, parts)) for i, job in enumerate(self.jobs)]
+        if len(self.files) > 1:
+            index = json.dumps(hf.index_document(self.files), indent=2) + "\n"
+            (self.directory / hf.INDEX_FILE).write_text(index)
+        return written
+
+
+def _assemble(index: int, job: FileJob, parts: list[ChunkDigests]) -> list[str]:
+    """File ``index``'s chunk digests, from every writer's parts, in order."""
+    pieces = sorted(
+        (first, digests)
+        for part in parts
+        for (file_index, first), digests in part.items()
+        if file_index == index
+    )
+    chunks: list[str] = []
+    for first, digests in pieces:
+        if first != len(chunks):
+            raise AssertionError(f"chunk {len(chunks)} of output file {index} has no digest")
+        chunks.extend(digests)
+    if len(chunks) != job.chunk_count:
+        raise AssertionError(f"output file {index} has {len(chunks)} of {job.chunk_count} digests")
+    return chunks
