@@ -96,6 +96,9 @@ from shardstream.formats.writer import OutputTensor, plan_file_runs
 from shardstream.training import local_save, native_storage
 from shardstream.units import DEFAULT_BUFFER_BYTES, DEFAULT_CHUNK_BYTES
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by file path
+from harness.render import table as md_table  # noqa: E402
+
 DEFAULT_RANKS = (64, 256, 1024, 2048, 4096, 8192)
 HF_FILE_BYTES = 5 * 10**9
 F32, BF16 = "F32", "BF16"
@@ -983,30 +986,29 @@ def memory_estimates(mem: Point | None, points: list[Point]) -> None:
 
 
 def table(points: list[Point]) -> str:
-    rows = [
-        "| ranks | chunks | manifest | v1 manifest | v1 per chunk | save: rank 0 "
-        "| save: other ranks | load: per rank (N -> N/8) | files read per rank | merge planning "
-        "| rank-0 heap (save) | heap per rank (load) | heap (merge) |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
-    ]
+    head = (
+        "ranks | chunks | manifest | v1 manifest | v1 per chunk | save: rank 0 | save: other "
+        "ranks | load: per rank (N -> N/8) | files read per rank | merge planning "
+        "| rank-0 heap (save) | heap per rank (load) | heap (merge)"
+    )
+    rows = []
     for p in points:
-        t = {k: sum(p.times.get(n, 0.0) for n in v) for k, v in TOTALS.items()}
+        t = {k: fmt_s(sum(p.times.get(n, 0.0) for n in v)) for k, v in TOTALS.items()}
         rows.append(
-            f"| {p.ranks:,} | {p.chunks:,} | {fmt_b(p.manifest_bytes)} "
-            f"| {fmt_b(p.v1_manifest_bytes)} | {p.v1_manifest_bytes / p.chunks:.0f} B "
-            f"| {fmt_s(t['save, rank 0'])} | {fmt_s(t['save, other ranks'])} "
-            f"| {fmt_s(t['load, every rank'])} | {p.files_read:,} | {fmt_s(t['merge, planning'])} "
-            f"| {fmt_b(p.memory.get('rank0_save_heap', 0))} "
-            f"| {fmt_b(p.memory.get('load_heap_per_rank', 0))} "
-            f"| {fmt_b(p.memory.get('merge_heap', 0))} |"
-        )
-    return "\n".join(rows)
+            (f"{p.ranks:,}", f"{p.chunks:,}", fmt_b(p.manifest_bytes),
+             fmt_b(p.v1_manifest_bytes), f"{p.v1_manifest_bytes / p.chunks:.0f} B",
+             t["save, rank 0"], t["save, other ranks"], t["load, every rank"],
+             f"{p.files_read:,}", t["merge, planning"],
+             *(fmt_b(p.memory.get(k, 0))
+               for k in ("rank0_save_heap", "load_heap_per_rank", "merge_heap")))
+        )  # fmt: skip
+    return "\n".join(md_table(head, "r" * 13, rows))
 
 
 def stage_table(points: list[Point], found: list[dict]) -> str:
     exps = {v["name"]: v for v in found}
-    head = "| stage | who | code | " + " | ".join(f"{p.ranks:,}" for p in points)
-    rows = [head + " | exponent | verdict |", "|---|---|---|" + "---:|" * len(points) + "---:|---|"]
+    head = ["stage", "who", "code", *(f"{p.ranks:,}" for p in points), "exponent", "verdict"]
+    rows = []
     for s in STAGES:
         cells = []
         for p in points:
@@ -1016,12 +1018,8 @@ def stage_table(points: list[Point], found: list[dict]) -> str:
             )
         v = exps[s.name]
         exp = "" if v.get("exponent") is None else f"{v['exponent']:.2f}"
-        rows.append(
-            f"| {s.name} | {s.scope} | {s.owner} | "
-            + " | ".join(cells)
-            + f" | {exp} | {v['status']} |"
-        )
-    return "\n".join(rows)
+        rows.append([s.name, s.scope, s.owner, *cells, exp, v["status"]])
+    return "\n".join(md_table(head, "lll" + "r" * (len(points) + 1) + "l", rows))
 
 
 def main(argv: list[str] | None = None) -> int:
