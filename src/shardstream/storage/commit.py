@@ -349,8 +349,8 @@ def _sweep(
     for name in sorted(names):
         match = _STAGED.fullmatch(name)
         if match and belongs(match["target"]):
-            tokens.setdefault(f"{match['target']}{TMP_MARK}{match['token']}", set())
-            tokens[f"{match['target']}{TMP_MARK}{match['token']}"].add(match["kind"])
+            staged = f"{match['target']}{TMP_MARK}{match['token']}"
+            tokens.setdefault(staged, set()).add(match["kind"])
         elif not match and is_temporary(name) and belongs(name.split(TMP_MARK)[0]):
             loose.append(name)
     removed: list[Path] = []
