@@ -118,7 +118,7 @@ def test_unprivileged_user_in_a_forbidden_directory(forkserver, saved_run, share
     out.chmod(0o777)
     before = snapshot(shared_dir / "readable")
     spec = {
-        "target": "scenarios:unprivileged_denied",
+        "target": "unprivileged:denied",
         "uid": NOBODY,
         "denied": str(denied),
         "readable": str(readable),
@@ -158,7 +158,7 @@ def test_unprivileged_user_loses_write_permission_mid_run(forkserver, shared_dir
     home.mkdir()
     os.chown(home, NOBODY, NOBODY)
     spec = {
-        "target": "scenarios:unprivileged_mid_run",
+        "target": "unprivileged:mid_run",
         "uid": NOBODY,
         "root": str(home / "run"),
         "out": str(out),
