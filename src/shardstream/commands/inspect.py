@@ -10,12 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from ..engine import memory
 from ..engine.dtypes import TORCH_NAME, itemsize
 from ..units import DEFAULT_BUFFER_BYTES, format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
-BASELINE_RSS_BYTES = getattr(memory, "BASELINE_RSS_BYTES", 260 * 2**20)
+BASELINE_RSS_BYTES = 260 * 2**20
 # Assumed sequential disk throughput for the time estimate (a mid-range NVMe or a good network
 # filesystem); merges on slower storage take proportionally longer.
 ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
@@ -41,8 +40,7 @@ def describe(path: str | os.PathLike) -> dict:
     dropped = tied_duplicates(checkpoint.tensors, config, False)
     tensors = []
     stored = written = 0
-    placements = getattr(checkpoint, "placements", {})
-    replicas = getattr(checkpoint, "replicas", {})
+    placements, replicas = checkpoint.placements, checkpoint.replicas
     for t in checkpoint.tensors:
         nbytes = t.nbytes
         stored += nbytes
@@ -60,18 +58,18 @@ def describe(path: str | os.PathLike) -> dict:
                 "replicas": len(replicas.get(t.name, ())),
             }
         )
-    manifest = getattr(checkpoint, "manifest", {})
+    manifest = checkpoint.manifest
     contents = manifest.get("contents")
-    files = [str(f) for f in getattr(checkpoint, "files", [])]
+    files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
     replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)
     read = stored + replica_bytes
     return {
         "path": str(Path(path)),
         "format": checkpoint.format,
-        "world_size": getattr(checkpoint, "world_size", None),
-        "fsdp_version": getattr(checkpoint, "fsdp_version", None),
-        "mesh": getattr(checkpoint, "mesh", None),
+        "world_size": checkpoint.world_size,
+        "fsdp_version": checkpoint.fsdp_version,
+        "mesh": checkpoint.mesh,
         "step": manifest.get("step"),
         "contents": [str(c) for c in contents] if isinstance(contents, list) else None,
         "config_dir": str(config_dir) if config_dir else None,

@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..engine.copy import Buffers, Streamer
 from ..engine.dtypes import itemsize
-from ..engine.endpoints import FileEndpoint, OpenEndpoints
+from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
 from ..engine.plan import split_ranges
 from ..errors import CheckpointFormatError, UsageError
@@ -151,10 +151,7 @@ def merge(
         )
     tensors = split.base if split else checkpoint.tensors
     if split:
-        rank_alpha = lora.lora_settings(
-            Path(getattr(checkpoint, "directory", local_dir)),
-            getattr(checkpoint, "lora_settings", None),
-        )
+        rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     outputs = output_tensors(tensors, out_dtype, drop, config)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes)
@@ -163,7 +160,7 @@ def merge(
 
     # Sources with checksums verify every byte they hand out: shardstream's chunk digests,
     # the CRC-32 of each record of verl's .pt files. DCP's files carry none.
-    endpoints = OpenEndpoints(getattr(checkpoint, "endpoint", FileEndpoint))
+    endpoints = OpenEndpoints(checkpoint.endpoint)
     ratio = max((itemsize(t.source.dtype) / itemsize(t.dtype) for t in outputs), default=1.0)
     streamer = Streamer(endpoints, Buffers.sized(buffer_bytes, ratio))
     written = 0
@@ -171,7 +168,7 @@ def merge(
     try:
         error = None
         try:
-            if coll.world() > 1 and hasattr(checkpoint, "check_split_records"):
+            if coll.world() > 1:
                 checkpoint.check_split_records([t.source for t in outputs])
             if rank == 0:
                 check_replicas(checkpoint, streamer)
@@ -276,7 +273,7 @@ def check_replicas(checkpoint, streamer: Streamer) -> None:
     from ..engine.copy import hash_block
 
     by_name = {t.name: t for t in checkpoint.tensors}
-    for name, copies in getattr(checkpoint, "replicas", {}).items():
+    for name, copies in checkpoint.replicas.items():
         tensor = by_name[name]
         expected = hash_block(name, tensor.shape, tensor.blocks[0], streamer)
         for block in copies:

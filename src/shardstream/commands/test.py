@@ -193,12 +193,11 @@ def compare_with_reference(
     pairs.sort(key=lambda pair: stored_at(pair[1]))
     # The checkpoint's files are verified as they are read (shardstream's chunk digests, the
     # CRC-32s of verl's .pt records), as merge and restore do; DCP's files carry none.
-    checked_open = getattr(checkpoint, "endpoint", None)
     reference_files = {ref.path for ref, _, _ in pairs}
 
     def open_endpoint(location: str) -> FileEndpoint:
-        own = checked_open is not None and location not in reference_files
-        return (checked_open if own else FileEndpoint)(location)
+        own = location not in reference_files
+        return (checkpoint.endpoint if own else FileEndpoint)(location)
 
     endpoints = OpenEndpoints(open_endpoint)
 

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 
 from ..engine.dtypes import code_of
+from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .dcp_pickles import (
@@ -99,6 +100,25 @@ class DcpCheckpoint:
     @property
     def mesh(self) -> str:
         return f"not recorded by DCP ({self.world_size} rank(s) wrote files)"
+
+    @property
+    def fsdp_version(self) -> int | None:
+        return None  # not recorded
+
+    @property
+    def manifest(self) -> dict:
+        return {}  # DCP's .metadata is no manifest
+
+    @property
+    def lora_settings(self) -> dict | None:
+        return None
+
+    def endpoint(self, location: str) -> FileEndpoint:
+        """A plain reader: DCP's files carry no checksums to check."""
+        return FileEndpoint(location)
+
+    def check_split_records(self, tensors: list[GlobalTensor]) -> None:
+        """Nothing to check ahead of a merge: no checksums."""
 
     def config_dir(self) -> Path | None:
         """config.json's directory: the checkpoint itself, or the Trainer checkpoint around

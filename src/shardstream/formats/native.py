@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from ..engine.checksum import digest
 from ..engine.dtypes import ITEMSIZE
 from ..engine.plan import (
+    Block,
     GlobalTensor,
     GridBlocks,
     check_blocks_tile,
@@ -215,6 +216,14 @@ class NativeCheckpoint:
         return int(self.manifest.get("world_size", 1))
 
     @property
+    def fsdp_version(self) -> int | None:
+        return None  # not recorded
+
+    @property
+    def replicas(self) -> dict[str, list[Block]]:
+        return {}  # each tensor's bytes are saved once
+
+    @property
     def mesh(self) -> str:
         """The saving ranks' device mesh, e.g. ``ddp=2 x fsdp=2``; empty when not recorded."""
         mesh = self.manifest.get("mesh")
@@ -284,6 +293,9 @@ class NativeCheckpoint:
             chunk_bytes,
             describe=lambda lo, hi: self._describe_range(location, lo, hi),
         )
+
+    def check_split_records(self, tensors: list[GlobalTensor]) -> None:
+        """Nothing to check ahead of a merge: ``endpoint`` checks every chunk it reads."""
 
     def _describe_range(self, location: str, lo: int, hi: int) -> str:
         """The tensors a damaged range belongs to, for the error message."""

@@ -4,8 +4,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+
+if TYPE_CHECKING:
+    from ..engine.endpoints import FileEndpoint
+    from ..engine.plan import Block, GlobalTensor
 
 # formats.native.MANIFEST. Each format's module is imported only once the directory looks
 # like it: verl's and DCP's import torch (1-2 s), which shardstream's own format never needs.
@@ -14,8 +19,62 @@ VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, as
 DCP_METADATA = ".metadata"
 
 
-def open_checkpoint(path: str | os.PathLike, *, model_only: bool = False, shared: bool = False):
-    """Detect the format of ``path`` and return its reader (``.tensors``, ``.format``, ...).
+@runtime_checkable
+class CheckpointSource(Protocol):
+    """What every checkpoint reader offers merge, inspect, test, verify and load. A format
+    without some piece of information answers the documented empty value."""
+
+    @property
+    def format(self) -> str: ...  # "shardstream", "verl", "dcp"
+
+    @property
+    def directory(self) -> Path: ...
+
+    @property
+    def tensors(self) -> list[GlobalTensor]: ...  # model tensors under their module names
+
+    @property
+    def files(self) -> list[str]: ...  # the data files, as paths
+
+    @property
+    def world_size(self) -> int: ...  # processes that saved it
+
+    @property
+    def fsdp_version(self) -> int | None: ...  # None: not recorded
+
+    @property
+    def mesh(self) -> str: ...  # the saving device mesh, as inspect shows it
+
+    @property
+    def placements(self) -> dict[str, str]: ...  # tensor -> how it was laid out, for people
+
+    @property
+    def replicas(self) -> dict[str, list[Block]]: ...  # tensor -> copies merge must compare
+
+    @property
+    def manifest(self) -> dict: ...  # shardstream's manifest; {} for the other formats
+
+    @property
+    def lora_settings(self) -> dict | None: ...  # r, lora_alpha, ... as saved; None: unknown
+
+    def config_dir(self) -> Path | None:
+        """Where config.json (and the tokenizer) lie; None when the checkpoint has none."""
+        ...
+
+    def endpoint(self, location: str) -> FileEndpoint:
+        """A reader of one data file, checking what the format lets it check as it reads."""
+        ...
+
+    def check_split_records(self, tensors: list[GlobalTensor]) -> None:
+        """Before a merge whose processes split ``tensors``: check, once across them, what
+        ``endpoint`` cannot check on read (called by every process together)."""
+        ...
+
+
+def open_checkpoint(
+    path: str | os.PathLike, *, model_only: bool = False, shared: bool = False
+) -> CheckpointSource:
+    """Detect the format of ``path`` and return its reader (see ``CheckpointSource``).
 
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
     holds optimizer state need not describe it. ``shared``: every process of the current group

@@ -68,6 +68,14 @@ class VerlCheckpoint:
     def format(self) -> str:
         return "verl"
 
+    @property
+    def manifest(self) -> dict:
+        return {}  # verl writes none
+
+    @property
+    def lora_settings(self) -> dict | None:
+        return None  # not recorded apart: lora.lora_settings reads verl's adapter files
+
     def config_dir(self) -> Path | None:
         """Where config.json and tokenizer files live (``huggingface/``, or the dir itself)."""
         from .hf import check_no_links_out
