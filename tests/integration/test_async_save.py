@@ -110,7 +110,7 @@ def _endpoint(n: int) -> TensorEndpoint:
 
 def _freeze_in_thread(guard: SourceGuard) -> tuple[threading.Thread, threading.Event]:
     """An optimizer step's pre-hook, in a thread; the event is set once ``freeze`` returns.
-    Returns after giving the thread 0.2 s to block."""
+    Returns once the thread is in ``freeze``."""
     released = threading.Event()
 
     def trainer():
@@ -119,8 +119,19 @@ def _freeze_in_thread(guard: SourceGuard) -> tuple[threading.Thread, threading.E
 
     thread = threading.Thread(target=trainer)
     thread.start()
-    time.sleep(0.2)
+    assert guard.entered.wait(timeout=GUARD_S)
     return thread, released
+
+
+GUARD_S = 60  # how long a step may take to get where a test expects it; only a failure waits
+
+
+def _wait_until(condition, what: str) -> None:
+    """Poll ``condition`` (the trainer thread's progress), however slow the machine is."""
+    deadline = time.monotonic() + GUARD_S
+    while not condition():
+        assert time.monotonic() < deadline, f"not reached in {GUARD_S} s: {what}"
+        time.sleep(0.005)
 
 
 def test_guard_stages_what_the_writer_has_not_reached():
@@ -129,14 +140,15 @@ def test_guard_stages_what_the_writer_has_not_reached():
     guard.register([("a", a, 0, 100), ("b", b, 100, 200), ("c", c, 200, 300)])
     guard.window(0, 100)  # the writer is reading a
     thread, released = _freeze_in_thread(guard)
-    # c (written last) was staged; b did not fit the budget, so the step waits for it.
-    assert guard.endpoint("c") is not c and guard.endpoint("b") is b
+    # c (written last) is staged; b does not fit the budget, so the step waits for it.
+    _wait_until(lambda: guard.endpoint("c") is not c, "c staged")
+    assert guard.endpoint("b") is b
     assert not released.is_set()
     guard.window(100, 200)
     time.sleep(0.1)
     assert not released.is_set()
     guard.window(200, 300)  # a and b are written; c comes from its staged copy
-    thread.join(timeout=5)
+    thread.join(timeout=GUARD_S)
     assert released.is_set()
     # The staged copy holds the bytes as they were when staged.
     c.bytes.zero_()
@@ -175,9 +187,9 @@ def test_export_reads_are_staged_or_waited_for_after_the_rank_file():
     assert not released.is_set() and guard.staged_bytes == 0  # not ready: the rank file's next
     guard.register([("r", _endpoint(100), 0, 100)])
     guard.window(0, 100)  # the rank file is being written
-    time.sleep(0.1)
     # e3 (read last) is staged; e2 does not fit the budget; e1 is not staged either.
-    assert guard.endpoint("e3") is not e3 and guard.endpoint("e2") is e2
+    _wait_until(lambda: guard.endpoint("e3") is not e3, "e3 staged")
+    assert guard.endpoint("e2") is e2
     assert guard.endpoint("e1") is e1 and not released.is_set()
     guard.rank_file_read()
     guard.reading("e1")
@@ -187,7 +199,7 @@ def test_export_reads_are_staged_or_waited_for_after_the_rank_file():
     time.sleep(0.1)
     assert not released.is_set()
     guard.reading("e3")  # e2 is read; e3 comes from its staged copy
-    thread.join(timeout=5)
+    thread.join(timeout=GUARD_S)
     assert released.is_set() and not guard.finished
 
 
@@ -199,5 +211,5 @@ def test_a_save_with_only_export_reads_is_ready_when_marked():
     thread, released = _freeze_in_thread(guard)
     assert not released.is_set()
     guard.mark_ready()  # e1 is staged: the step goes before the export reads anything
-    thread.join(timeout=5)
+    thread.join(timeout=GUARD_S)
     assert released.is_set() and guard.endpoint("e1") is not e1
