@@ -37,9 +37,8 @@ from shardstream.errors import (
     CheckpointNotFoundError,
     UnsafeCheckpointError,
 )
-from shardstream.formats import dcp as dcp_format
 from shardstream.formats import dcp_pickles
-from shardstream.formats.source import open_checkpoint
+from shardstream.formats.source import is_dcp_checkpoint, open_checkpoint
 
 TINY = {
     "hidden_size": 48,
@@ -649,9 +648,9 @@ def test_safetensors_serialization_format_is_refused_clearly(tmp_path):
 
 
 def test_detection(tmp_path):
-    assert not dcp_format.is_dcp_checkpoint(tmp_path)
+    assert not is_dcp_checkpoint(tmp_path)
     (tmp_path / "__0_0.distcp").write_bytes(b"")
-    assert dcp_format.is_dcp_checkpoint(tmp_path)
+    assert is_dcp_checkpoint(tmp_path)
 
 
 if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "worker":

@@ -54,26 +54,22 @@ def test_unknown_attribute_is_an_attribute_error():
         shardstream.nope  # noqa: B018
 
 
-def test_verl_checkpoint_detection_skips_native_and_dcp_modules(tmp_path):
-    """Detecting a verl checkpoint needs neither formats.native nor torch.distributed.checkpoint."""
+def test_verl_checkpoint_detection_skips_dcp_modules(tmp_path):
+    """Detecting a verl checkpoint imports neither DCP's reader nor torch.distributed.checkpoint;
+    detecting any directory imports no torch."""
     (tmp_path / "model_world_size_1_rank_0.pt").write_bytes(b"not a zip")
     out = run_python(
         "import sys, shardstream.formats.source\n"
+        f"print(shardstream.formats.source.detect({str(tmp_path)!r}).name,\n"
+        "      'torch' in sys.modules, end=' ')\n"
         "try:\n"
         f"    shardstream.formats.source.open_checkpoint({str(tmp_path)!r})\n"
         "except shardstream.CheckpointFormatError as exc:\n"
         "    print('corrupt' in str(exc), end=' ')\n"
-        "print('shardstream.formats.native' in sys.modules,\n"
+        "print('shardstream.formats.dcp' in sys.modules,\n"
         "      'torch.distributed.checkpoint' in sys.modules)"
     )
-    assert out == "True False False"
-
-
-def test_native_manifest_name_matches():
-    from shardstream.formats import native
-    from shardstream.formats.source import NATIVE_MANIFEST
-
-    assert NATIVE_MANIFEST == native.MANIFEST
+    assert out == "VERL False True False False"
 
 
 def test_verify_and_inspect_of_shardstream_checkpoints_import_no_torch(tmp_path):

@@ -24,14 +24,15 @@ def describe(path: str | os.PathLike) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
     run directory (a manager's), its steps and the newest committed one."""
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
-    from ..formats.source import open_checkpoint
+    from ..formats.source import Kind, detect, open_checkpoint
 
-    run = _run(Path(path))
+    kind = detect(path)
+    run = _run(Path(path)) if kind is Kind.RUN else None
     if run is not None:
         return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
-    if _is_hf_model(Path(path)):
+    if kind is Kind.HF_MODEL:
         return _describe_hf_model(Path(path))
-    checkpoint = open_checkpoint(path)
+    checkpoint = open_checkpoint(path)  # or its error, naming any checkpoint inside
     config_dir = checkpoint.config_dir()
     from ..formats.hf import read_config
 
@@ -93,15 +94,6 @@ def describe(path: str | os.PathLike) -> dict:
     }
 
 
-def _is_hf_model(path: Path) -> bool:
-    """A HF safetensors model directory (a merge's output), not a checkpoint that has one."""
-    from ..formats.hf import INDEX_FILE, SINGLE_FILE
-    from ..formats.source import looks_like_checkpoint
-
-    has_model = (path / SINGLE_FILE).is_file() or (path / INDEX_FILE).is_file()
-    return has_model and not looks_like_checkpoint(path)
-
-
 def _describe_hf_model(path: Path) -> dict:
     """A HF model directory from its safetensors headers: what merge wrote, or any HF model."""
     from ..formats.hf import read_hf_model
@@ -137,13 +129,11 @@ def _describe_hf_model(path: Path) -> dict:
 
 
 def _run(path: Path) -> dict | None:
-    """A shardstream run directory's committed steps, pointer and leftovers; None otherwise."""
-    from ..formats.native import MANIFEST
+    """A shardstream run directory's committed steps, pointer and leftovers; None when it has
+    no committed step."""
     from ..storage.commit import is_temporary
     from ..storage.run_layout import committed_steps, read_latest
 
-    if (path / MANIFEST).exists():
-        return None
     steps = committed_steps(path)
     if not steps:
         return None

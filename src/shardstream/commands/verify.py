@@ -24,7 +24,7 @@ from ..formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
-from ..formats.source import DCP_METADATA, VERL_MODEL_FILES
+from ..formats.source import Kind, detect, verl_roles
 from ..units import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
@@ -75,27 +75,25 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "missing")
         report.problems.append(Problem(str(root), "no such directory"))
         return report
-    roles = [] if (root / native.MANIFEST).is_file() else _verl_checkpoints(root)
-    if roles:  # verl's layout: a checkpoint, or a step directory of actor/critic ones
+    kind = _kind(root)
+    if kind in (Kind.VERL, Kind.VERL_ROLES):  # a checkpoint, or a step of actor/critic ones
         report = VerifyReport(str(root), "verl")
-        for role in roles:
+        for role in _verl_checkpoints(root, kind):
             _verify_verl(role, report, progress)
         return report
-    if (root / native.MANIFEST).is_file() or STEP_DIR.match(root.name):
-        report = VerifyReport(str(root), "step")
+    if kind is Kind.NATIVE or (kind is Kind.NONE and STEP_DIR.match(root.name)):
+        report = VerifyReport(str(root), "step")  # a step's directory without its manifest too
         _verify_step_or_report(root, report, progress)
         return report
-    if (root / hf.SINGLE_FILE).is_file() or (root / hf.INDEX_FILE).is_file():
+    if kind is Kind.HF_MODEL:
         report = VerifyReport(str(root), "huggingface")
         _verify_hf(root, report, progress)
         return report
-    if (root / DCP_METADATA).is_file():
+    if kind is Kind.DCP:
         report = VerifyReport(str(root), "dcp")
         _verify_dcp(root, report)
         return report
-    steps = committed_steps(root)
-    step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
-    if not step_dirs and not (root / LATEST_FILE).exists():
+    if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")
         report.problems.append(
             Problem(
@@ -105,15 +103,17 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             )
         )
         return report
+    steps = committed_steps(root)
+    step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
     report = VerifyReport(str(root), "root", steps=steps)  # verl steps join as they pass
     for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
         before = len(report.problems)
-        roles = [] if (entry / native.MANIFEST).is_file() else _verl_checkpoints(entry)
-        if roles:  # a verl run: its steps hold actor/ (critic/) checkpoints
-            for role in roles:
+        kind = _kind(entry)
+        if kind in (Kind.VERL, Kind.VERL_ROLES):  # a verl run: steps of actor/ (critic/)
+            for role in _verl_checkpoints(entry, kind):
                 _verify_verl(role, report, progress)
             steps.append(int(STEP_DIR.match(entry.name)[1]))
-        elif not (entry / native.MANIFEST).is_file():
+        elif kind is not Kind.NATIVE:
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
         else:
             _verify_step_or_report(entry, report, progress)
@@ -130,18 +130,21 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
     return report
 
 
-def _verl_checkpoints(directory: Path) -> list[Path]:
+def _kind(directory: Path) -> Kind:
+    try:
+        return detect(directory)
+    except OSError:  # gone (a live run's retention removed it while we looked)
+        return Kind.NONE
+
+
+def _verl_checkpoints(directory: Path, kind: Kind) -> list[Path]:
     """``directory`` if it is a verl checkpoint, else its subdirectories that are (a verl step
     directory holds ``actor/`` and maybe ``critic/``)."""
-
-    def is_verl(path: Path) -> bool:
-        return any(path.glob(VERL_MODEL_FILES))
-
+    if kind is Kind.VERL:
+        return [directory]
     try:
-        if is_verl(directory):
-            return [directory]
-        return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl(d))
-    except OSError:  # gone (a live run's retention removed it while we looked)
+        return verl_roles(directory)
+    except OSError:  # gone meanwhile
         return []
 
 

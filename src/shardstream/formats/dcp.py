@@ -53,9 +53,9 @@ from .dcp_pickles import (
     load_metadata,
     read_chunk_layout,
 )
+from .source import DCP_DATA_FILE as DATA_FILE
+from .source import DCP_METADATA_FILE as METADATA_FILE
 
-METADATA_FILE = ".metadata"
-DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$")
 MODEL_CONTAINER = "model"
 # accelerate saves the model of a Trainer checkpoint in <checkpoint>/pytorch_model_fsdp_<i>/ and
@@ -130,15 +130,6 @@ class DcpCheckpoint:
             if (candidate / "config.json").is_file():
                 return candidate
         return None
-
-
-def is_dcp_checkpoint(directory: Path) -> bool:
-    """A directory with DCP's ``.metadata`` or any ``__R_i.distcp`` data file."""
-    if not directory.is_dir():
-        return False
-    if (directory / METADATA_FILE).is_file():
-        return True
-    return any(DATA_FILE.match(p.name) for p in directory.iterdir())
 
 
 # --------------------------------------------------------------------------- validation helpers

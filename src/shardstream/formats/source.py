@@ -1,22 +1,47 @@
-"""Open any checkpoint shardstream can read, whatever its format."""
+"""What a directory is, and the reader that opens it, whatever its format.
+
+``detect`` names the kind of a directory, asking in this order and taking the first answer:
+
+1. ``NATIVE``      shardstream's step: ``manifest.json`` (``native.is_native_checkpoint``)
+2. ``VERL``        verl's checkpoint: ``model_world_size_W_rank_R.pt`` files
+3. ``DCP``         PyTorch DCP (torchtitan, accelerate's ``pytorch_model_fsdp_N``): ``.metadata``
+                   or ``__R_i.distcp`` files
+4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
+5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl checkpoints
+6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
+7. ``NONE``        none of these
+
+What a directory holds itself comes before what its subdirectories hold: a model directory
+that sits beside step directories is a model. The first three kinds have a reader
+(``open_checkpoint``); every reader offers ``CheckpointSource``. A new format is a module with
+a reader and one row of ``_KINDS``. verl's and DCP's readers import torch (1-2 s), so their
+file names and tests are here, torch-free: ``shardstream inspect``/``verify`` of shardstream's
+own and HF directories never import it.
+"""
 
 from __future__ import annotations
 
+import enum
 import os
+import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..storage.run_layout import LATEST_FILE, STEP_DIR, read_latest
+from . import hf, native
 
 if TYPE_CHECKING:
     from ..engine.endpoints import FileEndpoint
     from ..engine.plan import Block, GlobalTensor
 
-# formats.native.MANIFEST. Each format's module is imported only once the directory looks
-# like it: verl's and DCP's import torch (1-2 s), which shardstream's own format never needs.
-NATIVE_MANIFEST = "manifest.json"
-VERL_MODEL_FILES = "model_world_size_*_rank_*.pt"  # formats.verl.MODEL_FILE, as a glob
-DCP_METADATA = ".metadata"
+# verl's rank files, {kind}_world_size_{W}_rank_{r}.pt; kind: model, optim, extra_state.
+VERL_FILE_PATTERN = r"^{kind}_world_size_(\d+)_rank_(\d+)\.pt$"
+VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
+# DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
+DCP_METADATA_FILE = ".metadata"
+DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
 
 
 @runtime_checkable
@@ -71,10 +96,100 @@ class CheckpointSource(Protocol):
         ...
 
 
+class Kind(enum.Enum):
+    """What a directory is; see the module docstring for the order they are asked in."""
+
+    NATIVE = "shardstream"
+    VERL = "verl"
+    DCP = "dcp"
+    HF_MODEL = "huggingface"
+    VERL_ROLES = "verl_roles"
+    RUN = "run"
+    NONE = "none"
+
+
+def is_verl_checkpoint(directory: Path) -> bool:
+    return directory.is_dir() and any(VERL_MODEL_FILE.match(p.name) for p in directory.iterdir())
+
+
+def is_dcp_checkpoint(directory: Path) -> bool:
+    """A directory with DCP's ``.metadata`` or any ``__R_i.distcp`` data file."""
+    if not directory.is_dir():
+        return False
+    if (directory / DCP_METADATA_FILE).is_file():
+        return True
+    return any(DCP_DATA_FILE.match(p.name) for p in directory.iterdir())
+
+
+def is_hf_model(directory: Path) -> bool:
+    return (directory / hf.SINGLE_FILE).is_file() or (directory / hf.INDEX_FILE).is_file()
+
+
+def verl_roles(directory: Path) -> list[Path]:
+    """The subdirectories of a verl step directory that are verl checkpoints (``actor/``, and
+    maybe ``critic/``)."""
+    return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl_checkpoint(d))
+
+
+def is_run(directory: Path) -> bool:
+    """A run directory: ``global_step_N`` entries, committed or not, or the latest pointer."""
+    return (directory / LATEST_FILE).exists() or any(
+        STEP_DIR.match(entry.name) for entry in directory.iterdir()
+    )
+
+
+Opener = Callable[[Path, bool, bool], CheckpointSource]  # (path, model_only, shared)
+
+
+def _open_native(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+    return native.open_native(path, model_only=model_only, shared=shared)
+
+
+def _open_verl(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+    from .verl import open_verl
+
+    return open_verl(path, shared=shared)
+
+
+def _open_dcp(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+    from .dcp import open_dcp
+
+    return open_dcp(path)
+
+
+# detect's table, in the order it asks: (kind, test, reader or None).
+_KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
+    (Kind.NATIVE, native.is_native_checkpoint, _open_native),
+    (Kind.VERL, is_verl_checkpoint, _open_verl),
+    (Kind.DCP, is_dcp_checkpoint, _open_dcp),
+    (Kind.HF_MODEL, is_hf_model, None),
+    (Kind.VERL_ROLES, verl_roles, None),
+    (Kind.RUN, is_run, None),
+)
+_READERS = {kind: opener for kind, _, opener in _KINDS if opener is not None}
+
+
+def detect(path: str | os.PathLike) -> Kind:
+    """The kind of directory ``path`` is (``Kind.NONE`` for anything not a directory); from
+    file names only, reading no file. Raises ``OSError`` if it cannot be listed."""
+    path = Path(path)
+    if not path.is_dir():
+        return Kind.NONE
+    for kind, test, _ in _KINDS:
+        if test(path):
+            return kind
+    return Kind.NONE
+
+
+def looks_like_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a directory a reader opens (of any format)."""
+    return path.is_dir() and any(opener and test(path) for _, test, opener in _KINDS)
+
+
 def open_checkpoint(
     path: str | os.PathLike, *, model_only: bool = False, shared: bool = False
 ) -> CheckpointSource:
-    """Detect the format of ``path`` and return its reader (see ``CheckpointSource``).
+    """The reader of the checkpoint at ``path``, whatever its format.
 
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
     holds optimizer state need not describe it. ``shared``: every process of the current group
@@ -86,19 +201,9 @@ def open_checkpoint(
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
-    if (path / NATIVE_MANIFEST).is_file():
-        from . import native
-
-        if native.is_native_checkpoint(path):
-            return native.open_native(path, model_only=model_only, shared=shared)
-    from . import verl
-
-    if verl.is_verl_checkpoint(path):
-        return verl.open_verl(path, shared=shared)
-    from . import dcp
-
-    if dcp.is_dcp_checkpoint(path):
-        return dcp.open_dcp(path)
+    opener = _READERS.get(detect(path))
+    if opener is not None:
+        return opener(path, model_only, shared)
     hint = checkpoints_below(path)
     if hint:
         raise CheckpointNotFoundError(
@@ -108,14 +213,6 @@ def open_checkpoint(
     raise CheckpointNotFoundError(
         f"{path}: no model files found (expected a shardstream manifest.json, verl's "
         "model_world_size_W_rank_R.pt files, or a DCP .metadata)"
-    )
-
-
-def looks_like_checkpoint(path: Path) -> bool:
-    return (
-        (path / NATIVE_MANIFEST).is_file()
-        or (path / DCP_METADATA).is_file()
-        or any(path.glob(VERL_MODEL_FILES))
     )
 
 
@@ -131,7 +228,6 @@ def checkpoints_below(path: Path) -> list[Path]:
 
 def _checkpoints_below(path: Path) -> list[Path]:
     from ..storage.commit import is_temporary
-    from ..storage.run_layout import STEP_DIR, read_latest
 
     steps = {}
     for entry in path.iterdir():

@@ -32,6 +32,8 @@ from ..engine.plan import (
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage import collectives as coll
 from .layout_names import describe_mesh, describe_placements
+from .source import VERL_FILE_PATTERN as FILE_PATTERN
+from .source import VERL_MODEL_FILE as MODEL_FILE
 from .torch_pt import (
     DistributedTensor,
     LocalTensor,
@@ -45,8 +47,6 @@ from .torch_pt import (
     zip_records,
 )
 
-FILE_PATTERN = r"^{kind}_world_size_(\d+)_rank_(\d+)\.pt$"
-MODEL_FILE = re.compile(FILE_PATTERN.format(kind="model"))
 FSDP_CONFIG = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
 
@@ -155,10 +155,6 @@ def check_dealt_out(
     except Exception as exc:  # noqa: BLE001  (every process must learn of it)
         error = exc
     coll.agree_or_raise(error, what)
-
-
-def is_verl_checkpoint(directory: Path) -> bool:
-    return directory.is_dir() and any(MODEL_FILE.match(p.name) for p in directory.iterdir())
 
 
 def files_by_world_size(directory: Path, kind: str) -> dict[int, dict[int, str]]:

@@ -72,11 +72,11 @@ def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
 
     The ranks then read a verl checkpoint's rank files in turns, a share each, which only
     works if every rank takes that path."""
-    from ..formats import verl
+    from ..formats.source import Kind, detect
 
     here, error = None, None
     try:
-        is_verl = not native.is_native_checkpoint(path) and verl.is_verl_checkpoint(path)
+        is_verl = detect(path) is Kind.VERL
         here = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
     except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
         error = exc
@@ -107,9 +107,10 @@ def _open_source(
     open only what this rank reads. Every rank opens a verl checkpoint together, reading a
     share of its rank files; ``verl_optimizer_files`` comes from ``_verl_layout_everywhere``,
     so all of them agree on whether its optimizer files are read too."""
-    from ..formats import verl
+    from ..formats.source import Kind, checkpoints_below, detect
 
-    if native.is_native_checkpoint(path):
+    kind = detect(path)
+    if kind is Kind.NATIVE:
         ckpt = native.open_native(path, regions)
         manifest = ckpt.manifest
         named = step_of(path.name)
@@ -128,9 +129,9 @@ def _open_source(
             lambda rank: _read_extra(ckpt, rank),
             all_names=frozenset(manifest.get("tensors", ())),
         )
-    from ..formats import dcp as dcp_format
+    if kind is Kind.DCP:
+        from ..formats import dcp as dcp_format
 
-    if not verl.is_verl_checkpoint(path) and dcp_format.is_dcp_checkpoint(path):
         # PyTorch DCP (torchtitan, accelerate): the model, and the optimizer and scheduler
         # of a train state when they are asked for.
         ckpt = dcp_format.open_dcp(path)
@@ -148,9 +149,7 @@ def _open_source(
             if isinstance(train.objects.get("lr_scheduler"), dict):
                 objects["lr_scheduler"] = train.objects["lr_scheduler"]
         return _Source(tensors, FileEndpoint, saved, objects, _step_of(path), lambda rank: {})
-    if not verl.is_verl_checkpoint(path):
-        from ..formats.source import checkpoints_below
-
+    if kind is not Kind.VERL:
         below = checkpoints_below(path)
         hint = (
             f"; {' and '.join(map(str, below))} "
@@ -161,6 +160,8 @@ def _open_source(
         raise CheckpointNotFoundError(
             f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint" + hint
         )
+    from ..formats import verl
+
     ckpt = verl.open_verl(path, shared=True)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
     saved, objects = {"model"}, {}

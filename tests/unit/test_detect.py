@@ -1,0 +1,148 @@
+"""detect(): one order for every kind of directory, and readers that all keep one contract."""
+
+from __future__ import annotations
+
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+import shardstream
+from shardstream.commands.inspect import describe
+from shardstream.formats.source import (
+    CheckpointSource,
+    Kind,
+    checkpoints_below,
+    detect,
+    looks_like_checkpoint,
+    open_checkpoint,
+)
+
+
+def native_step(directory: Path) -> Path:
+    shardstream.save(directory, model=torch.nn.Linear(8, 4), contents=("model",))
+    return directory
+
+
+def verl_checkpoint(directory: Path) -> Path:
+    """One rank's ``model.state_dict()`` of plain tensors: verl's layout at world size 1."""
+    directory.mkdir(parents=True)
+    torch.save({"w": torch.ones(2, 3)}, directory / "model_world_size_1_rank_0.pt")
+    return directory
+
+
+def dcp_checkpoint(directory: Path) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save({"w": torch.ones(2, 3)}, checkpoint_id=directory)
+    return directory
+
+
+def hf_model(directory: Path) -> Path:
+    from safetensors.torch import save_file
+
+    directory.mkdir(parents=True)
+    save_file({"w": torch.ones(2, 3)}, str(directory / "model.safetensors"))
+    return directory
+
+
+def test_each_kind(tmp_path):
+    assert detect(native_step(tmp_path / "native")) is Kind.NATIVE
+    assert detect(verl_checkpoint(tmp_path / "verl")) is Kind.VERL
+    assert detect(dcp_checkpoint(tmp_path / "dcp")) is Kind.DCP
+    assert detect(hf_model(tmp_path / "hf")) is Kind.HF_MODEL
+    verl_checkpoint(tmp_path / "verl_step" / "actor")
+    verl_checkpoint(tmp_path / "verl_step" / "critic")
+    assert detect(tmp_path / "verl_step") is Kind.VERL_ROLES
+    (tmp_path / "empty").mkdir()
+    assert detect(tmp_path / "empty") is Kind.NONE
+    assert detect(tmp_path / "missing") is Kind.NONE
+    (tmp_path / "file").write_text("")
+    assert detect(tmp_path / "file") is Kind.NONE
+
+
+def test_dcp_layouts(tmp_path):
+    """accelerate's pytorch_model_fsdp_N is a DCP directory; so is one whose save stopped
+    before the .metadata (open_checkpoint then says so)."""
+    assert detect(dcp_checkpoint(tmp_path / "ckpt" / "pytorch_model_fsdp_0")) is Kind.DCP
+    (tmp_path / "partial").mkdir()
+    (tmp_path / "partial" / "__0_0.distcp").write_bytes(b"")
+    assert detect(tmp_path / "partial") is Kind.DCP
+    with pytest.raises(shardstream.CheckpointNotFoundError, match="did not finish"):
+        open_checkpoint(tmp_path / "partial")
+
+
+def test_run_directories(tmp_path):
+    native_step(tmp_path / "run" / "global_step_3")
+    assert detect(tmp_path / "run") is Kind.RUN
+    verl_checkpoint(tmp_path / "verl_run" / "global_step_1" / "actor")
+    assert detect(tmp_path / "verl_run") is Kind.RUN
+    assert detect(tmp_path / "verl_run" / "global_step_1") is Kind.VERL_ROLES
+    (tmp_path / "pointer_only").mkdir()
+    (tmp_path / "pointer_only" / "latest_checkpointed_iteration.txt").write_text("7")
+    assert detect(tmp_path / "pointer_only") is Kind.RUN
+    (tmp_path / "uncommitted" / "global_step_2").mkdir(parents=True)
+    assert detect(tmp_path / "uncommitted") is Kind.RUN
+
+
+def test_order_what_a_directory_holds_comes_first(tmp_path):
+    """native, verl, DCP, HF model, verl roles, run: the first that matches names it."""
+    both = native_step(tmp_path / "native_and_verl")
+    torch.save({}, both / "model_world_size_1_rank_0.pt")
+    assert detect(both) is Kind.NATIVE
+    verl_and_dcp = verl_checkpoint(tmp_path / "verl_and_dcp")
+    (verl_and_dcp / ".metadata").write_bytes(b"")
+    assert detect(verl_and_dcp) is Kind.VERL
+    dcp_and_hf = dcp_checkpoint(tmp_path / "dcp_and_hf")
+    (dcp_and_hf / "model.safetensors").write_bytes(b"")
+    assert detect(dcp_and_hf) is Kind.DCP
+    hf_and_run = hf_model(tmp_path / "hf_and_run")
+    native_step(hf_and_run / "global_step_1")
+    assert detect(hf_and_run) is Kind.HF_MODEL
+    roles_and_run = tmp_path / "roles_and_run"
+    verl_checkpoint(roles_and_run / "actor")
+    (roles_and_run / "latest_checkpointed_iteration.txt").write_text("1")
+    assert detect(roles_and_run) is Kind.VERL_ROLES
+
+
+def test_verl_checkpoint_with_its_hf_config_is_verl(tmp_path):
+    actor = verl_checkpoint(tmp_path / "actor")
+    hf_model(actor / "huggingface")
+    assert detect(actor) is Kind.VERL
+
+
+def test_checkpoint_kinds_are_the_readable_ones(tmp_path):
+    assert looks_like_checkpoint(native_step(tmp_path / "native"))
+    assert looks_like_checkpoint(verl_checkpoint(tmp_path / "verl"))
+    assert looks_like_checkpoint(dcp_checkpoint(tmp_path / "dcp"))
+    assert not looks_like_checkpoint(hf_model(tmp_path / "hf"))
+    native_step(tmp_path / "run" / "global_step_2")
+    assert not looks_like_checkpoint(tmp_path / "run")
+    assert checkpoints_below(tmp_path / "run") == [tmp_path / "run" / "global_step_2"]
+
+
+def test_open_checkpoint_refuses_what_it_cannot_read(tmp_path):
+    with pytest.raises(shardstream.CheckpointNotFoundError, match="no model files found"):
+        open_checkpoint(hf_model(tmp_path / "hf"))
+    actor = verl_checkpoint(tmp_path / "step" / "actor")
+    with pytest.raises(shardstream.CheckpointNotFoundError, match=f"but {actor} holds"):
+        open_checkpoint(tmp_path / "step")
+
+
+@pytest.mark.parametrize("build", [native_step, verl_checkpoint, dcp_checkpoint])
+def test_every_reader_keeps_the_contract(tmp_path, build):
+    checkpoint = open_checkpoint(build(tmp_path / "ckpt"))
+    assert isinstance(checkpoint, CheckpointSource)
+    assert checkpoint.format in ("shardstream", "verl", "dcp")
+    assert checkpoint.directory == tmp_path / "ckpt"
+    assert checkpoint.tensors and isinstance(checkpoint.world_size, int)
+    assert isinstance(checkpoint.manifest, dict) and isinstance(checkpoint.replicas, dict)
+    assert isinstance(checkpoint.placements, dict) and isinstance(checkpoint.mesh, str)
+    block = checkpoint.tensors[0].blocks[0]
+    assert checkpoint.endpoint(block.location) is not None
+    checkpoint.check_split_records(checkpoint.tensors)  # one process: nothing shared to check
+    info = describe(tmp_path / "ckpt")
+    assert info["format"] == checkpoint.format and info["num_tensors"] == len(checkpoint.tensors)
