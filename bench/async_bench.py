@@ -34,10 +34,20 @@ import sys
 import time
 from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-import save_bench as sb  # noqa: E402
+from harness import RESULTS, log
+from harness.memory import Probe, cpu_seconds, settle
+from harness.training import (
+    BUDGET,
+    MODEL_FULL,
+    MODEL_QUICK,
+    build_fsdp_model,
+    fsdp_state,
+    make_config,
+    make_optimizer,
+    run_ranks,
+    train_step,
+    zero_step,
+)
 
 MODES = ("none", "shardstream_sync", "shardstream_async", "dcp_async")
 LABELS = {
@@ -57,15 +67,12 @@ def _warm_up(out: Path) -> None:
 
     from shardstream import CheckpointConfig, CheckpointManager
 
-    config = sb.make_config({})
-    model = sb.build_fsdp_model(config)
-    optimizer, scheduler = sb.make_optimizer(model)
-    sb.zero_step(model, optimizer, scheduler)
+    _, model, optimizer, scheduler = fsdp_state({})
     for async_save in (False, True):
         cfg = CheckpointConfig(str(out / f"ss-{async_save}"), async_save=async_save)
         with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
             mgr.save(0, extra={"warm": True})
-            sb.zero_step(model, optimizer, scheduler)
+            zero_step(model, optimizer, scheduler)
             mgr.wait()
     pg = dist.new_group(backend="gloo")
     msd, osd = get_state_dict(model, optimizer)
@@ -85,7 +92,6 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
     from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
 
     from shardstream import CheckpointConfig, CheckpointManager
-    from shardstream.engine.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
 
     seq, vocab, first = spec["seq"], spec["vocab"], spec["first_step"]
     mgr = None
@@ -94,30 +100,23 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
         cfg = CheckpointConfig(
             str(out / mode),
             save_contents=("model", "optimizer", "extra"),
-            staging_budget=sb.BUDGET,
+            staging_budget=BUDGET,
             async_save=(mode == "shardstream_async"),
         )
         mgr = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     elif mode == "dcp_async":
         pg = spec["dcp_group"]
 
-    sb.malloc_trim()
-    os.sync()
-    sb.prefault()
+    settle()
     dist.barrier()
-    sampler = sb.RssSampler(interval_s=0.05)
-    reset_peak_rss()
-    base = current_rss_bytes()
-    sampler.t0 = time.perf_counter()
-    sampler.start()
-    cpu0 = sb.cpu_seconds()
+    probe = Probe(0.05).start()
     loop0 = time.perf_counter()
     steps = []
     for i in range(1, spec["steps"] + 1):
         step = first + i
         t0 = time.perf_counter()
         stalls_before = len(mgr._async.stalls) if mgr is not None and mgr._async else 0
-        loss = sb.train_step(model, optimizer, scheduler, step, seq, vocab)
+        loss = train_step(model, optimizer, scheduler, step, seq, vocab)
         hook = 0.0
         if mgr is not None and mgr._async is not None:
             hook = sum(mgr._async.stalls[stalls_before:])
@@ -158,9 +157,7 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
     if future is not None:
         future.result()
     drain_s = time.perf_counter() - td
-    cpu = sb.cpu_seconds() - cpu0
-    peak = peak_rss_bytes()
-    samples = sampler.stop()
+    used = probe.stop()
     stalls = list(mgr._async.stalls) if mgr is not None and mgr._async else []
     if mgr is not None:
         mgr.close()
@@ -174,15 +171,13 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
         "mode": mode,
         "loop_s": loop_s,
         "drain_s": drain_s,
-        "cpu_s": cpu,
-        "base_rss_mib": base / sb.MiB,
-        "peak_rss_mib": peak / sb.MiB,
-        "extra_rss_mib": (peak - base) / sb.MiB,
+        "cpu_s": used["cpu_s"],
+        "base_rss_mib": used["base_rss_mib"],
+        "peak_rss_mib": used["peak_rss_mib"],
+        "extra_rss_mib": used["extra_rss_mib"],
         "steps": steps,
         "hook_stalls_s": stalls,
-        "samples": [
-            (round(t, 3), round((r - base) / sb.MiB, 1)) for t, r in sb.downsample(samples)
-        ],
+        "samples": used["samples"],
     }
 
 
@@ -192,11 +187,11 @@ def async_worker(rank: int, ws: int, spec: dict) -> dict:
 
     out = Path(spec["out"])
     _warm_up(out / "warmup")
-    config = sb.make_config(spec["model"])
-    model = sb.build_fsdp_model(config)
-    optimizer, scheduler = sb.make_optimizer(model)
+    config = make_config(spec["model"])
+    model = build_fsdp_model(config)
+    optimizer, scheduler = make_optimizer(model)
     t = time.perf_counter()
-    sb.train_step(model, optimizer, scheduler, 0, spec["seq"], config.vocab_size)  # warm-up
+    train_step(model, optimizer, scheduler, 0, spec["seq"], config.vocab_size)  # warm-up
     warmup_s = time.perf_counter() - t
     spec = dict(spec, vocab=config.vocab_size, dcp_group=dist.new_group(backend="gloo"))
     modes = {}
@@ -206,7 +201,7 @@ def async_worker(rank: int, ws: int, spec: dict) -> dict:
         if rank == 0:
             r = modes[mode]
             calls = [round(s["save_call_s"], 2) for s in r["steps"] if s["save_call_s"] is not None]
-            sb.log(
+            log(
                 f"  {mode}: loop {r['loop_s']:.1f}s, drain {r['drain_s']:.1f}s, steps "
                 f"{[round(s['step_s'], 1) for s in r['steps']]}, save calls {calls}"
                 f", hook stalls {[round(x, 2) for x in r['hook_stalls_s']]}, extra RSS "
@@ -216,7 +211,7 @@ def async_worker(rank: int, ws: int, spec: dict) -> dict:
         "rank": rank,
         "warmup_step_s": warmup_s,
         "modes": modes,
-        "cpu_s_total": sb.cpu_seconds(),
+        "cpu_s_total": cpu_seconds(),
     }
 
 
@@ -259,13 +254,11 @@ def summarize(modes: dict) -> dict:
     return out
 
 
-def run_async_bench(model: dict, quick: bool = False, log=sb.log, steps=None, every=None) -> dict:
-    from shardstream.testing.distributed import run
-
+def run_async_bench(model: dict, quick: bool = False, log=log, steps=None, every=None) -> dict:
     ws, seq = 2, 16
     steps = steps or 4
     every = every or 1
-    out = sb.RESULTS / "train-out" / "async"
+    out = RESULTS / "train-out" / "async"
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -273,10 +266,7 @@ def run_async_bench(model: dict, quick: bool = False, log=sb.log, steps=None, ev
         f"the last), ws={ws}")  # fmt: skip
     spec = {"modes": MODES, "out": str(out), "model": model, "steps": steps, "every": every,
             "seq": seq}  # fmt: skip
-    busy0, t0 = sb.machine_busy_cpu_s(), time.perf_counter()
-    ranks = run(async_worker, ws, spec, timeout=3600)
-    wall = time.perf_counter() - t0
-    other = sb.machine_busy_cpu_s() - busy0 - sum(r["cpu_s_total"] for r in ranks)
+    ranks, wall, others = run_ranks(async_worker, ws, spec)
     shutil.rmtree(out, ignore_errors=True)
     result = {
         "world_size": ws,
@@ -284,7 +274,7 @@ def run_async_bench(model: dict, quick: bool = False, log=sb.log, steps=None, ev
         "every": every,
         "seq": seq,
         "wall_s": wall,
-        "others_cpu_share": max(0.0, other) / (wall * (os.cpu_count() or 1)),
+        "others_cpu_share": others,
         "warmup_step_s": max(r["warmup_step_s"] for r in ranks),
         "modes": {mode: {"ranks": [r["modes"][mode] for r in ranks]} for mode in MODES},
     }
@@ -298,9 +288,9 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--every", type=int, default=None)
     a = p.parse_args(argv)
-    model = sb.MODEL_QUICK if a.quick else sb.MODEL_FULL
+    model = MODEL_QUICK if a.quick else MODEL_FULL
     res = run_async_bench(model, quick=a.quick, steps=a.steps, every=a.every)
-    path = sb.RESULTS / ("async-quick.json" if a.quick else "async.json")
+    path = RESULTS / ("async-quick.json" if a.quick else "async.json")
     path.write_text(json.dumps(res, indent=1) + "\n")
     for mode, s in res["summary"].items():
         print(mode, {k: v for k, v in s.items() if not isinstance(v, list)})

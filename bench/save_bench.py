@@ -22,8 +22,6 @@ Then ``async_bench.py`` (training with checkpoints every N steps) runs, and the 
 from __future__ import annotations
 
 import argparse
-import ctypes
-import gc
 import json
 import os
 import platform
@@ -31,30 +29,42 @@ import shutil
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-BENCH = Path(__file__).resolve().parent
-REPO = BENCH.parent
-RESULTS = BENCH / "results"
-MiB = 2**20
-BUDGET = "256MiB"
-BUDGET_BYTES = 256 * MiB
-
-# Qwen2-shaped (GQA, untied lm_head). FULL: 279.8 M params = 1.12 GB fp32 (1.04 GiB).
-MODEL_FULL = dict(
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    vocab_size=32000,
-    num_hidden_layers=19,
-    max_position_embeddings=512,
+import async_bench
+from harness import REPO, RESULTS, MiB, log
+from harness.cache import fsync_files, tree_bytes
+from harness.machine import (
+    cpu_model,
+    disk_of,
+    disk_write_probe,
+    git_revision,
+    mem_total_bytes,
+    src_dirty,
+    swap,
 )
-MODEL_QUICK = dict(MODEL_FULL, hidden_size=512, intermediate_size=1408, num_attention_heads=8,
-                   num_key_value_heads=2, num_hidden_layers=4)  # fmt: skip
+from harness.memory import PREFAULT_BYTES, Probe, cpu_seconds, malloc_trim, settle
+from harness.render import (
+    bar_offset,
+    fmt,
+    generated_note,
+    per_rank,
+    pyplot,
+    save_figure,
+    table,
+    write_doc,
+)
+from harness.training import (
+    BUDGET,
+    BUDGET_BYTES,
+    MODEL_FULL,
+    MODEL_QUICK,
+    fsdp_state,
+    param_count,
+    run_ranks,
+)
 
 SAVE_METHODS = (
     "shardstream",
@@ -100,200 +110,9 @@ TARGET_SAVE_VS_DCP = 1.1
 TARGET_HF_VS_SHARDED = 1.2
 TARGET_RESTORE_VS_DCP = 1.2
 TARGET_ASYNC_STALL = 0.05
-
-
-def log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-# ---------------------------------------------------------------------------------------------
-# shared by the rank processes (also imported by async_bench.py)
-
-
-def param_count(c: dict) -> int:
-    h, i, v, n = c["hidden_size"], c["intermediate_size"], c["vocab_size"], c["num_hidden_layers"]
-    kv = c["num_key_value_heads"] * (h // c["num_attention_heads"])
-    per_layer = h * h + h + 2 * (h * kv + kv) + h * h + 3 * h * i + 2 * h
-    return 2 * v * h + n * per_layer + h
-
-
-def make_config(overrides: dict):
-    from shardstream.testing.tiny_models import tiny_config
-
-    return tiny_config("qwen2", tie_word_embeddings=False, overrides=overrides)
-
-
-def build_fsdp_model(config, seed: int = 0):
-    """FSDP2 model built on meta, sharded, then materialised shard by shard (memory-safe)."""
-    import torch
-    import torch.distributed as dist
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    from shardstream.testing.tiny_models import build_tiny_model
-
-    ws = dist.get_world_size()
-    mesh = init_device_mesh("cpu", (ws,), mesh_dim_names=("fsdp",))
-    with torch.device("meta"):
-        model = build_tiny_model(config, seed=None)
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-    model.to_empty(device="cpu")
-    gen = torch.Generator().manual_seed(seed * 1000 + dist.get_rank())
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            local = p.to_local()
-            if name.endswith("norm.weight"):
-                local.fill_(1.0)
-            elif name.endswith(".bias"):
-                local.zero_()
-            else:
-                local.normal_(0.0, 0.02, generator=gen)
-        fresh = type(model.model.rotary_emb)(config)  # non-persistent buffers: recompute
-        for name, buf in fresh.named_buffers():
-            getattr(model.model.rotary_emb, name).copy_(buf)
-    return model
-
-
-def make_optimizer(model):
-    import torch
-
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.01)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: min(1.0, (s + 1) / 10))
-    return optimizer, scheduler
-
-
-def zero_step(model, optimizer, scheduler) -> None:
-    """One AdamW step on zero gradients: exp_avg / exp_avg_sq / step exist, as after training."""
-    import torch
-
-    for p in model.parameters():
-        p.grad = torch.zeros_like(p)
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-
-
-def train_step(model, optimizer, scheduler, step: int, seq: int, vocab: int) -> float:
-    import torch
-    import torch.distributed as dist
-
-    g = torch.Generator().manual_seed(step * 131 + dist.get_rank())
-    ids = torch.randint(4, vocab, (1, seq), generator=g)
-    loss = model(input_ids=ids, labels=ids).loss
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    scheduler.step()
-    return float(loss.detach())
-
-
-_libc = None
-
-
-def malloc_trim() -> None:
-    """Give freed heap memory back to the kernel so the next baseline is honest."""
-    global _libc
-    gc.collect()
-    try:
-        if _libc is None:
-            _libc = ctypes.CDLL("libc.so.6")
-        _libc.malloc_trim(0)
-    except OSError:
-        pass
-
-
-_PAGE = os.sysconf("SC_PAGE_SIZE")
-PREFAULT_BYTES = 1280 * MiB
 # A save's page cache comes from the same free memory: the touch must cover what a method
 # writes, or the rest lands on returned pages and the method pays for it (see prefault).
 PREFAULT_STATE_RATIO = 1.5
-
-
-def prefault(nbytes: int = PREFAULT_BYTES) -> None:
-    """Touch and free ``nbytes`` right before a measurement.
-
-    This VM has a virtio balloon with free page reporting: memory freed for more than a few
-    seconds goes back to the host, and touching it again costs ~10x a normal page fault
-    (256 MiB: 0.7 s instead of 0.04-0.07 s). Without this, a method that allocates buffers
-    would be charged a cost bare-metal hosts do not have; the ordinary page-fault cost stays in.
-    The page cache a save writes into is taken from the same pool, so ``nbytes`` should cover
-    what a method writes per rank: with 1.25 GiB per rank at world size 2 (1.56 GiB written per
-    rank), the same shardstream save took 2.2 s after a shardstream save and 2.9-3.3 s after
-    torch.save or dcp.save, with 3-4x the kernel CPU time; with 2.5 GiB, 2.2-2.3 s after either.
-    """
-    import numpy as np
-
-    block = np.empty(nbytes, dtype=np.uint8)
-    block[::_PAGE] = 1
-    del block
-
-
-def rss_now() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * _PAGE
-
-
-class RssSampler(threading.Thread):
-    """This process's RSS every ``interval_s`` (reads /proc/self/statm; a few µs per sample)."""
-
-    def __init__(self, interval_s: float = 0.02):
-        super().__init__(daemon=True)
-        self.interval_s = interval_s
-        self.samples: list[tuple[float, int]] = []
-        self.t0 = time.perf_counter()
-        self._halt = threading.Event()
-
-    def run(self) -> None:
-        while not self._halt.is_set():
-            self.samples.append((time.perf_counter() - self.t0, rss_now()))
-            self._halt.wait(self.interval_s)
-
-    def stop(self) -> list[tuple[float, int]]:
-        self._halt.set()
-        self.join()
-        self.samples.append((time.perf_counter() - self.t0, rss_now()))
-        return self.samples
-
-
-def downsample(samples: list, limit: int = 1500) -> list:
-    if len(samples) <= limit:
-        return samples
-    step = len(samples) / limit
-    out = [samples[int(i * step)] for i in range(limit)]
-    # keep the maximum visible
-    peak = max(samples, key=lambda s: s[1])
-    if peak not in out:
-        out.append(peak)
-        out.sort()
-    return out
-
-
-def cpu_seconds() -> float:
-    import resource
-
-    r = resource.getrusage(resource.RUSAGE_SELF)
-    return r.ru_utime + r.ru_stime
-
-
-def machine_busy_cpu_s() -> float:
-    with open("/proc/stat") as f:
-        v = [int(x) for x in f.readline().split()[1:9]]
-    return (v[0] + v[1] + v[2] + v[5] + v[6] + v[7]) / os.sysconf("SC_CLK_TCK")
-
-
-def fsync_files(paths) -> None:
-    for p in paths:
-        fd = os.open(p, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def tree_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in Path(path).rglob("*") if f.is_file())
 
 
 def rng_state() -> dict:
@@ -317,38 +136,19 @@ def _measure(rank: int, fn, sample: bool, prefault_bytes: int = PREFAULT_BYTES) 
     """Run ``fn`` from a common start; wall time, peak RSS above the baseline, RSS samples."""
     import torch.distributed as dist
 
-    from shardstream.engine.memory import current_rss_bytes, peak_rss_bytes, reset_peak_rss
-
-    malloc_trim()
-    os.sync()  # start every method with no dirty pages of anyone's to flush
-    prefault(prefault_bytes)
+    settle(prefault_bytes)  # no dirty pages of anyone's to flush, freed memory touched
     dist.barrier()
-    sampler = RssSampler() if sample else None
-    reset_peak_rss()
-    base = current_rss_bytes()
-    if sampler:
-        sampler.t0 = time.perf_counter()
-        sampler.start()
-    cpu0 = cpu_seconds()
+    probe = Probe(0.02 if sample else None).start()
     t0 = time.perf_counter()
     info = fn() or {}
     wall = time.perf_counter() - t0
-    cpu = cpu_seconds() - cpu0
-    peak = peak_rss_bytes()
-    samples = sampler.stop() if sampler else []
+    used = probe.stop()
     dist.barrier()
     all_done = time.perf_counter() - t0
-    out = {
-        "wall_s": wall,
-        "all_ranks_done_s": all_done,
-        "cpu_s": cpu,
-        "base_rss_mib": base / MiB,
-        "peak_rss_mib": peak / MiB,
-        "extra_rss_mib": (peak - base) / MiB,
-        **info,
-    }
+    samples = used.pop("samples", None)
+    out = {"wall_s": wall, "all_ranks_done_s": all_done, **used, **info}
     if samples:
-        out["samples"] = [(round(t, 3), round((r - base) / MiB, 1)) for t, r in downsample(samples)]
+        out["samples"] = samples
     return out
 
 
@@ -501,10 +301,7 @@ def warm_up(rank: int, ws: int, out: Path, saves, restores) -> float:
     """Every method once on a tiny FSDP2 model: first-call costs (imports, lazy initialisation)
     are paid here, not by whichever method happens to run first."""
     t = time.perf_counter()
-    config = make_config({})
-    model = build_fsdp_model(config)
-    optimizer, scheduler = make_optimizer(model)
-    zero_step(model, optimizer, scheduler)
+    config, model, optimizer, scheduler = fsdp_state({})
     m = Methods(rank, ws, model, optimizer, scheduler, config, out, saves)
     for method in (*saves, *restores):
         m.fn(method, 0)()
@@ -557,11 +354,8 @@ def save_worker(rank: int, ws: int, spec: dict) -> dict:
     out = Path(spec["out"])
     saves, restores = list(spec["save_methods"]), list(spec["restore_methods"])
     warmup_s = warm_up(rank, ws, out / "warmup", saves, restores)
-    config = make_config(spec["model"])
     t = time.perf_counter()
-    model = build_fsdp_model(config)
-    optimizer, scheduler = make_optimizer(model)
-    zero_step(model, optimizer, scheduler)
+    config, model, optimizer, scheduler = fsdp_state(spec["model"])
     setup_s = time.perf_counter() - t
     tensors = list(model.state_dict().values()) + [
         x for s in optimizer.state.values() for x in s.values() if torch.is_tensor(x)
@@ -613,39 +407,17 @@ def save_worker(rank: int, ws: int, spec: dict) -> dict:
 # driver
 
 
-def _cmd(argv: list[str]) -> str:
-    try:
-        return subprocess.run(
-            argv, capture_output=True, text=True, check=True, cwd=REPO, timeout=60
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-
-
 def machine_facts() -> dict:
-    import torch
-
-    mem_kib = 0
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                mem_kib = int(line.split()[1])
-    cpu_model = ""
-    with open("/proc/cpuinfo") as f:
-        for line in f:
-            if line.startswith("model name"):
-                cpu_model = line.split(":", 1)[1].strip()
-                break
-    df = _cmd(["df", "-hT", str(RESULTS)]).splitlines()
-    disk = df[-1].split() if len(df) > 1 else []
     import safetensors
+    import torch
     import transformers
 
+    disk = disk_of(RESULTS)
     return {
-        "cpu_model": cpu_model,
+        "cpu_model": cpu_model(),
         "cpu_count": os.cpu_count(),
-        "mem_total_gib": round(mem_kib / 2**20, 1),
-        "swap": _cmd(["swapon", "--show=NAME,SIZE", "--noheadings"]) or "none",
+        "mem_total_gib": round(mem_total_bytes() / 2**30, 1),
+        "swap": swap(),
         "disk": f"{disk[0]} ({disk[1]}, {disk[2]})" if len(disk) > 2 else "",
         "kernel": platform.release(),
         "python": platform.python_version(),
@@ -663,18 +435,14 @@ SNAPSHOT: dict = {}
 def _shardstream_source() -> dict:
     if SNAPSHOT:
         return dict(SNAPSHOT)
-    return {
-        "git": _cmd(["git", "rev-parse", "--short", "HEAD"]),
-        "git_dirty_src": bool(_cmd(["git", "status", "--porcelain", "src"])),
-        "source": "working tree",
-    }
+    return {"git": git_revision(), "git_dirty_src": src_dirty(), "source": "working tree"}
 
 
 def use_snapshot(rev: str) -> None:
     """Import shardstream from ``git archive rev src/shardstream`` instead of the working tree,
     so edits others make while the bench runs cannot change (or break) what is measured. The
     rank processes inherit ``sys.path``."""
-    sha = _cmd(["git", "rev-parse", "--short", rev])
+    sha = git_revision(rev)
     if not sha:
         raise SystemExit(f"save_bench: unknown git revision {rev!r}")
     root = RESULTS / f"src-{sha}"
@@ -697,25 +465,7 @@ def use_snapshot(rev: str) -> None:
     SNAPSHOT.update(git=sha, git_dirty_src=False, source=f"git archive {sha} (snapshot)")
 
 
-def disk_write_probe(directory: Path, mib: int = 512) -> float:
-    """MB/s of a sequential write + fsync (the disk the checkpoints go to)."""
-    directory.mkdir(parents=True, exist_ok=True)
-    path = directory / "probe.bin"
-    block = os.urandom(16 * MiB)
-    t = time.perf_counter()
-    with open(path, "wb") as f:
-        for _ in range(mib // 16):
-            f.write(block)
-        f.flush()
-        os.fsync(f.fileno())
-    elapsed = time.perf_counter() - t
-    path.unlink()
-    return mib * MiB / 1e6 / elapsed
-
-
 def run_save_bench(ws: int, model: dict, repeats: int, out: Path, profile=()) -> dict:
-    from shardstream.testing.distributed import run
-
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -727,17 +477,9 @@ def run_save_bench(ws: int, model: dict, repeats: int, out: Path, profile=()) ->
         "restore_methods": RESTORE_METHODS,
         "profile": tuple(profile),
     }
-    busy0, t0 = machine_busy_cpu_s(), time.perf_counter()
-    ranks = run(save_worker, ws, spec, timeout=3600)
-    wall = time.perf_counter() - t0
-    other = machine_busy_cpu_s() - busy0 - sum(r["cpu_s_total"] for r in ranks)
+    ranks, wall, others = run_ranks(save_worker, ws, spec)
     shutil.rmtree(out, ignore_errors=True)
-    return {
-        "world_size": ws,
-        "wall_s": wall,
-        "others_cpu_share": max(0.0, other) / (wall * (os.cpu_count() or 1)),
-        "ranks": ranks,
-    }
+    return {"world_size": ws, "wall_s": wall, "others_cpu_share": others, "ranks": ranks}
 
 
 def summarize_save(result: dict) -> dict:
@@ -882,20 +624,7 @@ SHORT = {
     "shardstream_restore_noverify": "ss load no verify",
     "dcp_load": "dcp.load",
 }
-LABELS_ASYNC = {
-    "none": "no checkpointing",
-    "shardstream_sync": "shardstream save (sync)",
-    "shardstream_async": "shardstream save (async_save=True)",
-    "dcp_async": "dcp.async_save (THREAD)",
-}
-
-
-def _f(x: float | None, digits: int = 2) -> str:
-    return "–" if x is None else f"{x:.{digits}f}"
-
-
-def _ranks(values: list[float]) -> str:
-    return " / ".join(f"{v:.0f}" for v in values)
+LABELS_ASYNC = async_bench.LABELS
 
 
 def _model_line(results: dict) -> str:
@@ -904,12 +633,7 @@ def _model_line(results: dict) -> str:
 
 
 def _plots(results: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    IMG.mkdir(parents=True, exist_ok=True)
+    plt = pyplot()
     save = results["save"]
     sizes = sorted(save, key=int)
     budget = BUDGET_BYTES / MiB
@@ -932,9 +656,7 @@ def _plots(results: dict) -> None:
     )
     ax.grid(alpha=0.3)
     ax.legend(fontsize=8, loc="upper right")
-    fig.tight_layout()
-    fig.savefig(IMG / "train_save_memory.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, IMG / "train_save_memory.png")
 
     # 2. wall time and worst-rank extra RSS per method and world size
     methods = [*SAVE_METHODS, *RESTORE_METHODS]
@@ -942,7 +664,7 @@ def _plots(results: dict) -> None:
     width = 0.8 / len(sizes)
     for j, ws in enumerate(sizes):
         s = save[ws]["summary"]
-        xs = [i + (j - (len(sizes) - 1) / 2) * width for i in range(len(methods))]
+        xs = [i + bar_offset(j, len(sizes), width) for i in range(len(methods))]
         walls = [s[m]["wall_s"] if m in s else 0 for m in methods]
         rss = [max(s[m]["extra_rss_mib_per_rank"]) if m in s else 0 for m in methods]
         ax1.bar(xs, walls, width, label=f"world size {ws}", alpha=0.85)
@@ -957,9 +679,7 @@ def _plots(results: dict) -> None:
     ax2.axhline(budget, color="k", ls="--", lw=1)
     ax2.set_ylabel("peak RSS above baseline, worst rank (MiB)")
     ax2.set_title(f"Extra memory (dashed: staging budget {BUDGET})")
-    fig.tight_layout()
-    fig.savefig(IMG / "train_save_summary.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, IMG / "train_save_summary.png")
 
     # 3. async: step times, and rank 0 RSS over the training loop
     a = results.get("async")
@@ -984,9 +704,7 @@ def _plots(results: dict) -> None:
     for ax in (ax1, ax2):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(IMG / "train_async.png", dpi=110)
-    plt.close(fig)
+    save_figure(fig, IMG / "train_async.png")
 
 
 def _save_steps(a: dict) -> str:
@@ -1028,10 +746,7 @@ def _header(results: dict, w) -> None:
     sizes = sorted(save, key=int)
     w("# Training checkpoints benchmark")
     w("")
-    w(
-        "<!-- Generated by bench/save_bench.py from bench/results/training.json; "
-        "do not edit by hand. -->"
-    )
+    w(generated_note("bench/save_bench.py", "bench/results/training.json"))
     w("")
     w(
         "Saving and restoring a live FSDP2 training state (model + AdamW + extra) with "
@@ -1109,39 +824,51 @@ def _header(results: dict, w) -> None:
     w("")
 
 
+def _method_rows(summary: dict, methods, reference: str):
+    """(method, its summary, wall ÷ the reference's, its runs) for each method that ran."""
+    ref = summary.get(reference, {}).get("wall_s")
+    for method in methods:
+        if method in summary:
+            r = summary[method]
+            ratio = r["wall_s"] / ref if ref else None
+            yield method, r, ratio, ", ".join(f"{x:.1f}" for x in r["wall_s_runs"])
+
+
 def _tables(results: dict, w) -> None:
     save = results["save"]
     sizes = sorted(save, key=int)
-    w("## Targets")
-    w("")
-    w("| world size | target | measured | goal | result |")
-    w("|---:|---|---:|---|---|")
-    for t in results.get("targets", []):
-        value = f"{t['measured']} {t['unit']}".strip()
-        verdict = "met" if t["pass"] else "**missed**"
-        w(f"| {t['world_size']} | {t['target']} | {value} | {t['goal']} | {verdict} |")
-    w("")
-    w("## Save")
-    w("")
-    w(
-        "| world size | method | wall s (median) | ÷ dcp.save | runs (s) | of which fsync s | "
-        "extra RSS per rank MiB | on disk GiB |"
+    targets = [
+        (t["world_size"], t["target"], f"{t['measured']} {t['unit']}".strip(), t["goal"],
+         "met" if t["pass"] else "**missed**")
+        for t in results.get("targets", [])
+    ]  # fmt: skip
+    lines = ["## Targets", ""]
+    lines += table("world size | target | measured | goal | result", "rlrll", targets)
+    lines += ["", "## Save", ""]
+    head = (
+        "world size | method | wall s (median) | ÷ dcp.save | runs (s) | of which fsync s | "
+        "extra RSS per rank MiB | on disk GiB"
     )
-    w("|---:|---|---:|---:|---|---:|---:|---:|")
+    rows = []
     for ws in sizes:
         s = save[ws]["summary"]
-        ref = s.get("dcp_save", {}).get("wall_s")
-        for method in SAVE_METHODS:
-            if method not in s:
-                continue
-            r = s[method]
-            ratio = r["wall_s"] / ref if ref else None
-            fs = _f(r["fsync_s"]) if method in ("torch_save", "gather_hf") else "(inside)"
-            runs = ", ".join(f"{x:.1f}" for x in r["wall_s_runs"])
-            w(
-                f"| {ws} | {LABELS[method]} | {r['wall_s']:.2f} | {_f(ratio)} | {runs} | {fs} | "
-                f"{_ranks(r['extra_rss_mib_per_rank'])} | {r['disk_gib']:.2f} |"
+        for method, r, ratio, runs in _method_rows(s, SAVE_METHODS, "dcp_save"):
+            fs = fmt(r["fsync_s"]) if method in ("torch_save", "gather_hf") else "(inside)"
+            rows.append(
+                (
+                    ws,
+                    LABELS[method],
+                    f"{r['wall_s']:.2f}",
+                    fmt(ratio),
+                    runs,
+                    fs,
+                    per_rank(r["extra_rss_mib_per_rank"]),
+                    f"{r['disk_gib']:.2f}",
+                )
             )
+    lines += table(head, "rlrrlrrr", rows)
+    for line in lines:
+        w(line)
     w("")
     w(
         "*of which fsync*: `torch.save` and `save_file` do not fsync (nor does verl); the bench "
@@ -1152,21 +879,15 @@ def _tables(results: dict, w) -> None:
     w("")
     w("## Restore")
     w("")
-    w("| world size | method | wall s (median) | ÷ dcp.load | runs (s) | extra RSS per rank MiB |")
-    w("|---:|---|---:|---:|---|---:|")
-    for ws in sizes:
-        s = save[ws]["summary"]
-        ref = s.get("dcp_load", {}).get("wall_s")
-        for method in RESTORE_METHODS:
-            if method not in s:
-                continue
-            r = s[method]
-            ratio = r["wall_s"] / ref if ref else None
-            runs = ", ".join(f"{x:.1f}" for x in r["wall_s_runs"])
-            w(
-                f"| {ws} | {LABELS[method]} | {r['wall_s']:.2f} | {_f(ratio)} | {runs} | "
-                f"{_ranks(r['extra_rss_mib_per_rank'])} |"
-            )
+    head = "world size | method | wall s (median) | ÷ dcp.load | runs (s) | extra RSS per rank MiB"
+    rows = [
+        (ws, LABELS[method], f"{r['wall_s']:.2f}", fmt(ratio), runs,
+         per_rank(r["extra_rss_mib_per_rank"]))
+        for ws in sizes
+        for method, r, ratio, runs in _method_rows(save[ws]["summary"], RESTORE_METHODS, "dcp_load")
+    ]  # fmt: skip
+    for line in table(head, "rlrrlr", rows):
+        w(line)
     w("")
     w("![save and restore: time and extra memory](img/train_save_summary.png)")
     w("")
@@ -1194,24 +915,24 @@ def _tables(results: dict, w) -> None:
         "minus the no-checkpoint mode's."
     )
     w("")
-    w(
-        "| mode | mean step s | ÷ none | save call s | hook stalls s | stall per save s | "
-        "stall ÷ sync save | lost per save s | peak RSS per rank MiB | peak RSS − none MiB |"
+    head = (
+        "mode | mean step s | ÷ none | save call s | hook stalls s | stall per save s | "
+        "stall ÷ sync save | lost per save s | peak RSS per rank MiB | peak RSS − none MiB"
     )
-    w("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     sync = s.get("shardstream_sync", {}).get("save_call_s")
+    rows = []
     for mode, r in s.items():
         stall = r["stall_per_save_s"]
         ratio = stall / sync if sync and stall is not None and mode != "none" else None
         delta = r.get("peak_vs_none_mib_per_rank")
         hook = r["hook_stall_s_total"] if r["saves"] else None
-        w(
-            f"| {LABELS_ASYNC[mode]} | {r['mean_step_s']:.2f} | "
-            f"{_f(r.get('mean_step_vs_none'))} | {_f(r['save_call_s'])} | {_f(hook)} | "
-            f"{_f(stall)} | {_f(ratio, 3)} | {_f(r.get('lost_per_save_s'))} | "
-            f"{_ranks(r['peak_rss_mib_per_rank'])} | "
-            f"{_ranks(delta) if delta and mode != 'none' else '–'} |"
-        )
+        rows.append((LABELS_ASYNC[mode], f"{r['mean_step_s']:.2f}",
+                     fmt(r.get("mean_step_vs_none")), fmt(r["save_call_s"]), fmt(hook),
+                     fmt(stall), fmt(ratio, ".3f"), fmt(r.get("lost_per_save_s")),
+                     per_rank(r["peak_rss_mib_per_rank"]),
+                     per_rank(delta) if delta and mode != "none" else "–"))  # fmt: skip
+    for line in table(head, "lrrrrrrrrr", rows):
+        w(line)
     w("")
     w("![training with checkpoints](img/train_async.png)")
     w("")
@@ -1324,7 +1045,7 @@ def _diagnoses(results: dict) -> list[str]:
             ws: results["save"][str(ws)]["summary"]["shardstream_hf"]["extra_rss_mib_per_rank"]
             for ws in hf_rss
         }
-        where = "; ".join(f"world size {ws}: {_ranks(v)} MiB" for ws, v in sorted(worst.items()))
+        where = "; ".join(f"world size {ws}: {per_rank(v)} MiB" for ws, v in sorted(worst.items()))
         out.append(
             f"**Budget missed by a save with hf_model** ({where}). The phases of one save "
             "(sharded write, extra, export) share one buffer set of the budget's size, mapped "
@@ -1387,7 +1108,7 @@ def render(results: dict) -> None:
     lines.append("")
     lines.extend(f"- {line}" for line in _reading(results))
     lines.append("")
-    DOC.write_text("\n".join(lines) + "\n")
+    write_doc(DOC, "\n".join(lines) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -1464,12 +1185,10 @@ def main(argv: list[str] | None = None) -> int:
         r["summary"] = summarize_save(r)
         results["save"][str(ws)] = r
         for m, s in r["summary"].items():
-            per_rank = [round(x) for x in s["extra_rss_mib_per_rank"]]
-            log(f"  {m:28s} {s['wall_s']:7.2f}s  extra RSS {per_rank} MiB")
+            extra = [round(x) for x in s["extra_rss_mib_per_rank"]]
+            log(f"  {m:28s} {s['wall_s']:7.2f}s  extra RSS {extra} MiB")
         json_path.write_text(json.dumps(results, indent=1) + "\n")
     if not a.no_async:
-        import async_bench
-
         results["async"] = async_bench.run_async_bench(model, quick=a.quick, log=log)
     results["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
     results["total_s"] = time.time() - started
@@ -1487,5 +1206,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(BENCH))
     sys.exit(main())

@@ -17,15 +17,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
-from pathlib import Path
 
-BENCH = Path(__file__).resolve().parent
-sys.path.insert(0, str(BENCH))
-
-import save_bench as sb  # noqa: E402
+from harness import RESULTS
+from harness.training import MODEL_QUICK, fsdp_state
 
 KINDS = {
     "model+optim+extra": (("model", "optimizer", "extra"), False),
@@ -40,10 +36,7 @@ def worker(rank: int, world: int, root: str, repeats: int) -> dict:
 
     from shardstream import CheckpointConfig, CheckpointManager
 
-    config = sb.make_config(sb.MODEL_QUICK)
-    model = sb.build_fsdp_model(config)
-    optimizer, scheduler = sb.make_optimizer(model)
-    sb.zero_step(model, optimizer, scheduler)
+    config, model, optimizer, scheduler = fsdp_state(MODEL_QUICK)
     for p in model.parameters():
         p.grad = torch.zeros_like(p)
     floor = []
@@ -84,7 +77,7 @@ def main() -> None:
     args = parser.parse_args()
     from shardstream.testing.distributed import run
 
-    with tempfile.TemporaryDirectory(dir=BENCH / "results") as root:
+    with tempfile.TemporaryDirectory(dir=RESULTS) as root:
         results = run(worker, 2, root, args.repeats, timeout=1800)
     print(f"{'save (async, ws 2, 0.18 GB Qwen2 + AdamW)':<52} {'step wait s':>12} {'save s':>8}")
     for name in results[0]:
