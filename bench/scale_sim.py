@@ -18,7 +18,7 @@ calling the real code on synthetic inputs:
   ``read_manifest`` (the real file), N rank-file headers (``parse_header``), every tensor's
   blocks (``native._global_tensor``), ``StreamingReader.read_metadata``, DCP's
   ``create_read_items_for_chunk_list`` for the rank's shards, and ``plan_copy`` per overlap.
-- **merge, one process**: ``choose_outputs``, ``plan_hf_files`` (5 GB files) and
+- **merge, one process**: ``output_tensors``, ``plan_hf_files`` (5 GB files) and
   ``plan_file_runs`` for every model tensor, bf16 output.
 - **hf_model export, every rank**: the HF layout and the rank's own runs (``plan_copy``).
 
@@ -74,7 +74,6 @@ from torch.distributed.checkpoint.planner import (
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 from torch.distributed.checkpoint.storage import WriteResult
 
-from shardstream.commands.merge import choose_outputs
 from shardstream.engine.checksum import digest
 from shardstream.engine.plan import (
     Block,
@@ -85,6 +84,7 @@ from shardstream.engine.plan import (
     plan_copy,
 )
 from shardstream.formats import hf, native
+from shardstream.formats.hf_writer import output_tensors
 from shardstream.formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -464,7 +464,7 @@ STAGES = [
     Stage("merge.headers", "one process", "shardstream", "N x parse a rank-file header"),
     Stage("merge.open", "one process", "shardstream", "merge_view: an offset per chunk"),
     Stage("merge.tile_check", "one process", "shardstream", "of which check_blocks_tile"),
-    Stage("merge.split_files", "one process", "shardstream", "choose_outputs + plan_hf_files"),
+    Stage("merge.split_files", "one process", "shardstream", "output_tensors + plan_hf_files"),
     Stage("merge.plan_runs", "one process", "shardstream", "plan_file_runs, all model tensors"),
     Stage("export.rank_plan", "every rank", "shardstream", "hf_model layout + own runs"),
     Stage("reference.dcp_validate", "rank 0", "reference", "DCP _validate_global_plan (not run)"),
@@ -676,7 +676,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
         GlobalTensor(name[len(native.MODEL_PREFIX) :], t_.dtype, t_.shape, t_.blocks)
         for name, t_ in merged.items()
     ]
-    outputs = choose_outputs(model, BF16, set())
+    outputs = output_tensors(model, BF16, set(), {})
     probe.start()
     (_, mruns), t = timed(lambda: plan_file_runs("merged.safetensors", outputs))
     point.add("merge.plan_runs", t * w)
@@ -766,7 +766,7 @@ def simulate(
     # merge: the file split over every model tensor (cheap, O(tensors))
     def split_files():
         outs = [GlobalTensor(n, F32, s, ()) for n, s in params]
-        return hf.plan_hf_files(choose_outputs(outs, BF16, set()), HF_FILE_BYTES)
+        return hf.plan_hf_files(output_tensors(outs, BF16, set(), {}), HF_FILE_BYTES)
 
     files, t = timed(split_files)
     point.add("merge.split_files", t)
