@@ -29,13 +29,10 @@ skipped. Non-tensor entries (``BytesStorageMetadata``) are always skipped.
 
 from __future__ import annotations
 
-import io
 import os
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
-
-import torch
 
 from ..engine.dtypes import code_of
 from ..engine.endpoints import FileEndpoint
@@ -487,10 +484,14 @@ def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fd
         raise UnsafeCheckpointError(
             f"{path}: entry {key!r} declares {length} bytes, over the {MAX_OBJECT_BYTES} limit"
         )
+    from .torch_pt import load_restricted
+
     data = os.pread(fds[path], length, start)
     try:
-        # weights_only: plain containers, numbers and strings only; nothing can run code.
-        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        # The restricted unpickler: containers, numbers, strings and tensors; nothing runs code.
+        return load_restricted(data, f"{path}: entry {key!r}", "cpu")
+    except CheckpointFormatError:
+        raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a bad record
         raise CheckpointFormatError(
             f"{path}: entry {key!r} is not a readable weights-only record "

@@ -13,6 +13,7 @@ import io
 import math
 import os
 import pickle
+import reprlib
 import struct
 import zipfile
 from collections import OrderedDict
@@ -126,7 +127,7 @@ def _size(dims=()) -> tuple[int, ...]:
     """``torch.Size(dims)`` as a plain tuple of ints."""
     dims = tuple(dims)
     if not all(type(d) is int for d in dims):
-        raise CheckpointFormatError(f"torch.Size with non-integer entries {dims!r}")
+        raise CheckpointFormatError(f"torch.Size with non-integer entries {short_repr(dims)}")
     return dims
 
 
@@ -236,6 +237,7 @@ _FRAME = b"\x95"[0]
 _STOP = b"."[0]
 _LONG_BINPUT = b"r"[0]
 _PUT = b"p"[0]
+_GET = b"g"[0]
 # Opcodes with a fixed-size argument (bytes), and those whose argument runs to a newline (lines).
 _FIXED = {b"J"[0]: 4, b"K"[0]: 1, b"M"[0]: 2, b"G"[0]: 8, b"h"[0]: 1, b"j"[0]: 4, b"q"[0]: 1,
           b"r"[0]: 4, b"\x82"[0]: 1, b"\x83"[0]: 2, b"\x84"[0]: 4, b"\x80"[0]: 1}  # fmt: skip
@@ -245,19 +247,164 @@ _NO_ARGUMENT = frozenset(
     b"\x97\x98N\x88\x89]ael)t\x85\x86\x87}dsu\x8f\x90\x9102(1\x94\x93RboQ\x81\x92"
 )
 
+# Hashing a tuple hashes its items again every time (tuples cache no hash), so a few hundred
+# bytes of tuples that each hold the previous one twice make one dict key cost 2**depth steps,
+# inside the C unpickler where Ctrl-C cannot stop it. The opcode pass charges every hash the
+# unpickler (or a constructor it calls) would do and refuses past this many steps.
+WORK_BASE = 1_000_000
+WORK_PER_BYTE = 8
+MAX_NESTING = 100  # containers inside containers; real checkpoints nest a dozen deep
+MAX_PERSISTENT_ID = 64  # items in a persistent id (torch's storage ids hold five)
+# Pushes a new object whose hashing costs one step (scalars, strings, empty containers, globals).
+_ATOMS = frozenset(b"IJKML\x8a\x8bSTUBC\x8e\x96\x97N\x88\x89V\x8cX\x8dFG])}\x8f\x82\x83\x84cP")
 
-def _check_opcodes(data: bytes) -> None:
+
+class _Node:
+    """What the opcode pass knows of one object: the steps to hash it and how deep it nests."""
+
+    __slots__ = ("cost", "depth")
+
+    def __init__(self, cost: int = 1, depth: int = 0):
+        self.cost = cost
+        self.depth = depth
+
+
+class _Machine:
+    """The unpickler's stack and memo with ``_Node``s in place of objects."""
+
+    def __init__(self, size: int):
+        self.budget = WORK_BASE + WORK_PER_BYTE * size
+        self.work = 0
+        self.stack: list[_Node] = []
+        self.marks: list[int] = []
+        self.memo: dict[int, _Node] = {}
+
+    def fence(self) -> int:
+        return self.marks[-1] if self.marks else 0
+
+    def pop(self, n: int = 1) -> list[_Node]:
+        if len(self.stack) - n < self.fence():
+            raise CheckpointFormatError("pickle stack underflow")
+        items = self.stack[len(self.stack) - n :]
+        del self.stack[len(self.stack) - n :]
+        return items
+
+    def pop_mark(self) -> list[_Node]:
+        if not self.marks:
+            raise CheckpointFormatError("pickle has no MARK where one is needed")
+        at = self.marks.pop()
+        items = self.stack[at:]
+        del self.stack[at:]
+        return items
+
+    def top(self) -> _Node:
+        if len(self.stack) <= self.fence():
+            raise CheckpointFormatError("pickle stack underflow")
+        return self.stack[-1]
+
+    def charge(self, nodes) -> None:
+        self.work += sum(n.cost for n in nodes)
+        if self.work > self.budget:
+            raise UnsafeCheckpointError(
+                f"refused to unpickle: it nests shared tuples or keys that would take more than "
+                f"{self.budget} steps to hash (a hostile file?)"
+            )
+
+    def new(self, items) -> _Node:
+        node = _Node(min(self.budget + 1, 1 + sum(n.cost for n in items)))
+        node.depth = 1 + max((n.depth for n in items), default=0)
+        if node.depth > MAX_NESTING:
+            raise UnsafeCheckpointError(
+                f"refused to unpickle: it nests objects more than {MAX_NESTING} levels deep"
+            )
+        return node
+
+    def grow(self, target: _Node, items) -> None:
+        grown = self.new(items)
+        target.cost = min(self.budget + 1, target.cost + grown.cost - 1)
+        target.depth = max(target.depth, grown.depth)
+        if target.depth > MAX_NESTING:
+            raise UnsafeCheckpointError(
+                f"refused to unpickle: it nests objects more than {MAX_NESTING} levels deep"
+            )
+
+    def step(self, op: int, index: int | None) -> None:
+        """Apply opcode ``op``; ``index``: the memo index of a GET or PUT."""
+        c = chr(op)
+        if op in _ATOMS:
+            self.stack.append(_Node())
+        elif c in "ae":  # APPEND(S): a list grows; nothing is hashed
+            items = self.pop() if c == "a" else self.pop_mark()
+            self.grow(self.top(), items)
+        elif c in "lt\x85\x86\x87\x91":  # LIST, TUPLE, TUPLE1-3, FROZENSET
+            items = self.pop_mark() if c in "lt\x91" else self.pop(ord(c) - 0x84)
+            if c == "\x91":
+                self.charge(items)
+            self.stack.append(self.new(items))
+        elif c in "dsu\x90":  # DICT, SETITEM(S): keys are hashed; ADDITEMS: every item
+            items = self.pop(2) if c == "s" else self.pop_mark()
+            self.charge(items if c == "\x90" else items[::2])
+            if c == "d":
+                self.stack.append(self.new(items))
+            else:
+                self.grow(self.top(), items)
+        elif c == "0":  # POP: an item, or the mark when the stack is at it
+            if self.marks and len(self.stack) == self.marks[-1]:
+                self.marks.pop()
+            else:
+                self.pop()
+        elif c == "1":
+            self.pop_mark()
+        elif c == "2":
+            self.stack.append(self.top())
+        elif c == "(":
+            self.marks.append(len(self.stack))
+        elif c in "ghj":
+            if index not in self.memo:
+                raise CheckpointFormatError(f"pickle reads memo entry {index}, never stored")
+            self.stack.append(self.memo[index])
+        elif c in "pqr\x94":
+            self.memo[len(self.memo) if index is None else index] = self.top()
+        elif c == "\x93":  # STACK_GLOBAL
+            self.pop(2)
+            self.stack.append(_Node())
+        elif c in "R\x81\x92oi":  # REDUCE, NEWOBJ(_EX), OBJ, INST: a call may hash its arguments
+            if c == "R" or c == "\x81":
+                items = self.pop(2)[1:]
+            elif c == "\x92":
+                items = self.pop(3)[1:]
+            else:
+                items = self.pop_mark()[(1 if c == "o" else 0) :]
+            self.charge(items)
+            self.stack.append(self.new(items))
+        elif c == "b":  # BUILD: the state's keys are hashed again into the instance
+            (state,) = self.pop()
+            self.top()
+            self.charge([state])
+        elif c == "Q":  # BINPERSID
+            (pid,) = self.pop()
+            if pid.cost > MAX_PERSISTENT_ID:
+                raise UnsafeCheckpointError(
+                    f"refused to unpickle: a persistent id of {pid.cost} or more items"
+                )
+            self.stack.append(_Node())
+
+
+def check_pickle(data: bytes) -> None:
     """Walk the pickle's opcodes without running any, refusing what would make the unpickler
-    allocate more than the input justifies: a declared length (bytes, string, long, frame) past
-    the end of the data, or a memo index (which sizes the memo table) beyond the data's length.
+    allocate more than the input justifies (a declared length of bytes, string, long or frame
+    past the end of the data; a memo index beyond the data's length), nest deeper than
+    ``MAX_NESTING``, or hash more than ``WORK_BASE + WORK_PER_BYTE * len(data)`` steps.
     Raises UnsafeCheckpointError or CheckpointFormatError without the path (the caller adds it).
     """
     end = len(data)
+    machine = _Machine(end)
     at = 0
     while at < end:
         op = data[at]
         start = at
         at += 1
+        index = None
         counted = _COUNTED.get(op)
         if counted is not None:
             width, signed = counted
@@ -281,14 +428,16 @@ def _check_opcodes(data: bytes) -> None:
                     f"pickle frame at byte {start} declares {n} bytes, but only {end - at} follow "
                     "(a corrupt or hostile length)"
                 )
+            continue
         elif op in _FIXED:
             width = _FIXED[op]
             if at + width > end:
                 raise CheckpointFormatError(f"pickle truncated at byte {start}")
-            if op == _LONG_BINPUT and int.from_bytes(data[at : at + 4], "little") > end:
+            index = int.from_bytes(data[at : at + width], "little")
+            if op == _LONG_BINPUT and index > end:
                 raise UnsafeCheckpointError(
-                    f"pickle opcode at byte {start} stores memo entry "
-                    f"{int.from_bytes(data[at : at + 4], 'little')}, more than the data has bytes"
+                    f"pickle opcode at byte {start} stores memo entry {index}, more than the "
+                    "data has bytes"
                 )
             at += width
         elif op in _LINES:
@@ -298,23 +447,104 @@ def _check_opcodes(data: bytes) -> None:
                     raise CheckpointFormatError(f"pickle truncated at byte {start}")
                 line = data[at:newline]
                 at = newline + 1
-            if op == _PUT and not (line.isdigit() and len(line) <= 19 and int(line) <= end):
-                raise UnsafeCheckpointError(
-                    f"pickle opcode at byte {start} stores memo entry {line[:30]!r}, not an index "
-                    "within the data"
-                )
+            if op in (_PUT, _GET):
+                if not (line.isdigit() and len(line) <= 19 and int(line) <= end):
+                    raise UnsafeCheckpointError(
+                        f"pickle opcode at byte {start} names memo entry {line[:30]!r}, not an "
+                        "index within the data"
+                    )
+                index = int(line)
         elif op == _STOP:
             return
         elif op not in _NO_ARGUMENT:
             raise CheckpointFormatError(f"unknown pickle opcode {op:#04x} at byte {start}")
+        machine.step(op, index)
     raise CheckpointFormatError("pickle ends without a STOP opcode (truncated?)")
 
 
+_SHARED_BASE = 1_000_000
+_SHARED_PER_BYTE = 2
+_SCALARS = (str, bytes, int, float, bool, complex, type(None))
+
+
+def _children(obj) -> list:
+    if isinstance(obj, dict):
+        items = [*obj.keys(), *obj.values()]
+        extra = getattr(obj, "__dict__", None) if type(obj) is not dict else None
+        if extra:  # an OrderedDict that a pickle's BUILD gave attributes
+            if set(extra) != {"_metadata"} or not isinstance(extra["_metadata"], dict):
+                raise CheckpointFormatError(
+                    f"{type(obj).__name__} with unexpected state (the pickle sets its "
+                    f"attributes {short_repr(sorted(map(str, extra)))})"
+                )
+            items.append(extra["_metadata"])
+        return items
+    if isinstance(obj, (list, tuple, set, frozenset)):
+        return list(obj)
+    attrs = getattr(obj, "__dict__", None)
+    return list(attrs.values()) if type(attrs) is dict else []
+
+
+def check_unpickled(obj, size: int) -> None:
+    """Refuse an unpickled object that would make a plain walk over it slow: more than
+    ``1_000_000 + 2 * size`` objects counting a shared one at each place it appears, a cycle,
+    or nesting deeper than ``MAX_NESTING``; and an OrderedDict whose pickle gave it attributes
+    (they would hide its methods). Raises without the path (the caller adds it)."""
+    limit = _SHARED_BASE + _SHARED_PER_BYTE * size
+    sizes: dict[int, int] = {}
+    on_path: set[int] = set()
+    stack = [[obj, iter(_children(obj)), 1]]
+    on_path.add(id(obj))
+    while stack:
+        entry = stack[-1]
+        child = next(entry[1], stack)
+        if child is stack:  # done with entry[0]
+            stack.pop()
+            on_path.discard(id(entry[0]))
+            sizes[id(entry[0])] = entry[2]
+            if stack:
+                stack[-1][2] += entry[2]
+                if stack[-1][2] > limit:
+                    raise UnsafeCheckpointError(
+                        f"refused to unpickle: shared objects in it expand to more than {limit} "
+                        "(a hostile file?)"
+                    )
+            continue
+        if isinstance(child, _SCALARS):
+            entry[2] += 1
+        elif id(child) in sizes:
+            entry[2] += sizes[id(child)]
+        elif id(child) in on_path:
+            raise UnsafeCheckpointError("refused to unpickle: an object in it contains itself")
+        else:
+            if len(stack) >= MAX_NESTING:
+                raise UnsafeCheckpointError(
+                    f"refused to unpickle: it nests objects more than {MAX_NESTING} levels deep"
+                )
+            on_path.add(id(child))
+            stack.append([child, iter(_children(child)), 1])
+        if entry[2] > limit:
+            raise UnsafeCheckpointError(
+                f"refused to unpickle: shared objects in it expand to more than {limit} "
+                "(a hostile file?)"
+            )
+
+
+_REPR = reprlib.Repr()
+_REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
+
+
+def short_repr(value) -> str:
+    """``repr`` bounded in depth and length: unpickled values can be huge or nest shared parts."""
+    return _REPR.repr(value)
+
+
 def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
-    """Unpickle ``data`` with ``unpickler_cls`` after ``_check_opcodes``; any failure is a
-    CheckpointFormatError (or UnsafeCheckpointError) naming ``path``."""
+    """Unpickle ``data`` with ``unpickler_cls``, between ``check_pickle`` and
+    ``check_unpickled``; any failure is a CheckpointFormatError (or UnsafeCheckpointError)
+    naming ``path``."""
     try:
-        _check_opcodes(data)
+        check_pickle(data)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{path}: {what}: {exc}") from None
     except CheckpointFormatError as exc:
@@ -322,7 +552,9 @@ def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
             f"{path}: {what} is not readable (truncated or corrupt?): {exc}"
         ) from None
     try:
-        return unpickler_cls(io.BytesIO(data), path).load()
+        loaded = unpickler_cls(io.BytesIO(data), path).load()
+        check_unpickled(loaded, len(data))
+        return loaded
     except UnsafeCheckpointError as exc:
         if str(exc).startswith(path):
             raise
@@ -375,7 +607,7 @@ class _TensorRecord:
 
 def ints(value, what: str) -> tuple[int, ...]:
     if not isinstance(value, tuple) or not all(type(v) is int for v in value):
-        raise CheckpointFormatError(f"{what} is {value!r}, not a tuple of integers")
+        raise CheckpointFormatError(f"{what} is {short_repr(value)}, not a tuple of integers")
     return value
 
 
@@ -429,7 +661,7 @@ class _RecordUnpickler(_SafeUnpickler):
             and isinstance(pid[2], str)
             and type(pid[4]) is int
         ):
-            raise CheckpointFormatError(f"unexpected persistent id {pid!r}")
+            raise CheckpointFormatError(f"unexpected persistent id {short_repr(pid)}")
         return _StorageRef(pid[1].dtype, pid[2], pid[4])
 
 

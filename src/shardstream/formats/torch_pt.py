@@ -1,26 +1,28 @@
 """``.pt`` files (torch zip archives) read for their layout only: no tensor bytes are loaded.
 
-Loading with ``map_location="meta"`` and ``weights_only=True`` runs torch's restricted
-unpickler (no arbitrary code) and gives each storage its byte offset inside the archive, where
-torch stores it uncompressed; the executor then reads exactly the ranges it needs.
+``load_restricted`` runs ``torch.load`` (with ``map_location="meta"`` for layouts, which gives
+each storage its byte offset inside the archive, where torch stores it uncompressed) through
+shardstream's own restricted unpickler; the executor then reads exactly the ranges it needs.
 
-DTensors come back as ``DistributedTensor`` records. To resolve their pickles, torch's own
-classes would have to be imported (``torch.distributed.tensor``, ~0.75 s: it registers every
-sharding rule); unless that module is already loaded, the unpickler's allowlist gets inert
-stand-ins under the same names instead. It is still torch's restricted unpickler: the stand-ins
-only record the state they are given, so no code runs. A file they cannot describe (another
-torch version's layout, a global they lack) is loaded again with torch's classes.
+The unpickler resolves a fixed allowlist of names, never torch's global one: functions are
+wrapped (``_Fn``) and classes handed out as tokens (``_Type``), so a pickle's BUILD cannot
+modify them, and DTensor's classes are always inert stand-ins that only record the state they
+are given. Constructing a real DeviceMesh would create process groups (a rendezvous over the
+network from a file's bytes), so no file ever gets torch's classes, whether or not
+``torch.distributed.tensor`` is loaded. The pickle's opcodes are checked first
+(``dcp_pickles.check_pickle``: lengths, nesting, hashing work) and the result after
+(``check_unpickled``: shared objects, cycles), so hostile bytes end in a prompt error.
 """
 
 from __future__ import annotations
 
-import importlib
-import logging
+import collections
+import io
 import math
 import os
 import pickle
 import struct
-import sys
+import types
 import warnings
 import zipfile
 from collections.abc import Callable, Mapping
@@ -34,6 +36,7 @@ from ..engine.dtypes import code_of
 from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from .dcp_pickles import _Call, _Frozen, _torch_dtype, check_pickle, check_unpickled
 
 
 @dataclass(frozen=True)
@@ -100,42 +103,64 @@ def load_layout(path: str):
             f"{path}: corrupt or truncated torch checkpoint ({os.path.getsize(path)} bytes): "
             f"{damage}"
         )
-    stand_ins = _stand_ins()
-    if stand_ins:
-        try:
-            with torch.serialization.safe_globals(stand_ins):
-                return _records(_load(path), path, _from_stand_in)
-        except Exception:  # noqa: BLE001  (torch's own classes decide, below)
-            pass
-    importlib.import_module("torch.distributed.tensor")  # registers DTensor with the unpickler
-    return _records(_load(path), path, _from_dtensor)
+    return _records(load_restricted(path, path, "meta"), path)
 
 
-def _load(path: str):
+def load_restricted(
+    source: str | bytes,
+    name: str,
+    map_location: str = "meta",
+    extra_globals: Mapping[tuple[str, str], object] | None = None,
+):
+    """``torch.load`` of the archive ``source`` (a path, or its bytes) through the restricted
+    unpickler; ``extra_globals`` adds to the allowlist (values from ``_Fn``/``_Type``, e.g.
+    ``numpy_globals()``). Errors are shardstream errors starting with ``name``."""
+    allowed = {**_allowed_globals(), **(extra_globals or {})}
+    checked: list[int] = []
     try:
-        with warnings.catch_warnings(), _quiet_device_mesh():
-            warnings.simplefilter("ignore")
-            return torch.load(path, map_location="meta", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        if "sharded_tensor.api.ShardedTensor" in str(exc):
+        with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
+            _check_archive(f)
+            module = _pickle_module(allowed, checked)
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                loaded = torch.load(
+                    f, map_location=map_location, pickle_module=module, weights_only=False,
+                    mmap=False,
+                )  # fmt: skip
+            check_unpickled(loaded, checked[0])
+            return loaded
+    except _Refused as exc:
+        module_name = exc.args[0]
+        if "sharded_tensor.api.ShardedTensor" in module_name:
             raise CheckpointFormatError(
-                f"{path}: holds FSDP1 ShardedTensors (saved without a device mesh), which "
+                f"{name}: holds FSDP1 ShardedTensors (saved without a device mesh), which "
                 "shardstream does not read; save FSDP1 with device_mesh=init_device_mesh(...) "
                 "(DTensor state) or use FSDP2"
             ) from None
-        first = str(exc).strip().splitlines()
-        detail = next((line for line in first if "Unsupported" in line or "GLOBAL" in line), "")
         raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle: the file asks for code or types outside the safe "
-            f"allowlist{': ' + detail.strip() if detail else ''}"
+            f"{name}: refused to unpickle: the file asks for code or types outside the safe "
+            f"allowlist: GLOBAL {module_name}"
         ) from None
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{name}: {exc}") from None
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(
+            f"{name}: not a readable torch checkpoint (truncated or corrupt?): {exc}"
+        ) from None
+    except FileNotFoundError:
+        raise CheckpointNotFoundError(f"{name}: no such file") from None
     except Exception as exc:  # noqa: BLE001  (a damaged pickle fails anywhere in the unpickler)
         lines = str(exc).strip().splitlines()
-        message = lines[0] if lines else ""
+        message = lines[0][:300] if lines else ""
+        if "explicit pickle_module" in message:  # TORCH_FORCE_WEIGHTS_ONLY_LOAD is set
+            raise CheckpointFormatError(
+                f"{name}: cannot read .pt files while TORCH_FORCE_WEIGHTS_ONLY_LOAD is set "
+                "(shardstream uses its own restricted unpickler); unset it"
+            ) from None
         if not message or not isinstance(exc, _READ_ERRORS):  # name the unexpected ones
             message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         raise CheckpointFormatError(
-            f"{path}: not a readable torch checkpoint (truncated or corrupt?): {message}"
+            f"{name}: not a readable torch checkpoint (truncated or corrupt?): {message}"
         ) from None
 
 
@@ -143,33 +168,174 @@ def _load(path: str):
 _READ_ERRORS = (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError)
 
 
-def _records(obj, path: str, convert, depth: int = 0):
-    """``obj`` with every DTensor (or stand-in) replaced by ``convert(value)``."""
-    if depth > 64:
-        raise CheckpointFormatError(f"{path}: state nested more than 64 levels deep")
-    if isinstance(obj, _StandInTensor) or _is_dtensor(obj):
-        try:
-            return convert(obj)
-        except (AttributeError, TypeError, ValueError, KeyError, IndexError) as exc:
-            raise CheckpointFormatError(
-                f"{path}: a DTensor whose layout shardstream cannot read ({exc})"
-            ) from None
-    if isinstance(obj, dict):
-        items = [(k, _records(v, path, convert, depth + 1)) for k, v in obj.items()]
-        if type(obj) is dict:
-            return dict(items)
-        obj.clear()  # OrderedDict and friends keep their type
-        obj.update(items)
-        return obj
-    if isinstance(obj, (list, tuple)) and not isinstance(obj, torch.Size):
-        converted = [_records(v, path, convert, depth + 1) for v in obj]
-        return converted if isinstance(obj, list) else tuple(converted)
-    return obj
+def _check_archive(f) -> None:
+    """Only a torch zip archive goes to ``torch.load``: it would hand the legacy format and
+    TorchScript archives to other loaders."""
+    if f.read(4) != b"PK\x03\x04":
+        raise CheckpointFormatError("not a torch zip archive (the legacy format is not read)")
+    f.seek(0)
+    try:
+        names = zipfile.ZipFile(f).namelist()
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        raise CheckpointFormatError(str(exc) or type(exc).__name__) from None
+    if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
+        raise UnsafeCheckpointError("refused to unpickle: a TorchScript archive, not a checkpoint")
+    if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
+        raise CheckpointFormatError("expected one data.pkl record in the archive")
+    f.seek(0)
 
 
-def _is_dtensor(obj) -> bool:
-    module = sys.modules.get("torch.distributed.tensor")
-    return module is not None and isinstance(obj, module.DTensor)
+class _Refused(Exception):
+    """A global outside the allowlist (args: its dotted name)."""
+
+
+def _pickle_module(allowed: Mapping[tuple[str, str], object], checked: list[int]):
+    """A stand-in for the ``pickle`` module, for ``torch.load(pickle_module=...)``."""
+
+    class Unpickler(pickle.Unpickler):
+        def __init__(self, file, **kwargs):
+            data = file.getvalue() if isinstance(file, io.BytesIO) else None
+            if data is None:  # torch hands over data.pkl in memory; anything else is unexpected
+                raise CheckpointFormatError("unexpected pickle source")
+            check_pickle(data)
+            checked.append(len(data))
+            super().__init__(file, **kwargs)
+
+        def find_class(self, module: str, name: str):
+            found = allowed.get((module, name))
+            if found is not None:
+                return found
+            dtype = _torch_dtype(module, name)
+            if dtype is not None:
+                return dtype
+            raise _Refused(f"{module}.{name}")
+
+    def refuse(*args, **kwargs):
+        raise CheckpointFormatError("not a torch zip archive (the legacy format is not read)")
+
+    return types.SimpleNamespace(
+        __name__="shardstream_restricted_pickle",
+        Unpickler=Unpickler,
+        load=refuse,
+        loads=refuse,
+        UnpicklingError=pickle.UnpicklingError,
+    )
+
+
+class _Type:
+    """A class a pickle names, as a token: calls through ``_Fn`` get the class, while the
+    pickle's BUILD cannot reach it (it would change the class for the whole process)."""
+
+    __slots__ = ("cls",)
+
+    def __init__(self, cls: type):
+        object.__setattr__(self, "cls", cls)
+
+    def __setattr__(self, name, value):
+        raise UnsafeCheckpointError("refused to unpickle: it tries to modify a class")
+
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
+class _Fn(_Call):
+    """An allowed function (or class, called); ``_Type`` arguments are passed as their class."""
+
+    __slots__ = ()
+
+    def __call__(self, *args):
+        return self._fn(*(a.cls if type(a) is _Type else a for a in args))
+
+
+def _latin1(text, encoding="latin1"):
+    """``_codecs.encode`` as protocol 2 pickles bytes: latin-1 only (other codecs decompress)."""
+    if type(text) is not str or encoding not in ("latin1", "latin-1"):
+        raise CheckpointFormatError("_codecs.encode is allowed for latin-1 text only")
+    return text.encode("latin-1")
+
+
+def _allowed_globals() -> dict[tuple[str, str], object]:
+    """What a torch checkpoint of tensors, containers and DTensors needs (storage types come
+    from torch's own wrapper); DTensor's classes map to the stand-ins."""
+    rebuild = torch._utils
+    allowed: dict[tuple[str, str], object] = {
+        ("collections", "OrderedDict"): _Fn(collections.OrderedDict),
+        ("torch", "Size"): _Fn(torch.Size),
+        ("torch", "device"): _Fn(torch.device),
+        ("torch", "Tensor"): _Type(torch.Tensor),
+        ("torch.nn.parameter", "Parameter"): _Type(torch.nn.Parameter),
+        ("torch.serialization", "_get_layout"): _Fn(torch.serialization._get_layout),
+        ("torch._tensor", "_rebuild_from_type_v2"): _Fn(torch._tensor._rebuild_from_type_v2),
+        ("_codecs", "encode"): _Fn(_latin1),
+        ("builtins", "set"): _Fn(set),
+        ("builtins", "complex"): _Fn(complex),
+    }
+    for fn in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
+               "_rebuild_parameter_with_state", "_rebuild_wrapper_subclass"):  # fmt: skip
+        if hasattr(rebuild, fn):
+            allowed[("torch._utils", fn)] = _Fn(getattr(rebuild, fn))
+    for name, cls in _STAND_INS.items():
+        module, _, qualname = name.rpartition(".")
+        allowed[(module, qualname)] = _Type(cls) if cls is _StandInTensor else cls
+    return allowed
+
+
+def numpy_globals() -> dict[tuple[str, str], object]:
+    """numpy's array and dtype reconstruction (verl keeps numpy's RNG state), for
+    ``load_restricted(extra_globals=...)``."""
+    import numpy as np
+
+    multiarray = getattr(np, "_core", None) or np.core
+    reconstruct = _Fn(multiarray.multiarray._reconstruct)
+
+    def dtype(spec, align=False, copy=False):
+        if type(spec) is not str:
+            raise CheckpointFormatError("numpy dtype from a non-string")
+        return np.dtype(spec, bool(align), bool(copy))
+
+    return {
+        ("numpy.core.multiarray", "_reconstruct"): reconstruct,
+        ("numpy._core.multiarray", "_reconstruct"): reconstruct,
+        ("numpy", "ndarray"): _Type(np.ndarray),
+        ("numpy", "dtype"): _Fn(dtype),
+    }
+
+
+def _records(obj, path: str):
+    """``obj`` with every DTensor stand-in replaced by a ``DistributedTensor``; an object met
+    again (pickles share them) is converted once."""
+    done: dict[int, object] = {}
+
+    def convert(value, depth: int):
+        if depth > 64:
+            raise CheckpointFormatError(f"{path}: state nested more than 64 levels deep")
+        if id(value) in done:
+            return done[id(value)]
+        if isinstance(value, _StandInTensor):
+            try:
+                result = _from_stand_in(value)
+            except (AttributeError, TypeError, ValueError, KeyError, IndexError) as exc:
+                raise CheckpointFormatError(
+                    f"{path}: a DTensor whose layout shardstream cannot read "
+                    f"({type(exc).__name__}: {str(exc)[:200]})"
+                ) from None
+        elif isinstance(value, dict):
+            items = [(k, convert(v, depth + 1)) for k, v in value.items()]
+            if type(value) is dict:
+                result = dict(items)
+            else:  # OrderedDict and friends keep their type
+                result = value
+                value.clear()
+                value.update(items)
+        elif isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+            converted = [convert(v, depth + 1) for v in value]
+            result = converted if isinstance(value, list) else tuple(converted)
+        else:
+            return value
+        done[id(value)] = result
+        return result
+
+    return convert(obj, 0)
 
 
 def _ints(values) -> tuple[int, ...]:
@@ -180,35 +346,8 @@ def _optional_ints(values) -> tuple[int, ...] | None:
     return None if values is None else _ints(values)
 
 
-def _from_dtensor(value) -> DistributedTensor:
-    """A record of a real DTensor (torch.distributed.tensor was loaded)."""
-    from torch.distributed.tensor import Replicate, Shard
-
-    placements = []
-    for p in value.placements:
-        if type(p) is Shard:
-            placements.append(Placement("Shard", int(p.dim)))
-        elif isinstance(p, Replicate):
-            placements.append(Placement("Replicate"))
-        else:
-            placements.append(Placement(str(p)))
-    mesh = value.device_mesh
-    return DistributedTensor(
-        tuple(value.shape),
-        tuple(placements),
-        MeshLayout(
-            _ints(mesh.shape),
-            tuple(mesh.mesh_dim_names) if mesh.mesh_dim_names else None,
-            _optional_ints(getattr(mesh, "_coordinate_on_dim", None)),
-            getattr(mesh, "_rank", None),
-            _optional_ints(getattr(mesh, "_flatten_rank_map", None)),
-        ),
-        value._local_tensor,
-    )
-
-
 def _from_stand_in(value: _StandInTensor) -> DistributedTensor:
-    """A record of a stand-in DTensor; anything unexpected raises (then torch's classes load)."""
+    """A record of a stand-in DTensor; anything unexpected raises."""
     state = value._stand_in_state
     local, spec = state["_local_tensor"], state["_spec"]
     if type(local) is not torch.Tensor or not isinstance(spec, _Spec):
@@ -247,16 +386,19 @@ def _from_stand_in(value: _StandInTensor) -> DistributedTensor:
 
 
 def _axes(layout) -> tuple:
-    axes = layout.state["axes"] if isinstance(layout, _Record) else layout.axes
-    return tuple(axes)
+    if not isinstance(layout, _Record):
+        raise TypeError("unexpected mesh layout")
+    return tuple(layout.state["axes"])
 
 
 def _axis_shape(axis) -> tuple[int, ...]:
-    shape = axis.state["shape"] if isinstance(axis, _Record) else axis.shape
+    if not isinstance(axis, _Record):
+        raise TypeError("unexpected mesh layout axis")
+    shape = axis.state["shape"]
     return (int(shape),) if isinstance(shape, int) else _ints(shape)
 
 
-class _Record:
+class _Record(metaclass=_Frozen):
     """A stand-in instance: keeps the pickled state in ``.state`` and nothing else."""
 
     state: Mapping = MappingProxyType({})  # until the pickle's BUILD gives one
@@ -265,11 +407,19 @@ class _Record:
         self.state = {"args": args}
 
     def __setstate__(self, state) -> None:
-        if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict):
-            raise TypeError("stand-in state must be a dict")
-        self.state = {**self.state, **state}
+        self.state = {**self.state, **_state_dict(state)}
+
+
+def _state_dict(state) -> dict:
+    """A BUILD state as one dict of attributes: ``dict`` or ``(dict, slots)``, str keys."""
+    if isinstance(state, tuple) and len(state) == 2:  # (dict, slots)
+        parts = [part or {} for part in state]
+        if not all(type(part) is dict for part in parts):
+            raise TypeError("stand-in state must be dicts")
+        state = {**parts[0], **parts[1]}
+    if type(state) is not dict or not all(type(k) is str for k in state):
+        raise TypeError("stand-in state must be a dict of attributes")
+    return state
 
 
 class _Mesh(_Record):
@@ -316,11 +466,7 @@ class _StandInTensor(torch.Tensor):
         raise TypeError("a DTensor stand-in holds a layout only")
 
     def __setstate__(self, state) -> None:
-        if isinstance(state, tuple) and len(state) == 2:
-            state = {**(state[0] or {}), **(state[1] or {})}
-        if not isinstance(state, dict):
-            raise TypeError("DTensor state must be a dict")
-        self._stand_in_state = state
+        self._stand_in_state = _state_dict(state)
 
 
 _STAND_INS = {
@@ -337,22 +483,6 @@ _STAND_INS = {
     "torch.distributed.tensor.placement_types.Replicate": _Replicate,
     "torch.distributed.tensor.placement_types.Partial": _Partial,
 }
-
-
-def _stand_ins() -> list[tuple[type, str]]:
-    """The stand-ins for names the allowlist does not hold yet; none once torch's DTensor
-    classes are loaded (two classes under one name would make the pick arbitrary)."""
-    if "torch.distributed.tensor" in sys.modules:
-        return []
-    taken = set()
-    for entry in torch.serialization.get_safe_globals():
-        if isinstance(entry, tuple):
-            taken.add(entry[1])
-        else:
-            taken.add(f"{entry.__module__}.{entry.__qualname__}")
-    if "torch.distributed.tensor.DTensor" in taken:
-        return []
-    return [(cls, name) for name, cls in _STAND_INS.items() if name not in taken]
 
 
 def _zip_damage(path: str) -> str | None:
@@ -480,15 +610,3 @@ def local_layout(path: str, name: str, tensor: torch.Tensor, file_size: int) -> 
             f"past the end of the file ({file_size} bytes); the file is truncated"
         )
     return LocalTensor(dtype, shape, strides, base + tensor.storage_offset() * isz)
-
-
-class _quiet_device_mesh:
-    """Silence DeviceMesh's harmless 'unpickled before the PGs were created' warning."""
-
-    def __enter__(self):
-        self.logger = logging.getLogger("torch.distributed.device_mesh")
-        self.level = self.logger.level
-        self.logger.setLevel(logging.ERROR)
-
-    def __exit__(self, *exc):
-        self.logger.setLevel(self.level)

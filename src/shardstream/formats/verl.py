@@ -10,7 +10,6 @@ import bisect
 import json
 import math
 import os
-import pickle
 import re
 from array import array
 from collections.abc import Sequence
@@ -29,7 +28,7 @@ from ..engine.plan import (
     row_major_strides,
     tensors_touching,
 )
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..storage import collectives as coll
 from .layout_names import describe_mesh, describe_placements
 from .source import VERL_FILE_PATTERN as FILE_PATTERN
@@ -43,7 +42,9 @@ from .torch_pt import (
     check_records,
     crc_checked_endpoint,
     load_layout,
+    load_restricted,
     local_layout,
+    numpy_globals,
     zip_records,
 )
 
@@ -492,28 +493,15 @@ def open_verl_optimizer(
 def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool = True) -> dict:
     """verl's extra state of ``rank`` (rank 0's beyond the saved world size): scheduler, RNG.
 
-    Loaded with ``weights_only=True``; numpy's array reconstruction is admitted because verl
-    stores numpy's RNG state. ``verify``: every zip record is checked against its CRC-32 first
-    (torch checks none).
+    Loaded with the restricted unpickler of ``load_restricted``; numpy's array reconstruction
+    is admitted because verl stores numpy's RNG state. ``verify``: every zip record is checked
+    against its CRC-32 first (torch checks none).
     """
-    import numpy as np
-
     source = rank if rank < world_size else 0
     path = directory / f"extra_state_world_size_{world_size}_rank_{source}.pt"
     if not path.is_file():
         return {}
     if verify:
         check_records(str(path))
-    multiarray = getattr(np, "_core", None) or np.core
-    allowed = [np.dtype, np.ndarray, multiarray.multiarray._reconstruct]
-    allowed += [type(np.dtype(t)) for t in ("uint32", "float64", "int64")]
-    try:
-        with torch.serialization.safe_globals(allowed):
-            state = torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as exc:
-        raise UnsafeCheckpointError(
-            f"{path}: refused to unpickle: {str(exc).strip().splitlines()[0][:200]}"
-        ) from None
-    except (RuntimeError, EOFError, ValueError, OSError) as exc:
-        raise CheckpointFormatError(f"{path}: not a readable torch checkpoint: {exc}") from None
+    state = load_restricted(str(path), str(path), "cpu", numpy_globals())
     return state if isinstance(state, dict) else {}
