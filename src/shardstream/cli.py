@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .errors import ShardstreamError, UsageError
-from .units import format_size
+from .units import DEFAULT_MAX_SHARD_BYTES, format_size
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -50,7 +50,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_flags(merge)
     _flag(merge, "--target_dir", required=True, help="output HF model directory")
     _flag(merge, "--dtype", default=None, help="bfloat16, float16 or float32 (default: config)")
-    _flag(merge, "--max-shard-size", default="5GB", help="split output files (default 5GB)")
+    _flag(
+        merge,
+        "--max-shard-size",
+        default=DEFAULT_MAX_SHARD_BYTES,
+        help=f"split output files (default {DEFAULT_MAX_SHARD_BYTES // 10**9}GB)",
+    )
     _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
     _flag(
