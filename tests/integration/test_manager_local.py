@@ -406,7 +406,7 @@ def test_save_with_hf_model_uses_one_buffer_set(tmp_path, monkeypatch, hf_dtype)
     dtype = torch.bfloat16 if hf_dtype else torch.float32
     for name, tensor in model.state_dict().items():
         assert torch.equal(saved[name], tensor.to(dtype)), name
-    assert shardstream.commands.verify(tmp_path / "run").ok
+    assert shardstream.verify(tmp_path / "run").ok
 
 
 def test_plain_save_exports_hf_model(tmp_path):
@@ -473,7 +473,7 @@ def test_hf_model_config_and_tokenizer_files(tmp_path, given):
     assert loaded("hello world oops")["input_ids"] == [1, 2, 0]
     if given == "objects":
         assert (export / "generation_config.json").is_file()
-    assert shardstream.commands.verify(tmp_path / "c").ok
+    assert shardstream.verify(tmp_path / "c").ok
 
 
 def test_share_hf_weights_without_hf_model_warns(tmp_path):

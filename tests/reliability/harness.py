@@ -201,14 +201,14 @@ def full_state(model, optimizer) -> dict:
 def classify_debris(names) -> Counter:
     kinds: Counter = Counter()
     for name in names:
-        if ".tmp-deleted" in name:
-            kinds["retention (graveyard dir)"] += 1
-        elif ".tmp-old-" in name:
+        if name.endswith(".owner"):
+            kinds["writer's claim (owner file)"] += 1
+        elif name.endswith(".old"):
             kinds["overwrite (old dir)"] += 1
         elif name.startswith("latest_checkpointed_iteration.txt"):
             kinds["latest pointer (tmp file)"] += 1
         else:
-            kinds["save in progress (tmp dir)"] += 1
+            kinds["staged or discarded step (tmp dir)"] += 1
     return kinds
 
 
