@@ -263,6 +263,10 @@ class CheckpointManager:
     >>> step, extra = mgr.restore() or (0, {})  # doctest: +SKIP
     """
 
+    # The directory's lock file; a subclass whose writers share a directory with another's
+    # (verl's actor and critic roles) names its own.
+    lock_name: str = LOCK_FILE
+
     def __init__(
         self,
         config: CheckpointConfig,
@@ -283,7 +287,7 @@ class CheckpointManager:
         self._closed = True  # until constructed: __del__ and close() have nothing to release
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"checkpoint directory {self.root} exists and is not a directory")
-        self._lock = _Lock(self.root / LOCK_FILE)
+        self._lock = _Lock(self.root / self.lock_name)
         self._closed = False
         self._writer = False
         self._async = None

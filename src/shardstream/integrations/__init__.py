@@ -1,0 +1,1 @@
+"""Adapters that put shardstream behind other frameworks' checkpoint APIs (verl)."""

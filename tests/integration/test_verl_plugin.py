@@ -1,0 +1,186 @@
+"""The verl plug-in: verl 0.9.1's own modules build shardstream's checkpoint manager when
+SHARDSTREAM_VERL=1, and verl's resume logic finds what it wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardstream.cli import main
+from shardstream.commands.verify import verify
+from shardstream.errors import UsageError
+from shardstream.testing.distributed import run
+
+from . import verl_plugin_workers as workers
+
+verl = pytest.importorskip("verl", reason="verl 0.9.1 is installed by make test")
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """Steps 1-3 saved through the plug-in at 4 ranks (max_ckpt_to_keep=2) beside verl's own
+    step 0; step 3 also saved by verl's manager into another run."""
+    root = tmp_path_factory.mktemp("plugin-run")
+    verl_root = tmp_path_factory.mktemp("verl-run")
+    results = run(workers.save_run, 4, str(root), str(verl_root))
+    return root, verl_root, results
+
+
+def _reference(root: Path, rank: int) -> dict:
+    return torch.load(root / f"reference_rank{rank}.pt", weights_only=False)
+
+
+def _assert_same(state: dict, reference: dict) -> None:
+    for name, tensor in reference["model"].items():
+        assert torch.equal(state["model"][name], tensor), name
+    for fqn, entries in reference["optim"]["state"].items():
+        for key, value in entries.items():
+            assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)
+    assert state["optim"]["param_groups"] == reference["optim"]["param_groups"]
+    assert state["scheduler"] == reference["scheduler"]
+
+
+def test_plugin_is_registered_and_does_nothing_without_the_variable():
+    if os.environ.get("SHARDSTREAM_VERL"):
+        pytest.skip("SHARDSTREAM_VERL is set in this environment")
+    from importlib.metadata import entry_points
+
+    from verl.utils.checkpoint import fsdp_checkpoint_manager as defining
+    from verl.workers.engine.fsdp import transformer_impl
+
+    (entry,) = [e for e in entry_points(group="verl.plugins") if e.name == "shardstream"]
+    assert entry.value == "shardstream.integrations.verl_plugin"
+    assert transformer_impl.FSDPCheckpointManager is defining.FSDPCheckpointManager
+    assert defining.FSDPCheckpointManager.__module__ == defining.__name__
+
+
+def test_a_module_without_the_name_is_refused_by_name():
+    from shardstream.integrations.verl_plugin import VerlPluginError, _patch
+
+    module = types.ModuleType("verl.workers.engine.fsdp.transformer_impl")
+    with pytest.raises(VerlPluginError, match="transformer_impl has no FSDPCheckpointManager"):
+        _patch(module)
+
+
+def test_bad_contents_are_refused_by_name():
+    from verl.trainer.config import CheckpointConfig
+
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    bad = CheckpointConfig(save_contents=["model", "weights"])
+    with pytest.raises(UsageError, match="save_contents: unknown item 'weights'"):
+        FSDPCheckpointManager(model=None, checkpoint_config=bad)
+    with pytest.raises(UsageError, match="load_contents must be a list"):
+        FSDPCheckpointManager(model=None, checkpoint_config={"load_contents": "model"})
+
+
+def test_layout_retention_and_side_files(saved):
+    root, _, results = saved
+    # max_ckpt_to_keep=2 deleted step 1 (and its emptied directory), not verl's step 0
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("global_step_")) == [
+        "global_step_0",
+        "global_step_2",
+        "global_step_3",
+    ]
+    assert (root / "global_step_0/actor/model_world_size_4_rank_3.pt").is_file()
+    assert results[0]["previous"] == [str(root / f"global_step_{s}/actor") for s in (2, 3)]
+    actor = root / "global_step_3/actor"
+    manifest = json.loads((actor / "manifest.json").read_text())
+    assert manifest["step"] == 3 and manifest["world_size"] == 4
+    hf = actor / "huggingface"
+    assert {"config.json", "tokenizer.json", "model.safetensors"} <= {p.name for p in hf.iterdir()}
+    # a synchronous save leaves the pointer to verl's trainer, which writes it on return
+    assert not (root / "latest_checkpointed_iteration.txt").exists()
+
+
+def test_save_at_4_loads_bit_for_bit_at_2_with_verls_own_checkpoint(saved):
+    root, verl_root, _ = saved
+    actors = [str(root / "global_step_3/actor"), str(verl_root / "global_step_3/actor")]
+    results = run(workers.load_run, 2, actors, True, True)
+    for rank, per_actor in enumerate(results):
+        reference = _reference(root, rank)
+        for loaded in per_actor:
+            _assert_same(loaded["state"], reference)
+            assert torch.equal(loaded["rng_next"], reference["rng_next"])
+
+
+def test_save_at_4_loads_bit_for_bit_at_1(saved):
+    root, _, _ = saved
+    (loaded,) = run(workers.load_run, 1, [str(root / "global_step_3/actor")], False, False)[0]
+    reference = _reference(root, 0)
+    _assert_same(loaded["state"], reference)
+    assert torch.equal(loaded["rng_next"], reference["rng_next"])
+
+
+def test_hf_model_equals_merge_and_commands_read_it(saved, tmp_path, capsys):
+    root, _, _ = saved
+    actor = root / "global_step_3/actor"
+    target = tmp_path / "merged"
+    assert main(["merge", "--local_dir", str(actor), "--target_dir", str(target)]) == 0
+    merged = load_file(target / "model.safetensors")
+    exported = load_file(actor / "huggingface/model.safetensors")
+    assert merged.keys() == exported.keys()
+    for name, tensor in merged.items():
+        assert torch.equal(tensor, exported[name]), name
+    assert verify(actor).ok
+    assert main(["verify", str(actor)]) == 0
+    assert main(["inspect", str(actor)]) == 0
+    assert str(actor) in capsys.readouterr().out
+
+
+def test_lora_only_and_damaged_checkpoints_refused_before_the_model_changes(saved, tmp_path):
+    root, _, _ = saved
+    damaged = []
+    for case in ("flipped", "truncated", "foreign"):
+        actor = tmp_path / case / "global_step_3/actor"
+        shutil.copytree(root / "global_step_3/actor", actor)
+        rank_file = actor / "rank-00001.safetensors"
+        if case == "flipped":
+            data = bytearray(rank_file.read_bytes())
+            data[-5] ^= 0xFF
+            rank_file.write_bytes(bytes(data))
+        elif case == "truncated":
+            rank_file.write_bytes(rank_file.read_bytes()[:-100])
+        else:
+            (actor / "manifest.json").unlink()  # a partial save: no manifest, so no checkpoint
+        damaged.append(str(actor))
+    results = run(workers.misc_run, 2, str(tmp_path / "lora"), damaged)
+    for result in results:
+        assert result["lora"]["equal"]
+        flipped, truncated, foreign = result["damaged"]
+        assert "checksum" in flipped["error"].lower() and "rank-00001" in flipped["error"]
+        assert "rank-00001" in truncated["error"]
+        assert str(Path(damaged[2])) in foreign["error"]
+        assert all(case["untouched"] for case in result["damaged"])
+    lora_actor = tmp_path / "lora/global_step_1/actor"
+    meta = json.loads((lora_actor / "lora_train_meta.json").read_text())
+    assert (meta["r"], meta["lora_alpha"]) == (3, 6)
+    names = json.loads((lora_actor / "manifest.json").read_text())["tensors"]
+    model_names = [n for n in names if n.startswith("model.")]
+    assert model_names and all("lora_" in n for n in model_names)
+
+
+def test_async_save_killed_anywhere_leaves_verl_a_complete_step(tmp_path):
+    """kill -9 of every rank at random points of async saves: verl's find_latest_ckpt_path
+    always names a committed step that verifies."""
+    from verl.utils.checkpoint.checkpoint_manager import find_latest_ckpt_path
+
+    rng = random.Random(int.from_bytes(os.urandom(4), "little"))
+    for trial in range(3):
+        root = tmp_path / f"trial{trial}"
+        delay = rng.uniform(0, 1.5)
+        with pytest.raises(RuntimeError):  # the ranks died
+            run(workers.async_kill_run, 2, str(root), delay, 6)
+        found = find_latest_ckpt_path(str(root))
+        assert found is not None, f"trial {trial}, kill after {delay:.2f} s"
+        report = verify(Path(found) / "actor")
+        assert report.ok, (delay, [p.line() for p in report.problems])

@@ -1,0 +1,184 @@
+"""Rank functions for test_verl_plugin.py: verl's checkpoint-manager calls, as verl's FSDP
+engine makes them, on FSDP2 over gloo."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+from shardstream.testing.tiny_models import (
+    add_lora,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_config,
+)
+
+from .workers import FULL, batch, build, full_state, train_step
+
+CONTENTS = ["model", "optimizer", "extra"]
+
+
+def _engine_class():
+    """The class verl's FSDP engine module builds, once ``import verl`` loaded the plug-in."""
+    os.environ["SHARDSTREAM_VERL"] = "1"
+    import verl  # noqa: F401  (loads the verl.plugins entry points)
+    from verl.workers.engine.fsdp import transformer_impl
+
+    from shardstream.integrations import verl_plugin
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    found = transformer_impl.FSDPCheckpointManager
+    assert found is FSDPCheckpointManager, found
+    return transformer_impl.FSDPCheckpointManager, verl_plugin.original()
+
+
+def _manager(cls, model, optimizer, scheduler, config, tokenizer=None):
+    # the keywords verl's FSDPEngine.initialize passes
+    return cls(
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        processing_class=tokenizer,
+        checkpoint_config=config,
+        trust_remote_code=False,
+    )
+
+
+def _actor(root: str, step: int) -> str:
+    return str(Path(root) / f"global_step_{step}" / "actor")
+
+
+def save_run(rank: int, world: int, root: str, verl_root: str) -> dict:
+    """Three steps saved through the plug-in (hf_model too, max_ckpt_to_keep=2) beside a
+    step 0 of verl's own manager; the last state also saved by verl's manager into
+    ``verl_root``. Rank 0 writes the reference state."""
+    ours, verls = _engine_class()  # first: the variable is set before verl is imported
+    from verl.trainer.config import CheckpointConfig
+
+    model, optimizer, scheduler, _ = build((world,))
+    tokenizer = build_tiny_tokenizer()
+    plain = CheckpointConfig(save_contents=CONTENTS, load_contents=CONTENTS)
+    verl_manager = _manager(verls, model, optimizer, scheduler, plain, tokenizer)
+    verl_manager.save_checkpoint(_actor(root, 0), None, 0, max_ckpt_to_keep=None)
+    config = CheckpointConfig(save_contents=[*CONTENTS, "hf_model"], load_contents=CONTENTS)
+    manager = _manager(ours, model, optimizer, scheduler, config, tokenizer)
+    for step in (1, 2, 3):
+        train_step(model, optimizer, scheduler, step)
+        manager.save_checkpoint(_actor(root, step), None, step, max_ckpt_to_keep=2)
+    verl_manager.save_checkpoint(_actor(verl_root, 3), None, 3)
+    reference = full_state(model, optimizer, scheduler)
+    reference["rng_next"] = torch.rand(3)
+    torch.save(reference, Path(root) / f"reference_rank{rank}.pt")
+    return {"previous": manager.previous_saved_paths, "rank": manager.rank}
+
+
+def load_run(rank: int, world: int, actors: list[str], mesh: bool, use_verl: bool) -> list:
+    """A fresh, differently seeded model loads each of ``actors``; returns each state and the
+    RNG stream after it."""
+    if use_verl:
+        cls, _ = _engine_class()
+        from verl.trainer.config import CheckpointConfig
+
+        config = CheckpointConfig(save_contents=CONTENTS, load_contents=CONTENTS)
+    else:
+        from shardstream.integrations.verl import FSDPCheckpointManager as cls
+
+        config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+    out = []
+    for actor in actors:
+        model, optimizer, scheduler, _ = build((world,) if mesh else None, seed=123)
+        train_step(model, optimizer, scheduler, 1)  # optimizer state exists, and differs
+        manager = _manager(cls, model, optimizer, scheduler, config)
+        manager.load_checkpoint(actor, None, del_local_after_load=False)
+        out.append({"state": full_state(model, optimizer, scheduler), "rng_next": torch.rand(3)})
+    return out
+
+
+def load_error_run(rank: int, world: int, actor: str) -> dict:
+    """Load a damaged checkpoint: the error, and whether the model changed."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    model, optimizer, scheduler, _ = build((world,), seed=123)
+    before = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, {})
+    try:
+        manager.load_checkpoint(actor)
+    except Exception as exc:  # noqa: BLE001
+        error = f"{type(exc).__name__}: {exc}"
+    else:
+        error = None
+    after = get_model_state_dict(model, options=FULL)
+    return {"error": error, "untouched": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def _lora_model(world: int, seed: int):
+    torch.manual_seed(seed)
+    model = add_lora(build_tiny_model(tiny_config("qwen2"), seed=seed))
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.base_model.model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+
+def lora_run(rank: int, world: int, root: str) -> dict:
+    """save_lora_only: a LoRA model trains a step and saves; a model with other LoRA weights
+    and the same base loads it."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS, "save_lora_only": True}
+    model, optimizer = _lora_model(world, seed=0)
+    ids = batch(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    manager = _manager(FSDPCheckpointManager, model, optimizer, None, config)
+    manager.save_checkpoint(_actor(root, 1), global_step=1)
+    saved = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+    fresh, fresh_optimizer = _lora_model(world, seed=0)
+    torch.manual_seed(7)  # other LoRA weights, same base
+    with torch.no_grad():
+        for name, param in fresh.named_parameters():
+            if "lora_" in name:
+                param.copy_(torch.randn_like(param))
+    loader = _manager(FSDPCheckpointManager, fresh, fresh_optimizer, None, config)
+    loader.load_checkpoint(_actor(root, 1))
+    loaded = get_model_state_dict(fresh, options=FULL)
+    return {"equal": all(torch.equal(saved[k], loaded[k]) for k in saved)}
+
+
+def async_kill_run(rank: int, world: int, root: str, delay: float, steps: int) -> None:
+    """Async saves every step; once step 1 has committed, every rank kills itself (SIGKILL)
+    ``delay`` seconds later, wherever the saves are."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS, "async_save": True}
+    model, optimizer, scheduler, _ = build((world,))
+    manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
+    for step in range(1, steps + 1):
+        train_step(model, optimizer, scheduler, step)
+        manager.save_checkpoint(_actor(root, step), global_step=step, max_ckpt_to_keep=2)
+        if step == 1:
+            manager.wait()
+            timer = threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL))
+            timer.daemon = True
+            timer.start()
+    manager.wait()
+    threading.Event().wait(delay + 30)  # the timer ends it, in a save or after the last
+
+
+def misc_run(rank: int, world: int, lora_root: str, damaged: list[str]) -> dict:
+    """The LoRA round trip, then loads of damaged checkpoints (one process group for both)."""
+    return {
+        "lora": lora_run(rank, world, lora_root),
+        "damaged": [load_error_run(rank, world, actor) for actor in damaged],
+    }
