@@ -32,8 +32,14 @@ LAZY = (
     "torch.profiler._cupti_monitor",
     "zlib_ng.zlib_ng",
 )
-# Not library code: the CLI's entry script runs on import; demo and testing are not reached.
-SKIP = ("shardstream.__main__", "shardstream.demo", "shardstream.testing")
+# Not reached by the scenarios: the CLI's entry script (it runs on import), the demo, test
+# helpers, and the plug-ins for other frameworks (the verl one installs an import hook).
+SKIP = (
+    "shardstream.__main__",
+    "shardstream.demo",
+    "shardstream.testing",
+    "shardstream.integrations",
+)
 
 
 def _import_everything() -> None:
