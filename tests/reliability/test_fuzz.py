@@ -458,5 +458,7 @@ def test_dcp_metadata_giant_declared_length(dcp_copy, opcode):
             assert str(giant) in str(info.value), info.value
             assert not any(isinstance(e, (MemoryError, OverflowError)) for e in _chain(info.value))
             assert peak < 32 * 2**20, f"{name}: allocated {peak >> 20} MiB before refusing"
-            assert time.monotonic() - started < 2, f"{name}: took {time.monotonic() - started} s"
+            # Refused before the work, not after it: far below what reading `giant` would take,
+            # with room for a loaded machine.
+            assert time.monotonic() - started < 30, f"{name}: took {time.monotonic() - started} s"
     COUNTS["DCP giant declared lengths: rejected with a ShardstreamError"] += 2

@@ -136,7 +136,10 @@ def test_a_claim_whose_file_a_cleaner_removed_claims_again(tmp_path):
     try:
         claimant = threading.Thread(target=lambda: claimed.update(fd=commit._claim(tmp)))
         claimant.start()
-        time.sleep(0.2)  # the claimant waits on the cleaner's lock
+        deadline = time.monotonic() + 60  # a guard, not a timing assumption
+        while "fd" not in cleaner and time.monotonic() < deadline:
+            time.sleep(0.01)
+        # The cleaner holds the lock, so the claimant is blocked on it (or about to be).
         assert claimant.is_alive()
         owner.unlink()  # the cleaner removes the "dead" claim, then lets go
         os.close(cleaner["fd"])
