@@ -71,6 +71,25 @@ def test_a_module_without_the_name_is_refused_by_name():
         _patch(module)
 
 
+def test_a_verl_that_moved_the_names_is_refused_naming_what_was_expected(tmp_path):
+    from shardstream.integrations import verl_plugin
+
+    installed = Path(verl.__file__).parent
+    for name in verl_plugin.TARGETS:
+        relative = Path(*name.split(".")[1:]).with_suffix(".py")
+        (tmp_path / relative).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(installed / relative, tmp_path / relative)
+    verl_plugin.check_verl_files(tmp_path)  # verl 0.9.1's own files pass
+    engine = tmp_path / "workers/engine/fsdp/transformer_impl.py"
+    engine.write_text(engine.read_text().replace("FSDPCheckpointManager", "CheckpointManager"))
+    with pytest.raises(verl_plugin.VerlPluginError, match="transformer_impl.py: expected"):
+        verl_plugin.check_verl_files(tmp_path)
+    shutil.copyfile(installed / "workers/engine/fsdp/transformer_impl.py", engine)
+    (tmp_path / "utils/checkpoint/fsdp_checkpoint_manager.py").unlink()
+    with pytest.raises(verl_plugin.VerlPluginError, match="no module verl.utils.checkpoint"):
+        verl_plugin.check_verl_files(tmp_path)
+
+
 def test_bad_contents_are_refused_by_name():
     from verl.trainer.config import CheckpointConfig
 

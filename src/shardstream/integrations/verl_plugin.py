@@ -66,13 +66,15 @@ def install() -> None:
             _patch(module)
 
 
-def check_verl_files() -> None:
+def check_verl_files(base: Path | None = None) -> None:
     """Every target module's source is where verl 0.9.1 has it and mentions the class; read,
-    not imported."""
-    package = sys.modules.get("verl")
-    if package is None:
-        import verl as package  # noqa: F401  (loads this plug-in too; install() is idempotent)
-    base = Path(package.__file__).parent
+    not imported. ``base``: verl's package directory (default: the imported verl's)."""
+    version = "?"
+    if base is None:
+        package = sys.modules.get("verl")
+        if package is None:
+            import verl as package  # noqa: F401  (loads this plug-in; install() is idempotent)
+        base, version = Path(package.__file__).parent, getattr(package, "__version__", "?")
     for name in TARGETS:
         source = base.joinpath(*name.split(".")[1:]).with_suffix(".py")
         expected = f"class {CLASS}" if name == DEFINING else CLASS
@@ -80,7 +82,7 @@ def check_verl_files() -> None:
             text = source.read_text(encoding="utf-8")
         except OSError:
             raise VerlPluginError(
-                f"verl {getattr(package, '__version__', '?')} has no module {name} ({source}), "
+                f"verl {version} has no module {name} ({source}), "
                 f"where verl 0.9.1 {'defines' if name == DEFINING else 'imports'} {CLASS}; "
                 "this shardstream does not know where to put its checkpoint manager"
             ) from None
