@@ -106,6 +106,25 @@ def test_bad_contents_are_refused_by_name():
         FSDPCheckpointManager(model=None, checkpoint_config={"load_contents": "model"})
 
 
+def test_config_as_dataclass_dictconfig_or_dict():
+    from omegaconf import OmegaConf
+    from verl.trainer.config import CheckpointConfig
+
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    values = {"save_contents": ["model", "hf_model"], "load_contents": ["model"]}
+    values |= {"async_save": True, "save_lora_only": True}
+    for config in (CheckpointConfig(**values), OmegaConf.create(values), values):
+        manager = FSDPCheckpointManager(model=None, checkpoint_config=config)
+        assert manager.checkpoint_save_contents == ["model", "hf_model"]
+        assert manager.should_save_hf_model and not manager.should_save_optimizer
+        assert manager.should_load_model and not manager.should_load_extra
+        assert manager.async_save and manager.should_save_lora_only
+        assert (manager.rank, manager.world_size) == (0, 1)
+    default = FSDPCheckpointManager(model=None)
+    assert default.checkpoint_load_contents == ["model", "optimizer", "extra"]
+
+
 def test_layout_retention_and_side_files(saved):
     root, _, results = saved
     # max_ckpt_to_keep=2 deleted step 1 (and its emptied directory), not verl's step 0
