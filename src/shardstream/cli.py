@@ -60,6 +60,12 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
     _flag(
         merge,
+        "--keep-names",
+        action="store_true",
+        help="write the in-memory names, not the layout save_pretrained writes",
+    )
+    _flag(
+        merge,
         "--no-direct-io",
         action="store_true",
         help="write through the page cache, not with O_DIRECT (used where the file system allows)",
@@ -152,6 +158,7 @@ def run_merge(args: argparse.Namespace) -> int:
             hf_model_path=args.hf_model_path,
             tie_word_embedding=args.tie_word_embedding,
             fuse_lora=args.fuse_lora,
+            keep_names=args.keep_names,
             distributed=args.distributed,
             direct_io=not args.no_direct_io,
             progress=progress.update,
@@ -173,6 +180,7 @@ def run_merge(args: argparse.Namespace) -> int:
             f"({format_size(summary.throughput_bytes_per_s)}/s), peak RSS "
             f"{format_size(summary.peak_rss_bytes)}"
         )
+        print(f"layout: {summary.layout}")
     if not args.quiet and not args.dtype and summary.format == "verl" and summary.dtype != "BF16":
         from .engine.dtypes import TORCH_NAME
 

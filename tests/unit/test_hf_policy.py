@@ -35,7 +35,7 @@ def _global(name: str, dtype: str, shape: tuple[int, ...]) -> GlobalTensor:
     return GlobalTensor(name, dtype, shape, ())
 
 
-def test_output_tensors_apply_drop_dtype_and_names(monkeypatch):
+def test_output_tensors_apply_drop_dtype_and_names():
     tensors = [
         _global("model.embed_tokens.weight", "F32", (4, 2)),
         _global("lm_head.weight", "F32", (4, 2)),
@@ -44,19 +44,20 @@ def test_output_tensors_apply_drop_dtype_and_names(monkeypatch):
     config = {"tie_word_embeddings": True}
     drop = hf.tied_duplicates(tensors, config, False)
     assert drop == {"lm_head.weight"}
-    assert hf.output_names([t.name for t in tensors], config) == {t.name: t.name for t in tensors}
     outputs = output_tensors(tensors, "BF16", drop, config)
     assert [(t.name, t.dtype) for t in outputs] == [
         ("model.embed_tokens.weight", "BF16"),
         ("steps", "I64"),
     ]
-    # A renaming hook names the output; the source keeps the stored name.
-    monkeypatch.setattr(hf, "output_names", lambda names, config: {n: "x." + n for n in names})
-    renamed = output_tensors(tensors, None, drop, config)
+    # The output is named as save_pretrained names it (here: torch.compile's prefix
+    # stripped); the source keeps the stored name.
+    compiled = [_global("_orig_mod." + t.name, t.dtype, t.shape) for t in tensors]
+    renamed = output_tensors(compiled, None, hf.tied_duplicates(compiled, config, False), config)
     assert [(t.name, t.source.name) for t in renamed][0] == (
-        "x.model.embed_tokens.weight",
         "model.embed_tokens.weight",
+        "_orig_mod.model.embed_tokens.weight",
     )
+    assert [t.name for t in renamed] == ["model.embed_tokens.weight", "steps"]
 
 
 def test_no_tie_without_an_input_embedding():

@@ -14,11 +14,11 @@ from ..engine.copy import Buffers, Streamer
 from ..engine.dtypes import itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
-from ..engine.plan import split_ranges
+from ..engine.plan import TensorSlice, split_ranges
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
-from ..formats.hf_writer import HfModelFiles, output_tensors
+from ..formats.hf_writer import HfModelFiles, output_layout
 from ..formats.source import open_checkpoint
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
@@ -43,6 +43,8 @@ class MergeSummary:
     peak_rss_bytes: int
     dtype: str | None
     skipped: list[str] = field(default_factory=list)
+    layout: str = ""  # the output names' rule (hf_names.NamePlan.describe)
+    kept_names: bool = False  # --keep-names: in-memory names written on purpose
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -86,6 +88,7 @@ def merge(
     hf_model_path: str | os.PathLike | None = None,
     tie_word_embedding: bool = False,
     fuse_lora: bool = False,
+    keep_names: bool = False,
     distributed: bool = False,
     direct_io: bool = True,
     progress: Callable[[int], None] | None = None,
@@ -93,8 +96,10 @@ def merge(
 ) -> MergeSummary:
     """Merge the sharded checkpoint in ``local_dir`` into a HF model directory ``target_dir``.
 
-    ``direct_io=False`` writes the output through the page cache instead of with ``O_DIRECT``
-    (which is used where the file system accepts it).
+    The output holds the names, shapes and bytes ``save_pretrained`` of the installed
+    transformers writes for the model (``formats.hf_names``); ``keep_names=True`` writes the
+    in-memory names instead. ``direct_io=False`` writes the output through the page cache
+    instead of with ``O_DIRECT`` (which is used where the file system accepts it).
 
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -112,6 +117,7 @@ def merge(
                 hf_model_path=hf_model_path,
                 tie_word_embedding=tie_word_embedding,
                 fuse_lora=fuse_lora,
+                keep_names=keep_names,
                 distributed=True,
                 direct_io=direct_io,
                 progress=progress,
@@ -153,7 +159,7 @@ def merge(
     if split:
         rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
-    outputs = output_tensors(tensors, out_dtype, drop, config)
+    names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes)
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
@@ -169,12 +175,13 @@ def merge(
         error = None
         try:
             if coll.world() > 1:
-                checkpoint.check_split_records([t.source for t in outputs])
+                checkpoint.check_split_records([t for t in tensors if t.name not in drop])
             if rank == 0:
                 check_replicas(checkpoint, streamer)
             if split and fuse_lora:
                 shapes = {t.name: t.shape for t in tensors}
-                streamer.transforms = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
+                fused = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
+                streamer.transforms = _by_output_name(fused, outputs)
         except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc
         coll.agree_or_raise(error)
@@ -244,7 +251,26 @@ def merge(
         peak_rss_bytes=peak_rss_bytes(),
         dtype=out_dtype,
         skipped=sorted(drop),
+        layout=names.describe(),
+        kept_names=names.kept_names,
     )
+
+
+def _by_output_name(transforms: dict, outputs: list[OutputTensor]) -> dict:
+    """LoRA row hooks (keyed by stored name) keyed by the output name that copies run under;
+    a LoRA weight that the output layout splits is refused."""
+    out = {}
+    for tensor in outputs:
+        hook = transforms.get(tensor.source.name)
+        if hook is None:
+            continue
+        if isinstance(tensor.source, TensorSlice):
+            raise UsageError(
+                f"tensor {tensor.source.name!r}: --fuse-lora into a weight the output layout "
+                f"splits ({tensor.name!r}) is not supported; merge with --keep-names"
+            )
+        out[tensor.name] = hook
+    return out
 
 
 def write_adapter(

@@ -370,3 +370,83 @@ def split_ranges(
     for n, piece in enumerate(pieces):
         out[n % parts].append(piece)
     return out
+
+
+@dataclass(frozen=True)
+class TensorSlice(GlobalTensor):
+    """A box of a stored global tensor seen as a tensor of its own (an expert of a fused MoE
+    weight, one half of a gate_up projection): ``blocks`` are the stored blocks clipped to
+    the box, in the slice's coordinates, so copying it plans byte ranges of the stored bytes.
+
+    ``name`` is the stored tensor's; ``start`` and ``extent`` place the box in it; output dim
+    k is stored dim ``dims[k]`` (None: a size-1 dim the stored tensor does not have)."""
+
+    stored_shape: tuple[int, ...] = ()
+    start: tuple[int, ...] = ()
+    extent: tuple[int, ...] = ()
+    dims: tuple[int | None, ...] = ()
+
+
+def slice_tensor(
+    tensor: GlobalTensor,
+    start: Sequence[int],
+    extent: Sequence[int],
+    dims: Sequence[int | None],
+) -> TensorSlice:
+    """The box ``start``/``extent`` of ``tensor``, with output dim k taken from stored dim
+    ``dims[k]``; stored dims not in ``dims`` must have extent 1 (they are dropped)."""
+    shape = tuple(1 if d is None else extent[d] for d in dims)
+    kept = {d for d in dims if d is not None}
+    if any(extent[d] != 1 for d in range(len(extent)) if d not in kept):
+        raise ValueError(f"tensor {tensor.name!r}: a dropped dim of the slice is not of size 1")
+    blocks = []
+    for block in _blocks_in_box(tensor.blocks, start, extent):
+        clipped = slice_block(block, start, extent, dims)
+        if clipped is not None:
+            blocks.append(clipped)
+    return TensorSlice(
+        tensor.name,
+        tensor.dtype,
+        shape,
+        tuple(blocks),
+        tensor.shape,
+        tuple(start),
+        tuple(extent),
+        tuple(dims),
+    )
+
+
+def slice_block(
+    block: Block, start: Sequence[int], extent: Sequence[int], dims: Sequence[int | None]
+) -> Block | None:
+    """``block`` (of a stored tensor) clipped to a box and expressed in the box's coordinates,
+    dims picked by ``dims`` as in ``slice_tensor``; None when they do not meet."""
+    lo = [max(a, s) for a, s in zip(block.start, start)]
+    hi = [min(a + n, s + e) for a, n, s, e in zip(block.start, block.shape, start, extent)]
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    offset = block.offset + itemsize(block.dtype) * sum(
+        (a - s) * st for a, s, st in zip(lo, block.start, block.strides)
+    )
+    return Block(
+        block.location,
+        offset,
+        block.dtype,
+        tuple(0 if d is None else lo[d] - start[d] for d in dims),
+        tuple(1 if d is None else hi[d] - lo[d] for d in dims),
+        tuple(1 if d is None else block.strides[d] for d in dims),
+    )
+
+
+def _blocks_in_box(
+    blocks: Sequence[Block], start: Sequence[int], extent: Sequence[int]
+) -> Iterable[Block]:
+    """The blocks that may meet the box: for a ``GridBlocks`` only the parts along its split
+    dim that the box spans (a many-rank grid is not walked once per slice)."""
+    if not isinstance(blocks, GridBlocks) or not len(blocks):
+        return blocks
+    size = blocks.shape[blocks.dim]
+    step = -(-size // blocks.world) if blocks.world else 1
+    lo, hi = start[blocks.dim], start[blocks.dim] + extent[blocks.dim]
+    first, last = lo // step, min(len(blocks), -(-hi // step))
+    return [blocks[i] for i in range(first, last)]

@@ -7,9 +7,10 @@ the files this module plans."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ from ..engine.plan import split_into_files
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
+from .hf_names import strip_wrappers
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
@@ -56,9 +58,16 @@ def _by_element_size(tensors: Sequence[OutputTensor]) -> list[OutputTensor]:
 
 
 def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:
+    """The index ``save_pretrained`` writes: total parameter count (the elements written;
+    transformers counts the model's parameters, the same tensors for these models), total
+    bytes, and the weight map, keys sorted."""
     weight_map = {t.name: name for name, tensors in files for t in tensors}
     total = sum(t.nbytes for _, tensors in files for t in tensors)
-    return {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    count = sum(math.prod(t.shape) for _, tensors in files for t in tensors)
+    return {
+        "metadata": {"total_parameters": count, "total_size": total},
+        "weight_map": dict(sorted(weight_map.items())),
+    }
 
 
 def check_no_links_out(config_dir: Path, root: Path) -> Path:
@@ -172,18 +181,13 @@ def cast_dtype(stored: str, out_dtype: str | None) -> str:
 
 
 def tied_duplicates(tensors: Sequence[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
-    """``lm_head.weight`` when the model ties it to the input embedding: not written."""
-    names = {t.name for t in tensors}
+    """``lm_head.weight`` (its stored name, wrapper prefixes aside) when the model ties it to
+    the input embedding: not written."""
+    names = strip_wrappers([t.name for t in tensors])
     tied = force_tie or bool(config.get("tie_word_embeddings", False))
-    has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names)
-    return {TIED_HEAD} if tied and has_embedding and TIED_HEAD in names else set()
-
-
-def output_names(names: Iterable[str], config: dict) -> dict[str, str]:
-    """Stored name -> the name the model directory gives it, for the model ``config``
-    (config.json's content) describes: where transformers' save-time conversions (renamed
-    and split fused tensors) belong. Every name is kept as it is today."""
-    return {name: name for name in names}
+    has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names.values())
+    heads = {stored for stored, name in names.items() if name == TIED_HEAD}
+    return heads if tied and has_embedding else set()
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,9 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..engine.plan import GlobalTensor
+from ..engine.plan import GlobalTensor, slice_tensor
 from . import hf
+from .hf_names import NamePlan, plan_names
 from .writer import FileJob, OutputTensor, WrittenFile, create_file, plan_file, seal_file
 
 # (file index, first chunk) -> the digests of the chunks from there on, as one writer hashed
@@ -20,16 +21,37 @@ ChunkDigests = Mapping[tuple[int, int], Sequence[str]]
 
 
 def output_tensors(
-    tensors: Sequence[GlobalTensor], out_dtype: str | None, drop: set[str], config: dict
+    tensors: Sequence[GlobalTensor],
+    out_dtype: str | None,
+    drop: set[str],
+    config: dict,
+    keep_names: bool = False,
 ) -> list[OutputTensor]:
-    """What the model directory holds: every tensor but those in ``drop``, under its output
-    name (``hf.output_names``) and in its output dtype (``hf.cast_dtype``)."""
-    names = hf.output_names([t.name for t in tensors if t.name not in drop], config)
-    return [
-        OutputTensor(names[t.name], hf.cast_dtype(t.dtype, out_dtype), t)
-        for t in tensors
-        if t.name not in drop
-    ]
+    """What the model directory holds (``output_layout``'s tensors)."""
+    return output_layout(tensors, out_dtype, drop, config, keep_names)[1]
+
+
+def output_layout(
+    tensors: Sequence[GlobalTensor],
+    out_dtype: str | None,
+    drop: set[str],
+    config: dict,
+    keep_names: bool = False,
+) -> tuple[NamePlan, list[OutputTensor]]:
+    """Every tensor but those in ``drop``, under the names, shapes and order ``save_pretrained``
+    gives them (``hf_names.plan_names``) and in its output dtype (``hf.cast_dtype``). A renamed
+    tensor keeps its source; a slice of a stored tensor reads its box (``TensorSlice``), so
+    splitting a fused tensor stays a byte-range plan. ``source.name`` is the stored name."""
+    kept = [t for t in tensors if t.name not in drop]
+    plan = plan_names([(t.name, t.dtype, t.shape) for t in kept], config, keep_names)
+    by_name = {t.name: t for t in kept}
+    outputs = []
+    for piece in plan.pieces:
+        source = by_name[piece.stored]
+        if not piece.whole:
+            source = slice_tensor(source, piece.start, piece.extent, piece.dims)
+        outputs.append(OutputTensor(piece.name, hf.cast_dtype(source.dtype, out_dtype), source))
+    return plan, outputs
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,15 @@ from ..engine.checksum import ChunkHasher
 from ..engine.copy import Buffers, Streamer, pwrite_array
 from ..engine.dtypes import code_of, itemsize
 from ..engine.endpoints import Endpoint, FileEndpoint, TensorEndpoint, live_block
-from ..engine.plan import Block, CopyRun, GlobalTensor, dense_block, plan_copy
+from ..engine.plan import (
+    Block,
+    CopyRun,
+    GlobalTensor,
+    TensorSlice,
+    dense_block,
+    plan_copy,
+    slice_block,
+)
 from ..errors import UsageError
 from ..formats import hf
 from ..formats.hf_writer import HfModelFiles, output_tensors
@@ -142,7 +150,11 @@ class ExportPlan:
         for file_name, outputs in self.files:
             for out in outputs:
                 name = MODEL_PREFIX + out.source.name
-                if name not in tensors or out.dtype != code_of(tensors[name].dtype):
+                if (
+                    name not in tensors
+                    or out.dtype != code_of(tensors[name].dtype)
+                    or isinstance(out.source, TensorSlice)  # holds a part of it only
+                ):
                     continue
                 chunk = whole_chunk(list(out.shape), f"{HF_DIR}/{file_name}", out.name)
                 entries[name] = {"dtype": out.dtype, "shape": list(out.shape), "chunks": [chunk]}
@@ -248,6 +260,11 @@ def write_hf_model(
                 block = dense_block(rank_file.file.path, at, block.dtype, block.shape, block.start)
             elif not guarded:
                 endpoints[block.location] = TensorEndpoint(name, local)
+            source = tensor.source
+            if isinstance(source, TensorSlice):  # an expert, half a gate_up: its box only
+                block = slice_block(block, source.start, source.extent, source.dims)
+                if block is None:
+                    continue
             dst = dense_block(
                 str(index), job.header_bytes + entry.begin, tensor.dtype, tensor.shape
             )
@@ -287,10 +304,15 @@ def write_hf_model(
 
 def _owned(live: dict[str, torch.Tensor], files: list[tuple[str, list[OutputTensor]]]):
     """(model name, this rank's block, its local tensor) for every tensor of ``files`` this
-    rank exports rows of, in file order: the order the export reads them."""
+    rank exports rows of, in file order: the order the export reads them. A tensor split
+    into several outputs is read once."""
+    seen = set()
     for _, tensors in files:
         for tensor in tensors:
             name = tensor.source.name
+            if name in seen:
+                continue
+            seen.add(name)
             block, local = _local_block(f"export:{name}", live[name])
             if block is not None:
                 yield name, block, local

@@ -1,0 +1,347 @@
+"""The names, shapes and slices a HF model directory gives a checkpoint's tensors: what
+``save_pretrained`` of the installed transformers writes for the same in-memory state.
+
+Wrapper prefixes (``torch.compile``'s ``_orig_mod.``, FSDP1's ``_fsdp_wrapped_module.``,
+activation checkpointing's ``_checkpoint_wrapped_module.``, DDP's leading ``module.``) are
+stripped first. Then transformers' own save-time conversion for the model is applied:
+
+* transformers 5 (``core_model_loading.revert_weight_conversion``): the function itself runs
+  on meta tensors that are views into one meta storage, with ``contiguous()`` kept a view.
+  Every output that comes back as a view of one stored tensor is a rename (the whole tensor)
+  or a box of it (an expert of a fused MoE weight, half of a gate_up projection); anything
+  it computes otherwise (a concatenation, a transpose) is refused, naming the tensor.
+* transformers 4 (the model class's ``_checkpoint_conversion_mapping``): the renames
+  ``save_pretrained`` applies when it reverses that mapping.
+
+Without transformers, a model type is written under its stripped names only where it is
+known to need no mapping (``NO_MAPPING_MODEL_TYPES``, checked against transformers 4.57 and
+5.25); any other model type is refused, naming it and ``pip install transformers``.
+torch and transformers are imported only when a config names a model type.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..errors import CheckpointFormatError, UsageError
+
+WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
+DDP_PREFIX = "module."
+
+# Model types whose causal-LM, token/sequence-classification classes have no save-time
+# conversion in transformers 4.57 nor 5.25: written under their stripped names even without
+# transformers installed. Every other model type needs transformers to be decided.
+NO_MAPPING_MODEL_TYPES = frozenset(
+    {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
+)
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One output tensor: the box ``start``/``extent`` of stored tensor ``stored``, whose
+    output dim k is stored dim ``dims[k]`` (None: an added size-1 dim)."""
+
+    name: str
+    stored: str
+    start: tuple[int, ...]
+    extent: tuple[int, ...]
+    dims: tuple[int | None, ...]
+    shape: tuple[int, ...]
+
+    @property
+    def whole(self) -> bool:
+        """The whole stored tensor as it is: a rename at most."""
+        return (
+            not any(self.start)
+            and self.dims == tuple(range(len(self.extent)))
+            and self.shape == self.extent
+        )
+
+
+@dataclass(frozen=True)
+class NamePlan:
+    """Every output tensor in the order ``save_pretrained`` holds them, and the rule used."""
+
+    pieces: tuple[Piece, ...]
+    rule: str
+    kept_names: bool = False
+    stripped: dict[str, str] | None = None  # stored -> without wrapper prefixes
+
+    @property
+    def renamed(self) -> int:
+        """Whole tensors whose name the mapping changes (wrapper prefixes aside)."""
+        plain = self.stripped or {}
+        return sum(p.whole and p.name != plain.get(p.stored, p.stored) for p in self.pieces)
+
+    @property
+    def sliced(self) -> int:
+        return sum(not p.whole for p in self.pieces)
+
+    def describe(self) -> str:
+        """One line for merge's summary and inspect."""
+        if self.kept_names:
+            return f"{self.rule}: in-memory names written on purpose"
+        changes = []
+        if self.renamed:
+            changes.append(f"{self.renamed} renamed")
+        if self.sliced:
+            stored = len({p.stored for p in self.pieces if not p.whole})
+            changes.append(f"{stored} fused tensors split into {self.sliced}")
+        return f"{self.rule} ({', '.join(changes) or 'names as stored'})"
+
+
+def strip_wrappers(names: Sequence[str]) -> dict[str, str]:
+    """Stored name -> name without wrapper prefixes; two names that become one are refused."""
+    drop_module = bool(names) and all(n.startswith(DDP_PREFIX) for n in names)
+    out: dict[str, str] = {}
+    seen: dict[str, str] = {}
+    for name in names:
+        stripped = name[len(DDP_PREFIX) :] if drop_module else name
+        for part in WRAPPER_PARTS:
+            stripped = stripped.replace(part, "")
+        if stripped in seen:
+            raise CheckpointFormatError(
+                f"tensors {seen[stripped]!r} and {name!r} both become {stripped!r} once wrapper "
+                f"prefixes ({', '.join(WRAPPER_PARTS)} and a leading {DDP_PREFIX}) are stripped"
+            )
+        seen[stripped] = name
+        out[name] = stripped
+    return out
+
+
+def plan_names(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    config: dict,
+    keep_names: bool = False,
+) -> NamePlan:
+    """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
+    ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
+    """
+    if keep_names:
+        return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
+    stripped = strip_wrappers([n for n, _, _ in tensors])
+    rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
+    plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
+    back = {v: k for k, v in stripped.items()}
+    model_type = config.get("model_type") if isinstance(config, dict) else None
+    if not model_type:
+        return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
+    try:
+        import transformers
+    except ImportError:
+        if model_type in NO_MAPPING_MODEL_TYPES:
+            return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
+        raise UsageError(
+            f"model type {model_type!r}: the layout save_pretrained writes for it may differ "
+            "from the in-memory names, and only transformers can tell: pip install "
+            "transformers (or merge with --keep-names to write the in-memory names)"
+        ) from None
+    version = transformers.__version__
+    if _has_weight_conversions():
+        pieces, what = _trace_v5(plain, config)
+    else:
+        pieces, what = _renames_v4(plain, config)
+    pieces = [
+        Piece(p.name, back[p.stored], p.start, p.extent, p.dims, p.shape) for p in pieces
+    ]
+    return NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
+
+
+def _join(*parts: str) -> str:
+    return "; ".join(p for p in parts if p)
+
+
+def _whole(name: str, stored: str, shape: Sequence[int]) -> Piece:
+    shape = tuple(shape)
+    return Piece(name, stored, (0,) * len(shape), shape, tuple(range(len(shape))), shape)
+
+
+def _identity(plain, back: dict[str, str], rule: str) -> NamePlan:
+    pieces = tuple(_whole(n, back[n], s) for n, _, s in plain)
+    return NamePlan(pieces, rule, False, {v: k for k, v in back.items()})
+
+
+def _has_weight_conversions() -> bool:
+    try:
+        from transformers.core_model_loading import revert_weight_conversion  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _meta_model(config: dict) -> Any:
+    """The model class config.json's ``architectures`` names, built on the meta device."""
+    import torch
+    import transformers
+    from transformers import CONFIG_MAPPING
+
+    model_type = config["model_type"]
+    if model_type not in CONFIG_MAPPING:
+        return None
+    hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    names = config.get("architectures") or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is None:
+        from transformers import AutoModel, AutoModelForCausalLM
+
+        for auto in (AutoModelForCausalLM, AutoModel):
+            try:
+                cls = auto._model_mapping[type(hf_config)]
+                break
+            except KeyError:
+                continue
+    if cls is None:
+        return None
+    quiet = logging.getLogger("transformers")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        with torch.device("meta"):
+            return cls(hf_config)
+    except Exception as exc:  # noqa: BLE001  (any model code may fail on meta)
+        raise CheckpointFormatError(
+            f"model type {model_type!r}: cannot build {cls.__name__} to learn the layout "
+            f"save_pretrained writes ({type(exc).__name__}: {exc}); merge with --keep-names "
+            "to write the in-memory names"
+        ) from None
+    finally:
+        quiet.setLevel(level)
+
+
+def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
+    """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
+    back where each output lies in the stored tensors."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from transformers.core_model_loading import revert_weight_conversion
+
+    from ..engine.dtypes import TORCH_BY_CODE
+
+    model = _meta_model(config)
+    if model is None:
+        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
+    what = f"save_pretrained layout of {type(model).__name__}"
+
+    class KeepViews(TorchFunctionMode):
+        """``contiguous()`` answers the view itself, so that a slice stays a view."""
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func is torch.Tensor.contiguous:
+                return args[0]
+            return func(*args, **(kwargs or {}))
+
+    starts, fakes, offset = [], {}, 0
+    total = sum(math.prod(s) for _, _, s in plain) + 1
+    bases = {}
+    for name, dtype, shape in plain:
+        code = TORCH_BY_CODE[dtype]
+        if code not in bases:
+            bases[code] = torch.empty(total, dtype=code, device="meta")
+        fakes[name] = bases[code][offset : offset + math.prod(shape)].view(shape)
+        starts.append(offset)
+        offset += math.prod(shape) or 1
+    base_ids = {id(b) for b in bases.values()}
+    try:
+        with KeepViews():
+            out = revert_weight_conversion(model, dict(fakes))
+    except Exception as exc:  # noqa: BLE001  (names the model's rules do not expect)
+        raise CheckpointFormatError(
+            f"{what}: transformers' save-time conversion fails on the stored names "
+            f"({type(exc).__name__}: {exc}); rules: {_converter_of(model)}. Merge with "
+            "--keep-names to write the in-memory names"
+        ) from None
+    pieces = []
+    for name, view in out.items():
+        index = bisect.bisect_right(starts, view.storage_offset()) - 1
+        stored, dtype, shape = plain[index]
+        if (
+            id(view._base) not in base_ids
+            or view.dtype != fakes[stored].dtype
+            or (piece := _as_box(name, stored, shape, view, starts[index])) is None
+        ):
+            raise CheckpointFormatError(
+                f"tensor {name!r}: {what} computes it from the stored tensors (transformers "
+                f"{_converter_of(model)}), not a rename or a slice of one; shardstream "
+                "writes only those. Merge with --keep-names to write the in-memory names"
+            )
+        pieces.append(piece)
+    return pieces, what
+
+
+def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | None:
+    """The box of stored tensor ``stored`` (``shape``) that meta ``view`` is, or None."""
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * shape[d + 1]
+    flat = view.storage_offset() - base_offset
+    start = []
+    for size, stride in zip(shape, strides):
+        start.append(flat // stride % size if size else 0)
+    if math.prod(view.shape) == 0:
+        return _whole(name, stored, shape) if tuple(view.shape) == tuple(shape) else None
+    extent = [1] * len(shape)
+    dims: list[int | None] = []
+    nxt = 0
+    for size, stride in zip(view.shape, view.stride()):
+        if size == 1:
+            dims.append(None)
+            continue
+        j = next(
+            (
+                j
+                for j in range(nxt, len(shape))
+                if strides[j] == stride and start[j] + size <= shape[j]
+            ),
+            None,
+        )
+        if j is None:
+            return None
+        dims.append(j)
+        extent[j] = size
+        nxt = j + 1
+    # An output size-1 dim maps to a stored dim when the stored tensor has one there.
+    for k, d in enumerate(dims):
+        if d is None:
+            dims[k] = next(
+                (j for j in range(len(shape)) if shape[j] == 1 and j not in dims), None
+            )
+    piece = Piece(name, stored, tuple(start), tuple(extent), tuple(dims), tuple(view.shape))
+    return _whole(name, stored, shape) if piece.whole else piece
+
+
+def _converter_of(model: Any) -> str:
+    """The conversion rules of ``model`` (for messages)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    rules = get_model_conversion_mapping(model, add_legacy=False)
+    return "; ".join(repr(r) for r in rules) or "no rule"
+
+
+def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
+    """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
+    (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
+    its capture groups dropped from the replacement."""
+    import transformers
+
+    names = config.get("architectures") or []
+    cls = getattr(transformers, names[0], None) if names else None
+    mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
+    if not mapping:
+        return [_whole(n, n, s) for n, _, s in plain], "no key mapping"
+    reverse = {v: k for k, v in mapping.items()}
+    pieces = []
+    for name, _, shape in plain:
+        new = name
+        for pattern, replacement in reverse.items():
+            replacement = re.sub(r"\(.*\)", "", replacement.lstrip("^"))
+            new, count = re.subn(pattern, replacement, name)
+            if count:
+                break
+        pieces.append(_whole(new, name, shape))
+    return pieces, f"key mapping of {cls.__name__}"
