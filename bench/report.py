@@ -227,6 +227,23 @@ def render_reading(r: dict) -> list[str]:
             + "; ".join(parts)
             + ".",
         ]
+        threads = prof.get("threads") or {}
+        if threads.get("buckets_s") and threads.get("profiled_s"):
+            t_total = threads["profiled_s"]
+            t_parts = [
+                f"{k} {v:.1f} s ({v / t_total:.0%})"
+                for k, v in sorted(threads["buckets_s"].items(), key=lambda kv: -kv[1])
+                if v >= 0.05
+            ]
+            out[-1] += (
+                f" The window-writer thread, profiled alongside ({t_total:.1f} s of its own "
+                "time, overlapping the main thread's): " + "; ".join(t_parts) + "."
+            )
+        out += [
+            "",
+            "A part-by-part account of a 4 GB merge against `bench/cast_floor.py` is in "
+            "[benchmarks-merge-profile.md](benchmarks-merge-profile.md).",
+        ]
     out += [
         "",
         "What differs between the tools, beyond speed:",

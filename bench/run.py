@@ -218,7 +218,10 @@ PROFILE_BUCKETS = (
         "CRC-32 of .pt records, faulting in mapped source pages (zlib-ng crc32)",
         ("crc32",),
     ),
-    ("waiting on other threads (lock.acquire)", ("'acquire' of '_thread.lock'",)),
+    (
+        "waiting on other threads (lock.acquire, queue get)",
+        ("'acquire' of '_thread.lock'", "'get' of '_queue.SimpleQueue'"),
+    ),
 )
 
 
@@ -237,24 +240,68 @@ def profile_buckets(prof: Path) -> dict:
     buckets["everything else (imports, planning, Python)"] = total - sum(buckets.values())
     return {
         "profiled_s": total,
-        "threads_note": "cProfile sees the main thread only",
         "buckets_s": {k: round(v, 3) for k, v in buckets.items()},
     }
 
 
+# The profiled child. `shardstream`'s console entry point ends in os._exit (skipping torch's
+# slow teardown), so `python -m cProfile -m shardstream` never gets to write its profile: the
+# child calls `shardstream.cli.main` itself and dumps the profiles before it exits the same way.
+# Threads the merge starts (the window writer) get a profiler of their own through
+# threading.setprofile; their stats are dumped to a second file.
+_PROFILE_CHILD = """
+import cProfile, os, sys, threading
+main_prof, thread_prof, argv = sys.argv[1], sys.argv[2], sys.argv[3:]
+threads = []
+def _start(*_):
+    p = cProfile.Profile()
+    threads.append(p)
+    p.enable()
+threading.setprofile(_start)
+profile = cProfile.Profile()
+profile.enable()
+from shardstream.cli import main
+code = main(argv)
+profile.disable()
+profile.dump_stats(main_prof)
+if threads:
+    import pstats
+    for p in threads:
+        p.disable()
+    stats = pstats.Stats(threads[0])
+    for p in threads[1:]:
+        stats.add(p)
+    stats.dump_stats(thread_prof)
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+
+
 def profile_shardstream(actor: Path, out: Path, a: argparse.Namespace) -> dict:
-    """One extra warm run under cProfile: where does shardstream's own time go?"""
-    prof = a.results / "shardstream.prof"
+    """One extra warm run under cProfile: where does shardstream's own time go?
+
+    Returns the main thread's buckets, and the other threads' (the window writer: pwrite,
+    xxh3 of the output) under ``threads``.
+    """
+    main_prof = a.results / "shardstream.prof"
+    thread_prof = a.results / "shardstream-threads.prof"
+    for stale in (main_prof, thread_prof):
+        stale.unlink(missing_ok=True)  # never report an earlier run's profile
     argv = tool_argv("shardstream", actor, out, a)
-    argv = [argv[0], "-m", "cProfile", "-o", str(prof), *argv[1:]]
+    argv = [argv[0], "-c", _PROFILE_CHILD, str(main_prof), str(thread_prof), *argv[3:]]
     if out.exists():
         shutil.rmtree(out)
     prepare("warm", actor)
     m = run_measured(argv, env=child_env(), capture_stdout=True, timeout_s=a.timeout)
     shutil.rmtree(out, ignore_errors=True)
-    if m.returncode != 0 or not prof.exists():
+    if m.returncode != 0 or not main_prof.exists():
         return {"error": f"exit {m.returncode}: {m.stderr_tail[-800:]}"}
-    return {"wall_s": m.wall_s, **profile_buckets(prof)}
+    result = {"wall_s": m.wall_s, **profile_buckets(main_prof)}
+    result["threads_note"] = "main thread; the other threads' own time is under `threads`"
+    if thread_prof.exists():
+        result["threads"] = profile_buckets(thread_prof)
+    return result
 
 
 def median(xs: list[float]) -> float | None:
