@@ -83,6 +83,7 @@ def describe(path: str | os.PathLike) -> dict:
         "merge": {
             "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
             "dropped_tied": sorted(dropped),
+            "layout": _layout(checkpoint.tensors, config, dropped),
             "bytes_read": read,
             "bytes_written": written,
             "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
@@ -92,6 +93,27 @@ def describe(path: str | os.PathLike) -> dict:
             "estimated_peak_rss_bytes": DEFAULT_BUFFER_BYTES + BASELINE_RSS_BYTES,
         },
     }
+
+
+def _layout(tensors, config: dict, dropped: set[str]) -> dict:
+    """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
+    tensors it splits; or why merge would refuse the layout."""
+    from ..errors import ShardstreamError
+    from ..formats import lora
+    from ..formats.hf_names import plan_names
+
+    split = lora.split_lora(tensors)
+    base = [t for t in (split.base if split else tensors) if t.name not in dropped]
+    try:
+        plan = plan_names([(t.name, t.dtype, t.shape) for t in base], config)
+    except ShardstreamError as exc:
+        return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
+    renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}
+    parts: dict[str, list[str]] = {}
+    for p in plan.pieces:
+        if not p.whole:
+            parts.setdefault(p.stored, []).append(p.name)
+    return {"rule": plan.describe(), "refused": None, "renamed": renamed, "split": parts}
 
 
 def _describe_hf_model(path: Path) -> dict:
@@ -199,6 +221,7 @@ def render(info: dict) -> str:
         "",
         f"merge estimate: output dtype {m['output_dtype']}"
         + (f", drops tied {', '.join(m['dropped_tied'])}" if m["dropped_tied"] else ""),
+        *_layout_lines(m["layout"]),
         f"  reads {format_size(m['bytes_read'])}, writes {format_size(m['bytes_written'])}: "
         f"~{_duration(m['estimated_seconds'])} at an assumed "
         f"{m['assumed_disk_bytes_per_s'] / 1e6:.0f} MB/s disk throughput",
@@ -208,6 +231,23 @@ def render(info: dict) -> str:
         "independent of the model's size",
     ]
     return "\n".join(lines)
+
+
+def _layout_lines(layout: dict, shown: int = 5) -> list[str]:
+    """The output layout in a few lines: the rule, then some renames and splits."""
+    if layout["refused"]:
+        return [f"  layout: merge would refuse: {layout['refused']}"]
+    lines = [f"  layout: {layout['rule']}"]
+    renamed = sorted(layout["renamed"].items())
+    lines += [f"    {a} -> {b}" for a, b in renamed[:shown]]
+    if len(renamed) > shown:
+        lines.append(f"    ... and {len(renamed) - shown} more renamed")
+    parts = sorted(layout["split"].items())
+    for name, outputs in parts[:shown]:
+        lines.append(f"    {name} -> {len(outputs)} tensors: {outputs[0]}, ...")
+    if len(parts) > shown:
+        lines.append(f"    ... and {len(parts) - shown} more split")
+    return lines
 
 
 def _tensor_table(tensors: list[dict]) -> list[str]:

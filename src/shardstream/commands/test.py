@@ -29,6 +29,7 @@ Choices, following verl (``FSDPModelMerger._test_state_dict``):
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import time
@@ -137,6 +138,7 @@ def compare_with_reference(
     config = hf.read_config(config_dir)
     force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
     tensors, factors = _merged_names(checkpoint.tensors)
+    tensors = _saved_layout(tensors, config)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
@@ -237,6 +239,16 @@ def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list
         GlobalTensor(name, t.dtype, t.shape, t.blocks) for name, t in lora.adapter_tensors(split)
     ]
     return split.base, factors
+
+
+def _saved_layout(tensors: list[GlobalTensor], config: dict) -> list[GlobalTensor]:
+    """The base tensors under the names and shapes merge writes (save_pretrained's layout):
+    a reference saved by transformers is compared name by name, an expert of a fused
+    tensor with its box of the stored tensor."""
+    from ..formats.hf_writer import output_layout
+
+    _, outputs = output_layout(tensors, None, set(), config)
+    return [dataclasses.replace(out.source, name=out.name) for out in outputs]
 
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:

@@ -93,7 +93,7 @@ class NamePlan:
         if self.sliced:
             stored = len({p.stored for p in self.pieces if not p.whole})
             changes.append(f"{stored} fused tensors split into {self.sliced}")
-        return f"{self.rule} ({', '.join(changes) or 'names as stored'})"
+        return f"{self.rule} ({', '.join(changes) or 'nothing renamed or split'})"
 
 
 def strip_wrappers(names: Sequence[str]) -> dict[str, str]:
