@@ -121,7 +121,13 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             del report.problems[before:]  # a live run's retention removed it while we read it
     latest = read_latest(root)
     if (root / LATEST_FILE).exists() and latest is None:
-        report.problems.append(Problem(str(root / LATEST_FILE), "does not hold a step number"))
+        report.problems.append(
+            Problem(
+                str(root / LATEST_FILE),
+                "damaged: does not hold a step number (readers fall back to the highest "
+                "committed step)",
+            )
+        )
     elif latest is not None and latest not in steps and latest not in committed_steps(root):
         # (a live run may have committed it, then moved the pointer, since the listing above)
         report.problems.append(

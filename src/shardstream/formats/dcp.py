@@ -123,9 +123,12 @@ class DcpCheckpoint:
         candidates = [self.directory]
         if ACCELERATE_MODEL_DIR.match(self.directory.name):
             candidates.append(self.directory.parent)
+        from .hf import check_no_links_out
+
         for candidate in candidates:
-            if (candidate / "config.json").is_file():
-                return candidate
+            if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
+                # merge copies these files: none may lead out of the directory that holds them
+                return check_no_links_out(candidate, candidate)
         return None
 
 

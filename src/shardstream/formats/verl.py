@@ -28,7 +28,7 @@ from ..engine.plan import (
     row_major_strides,
     tensors_touching,
 )
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage import collectives as coll
 from .layout_names import describe_mesh, describe_placements
 from .source import VERL_FILE_PATTERN as FILE_PATTERN
@@ -82,7 +82,7 @@ class VerlCheckpoint:
         from .hf import check_no_links_out
 
         for candidate in (self.directory / HF_SUBDIR, self.directory):
-            if (candidate / "config.json").is_file():
+            if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
                 return check_no_links_out(candidate, self.directory)
         return None
 
@@ -202,7 +202,20 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
         raise CheckpointFormatError(
             f"{directory}: rank {extra[0]} file exists but world size is {world_size}"
         )
-    return world_size, [ranks[r] for r in range(world_size)]
+    files = [ranks[r] for r in range(world_size)]
+    for file in files:
+        check_inside(Path(file), directory)
+    return world_size, files
+
+
+def check_inside(path: Path, directory: Path) -> Path:
+    """A rank file that is a symlink must lead to a file inside the checkpoint ``directory``
+    (as shardstream's own format requires of its files): a link out is refused, named."""
+    if path.is_symlink():
+        real = Path(os.path.realpath(path))
+        if Path(os.path.realpath(directory)) not in real.parents:
+            raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
+    return path
 
 
 def _mesh_coordinate(mesh: MeshLayout, rank: int, path: str) -> tuple[int, ...]:
@@ -441,7 +454,7 @@ def optimizer_files(directory: Path, world_size: int) -> list[str]:
     missing = [f.name for f in files if not f.is_file()]
     if missing:
         raise CheckpointNotFoundError(f"{directory}: missing optimizer file(s): {missing[:4]}")
-    return [str(f) for f in files]
+    return [str(check_inside(f, directory)) for f in files]
 
 
 def saved_param_groups(directory: Path, world_size: int) -> list[dict]:
@@ -501,6 +514,7 @@ def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool =
     path = directory / f"extra_state_world_size_{world_size}_rank_{source}.pt"
     if not path.is_file():
         return {}
+    check_inside(path, directory)
     if verify:
         check_records(str(path))
     state = load_restricted(str(path), str(path), "cpu", numpy_globals())

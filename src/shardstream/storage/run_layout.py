@@ -59,14 +59,24 @@ def committed_steps(directory: str | os.PathLike) -> list[int]:
     return sorted(step for step, path in step_dirs(root).items() if (path / MANIFEST).is_file())
 
 
+# The most digits a pointer may hold: a step fits in 63 bits (and int() refuses 4301 digits).
+MAX_LATEST_DIGITS = 19
+
+
 def read_latest(directory: str | os.PathLike) -> int | None:
-    """The step ``LATEST_FILE`` names, or None when it is missing or not a number."""
+    """The step ``LATEST_FILE`` names, or None when it is missing or damaged (not ASCII
+    digits, or more than ``MAX_LATEST_DIGITS`` of them): a reader then falls back to the
+    highest committed step (format.md section 1)."""
     path = Path(directory) / LATEST_FILE
     try:
-        text = path.read_text().strip()
+        with open(path, "rb") as f:
+            raw = f.read(MAX_LATEST_DIGITS + 64)  # a pointer is a number and a newline
     except FileNotFoundError:
         return None
-    return int(text) if text.isdigit() else None
+    text = raw.strip(b" \t\r\n")
+    if not text or len(text) > MAX_LATEST_DIGITS or not all(48 <= c <= 57 for c in text):
+        return None
+    return int(text)
 
 
 def write_latest(directory: str | os.PathLike, step: int) -> None:
