@@ -497,9 +497,9 @@ class _RoleRun(CheckpointManager):
             # after an async one: then it moves here, once the whole step has committed.
             if self.config.async_save and self._step_complete(step):
                 write_latest(self.root, step)
+            self.owner._saved(str(self.step_dir(step)))  # rank 0's list, as verl keeps it
             self._retain(step)
         coll.barrier()
-        self.owner._saved(str(self.step_dir(step)))
         return result
 
     def _step_complete(self, step: int) -> bool:
