@@ -22,7 +22,7 @@ import random
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -39,6 +39,9 @@ from ..storage.run_layout import MANIFEST, step_dirs, step_name, step_of, write_
 from ..training import load as loading
 from ..training import save as saving
 from ..training import state as st
+
+if TYPE_CHECKING:
+    from ..formats.source import Kind
 
 log = logging.getLogger(__name__)
 
@@ -341,7 +344,7 @@ class FSDPCheckpointManager:
         coll.barrier()
 
 
-def check_before_load(path: Path):
+def check_before_load(path: Path) -> Kind:
     """Check every byte of the checkpoint at ``path`` against its checksum, each rank a share
     of the files (every rank calls this); returns its ``Kind``. A damaged or missing file
     fails every rank with that file named. DCP checkpoints store no checksums."""
