@@ -1,0 +1,158 @@
+"""merge and the hf_model export write what ``save_pretrained`` writes, for models whose saved
+layout differs from their in-memory names: Qwen2.5-VL (renamed), Qwen3-MoE (fused experts
+split per expert and per projection), a torch.compile'd Qwen2 (``_orig_mod.``) and a Qwen2
+token-classification critic. One FSDP2 save per world size holds every model."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shardstream import merge
+from shardstream.cli import main
+from shardstream.commands.test import compare_with_reference
+from shardstream.testing.distributed import run
+
+from . import hf_layout_workers as w
+
+WORLDS = (2, 4)
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("hf_layout")
+    for world in WORLDS:
+        run(w.save_run, world, str(root / f"ws{world}"))
+    return root
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> dict[str, Path]:
+    """save_pretrained of each model, cast to bfloat16 (the dtype merge writes here)."""
+    root = tmp_path_factory.mktemp("hf_layout_ref")
+    out = {}
+    for case in w.CASES:
+        w.inner(w.build_model(case)).to(torch.bfloat16).save_pretrained(root / case)
+        out[case] = root / case
+    return out
+
+
+@pytest.fixture(scope="module")
+def merged(saved) -> dict[tuple[str, int], tuple[Path, object]]:
+    out = {}
+    for world in WORLDS:
+        for case in w.CASES:
+            target = saved / f"ws{world}" / case / "merged"
+            summary = merge(_actor(saved, world, case), target, dtype="bfloat16")
+            out[case, world] = (target, summary)
+    return out
+
+
+def _actor(saved: Path, world: int, case: str) -> Path:
+    return saved / f"ws{world}" / case / "verl" / "global_step_1" / "actor"
+
+
+def _files(directory: Path) -> dict[str, dict[str, torch.Tensor]]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            assert f.metadata().get("format") == "pt", path
+            out[path.name] = {k: f.get_tensor(k) for k in f.keys()}
+    return out
+
+
+def assert_same_model_files(ours: Path, theirs: Path) -> None:
+    """Same files, each with the same tensors (names, dtypes, shapes, bytes); same index."""
+    a, b = _files(ours), _files(theirs)
+    assert sorted(a) == sorted(b)
+    for name in b:
+        assert sorted(a[name]) == sorted(b[name]), name
+        for key, expected in b[name].items():
+            got = a[name][key]
+            assert (got.dtype, got.shape) == (expected.dtype, expected.shape), key
+            assert got.view(torch.uint8).equal(expected.view(torch.uint8)), key
+    index = "model.safetensors.index.json"
+    assert (ours / index).is_file() == (theirs / index).is_file()
+    if (theirs / index).is_file():
+        assert (ours / index).read_bytes() == (theirs / index).read_bytes()
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", w.CASES)
+def test_merge_writes_what_save_pretrained_writes(merged, reference, case, world):
+    target, summary = merged[case, world]
+    assert_same_model_files(target, reference[case])
+    expected = {
+        "qwen2_5_vl": "renamed",
+        "qwen3_moe": "4 fused tensors split into 18",
+        "compiled_qwen2": "wrapper prefixes stripped",
+        "qwen2_critic": "nothing renamed or split",
+    }[case]
+    assert expected in summary.layout and not summary.kept_names
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("case", w.CASES)
+def test_hf_model_export_writes_what_save_pretrained_writes(saved, reference, case, world):
+    export = saved / f"ws{world}" / case / "run" / "global_step_1" / "huggingface"
+    assert_same_model_files(export, reference[case])
+
+
+@pytest.mark.parametrize("case", w.CASES)
+def test_merged_model_loads_with_equal_logits(merged, case):
+    import transformers
+
+    model = w.inner(w.build_model(case)).to(torch.bfloat16).eval()
+    cls = getattr(transformers, model.config.architectures[0])
+    loaded, info = cls.from_pretrained(
+        merged[case, 4][0], dtype=torch.bfloat16, output_loading_info=True
+    )
+    assert not info["missing_keys"] and not info["unexpected_keys"]
+    ids = torch.randint(4, 101, (2, 9), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.equal(loaded.eval()(input_ids=ids).logits, model(input_ids=ids).logits)
+
+
+@pytest.mark.parametrize("source", ["verl", "run"])
+@pytest.mark.parametrize("case", w.CASES)
+def test_shardstream_test_passes_against_save_pretrained(saved, reference, case, source):
+    local = (
+        _actor(saved, 2, case)
+        if source == "verl"
+        else saved / "ws2" / case / "run" / "global_step_1"
+    )
+    report = compare_with_reference(local, reference[case])
+    assert report.ok, report.problems
+    assert report.compared == sum(len(t) for t in _files(reference[case]).values())
+
+
+def test_sharded_output_has_save_pretrained_index(saved, tmp_path):
+    model = w.inner(w.build_model("qwen3_moe")).to(torch.bfloat16)
+    model.save_pretrained(tmp_path / "ref", max_shard_size="20KB")
+    merge(_actor(saved, 2, "qwen3_moe"), tmp_path / "ours", max_shard_size="20KB")
+    assert len(list((tmp_path / "ref").glob("*.safetensors"))) > 1
+    assert_same_model_files(tmp_path / "ours", tmp_path / "ref")
+
+
+def test_keep_names_writes_the_in_memory_names(saved, tmp_path, capsys):
+    code = main(
+        [
+            "merge",
+            "--local_dir",
+            str(_actor(saved, 2, "qwen3_moe")),
+            "--target_dir",
+            str(tmp_path / "kept"),
+            "--keep-names",
+            "--json",
+        ]
+    )
+    assert code == 0
+    summary = json.loads(capsys.readouterr().out)
+    assert summary["kept_names"] and "--keep-names" in summary["layout"]
+    (tensors,) = _files(tmp_path / "kept").values()
+    assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
+    assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 32, 32)
