@@ -1,0 +1,209 @@
+"""The output names and slices alone (no files): wrapper prefixes, transformers' save-time
+conversions, refusals, and the byte-range plan of a fused tensor's slices."""
+
+from __future__ import annotations
+
+import math
+import sys
+from array import array
+
+import numpy as np
+import pytest
+import torch
+
+from shardstream.engine.plan import (
+    Block,
+    GlobalTensor,
+    GridBlocks,
+    dense_block,
+    plan_copy,
+    row_major_strides,
+    slice_tensor,
+)
+from shardstream.errors import CheckpointFormatError, UsageError
+from shardstream.formats import hf_names
+from shardstream.formats.hf_names import plan_names, strip_wrappers
+
+
+def test_wrapper_prefixes_are_stripped():
+    names = ["_orig_mod.a.w", "_orig_mod.b._fsdp_wrapped_module._checkpoint_wrapped_module.w"]
+    assert strip_wrappers(names) == {names[0]: "a.w", names[1]: "b.w"}
+    assert strip_wrappers(["module.a", "module.b"]) == {"module.a": "a", "module.b": "b"}
+    # DDP's prefix goes only when every name has it
+    assert strip_wrappers(["module.a", "b"]) == {"module.a": "module.a", "b": "b"}
+
+
+def test_two_names_that_become_one_are_refused_naming_both():
+    with pytest.raises(CheckpointFormatError, match=r"'a\.w'.*'_orig_mod\.a\.w'.*'a\.w'"):
+        strip_wrappers(["a.w", "_orig_mod.a.w"])
+
+
+def test_no_model_type_keeps_the_stripped_names():
+    plan = plan_names([("_orig_mod.x", "F32", (2,))], {})
+    assert [(p.name, p.stored, p.whole) for p in plan.pieces] == [("x", "_orig_mod.x", True)]
+    assert "no model type" in plan.rule
+
+
+def test_keep_names_writes_the_stored_names():
+    plan = plan_names([("_orig_mod.x", "F32", (2,))], {"model_type": "qwen3_moe"}, True)
+    assert [p.name for p in plan.pieces] == ["_orig_mod.x"]
+    assert plan.kept_names and "on purpose" in plan.describe()
+
+
+def _config(cls_name: str, **kwargs) -> dict:
+    import transformers
+
+    config = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**kwargs)
+    return {**config.to_dict(), "architectures": [cls_name]}
+
+
+MOE = dict(
+    hidden_size=8,
+    intermediate_size=16,
+    moe_intermediate_size=6,
+    num_experts=3,
+    num_experts_per_tok=2,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    head_dim=4,
+    vocab_size=20,
+)
+
+
+def test_qwen3_moe_experts_are_boxes_of_the_fused_tensors():
+    config = _config("Qwen3MoeForCausalLM", **MOE)
+    e, i, h = 3, 6, 8
+    stored = [
+        ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (e, 2 * i, h)),
+        ("model.layers.0.mlp.experts.down_proj", "BF16", (e, h, i)),
+        ("model.layers.0.mlp.gate.weight", "BF16", (e, h)),
+    ]
+    plan = plan_names(stored, config)
+    pieces = {p.name: p for p in plan.pieces}
+    assert len(pieces) == 3 * e + 1
+    prefix = "model.layers.0.mlp.experts"
+    up = pieces[f"{prefix}.2.up_proj.weight"]
+    assert (up.stored, up.start, up.extent, up.shape) == (
+        f"{prefix}.gate_up_proj",
+        (2, i, 0),
+        (1, i, h),
+        (i, h),
+    )
+    assert pieces[f"{prefix}.0.gate_proj.weight"].start == (0, 0, 0)
+    down = pieces[f"{prefix}.1.down_proj.weight"]
+    assert (down.start, down.extent, down.dims) == ((1, 0, 0), (1, h, i), (1, 2))
+    assert pieces["model.layers.0.mlp.gate.weight"].whole
+    assert "3 experts" not in plan.describe() and "2 fused tensors split into 9" in plan.describe()
+
+
+def test_qwen2_5_vl_is_renamed():
+    import transformers
+
+    config = transformers.Qwen2_5_VLConfig(
+        text_config={"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1},
+        vision_config={"depth": 1, "hidden_size": 8, "num_heads": 2, "out_hidden_size": 8},
+    ).to_dict()
+    config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    stored = [
+        ("model.language_model.layers.0.mlp.up_proj.weight", "F32", (4, 8)),
+        ("model.visual.blocks.0.norm1.weight", "F32", (8,)),
+        ("lm_head.weight", "F32", (10, 8)),
+    ]
+    names = {p.stored: p.name for p in plan_names(stored, config).pieces}
+    assert names == {
+        "model.language_model.layers.0.mlp.up_proj.weight": "model.layers.0.mlp.up_proj.weight",
+        "model.visual.blocks.0.norm1.weight": "visual.blocks.0.norm1.weight",
+        "lm_head.weight": "lm_head.weight",
+    }
+
+
+def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
+    monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
+    plan = plan_names([("_orig_mod.model.norm.weight", "F32", (4,))], {"model_type": "qwen2"})
+    assert [p.name for p in plan.pieces] == ["model.norm.weight"]
+    with pytest.raises(UsageError, match=r"'qwen3_moe'.*pip install transformers"):
+        plan_names([("model.norm.weight", "F32", (4,))], {"model_type": "qwen3_moe"})
+
+
+def test_a_computed_tensor_is_refused_naming_it(monkeypatch):
+    from transformers import core_model_loading
+
+    def concatenating(model, state_dict):
+        return {"fused.weight": torch.cat(list(state_dict.values()))}
+
+    monkeypatch.setattr(core_model_loading, "revert_weight_conversion", concatenating)
+    config = _config("Qwen3MoeForCausalLM", **MOE)
+    with pytest.raises(CheckpointFormatError, match=r"'fused\.weight'.*--keep-names"):
+        plan_names([("a", "F32", (2, 8)), ("b", "F32", (2, 8))], config)
+
+
+def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):
+    import transformers
+
+    class Old:  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
+        _checkpoint_conversion_mapping = {
+            "^visual": "model.visual",
+            r"^model(?!\.(language_model|visual))": "model.language_model",
+        }
+
+    monkeypatch.setattr(hf_names, "_has_weight_conversions", lambda: False)
+    monkeypatch.setattr(transformers, "OldVL", Old, raising=False)
+    config = {"model_type": "qwen2_5_vl", "architectures": ["OldVL"]}
+    stored = [
+        ("model.visual.blocks.0.w", "F32", (2,)),
+        ("model.language_model.layers.0.w", "F32", (2,)),
+        ("lm_head.weight", "F32", (2,)),
+    ]
+    names = [p.name for p in plan_names(stored, config).pieces]
+    assert names == ["visual.blocks.0.w", "model.layers.0.w", "lm_head.weight"]
+
+
+def _execute(tensor: GlobalTensor, files: dict[str, np.ndarray]) -> np.ndarray:
+    """Copy ``tensor`` (its blocks in ``files``, float32) into a dense array by its runs."""
+    out = np.zeros(math.prod(tensor.shape), np.float32)
+    dst = dense_block("out", 0, "F32", tensor.shape)
+    for block in tensor.blocks:
+        for run in plan_copy(tensor.name, tensor.shape, block, dst):
+            src = files[run.src]
+            for k in range(run.count):
+                s = (run.src_offset + k * run.src_step) // 4
+                d = (run.dst_offset + k * run.dst_step) // 4
+                out[d : d + run.elems] = src[s : s + run.elems]
+    return out.reshape(tensor.shape)
+
+
+@pytest.mark.parametrize("world, dim", [(2, 0), (4, 0), (2, 1)])
+def test_slices_of_a_sharded_fused_tensor_plan_their_bytes(world, dim):
+    """Every expert and gate/up half, planned from the shards the ranks saved: the runs read
+    exactly the slice's elements."""
+    e, i2, h = 3, 6, 5
+    full = np.arange(e * i2 * h, dtype=np.float32).reshape(e, i2, h)
+    parts = np.array_split(full, world, axis=dim) if dim else None
+    files, blocks = {}, []
+    if dim == 0:
+        offsets = array("q")
+        step = -(-e // world)
+        for r in range(world):
+            rows = full[r * step : (r + 1) * step]
+            if not len(rows):
+                break
+            files[f"rank{r}"] = rows.reshape(-1).copy()
+            offsets.append(0)
+        paths = [f"rank{r}" for r in range(len(offsets))]
+        blocks = GridBlocks("F32", full.shape, world, paths, offsets)
+    else:
+        start = 0
+        for r, part in enumerate(parts):
+            files[f"rank{r}"] = part.reshape(-1).copy()
+            shape = part.shape
+            blocks.append(
+                Block(f"rank{r}", 0, "F32", (0, start, 0), shape, row_major_strides(shape))
+            )
+            start += shape[1]
+    stored = GlobalTensor("experts.gate_up_proj", "F32", full.shape, blocks)
+    for x in range(e):
+        for half in range(2):
+            box = slice_tensor(stored, (x, half * 3, 0), (1, 3, h), (1, 2))
+            assert box.shape == (3, h) and box.name == stored.name
+            np.testing.assert_array_equal(_execute(box, files), full[x, half * 3 : half * 3 + 3])
