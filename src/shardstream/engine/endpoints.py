@@ -98,6 +98,8 @@ class FileEndpoint(Endpoint):
         self._hasher = hasher()
         self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
         self._unmappable = False
+        self._no_probe = False  # prefetch: the file system refuses RWF_NOWAIT
+        self._probe = bytearray(1)
 
     def _pread(self, offset: int, out: np.ndarray) -> None:
         """Copy bytes [offset, offset + out.nbytes) into ``out``: from a mapping of the page
@@ -263,10 +265,35 @@ class FileEndpoint(Endpoint):
 
     def prefetch(self, offset: int, nbytes: int) -> None:
         """Start reading the range into the page cache (``POSIX_FADV_WILLNEED``), so the disk
-        works while the caller converts what it already has. A hint: failures are ignored."""
-        if nbytes > 0 and hasattr(os, "posix_fadvise"):
+        works while the caller converts what it already has. A hint: failures are ignored.
+
+        A range already in the page cache is left alone: the advice would only walk its pages
+        (about 0.02 s of CPU per GB on a warm cache, measured; see _cached)."""
+        if nbytes > 0 and hasattr(os, "posix_fadvise") and not self._cached(offset, nbytes):
             with contextlib.suppress(OSError):
                 os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_WILLNEED)
+
+    _PROBE_STEP = 1 << 20  # _cached reads one byte per MiB
+
+    def _cached(self, offset: int, nbytes: int) -> bool:
+        """Whether bytes [offset, offset + nbytes) look page-cached: a non-blocking one-byte
+        read (``RWF_NOWAIT``, which fails rather than wait for the disk) at every MiB and at
+        the last byte succeeds. A probe costs ~1 us; any miss, or no ``RWF_NOWAIT``, says no."""
+        flag = getattr(os, "RWF_NOWAIT", 0)
+        end = min(offset + nbytes, self.size)
+        if not flag or self._no_probe or end <= offset:
+            return False
+        probe = self._probe
+        try:
+            for pos in (*range(offset, end, self._PROBE_STEP), end - 1):
+                if os.preadv(self.fd, [probe], pos, flag) != 1:
+                    return False
+        except BlockingIOError:  # EAGAIN: not in the page cache
+            return False
+        except OSError:  # the file system has no non-blocking reads: always advise
+            self._no_probe = True
+            return False
+        return True
 
     def close(self) -> None:
         os.close(self.fd)
