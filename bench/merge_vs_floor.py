@@ -72,7 +72,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ckpt", type=Path, default=None, help="an existing actor dir instead")
     p.add_argument("--repeats", type=int, default=5, help="rounds [5]")
     p.add_argument("--src", default=None, help="merge with this tree's src/ [the installed one]")
-    p.add_argument("--base-src", default=None, help="also merge with this tree's src/")
+    p.add_argument(
+        "--base-src",
+        action="append",
+        default=[],
+        help="also merge with this tree's src/ (repeatable; named merge@<the tree's directory>)",
+    )
     p.add_argument("--no-import", action="store_true", help="skip the `import torch` runs")
     p.add_argument("--python", default=str(REPO / ".venv" / "bin" / "python"))
     p.add_argument("--results", type=Path, default=BENCH / "results")
@@ -86,8 +91,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         actor = a.ckpt
     tools = {"merge": a.src}
-    if a.base_src:
-        tools["merge@base"] = a.base_src
+    for src in a.base_src:
+        tools[f"merge@{Path(src).resolve().parent.name}"] = src
     tools[FLOOR] = None
     if not a.no_import:
         tools[IMPORT] = None

@@ -206,6 +206,16 @@ def render_reading(r: dict) -> list[str]:
                             f" ({inner[0] / floor['wall_s']:.2f}× the {floor['wall_s']:.2f} s "
                             "dd took to write as many bytes with O_DIRECT and fsync)"
                         )
+                    cast = by_tool.get("cast_floor") or {}
+                    if cast.get("wall_s"):
+                        # issue #20: the merge's own work against the whole cast floor; the
+                        # rest of the merge's wall is start-up (mostly importing torch) and exit
+                        bits[-1] += (
+                            f"; that merge call is {inner[0] / cast['wall_s']:.2f}× the whole "
+                            f"Python cast floor run ({cast['wall_s']:.2f} s), and the other "
+                            f"{s['wall_s'] - inner[0]:.2f} s of the merge's wall are interpreter "
+                            "start, imports (torch above all) and exit"
+                        )
             loads = [s.get("loadavg_1m_before") for s in by_tool.values()]
             loads = [x for x in loads if x is not None]
             if bits:
