@@ -141,15 +141,15 @@ def test_a_computed_tensor_is_refused_naming_it(monkeypatch):
 def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):
     import transformers
 
-    class Old:  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
+    class Qwen2_5_VLOld:  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
         _checkpoint_conversion_mapping = {
             "^visual": "model.visual",
             r"^model(?!\.(language_model|visual))": "model.language_model",
         }
 
     monkeypatch.setattr(hf_names, "_has_weight_conversions", lambda: False)
-    monkeypatch.setattr(transformers, "OldVL", Old, raising=False)
-    config = {"model_type": "qwen2_5_vl", "architectures": ["OldVL"]}
+    monkeypatch.setattr(transformers, "Qwen2_5_VLOld", Qwen2_5_VLOld, raising=False)
+    config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLOld"]}
     stored = [
         ("model.visual.blocks.0.w", "F32", (2,)),
         ("model.language_model.layers.0.w", "F32", (2,)),

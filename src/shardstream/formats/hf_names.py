@@ -178,24 +178,13 @@ def _has_weight_conversions() -> bool:
 def _meta_model(config: dict) -> Any:
     """The model class config.json's ``architectures`` names, built on the meta device."""
     import torch
-    import transformers
     from transformers import CONFIG_MAPPING
 
     model_type = config["model_type"]
     if model_type not in CONFIG_MAPPING:
         return None
     hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
-    names = config.get("architectures") or []
-    cls = getattr(transformers, names[0], None) if names else None
-    if cls is None:
-        from transformers import AutoModel, AutoModelForCausalLM
-
-        for auto in (AutoModelForCausalLM, AutoModel):
-            try:
-                cls = auto._model_mapping[type(hf_config)]
-                break
-            except KeyError:
-                continue
+    cls = _model_class(config, type(hf_config))
     if cls is None:
         return None
     quiet = logging.getLogger("transformers")
@@ -212,6 +201,38 @@ def _meta_model(config: dict) -> Any:
         ) from None
     finally:
         quiet.setLevel(level)
+
+
+# Where a config.json names no architecture: the auto classes verl and trainers build from.
+_AUTO_CLASSES = (
+    "AutoModelForCausalLM",
+    "AutoModelForImageTextToText",
+    "AutoModelForVision2Seq",
+    "AutoModel",
+)
+
+
+def _model_class(config: dict, config_class: type | None = None) -> type | None:
+    """config.json's ``architectures[0]``, else the first auto class that maps its config."""
+    import transformers
+
+    names = config.get("architectures") or []
+    cls = getattr(transformers, names[0], None) if names else None
+    if cls is not None:
+        return cls
+    if config_class is None:
+        from transformers import CONFIG_MAPPING
+
+        if config.get("model_type") not in CONFIG_MAPPING:
+            return None
+        config_class = CONFIG_MAPPING[config["model_type"]]
+    for auto in _AUTO_CLASSES:
+        mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
+        try:
+            return mapping[config_class]
+        except (KeyError, TypeError):
+            continue
+    return None
 
 
 def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
@@ -327,11 +348,16 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
     """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
     (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
     its capture groups dropped from the replacement."""
-    import transformers
+    from transformers import modeling_utils
 
-    names = config.get("architectures") or []
-    cls = getattr(transformers, names[0], None) if names else None
+    cls = _model_class(config)
     mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
+    # transformers 4.5x reverses it only for the vision-language classes it lists
+    listed = getattr(modeling_utils, "VLMS", None)
+    if listed is not None and not any(
+        name in base.__name__.lower() for base in cls.__mro__[:-1] for name in listed
+    ):
+        mapping = {}
     if not mapping:
         return [_whole(n, n, s) for n, _, s in plain], "no key mapping"
     reverse = {v: k for k, v in mapping.items()}
