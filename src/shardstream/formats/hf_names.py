@@ -22,6 +22,7 @@ torch and transformers are imported only when a config names a model type.
 from __future__ import annotations
 
 import bisect
+import json
 import logging
 import math
 import re
@@ -125,6 +126,20 @@ def plan_names(
     """
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
+    # The export plans every save alike: the model class is built once per layout.
+    described = json.dumps(config, sort_keys=True, default=str)
+    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described)
+    if key not in _PLANS:
+        if len(_PLANS) >= 4:
+            _PLANS.pop(next(iter(_PLANS)))
+        _PLANS[key] = _plan_names(key[0], config)
+    return _PLANS[key]
+
+
+_PLANS: dict[tuple, NamePlan] = {}
+
+
+def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict) -> NamePlan:
     stripped = strip_wrappers([n for n, _, _ in tensors])
     rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
     plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
@@ -248,6 +263,8 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
     if model is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
     what = f"save_pretrained layout of {type(model).__name__}"
+    ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    plain = [t for t in plain if t[0] not in ignored]  # save_pretrained leaves them out
 
     class KeepViews(TorchFunctionMode):
         """``contiguous()`` answers the view itself, so that a slice stays a view."""
