@@ -8,8 +8,8 @@ import os
 import sys
 from collections.abc import Sequence
 
-from .errors import ShardstreamError, UsageError
-from .units import DEFAULT_MAX_SHARD_BYTES, format_size
+from .errors import ShardstreamError, UsageError, os_error
+from .units import DEFAULT_MAX_SHARD_BYTES, check_buffer_size, format_size
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -145,6 +145,7 @@ def run_merge(args: argparse.Namespace) -> int:
     from .commands.merge import merge
 
     _check_backend(args)
+    check_buffer_size(args.buffer_size)
     first_rank = os.environ.get("RANK", "0") == "0"  # under torchrun only rank 0 reports
     progress = _Progress(not args.quiet and not args.json and first_rank, "merge")
     try:
@@ -197,6 +198,7 @@ def run_test(args: argparse.Namespace) -> int:
     from .commands.test import compare_with_reference
 
     _check_backend(args)
+    check_buffer_size(args.buffer_size)
     report = compare_with_reference(
         args.local_dir,
         args.test_hf_dir,
@@ -294,6 +296,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         import os
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return EXIT_ERROR
+    except Exception as exc:  # an OSError errors.os_error names (a refused permission, ...)
+        mapped = os_error(exc)
+        if mapped is None:
+            raise
+        print(f"shardstream {args.command}: error: {mapped}", file=sys.stderr)
         return EXIT_ERROR
 
 

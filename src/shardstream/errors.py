@@ -10,6 +10,8 @@ import os
 
 # A full disk, a spent quota, or a file larger than the filesystem or the process may write.
 OUT_OF_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
+# Permission bits, an ACL or a security module said no.
+PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
 
 
 class ShardstreamError(Exception):
@@ -38,6 +40,10 @@ class TargetExistsError(ShardstreamError, FileExistsError):
 
 class OutOfSpaceError(ShardstreamError, OSError):
     """The disk filled up while writing; partial output has been removed."""
+
+
+class CheckpointPermissionError(ShardstreamError, PermissionError):
+    """A file or directory the operation needs may not be read (or written) by this user."""
 
 
 class UsageError(ShardstreamError, ValueError):
@@ -82,3 +88,29 @@ def out_of_space(
     if any(isinstance(e, OSError) and e.errno in OUT_OF_SPACE_ERRNOS for e in causes(exc)):
         return OutOfSpaceError(message.format(path=path))
     return None
+
+
+def permission_denied(
+    exc: BaseException, path: str | os.PathLike | None = None
+) -> CheckpointPermissionError | None:
+    """The error for ``exc`` if it is a refused permission (also behind a wrapper): "<file>:
+    permission denied", naming ``path``, else the file the OSError names. None otherwise."""
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno in PERMISSION_ERRNOS:
+            where = path if path is not None else (e.filename or "(unnamed file)")
+            return CheckpointPermissionError(f"{where}: permission denied")
+    return None
+
+
+def os_error(exc: BaseException, path: str | os.PathLike | None = None) -> ShardstreamError | None:
+    """The one mapping of an OSError (behind any wrapper) to a shardstream error: a full disk
+    (``out_of_space``) or a refused permission (``permission_denied``); None for others.
+    ``path``: the file to name, else the one the OSError names."""
+    if isinstance(exc, ShardstreamError):
+        return exc
+    where = path
+    if where is None:
+        where = next(
+            (e.filename for e in causes(exc) if isinstance(e, OSError) and e.filename), None
+        )
+    return out_of_space(exc, where or "(unnamed file)") or permission_denied(exc, path)

@@ -3,6 +3,7 @@ to byte counts at the CLI and config boundary only (no torch here)."""
 
 from __future__ import annotations
 
+import os
 import re
 from fractions import Fraction
 
@@ -52,6 +53,35 @@ def parse_size(value: int | str) -> int:
         raise UsageError(f"invalid size {value!r}: unknown unit {unit!r}")
     size = int(Fraction(number) * factor)  # exact: float loses digits past 2**53
     return size // 8 if bits else size
+
+
+def available_memory() -> int | None:
+    """Bytes of memory this machine can give a process now (``MemAvailable``), else its
+    physical memory; None where neither is known."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
+def check_buffer_size(value: int | str, flag: str = "--buffer-size") -> int:
+    """``parse_size(value)``, refused up front when it exceeds the memory available (a 100TB
+    buffer failed deep inside with ENOMEM, a 20-digit one with OverflowError)."""
+    nbytes = parse_size(value)
+    available = available_memory()
+    if available is not None and nbytes > available:
+        raise UsageError(
+            f"{flag} {value}: {format_size(nbytes)} is more than the {format_size(available)} "
+            "of memory available"
+        )
+    return nbytes
 
 
 def format_size(nbytes: float) -> str:

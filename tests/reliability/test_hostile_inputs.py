@@ -167,3 +167,200 @@ def test_damaged_latest_pointer_falls_back(saved_run, tmp_path, capsys, case):
     assert code == 1 and len(lines) == 1 and lines[0].startswith(f"{pointer}: damaged")
     code, _ = _cli(capsys, "inspect", root)
     assert code == 0
+
+
+# --- 6. values JSON allows that no checkpoint holds; unreadable files; absurd sizes; links -----
+
+
+def _manifest_world_size(value):
+    return lambda doc: doc.update(world_size=value)
+
+
+def _manifest_shape(value):
+    return lambda doc: doc["tensors"]["model.0.weight"].update(shape=[value, 24])
+
+
+RESEALED = {
+    "shape Infinity": _manifest_shape(float("inf")),
+    "shape NaN": _manifest_shape(float("nan")),
+    "shape 2.5": _manifest_shape(2.5),
+    "world_size 1.5": _manifest_world_size(1.5),
+    "world_size '2'": _manifest_world_size("2"),
+    "world_size 0": _manifest_world_size(0),
+}
+
+
+@pytest.mark.parametrize("case", sorted(RESEALED))
+def test_resealed_manifest_with_values_no_checkpoint_holds(saved_run, tmp_path, capsys, case):
+    step = _native_step(saved_run, tmp_path)
+    _reseal(step, RESEALED[case])
+    target = tmp_path / "merged"
+    code, lines = _merge(capsys, step, target)
+    _one_error_line("merge", lines, str(step))
+    assert code == 1 and not target.exists()
+    code, lines = _cli(capsys, "inspect", step)
+    _one_error_line("inspect", lines, str(step))
+    report = verify(step)
+    assert not report.ok and all("Traceback" not in p.line() for p in report.problems)
+
+
+JSON_FILES = {
+    "a list": "[1, 2]",
+    "a string": '"config"',
+    "Infinity": '{"torch_dtype": "float32", "rope_theta": Infinity}',
+    "1e999": '{"torch_dtype": "float32", "rope_theta": 1e999}',
+    "a 200-digit integer": '{"torch_dtype": "float32", "vocab_size": 1' + "0" * 200 + "}",
+    "a 5000-digit integer": '{"torch_dtype": "float32", "vocab_size": 1' + "0" * 5000 + "}",
+}
+
+
+@pytest.mark.parametrize("case", sorted(JSON_FILES))
+def test_config_json_that_is_no_config(saved_run, tmp_path, capsys, case):
+    config = tmp_path / "config"
+    config.mkdir()
+    (config / "config.json").write_text(JSON_FILES[case])
+    target = tmp_path / "merged"
+    code, lines = _merge(capsys, saved_run.step, target, "--hf_model_path", config)
+    _one_error_line("merge", lines, str(config / "config.json"))
+    assert code == 1 and not target.exists()
+
+
+@pytest.mark.parametrize("case", sorted(JSON_FILES))
+def test_index_that_is_no_index(saved_run, tmp_path, capsys, case):
+    model = tmp_path / "hf"
+    shutil.copytree(saved_run.hf_sharded, model)
+    index = model / "model.safetensors.index.json"
+    text = JSON_FILES[case]
+    if text.startswith("{"):  # keep the weight map, damage the metadata
+        doc = json.loads(index.read_text())
+        text = text.replace("{", '{"weight_map": ' + json.dumps(doc["weight_map"]) + ", ", 1)
+        text = text.replace('"torch_dtype": "float32", ', "")
+        text = text.replace('"rope_theta"', '"total_size"').replace('"vocab_size"', '"total_size"')
+    index.write_text(text)
+    code, lines = _cli(capsys, "verify", "--quiet", model)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(str(index)), lines
+    code, lines = _cli(capsys, "inspect", model)
+    _one_error_line("inspect", lines, str(index))
+
+
+def test_verl_fsdp_config_that_is_no_object(tmp_path, capsys):
+    source = _verl_dir(tmp_path / "actor", {"model_world_size_1_rank_0.pt": _plain_state()})
+    (source / "fsdp_config.json").write_text("[2]")
+    code, lines = _merge(capsys, source, tmp_path / "merged")
+    _one_error_line("merge", lines, str(source / "fsdp_config.json"))
+    assert code == 1 and not (tmp_path / "merged").exists()
+
+
+@pytest.mark.parametrize("size", ["100TB", "9" * 20])
+def test_buffer_size_beyond_memory(saved_run, tmp_path, capsys, size):
+    target = tmp_path / "merged"
+    code, lines = _merge(capsys, saved_run.step, target, "--buffer-size", size)
+    _one_error_line("merge", lines, "--buffer-size", "memory available")
+    assert code == 2 and not target.exists()
+
+
+@pytest.mark.parametrize("empty", [True, False], ids=["empty", "holding-a-model"])
+def test_symlinked_target_is_refused(saved_run, tmp_path, capsys, empty):
+    real = tmp_path / "real"
+    if empty:
+        real.mkdir()
+    else:
+        shutil.copytree(saved_run.hf, real)
+    link = tmp_path / "link"
+    os.symlink(real, link)
+    before = sorted(p.name for p in real.iterdir())
+    code, lines = _merge(capsys, saved_run.step, link, "--overwrite")
+    _one_error_line("merge", lines, str(link), "symlink", str(real))
+    assert code == 2
+    assert link.is_symlink() and sorted(p.name for p in real.iterdir()) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no T.tmp-* left
+
+
+
+# --- 6. unreadable files: "permission denied", naming the file --------------------------------
+
+NOBODY = 65534
+
+
+def _as_nobody(argv: list[str]) -> tuple[int, list[str]]:
+    """``cli.main(argv)`` in a forked child that dropped to uid 65534 (root reads every file,
+    whatever its mode); its exit code and stderr lines."""
+    import shardstream.commands.inspect  # noqa: F401  (nothing can be imported after the drop)
+    import shardstream.commands.merge  # noqa: F401
+    import shardstream.commands.verify  # noqa: F401
+    import shardstream.formats.dcp  # noqa: F401
+    import shardstream.formats.verl  # noqa: F401
+
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover (the child)
+        code = 99
+        try:
+            os.close(read)
+            os.setgid(NOBODY)
+            os.setuid(NOBODY)
+            import sys
+
+            sys.stderr = os.fdopen(write, "w")
+            sys.stdout = open(os.devnull, "w")
+            code = cli.main(argv)
+            sys.stderr.flush()
+        except BaseException as exc:  # noqa: BLE001
+            os.write(write, f"child raised {type(exc).__name__}: {exc}\n".encode())
+        os._exit(code)
+    os.close(write)
+    with os.fdopen(read) as f:
+        err = f.read()
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status), [line for line in err.splitlines() if line.strip()]
+
+
+@pytest.fixture
+def open_dir():
+    """A directory uid 65534 may enter (pytest's tmp_path lies under a 0700 directory)."""
+    import tempfile
+
+    if os.getuid() != 0:
+        pytest.skip("needs root to drop to another user")
+    base = Path(tempfile.mkdtemp(prefix="shardstream-perm-"))
+    base.chmod(0o755)
+    yield base
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _unreadable(kind: str, saved_run, base: Path) -> tuple[list[str], Path]:
+    """argv and the file made unreadable (mode 000) for one case."""
+    if kind in ("manifest", "pointer"):
+        root = base / "root"
+        shutil.copytree(saved_run.root, root)
+        if kind == "manifest":
+            path = root / "global_step_3" / "manifest.json"
+            argv = ["merge", "--local_dir", str(path.parent), "--target_dir", str(base / "out")]
+        else:
+            path, argv = root / LATEST_FILE, ["inspect", str(root)]
+    elif kind in ("config.json", "fsdp_config.json"):
+        source = _verl_dir(base / "actor", {"model_world_size_1_rank_0.pt": _plain_state()})
+        path = source / ("huggingface/config.json" if kind == "config.json" else kind)
+        argv = ["merge", "--local_dir", str(source), "--target_dir", str(base / "out")]
+    else:  # .metadata, .distcp
+        source = _dcp_dir(base / "dcp")
+        path = source / ".metadata" if kind == ".metadata" else next(source.glob("*.distcp"))
+        argv = ["merge", "--local_dir", str(source), "--target_dir", str(base / "out")]
+    path.chmod(0)
+    return [*argv, "--quiet"] if argv[0] == "merge" else argv, path
+
+
+@pytest.mark.parametrize(
+    "kind", ["manifest", "pointer", "config.json", "fsdp_config.json", ".metadata", ".distcp"]
+)
+def test_unreadable_file_is_named(saved_run, open_dir, kind):
+    argv, path = _unreadable(kind, saved_run, open_dir)
+    code, lines = _as_nobody(argv)
+    _one_error_line(argv[0], lines, str(path), "permission denied")
+    assert code == 1 and not (open_dir / "out").exists()
+    if kind in ("manifest", "pointer", ".metadata", ".distcp"):
+        target = path.parent if kind != "pointer" else path.parent
+        code, lines = _as_nobody(["verify", "--quiet", str(target)])
+        assert code == 1 and lines, lines
+        assert all("Traceback" not in line and "child raised" not in line for line in lines)
+        assert any(str(path) in line and "permission denied" in line for line in lines), lines

@@ -7,15 +7,14 @@ record). Problems are collected, not raised: one line each, naming file, tensor 
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.checksum import digest, new_hasher
-from ..errors import ShardstreamError
-from ..formats import hf, native
+from ..errors import ShardstreamError, permission_denied
+from ..formats import hf, jsondoc, native
 from ..formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -240,7 +239,7 @@ def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> N
         _verify_step(directory, report, progress)
     except OSError as exc:
         where = exc.filename if exc.filename else directory
-        report.problems.append(Problem(str(where), f"cannot read: {exc.strerror or exc}"))
+        report.problems.append(Problem(str(where), _cannot_read(exc)))
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
@@ -295,7 +294,7 @@ def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progre
     try:
         f = open(file, "rb", buffering=0)
     except OSError as exc:
-        report.problems.append(Problem(str(file), f"cannot read: {exc.strerror}"))
+        report.problems.append(Problem(str(file), _cannot_read(exc)))
         return
     with f:
         _hash_span(f, os.fstat(f.fileno()).st_size, hasher, report, progress)
@@ -395,11 +394,17 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     index_path = directory / hf.INDEX_FILE
     if index_path.is_file():
         try:
-            index = json.loads(index_path.read_text())
+            index = jsondoc.read_object(index_path, "safetensors index (JSON object)")
             weight_map = index["weight_map"]
-            total = int(index.get("metadata", {}).get("total_size", -1))
-            if not isinstance(weight_map, dict):
-                raise ValueError("weight_map is not an object")
+            metadata = index.get("metadata", {})
+            if not isinstance(weight_map, dict) or not isinstance(metadata, dict):
+                raise ValueError("weight_map or metadata is not an object")
+            total = metadata.get("total_size", -1)
+            if type(total) is not int:
+                raise ValueError(f"total_size {total!r} is not an integer")
+        except ShardstreamError as exc:
+            report.problems.append(Problem(str(index_path), _strip(exc, index_path)))
+            return
         except (ValueError, KeyError, TypeError) as exc:
             report.problems.append(Problem(str(index_path), f"malformed index ({exc})"))
             return
@@ -443,6 +448,13 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(
                 Problem(str(index_path), f"total_size {total} but tensors hold {total_bytes} bytes")
             )
+
+
+def _cannot_read(exc: OSError) -> str:
+    """A file's OSError as a problem: "permission denied" as errors.py names it, else why."""
+    if permission_denied(exc) is not None:
+        return "permission denied"
+    return f"cannot read: {exc.strerror or exc}"
 
 
 def _strip(exc: Exception, path: Path) -> str:

@@ -21,6 +21,7 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheck
 from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
 from .hf_names import strip_wrappers
+from .jsondoc import read_object
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
@@ -129,7 +130,7 @@ def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[
 
 def _set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
-    config = json.loads(source.read_text())
+    config = read_object(source, "config")
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype_name
     target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -148,12 +149,7 @@ def _write_generation_config(target: Path, hf_config: Any) -> None:
 def read_config(config_dir: Path | None) -> dict:
     if config_dir is None or not (config_dir / "config.json").is_file():
         return {}
-    try:
-        return json.loads((config_dir / "config.json").read_text())
-    except ValueError as exc:
-        raise CheckpointFormatError(
-            f"{config_dir / 'config.json'}: not valid JSON ({exc})"
-        ) from None
+    return read_object(config_dir / "config.json", "config (JSON object)")
 
 
 TIED_HEAD = "lm_head.weight"
@@ -242,11 +238,13 @@ def tensors_of(header: SafetensorsHeader) -> list[HfTensor]:
 
 def _read_index(directory: Path, index: Path) -> list[HfTensor]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
+        weight_map = read_object(index, "safetensors index (JSON object)")["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise ValueError("weight_map must map tensor names to file names")
+    except CheckpointFormatError:
+        raise
     except (ValueError, KeyError, TypeError) as exc:
         raise CheckpointFormatError(f"{index}: not a valid safetensors index ({exc})") from None
     files: dict[str, list[str]] = {}

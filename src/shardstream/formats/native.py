@@ -37,6 +37,7 @@ from ..errors import (
 )
 from ..storage.commit import atomic_write_bytes
 from ..storage.run_layout import MANIFEST
+from . import jsondoc
 from .layout_names import describe_mesh
 from .safetensors import read_header, stored_checksums, tensors_in_range
 
@@ -173,7 +174,9 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise UnsafeCheckpointError(f"{path}: {size} bytes exceeds the manifest size limit")
     raw = path.read_bytes()
     try:
-        doc = json.loads(raw)
+        doc = json.loads(raw, **jsondoc.strict())
+    except jsondoc.Refused as exc:  # Infinity, NaN, 1e999, an integer of 5000 digits
+        raise CheckpointFormatError(f"{path}: manifest {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise ChecksumMismatchError(f"{path}: manifest is not valid JSON ({exc})") from None
     if not isinstance(doc, dict):
@@ -191,6 +194,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     for section in ("tensors", "files", "objects"):
         if not isinstance(doc.get(section, {}), dict):
             raise CheckpointFormatError(f"{path}: section {section!r} is not an object")
+    world_size = doc.get("world_size", 1)
+    if type(world_size) is not int or world_size < 1:
+        raise CheckpointFormatError(
+            f"{path}: world_size {world_size!r} is not a positive integer"
+        )
     return doc
 
 

@@ -7,7 +7,6 @@ shapes and placements on a ("fsdp",) or ("ddp", "fsdp") mesh; plain tensors are 
 from __future__ import annotations
 
 import bisect
-import json
 import math
 import os
 import re
@@ -30,6 +29,7 @@ from ..engine.plan import (
 )
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from ..storage import collectives as coll
+from .jsondoc import read_object
 from .layout_names import describe_mesh, describe_placements
 from .source import VERL_FILE_PATTERN as FILE_PATTERN
 from .source import VERL_MODEL_FILE as MODEL_FILE
@@ -185,7 +185,9 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
     config = directory / FSDP_CONFIG
     if config.is_file():
         try:
-            declared = json.loads(config.read_text()).get("world_size")
+            declared = read_object(config, "FSDP config (JSON object)").get("world_size")
+        except CheckpointFormatError:
+            raise
         except (ValueError, AttributeError) as exc:
             raise CheckpointFormatError(f"{config}: not valid JSON ({exc})") from None
         if declared is not None and declared != world_size:
@@ -248,7 +250,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
     fsdp_version = None
     config = directory / FSDP_CONFIG
     if config.is_file():
-        fsdp_version = json.loads(config.read_text()).get("FSDP_version")
+        fsdp_version = read_object(config, "FSDP config (JSON object)").get("FSDP_version")
     layout = read_rank_layouts(files, lambda state, path: state, shared)
     return VerlCheckpoint(
         directory,

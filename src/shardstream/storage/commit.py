@@ -91,8 +91,19 @@ def is_temporary(name: str) -> bool:
 
 
 def check_target(target: Path, overwrite: bool) -> None:
-    """Refuse a target that is a file, or a non-empty directory unless ``overwrite``."""
-    if target.is_symlink() or target.exists():
+    """Refuse a target that is a file, a symlink, or a non-empty directory unless
+    ``overwrite``.
+
+    A symlinked target is refused, whatever it points to: the swap replaces the name, so it
+    would replace the link (not the directory it names) and leave that directory behind under
+    a temporary name, or fail on the link as a non-directory. Name the directory itself."""
+    if target.is_symlink():
+        raise UsageError(
+            f"target {target} is a symlink (to {os.readlink(target)}); shardstream replaces "
+            "a target by renaming, which would replace the link itself: pass the directory it "
+            f"points to ({os.path.realpath(target)}) instead"
+        )
+    if target.exists():
         if not target.is_dir():
             raise UsageError(f"target {target} exists and is not a directory")
         if any(target.iterdir()) and not overwrite:

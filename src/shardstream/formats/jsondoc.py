@@ -1,0 +1,74 @@
+"""Small JSON documents a checkpoint holds (config.json, an index, fsdp_config.json), read
+strictly: JSON allows what no checkpoint holds (``Infinity``, ``NaN``, integers of thousands of
+digits, a top-level list where an object belongs), and each of those once ended in a traceback
+far from the file. Here each is one ``CheckpointFormatError`` naming the file."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+from ..errors import CheckpointFormatError, UnsafeCheckpointError, os_error
+
+MAX_DOCUMENT_BYTES = 64 * 2**20  # config, index, generation config: kilobytes to megabytes
+MAX_INT_DIGITS = 20  # 2**64 has 20 digits; nothing in these files counts higher
+
+
+class Refused(ValueError):
+    """A value JSON allows but a checkpoint's document cannot hold."""
+
+
+def _no_constant(name: str):
+    raise Refused(f"holds {name}, which is not a JSON number a checkpoint can hold")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise Refused(f"holds an integer of {len(text.lstrip('-'))} digits")
+    return int(text)
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if math.isinf(value):
+        raise Refused(f"holds {text}, a number beyond a float's range")
+    return value
+
+
+def strict(**kwargs) -> dict:
+    """``json.loads`` keyword arguments that raise ``Refused`` for those values."""
+    return dict(
+        parse_constant=_no_constant, parse_int=_bounded_int, parse_float=_finite_float, **kwargs
+    )
+
+
+def loads(raw: bytes | str, where: str | os.PathLike) -> object:
+    """``json.loads`` without ``Infinity``/``NaN`` or integers over ``MAX_INT_DIGITS`` digits."""
+    try:
+        return json.loads(raw, **strict())
+    except Refused as exc:
+        raise CheckpointFormatError(f"{where}: {exc}") from None
+    except (ValueError, UnicodeDecodeError, RecursionError) as exc:
+        raise CheckpointFormatError(f"{where}: not valid JSON ({exc})") from None
+
+
+def read_object(path: str | os.PathLike, what: str = "JSON object") -> dict:
+    """The JSON object in ``path``; anything else (a list, a number, bad JSON, a file over
+    ``MAX_DOCUMENT_BYTES``, an unreadable file) is one shardstream error naming it."""
+    path = Path(path)
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_DOCUMENT_BYTES + 1)
+    except OSError as exc:
+        mapped = os_error(exc, path)
+        if mapped is None:
+            raise
+        raise mapped from None
+    if len(raw) > MAX_DOCUMENT_BYTES:
+        raise UnsafeCheckpointError(f"{path}: over the {MAX_DOCUMENT_BYTES}-byte limit")
+    doc = loads(raw, path)
+    if not isinstance(doc, dict):
+        raise CheckpointFormatError(f"{path}: not a {what} (holds a {type(doc).__name__})")
+    return doc
