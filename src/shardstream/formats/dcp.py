@@ -89,6 +89,7 @@ class DcpCheckpoint:
     skipped: dict[str, str] = field(default_factory=dict)
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     metadata: Metadata | None = field(default=None, repr=False)  # the unpickled .metadata
+    prefix: str = ""  # what the model's keys start with: "model." (accelerate), "app.model."
 
     @property
     def format(self) -> str:
@@ -181,31 +182,83 @@ def _object_paths(planner_data) -> dict[str, tuple] | None:
     return paths
 
 
-def _model_names(keys: list[str], paths: dict[str, tuple] | None) -> tuple[dict[str, str], str]:
-    """Which tensor keys are model weights, under which HF name; and a description of the layout.
+def normalize_prefix(prefix: str | None) -> str | None:
+    """A user's ``prefix`` ("app.model", "app.model.", "" for top level) as keys start with it."""
+    if prefix is None:
+        return None
+    prefix = prefix.strip()
+    return prefix if not prefix or prefix.endswith(".") else prefix + "."
 
-    Keys missing from the result are training state (reported as skipped).
+
+def _containers(keys: list[str], paths: dict[str, tuple] | None) -> set[tuple]:
+    """The model containers tensor keys lie under: each key's path up to its first ``model``
+    component (``("model",)`` for accelerate, ``("app", "model")`` for PyTorch's recipe)."""
+    found = set()
+    for key in keys:
+        path = paths[key] if paths is not None else tuple(key.split("."))
+        for i, part in enumerate(path[:-1]):
+            if part == MODEL_CONTAINER:
+                found.add(tuple(path[: i + 1]))
+                break
+    return found
+
+
+def _model_names(
+    keys: list[str], paths: dict[str, tuple] | None, prefix: str | None = None
+) -> tuple[dict[str, str], str, str]:
+    """Which tensor keys are model weights, under which HF name; a description of the layout;
+    and the prefix the model's keys share ("" at top level).
+
+    ``prefix`` (``normalize_prefix``'d): the model's keys, when detection is ambiguous or
+    wrong. Keys missing from the result are training state (reported as skipped).
     """
-    if paths is not None and all(k in paths for k in keys):
-        nested = {k: paths[k] for k in keys if len(paths[k]) > 1}
-        if any(p[0] == MODEL_CONTAINER for p in nested.values()):
+    if paths is not None and not all(k in paths for k in keys):
+        paths = None
+    if prefix:
+        names = {k: k[len(prefix) :] for k in keys if k.startswith(prefix) and len(k) > len(prefix)}
+        return names, f"model under {prefix[:-1]!r} (prefix given)", prefix
+    if prefix == "":
+        if paths is not None:
+            names = {k: k for k in keys if len(paths[k]) == 1}
+        else:
+            names = {k: k for k in keys if not k.startswith(NON_MODEL_PREFIXES)}
+        return names, "model at top level (prefix given)", ""
+    if paths is not None:
+        found = _containers(keys, paths)
+        if len(found) > 1:
+            listed = ", ".join(repr(".".join(map(str, c)) + ".") for c in sorted(found, key=str))
+            raise CheckpointFormatError(
+                f"tensor keys lie under several model containers ({listed}); pass the one to "
+                "read as prefix= (--prefix)"
+            )
+        if found:
+            (container,) = found
+            depth = len(container)
             names = {
-                k: ".".join(str(p) for p in paths[k][1:])
+                k: ".".join(str(p) for p in paths[k][depth:])
                 for k in keys
-                if len(paths[k]) > 1 and paths[k][0] == MODEL_CONTAINER
+                if len(paths[k]) > depth and tuple(paths[k][:depth]) == container
             }
-            return names, "train state (model under 'model')" if len(names) < len(
-                keys
-            ) else "model under 'model'"
+            where = ".".join(map(str, container))
+            kind = "train state" if len(names) < len(keys) else "model"
+            text = (
+                f"{kind} (model under {where!r})"
+                if kind == "train state"
+                else (f"model under {where!r}")
+            )
+            return names, text, where + "."
         names = {k: k for k in keys if len(paths[k]) == 1}
-        return names, "model at top level" + (
-            " with training state" if len(names) < len(keys) else ""
+        return (
+            names,
+            "model at top level" + (" with training state" if len(names) < len(keys) else ""),
+            "",
         )
     # No planner_data (custom planners): decide by key prefixes.
     model = [k for k in keys if not k.startswith(NON_MODEL_PREFIXES)]
     if len(model) < len(keys) and model and all(k.startswith("model.") for k in model):
-        return {k: k[len("model.") :] for k in model}, "train state (model under 'model')"
-    return {k: k for k in model}, "model at top level (no planner_data; named by prefix)"
+        names = {k: k[len("model.") :] for k in model}
+        return names, "train state (model under 'model')", "model."
+    return {k: k for k in model}, "model at top level (no planner_data; named by prefix)", ""
 
 
 def _reason(key: str, paths: dict[str, tuple] | None) -> str:
@@ -226,8 +279,11 @@ def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
 # --------------------------------------------------------------------------- opening
 
 
-def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
-    """Read ``.metadata`` and each model chunk's record header; describe tensors as blocks."""
+def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpCheckpoint:
+    """Read ``.metadata`` and each model chunk's record header; describe tensors as blocks.
+
+    ``prefix``: what the model's keys start with ("app.model.", "" for the top level), when
+    detection (``_model_names``) finds several candidates or the wrong one."""
     directory = Path(directory)
     meta_path = directory / METADATA_FILE
     on_disk = sorted(p.name for p in directory.iterdir() if DATA_FILE.match(p.name))
@@ -271,15 +327,24 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
         else:
             tensor_keys.append(key)
     paths = _object_paths(meta.planner_data)
-    names, layout = _model_names(tensor_keys, paths)
+    try:
+        names, layout, found_prefix = _model_names(tensor_keys, paths, normalize_prefix(prefix))
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{directory}: {exc}") from None
     for key in tensor_keys:
         if key not in names:
             skipped[key] = _reason(key, paths)
     if not names:
         raise CheckpointNotFoundError(
             f"{directory}: the DCP checkpoint holds no model tensors ({len(entries)} entries, "
-            "e.g. " + ", ".join(repr(k) for k in list(entries)[:3]) + "); for accelerate, point "
-            "at pytorch_model_fsdp_N rather than optimizer_N"
+            "e.g. "
+            + ", ".join(repr(k) for k in list(entries)[:3])
+            + ")"
+            + (
+                f" under prefix {prefix!r}"
+                if prefix is not None
+                else "; pass the prefix the model's keys start with as prefix= (--prefix)"
+            )
         )
     seen: dict[str, str] = {}
     for key, name in names.items():
@@ -322,6 +387,7 @@ def open_dcp(directory: str | os.PathLike) -> DcpCheckpoint:
         dcp_version=version,
         skipped=skipped,
         metadata=meta,
+        prefix=found_prefix,
     )
 
 
@@ -422,28 +488,66 @@ MAX_OBJECT_BYTES = 64 << 20
 OPTIMIZER_STATE_PREFIX = "optimizer.state."
 
 
+# A train state's containers beside the model's, under the names tools give them -> the name
+# restore uses: torchtitan ("optimizer", "lr_scheduler", "dataloader", "train_state"), PyTorch's
+# DCP recipe ("optim"), accelerate ("optimizer" in optimizer_N/).
+CONTAINER_NAMES = {
+    "optimizer": "optimizer",
+    "optim": "optimizer",
+    "optimizers": "optimizer",
+    "lr_scheduler": "lr_scheduler",
+    "lr_schedulers": "lr_scheduler",
+    "scheduler": "lr_scheduler",
+    "train_state": "train_state",
+    "dataloader": "dataloader",
+}
+
+
 @dataclass
 class DcpTrainState:
     """What a DCP train state holds besides the model, for ``restore()``.
 
-    ``optimizer_tensors`` are named ``optimizer.state.<fqn>.<key>``, as shardstream names them.
-    ``objects`` maps a container (``optimizer``, ``lr_scheduler``) to its non-tensor values,
-    nested as they were saved: under ``flatten_optimizer_state_dict`` (torchtitan) the
-    optimizer's values are keyed ``param_groups.<fqn>.<key>`` and ``state.<fqn>.<key>``.
+    ``optimizer_tensors`` are named ``optimizer.state.<fqn>.<key>``, as shardstream names them,
+    whatever the container was called and wherever it sat. ``objects`` maps a container
+    (``optimizer``, ``lr_scheduler``, ``train_state``) to its non-tensor values, nested as they
+    were saved: under ``flatten_optimizer_state_dict`` (torchtitan) the optimizer's values are
+    keyed ``param_groups.<fqn>.<key>`` and ``state.<fqn>.<key>``. ``tensor_objects`` names the
+    small non-optimizer tensors (torchtitan's ``train_state.step``) by the same paths.
     """
 
     optimizer_tensors: list[GlobalTensor]
     objects: dict[str, object]
+    tensor_objects: dict[str, GlobalTensor] = field(default_factory=dict)
+
+
+def _container_path(key: str, path: tuple | None, root: tuple) -> tuple | None:
+    """``key``'s path below ``root`` with its container renamed (``CONTAINER_NAMES``), or None
+    for a key that lies elsewhere or in no known container."""
+    if path is None:
+        head = ".".join(map(str, root)) + "." if root else ""
+        if not key.startswith(head):
+            return None
+        path = tuple(key[len(head) :].split(".", 1))
+    else:
+        if tuple(path[: len(root)]) != tuple(root):
+            return None
+        path = tuple(path[len(root) :])
+    if len(path) < 2 or path[0] not in CONTAINER_NAMES:
+        return None
+    return (CONTAINER_NAMES[path[0]], *path[1:])
 
 
 def open_dcp_train_state(
     directory: str | os.PathLike,
-    containers: tuple[str, ...] = ("optimizer", "lr_scheduler"),
+    containers: tuple[str, ...] = ("optimizer", "lr_scheduler", "train_state"),
     metadata: Metadata | None = None,
+    prefix: str = "",
 ) -> DcpTrainState:
     """Describe the optimizer tensors of a DCP checkpoint and read its small non-tensor state.
 
     ``metadata``: the ``.metadata`` ``open_dcp`` already unpickled, so it is not read twice.
+    ``prefix``: the model's (``DcpCheckpoint.prefix``); the containers are its siblings
+    (``app.model.`` -> ``app.optim.``), at the top level when it is "" or "model.".
     """
     directory = Path(directory)
     meta_path = directory / METADATA_FILE
@@ -452,30 +556,39 @@ def open_dcp_train_state(
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
     by_chunk = _storage_by_chunk(storage, meta_path)
-    paths = _object_paths(meta.planner_data) or {}
+    paths = _object_paths(meta.planner_data)
+    root = tuple(prefix.split(".")[:-2]) if prefix else ()
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
     tensors: list[GlobalTensor] = []
+    small: dict[str, GlobalTensor] = {}
     objects: dict[str, object] = {}
     try:
         for key, md in entries.items():
             if not isinstance(key, str):
                 raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not named by a str")
-            if isinstance(md, TensorStorageMetadata):
-                if key.startswith(OPTIMIZER_STATE_PREFIX):
-                    tensors.append(
-                        _global_tensor(directory, meta_path, key, key, md, by_chunk, sizes, fds)
-                    )
+            path = _container_path(key, paths.get(key) if paths else None, root)
+            if path is None or path[0] not in containers:
                 continue
-            path = paths.get(key) or tuple(key.split(".", 1))
-            if path[0] not in containers:
+            if path[0] == "train_state" and path[1:] != ("step",):
+                continue  # torchtitan's loss histories are pickled BytesIO: not read
+            if isinstance(md, TensorStorageMetadata):
+                flat = ".".join(map(str, path))
+                if path[0] == "optimizer" and flat.startswith(OPTIMIZER_STATE_PREFIX):
+                    tensors.append(
+                        _global_tensor(directory, meta_path, key, flat, md, by_chunk, sizes, fds)
+                    )
+                elif path[0] != "optimizer":
+                    small[flat] = _global_tensor(
+                        directory, meta_path, key, flat, md, by_chunk, sizes, fds
+                    )
                 continue
             value = _read_object(directory, meta_path, key, by_chunk, sizes, fds)
             _place(objects, path, value, meta_path, key)
     finally:
         for fd in fds.values():
             os.close(fd)
-    return DcpTrainState(tensors, {k: _lists(v) for k, v in objects.items()})
+    return DcpTrainState(tensors, {k: _lists(v) for k, v in objects.items()}, small)
 
 
 def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fds) -> object:

@@ -6,6 +6,9 @@
 2. ``VERL``        verl's checkpoint: ``model_world_size_W_rank_R.pt`` files
 3. ``DCP``         PyTorch DCP (torchtitan, accelerate's ``pytorch_model_fsdp_N``): ``.metadata``
                    or ``__R_i.distcp`` files
+   ``ACCELERATE``  accelerate's ``save_state`` (or a Trainer checkpoint) of an FSDP model:
+                   ``pytorch_model_fsdp_N/`` (DCP) beside ``optimizer_N/``, the scheduler's and
+                   RNG files
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
 5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl checkpoints
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
@@ -21,6 +24,7 @@ own and HF directories never import it.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import os
 import re
@@ -42,6 +46,12 @@ VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
 DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# accelerate's save_state with a sharded FSDP state dict (and the Trainer's checkpoint-N): the
+# model and optimizer as DCP directories, the scheduler and each rank's RNG as torch.save files.
+ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
+ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
+ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
+ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
 
 
 @runtime_checkable
@@ -102,6 +112,7 @@ class Kind(enum.Enum):
     NATIVE = "shardstream"
     VERL = "verl"
     DCP = "dcp"
+    ACCELERATE = "accelerate"
     HF_MODEL = "huggingface"
     VERL_ROLES = "verl_roles"
     RUN = "run"
@@ -119,6 +130,42 @@ def is_dcp_checkpoint(directory: Path) -> bool:
     if (directory / DCP_METADATA_FILE).is_file():
         return True
     return any(DCP_DATA_FILE.match(p.name) for p in directory.iterdir())
+
+
+@dataclasses.dataclass
+class AccelerateState:
+    """The parts of accelerate's ``save_state`` directory (the first model's and optimizer's)."""
+
+    directory: Path
+    model: Path
+    optimizer: Path | None
+    scheduler: Path | None
+    rng: dict[int, Path]  # saving process -> its RNG file
+    models: int  # pytorch_model_fsdp_N directories (only the first is restored)
+
+
+def accelerate_state(directory: Path) -> AccelerateState | None:
+    """The parts of an accelerate ``save_state`` directory; None when ``directory`` is none."""
+    if not directory.is_dir():
+        return None
+    models, optims, schedulers, rng = {}, {}, {}, {}
+    for entry in directory.iterdir():
+        name = entry.name
+        if (m := ACCELERATE_MODEL_DIR.match(name)) and is_dcp_checkpoint(entry):
+            models[int(m[1])] = entry
+        elif (m := ACCELERATE_OPTIMIZER_DIR.match(name)) and is_dcp_checkpoint(entry):
+            optims[int(m[1])] = entry
+        elif (m := ACCELERATE_SCHEDULER_FILE.match(name)) and entry.is_file():
+            schedulers[int(m[1] or 0)] = entry
+        elif (m := ACCELERATE_RNG_FILE.match(name)) and entry.is_file():
+            rng[int(m[1])] = entry
+    if 0 not in models:
+        return None
+    return AccelerateState(directory, models[0], optims.get(0), schedulers.get(0), rng, len(models))
+
+
+def is_accelerate_state(directory: Path) -> bool:
+    return accelerate_state(directory) is not None
 
 
 def is_hf_model(directory: Path) -> bool:
@@ -157,11 +204,18 @@ def _open_dcp(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
     return open_dcp(path)
 
 
+def _open_accelerate(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+    from .dcp import open_dcp
+
+    return open_dcp(accelerate_state(path).model)
+
+
 # detect's table, in the order it asks: (kind, test, reader or None).
 _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.NATIVE, native.is_native_checkpoint, _open_native),
     (Kind.VERL, is_verl_checkpoint, _open_verl),
     (Kind.DCP, is_dcp_checkpoint, _open_dcp),
+    (Kind.ACCELERATE, is_accelerate_state, _open_accelerate),
     (Kind.HF_MODEL, is_hf_model, None),
     (Kind.VERL_ROLES, verl_roles, None),
     (Kind.RUN, is_run, None),

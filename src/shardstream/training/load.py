@@ -7,6 +7,7 @@ is a shardstream checkpoint (``saving.py``), or a verl or PyTorch DCP one read a
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -39,7 +40,7 @@ from ..formats.safetensors import read_header
 from ..storage import collectives as coll
 from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
-from . import native_storage
+from . import native_storage, schedulers
 from . import state as st
 
 
@@ -100,6 +101,7 @@ def _open_source(
     regions=None,
     *,
     verl_optimizer_files: bool,
+    prefix: str | None = None,
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
@@ -110,6 +112,11 @@ def _open_source(
     from ..formats.source import Kind, checkpoints_below, detect
 
     kind = detect(path)
+    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):
+        raise UsageError(
+            f"{path}: prefix= applies to DCP checkpoints (keys such as 'app.model.*'); this is "
+            f"a {kind.value} one"
+        )
     if kind is Kind.NATIVE:
         ckpt = native.open_native(path, regions)
         manifest = ckpt.manifest
@@ -130,25 +137,12 @@ def _open_source(
             all_names=frozenset(manifest.get("tensors", ())),
         )
     if kind is Kind.DCP:
-        from ..formats import dcp as dcp_format
-
-        # PyTorch DCP (torchtitan, accelerate): the model, and the optimizer and scheduler
-        # of a train state when they are asked for.
-        ckpt = dcp_format.open_dcp(path)
-        tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
-        saved, objects = {"model"}, {}
-        if want_optimizer:
-            train = dcp_format.open_dcp_train_state(path, metadata=ckpt.metadata)
-            if train.optimizer_tensors or "optimizer" in train.objects:
-                tensors.update({t.name: t for t in train.optimizer_tensors})
-                live = st.optimizer_param_groups(model, optimizer)
-                objects["optimizer"] = _dcp_optimizer_objects(
-                    path, train.objects.get("optimizer", {}), live
-                )
-                saved.add("optimizer")
-            if isinstance(train.objects.get("lr_scheduler"), dict):
-                objects["lr_scheduler"] = train.objects["lr_scheduler"]
-        return _Source(tensors, FileEndpoint, saved, objects, _step_of(path), lambda rank: {})
+        _refuse_accelerate_part(path, want_optimizer)
+        # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
+        # and the optimizer, scheduler and step of a train state when they are asked for.
+        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix)
+    if kind is Kind.ACCELERATE:
+        return _accelerate_source(path, model, optimizer, want_optimizer, verify, prefix)
     if kind is not Kind.VERL:
         below = checkpoints_below(path)
         hint = (
@@ -220,6 +214,120 @@ def _open_source(
     )
 
 
+def _dcp_source(
+    path: Path, optimizer_dir: Path | None, model, optimizer, want_optimizer: bool, prefix
+) -> _Source:
+    """A DCP model directory, with the train state in ``optimizer_dir`` (itself, for one
+    ``dcp.save`` of everything; accelerate's ``optimizer_N`` beside it)."""
+    from ..formats import dcp as dcp_format
+
+    ckpt = dcp_format.open_dcp(path, prefix)
+    tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+    saved, objects = {"model"}, {}
+    step = _step_of(path)
+    if optimizer_dir is not None:
+        same = optimizer_dir == path
+        train = dcp_format.open_dcp_train_state(
+            optimizer_dir,
+            metadata=ckpt.metadata if same else None,
+            prefix=ckpt.prefix if same else "",
+        )
+        saved_step = train.objects.get("train_state", {})
+        saved_step = saved_step.get("step") if isinstance(saved_step, dict) else None
+        if isinstance(saved_step, torch.Tensor) and saved_step.numel() == 1:
+            saved_step = saved_step.item()
+        if type(saved_step) is int:
+            step = saved_step
+        if train.optimizer_tensors or "optimizer" in train.objects:
+            saved.add("optimizer")
+            if want_optimizer:
+                tensors.update({t.name: t for t in train.optimizer_tensors})
+                live = st.optimizer_param_groups(model, optimizer)
+                objects["optimizer"] = _dcp_optimizer_objects(
+                    optimizer_dir, train.objects.get("optimizer", {}), live
+                )
+        if "lr_scheduler" in train.objects:
+            objects["lr_scheduler"] = train.objects["lr_scheduler"]
+    return _Source(tensors, FileEndpoint, saved, objects, step, lambda rank: {})
+
+
+def _accelerate_source(
+    path: Path, model, optimizer, want_optimizer: bool, verify: bool, prefix
+) -> _Source:
+    """accelerate's ``save_state`` directory: model and optimizer (DCP), scheduler and RNG
+    (``torch.save`` files, read by the restricted unpickler)."""
+    from ..formats.source import accelerate_state
+
+    parts = accelerate_state(path)
+    source = _dcp_source(parts.model, parts.optimizer, model, optimizer, want_optimizer, prefix)
+    source.step = _step_of(path)
+    if parts.optimizer is None:
+        source.saved.discard("optimizer")
+    if parts.scheduler is not None:
+        source.objects["lr_scheduler"] = _read_pickle(parts.scheduler, verify, "the scheduler")
+    if parts.rng:
+        source.saved.add("extra")
+        rng = parts.rng
+
+        def read_extra(rank: int) -> dict:
+            state = _read_pickle(rng.get(rank, rng[min(rng)]), verify, "the RNG state")
+            return {"user": {}, "rng": _accelerate_rng(state)}
+
+        source.read_extra = read_extra
+    return source
+
+
+def _refuse_accelerate_part(path: Path, want_optimizer: bool) -> None:
+    """``pytorch_model_fsdp_N`` (with the optimizer asked for) or ``optimizer_N`` of an
+    accelerate ``save_state`` directory: the directory around them is what restores whole."""
+    from ..formats.source import (
+        ACCELERATE_MODEL_DIR,
+        ACCELERATE_OPTIMIZER_DIR,
+        accelerate_state,
+    )
+
+    part = ACCELERATE_OPTIMIZER_DIR.match(path.name) or (
+        want_optimizer and ACCELERATE_MODEL_DIR.match(path.name)
+    )
+    if part and accelerate_state(path.parent) is not None:
+        raise CheckpointFormatError(
+            f"{path}: one part of accelerate's save_state directory {path.parent}; pass "
+            f"{path.parent} to restore its model, optimizer, scheduler and RNG state together"
+        )
+
+
+def _read_pickle(file: Path, verify: bool, what: str) -> Any:
+    """A small ``torch.save`` file (scheduler, RNG) through the restricted unpickler, which
+    admits containers, numbers, strings, tensors and numpy arrays and refuses any code."""
+    from ..formats.torch_pt import check_records, load_restricted, numpy_globals
+
+    if verify:
+        check_records(str(file))
+    return load_restricted(str(file), f"{file} ({what})", "cpu", numpy_globals())
+
+
+def _accelerate_rng(state: Any) -> dict:
+    """accelerate's (``random_states_N.pkl``) or the Trainer's (``rng_state_N.pth``) RNG
+    entries in shardstream's form."""
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(f"RNG state is a {type(state).__name__}, not a dict")
+    names = {
+        "torch": ("torch_manual_seed", "cpu"),
+        "random": ("random_state", "python"),
+        "numpy": ("numpy_random_seed", "numpy"),
+        "cuda": ("torch_cuda_manual_seed", "cuda"),
+    }
+    out = {}
+    for ours, theirs in names.items():
+        for name in theirs:
+            if name in state:
+                out[ours] = state[name]
+                break
+    if "torch" not in out:
+        raise CheckpointFormatError("RNG state holds no torch generator state")
+    return out
+
+
 def _checked_targets(
     path: Path, source: _Source, model_tensors: dict | None, optim_tensors: dict | None
 ) -> dict[str, torch.Tensor]:
@@ -273,7 +381,7 @@ def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 
 def _step_of(path: Path) -> int:
     """The step a directory is named for (``global_step_N``, torchtitan's ``step-N``), else 0."""
-    match = re.search(r"(?:global_step_|step-|step_|checkpoint-)(\d+)$", path.name)
+    match = re.search(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$", path.name)
     return int(match[1]) if match else 0
 
 
@@ -353,8 +461,14 @@ def load(
     verify: bool = True,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     restore_rng: bool = True,
+    prefix: str | None = None,
 ) -> LoadResult:
     """Load ``path`` into live (possibly FSDP2-sharded) objects at any world size, in place.
+
+    Every part asked for (model, optimizer, scheduler, RNG) is opened and checked against the
+    live objects first; if one cannot be restored, nothing is touched and the error names it.
+    ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
+    level), where detection finds several candidates.
 
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
@@ -381,6 +495,7 @@ def load(
             want_optimizer,
             regions,
             verl_optimizer_files=verl_optimizer_files,
+            prefix=prefix,
         )
         targets = _checked_targets(
             path,
@@ -388,10 +503,13 @@ def load(
             model_tensors if want_model else None,
             optim_tensors if want_optimizer else None,
         )
+        pending = _checked_parts(
+            path, source, model, optimizer, optim_tensors, lr_scheduler, contents, restore_rng
+        )
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
         error = exc
     coll.agree_or_raise(error, "restore")
-    available, endpoint, saved = source.tensors, source.endpoint, source.saved
+    available, endpoint = source.tensors, source.endpoint
     reader = native_storage.StreamingReader(
         {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)
     )
@@ -413,18 +531,15 @@ def load(
                 ) from None
             raise
     objects = source.objects
-    extra: dict[str, Any] = {}
+    extra: dict[str, Any] = pending.extra
     error: Exception | None = None
     try:  # local work from here on: a rank that fails must tell the others, not leave them
         if optim_tensors:  # waiting in a barrier for a process that may never exit
             st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
-        if lr_scheduler is not None and "lr_scheduler" in objects and "optimizer" in contents:
-            lr_scheduler.load_state_dict(objects["lr_scheduler"])
-        if "extra" in contents and "extra" in saved:
-            payload = source.read_extra(coll.rank())
-            extra = payload.get("user", {})
-            if restore_rng and "rng" in payload:
-                st.set_rng_state(payload["rng"])
+        if pending.scheduler is not None:
+            schedulers.load(lr_scheduler, pending.scheduler)
+        if pending.rng is not None:
+            st.set_rng_state(pending.rng)
     except Exception as exc:  # noqa: BLE001
         error = exc
     failed = [
@@ -435,6 +550,53 @@ def load(
     if failed:
         raise ShardstreamError(f"restore failed on another rank: {failed[0]}")
     return LoadResult(source.step, extra, reader.bytes_read, time.perf_counter() - started)
+
+
+@dataclass
+class _Pending:
+    """The small parts, read and checked before any tensor is written, applied after."""
+
+    scheduler: Any = None  # saved scheduler state for ``schedulers.load``
+    rng: Any = None  # RNG state for ``st.set_rng_state``
+    extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+def _checked_parts(
+    path: Path,
+    source: _Source,
+    model,
+    optimizer,
+    optim_tensors: dict,
+    lr_scheduler,
+    contents: tuple[str, ...],
+    restore_rng: bool,
+) -> _Pending:
+    """Open and check every part but the tensors (already checked by ``_checked_targets``)
+    against the live objects, so that a restore that cannot finish touches nothing."""
+    pending = _Pending()
+    part = "optimizer"
+    try:
+        if optim_tensors:
+            st.nest_optimizer_state(model, {**source.objects["optimizer"].get("scalars", {}),
+                                            **optim_tensors})  # fmt: skip
+        part = "lr_scheduler"
+        if lr_scheduler is not None and "optimizer" in contents:
+            saved = source.objects.get("lr_scheduler")
+            if saved is not None:
+                schedulers.check(lr_scheduler, saved)
+                pending.scheduler = saved
+        part = "extra state (RNG)"
+        if "extra" in contents and "extra" in source.saved:
+            payload = source.read_extra(coll.rank())
+            pending.extra = payload.get("user", {})
+            if restore_rng and "rng" in payload:
+                st.check_rng_state(payload["rng"])
+                pending.rng = payload["rng"]
+    except Exception as exc:  # noqa: BLE001 - named and re-raised
+        text = f"{path}: cannot restore the {part}, so nothing was restored: {exc}"
+        kind = type(exc) if isinstance(exc, ShardstreamError) else CheckpointFormatError
+        raise kind(text) from None
+    return pending
 
 
 def _read_extra(ckpt, rank: int) -> dict[str, Any]:

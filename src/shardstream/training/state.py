@@ -127,9 +127,18 @@ def apply_optimizer_state(
     objects: Mapping[str, Any],
 ) -> None:
     """Hand the (already filled) tensors and the JSON state back to the optimizer."""
+    nested = nest_optimizer_state(model, {**objects.get("scalars", {}), **tensors})
+    state = {"state": nested, "param_groups": objects["param_groups"]}
+    set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+
+
+def nest_optimizer_state(
+    model: torch.nn.Module, values: Mapping[str, Any]
+) -> dict[str, dict[str, Any]]:
+    """``optimizer.state.<fqn>.<key>`` -> value as ``{fqn: {key: value}}``; raises for a name
+    that is no parameter of ``model``."""
     prefix = OPTIMIZER_PREFIX + STATE
     nested: dict[str, dict[str, Any]] = {}
-    values = {**objects.get("scalars", {}), **tensors}
     names = _parameter_names(model)
     for flat, value in values.items():
         rest = flat[len(prefix) :]
@@ -137,8 +146,7 @@ def apply_optimizer_state(
         if fqn is None:
             raise CheckpointFormatError(f"optimizer state {flat!r} names no parameter of the model")
         nested.setdefault(fqn, {})[rest[len(fqn) + 1 :]] = value
-    state = {"state": nested, "param_groups": objects["param_groups"]}
-    set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+    return nested
 
 
 def _parameter_names(model: torch.nn.Module) -> set[str]:
@@ -244,6 +252,21 @@ def set_rng_state(state: Mapping[str, Any]) -> None:
         import numpy as np
 
         np.random.set_state(state["numpy"])
+
+
+def check_rng_state(state: Any) -> None:
+    """Raise what ``set_rng_state`` would raise, leaving the generators as they were."""
+    if not isinstance(state, Mapping) or "torch" not in state or "random" not in state:
+        raise CheckpointFormatError("RNG state lacks the torch or random generator's state")
+    before = rng_state()
+    try:
+        set_rng_state(state)
+    except Exception as exc:  # noqa: BLE001 - any failure: the state does not fit
+        raise CheckpointFormatError(
+            f"RNG state cannot be set ({type(exc).__name__}: {exc})"
+        ) from None
+    finally:
+        set_rng_state(before)
 
 
 def _tuples(value: Any) -> Any:

@@ -1,0 +1,83 @@
+"""Saved LR scheduler state into a live scheduler, whatever wrote it.
+
+A scheduler's ``state_dict()`` does not always survive a checkpoint as it was: DCP's
+flattening drops empty containers (``LambdaLR`` over a ``functools.partial``, as transformers'
+``get_cosine_schedule_with_warmup`` builds, keeps ``lr_lambdas: [{}]``, which comes back
+missing), and int keys come back as strings. ``load_state_dict`` of most schedulers needs every
+key (``LambdaLR`` pops ``lr_lambdas``, ``SequentialLR`` ``_schedulers``). So the saved values
+are merged into the live scheduler's own ``state_dict()``: what was saved wins, what was lost
+on the way keeps the live value, and the result has the shape the scheduler expects.
+
+``check`` tries the merged state on the live scheduler and puts the old state back, so a
+restore can refuse before it touches anything else.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Mapping
+from typing import Any
+
+from ..errors import CheckpointFormatError
+
+
+def merged_state(live: Mapping[str, Any], saved: Any, where: str = "lr_scheduler") -> dict:
+    """``saved`` laid over ``live`` (a scheduler's ``state_dict()``), recursively."""
+    if not isinstance(saved, Mapping):
+        raise CheckpointFormatError(f"{where}: saved state is a {type(saved).__name__}, not a dict")
+    return _merge(live, saved, where)
+
+
+def _merge(live: Any, saved: Any, where: str) -> Any:
+    if isinstance(live, Mapping) and isinstance(saved, Mapping):
+        by_text = {str(k): k for k in live}
+        out = dict(live)
+        for key, value in saved.items():
+            target = key if key in live else by_text.get(str(key), key)
+            out[target] = _merge(live[target], value, f"{where}.{key}") if target in live else value
+        return out
+    if isinstance(live, (list, tuple)) and isinstance(saved, Mapping):
+        # a list flattened to {0: ..., 1: ...} (or {"0": ...}) that was not put back together
+        items = list(live)
+        for key, value in saved.items():
+            index = int(key) if str(key).isdigit() else None
+            if index is None or index >= len(items):
+                raise CheckpointFormatError(
+                    f"{where}: saved entry {key!r} has no place in the live scheduler's list of "
+                    f"{len(items)}"
+                )
+            items[index] = _merge(items[index], value, f"{where}[{index}]")
+        return type(live)(items) if isinstance(live, tuple) else items
+    if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
+        if len(live) != len(saved):
+            if any(isinstance(v, Mapping) for v in live):
+                raise CheckpointFormatError(
+                    f"{where}: {len(saved)} saved entries for the live scheduler's {len(live)}; "
+                    "build the scheduler as the run did"
+                )
+            return saved
+        merged = [_merge(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, saved))]
+        return type(saved)(merged) if isinstance(saved, tuple) else merged
+    return saved
+
+
+def load(scheduler: Any, saved: Any) -> None:
+    """Load ``saved`` into ``scheduler``, merged over its current state."""
+    state = merged_state(scheduler.state_dict(), saved)
+    scheduler.load_state_dict(state)
+
+
+def check(scheduler: Any, saved: Any) -> None:
+    """Raise what ``load`` would raise, leaving ``scheduler`` as it was."""
+    before = copy.deepcopy(scheduler.state_dict())
+    try:
+        load(scheduler, copy.deepcopy(saved))
+    except CheckpointFormatError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - any failure: the state does not fit
+        raise CheckpointFormatError(
+            f"the saved state does not fit the live {type(scheduler).__name__} "
+            f"({type(exc).__name__}: {exc})"
+        ) from None
+    finally:
+        scheduler.load_state_dict(copy.deepcopy(before))

@@ -1,0 +1,37 @@
+"""Trainers' checkpoints restored whole at another world size, bit for bit (issue #24)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardstream.testing.distributed import run
+
+from . import trainer_workers
+from .test_dcp_restore import _assert_same
+
+
+def test_pytorch_recipe_app_state_with_transformers_schedule(tmp_path):
+    """``dcp.save({"app": AppState})``: keys app.model.*, app.optim.*, app.scheduler.*, the
+    scheduler a LambdaLR over functools.partial (its empty lr_lambdas entry lost by DCP)."""
+    saved = run(trainer_workers.recipe_run, 2, str(tmp_path), "save")[0]
+    for result in run(trainer_workers.recipe_run, 3, str(tmp_path), "restore"):
+        assert result["step"][0] == 2
+        _assert_same(saved["state"], result["state"], "state")
+
+    # A scheduler that cannot take the saved state: refused before anything is written.
+    (refused,) = run(trainer_workers.refused_run, 1, str(tmp_path))
+    assert "lr_scheduler" in refused["error"] and "nothing was restored" in refused["error"]
+    _assert_same(refused["before"], refused["after"], "untouched")
+
+
+def test_accelerate_save_state_restores_whole(tmp_path):
+    saved = run(trainer_workers.accelerate_run, 2, str(tmp_path), "save")
+    files = saved[0]["files"]
+    assert {"pytorch_model_fsdp_0", "optimizer_0", "scheduler.bin"} <= set(files), files
+    restored = run(trainer_workers.accelerate_run, 3, str(tmp_path), "restore")
+    for rank, result in enumerate(restored):
+        _assert_same(saved[0]["state"], result["state"], "state")
+        # Each rank's RNG as that rank saved it; a rank beyond the saved ones takes rank 0's.
+        torch_rng, python_rng = saved[rank if rank < 2 else 0]["rng"]
+        assert torch.equal(result["rng"][0], torch_rng)
+        assert result["rng"][1] == python_rng
