@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..engine.checksum import digest
+from ..engine.checksum import digest, new_hasher
 from ..engine.dtypes import ITEMSIZE
 from ..engine.plan import (
     Block,
@@ -156,6 +156,57 @@ def canonical(doc: dict) -> bytes:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
 
 
+def side_file_records(directory: Path, listed: dict) -> dict[str, dict]:
+    """``{"size", "xxh3"}`` of every file of the step ``directory`` (and its ``huggingface/``)
+    that ``listed`` (the manifest's ``files`` so far) does not name: config, generation config,
+    tokenizer and processor files, LoRA metadata, anything written beside the data. Every
+    file a checkpoint holds is then checked, by verify and when merge copies it."""
+    records = {}
+    for sub in ("", "huggingface/"):
+        folder = directory / sub
+        if not folder.is_dir() or folder.is_symlink():
+            continue
+        for entry in sorted(folder.iterdir()):
+            name = sub + entry.name
+            if name in listed or name == MANIFEST or not SAFE_NAME.fullmatch(name):
+                continue
+            if entry.is_symlink() or not entry.is_file():
+                continue
+            records[name] = {"size": entry.stat().st_size, "xxh3": file_digest(entry)}
+    return records
+
+
+def file_digest(path: Path) -> str:
+    """xxh3-64 of a whole file, read in bounded pieces."""
+    hasher = new_hasher()
+    with open(path, "rb", buffering=0) as f:
+        while block := f.read(8 * 2**20):
+            hasher.update(block)
+    return hasher.hexdigest()
+
+
+def check_side_files(directory: Path, manifest: dict, names: list[str]) -> None:
+    """Files of the step that are about to be copied out (config and tokenizer files, as
+    ``huggingface/<name>``) against the digests the manifest records; a file the manifest
+    names that is missing is an error too. Files of older manifests that recorded none are
+    taken as they are."""
+    files = manifest.get("files", {})
+    for name in names:
+        info = files.get(name)
+        if not isinstance(info, dict) or "xxh3" not in info:
+            continue
+        path = directory / name
+        if file_digest(path) != info["xxh3"]:
+            raise ChecksumMismatchError(
+                f"{path}: checksum mismatch (differs from the manifest's record)"
+            )
+    for name, info in files.items():
+        if isinstance(info, dict) and "xxh3" in info and not (directory / name).is_file():
+            raise CheckpointNotFoundError(
+                f"{directory / name}: named in the manifest but missing"
+            )
+
+
 def write_manifest(directory: Path, doc: dict) -> None:
     body = {k: v for k, v in doc.items() if k != "checksum"}
     sealed = {**body, "checksum": digest(canonical(body))}
@@ -281,9 +332,12 @@ class NativeCheckpoint:
         hf = self.directory / "huggingface"
         if not (hf / "config.json").is_file():
             return None
-        from .hf import check_no_links_out
+        from .hf import check_no_links_out, config_files
 
-        return check_no_links_out(hf, self.directory)
+        check_no_links_out(hf, self.directory)
+        names = [f"huggingface/{p.name}" for p in config_files(hf)]
+        check_side_files(self.directory, self.manifest, names)  # what merge copies from here
+        return hf
 
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one data file that checks every chunk it reads."""

@@ -363,6 +363,8 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 "files": file_section,
                 "objects": objects,
             }
+            # Configs, tokenizer files, LoRA metadata: every other file is checksummed too.
+            file_section.update(native.side_file_records(tmp, file_section))
             fsync_tree(tmp)
             native.write_manifest(tmp, manifest)
             staged.commit()
