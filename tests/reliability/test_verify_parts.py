@@ -113,3 +113,28 @@ def test_manifest_without_side_file_records_still_reads(exported, tmp_path, caps
     )
     assert (code, lines) == (0, [])
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+# --- verify catches what restore catches: swapped verl optimizer rank files --------------------
+
+
+@pytest.fixture(scope="module")
+def verl_actor(tmp_path_factory) -> Path:
+    from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
+
+    root = tmp_path_factory.mktemp("verl-w2")
+    fixture = VerlFixture(world_size=2, train_steps=1, write_reference=False)
+    return write_verl_checkpoint(root, fixture, step=1)
+
+
+def test_verify_catches_swapped_verl_optimizer_files(verl_actor, tmp_path):
+    actor = tmp_path / "actor"
+    shutil.copytree(verl_actor, actor)
+    assert verify(actor).ok
+    a, b = actor / "optim_world_size_2_rank_0.pt", actor / "optim_world_size_2_rank_1.pt"
+    a.rename(tmp_path / "swap")
+    b.rename(a)
+    (tmp_path / "swap").rename(b)
+    report = verify(actor)
+    assert not report.ok
+    assert any("rank" in p.line() and "optim_world_size_2_rank_" in p.line() for p in report.problems)

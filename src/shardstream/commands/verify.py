@@ -13,7 +13,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.checksum import digest, new_hasher
-from ..errors import ShardstreamError, permission_denied
+from ..errors import CheckpointFormatError, ShardstreamError, permission_denied
 from ..formats import hf, jsondoc, native
 from ..formats.safetensors import (
     SafetensorsHeader,
@@ -180,6 +180,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         report.files_checked += 1
     for kind in ("optim", "extra_state"):
         _verl_ranks_complete(directory, kind, report)
+    _verl_optimizer_layout(directory, report)
     try:
         checkpoint = verl.open_verl(directory)
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
@@ -215,6 +216,37 @@ def _verify_dcp(directory: Path, report: VerifyReport) -> None:
         return
     files = [f for f in directory.iterdir() if f.is_file()]
     report.files_checked = len(files)
+
+
+def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
+    """The optimizer files' layout, read as restore reads it: each rank file must hold the
+    state its name says (the saving rank its DTensors record), the same tensors as rank 0's,
+    and pieces that tile every tensor. Swapped rank files fail here, as in restore."""
+    from ..formats import verl
+
+    found = verl.files_by_world_size(directory, "optim")
+    if len(found) != 1:
+        return  # none, or several world sizes (reported above)
+    ((world, ranks),) = found.items()
+    if set(ranks) != set(range(world)):
+        return  # a missing rank file (reported above)
+
+    def flatten(state, path: str) -> dict:
+        entries = state.get("state") if isinstance(state, dict) else None
+        if not isinstance(entries, dict):
+            raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
+        return {
+            f"state.{pid}.{key}": value
+            for pid, values in entries.items()
+            if isinstance(values, dict)
+            for key, value in values.items()
+        }
+
+    try:
+        files = [str(verl.check_inside(Path(ranks[r]), directory)) for r in range(world)]
+        verl.read_rank_layouts(files, flatten, keep_scalars=True)
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
 
 
 def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:
