@@ -37,6 +37,13 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
     _flag(p, "--buffer-size", default="64MiB", help="bounded copy buffer (default 64MiB)")
     _flag(p, "--quiet", action="store_true", help="no progress bar or summary line")
     _flag(p, "--json", action="store_true", help="print a machine-readable JSON summary")
+    _flag(
+        p,
+        "--prefix",
+        default=None,
+        help="DCP: what the model's keys start with (e.g. app.model.; '' for the top level), "
+        "where detection finds several",
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -85,8 +92,15 @@ def build_parser() -> argparse.ArgumentParser:
     _add_source_flags(test)
     _flag(test, "--test_hf_dir", required=True, help="reference HF model directory")
     _flag(test, "--dtype", default=None, help="compare in this dtype (default: the reference's)")
-    _flag(test, "--atol", type=float, default=None, help="absolute tolerance")
-    _flag(test, "--rtol", type=float, default=None, help="relative tolerance")
+    _flag(
+        test,
+        "--atol",
+        type=float,
+        default=None,
+        help="absolute tolerance (default 1e-6 with --rtol 1e-6, verl's; a 1-ulp change passes)",
+    )
+    _flag(test, "--rtol", type=float, default=None, help="relative tolerance (default 1e-6)")
+    _flag(test, "--exact", action="store_true", help="the same bits after the cast; no tolerance")
 
     verify = sub.add_parser("verify", help="recompute checksums; check completeness")
     verify.add_argument(
@@ -99,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint without reading its data")
     inspect.add_argument("path", help="checkpoint, run or HF model directory")
     _flag(inspect, "--json", action="store_true", help="machine-readable output")
+    _flag(inspect, "--prefix", default=None, help="DCP: what the model's keys start with")
     return parser
 
 
@@ -162,6 +177,7 @@ def run_merge(args: argparse.Namespace) -> int:
             keep_names=args.keep_names,
             distributed=args.distributed,
             direct_io=not args.no_direct_io,
+            prefix=args.prefix,
             progress=progress.update,
             on_plan=progress.start,
         )
@@ -208,6 +224,8 @@ def run_test(args: argparse.Namespace) -> int:
         buffer_size=args.buffer_size,
         hf_model_path=args.hf_model_path,
         tie_word_embedding=args.tie_word_embedding,
+        exact=args.exact,
+        prefix=args.prefix,
     )
     if args.json:
         print(json.dumps(report.to_json()))
@@ -226,7 +244,7 @@ def run_test(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from .commands.inspect import describe, render
 
-    info = describe(args.path)
+    info = describe(args.path, args.prefix)
     print(json.dumps(info, indent=2) if args.json else render(info))
     return 0
 
@@ -250,7 +268,9 @@ def run_verify(args: argparse.Namespace) -> int:
             steps = f", steps {report.steps}" if report.kind == "root" else ""
             checked = f"{format_size(report.bytes_checked)} checked"
             if report.kind == "dcp":
-                checked = "metadata and byte ranges checked (DCP stores no checksums)"
+                checked += " (every item's zip records against their CRC-32s)"
+            elif report.kind == "accelerate":
+                checked = "DCP byte ranges (no checksums), scheduler and RNG records checked"
             print(
                 f"{verdict}: {report.kind} {report.path}: {report.files_checked} files, "
                 f"{checked}{steps}"

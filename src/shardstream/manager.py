@@ -483,10 +483,17 @@ class CheckpointManager:
 
     # --- restoring ----------------------------------------------------------------------------
 
-    def restore(self, step: int | None = None, path: str | os.PathLike | None = None):
+    def restore(
+        self,
+        step: int | None = None,
+        path: str | os.PathLike | None = None,
+        prefix: str | None = None,
+    ):
         """Load the newest committed checkpoint (or ``step``, or a verl/shardstream/DCP
-        ``path``). Without arguments, ``config.resume_mode`` decides, as in verl: "auto" the
-        newest, "disable" nothing, "resume_path" ``config.resume_from_path``.
+        ``path``, or accelerate's save_state directory). Without arguments,
+        ``config.resume_mode`` decides, as in verl: "auto" the newest, "disable" nothing,
+        "resume_path" ``config.resume_from_path``. ``prefix``: what a DCP checkpoint's model
+        keys start with ("app.model."), where detection finds several candidates.
 
         Returns ``(step, extra)``, or None when there is nothing to restore.
         """
@@ -499,7 +506,7 @@ class CheckpointManager:
             if self.config.resume_mode == "resume_path":
                 path = self._resume_path()
         if path is not None:
-            result = self._load(path)
+            result = self._load(path, prefix)
             return result.step if step is None else step, result.extra
         explicit = step is not None
         for attempt in range(RESTORE_ATTEMPTS):
@@ -563,7 +570,7 @@ class CheckpointManager:
             "size); to start afresh, use another directory"
         )
 
-    def _load(self, path: str | os.PathLike):
+    def _load(self, path: str | os.PathLike, prefix: str | None = None):
         return loading.load(
             path,
             model=self.model,
@@ -572,6 +579,7 @@ class CheckpointManager:
             contents=self.config.load_contents,
             verify=self.config.verify_on_load,
             buffer_size=self.config.staging_budget_bytes,
+            prefix=prefix,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -20,9 +20,10 @@ BASELINE_RSS_BYTES = 260 * 2**20
 ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 
 
-def describe(path: str | os.PathLike) -> dict:
+def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
-    run directory (a manager's), its steps and the newest committed one."""
+    run directory (a manager's), its steps and the newest committed one. ``prefix``: what a
+    DCP checkpoint's model keys start with, where detection is ambiguous."""
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
     from ..formats.source import Kind, detect, open_checkpoint
 
@@ -32,7 +33,7 @@ def describe(path: str | os.PathLike) -> dict:
         return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
     if kind is Kind.HF_MODEL:
         return _describe_hf_model(Path(path))
-    checkpoint = open_checkpoint(path)  # or its error, naming any checkpoint inside
+    checkpoint = open_checkpoint(path, prefix=prefix)  # or its error, naming one inside
     config_dir = checkpoint.config_dir()
     from ..formats.hf import read_config
 
@@ -61,6 +62,13 @@ def describe(path: str | os.PathLike) -> dict:
         )
     manifest = checkpoint.manifest
     contents = manifest.get("contents")
+    step = manifest.get("step")
+    key_prefix = None
+    if checkpoint.format == "dcp":  # no manifest: the step its directory is named for
+        from ..formats.dcp import step_of_name
+
+        step = step_of_name(Path(path).name)
+        key_prefix = checkpoint.prefix
     files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
     replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)
@@ -71,7 +79,8 @@ def describe(path: str | os.PathLike) -> dict:
         "world_size": checkpoint.world_size,
         "fsdp_version": checkpoint.fsdp_version,
         "mesh": checkpoint.mesh,
-        "step": manifest.get("step"),
+        "step": step,
+        "prefix": key_prefix,
         "contents": [str(c) for c in contents] if isinstance(contents, list) else None,
         "config_dir": str(config_dir) if config_dir else None,
         "num_files": len(files),
@@ -209,6 +218,16 @@ def render(info: dict) -> str:
         *(
             [f"step {info['step']}, contents: {', '.join(info['contents'])}"]
             if info.get("contents") is not None
+            else []
+        ),
+        *(
+            [f"step {info['step']} (from the directory name)"]
+            if info.get("contents") is None and info.get("step") is not None
+            else []
+        ),
+        *(
+            [f"model keys: {info['prefix'] or '(top level)'}{'*' if info['prefix'] else ''}"]
+            if info.get("prefix") is not None
             else []
         ),
         f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",

@@ -93,6 +93,7 @@ def merge(
     direct_io: bool = True,
     progress: Callable[[int], None] | None = None,
     on_plan: Callable[[int], None] | None = None,
+    prefix: str | None = None,
 ) -> MergeSummary:
     """Merge the sharded checkpoint in ``local_dir`` into a HF model directory ``target_dir``.
 
@@ -100,6 +101,8 @@ def merge(
     transformers writes for the model (``formats.hf_names``); ``keep_names=True`` writes the
     in-memory names instead. ``direct_io=False`` writes the output through the page cache
     instead of with ``O_DIRECT`` (which is used where the file system accepts it).
+    ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
+    level), where detection finds several candidates.
 
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
@@ -122,6 +125,7 @@ def merge(
                 direct_io=direct_io,
                 progress=progress,
                 on_plan=on_plan,
+                prefix=prefix,
             )
         finally:
             coll.leave()
@@ -134,7 +138,7 @@ def merge(
     target = Path(target_dir)
     from ..storage.commit import check_target, check_target_apart
 
-    checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed)
+    checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed, prefix=prefix)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
@@ -160,7 +164,7 @@ def merge(
         rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
-    files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes)
+    files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
 

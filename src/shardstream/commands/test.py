@@ -24,7 +24,9 @@ Choices, following verl (``FSDPModelMerger._test_state_dict``):
   comparison dtype (so an exact cast gives exact equality). If only one of ``atol``/``rtol`` is
   given, the other is 0. Non-finite values must match exactly; unlike ``assert_close``'s
   default, NaN at the same position on both sides counts as equal, since a faithful merge of a
-  checkpoint holding NaN reproduces it.
+  checkpoint holding NaN reproduces it. The default tolerance lets a 1-ulp float32 change
+  pass; ``exact=True`` (``--exact``) asks for the same bits after the cast instead (a
+  bit-exact merge passes it; -0.0 against 0.0 or another NaN payload does not).
 """
 
 from __future__ import annotations
@@ -68,6 +70,7 @@ class CompareReport:
     dtype: str | None = None
     atol: float = DEFAULT_ATOL
     rtol: float = DEFAULT_RTOL
+    exact: bool = False
     skipped: list[str] = field(default_factory=list)
     wall_s: float = 0.0
 
@@ -87,6 +90,7 @@ class CompareReport:
             "dtype": self.dtype,
             "atol": self.atol,
             "rtol": self.rtol,
+            "exact": self.exact,
             "skipped": self.skipped,
             "problems": self.problems,
             "wall_s": self.wall_s,
@@ -103,8 +107,13 @@ def compare_with_reference(
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     hf_model_path: str | os.PathLike | None = None,
     tie_word_embedding: bool = False,
+    exact: bool = False,
+    prefix: str | None = None,
 ) -> CompareReport:
     """Compare the checkpoint in ``local_dir`` with the HF model in ``test_hf_dir``.
+
+    ``exact``: every element must have the same bits after the cast (no tolerance).
+    ``prefix``: what a DCP checkpoint's model keys start with, where detection is ambiguous.
 
     Returns a report; ``report.ok`` is False when anything differs, and ``report.problems``
     has one line per problem naming the tensor. Raises only for unreadable inputs.
@@ -115,6 +124,10 @@ def compare_with_reference(
     buffer_bytes = parse_size(buffer_size)
     if buffer_bytes < 1 << 16:
         raise UsageError("--buffer-size must be at least 64KiB")
+    if exact and (atol is not None or rtol is not None):
+        raise UsageError("--exact compares bits; it takes no --atol or --rtol")
+    if exact:
+        atol = rtol = 0.0
     if atol is None and rtol is None:
         atol, rtol = DEFAULT_ATOL, DEFAULT_RTOL
     atol, rtol = float(atol or 0.0), float(rtol or 0.0)
@@ -131,7 +144,7 @@ def compare_with_reference(
         ref_config = hf.read_config(ref_dir)
     else:
         reference, ref_config = hf.read_hf_model(test_hf_dir)
-    checkpoint = open_checkpoint(local_dir, model_only=True)
+    checkpoint = open_checkpoint(local_dir, model_only=True, prefix=prefix)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
@@ -155,6 +168,7 @@ def compare_with_reference(
         dtype=wanted_dtype,
         atol=atol,
         rtol=rtol,
+        exact=exact,
     )
     ours = {t.name: t for t in tensors}
     theirs = {t.name: t for t in reference}
@@ -308,7 +322,8 @@ def _compare_tensor(
     report.elements += numel
     if bad:
         index = list(np.unravel_index(worst[1], shape)) if shape else []
-        tolerance = f"atol={report.atol:g}, rtol={report.rtol:g}" if floating else "exact"
+        exact = not floating or report.exact
+        tolerance = "exact" if exact else f"atol={report.atol:g}, rtol={report.rtol:g}"
         report.problem(
             f"tensor {name!r}: {bad} of {numel} elements differ ({tolerance}, as {target}); "
             f"max abs diff {worst[0]:.6g} at {[int(i) for i in index]}: checkpoint "
@@ -362,7 +377,10 @@ def _compare_piece(
             diff[np.isnan(diff)] = math.inf
             nonfinite = ~(np.isfinite(a64) & np.isfinite(b64))
             bad_mask = (diff > report.atol + report.rtol * np.abs(a64)) | (nonfinite & ~same)
-        else:
+        if floating and report.exact:
+            width = itemsize(dtype)
+            bad_mask = (a_bytes.reshape(-1, width) != b_bytes.reshape(-1, width)).any(axis=1)
+        elif not floating:
             # Exact, bytewise: works for every integer width and bool.
             width = itemsize(dtype)
             bad_mask = (a_bytes.reshape(-1, width) != b_bytes.reshape(-1, width)).any(axis=1)

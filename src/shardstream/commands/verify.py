@@ -92,6 +92,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "dcp")
         _verify_dcp(root, report)
         return report
+    if kind is Kind.ACCELERATE:
+        report = VerifyReport(str(root), "accelerate")
+        _verify_accelerate(root, report)
+        return report
     if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")
         report.problems.append(
@@ -207,15 +211,44 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
 def _verify_dcp(directory: Path, report: VerifyReport) -> None:
     """PyTorch DCP stores no checksums: its metadata is read (safely) and every byte range it
     names is checked to lie inside a data file that exists."""
-    from ..formats.dcp import open_dcp
+    from ..formats.dcp import check_dcp
 
     try:
-        open_dcp(directory)
+        check_dcp(directory)
     except ShardstreamError as exc:
         report.problems.append(Problem(str(directory), _strip(exc, directory)))
-        return
-    files = [f for f in directory.iterdir() if f.is_file()]
-    report.files_checked = len(files)
+    # the files looked at, passed or not (a failed check names its problem above)
+    report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
+
+
+def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
+    """accelerate's save_state: every DCP part (models, optimizers) as ``_verify_dcp``; the
+    scheduler and RNG files' zip records against their CRC-32 and through the restricted
+    unpickler (which refuses code)."""
+    from ..formats.source import (
+        ACCELERATE_MODEL_DIR,
+        ACCELERATE_OPTIMIZER_DIR,
+        ACCELERATE_RNG_FILE,
+        ACCELERATE_SCHEDULER_FILE,
+    )
+    from ..formats.torch_pt import check_records, load_restricted, numpy_globals
+
+    for entry in sorted(directory.iterdir()):
+        name = entry.name
+        if entry.is_dir() and (
+            ACCELERATE_MODEL_DIR.match(name) or ACCELERATE_OPTIMIZER_DIR.match(name)
+        ):
+            _verify_dcp(entry, report)
+        elif entry.is_file() and (
+            ACCELERATE_SCHEDULER_FILE.match(name) or ACCELERATE_RNG_FILE.match(name)
+        ):
+            report.files_checked += 1
+            try:
+                check_records(str(entry))
+                load_restricted(str(entry), str(entry), "cpu", numpy_globals())
+                report.bytes_checked += entry.stat().st_size
+            except ShardstreamError as exc:
+                report.problems.append(Problem(str(entry), _strip(exc, entry)))
 
 
 def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:

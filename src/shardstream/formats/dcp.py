@@ -133,6 +133,16 @@ class DcpCheckpoint:
         return None
 
 
+# torchtitan's step-N, accelerate's checkpoint_N, the Trainer's checkpoint-N, verl's global_step_N
+STEP_NAME = re.compile(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$")
+
+
+def step_of_name(name: str) -> int | None:
+    """The step a checkpoint directory is named for, or None."""
+    match = STEP_NAME.search(name)
+    return int(match[1]) if match else None
+
+
 # --------------------------------------------------------------------------- validation helpers
 
 
@@ -389,6 +399,40 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
         metadata=meta,
         prefix=found_prefix,
     )
+
+
+def check_dcp(directory: str | os.PathLike) -> list[str]:
+    """Check every entry of a DCP directory, model or not (an optimizer's ``optimizer_N``
+    too): each tensor chunk's record and shape, each byte entry's range inside an existing
+    data file. DCP stores no checksums, so no data is hashed. Returns the files named."""
+    directory = Path(directory)
+    meta_path = directory / METADATA_FILE
+    if not meta_path.is_file():
+        open_dcp(directory)  # raises the reason: no .metadata, or per-rank metadata only
+    meta = load_metadata(meta_path)
+    entries, storage = meta.state_dict_metadata, meta.storage_data
+    if not isinstance(entries, dict) or not isinstance(storage, dict):
+        raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
+    by_chunk = _storage_by_chunk(storage, meta_path)
+    sizes: dict[Path, int] = {}
+    fds: dict[Path, int] = {}
+    try:
+        for key, md in entries.items():
+            if not isinstance(key, str):
+                raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not named by a str")
+            if isinstance(md, TensorStorageMetadata):
+                _global_tensor(directory, meta_path, key, key, md, by_chunk, sizes, fds)
+            elif isinstance(md, BytesStorageMetadata):
+                info = by_chunk.get((key, None))
+                if info is None:
+                    raise CheckpointFormatError(f"{meta_path}: entry {key!r} has no storage entry")
+                _stored_range(directory, meta_path, key, info, sizes, fds, "entry")
+            else:
+                raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not tensor or bytes")
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    return sorted({str(meta_path), *(str(p) for p in sizes)})
 
 
 def _storage_by_chunk(storage: dict, meta_path: Path) -> dict:

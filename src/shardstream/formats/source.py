@@ -185,29 +185,34 @@ def is_run(directory: Path) -> bool:
     )
 
 
-Opener = Callable[[Path, bool, bool], CheckpointSource]  # (path, model_only, shared)
+# (path, model_only, shared, prefix): prefix is what a DCP checkpoint's model keys start with
+Opener = Callable[[Path, bool, bool, "str | None"], CheckpointSource]
 
 
-def _open_native(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+def _open_native(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
     return native.open_native(path, model_only=model_only, shared=shared)
 
 
-def _open_verl(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+def _open_verl(path: Path, model_only: bool, shared: bool, prefix: str | None) -> CheckpointSource:
     from .verl import open_verl
 
     return open_verl(path, shared=shared)
 
 
-def _open_dcp(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+def _open_dcp(path: Path, model_only: bool, shared: bool, prefix: str | None) -> CheckpointSource:
     from .dcp import open_dcp
 
-    return open_dcp(path)
+    return open_dcp(path, prefix)
 
 
-def _open_accelerate(path: Path, model_only: bool, shared: bool) -> CheckpointSource:
+def _open_accelerate(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
     from .dcp import open_dcp
 
-    return open_dcp(accelerate_state(path).model)
+    return open_dcp(accelerate_state(path).model, prefix)
 
 
 # detect's table, in the order it asks: (kind, test, reader or None).
@@ -241,23 +246,36 @@ def looks_like_checkpoint(path: Path) -> bool:
 
 
 def open_checkpoint(
-    path: str | os.PathLike, *, model_only: bool = False, shared: bool = False
+    path: str | os.PathLike,
+    *,
+    model_only: bool = False,
+    shared: bool = False,
+    prefix: str | None = None,
 ) -> CheckpointSource:
     """The reader of the checkpoint at ``path``, whatever its format.
 
     ``model_only``: the caller reads model tensors only (merge, test), so a format that also
     holds optimizer state need not describe it. ``shared``: every process of the current group
     opens it together, and each reads a share of the rank files' headers (verl's and
-    shardstream's formats).
+    shardstream's formats). ``prefix``: what a DCP checkpoint's model keys start with
+    ("app.model.", "" for the top level) where detection is ambiguous; DCP only.
     """
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if not path.is_dir():
         raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
-    opener = _READERS.get(detect(path))
+    kind = detect(path)
+    opener = _READERS.get(kind)
+    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):
+        from ..errors import UsageError
+
+        raise UsageError(
+            f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'), not to "
+            f"this one ({kind.value})"
+        )
     if opener is not None:
-        return opener(path, model_only, shared)
+        return opener(path, model_only, shared, prefix)
     hint = checkpoints_below(path)
     if hint:
         raise CheckpointNotFoundError(

@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import re
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -381,8 +380,9 @@ def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
 
 def _step_of(path: Path) -> int:
     """The step a directory is named for (``global_step_N``, torchtitan's ``step-N``), else 0."""
-    match = re.search(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$", path.name)
-    return int(match[1]) if match else 0
+    from ..formats.dcp import step_of_name
+
+    return step_of_name(path.name) or 0
 
 
 def _dcp_optimizer_objects(path: Path, saved: Any, live: list[dict]) -> dict:

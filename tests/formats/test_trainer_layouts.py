@@ -1,0 +1,161 @@
+"""Trainers' checkpoint layouts in one process (issue #24): key prefixes, schedulers through
+DCP, accelerate's save_state directory for verify and inspect, ``test --exact``."""
+
+from __future__ import annotations
+
+import functools
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from safetensors.torch import save_file
+from transformers import get_cosine_schedule_with_warmup
+
+from shardstream.cli import main
+from shardstream.commands.inspect import describe
+from shardstream.commands.test import compare_with_reference
+from shardstream.commands.verify import verify
+from shardstream.errors import CheckpointFormatError
+from shardstream.formats.dcp import open_dcp_train_state
+from shardstream.formats.source import Kind, detect, open_checkpoint
+from shardstream.training import schedulers
+
+
+def _save(state: dict, path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when used without a process group
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def _weights(seed: int = 0) -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    return {
+        "layer.weight": torch.randn(6, 4, generator=generator),
+        "layer.bias": torch.randn(6, generator=generator),
+    }
+
+
+# --------------------------------------------------------------------------- key prefixes
+
+
+def test_app_state_prefix_is_detected_and_shown(tmp_path):
+    path = tmp_path / "step-3"
+    _save({"app": {"model": _weights(), "optim": {"state": {}}}}, path)
+    ckpt = open_checkpoint(path)
+    assert ckpt.prefix == "app.model."
+    assert sorted(t.name for t in ckpt.tensors) == ["layer.bias", "layer.weight"]
+    info = describe(path)
+    assert info["prefix"] == "app.model." and info["step"] == 3
+
+
+def test_ambiguous_prefix_needs_one_named(tmp_path):
+    path = tmp_path / "ckpt"
+    _save({"actor": {"model": _weights(0)}, "critic": {"model": _weights(1)}}, path)
+    with pytest.raises(CheckpointFormatError, match="'actor.model.', 'critic.model.'"):
+        open_checkpoint(path)
+    critic = open_checkpoint(path, prefix="critic.model")
+    assert critic.prefix == "critic.model." and len(critic.tensors) == 2
+    assert main(["inspect", str(path), "--prefix", "actor.model.", "--json"]) == 0
+
+
+# --------------------------------------------------------------------------- schedulers
+
+
+def _cosine(optimizer):
+    return get_cosine_schedule_with_warmup(optimizer, 2, 20)
+
+
+def _sequential(optimizer):
+    lam = torch.optim.lr_scheduler.LambdaLR
+    first = lam(optimizer, functools.partial(pow, 0.9))
+    second = torch.optim.lr_scheduler.ExponentialLR(optimizer, 0.8)
+    return torch.optim.lr_scheduler.SequentialLR(optimizer, [first, second], milestones=[3])
+
+
+def _one_cycle(optimizer):
+    return torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.5, total_steps=20)
+
+
+@pytest.mark.parametrize("build", [_cosine, _sequential, _one_cycle], ids=lambda f: f.__name__)
+def test_scheduler_survives_dcp_and_merges_into_live_one(tmp_path, build):
+    def fresh():
+        weight = torch.nn.Parameter(torch.ones(2))
+        optimizer = torch.optim.SGD([weight], lr=0.1, momentum=0.9)
+        return optimizer, build(optimizer)
+
+    optimizer, scheduler = fresh()
+    for _ in range(5):
+        optimizer.step()
+        scheduler.step()
+    _save({"model": {"w": torch.zeros(1)}, "lr_scheduler": scheduler.state_dict()}, tmp_path / "c")
+    saved = open_dcp_train_state(tmp_path / "c").objects["lr_scheduler"]
+
+    if build is _cosine:  # DCP dropped lr_lambdas' empty dict: loading it as saved fails
+        with pytest.raises(KeyError, match="lr_lambdas"):
+            fresh()[1].load_state_dict(dict(saved))
+    optimizer2, scheduler2 = fresh()
+    schedulers.check(scheduler2, saved)
+    assert scheduler2.state_dict() == fresh()[1].state_dict()  # check leaves it as it was
+    schedulers.load(scheduler2, saved)
+    optimizer2.load_state_dict(optimizer.state_dict())  # restore sets the groups' lr too
+    assert scheduler2.state_dict() == scheduler.state_dict()
+    for _ in range(3):
+        optimizer.step(), optimizer2.step()
+        scheduler.step(), scheduler2.step()
+        assert scheduler2.get_last_lr() == scheduler.get_last_lr()
+
+
+# --------------------------------------------------------------------------- accelerate's directory
+
+
+def _accelerate_dir(root, scheduler_state) -> None:
+    _save({"model": _weights()}, root / "pytorch_model_fsdp_0")
+    _save(
+        {"optimizer": {"state": {"layer.bias": {"exp_avg": torch.ones(6)}}}}, root / "optimizer_0"
+    )
+    torch.save(scheduler_state, root / "scheduler.bin")
+    torch.save({"torch_manual_seed": torch.get_rng_state()}, root / "random_states_0.pkl")
+
+
+class _Hostile:
+    def __reduce__(self):
+        return (print, ("ran",))
+
+
+def test_accelerate_directory_is_one_checkpoint(tmp_path):
+    root = tmp_path / "checkpoint_4"
+    _accelerate_dir(root, {"last_epoch": 4, "base_lrs": [0.1]})
+    assert detect(root) is Kind.ACCELERATE
+    report = verify(root)
+    assert report.ok and report.kind == "accelerate"
+    assert report.files_checked == 6  # two DCP parts of 2 files each, scheduler, RNG
+    optimizer_only = verify(root / "optimizer_0")  # no model tensors, still checked
+    assert optimizer_only.ok and optimizer_only.files_checked == 2
+    assert describe(root)["step"] == 4 and describe(root)["prefix"] == "model."
+
+    torch.save({"lr_lambdas": [_Hostile()]}, root / "scheduler.bin")
+    report = verify(root)
+    assert not report.ok and "refused" in report.problems[0].line()
+    assert report.files_checked == 6
+
+
+# --------------------------------------------------------------------------- test --exact
+
+
+def test_exact_comparison_catches_one_ulp(tmp_path):
+    weights = _weights()
+    _save(weights, tmp_path / "dcp")
+    changed = {k: v.clone() for k, v in weights.items()}
+    flat = changed["layer.weight"].view(-1)
+    flat[5] = torch.nextafter(flat[5], torch.tensor(float("inf")))
+    (tmp_path / "ref").mkdir()
+    save_file(changed, str(tmp_path / "ref" / "model.safetensors"))
+    (tmp_path / "ref" / "config.json").write_text(json.dumps({"model_type": "custom"}))
+    loose = compare_with_reference(tmp_path / "dcp", tmp_path / "ref")
+    assert loose.ok  # within the default atol=rtol=1e-6
+    exact = compare_with_reference(tmp_path / "dcp", tmp_path / "ref", exact=True)
+    assert not exact.ok and "1 of 24 elements differ (exact" in exact.problems[0]
+    save_file(weights, str(tmp_path / "ref" / "model.safetensors"))
+    assert compare_with_reference(tmp_path / "dcp", tmp_path / "ref", exact=True).ok
