@@ -207,3 +207,46 @@ def test_slices_of_a_sharded_fused_tensor_plan_their_bytes(world, dim):
             box = slice_tensor(stored, (x, half * 3, 0), (1, 3, h), (1, 2))
             assert box.shape == (3, h) and box.name == stored.name
             np.testing.assert_array_equal(_execute(box, files), full[x, half * 3 : half * 3 + 3])
+
+
+def test_experts_share_the_storage_save_pretrained_gives_them():
+    """down_proj's experts are views of the fused tensor; gate and up halves are each a copy
+    (Chunk's contiguous) whose experts are views of it: three storages per layer."""
+    config = _config("Qwen3MoeForCausalLM", **MOE)
+    e, i, h = 3, 6, 8
+    stored = [
+        ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (e, 2 * i, h)),
+        ("model.layers.0.mlp.experts.down_proj", "BF16", (e, h, i)),
+        ("model.norm.weight", "BF16", (h,)),
+    ]
+    storage = plan_names(stored, config).storage()
+    groups: dict[int, list[str]] = {}
+    for name, (index, _) in storage.items():
+        groups.setdefault(index, []).append(name.split(".")[-2])
+    assert sorted(map(sorted, groups.values())) == [
+        ["down_proj"] * e,
+        ["gate_proj"] * e,
+        ["norm"],
+        ["up_proj"] * e,
+    ]
+    assert {storage[f"model.layers.0.mlp.experts.{x}.down_proj.weight"][1] for x in range(e)} == {
+        e * h * i
+    }
+
+
+def test_files_split_like_huggingface_hub_with_shared_storage():
+    from shardstream.formats import hf
+    from shardstream.formats.writer import OutputTensor
+
+    def out(name: str, n: int) -> OutputTensor:
+        return OutputTensor(name, "F32", GlobalTensor(name, "F32", (n,), ()))
+
+    tensors = [out("a", 10), out("e0", 10), out("b", 10), out("e1", 10), out("e2", 10)]
+    storage = {"e0": (0, 30), "e1": (0, 30), "e2": (0, 30)}
+    # 40 B each, the experts' storage 120 B, counted once and holding its three tensors
+    files = hf.plan_hf_files(tensors, 150, storage)
+    assert [sorted(t.name for t in group) for _, group in files] == [
+        ["a"],
+        ["e0", "e1", "e2"],
+        ["b"],
+    ]

@@ -10,7 +10,7 @@ import json
 import math
 import os
 import shutil
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -35,22 +35,55 @@ _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", "
 
 
 def plan_hf_files(
-    tensors: Sequence[OutputTensor], max_file_bytes: int = DEFAULT_MAX_SHARD_BYTES
+    tensors: Sequence[OutputTensor],
+    max_file_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    storage: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[tuple[str, list[OutputTensor]]]:
     """File names and contents, as ``save_pretrained`` would split them.
+
+    ``storage`` (``hf_names.NamePlan.storage``): the tensors that share a storage in
+    ``save_pretrained`` (experts split from one fused tensor); huggingface_hub counts a
+    storage's bytes once, at its first tensor, and puts its other tensors in that file.
 
     Inside a file, tensors are laid out by descending element size (stable otherwise), as the
     safetensors library does: every tensor then starts at a multiple of its element size, so
     any aligned byte range of the file (a direct write, a merging rank's share) starts and
     ends on element boundaries.
     """
-    groups = split_into_files([t.nbytes for t in tensors], max_file_bytes)
+    groups = _split_shared(tensors, max_file_bytes, storage or {})
     if len(groups) <= 1:
         return [(SINGLE_FILE, _by_element_size(tensors))]
     n = len(groups)
     return [
         (f"model-{i + 1:05d}-of-{n:05d}.safetensors", _by_element_size([tensors[j] for j in group]))
         for i, group in enumerate(groups)
+    ]
+
+
+def _split_shared(
+    tensors: Sequence[OutputTensor], max_file_bytes: int, storage: Mapping[str, tuple[int, int]]
+) -> list[list[int]]:
+    """``split_into_files`` over the first tensor of each storage (sized as the storage);
+    every other tensor of a storage joins its first tensor's file."""
+    firsts: list[int] = []
+    sizes: list[int] = []
+    leader: dict[int, int] = {}
+    followers: dict[int, list[int]] = {}
+    for i, tensor in enumerate(tensors):
+        shared = storage.get(tensor.name)
+        if shared is None:
+            size = tensor.nbytes
+        elif shared[0] in leader:
+            followers.setdefault(leader[shared[0]], []).append(i)
+            continue
+        else:
+            leader[shared[0]] = i
+            size = shared[1] * itemsize(tensor.dtype)
+        firsts.append(i)
+        sizes.append(size)
+    return [
+        [firsts[j] for j in group] + [f for j in group for f in followers.get(firsts[j], [])]
+        for group in split_into_files(sizes, max_file_bytes)
     ]
 
 

@@ -22,6 +22,7 @@ torch and transformers are imported only when a config names a model type.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import json
 import logging
 import math
@@ -54,6 +55,11 @@ class Piece:
     extent: tuple[int, ...]
     dims: tuple[int | None, ...]
     shape: tuple[int, ...]
+    # The tensor save_pretrained's conversion leaves this one a view of (an index, counted
+    # from 0, and its element count); -1: its own. huggingface_hub's shard split counts a
+    # storage once, at its first tensor, and puts the storage's other tensors in that file.
+    storage: int = -1
+    storage_numel: int = 0
 
     @property
     def whole(self) -> bool:
@@ -79,6 +85,10 @@ class NamePlan:
         """Whole tensors whose name the mapping changes (wrapper prefixes aside)."""
         plain = self.stripped or {}
         return sum(p.whole and p.name != plain.get(p.stored, p.stored) for p in self.pieces)
+
+    def storage(self) -> dict[str, tuple[int, int]]:
+        """Output name -> (storage index, its element count), for ``hf.plan_hf_files``."""
+        return {p.name: (p.storage, p.storage_numel) for p in self.pieces if p.storage >= 0}
 
     @property
     def sliced(self) -> int:
@@ -162,9 +172,7 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
         pieces, what = _trace_v5(plain, config)
     else:
         pieces, what = _renames_v4(plain, config)
-    pieces = [
-        Piece(p.name, back[p.stored], p.start, p.extent, p.dims, p.shape) for p in pieces
-    ]
+    pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
     return NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
 
 
@@ -309,7 +317,31 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
                 "writes only those. Merge with --keep-names to write the in-memory names"
             )
         pieces.append(piece)
-    return pieces, what
+    return _with_storage(pieces, model, plain, revert_weight_conversion), what
+
+
+def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
+    """Which outputs share a storage in a real ``save_pretrained``: ``revert`` again, on
+    separate meta tensors and with ``contiguous()`` copying as it does there; outputs that
+    are views of one tensor (a stored one, or a copy the conversion made) share its storage."""
+    import torch
+
+    from ..engine.dtypes import TORCH_BY_CODE
+
+    fresh = {n: torch.empty(s, dtype=TORCH_BY_CODE[d], device="meta") for n, d, s in plain}
+    out = revert(model, fresh)
+    if list(out) != [p.name for p in pieces]:
+        raise CheckpointFormatError(
+            f"save_pretrained layout of {type(model).__name__}: transformers' conversion names "
+            "the tensors differently on a second run; merge with --keep-names"
+        )
+    roots: dict[int, tuple[int, int]] = {}
+    shared = []
+    for piece, tensor in zip(pieces, out.values()):
+        root = tensor if tensor._base is None else tensor._base
+        index, numel = roots.setdefault(id(root), (len(roots), root.numel()))
+        shared.append(dataclasses.replace(piece, storage=index, storage_numel=numel))
+    return shared
 
 
 def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | None:

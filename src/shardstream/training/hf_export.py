@@ -35,7 +35,7 @@ from ..engine.plan import (
 )
 from ..errors import UsageError
 from ..formats import hf
-from ..formats.hf_writer import HfModelFiles, output_tensors
+from ..formats.hf_writer import HfModelFiles, output_layout
 from ..formats.native import MODEL_PREFIX, item_key, whole_chunk
 from ..formats.safetensors import build_header
 from ..formats.writer import OutputTensor, WrittenFile, read_chunk_digest, start_writeback
@@ -213,7 +213,8 @@ def _plan_files(
     out_dtype = hf.output_dtype(dtype, config)
     tensors = [GlobalTensor(n, code_of(t.dtype), tuple(t.shape), ()) for n, t in live.items()]
     drop = hf.tied_duplicates(tensors, config, False)
-    return out_dtype, hf.plan_hf_files(output_tensors(tensors, out_dtype, drop, config))
+    names, outputs = output_layout(tensors, out_dtype, drop, config)
+    return out_dtype, hf.plan_hf_files(outputs, storage=names.storage())
 
 
 def write_hf_model(
