@@ -378,9 +378,7 @@ def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | No
     # An output size-1 dim maps to a stored dim when the stored tensor has one there.
     for k, d in enumerate(dims):
         if d is None:
-            dims[k] = next(
-                (j for j in range(len(shape)) if shape[j] == 1 and j not in dims), None
-            )
+            dims[k] = next((j for j in range(len(shape)) if shape[j] == 1 and j not in dims), None)
     piece = Piece(name, stored, tuple(start), tuple(extent), tuple(dims), tuple(view.shape))
     return _whole(name, stored, shape) if piece.whole else piece
 
