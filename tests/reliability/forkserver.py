@@ -22,6 +22,8 @@ second of start-up and ``make test`` can afford many of them. Jobs:
 ``restore`` every rank restores a given checkpoint through ``CheckpointManager`` and writes
             what happened (success, or the error's type and message) to a JSON file.
 ``cli``     ``shardstream.cli.main(argv)``, exactly what the ``shardstream`` command runs.
+``dist_cli`` the same as rank R of N gloo ranks (``merge --distributed``).
+``guarded`` one entry point (a CLI command, or ``load``) under an address-space cap (fuzzing).
 ``hold``    open a ``CheckpointManager`` (taking its lock), say so, and sleep until killed.
 ``call``    run ``module:function(spec, rank)`` from this directory, optionally as another user
             (the full-disk and unprivileged-user scenarios in ``scenarios.py``).
@@ -190,6 +192,48 @@ def job_cli(spec: dict, rank: int) -> int:
     return cli.main(spec["argv"])
 
 
+def job_dist_cli(spec: dict, rank: int) -> int:
+    """``shardstream.cli.main(argv)`` as rank ``rank`` of ``spec["world"]`` gloo ranks (the
+    group torchrun would give ``merge --distributed``, joined through a file)."""
+    import torch.distributed as dist
+
+    from shardstream import cli
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(spec["world"]))
+    dist.init_process_group(
+        "gloo", init_method=f"file://{spec['init']}", rank=rank, world_size=spec["world"]
+    )
+    return cli.main(spec["argv"])
+
+
+def job_guarded(spec: dict, rank: int) -> int:
+    """One entry point on possibly hostile files, with the address space capped at what the
+    process maps now plus ``spec["extra"]`` bytes: ``spec["argv"]`` through
+    ``shardstream.cli.main``, or with ``spec["load"]`` ``shardstream.load`` of that directory
+    into the test model (a ``ShardstreamError`` printed as the CLI prints one, exit 1). Anything
+    else ends in a traceback (``_child``), which the fuzz tests look for."""
+    import resource
+
+    with open("/proc/self/status") as f:
+        vm = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + spec["extra"], vm + spec["extra"]))
+    if spec.get("load"):
+        from shardstream.errors import ShardstreamError
+        from shardstream.training.load import load
+
+        model = build_model()
+        optimizer = build_optimizer(model) if spec.get("optimizer") else None
+        try:
+            load(spec["load"], model=model, optimizer=optimizer)
+        except ShardstreamError as exc:
+            print(f"shardstream load: error: {exc}", file=sys.stderr)
+            return 1
+        return 0
+    from shardstream import cli
+
+    return cli.main(spec["argv"])
+
+
 def job_hold(spec: dict, rank: int) -> int:
     from shardstream.manager import CheckpointConfig, CheckpointManager
 
@@ -216,6 +260,8 @@ JOBS = {
     "train": job_train,
     "restore": job_restore,
     "cli": job_cli,
+    "dist_cli": job_dist_cli,
+    "guarded": job_guarded,
     "hold": job_hold,
     "call": job_call,
 }
@@ -247,16 +293,32 @@ def _child(command: dict, rank: int) -> None:
 
 
 def serve() -> None:
-    # Everything a job needs, imported before the first fork.
+    # Everything a job needs, imported before the first fork (torch._dynamo: what
+    # get_model_state_dict imports on first use, two seconds in every child otherwise).
+    import torch._dynamo  # noqa: F401
     import torch.distributed.checkpoint  # noqa: F401
     import torch.distributed.checkpoint.state_dict  # noqa: F401
     import torch.distributed.fsdp  # noqa: F401
     import torch.distributed.tensor  # noqa: F401
 
     import shardstream.cli  # noqa: F401
+    import shardstream.commands.inspect  # noqa: F401
     import shardstream.commands.merge  # noqa: F401
+    import shardstream.commands.test  # noqa: F401
     import shardstream.commands.verify  # noqa: F401
+    import shardstream.formats.dcp  # noqa: F401
+    import shardstream.formats.hf_names  # noqa: F401
+    import shardstream.formats.verl  # noqa: F401
     import shardstream.manager  # noqa: F401
+    import shardstream.training.load  # noqa: F401
+
+    try:  # what naming a merge's outputs imports on first use (seconds, in every child)
+        import transformers
+        import transformers.conversion_mapping  # noqa: F401
+        import transformers.core_model_loading  # noqa: F401
+        from transformers import CONFIG_MAPPING, AutoModel, AutoModelForCausalLM  # noqa: F401
+    except ImportError:
+        pass
 
     def reply(doc: dict) -> None:
         sys.stdout.write(json.dumps(doc) + "\n")
