@@ -13,7 +13,34 @@ from pathlib import Path
 
 import pytest
 
+from . import harness
 from .harness import ForkServer
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """Violations are counted, not assumed: a test that failed outside ``trial()`` is logged as
+    violations (one per exception hypothesis or an exception group reports), and one whose
+    ``trial()``s failed but which never reached ``record()`` fails here."""
+    outcome = yield
+    report = outcome.get_result()
+    if call.when != "call":
+        return
+    pending = harness._VIOLATIONS.pop(item.nodeid, [])
+    if report.failed and call.excinfo is not None:
+        exc = call.excinfo.value
+        if isinstance(exc, harness.ViolationsFound):
+            return  # record() logged them
+        group = exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]
+        kind = "violation" if isinstance(group[0], AssertionError) else type(group[0]).__name__
+        message = f"{type(group[0]).__name__}: {str(group[0]).strip()[:400]}"
+        harness.record_failure(item.nodeid, kind, len(pending) + len(group), message)
+    elif pending:
+        harness.record_failure(item.nodeid, "violation", len(pending), pending[0])
+        report.outcome = "failed"
+        report.longrepr = f"{len(pending)} invariant violation(s) never recorded:\n" + "\n".join(
+            pending[:10]
+        )
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import select
@@ -26,12 +27,80 @@ def trials(quick: int, soak: int) -> int:
     return max(1, int(count * float(override))) if override else count
 
 
+# Invariant checks that failed, by test, not yet reported by record(): see trial().
+_VIOLATIONS: dict[str, list[str]] = {}
+
+
+class ViolationsFound(AssertionError):
+    """record() found failed invariant checks: they are in the log, and the test fails."""
+
+
+def current_test() -> str:
+    """The running test's node id (pytest sets ``PYTEST_CURRENT_TEST``)."""
+    return os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" ", 1)[0]
+
+
+def violation(message: str) -> None:
+    """Count one invariant check that failed in a trial of the running test."""
+    _VIOLATIONS.setdefault(current_test(), []).append(message)
+
+
+@contextlib.contextmanager
+def trial(label: str):
+    """One trial: an ``AssertionError`` inside it (an invariant check that failed) is counted
+    as a violation and the test goes on with its next trial; ``record()`` then reports the count
+    and fails the test. Anything else (the rig broke) propagates at once."""
+    try:
+        yield
+    except AssertionError as exc:
+        violation(f"{label}: {exc}")
+
+
+def violations_so_far() -> int:
+    return len(_VIOLATIONS.get(current_test(), []))
+
+
 def record(name: str, **figures) -> None:
-    """Append one test's figures to the log ``bench/soak.py`` turns into docs/reliability.md."""
+    """Append one test's figures to the log ``bench/soak.py`` turns into docs/reliability.md.
+
+    ``violations`` is not a figure a test passes: it is the number of checks that failed in the
+    running test's ``trial()``s (or were counted with ``violation()``). If there were any, they
+    are logged and the test fails here.
+    """
+    if "violations" in figures:
+        raise TypeError("record(): violations are counted by trial()/violation(), not passed")
+    test = current_test()
+    found = _VIOLATIONS.pop(test, [])
+    path = os.environ.get(LOG_ENV)
+    if path:
+        doc = {"name": name, "soak": SOAK, "time": time.time(), "test": test, **figures}
+        doc["violations"] = len(found)
+        if found:
+            doc["violation_messages"] = [m[:500] for m in found[:10]]
+        with open(path, "a") as f:
+            f.write(json.dumps(doc, sort_keys=True, default=str) + "\n")
+    if found:
+        raise ViolationsFound(
+            f"{name}: {len(found)} invariant violation(s):\n" + "\n".join(found[:10])
+        )
+
+
+def record_failure(test: str, kind: str, count: int, message: str) -> None:
+    """A test that failed outside ``trial()`` (an assertion that stopped it, an error): logged
+    as ``count`` violations of that test (conftest.py calls this from pytest's report hook)."""
+    _VIOLATIONS.pop(test, None)
     path = os.environ.get(LOG_ENV)
     if not path:
         return
-    doc = {"name": name, "soak": SOAK, "time": time.time(), **figures}
+    doc = {
+        "name": f"failed: {test.rsplit('/', 1)[-1]}",
+        "soak": SOAK,
+        "time": time.time(),
+        "test": test,
+        "failed": kind,
+        "violations": count,
+        "violation_messages": [message[:500]],
+    }
     with open(path, "a") as f:
         f.write(json.dumps(doc, sort_keys=True, default=str) + "\n")
 

@@ -73,7 +73,6 @@ def test_second_manager_is_refused_and_a_dead_holders_lock_is_not(forkserver, tm
     record(
         "concurrency: second manager refused, stale lock of a killed holder ignored",
         trials=refused,
-        violations=0,
         message=str(caught.value).replace(str(root), "ROOT"),
     )
 
@@ -120,7 +119,6 @@ def test_two_runs_start_on_one_directory(forkserver, tmp_path):
     record(
         "concurrency: two runs started on one directory",
         trials=sum(outcomes.values()),
-        violations=0,
         stats=dict(outcomes),
     )
 
@@ -232,7 +230,6 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
         seconds=duration,
         saves=saves,
         reads=reads,
-        violations=0,
         stats=dict(stats),
     )
     assert os.path.exists(root)

@@ -144,7 +144,6 @@ def test_random_byte_flips_are_all_detected(saved_run, tmp_path, manager):
         trials=count,
         detected_by_verify=count,
         detected_by_restore=count,
-        violations=0,
         stats=dict(stats),
     )
 
@@ -175,7 +174,6 @@ def test_random_byte_flips_in_merged_hf_files(saved_run, tmp_path):
         seed=seed,
         trials=count,
         detected_by_verify=count,
-        violations=0,
         stats=dict(stats),
     )
 
@@ -214,7 +212,6 @@ def test_every_change_to_chunk_bytes_of_a_one_chunk_file(saved_run, tmp_path):
         "corruption: every change to chunk_bytes of a one-chunk merged file",
         trials=sum(stats.values()),
         detected_by_verify=sum(stats.values()),
-        violations=0,
         stats=dict(stats),
     )
 
@@ -269,7 +266,6 @@ def test_two_rank_restore_catches_rank1_extra_state(forkserver, saved_run, tmp_p
     record(
         "corruption: rank 1's extra state in a real 2-rank restore",
         trials=1,
-        violations=0,
         rank1=rank1["message"],
         rank0=rank0.get("message", "ok"),
     )
@@ -298,9 +294,7 @@ def test_truncated_file(saved_run, tmp_path, manager, name):
         _rank1_error(step) if name.startswith("extra-rank-00001") else None
     )
     assert error is not None and name in str(error)
-    record(
-        f"corruption: truncated {name}", trials=1, violations=0, verify=lines, restore=str(error)
-    )
+    record(f"corruption: truncated {name}", trials=1, verify=lines, restore=str(error))
 
 
 def test_deleted_rank_file(saved_run, tmp_path, manager):
@@ -311,9 +305,7 @@ def test_deleted_rank_file(saved_run, tmp_path, manager):
     assert any("rank-00001.safetensors" in line and "missing" in line for line in lines), lines
     error = _restore_error(manager, step)
     assert error is not None and "rank-00001.safetensors" in str(error) and "missing" in str(error)
-    record(
-        "corruption: deleted rank file", trials=1, violations=0, verify=lines, restore=str(error)
-    )
+    record("corruption: deleted rank file", trials=1, verify=lines, restore=str(error))
 
 
 def test_swapped_rank_files(saved_run, tmp_path, manager):
@@ -330,7 +322,6 @@ def test_swapped_rank_files(saved_run, tmp_path, manager):
     record(
         "corruption: two rank files swapped",
         trials=1,
-        violations=0,
         verify=lines,
         restore=str(error),
     )
@@ -374,7 +365,6 @@ def test_step_directory_duplicated_under_another_name(saved_run, tmp_path):
     record(
         "corruption: step directory copied under another step's name",
         trials=1,
-        violations=0,
         verify=lines,
     )
 
@@ -432,9 +422,7 @@ def test_random_byte_flips_in_rank_files_fail_a_merge(saved_run, tmp_path):
         finally:
             path.write_bytes(original)
     merge(step, tmp_path / "merged-intact")  # the restored files merge fine
-    record(
-        "corruption: byte flips in rank files fail a merge", seed=seed, trials=count, violations=0
-    )
+    record("corruption: byte flips in rank files fail a merge", seed=seed, trials=count)
 
 
 def test_random_byte_flips_in_verl_storages(fsdp_root, tmp_path):
@@ -484,7 +472,6 @@ def test_random_byte_flips_in_verl_storages(fsdp_root, tmp_path):
         seed=seed,
         trials=count,
         outcomes=dict(outcomes),
-        violations=0,
     )
 
 

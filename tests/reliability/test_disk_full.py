@@ -101,7 +101,6 @@ def test_save_on_a_full_disk(tmp_path):
         trials=len(levels),
         levels_bytes=[levels[0], levels[-1], step_bytes],
         checkpoint_bytes=size,
-        violations=0,
         stats=dict(stats),
     )
 
@@ -153,7 +152,7 @@ def test_two_ranks_save_on_a_full_disk(forkserver, tmp_path):
             _failed_together(root, ranks)
             assert all("no space left" in r["message"] for r in ranks), ranks
             outcomes.append([f"{r['type']}: {r['message']}" for r in ranks])
-    record("disk full during save (2 ranks)", trials=2, violations=0, errors=outcomes)
+    record("disk full during save (2 ranks)", trials=2, errors=outcomes)
 
 
 @pytest.mark.parametrize("share", [False, True], ids=["export", "share_hf_weights"])
@@ -220,7 +219,6 @@ def test_merge_on_a_full_disk(saved_run, tmp_path, capsys):
     record(
         "disk full during merge",
         trials=2 * len(levels),
-        violations=0,
         output_bytes=size,
         stats=dict(stats),
     )

@@ -141,7 +141,6 @@ def figures():
         "fuzz: readers of untrusted bytes",
         examples=sum(COUNTS.values()),
         max_examples_per_test=FUZZ.max_examples,
-        violations=0,
         targets=by_target,
     )
 

@@ -116,7 +116,6 @@ def test_code_running_pickle_is_refused(tmp_path, manager, capsys, where):
     record(
         f"hostile: code-running pickle in the {where} file",
         trials=1,
-        violations=0,
         restore_error=str(caught.value).splitlines()[0],
         merge_exit=code,
     )
@@ -234,7 +233,6 @@ def test_hostile_safetensors_file(tmp_path, saved_run, manager, case):
     record(
         f"hostile safetensors: {case}",
         trials=1,
-        violations=0,
         error=str(parsed.value).replace(str(loose), "FILE"),
         python_alloc_peak=peak,
     )
@@ -376,7 +374,6 @@ def test_absurd_manifest(tmp_path, saved_run, manager, case):
     record(
         f"hostile manifest: {case}",
         trials=1,
-        violations=0,
         error=str(caught.value).replace(str(step), "STEP")[:300],
     )
 

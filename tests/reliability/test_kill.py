@@ -131,7 +131,7 @@ def _kill_save_trials(
 def test_kill9_during_save(forkserver, tmp_path, seed):
     count = trials(12, 120)
     figures = _kill_save_trials(forkserver, tmp_path, count, seed, async_save=False)
-    record("kill -9 during save", seed=seed, trials=count, violations=0, **figures)
+    record("kill -9 during save", seed=seed, trials=count, **figures)
     assert figures["stats"]["trials"] == count
 
 
@@ -143,7 +143,7 @@ def test_kill9_during_async_save(forkserver, tmp_path):
     seed = 20240602
     count = trials(6, 60)
     figures = _kill_save_trials(forkserver, tmp_path, count, seed, async_save=True)
-    record("kill -9 during async save", seed=seed, trials=count, violations=0, **figures)
+    record("kill -9 during async save", seed=seed, trials=count, **figures)
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
@@ -160,7 +160,7 @@ def test_kill9_during_save_with_shared_hf_weights(forkserver, tmp_path, async_sa
     figures = _kill_save_trials(forkserver, tmp_path, count, seed, async_save, str(source))
     kind = "async save" if async_save else "save"
     record(f"kill -9 during {kind} (hf_model, share_hf_weights)", seed=seed, trials=count,
-           violations=0, **figures)  # fmt: skip
+           **figures)  # fmt: skip
     assert figures["stats"]["trials"] == count
 
 
@@ -251,7 +251,6 @@ def test_kill9_during_merge(forkserver, tmp_path, merge_source):
         "kill -9 during merge",
         seed=seed,
         trials=count,
-        violations=0,
         clean_merge_s=round(duration, 3),
         stats=dict(stats),
     )

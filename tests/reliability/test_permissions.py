@@ -82,7 +82,6 @@ def test_read_only_filesystem(saved_run, tmp_path, capsys):
     record(
         "read-only filesystem",
         trials=len(errors),
-        violations=0,
         errors={k: v.replace(str(disk), "DISK") for k, v in errors.items()},
     )
 
@@ -141,7 +140,6 @@ def test_unprivileged_user_in_a_forbidden_directory(forkserver, saved_run, share
     record(
         "permission denied (uid 65534, directory owned by root)",
         trials=3,
-        violations=0,
         errors={
             "CheckpointManager": result["manager"]["message"],
             "save": result["save"]["message"],
@@ -185,7 +183,6 @@ def test_unprivileged_user_loses_write_permission_mid_run(forkserver, shared_dir
     record(
         "permission lost mid-run (uid 65534)",
         trials=3,
-        violations=0,
         errors={
             "save into a directory made read-only": failed["message"],
             "restore with an unreadable rank file": unreadable["message"],

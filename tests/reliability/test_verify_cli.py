@@ -96,7 +96,6 @@ def test_verify_root_reports_one_line_per_problem(saved_run, tmp_path, capsys):
         "verify: manager root with three problems",
         trials=1,
         lines=lines,
-        violations=0,
     )
 
 
