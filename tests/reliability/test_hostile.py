@@ -9,10 +9,12 @@ malice, so the checks behind it must hold on their own.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
 import struct
+import sys
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
@@ -86,8 +88,36 @@ def _merge(capsys, source: Path, target: Path) -> tuple[int, str]:
 # --- pickles that would run code ------------------------------------------------------------
 
 
+_OPENED: list[str] | None = None  # paths opened while watched (see _opened_files)
+
+
+def _audit(event: str, args) -> None:
+    if _OPENED is not None and event == "open" and isinstance(args[0], (str, bytes, os.PathLike)):
+        _OPENED.append(os.fsdecode(args[0]))
+
+
+@contextlib.contextmanager
+def _opened_files():
+    """Every path this process opens meanwhile (``open`` audit events: ``open()``, ``os.open``,
+    what zipfile, mmap'd reads and torch's file readers start from)."""
+    global _OPENED
+    if not getattr(_audit, "installed", False):
+        sys.addaudithook(_audit)  # for the life of the process; idle unless watching
+        _audit.installed = True
+    _OPENED = opened = []
+    try:
+        yield opened
+    finally:
+        _OPENED = None
+
+
 @pytest.mark.parametrize("where", ["model", "optimizer", "extra_state"])
-def test_code_running_pickle_is_refused(tmp_path, manager, capsys, where):
+def test_code_running_pickle_never_runs(tmp_path, manager, capsys, where):
+    """A pickle whose ``__reduce__`` runs code, in each verl file: no entry point runs it. Those
+    that unpickle the file (restore, and merge/inspect/verify for the model file) refuse it with
+    a shardstream error naming it; verify checks the zip records of the others without
+    unpickling; merge never opens the optimizer or extra-state file at all (checked with an
+    audit hook) and succeeds."""
     marker = tmp_path / "marker"
     state = _plain_state()
     files = {"model_world_size_1_rank_0.pt": state}
@@ -97,6 +127,7 @@ def test_code_running_pickle_is_refused(tmp_path, manager, capsys, where):
     else:
         files[name] = {"state": {0: {"step": Payload(marker)}}, "rng": Payload(marker)}
     source = _verl_dir(tmp_path / "actor", files)
+    outcomes = {}
 
     if where == "extra_state":
         manager = _model_and_extra_manager(tmp_path)
@@ -105,20 +136,33 @@ def test_code_running_pickle_is_refused(tmp_path, manager, capsys, where):
     assert not marker.exists(), "unpickling ran code during restore"
     assert isinstance(caught.value, UnsafeCheckpointError) or "refused" in str(caught.value)
     assert name in str(caught.value)
+    outcomes["restore"] = str(caught.value).splitlines()[0].replace(str(tmp_path), "TMP")
 
-    code, err = _merge(capsys, source, tmp_path / "merged")
+    for command in ("verify", "inspect"):
+        code = cli.main([command, str(source)] + (["--quiet"] if command == "verify" else []))
+        captured = capsys.readouterr()
+        assert not marker.exists(), f"unpickling ran code during {command}"
+        output = captured.err + captured.out
+        assert "Traceback" not in output, output
+        if where == "model":  # both read the model file's tensors: refused, the file named
+            assert code == 1 and name in output and "refused" in output, output
+        else:
+            assert code == 0, output
+        outcomes[command] = f"exit {code}"
+
+    with _opened_files() as opened:
+        code, err = _merge(capsys, source, tmp_path / "merged")
     assert not marker.exists(), "unpickling ran code during merge"
     if where == "model":
         assert code == 1 and "refused to unpickle" in err and name in err
         assert not (tmp_path / "merged").exists()
     else:
-        assert code == 0  # merge reads model files only; the hostile file is never opened
-    record(
-        f"hostile: code-running pickle in the {where} file",
-        trials=1,
-        restore_error=str(caught.value).splitlines()[0],
-        merge_exit=code,
-    )
+        assert code == 0, err
+        assert not [p for p in opened if Path(p).name == name], f"merge opened {name}"
+        assert any(Path(p).name == "model_world_size_1_rank_0.pt" for p in opened), opened
+        assert verify(tmp_path / "merged").ok
+    outcomes["merge"] = f"exit {code}" + ("" if where == "model" else f"; {name} never opened")
+    record(f"hostile: code-running pickle in the {where} file", trials=1, entry_points=outcomes)
 
 
 def test_code_running_pickle_next_to_the_checkpoint(tmp_path, capsys):
