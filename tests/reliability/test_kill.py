@@ -38,8 +38,10 @@ from .harness import (
     kill,
     record,
     trials,
+    violation,
     wait_for,
 )
+from .harness import trial as checked
 
 KEEP_LAST = 2
 CHAIN = 6  # trials per run directory before starting a fresh one
@@ -49,8 +51,16 @@ GRACE_S = 5.0  # after killing one rank, how long the others get to fail by them
 
 
 def _kill_save_trials(
-    forkserver, base: Path, count: int, seed: int, async_save: bool, hf_source: str | None = None
+    forkserver,
+    base: Path,
+    count: int,
+    seed: int,
+    async_save: bool,
+    hf_source: str | None = None,
+    worlds: tuple[int, ...] = (2, 3),
+    modes: tuple[str, ...] | None = None,
 ) -> dict:
+    """``modes``: kill "one" or "all" in this order, cyclically (default: at random)."""
     rng = random.Random(seed)
     stats: Counter = Counter()
     debris: Counter = Counter()
@@ -62,8 +72,8 @@ def _kill_save_trials(
         if root is None or chain == CHAIN:
             root, side, floor, chain = base / f"root-{trial}", base / f"side-{trial}", None, 0
         chain += 1
-        world = rng.choice((2, 3))
-        mode = rng.choice(("all", "one"))
+        world = rng.choice(worlds)
+        mode = rng.choice(("all", "one")) if modes is None else modes[trial % len(modes)]
         early = rng.random() < 0.1
         run = f"run-{trial}"
         spec = {
@@ -98,7 +108,8 @@ def _kill_save_trials(
                 )
                 kill(running)
             _, running = forkserver.wait(pids, 30)
-            assert not running, f"ranks {running} survived SIGKILL"
+            if running:
+                violation(f"trial {trial}: ranks {running} survived SIGKILL")
         finally:
             forkserver.kill_all()
         done = durable_step(side / run)
@@ -107,15 +118,21 @@ def _kill_save_trials(
         stats["saves returned"] += len(
             (side / run / "saved").read_text().split() if (side / run / "saved").exists() else []
         )
-        try:
-            info = check_root_after_crash(root, side, floor, KEEP_LAST)
-        except AssertionError as exc:
-            raise AssertionError(
-                f"trial {trial} (seed {seed}, world {world}, kill {mode}, "
-                f"{'early' if early else 'in the save loop'}): {exc}\n"
-                f"logs:\n{forkserver.logs(pids)}"
-            ) from None
+        info = None
+        label = (
+            f"trial {trial} (seed {seed}, world {world}, kill {mode}, "
+            f"{'early' if early else 'in the save loop'})"
+        )
+        with checked(label):
+            try:
+                info = check_root_after_crash(root, side, floor, KEEP_LAST)
+            except AssertionError as exc:
+                raise AssertionError(f"{exc}\nlogs:\n{forkserver.logs(pids)}") from None
         stats["trials"] += 1
+        if info is None:  # counted as a violation; the next trial starts a fresh directory
+            stats["invariant violated"] += 1
+            root = None
+            continue
         stats[f"world size {world}"] += 1
         stats[f"killed {mode}"] += 1
         stats["killed during start-up/restore" if early else "killed in the save loop"] += 1
@@ -164,6 +181,19 @@ def test_kill9_during_save_with_shared_hf_weights(forkserver, tmp_path, async_sa
     assert figures["stats"]["trials"] == count
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kill9_four_ranks(forkserver, tmp_path, async_save):
+    """4 gloo ranks, killing one (the others are left to fail) and all of them in turn."""
+    seed = 20240611 + async_save
+    count = trials(2, 30)
+    figures = _kill_save_trials(
+        forkserver, tmp_path, count, seed, async_save, worlds=(4,), modes=("one", "all")
+    )
+    kind = "async save" if async_save else "save"
+    record(f"kill -9 during {kind} (4 ranks)", seed=seed, trials=count, **figures)
+    assert figures["stats"]["trials"] == count
+
+
 # --- merge ---------------------------------------------------------------------------------------
 
 
@@ -196,64 +226,114 @@ def _merge_argv(source: Path, target: Path, overwrite: bool) -> list[str]:
     return argv + ["--quiet"] + (["--overwrite"] if overwrite else [])
 
 
-def test_kill9_during_merge(forkserver, tmp_path, merge_source):
+def _spawn_merge(forkserver, argv: list[str], world: int, init: Path) -> list[int]:
+    """``shardstream merge`` in one forked process, or ``--distributed`` over ``world`` gloo
+    ranks (what torchrun would start)."""
+    if world == 1:
+        return forkserver.spawn("cli", {"argv": argv})
+    spec = {"argv": argv + ["--distributed"], "world": world, "init": str(init)}
+    return forkserver.spawn("dist_cli", spec, nprocs=world)
+
+
+def _run_merge(forkserver, argv: list[str], world: int, init: Path) -> list[int]:
+    pids = _spawn_merge(forkserver, argv, world, init)
+    exited, running = forkserver.wait(pids, 120)
+    if running:
+        kill(running)
+        forkserver.wait(running, 30)
+        raise AssertionError(f"merge did not finish in 120 s:\n{forkserver.logs(pids)}")
+    return [exited[p] for p in pids]
+
+
+def _kill_merge_trials(forkserver, tmp_path: Path, source: Path, count: int, seed: int,
+                       world: int = 1) -> dict:  # fmt: skip
+    """Kill a merge (all its ranks, or with ``world`` > 1 sometimes one, the others given
+    ``GRACE_S`` to fail by themselves) at a random moment; then the target must be absent or
+    complete, and the same command again must succeed and leave nothing beside the target."""
     from shardstream.commands.verify import verify
 
-    seed = 20240603
     rng = random.Random(seed)
-    count = trials(10, 100)
     clean = tmp_path / "clean"
     started = time.monotonic()
-    assert forkserver.run("cli", {"argv": _merge_argv(merge_source, clean, False)}) == [0]
+    codes = _run_merge(forkserver, _merge_argv(source, clean, False), world, tmp_path / "gloo-c")
+    assert codes == [0] * world, forkserver.logs()
     duration = time.monotonic() - started
     reference = _tree(clean)
     assert len(reference) > 3  # several shards and the index: many kill points
     stats: Counter = Counter()
+    survivors: Counter = Counter()
     for trial in range(count):
         target = tmp_path / f"out-{trial}"
         overwrite = rng.random() < 0.3
         if overwrite:  # an older, complete output that --overwrite replaces
             shutil.copytree(clean, target)
             (target / "marker-old-output.json").write_text("{}")
-        argv = _merge_argv(merge_source, target, overwrite)
-        pids = forkserver.spawn("cli", {"argv": argv})
+        argv = _merge_argv(source, target, overwrite)
+        pids = _spawn_merge(forkserver, argv, world, tmp_path / f"gloo-{trial}")
         time.sleep(rng.uniform(0, 1.2 * duration))
-        kill(pids)
-        exited, running = forkserver.wait(pids, 30)
-        assert not running
-        finished = exited[pids[0]] == 0
-        leftovers = [p.name for p in tmp_path.iterdir() if p.name.startswith(f"out-{trial}.tmp-")]
-        if target.exists():
-            files = _tree(target)
-            old = "marker-old-output.json" in files
-            files.pop("marker-old-output.json", None)
-            assert files == reference, f"trial {trial}: target {target} exists but is not complete"
-            report = verify(target)
-            assert report.ok, "\n".join(p.line() for p in report.problems)
-            stats["target complete (old output)" if old else "target complete (new output)"] += 1
+        mode = "all" if world == 1 else ("one", "all")[trial % 2]
+        if mode == "all":
+            kill(pids)
         else:
-            assert not overwrite or leftovers, f"trial {trial}: the old output vanished"
-            stats["target absent"] += 1
-        stats["killed before exit" if not finished else "finished before the kill"] += 1
-        stats["temporary directory left behind"] += bool(leftovers)
-        # The same command again (with --overwrite if a complete target is there now).
-        rerun = _merge_argv(merge_source, target, overwrite or target.exists())
-        assert forkserver.run("cli", {"argv": rerun}) == [0], forkserver.logs()
-        assert _tree(target) == reference
-        stats["rerun succeeded"] += 1
-        # The rerun removed the killed run's staged directory (its owner is dead): nothing of
-        # either run is left beside the target.
-        stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(f"out-{trial}.tmp-")]
-        assert not stale, f"trial {trial}: left beside the target after the rerun: {stale}"
-        stats["temporary directory removed by the rerun"] += bool(leftovers)
+            victim = rng.choice(pids)
+            kill([victim])
+            exited, running = forkserver.wait([p for p in pids if p != victim], GRACE_S)
+            survivors["exited by themselves"] += len(exited)
+            survivors["still running after 5 s (killed)"] += len(running)
+            kill(running)
+        exited, running = forkserver.wait(pids, 30)
+        stats[f"killed {mode}"] += world > 1
+        with checked(f"trial {trial} (seed {seed}, {world} rank(s), kill {mode})"):
+            assert not running, f"ranks {running} survived SIGKILL"
+            finished = all(code == 0 for code in exited.values())
+            leftovers = [
+                p.name for p in tmp_path.iterdir() if p.name.startswith(f"out-{trial}.tmp-")
+            ]
+            if target.exists():
+                files = _tree(target)
+                old = "marker-old-output.json" in files
+                files.pop("marker-old-output.json", None)
+                assert files == reference, f"target {target} exists but is not complete"
+                report = verify(target)
+                assert report.ok, "\n".join(p.line() for p in report.problems)
+                stats[
+                    "target complete (old output)" if old else "target complete (new output)"
+                ] += 1
+            else:
+                assert not overwrite or leftovers, "the old output vanished"
+                stats["target absent"] += 1
+            stats["killed before exit" if not finished else "finished before the kill"] += 1
+            stats["temporary directory left behind"] += bool(leftovers)
+            # The same command again (with --overwrite if a complete target is there now).
+            rerun = _merge_argv(source, target, overwrite or target.exists())
+            codes = _run_merge(forkserver, rerun, world, tmp_path / f"gloo-{trial}-rerun")
+            assert codes == [0] * world, forkserver.logs()
+            assert _tree(target) == reference
+            stats["rerun succeeded"] += 1
+            # The rerun removed the killed run's staged directory (its owner is dead): nothing
+            # of either run is left beside the target.
+            stale = [p.name for p in tmp_path.iterdir() if p.name.startswith(f"out-{trial}.tmp-")]
+            assert not stale, f"left beside the target after the rerun: {stale}"
+            stats["temporary directory removed by the rerun"] += bool(leftovers)
         stats["trials"] += 1
-    record(
-        "kill -9 during merge",
-        seed=seed,
-        trials=count,
-        clean_merge_s=round(duration, 3),
-        stats=dict(stats),
-    )
+    figures = {"clean_merge_s": round(duration, 3), "stats": dict(stats)}
+    return {**figures, "survivors": dict(survivors)} if world > 1 else figures
+
+
+def test_kill9_during_merge(forkserver, tmp_path, merge_source):
+    seed = 20240603
+    count = trials(10, 100)
+    figures = _kill_merge_trials(forkserver, tmp_path, merge_source, count, seed)
+    record("kill -9 during merge", seed=seed, trials=count, **figures)
+
+
+def test_kill9_during_distributed_merge(forkserver, tmp_path, merge_source):
+    """``merge --distributed`` over 4 gloo ranks: one rank killed (the others stuck in a
+    collective or failing), or all of them."""
+    seed = 20240613
+    count = trials(2, 40)
+    figures = _kill_merge_trials(forkserver, tmp_path, merge_source, count, seed, world=4)
+    record("kill -9 during merge --distributed (4 ranks)", seed=seed, trials=count, **figures)
 
 
 def test_kill9_real_cli_process_during_merge(tmp_path, merge_source):
