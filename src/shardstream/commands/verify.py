@@ -467,6 +467,9 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             total = metadata.get("total_size", -1)
             if type(total) is not int:
                 raise ValueError(f"total_size {total!r} is not an integer")
+            odd = [v for v in weight_map.values() if not isinstance(v, str)]
+            if odd:
+                raise ValueError(f"weight_map names a file {str(odd[0])[:80]!r}, not a string")
         except ShardstreamError as exc:
             report.problems.append(Problem(str(index_path), _strip(exc, index_path)))
             return
