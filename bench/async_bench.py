@@ -2,6 +2,12 @@
 
     python bench/async_bench.py            # ~1.1 GB fp32 model, world size 2
     python bench/async_bench.py --quick    # ~0.18 GB model
+    python bench/async_bench.py --short-step [--world-size 1]   # steps shorter than a save
+
+``--short-step`` is the case the CPU training loop never reaches and a GPU one does: a step
+shorter than the time a save needs to read the state. A step is then ``optimizer.step()`` and
+the scheduler's (gradients set once and kept, no forward or backward), so an async save is
+still reading the state when the next step's optimizer pre-hook runs.
 
 FSDP2 on 2 gloo ranks (one set of processes, one model whose training continues from mode to
 mode) trains ``steps`` steps per mode after one warm-up step, saving model + optimizer + extra
@@ -50,11 +56,16 @@ from harness.training import (
 )
 
 MODES = ("none", "shardstream_sync", "shardstream_async", "dcp_async")
+# --short-step adds an async save with a larger staging budget (more of the state copied out
+# before the next step may write it).
+BIG_BUDGET = "1GiB"
+SHORT_MODES = (*MODES, "shardstream_async_1GiB")
 LABELS = {
     "none": "no checkpointing",
     "shardstream_sync": "shardstream save (sync)",
     "shardstream_async": "shardstream save (async_save=True)",
     "dcp_async": "dcp.async_save (THREAD)",
+    "shardstream_async_1GiB": f"shardstream save (async_save=True, staging_budget={BIG_BUDGET})",
 }
 
 
@@ -94,14 +105,15 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
     from shardstream import CheckpointConfig, CheckpointManager
 
     seq, vocab, first = spec["seq"], spec["vocab"], spec["first_step"]
+    step_fn = _short_step if spec.get("short_step") else train_step
     mgr = None
     future = None
     if mode.startswith("shardstream"):
         cfg = CheckpointConfig(
             str(out / mode),
             save_contents=("model", "optimizer", "extra"),
-            staging_budget=BUDGET,
-            async_save=(mode == "shardstream_async"),
+            staging_budget=BIG_BUDGET if mode.endswith(BIG_BUDGET) else BUDGET,
+            async_save=mode.startswith("shardstream_async"),
         )
         mgr = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     elif mode == "dcp_async":
@@ -116,7 +128,7 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
         step = first + i
         t0 = time.perf_counter()
         stalls_before = len(mgr._async.stalls) if mgr is not None and mgr._async else 0
-        loss = train_step(model, optimizer, scheduler, step, seq, vocab)
+        loss = step_fn(model, optimizer, scheduler, step, seq, vocab)
         hook = 0.0
         if mgr is not None and mgr._async is not None:
             hook = sum(mgr._async.stalls[stalls_before:])
@@ -181,6 +193,25 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
     }
 
 
+def _short_step(model, optimizer, scheduler, step: int, seq: int, vocab: int) -> float:
+    """A step with no forward or backward: the optimizer's update on the gradients kept from
+    ``_fixed_grads`` (the part of a GPU step that writes the state a save reads)."""
+    optimizer.step()
+    scheduler.step()
+    return 0.0
+
+
+def _fixed_grads(model) -> None:
+    """Small random gradients, set once and kept (``--short-step``)."""
+    import torch
+
+    g = torch.Generator().manual_seed(7)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)  # a DTensor like its FSDP2 parameter
+        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+        local.normal_(0.0, 1e-3, generator=g)
+
+
 def async_worker(rank: int, ws: int, spec: dict) -> dict:
     """All modes, one after the other, on one model (its training continues across modes)."""
     import torch.distributed as dist
@@ -190,8 +221,11 @@ def async_worker(rank: int, ws: int, spec: dict) -> dict:
     config = make_config(spec["model"])
     model = build_fsdp_model(config)
     optimizer, scheduler = make_optimizer(model)
+    if spec.get("short_step"):
+        _fixed_grads(model)
     t = time.perf_counter()
-    train_step(model, optimizer, scheduler, 0, spec["seq"], config.vocab_size)  # warm-up
+    step_fn = _short_step if spec.get("short_step") else train_step
+    step_fn(model, optimizer, scheduler, 0, spec["seq"], config.vocab_size)  # warm-up
     warmup_s = time.perf_counter() - t
     spec = dict(spec, vocab=config.vocab_size, dcp_group=dist.new_group(backend="gloo"))
     modes = {}
@@ -254,18 +288,27 @@ def summarize(modes: dict) -> dict:
     return out
 
 
-def run_async_bench(model: dict, quick: bool = False, log=log, steps=None, every=None) -> dict:
-    ws, seq = 2, 16
+def run_async_bench(
+    model: dict,
+    quick: bool = False,
+    log=log,
+    steps=None,
+    every=None,
+    short_step: bool = False,
+    world_size: int = 2,
+) -> dict:
+    ws, seq = world_size, 16
     steps = steps or 4
     every = every or 1
     out = RESULTS / "train-out" / "async"
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    log(f"async bench: modes {MODES}, {steps} steps each, a save after every {every} (not after "
-        f"the last), ws={ws}")  # fmt: skip
-    spec = {"modes": MODES, "out": str(out), "model": model, "steps": steps, "every": every,
-            "seq": seq}  # fmt: skip
+    modes = SHORT_MODES if short_step else MODES
+    log(f"async bench: modes {modes}, {steps} steps each, a save after every {every} (not after "
+        f"the last), ws={ws}{', short steps (optimizer only)' if short_step else ''}")  # fmt: skip
+    spec = {"modes": modes, "out": str(out), "model": model, "steps": steps, "every": every,
+            "seq": seq, "short_step": short_step}  # fmt: skip
     ranks, wall, others = run_ranks(async_worker, ws, spec)
     shutil.rmtree(out, ignore_errors=True)
     result = {
@@ -273,10 +316,11 @@ def run_async_bench(model: dict, quick: bool = False, log=log, steps=None, every
         "steps": steps,
         "every": every,
         "seq": seq,
+        "short_step": short_step,
         "wall_s": wall,
         "others_cpu_share": others,
         "warmup_step_s": max(r["warmup_step_s"] for r in ranks),
-        "modes": {mode: {"ranks": [r["modes"][mode] for r in ranks]} for mode in MODES},
+        "modes": {mode: {"ranks": [r["modes"][mode] for r in ranks]} for mode in modes},
     }
     result["summary"] = summarize(result["modes"])
     return result
@@ -287,10 +331,14 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--steps", type=int, default=None)
     p.add_argument("--every", type=int, default=None)
+    p.add_argument("--short-step", action="store_true", help="steps are optimizer.step() only")
+    p.add_argument("--world-size", type=int, default=2)
     a = p.parse_args(argv)
     model = MODEL_QUICK if a.quick else MODEL_FULL
-    res = run_async_bench(model, quick=a.quick, steps=a.steps, every=a.every)
-    path = RESULTS / ("async-quick.json" if a.quick else "async.json")
+    res = run_async_bench(model, quick=a.quick, steps=a.steps, every=a.every,
+                          short_step=a.short_step, world_size=a.world_size)  # fmt: skip
+    name = "async" + ("-short" if a.short_step else "") + ("-quick" if a.quick else "")
+    path = RESULTS / f"{name}.json"
     path.write_text(json.dumps(res, indent=1) + "\n")
     for mode, s in res["summary"].items():
         print(mode, {k: v for k, v in s.items() if not isinstance(v, list)})
