@@ -40,6 +40,7 @@ bench: $(STAMP)
 	$(PY) bench/wide_merge_bench.py
 	$(PY) bench/save_bench.py --at-commit HEAD
 	$(PY) bench/verl_interop.py
+	$(PY) bench/verl_bench.py  # verl's FSDPCheckpointManager vs the plug-in's; docs/benchmarks-verl.md
 
 # verl 0.9.1's own checkpoint manager saves; verl's merger and shardstream merge and restore
 # (bit for bit); writes docs/interop.md (about 3 minutes).
