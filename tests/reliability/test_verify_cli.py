@@ -193,7 +193,7 @@ def test_verify_verl_checkpoint_step_and_run(copy_variant, tmp_path, capsys):
     )
 
 
-def test_verify_dcp_checks_structure_and_says_it_has_no_checksums(tmp_path, capsys):
+def test_verify_dcp_checks_structure_and_crcs(tmp_path, capsys):
     import warnings
 
     import torch
@@ -205,7 +205,7 @@ def test_verify_dcp_checks_structure_and_says_it_has_no_checksums(tmp_path, caps
         dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(ckpt))
     code = cli.main(["verify", str(ckpt)])
     out, err = capsys.readouterr()
-    assert code == 0 and "DCP stores no checksums" in out, (out, err)
+    assert code == 0 and "CRC-32" in out, (out, err)
     data = next(ckpt.glob("*.distcp"))
     data.write_bytes(data.read_bytes()[:100])
     code, lines, _ = _verify(capsys, ckpt)

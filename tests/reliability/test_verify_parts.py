@@ -138,3 +138,83 @@ def test_verify_catches_swapped_verl_optimizer_files(verl_actor, tmp_path):
     report = verify(actor)
     assert not report.ok
     assert any("rank" in p.line() and "optim_world_size_2_rank_" in p.line() for p in report.problems)
+
+
+# --- DCP: every item's byte range and zip records' CRC-32s -----------------------------------
+
+
+@pytest.fixture
+def dcp_train_state(tmp_path) -> Path:
+    """A single-process DCP save of a model and its AdamW state (DCP's own layout)."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    model_state, optim_state = get_state_dict(model, optimizer)
+    directory = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"model": model_state, "optimizer": optim_state}, checkpoint_id=str(directory))
+    return directory
+
+
+def _item(directory: Path, key: str) -> tuple[Path, int, int]:
+    from shardstream.formats.dcp import item_ranges
+
+    ((path, start, length),) = [(p, s, n) for k, p, s, n in item_ranges(directory) if k == key]
+    return path, start, length
+
+
+def _flip_in_data_record(directory: Path, key: str) -> Path:
+    """Flip one bit inside the tensor data record of item ``key``."""
+    from shardstream.formats.torch_pt import zip_records_in
+
+    path, start, length = _item(directory, key)
+    (record,) = [r for r in zip_records_in(str(path), start, length) if "/data/" in r.name]
+    data = bytearray(path.read_bytes())
+    data[(record.start + record.end) // 2] ^= 0x10
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_verify_passes_a_good_dcp_train_state(dcp_train_state, capsys):
+    report = verify(dcp_train_state)
+    assert report.ok, report.problems
+    assert report.bytes_checked > 64 * 32 * 4 * 3  # weight, exp_avg, exp_avg_sq at least
+
+
+@pytest.mark.parametrize("key", ["optimizer.state.weight.exp_avg", "model.weight"])
+def test_verify_catches_a_flipped_bit_in_any_dcp_item(dcp_train_state, key):
+    path = _flip_in_data_record(dcp_train_state, key)
+    report = verify(dcp_train_state)
+    assert not report.ok
+    assert any(p.path == str(path) and p.tensor == key and "CRC-32" in p.message
+               for p in report.problems), report.problems
+
+
+def test_merge_catches_a_flipped_bit_in_a_dcp_model_item(dcp_train_state, tmp_path, capsys):
+    path = _flip_in_data_record(dcp_train_state, "model.weight")
+    target = tmp_path / "merged"
+    code, lines = _cli(
+        capsys, "merge", "--local_dir", dcp_train_state, "--target_dir", target, "--quiet"
+    )
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("shardstream merge: error: ") and str(path) in lines[0]
+    assert not target.exists()
+
+
+def test_verify_catches_a_truncated_dcp_optimizer_item(dcp_train_state):
+    from shardstream.formats.dcp import item_ranges
+
+    last_key, path, start, length = item_ranges(dcp_train_state)[-1]
+    assert not last_key.startswith("model.")  # the optimizer's state is written after the model
+    with open(path, "r+b") as f:
+        f.truncate(start + length - 16)
+    report = verify(dcp_train_state)
+    assert not report.ok and any(str(path) in p.line() for p in report.problems)

@@ -90,7 +90,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         return report
     if kind is Kind.DCP:
         report = VerifyReport(str(root), "dcp")
-        _verify_dcp(root, report)
+        _verify_dcp(root, report, progress)
         return report
     if kind is Kind.ACCELERATE:
         report = VerifyReport(str(root), "accelerate")
@@ -208,9 +208,9 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         _verify_hf(hf_dir, report, progress)
 
 
-def _verify_dcp(directory: Path, report: VerifyReport) -> None:
-    """PyTorch DCP stores no checksums: its metadata is read (safely) and every byte range it
-    names is checked to lie inside a data file that exists."""
+def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
+    """DCP's metadata is read (safely) and every byte range it names is checked to lie inside
+    a data file that exists; then every item's zip records against their CRC-32s."""
     from ..formats.dcp import check_dcp
 
     try:
@@ -219,6 +219,8 @@ def _verify_dcp(directory: Path, report: VerifyReport) -> None:
         report.problems.append(Problem(str(directory), _strip(exc, directory)))
     # the files looked at, passed or not (a failed check names its problem above)
     report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
+    if not any(p.path.startswith(str(directory)) for p in report.problems):
+        _verify_dcp_records(directory, report, progress)  # its structure is sound
 
 
 def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
@@ -280,6 +282,41 @@ def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
         verl.read_rank_layouts(files, flatten, keep_scalars=True)
     except (ShardstreamError, OSError) as exc:
         report.problems.append(Problem(str(directory), _strip(exc, directory)))
+
+
+def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None:
+    """Every item DCP wrote (model, optimizer, anything) is a ``torch.save`` archive whose zip
+    records carry CRC-32s: each record against its CRC, as for verl's ``.pt`` files."""
+    from ..engine.checksum import Crc32
+    from ..formats.dcp import item_ranges
+    from ..formats.torch_pt import zip_records_in
+
+    if not (directory / ".metadata").is_file():
+        return  # reported by the structural check
+    try:
+        items = item_ranges(directory)
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        return
+    buffer = memoryview(bytearray(READ_BYTES))
+    for key, path, start, length in items:
+        try:
+            with open(path, "rb", buffering=0) as f:
+                for record in zip_records_in(str(path), start, length, f.fileno()):
+                    f.seek(record.start)
+                    hasher = Crc32()
+                    _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
+                    if hasher.hexdigest() != record.crc:
+                        report.problems.append(
+                            Problem(
+                                str(path),
+                                f"CRC-32 mismatch in zip record {record.name}",
+                                key,
+                                (record.start, record.end),
+                            )
+                        )
+        except (ShardstreamError, OSError) as exc:
+            report.problems.append(Problem(str(path), f"item {key!r}: {_strip(exc, path)}"))
 
 
 def _verl_ranks_complete(directory: Path, kind: str, report: VerifyReport) -> None:

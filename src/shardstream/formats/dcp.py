@@ -112,8 +112,17 @@ class DcpCheckpoint:
         return None
 
     def endpoint(self, location: str) -> FileEndpoint:
-        """A plain reader: DCP's files carry no checksums to check."""
-        return FileEndpoint(location)
+        """A reader that checks the CRC-32 of every zip record it reads: DCP writes each item
+        with ``torch.save``, whose records carry one (torch checks none when it loads)."""
+        from ..engine.plan import tensors_touching
+        from .torch_pt import crc_checked_endpoint
+
+        named = [(t.name, t.blocks) for t in self.tensors]
+        return crc_checked_endpoint(
+            location,
+            lambda lo, hi: tensors_touching(named, location, lo, hi),
+            item_records(self.directory, self.metadata, location),
+        )
 
     def check_split_records(self, tensors: list[GlobalTensor]) -> None:
         """Nothing to check ahead of a merge: no checksums."""
@@ -680,3 +689,44 @@ def _lists(node: object) -> object:
     if out and all(type(k) is int for k in out) and sorted(out) == list(range(len(out))):
         return [out[i] for i in range(len(out))]
     return out
+
+
+# --------------------------------------------------------------------------- item checksums
+
+
+def item_ranges(
+    directory: str | os.PathLike, metadata: Metadata | None = None
+) -> list[tuple[str, Path, int, int]]:
+    """(key, data file, start, length) of every item ``.metadata`` names, model or not, each
+    file checked to lie inside the checkpoint; in file order."""
+    directory = Path(directory)
+    meta_path = directory / METADATA_FILE
+    meta = metadata if metadata is not None else load_metadata(meta_path)
+    storage = meta.storage_data if isinstance(meta.storage_data, dict) else {}
+    out = []
+    for index, info in storage.items():
+        if not isinstance(info, StorageInfo):
+            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
+        start, length = info.offset, info.length
+        if type(start) is not int or type(length) is not int or start < 0 or length < 0:
+            raise CheckpointFormatError(
+                f"{meta_path}: item {index!r} has an invalid byte range {start!r}+{length!r}"
+            )
+        key = index.fqn if isinstance(index, MetadataIndex) else repr(index)
+        out.append((key, _data_file(directory, info.relative_path, meta_path), start, length))
+    return sorted(out, key=lambda item: (str(item[1]), item[2]))
+
+
+def item_records(directory: Path, metadata: Metadata | None, location: str) -> list:
+    """The CRC-carrying zip records of every item stored in data file ``location``."""
+    from .torch_pt import zip_records_in
+
+    records = []
+    fd = os.open(location, os.O_RDONLY)
+    try:
+        for _, path, start, length in item_ranges(directory, metadata):
+            if str(path) == str(location):
+                records.extend(zip_records_in(location, start, length, fd))
+    finally:
+        os.close(fd)
+    return sorted(records, key=lambda r: r.start)

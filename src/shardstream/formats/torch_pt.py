@@ -550,6 +550,74 @@ def zip_records(path: str) -> list[ZipRecord]:
     return records
 
 
+class _Window(io.RawIOBase):
+    """Bytes [start, start + length) of an open file, as a file of their own (``zipfile``
+    finds an archive by its end: a DCP data file holds one archive per item, back to back)."""
+
+    def __init__(self, fd: int, start: int, length: int):
+        self.fd, self.start, self.length, self.pos = fd, start, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        base = (0, self.pos, self.length)[whence]
+        self.pos = max(0, base + offset)
+        return self.pos
+
+    def readinto(self, buffer) -> int:
+        n = max(0, min(len(buffer), self.length - self.pos))
+        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
+        buffer[: len(data)] = data
+        self.pos += len(data)
+        return len(data)
+
+
+def zip_records_in(path: str, start: int, length: int, fd: int | None = None) -> list[ZipRecord]:
+    """``zip_records`` of the archive that fills bytes [start, start + length) of ``path`` (a
+    DCP item, which ``torch.save`` wrote with a CRC-32 in every record); offsets are the
+    file's. ``fd``: the file, already open."""
+    own = fd is None
+    if own:
+        fd = os.open(path, os.O_RDONLY)
+    records = []
+    try:
+        with zipfile.ZipFile(_Window(fd, start, length)) as archive:
+            for info in archive.infolist():
+                if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
+                    continue
+                local = os.pread(fd, 30, start + info.header_offset)
+                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                    raise CheckpointFormatError(
+                        f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
+                        f"{info.filename!r} has no local header"
+                    )
+                name_len, extra_len = struct.unpack("<HH", local[26:30])
+                lo = start + info.header_offset + 30 + name_len + extra_len
+                if lo + info.file_size > start + length:
+                    raise CheckpointFormatError(
+                        f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
+                        f"{info.filename!r} runs past its end"
+                    )
+                records.append(ZipRecord(info.filename, lo, lo + info.file_size, f"{info.CRC:08x}"))
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        if isinstance(exc, CheckpointFormatError):
+            raise
+        raise CheckpointFormatError(
+            f"{path}: corrupt item at bytes [{start}, {start + length}): {exc}"
+        ) from None
+    finally:
+        if own:
+            os.close(fd)
+    return sorted(records, key=lambda r: r.start)
+
+
 def crc_checked_endpoint(
     path: str,
     tensors_in: Callable[[int, int], list[str]] | None = None,
