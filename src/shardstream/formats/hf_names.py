@@ -283,7 +283,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
             return func(*args, **(kwargs or {}))
 
     starts, fakes, offset = [], {}, 0
-    total = sum(math.prod(s) for _, _, s in plain) + 1
+    total = sum(max(math.prod(s), 1) for _, _, s in plain)
     bases = {}
     for name, dtype, shape in plain:
         code = TORCH_BY_CODE[dtype]
