@@ -35,3 +35,12 @@ def test_accelerate_save_state_restores_whole(tmp_path):
         torch_rng, python_rng = saved[rank if rank < 2 else 0]["rng"]
         assert torch.equal(result["rng"][0], torch_rng)
         assert result["rng"][1] == python_rng
+
+
+def test_fused_qkv_hooks_restore_into_the_real_parameter(tmp_path):
+    """Saved keys wq/wk/wv (model and optimizer), live parameter wqkv: 2 -> 3 ranks."""
+    saved = run(trainer_workers.fused_run, 2, str(tmp_path), "save")[0]
+    assert any(".wqkv." in name for name in saved["state"]["model"])
+    for result in run(trainer_workers.fused_run, 3, str(tmp_path), "restore"):
+        assert result["step"][0] == 2
+        _assert_same(saved["state"], result["state"], "state")

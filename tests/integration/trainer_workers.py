@@ -158,3 +158,140 @@ def accelerate_run(rank: int, world: int, root: str, stage: str) -> dict:
         "step": restored,
         "files": names,
     }
+
+
+# --------------------------------------------------------------------------- fused QKV
+
+
+class FusedQKV(torch.nn.Module):
+    """One ``wqkv`` parameter that state dicts present as ``wq``/``wk``/``wv`` (torchtitan's
+    fused attention projection): a state-dict hook splits it, a load pre-hook fuses."""
+
+    def __init__(self, dim: int, kv_dim: int):
+        super().__init__()
+        self.sizes = (dim, kv_dim, kv_dim)
+        self.wqkv = torch.nn.Linear(dim, dim + 2 * kv_dim, bias=False)
+        self._register_state_dict_hook(FusedQKV._split)
+        self._register_load_state_dict_pre_hook(self._fuse)
+
+    @staticmethod
+    def _split(module, state, prefix, metadata):
+        fused = state.pop(prefix + "wqkv.weight")
+        for name, part in zip(("wq", "wk", "wv"), torch.split(fused, module.sizes, 0)):
+            state[f"{prefix}{name}.weight"] = part
+
+    def _fuse(self, state, prefix, *args):
+        parts = [state.pop(f"{prefix}{name}.weight") for name in ("wq", "wk", "wv")]
+        state[prefix + "wqkv.weight"] = torch.cat(parts, 0)
+
+    def forward(self, x):
+        q, k, v = torch.split(self.wqkv(x), self.sizes, -1)
+        return q * (k * v).sum(-1, keepdim=True)
+
+
+class FusedLayer(torch.nn.Module):
+    def __init__(self, dim: int, kv_dim: int):
+        super().__init__()
+        self.attention = FusedQKV(dim, kv_dim)
+        self.wo = torch.nn.Linear(dim, dim)
+
+    def forward(self, x):
+        return x + self.wo(self.attention(x))
+
+
+class FusedModel(torch.nn.Module):
+    def __init__(self, dim: int = 10, kv_dim: int = 3, layers: int = 2):
+        super().__init__()
+        self.layers = torch.nn.ModuleList(FusedLayer(dim, kv_dim) for _ in range(layers))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = layer(x)
+        return x
+
+
+def _fused(world: int, seed: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = FusedModel()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    return model, optimizer
+
+
+def _fused_state(model, optimizer) -> dict:
+    """Every parameter and optimizer entry in full, by live FQN (``get_model_state_dict``
+    cannot name a hooked model's parameters)."""
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    def full(t):
+        return (t.full_tensor() if hasattr(t, "full_tensor") else t).detach().clone()
+
+    params = {name: full(p) for name, p in model.named_parameters()}
+    optim = get_optimizer_state_dict(model, optimizer)
+    state = {
+        fqn: {k: full(v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
+        for fqn, entries in optim["state"].items()
+    }
+    return {"model": params, "optim": state, "groups": workers._clone(optim["param_groups"])}
+
+
+def _presented(name: str, value, sizes) -> dict:
+    """A live ``...wqkv.weight`` entry as the hook presents it (split along dim 0; a value
+    without ``sizes`` is repeated, as a 0-d step or a name is)."""
+    if not name.endswith("wqkv.weight"):
+        return {name: value}
+    head = name[: -len("wqkv.weight")]
+    parts = torch.split(value, sizes, 0) if sizes else (value,) * 3
+    return {f"{head}{n}.weight": p for n, p in zip(("wq", "wk", "wv"), parts)}
+
+
+def fused_run(rank: int, world: int, root: str, stage: str) -> dict:
+    """stage "save": two AdamW steps on a FSDP2 model with fused-QKV hooks, then ``dcp.save``
+    of a torchtitan-style train state whose model and optimizer keys are the presented ones
+    (wq/wk/wv); stage "restore": the manager's restore(path=...) at this world size."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+    model, optimizer = _fused(world, seed=0 if stage == "save" else 5)
+    sizes = model.layers[0].attention.sizes
+    path = f"{root}/step-2"
+    restored = None
+    if stage == "save":
+        for step in (1, 2):
+            x = torch.randn(4, 10, generator=torch.Generator().manual_seed(step))
+            model(x).square().mean().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        full = _fused_state(model, optimizer)
+        model_sd = {}
+        for name, value in full["model"].items():
+            model_sd.update(_presented(name, value, sizes))
+        optim = get_optimizer_state_dict(model, optimizer)
+        optim_state = {}
+        for fqn, entries in optim["state"].items():
+            for key, value in entries.items():
+                value = full["optim"][fqn][key]
+                for name, part in _presented(fqn, value, sizes if value.dim() else None).items():
+                    optim_state.setdefault(name, {})[key] = part
+        groups = [
+            {**g, "params": [n for p in g["params"] for n in _presented(p, None, None)]}
+            for g in optim["param_groups"]
+        ]
+        state = {
+            **model_sd,  # torchtitan: the model's keys at the top level
+            "optimizer": {"state": optim_state, "param_groups": groups},
+            "train_state": {"step": 2},
+        }
+        dcp.save(state, checkpoint_id=path)
+    else:
+        cfg = CheckpointConfig(directory=f"{root}/run-{world}")
+        manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+        restored = manager.restore(path=path)
+        manager.close()
+    return {"state": _fused_state(model, optimizer), "step": restored}

@@ -39,7 +39,7 @@ from ..formats.safetensors import read_header
 from ..storage import collectives as coll
 from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
-from . import native_storage, schedulers
+from . import hooks, native_storage, schedulers
 from . import state as st
 
 
@@ -101,6 +101,7 @@ def _open_source(
     *,
     verl_optimizer_files: bool,
     prefix: str | None = None,
+    presented: dict | None = None,
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
@@ -139,9 +140,9 @@ def _open_source(
         _refuse_accelerate_part(path, want_optimizer)
         # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
         # and the optimizer, scheduler and step of a train state when they are asked for.
-        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix)
+        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix, presented)
     if kind is Kind.ACCELERATE:
-        return _accelerate_source(path, model, optimizer, want_optimizer, verify, prefix)
+        return _accelerate_source(path, model, optimizer, want_optimizer, verify, prefix, presented)
     if kind is not Kind.VERL:
         below = checkpoints_below(path)
         hint = (
@@ -214,7 +215,13 @@ def _open_source(
 
 
 def _dcp_source(
-    path: Path, optimizer_dir: Path | None, model, optimizer, want_optimizer: bool, prefix
+    path: Path,
+    optimizer_dir: Path | None,
+    model,
+    optimizer,
+    want_optimizer: bool,
+    prefix,
+    presented: dict | None = None,
 ) -> _Source:
     """A DCP model directory, with the train state in ``optimizer_dir`` (itself, for one
     ``dcp.save`` of everything; accelerate's ``optimizer_N`` beside it)."""
@@ -242,23 +249,26 @@ def _dcp_source(
             if want_optimizer:
                 tensors.update({t.name: t for t in train.optimizer_tensors})
                 live = st.optimizer_param_groups(model, optimizer)
-                objects["optimizer"] = _dcp_optimizer_objects(
-                    optimizer_dir, train.objects.get("optimizer", {}), live
-                )
+                saved_optimizer = train.objects.get("optimizer", {})
+                if presented and isinstance(saved_optimizer, dict):
+                    saved_optimizer = _presented_optimizer(saved_optimizer, presented)
+                objects["optimizer"] = _dcp_optimizer_objects(optimizer_dir, saved_optimizer, live)
         if "lr_scheduler" in train.objects:
             objects["lr_scheduler"] = train.objects["lr_scheduler"]
     return _Source(tensors, FileEndpoint, saved, objects, step, lambda rank: {})
 
 
 def _accelerate_source(
-    path: Path, model, optimizer, want_optimizer: bool, verify: bool, prefix
+    path: Path, model, optimizer, want_optimizer: bool, verify: bool, prefix, presented=None
 ) -> _Source:
     """accelerate's ``save_state`` directory: model and optimizer (DCP), scheduler and RNG
     (``torch.save`` files, read by the restricted unpickler)."""
     from ..formats.source import accelerate_state
 
     parts = accelerate_state(path)
-    source = _dcp_source(parts.model, parts.optimizer, model, optimizer, want_optimizer, prefix)
+    source = _dcp_source(
+        parts.model, parts.optimizer, model, optimizer, want_optimizer, prefix, presented
+    )
     source.step = _step_of(path)
     if parts.optimizer is None:
         source.saved.discard("optimizer")
@@ -274,6 +284,28 @@ def _accelerate_source(
 
         source.read_extra = read_extra
     return source
+
+
+def _presented_optimizer(saved: dict, presented: dict) -> dict:
+    """A DCP optimizer entry saved under a hooked model's presented names, in live FQNs:
+    nested state and param groups' ``params``, or flattened ``state.``/``param_groups.`` keys."""
+    rename = hooks.renamer(presented)
+    out = hooks.translate_names(saved, presented, (st.STATE, "param_groups."))
+    nested = out.get("state")
+    if isinstance(nested, dict):
+        out["state"] = {}
+        for fqn, entries in nested.items():
+            out["state"].setdefault(rename(fqn), entries)
+    groups = out.get("param_groups")
+    if isinstance(groups, list):
+        renamed = []
+        for group in groups:
+            if isinstance(group, dict) and isinstance(group.get("params"), list):
+                names = [rename(p) if isinstance(p, str) else p for p in group["params"]]
+                group = {**group, "params": list(dict.fromkeys(names))}
+            renamed.append(group)
+        out["param_groups"] = renamed
+    return out
 
 
 def _refuse_accelerate_part(path: Path, want_optimizer: bool) -> None:
@@ -479,7 +511,15 @@ def load(
         raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
     want_model = "model" in contents and model is not None
     want_optimizer = "optimizer" in contents and optimizer is not None
-    model_tensors = st.model_tensors(model) if want_model else {}
+    # A model whose state_dict hooks present other keys (torchtitan's fused QKV): its live
+    # tensors by attribute, the saved ones described in their terms (training/hooks.py).
+    presented = None
+    if (want_model or want_optimizer) and hooks.has_state_dict_hooks(model):
+        presented = hooks.presented_regions(model)
+    if want_model:
+        model_tensors = hooks.live_tensors(model) if presented else st.model_tensors(model)
+    else:
+        model_tensors = {}
     optim_tensors = st.optimizer_state(model, optimizer)[0] if want_optimizer else {}
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
     _, verl_optimizer_files = _verl_layout_everywhere(path)
@@ -496,7 +536,15 @@ def load(
             regions,
             verl_optimizer_files=verl_optimizer_files,
             prefix=prefix,
+            presented=presented,
         )
+        if presented:
+            source.tensors = hooks.translate(source.tensors, presented, hooks.live_tensors(model))
+            if "optimizer" in source.objects:
+                optimizer_objects = source.objects["optimizer"]
+                optimizer_objects["scalars"] = hooks.translate_names(
+                    optimizer_objects.get("scalars", {}), presented
+                )
         targets = _checked_targets(
             path,
             source,

@@ -150,8 +150,10 @@ def nest_optimizer_state(
 
 
 def _parameter_names(model: torch.nn.Module) -> set[str]:
-    state = get_model_state_dict(model, options=_OPTIONS)
-    return set(state)
+    names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
+    if any(module._state_dict_hooks for module in model.modules()):
+        return names  # hooks present other keys than the parameters (training/hooks.py)
+    return names | set(get_model_state_dict(model, options=_OPTIONS))
 
 
 def _prefixes(name: str):
