@@ -134,11 +134,12 @@ def _describe_hf_model(path: Path) -> dict:
     files = sorted({t.path for t in tensors})
     sizes = [tensor_nbytes(t.dtype, t.shape) for t in tensors]
     dtype = config.get("dtype", config.get("torch_dtype"))
+    architectures = config.get("architectures")
     return {
         "path": str(path),
         "format": "huggingface",
         "config_dtype": dtype if isinstance(dtype, str) else None,
-        "architectures": [str(a) for a in config.get("architectures") or []],
+        "architectures": [str(a) for a in architectures] if isinstance(architectures, list) else [],
         "num_files": len(files),
         "files_bytes": sum(os.path.getsize(f) for f in files),
         "files": files,

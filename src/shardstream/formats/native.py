@@ -250,6 +250,11 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise CheckpointFormatError(
             f"{path}: world_size {world_size!r} is not a positive integer"
         )
+    contents = doc.get("contents", [])
+    if not isinstance(contents, list) or not all(isinstance(c, str) for c in contents):
+        raise CheckpointFormatError(f"{path}: 'contents' is not a list of names")
+    if type(doc.get("step", 0)) is not int:
+        raise CheckpointFormatError(f"{path}: step {str(doc.get('step'))[:80]!r} is not an integer")
     return doc
 
 
