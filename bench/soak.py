@@ -52,7 +52,7 @@ SECTIONS = [
     ),  # fmt: skip
     ("corrupt", "5. Corruption", "test_corruption", ("corruption:",)),
     ("hostile", "6. Hostile inputs", "test_hostile", ("hostile",)),
-    ("fuzz", "7. Fuzzing the readers", "test_fuzz", ("fuzz:",)),
+    ("fuzz", "7. Fuzzing the readers", ("test_fuzz", "test_fuzz_structured"), ("fuzz:",)),
     ("conc", "8. Concurrency", "test_concurrency", ("concurrency:",)),
 ]
 
@@ -147,9 +147,19 @@ def _torch() -> str:
 # --- rendering ---------------------------------------------------------------------------------
 
 
-def _section_of(name: str) -> str | None:
+def _files(file) -> tuple[str, ...]:
+    return (file,) if isinstance(file, str) else tuple(file)
+
+
+def _section_of(name: str, rec: dict | None = None) -> str | None:
+    """A record's section: by its name's prefix, or (a failed test's record, named
+    ``failed: ...``) by the test file it came from."""
     for key, _, _, prefixes in SECTIONS:
         if name.startswith(prefixes):
+            return key
+    test_file = ((rec or {}).get("test") or "").split("::")[0].rsplit("/", 1)[-1][:-3]
+    for key, _, file, _ in SECTIONS:
+        if test_file in _files(file):
             return key
     return None
 
@@ -183,11 +193,22 @@ def render(results: dict) -> str:
     tests = {mode: run["tests"] for mode, run in runs.items()}
     main = "soak" if "soak" in runs else "test"
 
+    def section(name: str, rec: dict) -> str | None:
+        return _section_of(name, next(iter(rec.values())))
+
     def totals(mode: str, keys=None) -> int:
         return sum(
             _count(rec[mode])
             for name, rec in by_name.items()
-            if mode in rec and (keys is None or _section_of(name) in keys)
+            if mode in rec and (keys is None or section(name, rec) in keys)
+        )
+
+    def violations_in(keys=None) -> int:
+        return sum(
+            int(rec[mode].get("violations", 0))
+            for name, rec in by_name.items()
+            for mode in rec
+            if keys is None or section(name, rec) in keys
         )
 
     def outcomes(mode: str) -> dict[str, int]:
@@ -196,12 +217,12 @@ def render(results: dict) -> str:
             out[t["outcome"]] = out.get(t["outcome"], 0) + 1
         return out
 
-    violations = sum(
-        int(rec[mode].get("violations", 0)) for rec in by_name.values() for mode in rec
-    )
+    violations = violations_in()
+    data_keys = {key for key, _, file, _ in SECTIONS if set(_files(file)) & DATA_TESTS}
+    data_violations = violations_in(data_keys)
     failed = [t for mode in tests for t in tests[mode] if t["outcome"] == "failed"]
     lost = [t for t in failed if t["file"] in DATA_TESTS]
-    if violations == 0 and not lost:
+    if data_violations == 0 and not lost:
         data_lost = "**Data lost: none**" + (
             " (the failing tests below are readers that mishandle hostile input; none of them "
             "concerns committed data)"
@@ -209,7 +230,10 @@ def render(results: dict) -> str:
             else ""
         )
     else:
-        data_lost = f"**Data lost: SEE FAILURES** ({violations} invariant violations recorded)"
+        data_lost = (
+            f"**Data lost: SEE FAILURES** ({data_violations} invariant violations recorded "
+            "by the kill, disk, permission, corruption and concurrency trials)"
+        )
     lines = [
         "# Reliability",
         "",
@@ -245,7 +269,14 @@ def render(results: dict) -> str:
         f"the table below left the last committed checkpoint complete, verified and restorable "
         f"bit for bit{'' if not failed else ' — except where a test failed (see below)'}",
         f"- **Bad inputs tried:** {totals(main, {'corrupt', 'hostile', 'fuzz'}):,}; each one "
-        "either read correctly or was refused with a `ShardstreamError`",
+        "either read correctly or was refused with a `ShardstreamError`"
+        + (
+            ""
+            if not violations_in({"corrupt", "hostile", "fuzz"})
+            else " — except the violations below"
+        ),
+        f"- **Invariant violations:** {violations} (each check that failed in a trial, counted "
+        "by the tests, both runs; a test with one fails)",
         f"- {data_lost}",
         "",
     ]
@@ -253,11 +284,10 @@ def render(results: dict) -> str:
     for key, title, file, _ in SECTIONS:
         quick = totals("test", {key}) if "test" in runs else "–"
         soak = totals("soak", {key}) if "soak" in runs else "–"
-        cases = [t for t in tests.get(main, []) if t["file"] == file]
+        cases = [t for t in tests.get(main, []) if t["file"] in _files(file)]
         passed = sum(t["outcome"] in ("passed", "xfailed") for t in cases)
-        areas.append(
-            (title, f"`tests/reliability/{file}.py`", quick, soak, f"{passed}/{len(cases)}")
-        )
+        shown_files = ", ".join(f"`tests/reliability/{f}.py`" for f in _files(file))
+        areas.append((title, shown_files, quick, soak, f"{passed}/{len(cases)}"))
     lines += table(
         "area | test file | `make test` trials | `make soak` trials | tests passed (soak)",
         "llrrr",
@@ -271,7 +301,7 @@ def render(results: dict) -> str:
     for key, title, file, _ in SECTIONS:
         lines += ["", f"## {title}", "", INTRO[key], ""]
         for name, rec in sorted(by_name.items()):
-            if _section_of(name) != key:
+            if section(name, rec) != key:
                 continue
             shown = rec.get(main) or next(iter(rec.values()))
             counts = ", ".join(
@@ -299,19 +329,27 @@ def render(results: dict) -> str:
                     lines.append("")
             if shown.get("targets"):
                 readers = [
-                    (target, res.get("accepted", 0), res.get("rejected with a ShardstreamError", 0))
+                    (
+                        target,
+                        res.get("accepted", 0),
+                        res.get("rejected with a ShardstreamError", 0),
+                        res.get("VIOLATION", 0),
+                    )
                     for target, res in sorted(shown["targets"].items())
                 ]
-                head = "reader | accepted | rejected with a ShardstreamError"
-                lines += ["", *("  " + line for line in table(head, "lrr", readers)), ""]
-            for field in ("errors", "error", "message", "lines", "verify", "restore"):
+                head = "reader | accepted | rejected with a ShardstreamError | violations"
+                lines += ["", *("  " + line for line in table(head, "lrrr", readers)), ""]
+            for one in shown.get("violation_messages") or []:
+                lines.append(f"  - **violation**: `{_fmt(one)[:400]}`")
+            for field in ("errors", "error", "message", "lines", "verify", "restore",
+                          "entry_points"):  # fmt: skip
                 if shown.get(field):
                     value = shown[field]
                     items = value.items() if isinstance(value, dict) else [(field, value)]
                     for k, v in items:
                         for one in v if isinstance(v, list) else [v]:
                             lines.append(f"  - {k}: `{_fmt(one)[:240]}`")
-        cases = [t for t in tests.get(main, []) if t["file"] == file]
+        cases = [t for t in tests.get(main, []) if t["file"] in _files(file)]
         if cases:
             lines += ["", "<details><summary>tests</summary>", ""]
             for t in cases:
@@ -337,11 +375,15 @@ INTRO = {
     "the root and on that step; a new manager removes every `*.tmp-*` leftover, and `restore()` "
     "gives the model and optimizer state of that step bit for bit (written aside by the trainer "
     "before the save began); retention kept at most `keep_last` + 1 steps and never the wrong "
-    "one. Ranks are forked from a warm interpreter so a trial costs about a second. "
-    "`shardstream merge` is killed the same way (forked, and once as a real exec'd process): "
+    "one. Ranks are forked from a warm interpreter so a trial costs about a second. The same "
+    "with 4 ranks, killing one and all in turn, for saves and async saves. "
+    "`shardstream merge` is killed the same way (forked, and once as a real exec'd process), "
+    "and `merge --distributed` over 4 gloo ranks with one rank or all of them killed: "
     "the target is absent or complete and identical to a clean merge, never partial, and the "
     "same command run again succeeds and removes the killed run's `TARGET.tmp-*` directory (its "
-    "owner process is dead), leaving nothing beside the target.",
+    "owner process is dead), leaving nothing beside the target. Every check that fails in a "
+    "trial is counted as a violation (the next trial starts a fresh directory) and fails the "
+    "test.",
     "disk": "A small tmpfs (or a loop-mounted image), filled by a ballast file to leave a chosen "
     "number of bytes, swept from 0 to more than a checkpoint needs so the space runs out at each "
     "stage in turn. A save fails with `OutOfSpaceError`, `latest` still names the previous "
@@ -371,14 +413,28 @@ INTRO = {
     "shape/size mismatches, absurd shapes, deep nesting) — refused before anything is "
     "allocated (Python allocation peak measured); manifests re-sealed with a valid checksum "
     "that name files outside the checkpoint (`../`, absolute paths), symlinks out (a file, or "
-    "the `huggingface/` directory), absurd sizes and counts — refused with a clear error.",
+    "the `huggingface/` directory), absurd sizes and counts — refused with a clear error. For a "
+    "code-running pickle in the optimizer or extra-state file, restore refuses it, verify and "
+    "inspect exit cleanly without running it, and merge succeeds without opening the file at "
+    "all (an audit hook records every file it opens).",
     "fuzz": "Hypothesis drives mutations of real files into every reader of untrusted bytes: "
     "the manifest (byte edits, which must all be rejected, and structural edits re-sealed with "
     "a valid checksum), safetensors headers, verl `.pt` files and DCP metadata and data files "
     "(byte edits, and the argument of a real pickle opcode overwritten with an extreme length, "
     "frame size or memo index). The only acceptable outcomes are success or a "
     "`ShardstreamError`, within 20 s per example and 256 MiB of Python allocations; each giant "
-    "declared length of a DCP `.metadata` is also tried once deterministically.",
+    "declared length of a DCP `.metadata` is also tried once deterministically. Then "
+    "structure-aware inputs through every entry point (`inspect`, `verify`, `merge`, `test`, "
+    "`load`), each in a forked process with a capped address space and a 120 s guard: pickles "
+    "built from opcodes (shared references, BUILD and SETITEMS on odd objects, deep nesting, "
+    "big memos, GLOBALs, tensors rebuilt with fuzzed storages, offsets, shapes and strides) in "
+    "verl `.pt` files and DCP `.metadata` (also a real `Metadata` with fields made wrong), and "
+    "a wrong value in any field of `manifest.json` (re-sealed), safetensors headers, "
+    "`config.json`, `model.safetensors.index.json` and `fsdp_config.json` (non-objects, NaN, "
+    "Infinity, huge integers, deep nesting, wrong types). Acceptable: exit 0, or one line "
+    "`shardstream <cmd>: error: ...` (verify and test may list the problems they found); "
+    "never a traceback, a signal or a hang. Derandomized with few examples in `make test`, "
+    "random and many in `make soak`.",
     "conc": "A second `CheckpointManager` on a directory a live process saves to gets "
     "`CheckpointLockedError` (flock) when it tries to save, and its start leaves the live "
     "run's in-progress directory alone; once that process is killed -9 its lock no longer "
