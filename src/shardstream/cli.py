@@ -269,6 +269,8 @@ def run_verify(args: argparse.Namespace) -> int:
             checked = f"{format_size(report.bytes_checked)} checked"
             if report.kind == "dcp":
                 checked += " (every item's zip records against their CRC-32s)"
+            elif report.kind == "dcp_hf" and not report.bytes_checked:
+                checked = "headers and chunk tiling checked (the writer stores no checksums)"
             elif report.kind == "accelerate":
                 checked = "DCP byte ranges (no checksums), scheduler and RNG records checked"
             print(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardstream.testing.distributed import run
@@ -44,3 +45,22 @@ def test_fused_qkv_hooks_restore_into_the_real_parameter(tmp_path):
     for result in run(trainer_workers.fused_run, 3, str(tmp_path), "restore"):
         assert result["step"][0] == 2
         _assert_same(saved["state"], result["state"], "state")
+
+
+@pytest.mark.parametrize("consolidate", [False, True], ids=["sharded", "consolidated"])
+def test_hf_storage_writer_output_is_an_input(tmp_path, consolidate):
+    from shardstream.cli import main
+    from shardstream.commands.inspect import describe
+    from shardstream.commands.verify import verify
+    from shardstream.formats.source import Kind, detect
+
+    saved = run(trainer_workers.hf_writer_run, 2, str(tmp_path), "save", consolidate)[0]
+    path = tmp_path / "hf"
+    assert detect(path) is Kind.DCP_HF
+    assert verify(path).ok
+    assert describe(path)["num_tensors"] == len(saved)
+    merged = tmp_path / "merged"
+    assert main(["merge", "--local_dir", str(path), "--target_dir", str(merged), "--quiet"]) == 0
+    assert main(["test", "--local_dir", str(path), "--test_hf_dir", str(merged), "--exact"]) == 0
+    for state in run(trainer_workers.hf_writer_run, 3, str(tmp_path), "restore", consolidate):
+        _assert_same(saved, state, "model")

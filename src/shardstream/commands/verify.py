@@ -96,6 +96,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "accelerate")
         _verify_accelerate(root, report)
         return report
+    if kind is Kind.DCP_HF:
+        report = VerifyReport(str(root), "dcp_hf")
+        _verify_dcp_hf(root, report, progress)
+        return report
     if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")
         report.problems.append(
@@ -221,6 +225,22 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
     if not any(p.path.startswith(str(directory)) for p in report.problems):
         _verify_dcp_records(directory, report, progress)  # its structure is sound
+
+
+def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:
+    """DCP's HuggingFaceStorageWriter output: a consolidated model as any HF model; the
+    per-rank files' headers, sharding records and tiling (they carry no checksums)."""
+    from ..formats.dcp_hf import SHARDED_SUBDIR, open_dcp_hf, shard_files
+    from ..formats.source import is_hf_model
+
+    if is_hf_model(directory):
+        _verify_hf(directory, report, progress)
+        directory = directory / SHARDED_SUBDIR
+    try:
+        open_dcp_hf(directory)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+    report.files_checked += len(shard_files(directory))
 
 
 def _verify_accelerate(directory: Path, report: VerifyReport) -> None:

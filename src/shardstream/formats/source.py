@@ -9,6 +9,8 @@
    ``ACCELERATE``  accelerate's ``save_state`` (or a Trainer checkpoint) of an FSDP model:
                    ``pytorch_model_fsdp_N/`` (DCP) beside ``optimizer_N/``, the scheduler's and
                    RNG files
+   ``DCP_HF``      DCP's ``HuggingFaceStorageWriter``: per-rank ``shard-N-model-I-of-K
+                   .safetensors`` files, or a model consolidated beside them in ``sharded/``
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
 5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl checkpoints
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
@@ -46,6 +48,10 @@ VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
 DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# DCP's HuggingFaceStorageWriter(save_distributed=True): one safetensors file per rank (and
+# with enable_consolidation=True those in sharded/ beside the consolidated model).
+DCP_HF_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
+DCP_HF_SHARDED_SUBDIR = "sharded"
 # accelerate's save_state with a sharded FSDP state dict (and the Trainer's checkpoint-N): the
 # model and optimizer as DCP directories, the scheduler and each rank's RNG as torch.save files.
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
@@ -113,6 +119,7 @@ class Kind(enum.Enum):
     VERL = "verl"
     DCP = "dcp"
     ACCELERATE = "accelerate"
+    DCP_HF = "dcp_hf"
     HF_MODEL = "huggingface"
     VERL_ROLES = "verl_roles"
     RUN = "run"
@@ -168,6 +175,18 @@ def is_accelerate_state(directory: Path) -> bool:
     return accelerate_state(directory) is not None
 
 
+def is_dcp_hf(directory: Path) -> bool:
+    """Files of DCP's HuggingFaceStorageWriter: per-rank shard files here, or a model here
+    consolidated from the shard files in ``sharded/``."""
+
+    def shards(d: Path) -> bool:
+        return d.is_dir() and any(DCP_HF_SHARD_FILE.match(p.name) for p in d.iterdir())
+
+    return shards(directory) or (
+        is_hf_model(directory) and shards(directory / DCP_HF_SHARDED_SUBDIR)
+    )
+
+
 def is_hf_model(directory: Path) -> bool:
     return (directory / hf.SINGLE_FILE).is_file() or (directory / hf.INDEX_FILE).is_file()
 
@@ -215,12 +234,21 @@ def _open_accelerate(
     return open_dcp(accelerate_state(path).model, prefix)
 
 
+def _open_dcp_hf(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
+    from .dcp_hf import open_dcp_hf
+
+    return open_dcp_hf(path)
+
+
 # detect's table, in the order it asks: (kind, test, reader or None).
 _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.NATIVE, native.is_native_checkpoint, _open_native),
     (Kind.VERL, is_verl_checkpoint, _open_verl),
     (Kind.DCP, is_dcp_checkpoint, _open_dcp),
     (Kind.ACCELERATE, is_accelerate_state, _open_accelerate),
+    (Kind.DCP_HF, is_dcp_hf, _open_dcp_hf),
     (Kind.HF_MODEL, is_hf_model, None),
     (Kind.VERL_ROLES, verl_roles, None),
     (Kind.RUN, is_run, None),

@@ -141,6 +141,12 @@ def _open_source(
         # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
         # and the optimizer, scheduler and step of a train state when they are asked for.
         return _dcp_source(path, path, model, optimizer, want_optimizer, prefix, presented)
+    if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
+        from ..formats.dcp_hf import open_dcp_hf
+
+        ckpt = open_dcp_hf(path)
+        tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+        return _Source(tensors, FileEndpoint, {"model"}, {}, _step_of(path), lambda rank: {})
     if kind is Kind.ACCELERATE:
         return _accelerate_source(path, model, optimizer, want_optimizer, verify, prefix, presented)
     if kind is not Kind.VERL:

@@ -1,0 +1,166 @@
+"""Source: what DCP's ``HuggingFaceStorageWriter`` writes.
+
+With ``save_distributed=True`` every rank writes its own safetensors file,
+``shard-{rank+1:05d}-model-{i:05d}-of-{n:05d}.safetensors``, holding its chunk of each tensor
+under the tensor's name; the header's ``__metadata__["DCP_SHARDING_INFO"]`` (a JSON object)
+gives each chunk's ``saved_offsets`` in the global tensor. The global shape is not written: it
+is the extent the chunks cover, and they must tile it. With ``enable_consolidation=True`` the
+same files go to ``sharded/`` and a plain Hugging Face model (``model-*-of-*.safetensors`` and
+its index) is written beside it; that model is read as whole tensors.
+
+Only safetensors headers are read (no pickle, no torch); tensor bytes are read later by the copy
+engine, exactly the ranges needed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..engine.endpoints import FileEndpoint
+from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from . import hf
+from .safetensors import read_header
+from .source import DCP_HF_SHARD_FILE as SHARD_FILE
+from .source import DCP_HF_SHARDED_SUBDIR as SHARDED_SUBDIR
+
+SHARDING_INFO = "DCP_SHARDING_INFO"
+
+
+def shard_files(directory: Path) -> list[Path]:
+    """The per-rank files of a distributed HF save in ``directory``, by name."""
+    if not directory.is_dir():
+        return []
+    return sorted(p for p in directory.iterdir() if SHARD_FILE.match(p.name) and p.is_file())
+
+
+@dataclass
+class DcpHfCheckpoint:
+    directory: Path
+    world_size: int
+    tensors: list[GlobalTensor]
+    placements: dict[str, str]
+    files: list[str]
+    consolidated: bool
+    replicas: dict[str, list[Block]] = field(default_factory=dict)
+    prefix: str = ""  # keys are the state dict's own
+
+    @property
+    def format(self) -> str:
+        return "dcp"
+
+    @property
+    def mesh(self) -> str:
+        return f"not recorded ({self.world_size} rank(s) wrote files, DCP HF storage writer)"
+
+    @property
+    def fsdp_version(self) -> int | None:
+        return None
+
+    @property
+    def manifest(self) -> dict:
+        return {}
+
+    @property
+    def lora_settings(self) -> dict | None:
+        return None
+
+    def endpoint(self, location: str) -> FileEndpoint:
+        """A plain reader: these files carry no checksums."""
+        return FileEndpoint(location)
+
+    def check_split_records(self, tensors: list[GlobalTensor]) -> None:
+        """Nothing to check ahead of a merge: no checksums."""
+
+    def config_dir(self) -> Path | None:
+        for candidate in (self.directory, self.directory.parent):
+            if (candidate / "config.json").is_file():
+                return candidate
+        return None
+
+
+def open_dcp_hf(directory: str | os.PathLike) -> DcpHfCheckpoint:
+    """The per-rank files of ``directory`` (or of its ``sharded/``), else its consolidated
+    model; tensors as blocks."""
+    directory = Path(directory)
+    files = shard_files(directory)
+    if files:
+        return _open_sharded(directory, files)
+    if hf.SINGLE_FILE in os.listdir(directory) or (directory / hf.INDEX_FILE).is_file():
+        return _open_consolidated(directory)
+    raise CheckpointNotFoundError(
+        f"{directory}: no shard-N-model-I-of-K.safetensors files nor a consolidated model"
+    )
+
+
+def _open_consolidated(directory: Path) -> DcpHfCheckpoint:
+    tensors = []
+    for t in hf.read_hf_model(directory)[0]:
+        tensors.append(
+            GlobalTensor(
+                t.name, t.dtype, t.shape, (dense_block(t.path, t.offset, t.dtype, t.shape),)
+            )
+        )
+    files = sorted({b.location for t in tensors for b in t.blocks})
+    placements = {t.name: "whole (consolidated)" for t in tensors}
+    ranks = len(shard_files(directory / SHARDED_SUBDIR)) or 1
+    return DcpHfCheckpoint(directory, ranks, tensors, placements, files, True)
+
+
+def _open_sharded(directory: Path, files: list[Path]) -> DcpHfCheckpoint:
+    blocks: dict[str, list[Block]] = {}
+    dtypes: dict[str, str] = {}
+    for path in files:
+        header = read_header(path)
+        raw = header.metadata.get(SHARDING_INFO)
+        try:
+            info = json.loads(raw) if isinstance(raw, str) else None
+        except ValueError:
+            info = None
+        if not isinstance(info, dict):
+            raise CheckpointFormatError(
+                f"{path}: no {SHARDING_INFO} in the safetensors metadata; not written by DCP's "
+                "HuggingFaceStorageWriter(save_distributed=True)"
+            )
+        for name, entry in header.tensors.items():
+            offsets = (
+                info.get(name, {}).get("saved_offsets")
+                if isinstance(info.get(name), dict)
+                else None
+            )
+            if (
+                not isinstance(offsets, list)
+                or len(offsets) != len(entry.shape)
+                or not all(type(o) is int and o >= 0 for o in offsets)
+            ):
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} has no valid saved_offsets in {SHARDING_INFO}"
+                )
+            if dtypes.setdefault(name, entry.dtype) != entry.dtype:
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} is {entry.dtype} here, {dtypes[name]} elsewhere"
+                )
+            blocks.setdefault(name, []).append(
+                dense_block(
+                    str(path), header.data_start + entry.begin, entry.dtype, entry.shape, offsets
+                )
+            )
+    tensors, placements = [], {}
+    for name, pieces in blocks.items():
+        shape = tuple(
+            max(b.start[d] + b.shape[d] for b in pieces) for d in range(len(pieces[0].shape))
+        )
+        pieces.sort(key=lambda b: b.start)
+        check_blocks_tile(name, shape, pieces)
+        tensors.append(GlobalTensor(name, dtypes[name], shape, tuple(pieces)))
+        dims = sorted({d for b in pieces for d, o in enumerate(b.start) if o})
+        placements[name] = (
+            "whole (1 chunk)" if len(pieces) == 1 else f"{len(pieces)} chunks along dim {dims}"
+        )
+    ranks = {int(SHARD_FILE.match(p.name)[1]) for p in files}
+    return DcpHfCheckpoint(
+        directory, max(ranks), tensors, placements, [str(p) for p in files], False
+    )
