@@ -43,12 +43,12 @@ import time
 from pathlib import Path
 
 import async_bench
-from harness import REPO, RESULTS, log
+from harness import REPO, RESULTS, MiB, log
 from harness.machine import git_revision, machine_facts, src_dirty
 from harness.memory import Probe, cpu_seconds, settle
 from harness.process import busy_cpu_s
 from harness.render import fmt, generated_note, per_rank, pyplot, save_figure, table, write_doc
-from harness.training import BUDGET, MODEL_FULL, MODEL_QUICK, param_count, run_ranks
+from harness.training import BUDGET, BUDGET_BYTES, MODEL_FULL, MODEL_QUICK, param_count, run_ranks
 
 WS = 2
 CONTENTS = ["model", "optimizer", "extra"]
@@ -292,6 +292,68 @@ def plot(res: dict, path: Path) -> Path:
     return save_figure(fig, path)
 
 
+def _findings(res: dict) -> list[str]:
+    """The figures the issue asks about, read off the rows: memory growth, the ratios."""
+    rows = res["rows"]
+    hf = [r for r in rows if r["kind"] == "+hf_model"]
+    plain = [r for r in rows if r["kind"] != "+hf_model"]
+    L = []
+    if hf:
+        lo, hi = hf[0], hf[-1]
+        ours = max(max(r["plugin_save_extra_mib"]) for r in rows)
+        L.append(
+            f"- **Memory, save with `hf_model`.** verl's rank 0 holds "
+            f"{lo['verl_save_extra_mib'][0]:.0f} MiB more than before the save at "
+            f"{lo['gb']:.2f} GB and {hi['verl_save_extra_mib'][0]:.0f} MiB at {hi['gb']:.2f} GB "
+            f"(the other rank {per_rank(lo['verl_save_extra_mib'][1:])} and "
+            f"{per_rank(hi['verl_save_extra_mib'][1:])}). The plug-in's largest per-rank "
+            f"increase in any save here is {ours:.0f} MiB, "
+            + ("within" if ours * MiB <= BUDGET_BYTES else "**above**")
+            + f" its {BUDGET} staging budget."
+        )
+    if plain:
+        L.append(
+            "- **Memory, save without `hf_model`** (per rank): "
+            + "; ".join(
+                f"{r['gb']:.2f} GB: verl {per_rank(r['verl_save_extra_mib'])}, plug-in "
+                f"{per_rank(r['plugin_save_extra_mib'])} MiB"
+                for r in plain
+            )
+            + "."
+        )
+    L.append(
+        "- **Save time, plug-in ÷ verl** (median of per-repeat ratios): "
+        + "; ".join(f"{r['gb']:.2f} GB {r['kind']}: {r['save_ratio']:.2f}" for r in rows)
+        + "."
+    )
+    L.append(
+        "- **Load time, plug-in ÷ verl:** "
+        + "; ".join(f"{r['gb']:.2f} GB {r['kind']}: {r['load_ratio']:.2f}" for r in rows)
+        + f". Load memory per rank: verl {per_rank(rows[-1]['verl_load_extra_mib'])} MiB, the "
+        f"plug-in {per_rank(rows[-1]['plugin_load_extra_mib'])} MiB at {rows[-1]['gb']:.2f} GB."
+    )
+    a = res.get("async")
+    if a:
+        su = a["summary"]
+        sync = su["shardstream_sync"]["stall_per_save_s"]
+        parts = []
+        for mode in su:
+            if mode.startswith("shardstream_async") or mode == "dcp_async":
+                r = su[mode]
+                parts.append(
+                    f"{async_bench.LABELS[mode]} {r['stall_per_save_s'] / sync:.0%} of a sync "
+                    f"save's stall, peak RSS {per_rank(r['peak_vs_none_mib_per_rank'])} MiB per "
+                    f"rank above no checkpointing"
+                )
+        L.append(
+            "- **Async save, step shorter than a save** (goal: stall ≤ 5% of a sync save's): "
+            + "; ".join(parts)
+            + f". A sync save stalls {sync:.2f} s per save; a step takes "
+            f"{su['none']['mean_step_s']:.2f} s."
+        )
+    return L
+
+
 def _async_section(a: dict | None) -> list[str]:
     if not a:
         return ["(not run: `--quick` or `--no-async`)"]
@@ -360,6 +422,10 @@ def render(res: dict) -> None:
         f"used {fmt(res.get('others_cpu_share'), '.0%')} of its CPU over the whole run (per "
         "call in the JSON), so absolute times are noisy; the ratios come from interleaved "
         "runs.",
+        "",
+        "## Findings",
+        "",
+        *_findings(res),
         "",
         "## Save",
         "",
