@@ -488,12 +488,15 @@ class CheckpointManager:
         step: int | None = None,
         path: str | os.PathLike | None = None,
         prefix: str | None = None,
+        states: Mapping[str, Any] | None = None,
     ):
         """Load the newest committed checkpoint (or ``step``, or a verl/shardstream/DCP
         ``path``, or accelerate's save_state directory). Without arguments,
         ``config.resume_mode`` decides, as in verl: "auto" the newest, "disable" nothing,
         "resume_path" ``config.resume_from_path``. ``prefix``: what a DCP checkpoint's model
-        keys start with ("app.model."), where detection finds several candidates.
+        keys start with ("app.model."), where detection finds several candidates. ``states``:
+        other Stateful objects of a DCP train state by name (torchtitan's ``{"dataloader":
+        dl, "train_state": ts}``), restored with the rest or not at all.
 
         Returns ``(step, extra)``, or None when there is nothing to restore.
         """
@@ -506,7 +509,7 @@ class CheckpointManager:
             if self.config.resume_mode == "resume_path":
                 path = self._resume_path()
         if path is not None:
-            result = self._load(path, prefix)
+            result = self._load(path, prefix, states)
             return result.step if step is None else step, result.extra
         explicit = step is not None
         for attempt in range(RESTORE_ATTEMPTS):
@@ -570,7 +573,7 @@ class CheckpointManager:
             "size); to start afresh, use another directory"
         )
 
-    def _load(self, path: str | os.PathLike, prefix: str | None = None):
+    def _load(self, path: str | os.PathLike, prefix: str | None = None, states=None):
         return loading.load(
             path,
             model=self.model,
@@ -580,6 +583,7 @@ class CheckpointManager:
             verify=self.config.verify_on_load,
             buffer_size=self.config.staging_budget_bytes,
             prefix=prefix,
+            states=states,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -42,9 +42,13 @@ def test_fused_qkv_hooks_restore_into_the_real_parameter(tmp_path):
     """Saved keys wq/wk/wv (model and optimizer), live parameter wqkv: 2 -> 3 ranks."""
     saved = run(trainer_workers.fused_run, 2, str(tmp_path), "save")[0]
     assert any(".wqkv." in name for name in saved["state"]["model"])
-    for result in run(trainer_workers.fused_run, 3, str(tmp_path), "restore"):
+    for rank, result in enumerate(run(trainer_workers.fused_run, 3, str(tmp_path), "restore")):
         assert result["step"][0] == 2
         _assert_same(saved["state"], result["state"], "state")
+        # torchtitan-like Statefuls: the step; each saved rank's data position (a rank the
+        # run did not have keeps its own, as torchtitan's dataloader does)
+        assert result["train_step"] == 2
+        assert result["position"] == (10 + rank if rank < 2 else 0)
 
 
 @pytest.mark.parametrize("consolidate", [False, True], ids=["sharded", "consolidated"])

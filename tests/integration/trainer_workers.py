@@ -8,7 +8,9 @@ through shardstream at another, returning full (gathered) state for the test to 
 from __future__ import annotations
 
 import functools
+import io
 import os
+import pickle
 import random
 
 import torch
@@ -251,6 +253,38 @@ def _presented(name: str, value, sizes) -> dict:
     return {f"{head}{n}.weight": p for n, p in zip(("wq", "wk", "wv"), parts)}
 
 
+class Loader:
+    """torchtitan's ParallelAwareDataloader: its state pickled under its data-parallel rank."""
+
+    def __init__(self, rank: int, position: int = 0):
+        self.rank, self.position = rank, position
+
+    def state_dict(self):
+        return {f"dp_rank_{self.rank}": pickle.dumps({"position": self.position})}
+
+    def load_state_dict(self, state):
+        raw = state.get(f"dp_rank_{self.rank}")
+        if raw is not None:  # a rank the run did not have starts its data afresh
+            self.position = pickle.loads(raw)["position"]
+
+
+class TrainState:
+    """torchtitan's TrainState: the step, and loss histories as torch.save'd BytesIO."""
+
+    def __init__(self, step: int = 0, losses=()):
+        self.step, self.losses = step, list(losses)
+
+    def state_dict(self):
+        buffer = io.BytesIO()
+        torch.save(self.losses, buffer)
+        return {"step": self.step, "global_avg_losses": buffer}
+
+    def load_state_dict(self, state):
+        self.step = state["step"]
+        state["global_avg_losses"].seek(0)
+        self.losses = torch.load(state["global_avg_losses"])
+
+
 def fused_run(rank: int, world: int, root: str, stage: str) -> dict:
     """stage "save": two AdamW steps on a FSDP2 model with fused-QKV hooks, then ``dcp.save``
     of a torchtitan-style train state whose model and optimizer keys are the presented ones
@@ -286,15 +320,24 @@ def fused_run(rank: int, world: int, root: str, stage: str) -> dict:
         state = {
             **model_sd,  # torchtitan: the model's keys at the top level
             "optimizer": {"state": optim_state, "param_groups": groups},
-            "train_state": {"step": 2},
+            "dataloader": Loader(rank, 10 + rank),
+            "train_state": TrainState(2, [1.0, 0.5]),
         }
         dcp.save(state, checkpoint_id=path)
+        loader, train_state = state["dataloader"], state["train_state"]
     else:
+        loader, train_state = Loader(rank), TrainState()
         cfg = CheckpointConfig(directory=f"{root}/run-{world}")
         manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
-        restored = manager.restore(path=path)
+        stateful = {"dataloader": loader, "train_state": train_state}
+        restored = manager.restore(path=path, states=stateful)
         manager.close()
-    return {"state": _fused_state(model, optimizer), "step": restored}
+    return {
+        "state": _fused_state(model, optimizer),
+        "step": restored,
+        "position": loader.position,
+        "train_step": train_state.step,
+    }
 
 
 # --------------------------------------------------------------------------- HF storage writer

@@ -573,7 +573,9 @@ class DcpTrainState:
     tensor_objects: dict[str, GlobalTensor] = field(default_factory=dict)
 
 
-def _container_path(key: str, path: tuple | None, root: tuple) -> tuple | None:
+def _container_path(
+    key: str, path: tuple | None, root: tuple, names: dict[str, str] = CONTAINER_NAMES
+) -> tuple | None:
     """``key``'s path below ``root`` with its container renamed (``CONTAINER_NAMES``), or None
     for a key that lies elsewhere or in no known container."""
     if path is None:
@@ -585,9 +587,9 @@ def _container_path(key: str, path: tuple | None, root: tuple) -> tuple | None:
         if tuple(path[: len(root)]) != tuple(root):
             return None
         path = tuple(path[len(root) :])
-    if len(path) < 2 or path[0] not in CONTAINER_NAMES:
+    if len(path) < 2 or path[0] not in names:
         return None
-    return (CONTAINER_NAMES[path[0]], *path[1:])
+    return (names[path[0]], *path[1:])
 
 
 def open_dcp_train_state(
@@ -611,6 +613,7 @@ def open_dcp_train_state(
     by_chunk = _storage_by_chunk(storage, meta_path)
     paths = _object_paths(meta.planner_data)
     root = tuple(prefix.split(".")[:-2]) if prefix else ()
+    names = {**{c: c for c in containers}, **CONTAINER_NAMES}
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
     tensors: list[GlobalTensor] = []
@@ -620,7 +623,7 @@ def open_dcp_train_state(
         for key, md in entries.items():
             if not isinstance(key, str):
                 raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not named by a str")
-            path = _container_path(key, paths.get(key) if paths else None, root)
+            path = _container_path(key, paths.get(key) if paths else None, root, names)
             if path is None or path[0] not in containers:
                 continue
             if path[0] == "train_state" and path[1:] != ("step",):

@@ -11,7 +11,7 @@ import dataclasses
 import json
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -102,6 +102,7 @@ def _open_source(
     verl_optimizer_files: bool,
     prefix: str | None = None,
     presented: dict | None = None,
+    states: tuple[str, ...] = (),
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
@@ -140,7 +141,7 @@ def _open_source(
         _refuse_accelerate_part(path, want_optimizer)
         # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
         # and the optimizer, scheduler and step of a train state when they are asked for.
-        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix, presented)
+        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix, presented, states)
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
 
@@ -228,9 +229,11 @@ def _dcp_source(
     want_optimizer: bool,
     prefix,
     presented: dict | None = None,
+    states: tuple[str, ...] = (),
 ) -> _Source:
     """A DCP model directory, with the train state in ``optimizer_dir`` (itself, for one
-    ``dcp.save`` of everything; accelerate's ``optimizer_N`` beside it)."""
+    ``dcp.save`` of everything; accelerate's ``optimizer_N`` beside it). ``states``: other
+    containers to read (torchtitan's ``dataloader``)."""
     from ..formats import dcp as dcp_format
 
     ckpt = dcp_format.open_dcp(path, prefix)
@@ -241,6 +244,7 @@ def _dcp_source(
         same = optimizer_dir == path
         train = dcp_format.open_dcp_train_state(
             optimizer_dir,
+            containers=("optimizer", "lr_scheduler", "train_state", *states),
             metadata=ckpt.metadata if same else None,
             prefix=ckpt.prefix if same else "",
         )
@@ -261,7 +265,14 @@ def _dcp_source(
                 objects["optimizer"] = _dcp_optimizer_objects(optimizer_dir, saved_optimizer, live)
         if "lr_scheduler" in train.objects:
             objects["lr_scheduler"] = train.objects["lr_scheduler"]
+        for name in states:
+            if name in train.objects:
+                objects[_STATE + name] = train.objects[name]
     return _Source(tensors, FileEndpoint, saved, objects, step, lambda rank: {})
+
+
+# objects["state:<name>"]: a Stateful's saved state, passed as load(states={name: obj})
+_STATE = "state:"
 
 
 def _accelerate_source(
@@ -500,13 +511,16 @@ def load(
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     restore_rng: bool = True,
     prefix: str | None = None,
+    states: Mapping[str, Any] | None = None,
 ) -> LoadResult:
     """Load ``path`` into live (possibly FSDP2-sharded) objects at any world size, in place.
 
     Every part asked for (model, optimizer, scheduler, RNG) is opened and checked against the
     live objects first; if one cannot be restored, nothing is touched and the error names it.
     ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
-    level), where detection finds several candidates.
+    level), where detection finds several candidates. ``states``: other Stateful objects of
+    a DCP train state by container name (torchtitan's ``{"dataloader": ..., "train_state":
+    ...}``), each loaded with its saved values merged over its own ``state_dict()``.
 
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
@@ -543,6 +557,7 @@ def load(
             verl_optimizer_files=verl_optimizer_files,
             prefix=prefix,
             presented=presented,
+            states=tuple(states or ()),
         )
         if presented:
             source.tensors = hooks.translate(source.tensors, presented, hooks.live_tensors(model))
@@ -560,6 +575,7 @@ def load(
         pending = _checked_parts(
             path, source, model, optimizer, optim_tensors, lr_scheduler, contents, restore_rng
         )
+        pending.states = _checked_states(path, source, states or {})
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
         error = exc
     coll.agree_or_raise(error, "restore")
@@ -594,6 +610,8 @@ def load(
             schedulers.load(lr_scheduler, pending.scheduler)
         if pending.rng is not None:
             st.set_rng_state(pending.rng)
+        for name, saved_state in pending.states.items():
+            schedulers.load(states[name], saved_state)
     except Exception as exc:  # noqa: BLE001
         error = exc
     failed = [
@@ -613,6 +631,27 @@ class _Pending:
     scheduler: Any = None  # saved scheduler state for ``schedulers.load``
     rng: Any = None  # RNG state for ``st.set_rng_state``
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
+    states: dict[str, Any] = dataclasses.field(default_factory=dict)  # name -> saved state
+
+
+def _checked_states(path: Path, source: _Source, states: Mapping[str, Any]) -> dict[str, Any]:
+    """Each Stateful's saved state, checked to load (and put back) before anything is touched."""
+    out = {}
+    for name, obj in states.items():
+        saved = source.objects.get(_STATE + name)
+        if saved is None:
+            raise CheckpointFormatError(
+                f"{path}: holds no {name!r} state, so nothing was restored (containers read: "
+                f"{sorted(k[len(_STATE) :] for k in source.objects if k.startswith(_STATE))})"
+            )
+        try:
+            schedulers.check(obj, saved)
+        except Exception as exc:  # noqa: BLE001 - named
+            raise CheckpointFormatError(
+                f"{path}: cannot restore the {name}, so nothing was restored: {exc}"
+            ) from None
+        out[name] = saved
+    return out
 
 
 def _checked_parts(
