@@ -413,11 +413,19 @@ def _open_native(
     manifest = read_manifest(directory)
     headers = _Headers()
     digests = headers.digests
-    for name, info in manifest.get("files", {}).items():
+    files = manifest.get("files", {})
+    # Data files first: when huggingface/ is gone, its weights are the news, not its config.
+    def is_data(name: str) -> bool:
+        return isinstance(files[name], dict) and "header_xxh3" in files[name]
+
+    data_first = sorted(files, key=lambda n: not is_data(n))
+    for name in data_first:
+        info = files[name]
         path = check_name(directory, name, "files")
         if not path.is_file():
+            what = "data file" if is_data(name) else "file"
             raise CheckpointNotFoundError(
-                f"{path}: data file named in the manifest is missing{missing_note(manifest, name)}"
+                f"{path}: {what} named in the manifest is missing{missing_note(manifest, name)}"
             )
         size = path.stat().st_size
         if not isinstance(info, dict) or size != info.get("size"):
