@@ -560,6 +560,45 @@ def failures(results: dict) -> list[str]:
     return out
 
 
+# What the tests (not this page's run) check of other trainers' checkpoints.
+OTHER_TRAINERS = [
+    "## Other trainers' checkpoints",
+    "",
+    "Checked by `make test` (`tests/integration/test_trainer_restore.py`, "
+    "`tests/formats/test_trainer_layouts.py`), not by this page's run: each saved by the "
+    "tool's own saving code on CPU ranks over gloo, restored at another world size, "
+    "every parameter, optimizer entry and scheduler field compared bit for bit.",
+    "",
+    "- accelerate 1.16 `Accelerator.save_state` (FSDP2, `SHARDED_STATE_DICT`): "
+    "`restore(path=<save_state directory>)` restores the model "
+    "(`pytorch_model_fsdp_0/`), the optimizer (`optimizer_0/`), the scheduler "
+    "(`scheduler.bin`) and each rank's RNG (`random_states_N.pkl`; a rank the run did "
+    "not have takes rank 0's); the two pickles are read by shardstream's restricted "
+    "unpickler, which refuses code. Only the first model and optimizer are restored. "
+    "accelerate turns FSDP on only from GPU-like distributed types, so the test sets its "
+    "state to FSDP after `Accelerator()`; its FSDP2 preparation and checkpoint code then "
+    "run unchanged.",
+    '- PyTorch\'s DCP recipe, `dcp.save({"app": AppState})` (keys `app.model.*`, '
+    "`app.optim.*`): the prefix is detected from DCP's planner data and shown by "
+    "`inspect`; `--prefix` / `prefix=` picks one where several containers hold a model.",
+    "- Schedulers: transformers' `get_cosine_schedule_with_warmup` (`LambdaLR` over "
+    "`functools.partial`, whose empty `lr_lambdas` entry DCP drops), `SequentialLR`, "
+    "`OneCycleLR`: the saved state is merged into the live scheduler's own "
+    "`state_dict()`.",
+    "- torchtitan: torchtitan itself is not installed in the test venv. The tests build "
+    "a model like its fused attention (one `wqkv` parameter that a state-dict hook "
+    "presents as `wq`/`wk`/`wv`) and dataloader and `TrainState` objects as its "
+    '`CheckpointManager` saves them; `restore(path=..., states={"dataloader": dl, '
+    '"train_state": ts})` restores model, optimizer, scheduler, the step and each saved '
+    "rank's data position.",
+    "- DCP's `HuggingFaceStorageWriter(save_distributed=True)`, with and without "
+    "consolidation: merge, inspect, verify, `test --exact` and restore of the model.",
+    "- A restore that cannot finish (a scheduler or Stateful that does not take the "
+    "saved state, a missing part) raises before any tensor is written, naming the part.",
+    "",
+]
+
+
 def render(results: dict) -> str:
     v = results["bench_venv"]
     lines = [
@@ -675,6 +714,7 @@ def render(results: dict) -> str:
         "a device mesh (`ShardedTensor`) is refused by merge.",
         "",
     ]
+    lines += OTHER_TRAINERS
     return "\n".join(lines)
 
 
