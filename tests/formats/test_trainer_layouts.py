@@ -159,3 +159,20 @@ def test_exact_comparison_catches_one_ulp(tmp_path):
     assert not exact.ok and "1 of 24 elements differ (exact" in exact.problems[0]
     save_file(weights, str(tmp_path / "ref" / "model.safetensors"))
     assert compare_with_reference(tmp_path / "dcp", tmp_path / "ref", exact=True).ok
+
+
+def test_accelerate_parts_point_at_the_whole_directory(tmp_path):
+    import shardstream
+
+    root = tmp_path / "checkpoint_4"
+    _accelerate_dir(root, {"last_epoch": 4, "base_lrs": [0.1]})
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(4, 6)
+    optimizer = torch.optim.AdamW(model.parameters())
+    for part in ("pytorch_model_fsdp_0", "optimizer_0"):
+        with pytest.raises(CheckpointFormatError, match="pass .*checkpoint_4 to restore"):
+            shardstream.load(root / part, model=model, optimizer=optimizer)
+    result = shardstream.load(root, model=model, contents=("model",))
+    assert result.step == 4
+    for name, tensor in _weights().items():
+        assert torch.equal(model.state_dict()[name], tensor)
