@@ -14,6 +14,7 @@ import os
 import re
 from pathlib import Path
 
+from ..errors import permission_denied
 from .commit import atomic_write_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -73,6 +74,8 @@ def read_latest(directory: str | os.PathLike) -> int | None:
             raw = f.read(MAX_LATEST_DIGITS + 64)  # a pointer is a number and a newline
     except FileNotFoundError:
         return None
+    except PermissionError as exc:
+        raise permission_denied(exc, path) from None
     text = raw.strip(b" \t\r\n")
     if not text or len(text) > MAX_LATEST_DIGITS or not all(48 <= c <= 57 for c in text):
         return None
