@@ -16,7 +16,6 @@ import warnings
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardstream import cli
 from shardstream.commands.verify import verify
@@ -274,7 +273,6 @@ def test_symlinked_target_is_refused(saved_run, tmp_path, capsys, empty):
     assert code == 2
     assert link.is_symlink() and sorted(p.name for p in real.iterdir()) == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["link", "real"]  # no T.tmp-* left
-
 
 
 # --- 6. unreadable files: "permission denied", naming the file --------------------------------

@@ -137,7 +137,9 @@ def test_verify_catches_swapped_verl_optimizer_files(verl_actor, tmp_path):
     (tmp_path / "swap").rename(b)
     report = verify(actor)
     assert not report.ok
-    assert any("rank" in p.line() and "optim_world_size_2_rank_" in p.line() for p in report.problems)
+    assert any(
+        "rank" in p.line() and "optim_world_size_2_rank_" in p.line() for p in report.problems
+    )
 
 
 # --- DCP: every item's byte range and zip records' CRC-32s -----------------------------------
@@ -194,8 +196,9 @@ def test_verify_catches_a_flipped_bit_in_any_dcp_item(dcp_train_state, key):
     path = _flip_in_data_record(dcp_train_state, key)
     report = verify(dcp_train_state)
     assert not report.ok
-    assert any(p.path == str(path) and p.tensor == key and "CRC-32" in p.message
-               for p in report.problems), report.problems
+    assert any(
+        p.path == str(path) and p.tensor == key and "CRC-32" in p.message for p in report.problems
+    ), report.problems
 
 
 def test_merge_catches_a_flipped_bit_in_a_dcp_model_item(dcp_train_state, tmp_path, capsys):

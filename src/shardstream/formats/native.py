@@ -202,9 +202,7 @@ def check_side_files(directory: Path, manifest: dict, names: list[str]) -> None:
             )
     for name, info in files.items():
         if isinstance(info, dict) and "xxh3" in info and not (directory / name).is_file():
-            raise CheckpointNotFoundError(
-                f"{directory / name}: named in the manifest but missing"
-            )
+            raise CheckpointNotFoundError(f"{directory / name}: named in the manifest but missing")
 
 
 def write_manifest(directory: Path, doc: dict) -> None:
@@ -247,9 +245,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
             raise CheckpointFormatError(f"{path}: section {section!r} is not an object")
     world_size = doc.get("world_size", 1)
     if type(world_size) is not int or world_size < 1:
-        raise CheckpointFormatError(
-            f"{path}: world_size {world_size!r} is not a positive integer"
-        )
+        raise CheckpointFormatError(f"{path}: world_size {world_size!r} is not a positive integer")
     contents = doc.get("contents", [])
     if not isinstance(contents, list) or not all(isinstance(c, str) for c in contents):
         raise CheckpointFormatError(f"{path}: 'contents' is not a list of names")
@@ -414,6 +410,7 @@ def _open_native(
     headers = _Headers()
     digests = headers.digests
     files = manifest.get("files", {})
+
     # Data files first: when huggingface/ is gone, its weights are the news, not its config.
     def is_data(name: str) -> bool:
         return isinstance(files[name], dict) and "header_xxh3" in files[name]
