@@ -29,6 +29,7 @@ skipped. Non-tensor entries (``BytesStorageMetadata``) are always skipped.
 
 from __future__ import annotations
 
+import bisect
 import os
 import re
 from dataclasses import dataclass, field
@@ -118,10 +119,18 @@ class DcpCheckpoint:
         from .torch_pt import crc_checked_endpoint
 
         named = [(t.name, t.blocks) for t in self.tensors]
+        by_file = getattr(self, "_items_by_file", None)
+        if by_file is None:  # once per checkpoint: endpoints open file by file
+            by_file = {}
+            for _, path, start, length in item_ranges(self.directory, self.metadata):
+                by_file.setdefault(str(path), []).append((start, length))
+            self._items_by_file = by_file
+        # Only the items this reader's tensors lie in: the others are never read.
+        offsets = sorted(b.offset for _, blocks in named for b in blocks if b.location == location)
         return crc_checked_endpoint(
             location,
             lambda lo, hi: tensors_touching(named, location, lo, hi),
-            item_records(self.directory, self.metadata, location),
+            item_records(location, by_file.get(str(location), []), offsets),
         )
 
     def check_split_records(self, tensors: list[GlobalTensor]) -> None:
@@ -720,16 +729,27 @@ def item_ranges(
     return sorted(out, key=lambda item: (str(item[1]), item[2]))
 
 
-def item_records(directory: Path, metadata: Metadata | None, location: str) -> list:
-    """The CRC-carrying zip records of every item stored in data file ``location``."""
+def item_records(
+    location: str, items: list[tuple[int, int]], offsets: list[int] | None = None
+) -> list:
+    """The CRC-carrying zip records of the items (start, length) of data file ``location``;
+    with ``offsets`` (sorted), only of the items that hold one of them."""
     from .torch_pt import zip_records_in
 
+    items = sorted(items)
+    if offsets is not None:
+        starts = [start for start, _ in items]
+        held = set()
+        for offset in offsets:
+            i = bisect.bisect_right(starts, offset) - 1
+            if i >= 0 and offset < items[i][0] + items[i][1]:
+                held.add(i)
+        items = [items[i] for i in sorted(held)]
     records = []
     fd = os.open(location, os.O_RDONLY)
     try:
-        for _, path, start, length in item_ranges(directory, metadata):
-            if str(path) == str(location):
-                records.extend(zip_records_in(location, start, length, fd))
+        for start, length in items:
+            records.extend(zip_records_in(location, start, length, fd))
     finally:
         os.close(fd)
     return sorted(records, key=lambda r: r.start)
