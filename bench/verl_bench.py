@@ -366,8 +366,10 @@ def _async_section(a: dict | None) -> list[str]:
         f"modes in turn. A step here is only `optimizer.step()` + the scheduler (gradients set "
         f"once and kept): {s['none']['mean_step_s']:.2f} s, against "
         f"{sync:.2f} s for a synchronous save, so an async save is still reading the "
-        f"state when the next step's optimizer pre-hook runs. Others used "
-        f"{fmt(a['others_cpu_share'], '.0%')} of the machine's CPU meanwhile.",
+        f"state when the next step's optimizer pre-hook runs. {a['world_size']} rank(s) on "
+        f"{a.get('cores', 2)} cores: the save's background work has "
+        f"{max(0, a.get('cores', 2) - a['world_size'])} core(s) to itself, before others' load; "
+        f"others used {fmt(a['others_cpu_share'], '.0%')} of the machine's CPU meanwhile.",
         "",
         *table(
             "mode | mean step s | stall per save s | stall ÷ sync save | lost per save s "
@@ -477,8 +479,8 @@ def render(res: dict) -> None:
             ],
         ),
         "",
-        "The plug-in's load reads every file twice: once to check it (checksums, split between "
-        "the ranks, before the model changes) and once to load it; verl's `torch.load`s its "
+        "The plug-in's load checks every file it reads (checksums, split between the ranks) "
+        "before the model changes ([verl.md](verl.md), Loading); verl's `torch.load`s its "
         "rank's files whole and checks nothing.",
         "",
         "## Memory during one save",
@@ -498,6 +500,16 @@ def render(res: dict) -> None:
     log(f"wrote {DOC.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
 
 
+def _async_part(a) -> dict:
+    model = SIZES[a.async_size]
+    r = async_bench.run_async_bench(
+        model, steps=a.async_steps, every=a.async_every, short_step=True, world_size=a.async_ws
+    )
+    r["model_gb"] = gb(model)
+    r["cores"] = len(os.sched_getaffinity(0))
+    return r
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("--quick", action="store_true")
@@ -510,10 +522,17 @@ def main(argv=None) -> int:
     p.add_argument("--async-every", type=int, default=2)
     p.add_argument("--docs", action="store_true", help="with --quick: write the docs too")
     p.add_argument("--render", action="store_true", help="re-render from the JSON only")
+    p.add_argument("--async-only", action="store_true", help="rerun the async part into the JSON")
     a = p.parse_args(argv)
     path = RESULTS / ("verl-bench-quick.json" if a.quick else "verl-bench.json")
     if a.render:
         render(json.loads(path.read_text()))
+        return 0
+    if a.async_only:
+        res = json.loads(path.read_text())
+        res["async"] = _async_part(a)
+        path.write_text(json.dumps(res, indent=1) + "\n")
+        render(res)
         return 0
     sizes = a.sizes.split(",") if a.sizes else (["tiny", "quick"] if a.quick else ["quick", "mid"])
     repeats = a.repeats or (1 if a.quick else 3)
@@ -538,11 +557,7 @@ def main(argv=None) -> int:
         "ranks": ranks,
     }
     if not (a.no_async or a.quick):
-        model = SIZES[a.async_size]
-        r = async_bench.run_async_bench(model, steps=a.async_steps, every=a.async_every,
-                                        short_step=True, world_size=a.async_ws)  # fmt: skip
-        r["model_gb"] = gb(model)
-        res["async"] = r
+        res["async"] = _async_part(a)
     path.write_text(json.dumps(res, indent=1) + "\n")
     for r in res["rows"]:
         log(
