@@ -158,3 +158,16 @@ def test_keep_names_writes_the_in_memory_names(saved, tmp_path, capsys):
     (tensors,) = _files(tmp_path / "kept").values()
     assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
     assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 32, 32)
+
+
+def test_inspect_shows_the_layout_merge_applies(saved):
+    from shardstream.commands.inspect import describe, render
+
+    info = describe(_actor(saved, 2, "qwen3_moe"))
+    layout = info["merge"]["layout"]
+    assert "4 fused tensors split into 18" in layout["rule"]
+    assert layout["split"]["model.layers.0.mlp.experts.gate_up_proj"][:2] == [
+        "model.layers.0.mlp.experts.0.gate_proj.weight",
+        "model.layers.0.mlp.experts.1.gate_proj.weight",
+    ]
+    assert "layout: transformers" in render(info)

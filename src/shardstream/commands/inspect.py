@@ -108,13 +108,17 @@ def _layout(tensors, config: dict, dropped: set[str]) -> dict:
     """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
     tensors it splits; or why merge would refuse the layout."""
     from ..errors import ShardstreamError
-    from ..formats import lora
     from ..formats.hf_names import plan_names
 
-    split = lora.split_lora(tensors)
-    base = [t for t in (split.base if split else tensors) if t.name not in dropped]
+    if any(".lora_" in t.name for t in tensors):  # lora imports torch: only when needed
+        from ..formats import lora
+
+        split = lora.split_lora(tensors)
+        tensors = split.base if split else tensors
+    base = [t for t in tensors if t.name not in dropped]
     try:
-        plan = plan_names([(t.name, t.dtype, t.shape) for t in base], config)
+        stored = [(t.name, t.dtype, t.shape) for t in base]
+        plan = plan_names(stored, config, known_without_transformers=True)
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}

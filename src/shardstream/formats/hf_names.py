@@ -130,26 +130,31 @@ def plan_names(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     config: dict,
     keep_names: bool = False,
+    known_without_transformers: bool = False,
 ) -> NamePlan:
     """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
     ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
+    ``known_without_transformers``: decide a type of ``NO_MAPPING_MODEL_TYPES`` without
+    importing transformers (and torch), as inspect does; merge asks transformers.
     """
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
     # The export plans every save alike: the model class is built once per layout.
     described = json.dumps(config, sort_keys=True, default=str)
-    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described)
+    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described, known_without_transformers)
     if key not in _PLANS:
         if len(_PLANS) >= 4:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan_names(key[0], config)
+        _PLANS[key] = _plan_names(key[0], config, known_without_transformers)
     return _PLANS[key]
 
 
 _PLANS: dict[tuple, NamePlan] = {}
 
 
-def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict) -> NamePlan:
+def _plan_names(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict, known: bool
+) -> NamePlan:
     stripped = strip_wrappers([n for n, _, _ in tensors])
     rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
     plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
@@ -157,6 +162,8 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
         return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
+    if known and model_type in NO_MAPPING_MODEL_TYPES:
+        return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
     try:
         import transformers
     except ImportError:
