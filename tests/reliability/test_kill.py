@@ -59,8 +59,11 @@ def _kill_save_trials(
     hf_source: str | None = None,
     worlds: tuple[int, ...] = (2, 3),
     modes: tuple[str, ...] | None = None,
+    after_save: float = 0.0,
 ) -> dict:
-    """``modes``: kill "one" or "all" in this order, cyclically (default: at random)."""
+    """``modes``: kill "one" or "all" in this order, cyclically (default: at random).
+    ``after_save``: the share of trials (in the save loop) that first wait for a ``save()`` to
+    return, so slow starts (4 ranks on 2 cores) still get kills after a commit."""
     rng = random.Random(seed)
     stats: Counter = Counter()
     debris: Counter = Counter()
@@ -75,6 +78,7 @@ def _kill_save_trials(
         world = rng.choice(worlds)
         mode = rng.choice(("all", "one")) if modes is None else modes[trial % len(modes)]
         early = rng.random() < 0.1
+        later = not early and rng.random() < after_save
         run = f"run-{trial}"
         spec = {
             "world": world,
@@ -91,7 +95,7 @@ def _kill_save_trials(
             if early:
                 time.sleep(rng.uniform(0, EARLY_S))
             else:
-                wait_for(side / run / "ready", forkserver, pids)
+                wait_for(side / run / ("saved" if later else "ready"), forkserver, pids)
                 time.sleep(rng.uniform(0, WINDOW_S))
             if mode == "all":
                 order = pids[:]
@@ -121,7 +125,7 @@ def _kill_save_trials(
         info = None
         label = (
             f"trial {trial} (seed {seed}, world {world}, kill {mode}, "
-            f"{'early' if early else 'in the save loop'})"
+            f"{'early' if early else 'in the save loop'}{', after a save' if later else ''})"
         )
         with checked(label):
             try:
@@ -136,6 +140,8 @@ def _kill_save_trials(
         stats[f"world size {world}"] += 1
         stats[f"killed {mode}"] += 1
         stats["killed during start-up/restore" if early else "killed in the save loop"] += 1
+        if later:
+            stats["killed after a save had returned"] += 1
         stats["partial directory left, then removed"] += bool(info["debris"])
         stats["step committed, latest not yet moved"] += bool(info.get("ahead_of_pointer"))
         stats["restored bit for bit"] += info["restored"] is not None
@@ -187,7 +193,14 @@ def test_kill9_four_ranks(forkserver, tmp_path, async_save):
     seed = 20240611 + async_save
     count = trials(2, 30)
     figures = _kill_save_trials(
-        forkserver, tmp_path, count, seed, async_save, worlds=(4,), modes=("one", "all")
+        forkserver,
+        tmp_path,
+        count,
+        seed,
+        async_save,
+        worlds=(4,),
+        modes=("one", "all"),
+        after_save=0.5,
     )
     kind = "async save" if async_save else "save"
     record(f"kill -9 during {kind} (4 ranks)", seed=seed, trials=count, **figures)
