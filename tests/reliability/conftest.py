@@ -31,7 +31,8 @@ def pytest_runtest_makereport(item, call):
         exc = call.excinfo.value
         if isinstance(exc, harness.ViolationsFound):
             return  # record() logged them
-        group = exc.exceptions if isinstance(exc, BaseExceptionGroup) else [exc]
+        inner = getattr(exc, "exceptions", None)  # an exception group (hypothesis's too)
+        group = list(inner) if isinstance(inner, (list, tuple)) and inner else [exc]
         kind = "violation" if isinstance(group[0], AssertionError) else type(group[0]).__name__
         message = f"{type(group[0]).__name__}: {str(group[0]).strip()[:400]}"
         harness.record_failure(item.nodeid, kind, len(pending) + len(group), message)
