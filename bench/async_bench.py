@@ -296,6 +296,7 @@ def run_async_bench(
     every=None,
     short_step: bool = False,
     world_size: int = 2,
+    modes: tuple[str, ...] | None = None,
 ) -> dict:
     ws, seq = world_size, 16
     steps = steps or 4
@@ -304,7 +305,7 @@ def run_async_bench(
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
-    modes = SHORT_MODES if short_step else MODES
+    modes = modes or (SHORT_MODES if short_step else MODES)
     log(f"async bench: modes {modes}, {steps} steps each, a save after every {every} (not after "
         f"the last), ws={ws}{', short steps (optimizer only)' if short_step else ''}")  # fmt: skip
     spec = {"modes": modes, "out": str(out), "model": model, "steps": steps, "every": every,

@@ -341,7 +341,7 @@ def _findings(res: dict) -> list[str]:
             if mode.startswith("shardstream_async") or mode == "dcp_async":
                 r = su[mode]
                 parts.append(
-                    f"{async_bench.LABELS[mode]} {r['stall_per_save_s'] / sync:.0%} of a sync "
+                    f"{async_bench.LABELS[mode]} {fmt(r.get('stall_vs_sync'), '.0%')} of a sync "
                     f"save's stall, peak RSS {per_rank(r['peak_vs_none_mib_per_rank'])} MiB per "
                     f"rank above no checkpointing"
                 )
@@ -363,7 +363,9 @@ def _async_section(a: dict | None) -> list[str]:
         f"`async_bench.run_async_bench(short_step=True)`: world size {a['world_size']}, the "
         f"{a['model_gb']:.2f} GB model, {a['steps']} steps per mode, a save (model, optimizer, "
         f"extra) after every {a['every']} (never after the last), one set of ranks running the "
-        f"modes in turn. A step here is only `optimizer.step()` + the scheduler (gradients set "
+        f"modes in turn; {a.get('repeats', 1)} runs, the modes after `none` in forward then "
+        f"reverse order, medians over runs (the ratio: median of the per-run ratios). "
+        f"A step here is only `optimizer.step()` + the scheduler (gradients set "
         f"once and kept): {s['none']['mean_step_s']:.2f} s, against "
         f"{sync:.2f} s for a synchronous save, so an async save is still reading the "
         f"state when the next step's optimizer pre-hook runs. {a['world_size']} rank(s) on "
@@ -380,7 +382,7 @@ def _async_section(a: dict | None) -> list[str]:
                     async_bench.LABELS[mode],
                     fmt(r["mean_step_s"]),
                     fmt(r["stall_per_save_s"]),
-                    fmt(r["stall_per_save_s"] / sync if r["stall_per_save_s"] else None, ".0%"),
+                    fmt(r.get("stall_vs_sync"), ".0%"),
                     fmt(r.get("lost_per_save_s")),
                     per_rank(r.get("peak_vs_none_mib_per_rank", [])),
                 ]
@@ -501,13 +503,50 @@ def render(res: dict) -> None:
 
 
 def _async_part(a) -> dict:
+    """``--async-repeats`` runs of the short-step async bench, the modes in forward then reverse
+    order (after ``none``); per mode the median over runs, and the median of the per-run ratios
+    of the stall per save to the sync save's."""
     model = SIZES[a.async_size]
-    r = async_bench.run_async_bench(
-        model, steps=a.async_steps, every=a.async_every, short_step=True, world_size=a.async_ws
+    runs = []
+    for k in range(a.async_repeats):
+        rest = async_bench.SHORT_MODES[1:]
+        order = ("none", *(rest if k % 2 == 0 else rest[::-1]))
+        r = async_bench.run_async_bench(
+            model,
+            steps=a.async_steps,
+            every=a.async_every,
+            short_step=True,
+            world_size=a.async_ws,
+            modes=order,
+        )
+        r["order"] = order
+        r.pop("modes")  # per-step records: kept in the summary only
+        runs.append(r)
+    first = runs[0]
+    summary = {}
+    for mode in async_bench.SHORT_MODES:
+        per = [run["summary"][mode] for run in runs]
+        sync = [run["summary"]["shardstream_sync"]["stall_per_save_s"] for run in runs]
+        m = {}
+        for key in ("mean_step_s", "stall_per_save_s", "lost_per_save_s"):
+            vals = [x[key] for x in per if x.get(key) is not None]
+            m[key] = statistics.median(vals) if vals else None
+        peaks = [x["peak_vs_none_mib_per_rank"] for x in per]
+        m["peak_vs_none_mib_per_rank"] = [statistics.median(v) for v in zip(*peaks)]
+        ratios = [x["stall_per_save_s"] / y for x, y in zip(per, sync) if x["stall_per_save_s"]]
+        m["stall_vs_sync"] = statistics.median(ratios) if ratios else None
+        m["stall_vs_sync_runs"] = ratios
+        summary[mode] = m
+    shares = [run["others_cpu_share"] for run in runs if run["others_cpu_share"] is not None]
+    return dict(
+        {k: first[k] for k in ("world_size", "steps", "every", "seq", "short_step")},
+        summary=summary,
+        runs=runs,
+        repeats=len(runs),
+        others_cpu_share=statistics.median(shares) if shares else None,
+        model_gb=gb(model),
+        cores=len(os.sched_getaffinity(0)),
     )
-    r["model_gb"] = gb(model)
-    r["cores"] = len(os.sched_getaffinity(0))
-    return r
 
 
 def main(argv=None) -> int:
@@ -517,9 +556,10 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-async", action="store_true")
     p.add_argument("--async-size", default="mid", choices=list(SIZES))
-    p.add_argument("--async-ws", type=int, default=2)
+    p.add_argument("--async-ws", type=int, default=1)
     p.add_argument("--async-steps", type=int, default=8)
     p.add_argument("--async-every", type=int, default=2)
+    p.add_argument("--async-repeats", type=int, default=3)
     p.add_argument("--docs", action="store_true", help="with --quick: write the docs too")
     p.add_argument("--render", action="store_true", help="re-render from the JSON only")
     p.add_argument("--async-only", action="store_true", help="rerun the async part into the JSON")
