@@ -18,7 +18,7 @@ instead list the problems they found, one a line). Never a traceback, a signal, 
 that breaks this is counted as a violation with the input described, and fails its test after
 the other examples ran (no shrinking: the description names the field and value).
 
-``make test`` runs a few derandomized examples per input; ``make soak`` many, with fresh seeds.
+``make test`` runs 10 derandomized examples per test; ``make soak`` 100, with fresh seeds.
 """
 
 from __future__ import annotations
@@ -50,7 +50,7 @@ EXTRA_ADDRESS_SPACE = 2 << 30  # beyond what the fork server's imports map
 COUNTS: Counter = Counter()
 
 FUZZ = settings(
-    max_examples=trials(4, 100),
+    max_examples=trials(10, 100),
     deadline=None,
     derandomize=not SOAK,
     database=None,
