@@ -428,17 +428,23 @@ def test_inspect_into_a_closed_pipe_exits_quietly(fsdp_root):
 
 
 def test_inspect_tolerates_odd_informational_manifest_fields(tmp_path):
-    """mesh, placement and contents are informational: odd values never break inspect."""
+    """mesh and placement are informational: odd values never break inspect. contents is
+    read by load, so a list holding anything but names is a format error naming the field."""
     from shardstream import save
+    from shardstream.errors import CheckpointFormatError
     from shardstream.formats import native
 
     save(tmp_path / "step", model=torch.nn.Linear(8, 4), contents=("model",))
     doc = native.read_manifest(tmp_path / "step")
-    doc["mesh"], doc["contents"] = {"shape": 4, "dim_names": None}, ["model", 7]
+    doc["mesh"] = {"shape": 4, "dim_names": None}
     for entry in doc["tensors"].values():
         entry["placement"] = ["not", "a", "string"]
     native.write_manifest(tmp_path / "step", doc)
     info = describe(tmp_path / "step")
-    assert info["mesh"] == "" and info["contents"] == ["model", "7"]
+    assert info["mesh"] == "" and info["contents"] == ["model"]
     assert {t["placement"] for t in info["tensors"]} == {"1 chunk(s) in 1 file(s)"}
-    assert "step 0, contents: model, 7" in render(info)
+    assert "step 0, contents: model" in render(info)
+    doc["contents"] = ["model", 7]
+    native.write_manifest(tmp_path / "step", doc)
+    with pytest.raises(CheckpointFormatError, match="'contents' is not a list of names"):
+        describe(tmp_path / "step")

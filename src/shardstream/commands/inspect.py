@@ -118,7 +118,7 @@ def _layout(tensors, config: dict, dropped: set[str]) -> dict:
     base = [t for t in tensors if t.name not in dropped]
     try:
         stored = [(t.name, t.dtype, t.shape) for t in base]
-        plan = plan_names(stored, config, known_without_transformers=True)
+        plan = plan_names(stored, config)
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}

@@ -13,10 +13,11 @@ stripped first. Then transformers' own save-time conversion for the model is app
 * transformers 4 (the model class's ``_checkpoint_conversion_mapping``): the renames
   ``save_pretrained`` applies when it reverses that mapping.
 
-Without transformers, a model type is written under its stripped names only where it is
-known to need no mapping (``NO_MAPPING_MODEL_TYPES``, checked against transformers 4.57 and
-5.25); any other model type is refused, naming it and ``pip install transformers``.
-torch and transformers are imported only when a config names a model type.
+A model type known to need no mapping (``NO_MAPPING_MODEL_TYPES``, checked against
+transformers 4.57 and 5.25) is written under its stripped names without asking transformers,
+unless a newer transformers is installed. Without transformers any other model type is
+refused, naming it and ``pip install transformers``. torch and transformers are imported only
+when a config names a model type the table does not decide.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ DDP_PREFIX = "module."
 NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
+TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
 
 
 @dataclass(frozen=True)
@@ -130,31 +132,43 @@ def plan_names(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     config: dict,
     keep_names: bool = False,
-    known_without_transformers: bool = False,
 ) -> NamePlan:
     """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
     ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
-    ``known_without_transformers``: decide a type of ``NO_MAPPING_MODEL_TYPES`` without
-    importing transformers (and torch), as inspect does; merge asks transformers.
     """
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
     # The export plans every save alike: the model class is built once per layout.
     described = json.dumps(config, sort_keys=True, default=str)
-    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described, known_without_transformers)
+    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described)
     if key not in _PLANS:
         if len(_PLANS) >= 4:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan_names(key[0], config, known_without_transformers)
+        _PLANS[key] = _plan_names(key[0], config)
     return _PLANS[key]
 
 
 _PLANS: dict[tuple, NamePlan] = {}
 
 
-def _plan_names(
-    tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict, known: bool
-) -> NamePlan:
+def _table_decides(model_type: str) -> bool:
+    """Whether ``NO_MAPPING_MODEL_TYPES`` answers for ``model_type`` with the transformers
+    installed: none, or a version no newer than the newest the table was checked against.
+    Reading the version imports nothing, so a dense merge skips transformers' import (seconds
+    and ~100 MiB); a newer transformers is asked, since it may have added a conversion."""
+    if model_type not in NO_MAPPING_MODEL_TYPES:
+        return False
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        installed = version("transformers")
+    except PackageNotFoundError:
+        return True
+    numbers = re.findall(r"\d+", installed)[:2]
+    return tuple(int(n) for n in numbers) <= TABLE_CHECKED_UP_TO
+
+
+def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict) -> NamePlan:
     stripped = strip_wrappers([n for n, _, _ in tensors])
     rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
     plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
@@ -162,13 +176,11 @@ def _plan_names(
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
         return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
-    if known and model_type in NO_MAPPING_MODEL_TYPES:
+    if _table_decides(model_type):
         return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
     try:
         import transformers
     except ImportError:
-        if model_type in NO_MAPPING_MODEL_TYPES:
-            return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
         raise UsageError(
             f"model type {model_type!r}: the layout save_pretrained writes for it may differ "
             "from the in-memory names, and only transformers can tell: pip install "
