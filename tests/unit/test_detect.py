@@ -146,3 +146,31 @@ def test_every_reader_keeps_the_contract(tmp_path, build):
     checkpoint.check_split_records(checkpoint.tensors)  # one process: nothing shared to check
     info = describe(tmp_path / "ckpt")
     assert info["format"] == checkpoint.format and info["num_tensors"] == len(checkpoint.tensors)
+
+
+def test_a_verl_step_of_shardstream_roles_is_verified_role_by_role(tmp_path):
+    """The verl plug-in writes shardstream checkpoints into verl's global_step_N/actor layout:
+    verify of the run and of the step checks them; a flipped byte in one is found."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        native_step(run / f"global_step_{step}" / "actor")
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    assert detect(run / "global_step_1") is Kind.VERL_ROLES
+    assert detect(run) is Kind.RUN
+    for path in (run, run / "global_step_1"):
+        report = shardstream.verify(path)
+        assert report.ok, [p.line() for p in report.problems]
+    assert shardstream.verify(run).steps == [1, 2]
+    data = next((run / "global_step_2" / "actor").glob("rank-*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    report = shardstream.verify(run)
+    assert not report.ok and any(str(data) in p.line() for p in report.problems)
+
+
+def test_step_and_temporary_directories_are_not_roles(tmp_path):
+    run = tmp_path / "run"
+    native_step(run / "global_step_1")
+    native_step(run / "global_step_2.tmp-0123abcd")
+    assert detect(run) is Kind.RUN

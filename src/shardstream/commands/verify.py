@@ -78,7 +78,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
     if kind in (Kind.VERL, Kind.VERL_ROLES):  # a checkpoint, or a step of actor/critic ones
         report = VerifyReport(str(root), "verl")
         for role in _verl_checkpoints(root, kind):
-            _verify_verl(role, report, progress)
+            _verify_role(role, report, progress)
         return report
     if kind is Kind.NATIVE or (kind is Kind.NONE and STEP_DIR.match(root.name)):
         report = VerifyReport(str(root), "step")  # a step's directory without its manifest too
@@ -118,7 +118,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         kind = _kind(entry)
         if kind in (Kind.VERL, Kind.VERL_ROLES):  # a verl run: steps of actor/ (critic/)
             for role in _verl_checkpoints(entry, kind):
-                _verify_verl(role, report, progress)
+                _verify_role(role, report, progress)
             steps.append(int(STEP_DIR.match(entry.name)[1]))
         elif kind is not Kind.NATIVE:
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
@@ -159,6 +159,15 @@ def _verl_checkpoints(directory: Path, kind: Kind) -> list[Path]:
         return verl_roles(directory)
     except OSError:  # gone meanwhile
         return []
+
+
+def _verify_role(directory: Path, report: VerifyReport, progress) -> None:
+    """A role of a verl step (``actor/``): verl's ``.pt`` files, or a shardstream checkpoint
+    the verl plug-in wrote there."""
+    if _kind(directory) is Kind.NATIVE:
+        _verify_step_or_report(directory, report, progress)
+    else:
+        _verify_verl(directory, report, progress)
 
 
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:

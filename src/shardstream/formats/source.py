@@ -12,7 +12,8 @@
    ``DCP_HF``      DCP's ``HuggingFaceStorageWriter``: per-rank ``shard-N-model-I-of-K
                    .safetensors`` files, or a model consolidated beside them in ``sharded/``
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
-5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl checkpoints
+5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl or
+                   shardstream checkpoints (the verl plug-in writes the latter there)
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
 7. ``NONE``        none of these
 
@@ -35,6 +36,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..storage.commit import TMP_MARK
 from ..storage.run_layout import LATEST_FILE, STEP_DIR, read_latest
 from . import hf, native
 
@@ -192,9 +194,17 @@ def is_hf_model(directory: Path) -> bool:
 
 
 def verl_roles(directory: Path) -> list[Path]:
-    """The subdirectories of a verl step directory that are verl checkpoints (``actor/``, and
-    maybe ``critic/``)."""
-    return sorted(d for d in directory.iterdir() if d.is_dir() and is_verl_checkpoint(d))
+    """The subdirectories of a verl step directory that are checkpoints (``actor/``, and maybe
+    ``critic/``): verl's ``.pt`` files, or shardstream's as the verl plug-in writes them there.
+    Step directories and temporaries are not roles (a run holds those)."""
+    return sorted(
+        d
+        for d in directory.iterdir()
+        if d.is_dir()
+        and not STEP_DIR.match(d.name)
+        and TMP_MARK not in d.name
+        and (is_verl_checkpoint(d) or native.is_native_checkpoint(d))
+    )
 
 
 def is_run(directory: Path) -> bool:
