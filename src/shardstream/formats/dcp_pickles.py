@@ -676,7 +676,7 @@ def _record_unpickler() -> type[_RecordUnpickler]:
     return _RecordUnpickler
 
 
-class _RangeReader(io.RawIOBase):
+class RangeReader(io.RawIOBase):
     """A read-only, seekable window [start, start + length) of an open file, via ``pread``."""
 
     def __init__(self, fd: int, start: int, length: int):
@@ -737,7 +737,7 @@ class ChunkLayout:
 
 def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -> ChunkLayout:
     """Locate the elements of the ``torch.save`` archive in bytes [offset, offset+length)."""
-    view = _RangeReader(fd, offset, length)
+    view = RangeReader(fd, offset, length)
     where = f"{path}: {what} (bytes [{offset}, {offset + length}))"
     if view.pread(0, 4) != b"PK\x03\x04":
         raise CheckpointFormatError(

@@ -36,7 +36,14 @@ from ..engine.dtypes import code_of
 from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
-from .dcp_pickles import _Call, _Frozen, _torch_dtype, check_pickle, check_unpickled
+from .dcp_pickles import (
+    RangeReader,
+    _Call,
+    _Frozen,
+    _torch_dtype,
+    check_pickle,
+    check_unpickled,
+)
 
 
 @dataclass(frozen=True)
@@ -550,35 +557,6 @@ def zip_records(path: str) -> list[ZipRecord]:
     return records
 
 
-class _Window(io.RawIOBase):
-    """Bytes [start, start + length) of an open file, as a file of their own (``zipfile``
-    finds an archive by its end: a DCP data file holds one archive per item, back to back)."""
-
-    def __init__(self, fd: int, start: int, length: int):
-        self.fd, self.start, self.length, self.pos = fd, start, length, 0
-
-    def readable(self) -> bool:
-        return True
-
-    def seekable(self) -> bool:
-        return True
-
-    def tell(self) -> int:
-        return self.pos
-
-    def seek(self, offset: int, whence: int = 0) -> int:
-        base = (0, self.pos, self.length)[whence]
-        self.pos = max(0, base + offset)
-        return self.pos
-
-    def readinto(self, buffer) -> int:
-        n = max(0, min(len(buffer), self.length - self.pos))
-        data = os.pread(self.fd, n, self.start + self.pos) if n else b""
-        buffer[: len(data)] = data
-        self.pos += len(data)
-        return len(data)
-
-
 def zip_records_in(path: str, start: int, length: int, fd: int | None = None) -> list[ZipRecord]:
     """``zip_records`` of the archive that fills bytes [start, start + length) of ``path`` (a
     DCP item, which ``torch.save`` wrote with a CRC-32 in every record); offsets are the
@@ -588,7 +566,7 @@ def zip_records_in(path: str, start: int, length: int, fd: int | None = None) ->
         fd = os.open(path, os.O_RDONLY)
     records = []
     try:
-        with zipfile.ZipFile(_Window(fd, start, length)) as archive:
+        with zipfile.ZipFile(RangeReader(fd, start, length)) as archive:
             for info in archive.infolist():
                 if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
                     continue
