@@ -562,7 +562,7 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true")
     p.add_argument("--sizes", default=None, help=f"comma-separated, of {', '.join(SIZES)}")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--no-async", action="store_true")
+    p.add_argument("--no-async", action="store_true", help="keep the JSON's async part, if any")
     p.add_argument("--async-size", default="mid", choices=list(SIZES))
     p.add_argument("--async-ws", type=int, default=1)
     p.add_argument("--async-steps", type=int, default=8)
@@ -606,6 +606,8 @@ def main(argv=None) -> int:
     }
     if not (a.no_async or a.quick):
         res["async"] = _async_part(a)
+    elif path.exists() and "async" in json.loads(path.read_text()):
+        res["async"] = json.loads(path.read_text())["async"]  # --no-async keeps the last one
     path.write_text(json.dumps(res, indent=1) + "\n")
     for r in res["rows"]:
         log(
