@@ -54,3 +54,13 @@ def test_hf_model_export_loads_with_transformers(
     ids = torch.arange(20).reshape(2, 10)
     with torch.no_grad():
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
+
+
+@pytest.mark.slow
+def test_ranks_whose_configs_differ_are_refused_by_name(tmp_path):
+    """Each rank plans the export from its own config; a rank that plans other files would
+    write its rows at other offsets, so the save fails on every rank and commits nothing."""
+    results = run(workers.hf_export_config_differs_run, 2, str(tmp_path / "run"))
+    for result in results:
+        assert result["error"] and "plans the export differently" in result["error"], results
+    assert not (tmp_path / "run" / "global_step_1").exists()

@@ -321,6 +321,26 @@ def hf_export_run(
     return {"full": full}
 
 
+def hf_export_config_differs_run(rank: int, world: int, root: str) -> dict:
+    """Rank 1's model config names another dtype than rank 0's (as after a tool that changes
+    it on rank 0 only): the hf_model save must fail on every rank, naming the cause."""
+    import copy
+
+    model, optimizer, _, config = build((world,), tie=False)
+    if rank == 1:
+        config = copy.deepcopy(config)
+        config.dtype = "bfloat16" if str(config.dtype) != "torch.bfloat16" else "float32"
+    cfg = CheckpointConfig(directory=root, save_contents=("model", "hf_model"))
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
+    try:
+        manager.save(1)
+    except Exception as exc:  # noqa: BLE001 - the test reads what every rank saw
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    finally:
+        manager.close()
+    return {"error": None}
+
+
 def shared_hf_save_run(
     rank: int, world: int, root: str, layout: str, tie: bool, hf_dtype: str | None
 ) -> dict:

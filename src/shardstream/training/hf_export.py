@@ -217,6 +217,23 @@ def _plan_files(
     return out_dtype, hf.plan_hf_files(outputs, storage=names.storage())
 
 
+def _layout(plan: ExportPlan) -> tuple:
+    return (plan.out_dtype, [[(t.name, t.dtype, t.shape) for t in ts] for _, ts in plan.files])
+
+
+def _check_same_layout(plan: ExportPlan) -> None:
+    """Every rank planned the export from its own copy of the config; one that differs (a
+    config changed on some ranks only) would write its rows at other offsets. Refuse by name."""
+    layouts = coll.gather(_layout(plan))
+    for rank, layout in enumerate(layouts):
+        if layout != layouts[0]:
+            raise UsageError(
+                f"hf_model: rank {rank} plans the export differently from rank 0 (dtype "
+                f"{layout[0]} against {layouts[0][0]}): the model's config differs between "
+                "ranks; nothing was written"
+            )
+
+
 def write_hf_model(
     plan: ExportPlan,
     tmp: Path,
@@ -229,6 +246,7 @@ def write_hf_model(
     tensors; else an async save's ``guard`` (where ``live_reads()`` is registered) hands out
     the live or staged tensors and learns how far the reads are."""
     export = plan.export
+    _check_same_layout(plan)
     output = HfModelFiles.plan(tmp / HF_DIR, plan.files)
     shared = export.shared_filesystem
     if shared is None:
