@@ -8,7 +8,6 @@ and the adapter as a PEFT ``adapter_model.safetensors`` beside it, or with ``--f
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,6 +17,7 @@ import torch
 from ..engine.copy import RowTransform, Streamer, read_tensor
 from ..engine.plan import GlobalTensor
 from ..errors import CheckpointFormatError, UsageError
+from . import jsondoc
 
 PEFT_PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
@@ -72,8 +72,8 @@ def lora_settings(directory: Path, recorded: dict | None = None) -> tuple[int, f
             raise CheckpointFormatError(f"{directory}: no usable r/lora_alpha ({exc})") from None
     for path in (directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG):
         if path.is_file():
+            meta = jsondoc.read_object(path)
             try:
-                meta = json.loads(path.read_text())
                 return int(meta["r"]), float(meta["lora_alpha"])
             except (ValueError, KeyError, TypeError) as exc:
                 raise CheckpointFormatError(f"{path}: no usable r/lora_alpha ({exc})") from None
