@@ -119,15 +119,24 @@ class SourceGuard:
             self.cond.wait_for(lambda: self.finished or self.ready)
             if self.finished:
                 return time.perf_counter() - started
-            # Stage what the save has not reached, starting with what it would reach last.
-            for source in sorted(self.sources.values(), key=lambda s: -s.begin):
+            # What the save would reach last is staged first.
+            pending = sorted(self.sources.values(), key=lambda s: -s.begin)
+        for source in pending:
+            with self.cond:
+                if self.finished:
+                    break
+                size = source.live.nbytes
                 if source.staged or source.begin < self.reading_upto:
                     continue
-                size = source.live.nbytes
                 if self.staged_bytes + size > self.staging_bytes:
                     continue
-                source.staged = source.live.snapshot()
                 self.staged_bytes += size
+            # Copied without the lock: the writer goes on reading meanwhile (the step has not
+            # started, so the live tensor and its copy hold the same bytes).
+            staged = source.live.snapshot()
+            with self.cond:
+                source.staged = staged
+        with self.cond:
             self.cond.wait_for(
                 lambda: (
                     self.finished
