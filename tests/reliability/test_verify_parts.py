@@ -6,6 +6,7 @@ checked by verify and before merge copies them; verify catches what restore catc
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
 
@@ -105,6 +106,7 @@ def test_manifest_without_side_file_records_still_reads(exported, tmp_path, caps
     def drop(doc):
         for name in SIDE_FILES:
             doc["files"].pop(f"huggingface/{name}")
+        doc.pop(native.FILES_COMPLETE)  # older writers did not say they listed every file
 
     _reseal(old, drop)
     assert verify(old).ok
@@ -113,6 +115,131 @@ def test_manifest_without_side_file_records_still_reads(exported, tmp_path, caps
     )
     assert (code, lines) == (0, [])
     assert json.loads((tmp_path / "m" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+# --- every file, at any depth, hidden ones too -------------------------------------------------
+
+NESTED = {  # what a processor's save_pretrained may write beside its top-level files
+    "tokenizer.json": '{"version": "1.0", "vocab": ["a", "b"]}',
+    "additional_chat_templates/tool_use.jinja": "{% for m in messages %}{{ m }}{% endfor %}",
+    "processor/preprocessor_config.json": '{"do_resize": true, "size": 224}',
+    ".tokenizer_state": "hidden but the processor's own",
+}
+
+
+class _NestedTokenizer:
+    def save_pretrained(self, target) -> None:
+        for name, text in NESTED.items():
+            path = Path(target) / name
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(text)
+
+
+@pytest.fixture
+def nested(tmp_path) -> Path:
+    """A step whose export holds tokenizer subfolders and a hidden file."""
+    source = tmp_path / "source"
+    source.mkdir()
+    (source / "config.json").write_text(json.dumps(CONFIG))
+    torch.manual_seed(0)
+    step = tmp_path / "global_step_1"
+    shardstream.save(
+        step,
+        model=torch.nn.Linear(8, 4),
+        contents=("model", "hf_model"),
+        hf_source_dir=source,
+        tokenizer=_NestedTokenizer(),
+        step=1,
+    )
+    return step
+
+
+def test_subfolders_and_hidden_files_are_in_the_manifest(nested):
+    manifest = native.read_manifest(nested)
+    for name in NESTED:
+        assert set(manifest["files"][f"huggingface/{name}"]) == {"size", "xxh3"}, name
+    assert manifest[native.FILES_COMPLETE] is True
+    report = verify(nested)
+    assert report.ok, report.problems
+
+
+@pytest.mark.parametrize("name", sorted(NESTED))
+def test_flipped_file_in_a_tokenizer_subfolder_is_caught(nested, capsys, name):
+    path = nested / "huggingface" / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    report = verify(nested)
+    assert [(p.path, p.message) for p in report.problems] == [(str(path), "checksum mismatch")]
+    code, lines = _cli(capsys, "verify", nested)
+    assert code == 1 and any(str(path) in line for line in lines), lines
+
+
+@pytest.mark.parametrize(
+    "name",
+    [".hidden", "huggingface/.cache_note", "huggingface/processor/extra.json", "notes/a/b.txt"],
+)
+def test_a_file_added_after_the_save_is_reported(nested, capsys, name):
+    path = nested / name
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("added later")
+    report = verify(nested)
+    assert [p.path for p in report.problems] == [str(path)], report.problems
+    assert "not in the manifest" in report.problems[0].message
+    code, lines = _cli(capsys, "verify", nested)
+    assert code == 1 and any(str(path) in line for line in lines), lines
+
+
+def test_a_deleted_file_in_a_subfolder_is_caught(nested):
+    path = nested / "huggingface" / "additional_chat_templates" / "tool_use.jinja"
+    path.unlink()
+    report = verify(nested)
+    assert [p.path for p in report.problems] == [str(path)], report.problems
+
+
+def test_commit_debris_is_neither_listed_nor_reported(nested):
+    (nested / "manifest.json.tmp-0123abcd").write_text("a crash's leftover")
+    (nested / "huggingface" / f".probe-{'ab' * 16}").write_text("probe")
+    (nested / "huggingface" / "tokenizer.json.tmp-89abcdef").mkdir()
+    (nested / "huggingface" / "tokenizer.json.tmp-89abcdef" / "x").write_text("x")
+    assert verify(nested).ok
+
+
+def test_links_out_of_a_tokenizer_subfolder_are_refused(nested, tmp_path):
+    """A listed file in a subfolder that became a link out, a linked subfolder, an unlisted
+    link out: each is refused, though the bytes behind them match."""
+    outside = tmp_path / "outside"
+    shutil.copytree(nested / "huggingface" / "additional_chat_templates", outside)
+    linked_file = nested / "huggingface" / "additional_chat_templates" / "tool_use.jinja"
+    linked_file.unlink()
+    os.symlink(outside / "tool_use.jinja", linked_file)
+    report = verify(nested)
+    assert any(
+        "tool_use.jinja: symlink points outside the checkpoint" in p.line() for p in report.problems
+    ), report.problems
+
+    linked_file.unlink()
+    shutil.rmtree(linked_file.parent)
+    os.symlink(outside, linked_file.parent)
+    report = verify(nested)
+    assert not report.ok and any("outside the checkpoint" in p.line() for p in report.problems)
+
+    os.unlink(linked_file.parent)
+    shutil.copytree(outside, linked_file.parent)
+    assert verify(nested).ok
+    stray = nested / "huggingface" / "processor" / "passwd"
+    os.symlink("/etc/passwd", stray)
+    report = verify(nested)
+    assert [(p.path, p.message) for p in report.problems] == [
+        (str(stray), "symlink points outside the checkpoint")
+    ]
+
+
+def test_a_link_to_a_listed_file_is_not_an_unlisted_file(nested):
+    (nested / "huggingface" / "tokenizer.json").rename(nested / "real-tokenizer.json")
+    os.symlink("../real-tokenizer.json", nested / "huggingface" / "tokenizer.json")
+    report = verify(nested)  # the listed name leads to the file; the file itself is covered
+    assert report.ok, report.problems
 
 
 # --- verify catches what restore catches: swapped verl optimizer rank files --------------------
@@ -221,3 +348,43 @@ def test_verify_catches_a_truncated_dcp_optimizer_item(dcp_train_state):
         f.truncate(start + length - 16)
     report = verify(dcp_train_state)
     assert not report.ok and any(str(path) in p.line() for p in report.problems)
+
+
+def _fresh_train_state() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(1)
+    model = torch.nn.Linear(64, 32)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 64)).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+@pytest.mark.parametrize(
+    "key", ["optimizer.state.weight.exp_avg", "optimizer.state.bias.exp_avg_sq", "model.weight"]
+)
+def test_restore_checks_every_dcp_item_before_touching_anything(dcp_train_state, key):
+    """restore() of a DCP train state checks the CRC-32s of every item it reads, optimizer
+    items as well as the model's, before anything is written into the live objects."""
+    path = _flip_in_data_record(dcp_train_state, key)
+    model, optimizer = _fresh_train_state()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    state_before = {
+        k: v.clone() for k, v in optimizer.state_dict()["state"][0].items() if torch.is_tensor(v)
+    }
+    with pytest.raises(shardstream.ShardstreamError) as caught:
+        shardstream.load(dcp_train_state, model=model, optimizer=optimizer)
+    message = str(caught.value)
+    assert len(message.splitlines()) == 1 and str(path) in message and key in message, message
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    state_after = optimizer.state_dict()["state"][0]
+    assert all(torch.equal(v, state_after[k]) for k, v in state_before.items())
+
+
+def test_model_only_restore_does_not_read_a_damaged_optimizer_item(dcp_train_state):
+    _flip_in_data_record(dcp_train_state, "optimizer.state.weight.exp_avg")
+    model, _ = _fresh_train_state()
+    shardstream.load(dcp_train_state, model=model)  # reads no optimizer tensor
+    with pytest.raises(shardstream.ShardstreamError, match="exp_avg"):
+        shardstream.load(
+            dcp_train_state, model=model, optimizer=torch.optim.AdamW(model.parameters())
+        )

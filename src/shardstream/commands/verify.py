@@ -418,6 +418,9 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
             native.open_native(directory)  # cross-checks chunks against headers and tiling
         except ShardstreamError as exc:
             report.problems.append(Problem(str(directory), _strip(exc, directory)))
+    # A manifest that lists every file: one it does not list was added or renamed since.
+    for path, problem in native.unlisted_files(directory, manifest):
+        report.problems.append(Problem(str(path), problem))
 
 
 def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:

@@ -753,3 +753,27 @@ def item_records(
     finally:
         os.close(fd)
     return sorted(records, key=lambda r: r.start)
+
+
+def check_items_dealt_out(items: list[tuple[str, Path, int, int]], what: str = "restore") -> None:
+    """Check the zip records of DCP ``items`` (as ``item_ranges`` gives them) against their
+    CRC-32s once across the process group, item i by process i % K, before anything is read
+    for real: each item is a ``torch.save`` archive, and torch checks no CRC when it loads.
+    A damaged record fails every process alike, naming the file, the zip record and the item."""
+    from ..storage import collectives as coll
+    from .torch_pt import check_records
+
+    mine: dict[str, list[tuple[str, int, int]]] = {}
+    for key, path, start, length in items[coll.rank() :: coll.world()]:
+        mine.setdefault(str(path), []).append((key, start, length))
+    error = None
+    try:
+        for location, held in mine.items():
+
+            def item_of(lo: int, hi: int, held=held) -> list[str]:
+                return [k for k, s, n in held if s < hi and lo < s + n]
+
+            check_records(location, item_of, item_records(location, [(s, n) for _, s, n in held]))
+    except Exception as exc:  # noqa: BLE001  (every process must learn of it)
+        error = exc
+    coll.agree_or_raise(error, what)

@@ -35,7 +35,7 @@ from ..errors import (
     UnsafeCheckpointError,
     UsageError,
 )
-from ..storage.commit import atomic_write_bytes
+from ..storage.commit import atomic_write_bytes, is_temporary
 from ..storage.run_layout import MANIFEST
 from . import jsondoc
 from .layout_names import describe_mesh
@@ -49,7 +49,19 @@ FORMAT_VERSION = 2
 READABLE_VERSIONS = (1, 2)
 Region = tuple[tuple[int, ...], tuple[int, ...]]  # (start, shape) of a block of a tensor
 MAX_MANIFEST_BYTES = 1 << 30
-SAFE_NAME = re.compile(r"^(huggingface/)?[A-Za-z0-9_][A-Za-z0-9._-]{0,254}$")
+# A file name in a manifest: a path relative to the step directory, '/'-separated, each part
+# printable (no control characters), at most 255 characters, never "." or "..".
+_NAME_PART = re.compile(r"[^/\x00-\x1f\x7f]{1,255}")
+MAX_NAME_PARTS = 32
+MAX_NAME_CHARS = 4096
+# What shardstream itself leaves in a step directory only while writing it (or after a crash
+# there): staged files and directories (``*.tmp-<hex>*``, storage/commit.py), the hf export's
+# shared-filesystem probe, the manager's and verl roles' lock files. Never listed, never
+# reported as unlisted.
+_DEBRIS = re.compile(r"\.probe-[0-9a-f]{32}|\.shardstream(-.*)?\.lock")
+# Manifest key: true when ``files`` lists every file of the step (side_file_records), so a
+# file it does not list was added or renamed after the save. Older manifests lack it.
+FILES_COMPLETE = "files_complete"
 CONTENTS = ("model", "optimizer", "extra", "hf_model")  # what a step directory can hold
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 MODEL_PREFIX = "model."
@@ -74,20 +86,43 @@ def extra_files(rank: int) -> tuple[str, str]:
     return f"extra-rank-{rank:05d}.json", f"extra-rank-{rank:05d}.safetensors"
 
 
+def is_safe_name(name: object) -> bool:
+    """Whether ``name`` may name a file of a step: a relative path, each part printable and
+    neither "." nor ".." (where it leads is checked separately, see ``check_name``)."""
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
+        return False
+    parts = name.split("/")
+    return len(parts) <= MAX_NAME_PARTS and all(
+        _NAME_PART.fullmatch(part) and part not in (".", "..") for part in parts
+    )
+
+
+def is_debris(name: str) -> bool:
+    """Whether a file or folder name is shardstream's own staging or lock debris."""
+    return is_temporary(name) or bool(_DEBRIS.fullmatch(name))
+
+
 def check_name(directory: Path, name: object, what: str) -> Path:
     """A file name from a manifest: plain, inside ``directory``, no links out."""
-    if not isinstance(name, str) or not SAFE_NAME.fullmatch(name) or name in (".", ".."):
+    if not is_safe_name(name):
         raise UnsafeCheckpointError(
-            f"{directory / MANIFEST}: {what} names file {name!r}, which is not a plain file name "
-            "inside the checkpoint"
+            f"{directory / MANIFEST}: {what} names file {str(name)[:300]!r}, which is not a "
+            "plain file name inside the checkpoint"
         )
     path = directory / name
-    # The file, or the huggingface/ directory it sits in, may be a link out of the checkpoint.
-    if path.is_symlink() or (path.parent != directory and path.parent.is_symlink()):
-        real = Path(os.path.realpath(path))
-        if Path(os.path.realpath(directory)) not in real.parents:
+    # The file, or a folder on its way (huggingface/, a tokenizer's subfolder), may be a link
+    # out of the checkpoint.
+    parts = name.split("/")
+    if any(directory.joinpath(*parts[: i + 1]).is_symlink() for i in range(len(parts))):
+        if not _inside(directory, path):
             raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
     return path
+
+
+def _inside(directory: Path, path: Path) -> bool:
+    """Whether ``path``, its links followed, is inside ``directory`` (followed as well)."""
+    base = Path(os.path.realpath(directory))
+    return base in Path(os.path.realpath(path)).parents
 
 
 def missing_note(manifest: dict, name: str) -> str:
@@ -157,23 +192,75 @@ def canonical(doc: dict) -> bytes:
 
 
 def side_file_records(directory: Path, listed: dict) -> dict[str, dict]:
-    """``{"size", "xxh3"}`` of every file of the step ``directory`` (and its ``huggingface/``)
+    """``{"size", "xxh3"}`` of every regular file of the step ``directory``, at any depth,
     that ``listed`` (the manifest's ``files`` so far) does not name: config, generation config,
-    tokenizer and processor files, LoRA metadata, anything written beside the data. Every
-    file a checkpoint holds is then checked, by verify and when merge copies it."""
+    tokenizer and processor files (with their subfolders, a chat template's), hidden files,
+    LoRA metadata, anything written beside the data. Only manifest.json, shardstream's own
+    staging and lock debris (``is_debris``) and symlinks are left out. Every file a
+    checkpoint holds is then checked, by verify and when merge copies it; verify reports a
+    file the manifest does not list (``unlisted_files``)."""
     records = {}
-    for sub in ("", "huggingface/"):
-        folder = directory / sub
-        if not folder.is_dir() or folder.is_symlink():
+    for name, entry in _regular_files(directory):
+        if name in listed or name == MANIFEST:
             continue
-        for entry in sorted(folder.iterdir()):
-            name = sub + entry.name
-            if name in listed or name == MANIFEST or not SAFE_NAME.fullmatch(name):
-                continue
-            if entry.is_symlink() or not entry.is_file():
-                continue
-            records[name] = {"size": entry.stat().st_size, "xxh3": file_digest(entry)}
+        if entry.is_symlink():
+            continue  # a link is checked where the file it names is
+        if not is_safe_name(name):
+            raise CheckpointFormatError(
+                f"{entry}: a file name the manifest cannot list (a control character, or "
+                "too long); rename or remove it"
+            )
+        records[name] = {"size": entry.stat().st_size, "xxh3": file_digest(entry)}
     return records
+
+
+def _regular_files(directory: Path) -> Iterator[tuple[str, Path]]:
+    """(name relative to ``directory``, path) of every file below ``directory`` that is not
+    a folder, symlinks included, in sorted order; debris and linked folders are not entered."""
+    for dirpath, dirnames, filenames in os.walk(directory):
+        base = Path(dirpath)
+        prefix = os.path.relpath(dirpath, directory)
+        prefix = "" if prefix == "." else prefix.replace(os.sep, "/") + "/"
+        dirnames[:] = sorted(d for d in dirnames if not is_debris(d))
+        for d in dirnames:
+            if (base / d).is_symlink():  # os.walk does not enter it; a link is named as one
+                yield prefix + d, base / d
+        for f in sorted(filenames):
+            if not is_debris(f):
+                yield prefix + f, base / f
+
+
+def unlisted_files(directory: Path, manifest: dict) -> list[tuple[Path, str]]:
+    """Files of the step ``directory`` that its manifest does not list, each with what is
+    wrong: a regular file or a link to one that no listed name leads to, or a link out of the
+    checkpoint. Only for manifests that say they list every file (``FILES_COMPLETE``)."""
+    if manifest.get(FILES_COMPLETE) is not True:
+        return []
+    listed = manifest.get("files", {})
+    unnamed = [
+        entry
+        for name, entry in _regular_files(directory)
+        if name not in listed and name != MANIFEST
+    ]
+    if not unnamed:
+        return []
+    # What the listed names lead to, links followed: a file one of them links to is listed.
+    covered = {os.path.realpath(directory / name) for name in listed if is_safe_name(name)}
+    found = []
+    for entry in unnamed:
+        if entry.is_symlink():
+            if not _inside(directory, entry):
+                found.append((entry, "symlink points outside the checkpoint"))
+                continue
+            if entry.is_dir() or os.path.realpath(entry) in covered:
+                continue  # a link to a folder (walked where it is) or to a listed file
+        elif not entry.is_file():
+            found.append((entry, "not a regular file (named in no manifest entry)"))
+            continue
+        elif os.path.realpath(entry) in covered:
+            continue  # a listed name is a link to it
+        found.append((entry, "not in the manifest (added or renamed after the save)"))
+    return found
 
 
 def file_digest(path: Path) -> str:

@@ -65,6 +65,9 @@ class _Source:
     # (shardstream's format: saved with the same state-dict function). None: ignored, as DCP's
     # and verl's own loaders do.
     all_names: frozenset[str] | None = None
+    # Run by every rank together once all have opened the source, before anything is read
+    # into the live objects: DCP's items checked against their zip records' CRC-32s.
+    precheck: Any = None
 
 
 def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
@@ -141,7 +144,9 @@ def _open_source(
         _refuse_accelerate_part(path, want_optimizer)
         # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
         # and the optimizer, scheduler and step of a train state when they are asked for.
-        return _dcp_source(path, path, model, optimizer, want_optimizer, prefix, presented, states)
+        return _dcp_source(
+            path, path, model, optimizer, want_optimizer, prefix, presented, states, verify
+        )
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
 
@@ -230,16 +235,19 @@ def _dcp_source(
     prefix,
     presented: dict | None = None,
     states: tuple[str, ...] = (),
+    verify: bool = True,
 ) -> _Source:
     """A DCP model directory, with the train state in ``optimizer_dir`` (itself, for one
     ``dcp.save`` of everything; accelerate's ``optimizer_N`` beside it). ``states``: other
-    containers to read (torchtitan's ``dataloader``)."""
+    containers to read (torchtitan's ``dataloader``). ``verify``: every item read is checked
+    against its CRC-32s first (``_dcp_precheck``)."""
     from ..formats import dcp as dcp_format
 
     ckpt = dcp_format.open_dcp(path, prefix)
     tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
     saved, objects = {"model"}, {}
     step = _step_of(path)
+    unread: list[GlobalTensor] = []  # optimizer tensors not restored: not checked either
     if optimizer_dir is not None:
         same = optimizer_dir == path
         train = dcp_format.open_dcp_train_state(
@@ -263,12 +271,47 @@ def _dcp_source(
                 if presented and isinstance(saved_optimizer, dict):
                     saved_optimizer = _presented_optimizer(saved_optimizer, presented)
                 objects["optimizer"] = _dcp_optimizer_objects(optimizer_dir, saved_optimizer, live)
+            else:
+                unread = train.optimizer_tensors
         if "lr_scheduler" in train.objects:
             objects["lr_scheduler"] = train.objects["lr_scheduler"]
         for name in states:
             if name in train.objects:
                 objects[_STATE + name] = train.objects[name]
-    return _Source(tensors, FileEndpoint, saved, objects, step, lambda rank: {})
+    source = _Source(tensors, FileEndpoint, saved, objects, step, lambda rank: {})
+    if verify:
+        directories = {path: ckpt.metadata}
+        if optimizer_dir is not None and optimizer_dir != path:
+            directories[optimizer_dir] = None
+        source.precheck = _dcp_precheck(directories, unread)
+    return source
+
+
+def _dcp_precheck(directories: dict[Path, Any], unread: list[GlobalTensor]):
+    """A ``precheck`` of every DCP item of ``directories`` (each with its unpickled
+    ``.metadata``, or None) that a restore may read: model, optimizer, scheduler, train state;
+    all but the items of ``unread`` (optimizer tensors not restored). Each item is a
+    ``torch.save`` archive whose zip records carry CRC-32s, checked as verify checks them."""
+    import bisect
+
+    from ..formats.dcp import check_items_dealt_out, item_ranges
+
+    skip: dict[str, list[int]] = {}
+    for tensor in unread:
+        for block in tensor.blocks:
+            skip.setdefault(str(block.location), []).append(block.offset)
+    for offsets in skip.values():
+        offsets.sort()
+    items = []
+    for directory, metadata in directories.items():
+        for item in item_ranges(directory, metadata):
+            _, file, start, length = item
+            offsets = skip.get(str(file), [])
+            i = bisect.bisect_left(offsets, start)
+            if i < len(offsets) and offsets[i] < start + length:
+                continue  # holds an optimizer tensor this restore does not read
+            items.append(item)
+    return lambda: check_items_dealt_out(items, "restore")
 
 
 # objects["state:<name>"]: a Stateful's saved state, passed as load(states={name: obj})
@@ -284,7 +327,14 @@ def _accelerate_source(
 
     parts = accelerate_state(path)
     source = _dcp_source(
-        parts.model, parts.optimizer, model, optimizer, want_optimizer, prefix, presented
+        parts.model,
+        parts.optimizer,
+        model,
+        optimizer,
+        want_optimizer,
+        prefix,
+        presented,
+        verify=verify,
     )
     source.step = _step_of(path)
     if parts.optimizer is None:
@@ -579,6 +629,8 @@ def load(
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
         error = exc
     coll.agree_or_raise(error, "restore")
+    if source.precheck is not None:
+        source.precheck()
     available, endpoint = source.tensors, source.endpoint
     reader = native_storage.StreamingReader(
         {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)

@@ -365,6 +365,7 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             }
             # Configs, tokenizer files, LoRA metadata: every other file is checksummed too.
             file_section.update(native.side_file_records(tmp, file_section))
+            manifest[native.FILES_COMPLETE] = True
             fsync_tree(tmp)
             native.write_manifest(tmp, manifest)
             staged.commit()
