@@ -39,10 +39,23 @@ DATA_TESTS = {
     "test_permissions",
     "test_corruption",
     "test_concurrency",
+    "test_swap_crash",
 }
+# Every tests/reliability/test_*.py is in one section (main() refuses to run otherwise). A
+# test file whose tests record no figures counts one trial per test case it ran.
 SECTIONS = [
-    ("verify", "1. `shardstream verify`", "test_verify_cli", ("verify:",)),
-    ("kill", "2. kill -9 during save and merge", "test_kill", ("kill -9",)),
+    (
+        "verify",
+        "1. `shardstream verify`",
+        ("test_verify_cli", "test_verify_parts"),
+        ("verify:",),
+    ),  # fmt: skip
+    (
+        "kill",
+        "2. kill -9 during save, merge and the commit swap",
+        ("test_kill", "test_swap_crash"),
+        ("kill -9",),
+    ),  # fmt: skip
     ("disk", "3. Disk full", "test_disk_full", ("disk full",)),
     (
         "perm",
@@ -51,10 +64,28 @@ SECTIONS = [
         ("read-only", "permission"),
     ),  # fmt: skip
     ("corrupt", "5. Corruption", "test_corruption", ("corruption:",)),
-    ("hostile", "6. Hostile inputs", "test_hostile", ("hostile",)),
+    (
+        "hostile",
+        "6. Hostile inputs",
+        ("test_hostile", "test_hostile_inputs", "test_hostile_pickles"),
+        ("hostile",),
+    ),  # fmt: skip
     ("fuzz", "7. Fuzzing the readers", ("test_fuzz", "test_fuzz_structured"), ("fuzz:",)),
     ("conc", "8. Concurrency", "test_concurrency", ("concurrency:",)),
+    (
+        "formats",
+        "9. Older formats and partial reads",
+        ("test_format_versions", "test_lazy_open"),
+        ("format:",),
+    ),  # fmt: skip
 ]
+
+
+def unsectioned_test_files() -> list[str]:
+    """tests/reliability/test_*.py files that no section reports."""
+    known = {f for _, _, file, _ in SECTIONS for f in _files(file)}
+    found = sorted(p.stem for p in (REPO / "tests" / "reliability").glob("test_*.py"))
+    return [f for f in found if f not in known]
 
 
 def run_pytest(soak: bool, workdir: Path, extra: list[str]) -> dict:
@@ -164,6 +195,28 @@ def _section_of(name: str, rec: dict | None = None) -> str | None:
     return None
 
 
+def _case_trials(run: dict | None, keys=None) -> dict[str, int]:
+    """Test cases of ``run`` (passed or failed, not skipped) that recorded no figures besides a
+    ``failed:`` record, by test file, for the sections ``keys`` (None: all)."""
+    if not run:
+        return {}
+    recorded = set()
+    for rec in run["records"]:
+        if rec.get("test") and not str(rec.get("name", "")).startswith("failed: "):
+            file, _, name = rec["test"].partition("::")
+            recorded.add((file.rsplit("/", 1)[-1].removesuffix(".py"), name))
+    wanted = {
+        f for key, _, file, _ in SECTIONS if keys is None or key in keys for f in _files(file)
+    }
+    out: dict[str, int] = {}
+    for t in run["tests"]:
+        if t["file"] not in wanted or t["outcome"] not in ("passed", "failed", "xfailed"):
+            continue
+        if (t["file"], t["name"]) not in recorded:
+            out[t["file"]] = out.get(t["file"], 0) + 1
+    return out
+
+
 def _count(record: dict) -> int:
     return int(record.get("trials") or record.get("examples") or record.get("reads") or 0)
 
@@ -196,12 +249,17 @@ def render(results: dict) -> str:
     def section(name: str, rec: dict) -> str | None:
         return _section_of(name, next(iter(rec.values())))
 
+    def case_trials(mode: str, keys=None) -> dict[str, int]:
+        """Per test file, the test cases run that recorded no figures of their own (one
+        trial each; a failed one's violations are counted from its ``failed:`` record)."""
+        return _case_trials(runs.get(mode), keys)
+
     def totals(mode: str, keys=None) -> int:
         return sum(
             _count(rec[mode])
             for name, rec in by_name.items()
             if mode in rec and (keys is None or section(name, rec) in keys)
-        )
+        ) + sum(case_trials(mode, keys).values())
 
     def violations_in(keys=None) -> int:
         return sum(
@@ -349,6 +407,22 @@ def render(results: dict) -> str:
                     for k, v in items:
                         for one in v if isinstance(v, list) else [v]:
                             lines.append(f"  - {k}: `{_fmt(one)[:240]}`")
+        plain = {m: case_trials(m, {key}) for m in ("test", "soak") if m in runs}
+        for test_file in sorted({f for counts in plain.values() for f in counts}):
+            counts = ", ".join(
+                f"{plain[m].get(test_file, 0)} in `make {m}`"
+                for m in ("test", "soak")
+                if m in plain
+            )
+            failed_here = sum(
+                1
+                for t in tests.get(main, [])
+                if t["file"] == test_file and t["outcome"] == "failed"
+            )
+            lines.append(
+                f"- **`{test_file}.py`**, checks that record no figures (one trial per test "
+                f"case run) — {counts}; failed {failed_here}"
+            )
         cases = [t for t in tests.get(main, []) if t["file"] in _files(file)]
         if cases:
             lines += ["", "<details><summary>tests</summary>", ""]
@@ -365,7 +439,14 @@ INTRO = {
     "`latest` pointer) and merged HF directories (one file, and sharded with an index): exit 0 "
     "when all is well, otherwise exit 1 with one line per problem naming the file, the tensor "
     "and the byte range; `--json` gives the same as a document. Also run as a real "
-    "`python -m shardstream` process.",
+    "`python -m shardstream` process. Every part of a checkpoint is checked "
+    "(`test_verify_parts.py`): every file a step holds, at any depth and hidden ones too "
+    "(config, generation config, tokenizer and processor files with their subfolders), is "
+    "listed in the manifest with its digest, so verify reports a flipped, deleted or added "
+    "file and a link out of the checkpoint, and merge checks what it copies; verify catches "
+    "what restore catches (swapped verl optimizer rank files, a truncated DCP optimizer item, "
+    "a flipped bit in any DCP item by its zip record's CRC-32), and restore of a DCP train "
+    "state checks every item it reads against its CRC-32s before anything is touched.",
     "kill": '2 or 3 ranks (gloo, FSDP2 `fully_shard` on a ("fsdp",) mesh) train and save every '
     "step through `CheckpointManager(save_interval=1, keep_last=2)`; SIGKILL hits one rank (the "
     "others are given 5 s to fail by themselves, then killed) or all of them at a random moment "
@@ -383,7 +464,10 @@ INTRO = {
     "same command run again succeeds and removes the killed run's `TARGET.tmp-*` directory (its "
     "owner process is dead), leaving nothing beside the target. Every check that fails in a "
     "trial is counted as a violation (the next trial starts a fresh directory) and fails the "
-    "test.",
+    "test. Inside the commit swap itself (`test_swap_crash.py`), a child replacing step N or "
+    "a merge target kills itself right after the atomic exchange, or between the fallback's "
+    "two renames: the next start finds the directory committed, old or new, and no temporary; "
+    "retention killed between its rename and its delete never brings the dropped step back.",
     "disk": "A small tmpfs (or a loop-mounted image), filled by a ballast file to leave a chosen "
     "number of bytes, swept from 0 to more than a checkpoint needs so the space runs out at each "
     "stage in turn. A save fails with `OutOfSpaceError`, `latest` still names the previous "
@@ -416,7 +500,16 @@ INTRO = {
     "the `huggingface/` directory), absurd sizes and counts — refused with a clear error. For a "
     "code-running pickle in the optimizer or extra-state file, restore refuses it, verify and "
     "inspect exit cleanly without running it, and merge succeeds without opening the file at "
-    "all (an audit hook records every file it opens).",
+    "all (an audit hook records every file it opens). Inputs that once ended in a traceback or "
+    "a silent success (`test_hostile_inputs.py`): config and tokenizer files linked out of a "
+    "DCP or verl checkpoint, a damaged `latest` pointer, JSON files that are not objects or "
+    "hold NaN, Infinity or huge integers, unreadable files, absurd `--buffer-size`s, symlinked "
+    "merge targets: one line `shardstream <cmd>: error: ...` naming the file, a non-zero exit, "
+    "nothing written. Hostile pickles (`test_hostile_pickles.py`): exponential shared "
+    "references, hashing bombs, `OrderedDict`s built with odd state and DeviceMesh-building "
+    "pickles in verl `.pt` files and DCP `.metadata`, each run in a child under a wall-clock "
+    "guard and an address-space limit with torchrun-style variables set: a prompt one-line "
+    "error, no hang, no rendezvous.",
     "fuzz": "Hypothesis drives mutations of real files into every reader of untrusted bytes: "
     "the manifest (byte edits, which must all be rejected, and structural edits re-sealed with "
     "a valid checksum), safetensors headers, verl `.pt` files and DCP metadata and data files "
@@ -443,6 +536,11 @@ INTRO = {
     "with `keep_last=2`: whatever they "
     "read equals that step's recorded state; the only failure allowed is a step that retention "
     "removed while it was read (a clean error, and the directory is then gone).",
+    "formats": "Format version 1 manifests (chunk lists only, no grid entries) still open, "
+    "restore and verify (`test_format_versions.py`). A restoring rank reads the headers of "
+    "only the data files holding the rows it restores, and a merge only those holding model "
+    "tensors; a grid entry that disagrees with a rank file, or spans more ranks than there "
+    "are files, is refused naming the tensor and the file (`test_lazy_open.py`).",
 }
 
 KNOWN_GAPS = [
@@ -472,6 +570,9 @@ def main(argv=None) -> int:
     parser.add_argument("--render", action="store_true", help="only re-render the doc")
     parser.add_argument("pytest_args", nargs="*", help="extra pytest arguments (e.g. -k kill)")
     args = parser.parse_args(argv)
+    missing = unsectioned_test_files()
+    if missing:
+        parser.error(f"tests/reliability/{missing[0]}.py is in no section of SECTIONS: add it")
     if args.render:
         results = json.loads(SOAK_JSON.read_text())
     else:
