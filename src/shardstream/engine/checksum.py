@@ -9,6 +9,10 @@ try:  # zlib-ng's CRC-32 uses carry-less multiplication: ~10x the stdlib's on x8
     from zlib_ng.zlib_ng import crc32
 except ImportError:  # pragma: no cover - the same function, slower
     from zlib import crc32
+try:  # CRC-32 of A + B from CRC-32(A), CRC-32(B) and len(B): pieces checked in any order
+    from zlib_ng.zlib_ng import crc32_combine
+except ImportError:  # pragma: no cover - pieces are then hashed in file order only
+    crc32_combine = None
 
 ALGORITHM = "xxh3_64"
 EMPTY_DIGEST = xxhash.xxh3_64_hexdigest(b"")
@@ -51,7 +55,12 @@ class ChunkHasher:
 
 
 class Crc32:
-    """CRC-32 (zip's) behind the hasher interface of ``new_hasher()``: 8 lower-case hex digits."""
+    """CRC-32 (zip's) behind the hasher interface of ``new_hasher()``: 8 lower-case hex digits.
+
+    ``combinable``: pieces of a span can be hashed apart, in any order, and their CRCs joined
+    (``crc32_combine``), so a reader may visit a record's bytes out of order."""
+
+    combinable = crc32_combine is not None
 
     def __init__(self) -> None:
         self.value = 0

@@ -20,7 +20,7 @@ import torch
 
 from ..errors import CheckpointFormatError, ChecksumMismatchError
 from ..units import DEFAULT_CHUNK_BYTES
-from .checksum import new_hasher
+from .checksum import crc32, crc32_combine, new_hasher
 from .dtypes import code_of
 from .plan import Block
 from .transfer import HostTransfer, default_transfer
@@ -65,6 +65,13 @@ class FileEndpoint(Endpoint):
     progress, and every caller calls it before it commits or returns what it read. Reads in
     file order touch each byte once; a read behind the chunk in progress restarts that chunk.
 
+    Where the hasher is a CRC-32 (zip records), reads need no order: each read's bytes are
+    hashed as a piece of their record, adjacent pieces are joined (``crc32_combine``), and a
+    record is checked once its pieces cover it; ``finish()`` reads and hashes the gaps of the
+    records left open. So the per-expert slices of a fused MoE tensor, which output order
+    visits gate halves first and up halves after, are read once, not once per pass. Only a
+    read of bytes already hashed in an open record checks that record first and opens it anew.
+
     Chunks are ``chunk_bytes`` apart from ``data_start`` (shardstream's safetensors files), or
     the given ``spans`` (zip records, whose CRC-32s ``hasher`` computes); bytes outside every
     span (zip headers) are read unchecked.
@@ -97,6 +104,10 @@ class FileEndpoint(Endpoint):
         self._lo = self._hi = self._hashed_to = 0  # its bytes, and how far they are hashed
         self._hasher = hasher()
         self.chunks_read = 0  # chunks hashed and checked (tests and benchmarks watch this)
+        # CRC-32 spans read out of order: span index -> sorted [start, end, crc] pieces hashed
+        self._pieces: dict[int, list[list[int]]] | None = None
+        if self.spans is not None and getattr(self._hasher, "combinable", False):
+            self._pieces = {}
         self._unmappable = False
         self._no_probe = False  # prefetch: the file system refuses RWF_NOWAIT
         self._probe = bytearray(1)
@@ -179,6 +190,9 @@ class FileEndpoint(Endpoint):
                 f"{self.name}: bytes [{offset}, {offset + flat.nbytes}) start before the "
                 f"checksummed data section at {self.data_start}"
             )
+        if self._pieces is not None:
+            self._checked_pieces(offset, flat, copy)
+            return
         pos, end = offset, offset + flat.nbytes
         while pos < end:
             if pos >= self.size:
@@ -203,12 +217,78 @@ class FileEndpoint(Endpoint):
             if pos == self._hi:
                 self._check()
 
+    def _checked_pieces(self, offset: int, flat: np.ndarray, copy: bool) -> None:
+        """``_checked`` for CRC-32 spans, in any order: each span's share of the bytes is
+        hashed as one piece of it."""
+        pos, end = offset, offset + flat.nbytes
+        while pos < end:
+            if pos >= self.size:
+                self._truncated(offset, end)
+            index, lo, hi = self._chunk_at(pos)
+            take = min(end, hi) - pos
+            piece = flat[pos - offset : pos - offset + take]
+            if copy:
+                self._pread(pos, piece)
+            if index is not None:
+                self._add_piece(index, lo, hi, pos, pos + take, crc32(memoryview(piece)))
+            pos += take
+
+    def _add_piece(self, index: int, lo: int, hi: int, a: int, b: int, crc: int) -> None:
+        """Record that bytes [a, b) of span ``index`` ([lo, hi)) hash to ``crc``; join it to
+        its neighbours and check the span once they cover it."""
+        pieces = self._pieces.setdefault(index, [])
+        at = bisect.bisect_left(pieces, [a])
+        if (at > 0 and pieces[at - 1][1] > a) or (at < len(pieces) and pieces[at][0] < b):
+            self._finish_span(index)  # these bytes were hashed already: check, then anew
+            pieces = self._pieces.setdefault(index, [])
+            at = 0
+        if at < len(pieces) and pieces[at][0] == b:  # join the piece that follows
+            nxt = pieces.pop(at)
+            crc, b = crc32_combine(crc, nxt[2], nxt[1] - nxt[0]), nxt[1]
+        if at > 0 and pieces[at - 1][1] == a:  # and the one before
+            prev = pieces[at - 1]
+            prev[1], prev[2] = b, crc32_combine(prev[2], crc, b - a)
+        else:
+            pieces.insert(at, [a, b, crc])
+        if len(pieces) == 1 and pieces[0][0] == lo and pieces[0][1] == hi:
+            del self._pieces[index]
+            self.chunks_read += 1
+            if index >= len(self.digests) or f"{pieces[0][2]:08x}" != self.digests[index]:
+                raise ChecksumMismatchError(
+                    f"{self.name}: checksum mismatch in bytes [{lo}, {hi}){self.describe(lo, hi)}"
+                )
+
+    def _finish_span(self, index: int) -> None:
+        """Read and hash the bytes of open span ``index`` no read has covered, and check it."""
+        lo, hi = self._chunk_bounds(index)
+        gaps, cursor = [], lo
+        for a, b, _ in self._pieces.get(index, ()):
+            if a > cursor:
+                gaps.append((cursor, a))
+            cursor = b
+        if cursor < hi:
+            gaps.append((cursor, hi))
+        if not gaps:  # covered pieces close their span as they join: nothing left open
+            self._pieces.pop(index, None)
+            return
+        scratch = np.empty(min(max(b - a for a, b in gaps), self._SKIP_BYTES), dtype=np.uint8)
+        for a, b in gaps:
+            while a < b:
+                if a >= self.size:
+                    self._truncated(a, b)
+                piece = scratch[: min(b - a, scratch.nbytes)]
+                self._pread(a, piece)
+                self._add_piece(index, lo, hi, a, a + piece.nbytes, crc32(memoryview(piece)))
+                a += piece.nbytes
+
     def finish(self) -> None:
         """Read the rest of the chunk in progress and check it (every byte handed out from it
         is then verified). Raises ``ChecksumMismatchError`` naming the file and bytes."""
         if self._chunk is not None:
             self._hash_through(self._hi)
             self._check()
+        while self._pieces:
+            self._finish_span(min(self._pieces))
 
     def check_all(self) -> None:
         """Read and check every chunk (every span) of the file, front to back, through a small
