@@ -1,62 +1,125 @@
 """Merge of a fused-expert Qwen3-MoE verl checkpoint (transformers 5) into save_pretrained's
-per-expert layout, against ``save_pretrained`` itself.
+per-expert layout, against a dense checkpoint of the same size (issue #22's benchmark).
 
-    python bench/moe_merge.py [--experts 32] [--layers 4] [--hidden 1024] [--moe-inter 512]
+    python bench/moe_merge.py [--experts 64] [--layers 6] [--hidden 1024] [--moe-inter 512]
+                              [--world 2] [--repeats 5] [--workdir DIR] [--no-doc]
 
-1. One process per rank (``--world``, FSDP2 over gloo) saves the model as verl does
-   (``model_world_size_W_rank_R.pt``, fp32).
-2. ``shardstream merge`` (bf16, 5 GB files) runs under ``harness.process.run_measured``.
-3. The same weights, built in one process and cast to bf16, go through ``save_pretrained``
-   (what verl's merger ends in, without its gather): the floor a merger that holds the
-   whole model pays, measured the same way.
+1. One process per rank (``--world``, FSDP2 over gloo) saves each model as verl does
+   (``model_world_size_W_rank_R.pt``, fp32): a ``Qwen3MoeForCausalLM`` (fused
+   ``experts.gate_up_proj`` [E, 2I, H] and ``experts.down_proj`` [E, H, I]) and a dense
+   ``Qwen3ForCausalLM`` with the same attention, embeddings and layer count whose MLP width is
+   chosen so that both hold the same number of parameters (so the same checkpoint bytes).
+2. ``shardstream merge --dtype bfloat16 --json`` runs ``--repeats`` times on each, interleaved
+   (dense, MoE, MoE with ``--keep-names``, dense, MoE, ...), each run under
+   ``harness.process.run_measured`` (wall time, the kernel's peak RSS of the process) after
+   ``sync`` and a read of the checkpoint (warm page cache). The MoE merge splits every fused
+   expert tensor into per-expert tensors; the ``--keep-names`` run (informational) writes the
+   fused tensors whole and never imports transformers.
+3. The MoE output is checked: no fused key left, every expert's ``gate_proj``, ``up_proj``
+   and ``down_proj`` present, and, tensor by tensor (names, dtypes, bytes) and by index, equal
+   to what ``save_pretrained`` writes for the same weights cast to bf16 (built whole in one
+   process, at the full size).
 
-Both outputs are compared tensor by tensor (names, dtypes, bytes) and by index. Writes
-``results/moe-merge.json``; prints the numbers.
+Writes ``results/moe-merge.json``, prints the numbers and, unless ``--no-doc``, re-renders the
+MoE section of docs/benchmarks.md (``bench/report.py --moe``). The checkpoints live in a
+temporary directory removed at the end unless ``--workdir`` names one to keep and reuse.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from harness import BENCH, REPO, RESULTS, MiB, log
-from harness.machine import git_revision
+from harness.cache import prepare, tree_bytes
+from harness.machine import git_revision, machine_facts, src_dirty
 from harness.process import run_measured
 
 sys.path.insert(0, str(REPO / "src"))
 
+TARGET_RSS_MIB = 512
+TARGET_RATIO = 1.10  # MoE wall time per checkpoint byte ÷ dense's
+KINDS = ("dense", "moe")  # the two checkpoints
+# What is timed, interleaved in this order every repeat: (name, checkpoint, extra merge flags).
+# "moe_fused" merges the MoE checkpoint with --keep-names: the fused tensors written whole,
+# transformers not imported. Informational: it splits the MoE merge's extra time into what
+# planning the save_pretrained layout costs (transformers' import and trace) and the rest.
+VARIANTS = (("dense", "dense", ()), ("moe", "moe", ()), ("moe_fused", "moe", ("--keep-names",)))
+SHAPE = ("experts", "layers", "hidden", "moe_inter", "world")  # what a checkpoint is built from
 
-def config(args: argparse.Namespace):
+
+def _common(args: argparse.Namespace) -> dict:
+    return {
+        "hidden_size": args.hidden,
+        "num_hidden_layers": args.layers,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 2,
+        "head_dim": args.hidden // 8,
+        "vocab_size": 8192,
+        "tie_word_embeddings": False,
+    }
+
+
+def config(args: argparse.Namespace, kind: str = "moe"):
     import transformers
 
-    c = transformers.Qwen3MoeConfig(
-        hidden_size=args.hidden,
-        intermediate_size=args.hidden * 2,
-        num_hidden_layers=args.layers,
-        num_attention_heads=8,
-        num_key_value_heads=2,
-        head_dim=args.hidden // 8,
-        vocab_size=8192,
-        moe_intermediate_size=args.moe_inter,
-        num_experts=args.experts,
-        num_experts_per_tok=2,
-    )
-    c.architectures = ["Qwen3MoeForCausalLM"]
+    if kind == "moe":
+        c = transformers.Qwen3MoeConfig(
+            **_common(args),
+            intermediate_size=args.hidden * 2,
+            moe_intermediate_size=args.moe_inter,
+            num_experts=args.experts,
+            num_experts_per_tok=2,
+        )
+        c.architectures = ["Qwen3MoeForCausalLM"]
+    else:
+        c = transformers.Qwen3Config(**_common(args), intermediate_size=dense_intermediate(args))
+        c.architectures = ["Qwen3ForCausalLM"]
     c.dtype = "bfloat16"
     return c
 
 
-def build(args: argparse.Namespace):
-    import torch
+def _model_class(kind: str):
     import transformers
+
+    return transformers.Qwen3MoeForCausalLM if kind == "moe" else transformers.Qwen3ForCausalLM
+
+
+def param_count(args: argparse.Namespace, kind: str, intermediate: int | None = None) -> int:
+    import torch
+
+    c = config(args, kind) if intermediate is None else None
+    if c is None:
+        import transformers
+
+        c = transformers.Qwen3Config(**_common(args), intermediate_size=intermediate)
+    with torch.device("meta"):
+        model = _model_class(kind)(c)
+    return sum(p.numel() for p in model.parameters())
+
+
+def dense_intermediate(args: argparse.Namespace) -> int:
+    """The dense MLP width that gives the dense model the MoE model's parameter count: the
+    dense MLP holds 3 * hidden * width parameters a layer, so solve from a width-1 model."""
+    moe = param_count(args, "moe")
+    base = param_count(args, "dense", intermediate=1)
+    per_unit = 3 * args.hidden * args.layers
+    return max(1, 1 + round((moe - base) / per_unit))
+
+
+def build(args: argparse.Namespace, kind: str = "moe"):
+    import torch
 
     torch.manual_seed(0)
     with torch.device("meta"):
-        model = transformers.Qwen3MoeForCausalLM(config(args))
+        model = _model_class(kind)(config(args, kind))
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
@@ -64,14 +127,14 @@ def build(args: argparse.Namespace):
     return model.float()
 
 
-def save_rank(rank: int, world: int, args: argparse.Namespace, actor: str) -> None:
+def save_rank(rank: int, world: int, args: argparse.Namespace, kind: str, actor: str) -> None:
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    model = build(args)
+    model = build(args, kind)
     for layer in model.model.layers:
         fully_shard(layer, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -89,84 +152,313 @@ import sys, json, argparse, torch
 sys.path.insert(0, {bench!r})
 import moe_merge
 args = argparse.Namespace(**json.loads({args!r}))
-moe_merge.build(args).to(torch.bfloat16).save_pretrained({target!r})
+moe_merge.build(args, "moe").to(torch.bfloat16).save_pretrained({target!r})
 """
 
 
-def same_output(a: Path, b: Path) -> bool:
+def _tensors(directory: Path) -> dict[str, tuple[Path, str]]:
+    """Every tensor name in ``directory``'s safetensors files, with its file."""
+    from safetensors import safe_open
+
+    found = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        with safe_open(path, "pt") as f:
+            for key in f.keys():
+                found[key] = path
+    return found
+
+
+def layout_check(merged: Path, args: argparse.Namespace) -> dict:
+    """The MoE output holds per-expert keys only: none of the fused tensors, and each expert's
+    three projections in every layer."""
+    keys = set(_tensors(merged))
+    fused = sorted(k for k in keys if k.endswith(("experts.gate_up_proj", "experts.down_proj")))
+    expected = {
+        f"model.layers.{n}.mlp.experts.{e}.{proj}.weight"
+        for n in range(args.layers)
+        for e in range(args.experts)
+        for proj in ("gate_proj", "up_proj", "down_proj")
+    }
+    present = expected & keys
+    return {
+        "fused_keys": fused[:8],
+        "per_expert_keys": len(present),
+        "per_expert_keys_expected": len(expected),
+        "ok": not fused and present == expected,
+    }
+
+
+def same_output(a: Path, b: Path) -> dict:
+    """Compare two HF directories tensor by tensor (one pair in memory at a time)."""
     import torch
     from safetensors import safe_open
 
     index = "model.safetensors.index.json"
-    if (a / index).is_file() != (b / index).is_file():
-        return False
-    if (a / index).is_file() and (a / index).read_bytes() != (b / index).read_bytes():
-        return False
-    tensors: list[dict] = [{}, {}]
-    for side, directory in enumerate((a, b)):
-        for path in directory.glob("*.safetensors"):
-            with safe_open(path, "pt") as f:
-                for key in f.keys():
-                    tensors[side][key] = f.get_tensor(key)
-    if sorted(tensors[0]) != sorted(tensors[1]):
-        return False
-    return all(
-        t.dtype == tensors[1][k].dtype
-        and t.view(torch.uint8).equal(tensors[1][k].view(torch.uint8))
-        for k, t in tensors[0].items()
-    )
+    out = {"index_equal": (a / index).is_file() == (b / index).is_file()}
+    if out["index_equal"] and (a / index).is_file():
+        out["index_equal"] = (a / index).read_bytes() == (b / index).read_bytes()
+    ta, tb = _tensors(a), _tensors(b)
+    out["keys_equal"] = sorted(ta) == sorted(tb)
+    out["tensors"] = len(ta)
+    differ, compared = [], 0
+    for key in sorted(set(ta) & set(tb)):
+        with safe_open(ta[key], "pt") as fa, safe_open(tb[key], "pt") as fb:
+            x, y = fa.get_tensor(key), fb.get_tensor(key)
+        same = x.dtype == y.dtype and x.shape == y.shape
+        same = same and x.contiguous().view(torch.uint8).equal(y.contiguous().view(torch.uint8))
+        compared += x.numel() * x.element_size()
+        if not same:
+            differ.append(key)
+    out["bytes_compared"] = compared
+    out["differing"] = differ[:8]
+    out["identical"] = out["index_equal"] and out["keys_equal"] and not differ
+    return out
 
 
-def _numbers(m) -> dict:
-    return {"wall_s": m.wall_s, "peak_rss_mib": m.peak_rss_bytes / MiB, "rc": m.returncode}
+def parse_json_stdout(stdout: str) -> dict | None:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.strip().startswith("{"):
+            try:
+                return json.loads(line)
+            except json.JSONDecodeError:
+                return None
+    return None
+
+
+def parse_json_stdout_any(stdout: str) -> dict | None:
+    """The JSON document ``stdout`` is (inspect prints it over several lines)."""
+    try:
+        return json.loads(stdout)
+    except json.JSONDecodeError:
+        return None
+
+
+def merge_once(actor: Path, target: Path, env: dict, flags: tuple[str, ...] = ()) -> dict:
+    shutil.rmtree(target, ignore_errors=True)
+    prepare("warm", actor)  # sync, then read the checkpoint once
+    argv = ["merge", "--local_dir", str(actor), "--target_dir", str(target)]
+    argv += ["--dtype", "bfloat16", "--json", *flags]
+    m = run_measured([sys.executable, "-m", "shardstream", *argv], env=env, capture_stdout=True)
+    me = parse_json_stdout(m.stdout) or {}
+    return {
+        "wall_s": m.wall_s,
+        "peak_rss_mib": m.peak_rss_bytes / MiB,
+        "rss_source": m.rss_source,
+        "user_s": m.user_s,
+        "sys_s": m.sys_s,
+        "others_cpu_share": (
+            None
+            if m.other_cpu_s is None or m.wall_s <= 0
+            else m.other_cpu_s / (m.wall_s * (os.cpu_count() or 1))
+        ),
+        "rc": m.returncode,
+        "stderr_tail": "" if m.returncode == 0 else m.stderr_tail[-1500:],
+        "merge_call_s": me.get("wall_s"),
+        "self_peak_rss_mib": (me["peak_rss_bytes"] / MiB) if me.get("peak_rss_bytes") else None,
+        "bytes_written": me.get("bytes_written"),
+        "tensors": me.get("tensors"),
+        "layout": me.get("layout"),
+    }
+
+
+def summarize(result: dict) -> dict:
+    """Medians per model, s/GB of checkpoint, the MoE/dense per-byte ratio and the goals."""
+    s = {}
+    for kind, checkpoint, _ in VARIANTS:
+        if not any(r["kind"] == kind for r in result["runs"]):
+            continue
+        runs = [r for r in result["runs"] if r["kind"] == kind and r["rc"] == 0]
+        ckpt = result["checkpoints"][checkpoint]["bytes"]
+        if not runs:
+            s[kind] = {"n_ok": 0, "n": sum(r["kind"] == kind for r in result["runs"])}
+            continue
+        wall = statistics.median(r["wall_s"] for r in runs)
+        calls = [r["merge_call_s"] for r in runs if r["merge_call_s"]]
+        s[kind] = {
+            "n_ok": len(runs),
+            "n": sum(r["kind"] == kind for r in result["runs"]),
+            "median_wall_s": wall,
+            "s_per_gb": wall / (ckpt / 1e9),
+            "median_merge_call_s": statistics.median(calls) if calls else None,
+            "call_s_per_gb": statistics.median(calls) / (ckpt / 1e9) if calls else None,
+            "median_peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
+            "max_peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
+            "median_user_sys_s": statistics.median(r["user_s"] + r["sys_s"] for r in runs),
+            "median_others_cpu_share": statistics.median(
+                r["others_cpu_share"] or 0.0 for r in runs
+            ),
+        }
+    dense = s["dense"]
+    for kind in s.copy():
+        k = s[kind]
+        if kind == "dense" or not (k.get("n_ok") and dense.get("n_ok")):
+            continue
+        k["ratio_to_dense"] = k["s_per_gb"] / dense["s_per_gb"]
+        if k["call_s_per_gb"] and dense["call_s_per_gb"]:
+            k["call_ratio_to_dense"] = k["call_s_per_gb"] / dense["call_s_per_gb"]
+    inspect = {
+        kind: statistics.median(
+            r["wall_s"] for r in result.get("inspect_runs", []) if r["kind"] == kind and not r["rc"]
+        )
+        for kind in KINDS
+        if any(r["kind"] == kind and not r["rc"] for r in result.get("inspect_runs", []))
+    }
+    if inspect:
+        s["inspect_median_wall_s"] = inspect
+    if len(inspect) == len(KINDS) and s["moe"].get("n_ok") and dense.get("n_ok"):
+        planning = inspect["moe"] - inspect["dense"]
+        s["planning_s"] = planning
+        # informational: the MoE merge without that fixed cost, per byte, against dense
+        ckpt = result["checkpoints"]["moe"]["bytes"]
+        s["ratio_without_planning"] = (
+            (s["moe"]["median_wall_s"] - planning) / (ckpt / 1e9) / dense["s_per_gb"]
+        )
+    s["ratio_moe_dense"] = s["moe"].get("ratio_to_dense")
+    s["call_ratio_moe_dense"] = s["moe"].get("call_ratio_to_dense")
+    s["rss_met"] = {k: s[k].get("max_peak_rss_mib", 1e9) <= TARGET_RSS_MIB for k in KINDS}
+    ratio = s["ratio_moe_dense"]
+    s["ratio_met"] = ratio is not None and ratio <= TARGET_RATIO
+    return s
+
+
+def ensure_checkpoint(kind: str, actor: Path, args: argparse.Namespace) -> float | None:
+    from shardstream.testing.distributed import run
+
+    done = actor.parent / "saved.json"  # written once every rank's file is complete
+    want = {"kind": kind, **{k: getattr(args, k) for k in SHAPE}}
+    if done.is_file() and json.loads(done.read_text()) == want:
+        return None
+    shutil.rmtree(actor, ignore_errors=True)
+    log(f"saving the {kind} verl checkpoint on {args.world} ranks into {actor}")
+    t = time.perf_counter()
+    run(save_rank, args.world, args, kind, str(actor), timeout=3600)
+    done.write_text(json.dumps(want))
+    return time.perf_counter() - t
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--experts", type=int, default=32)
-    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--experts", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=6)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-inter", dest="moe_inter", type=int, default=512)
-    parser.add_argument("--world", type=int, default=4)
-    parser.add_argument("--workdir", type=Path, default=None)
+    parser.add_argument("--world", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--no-fused", action="store_true", help="skip the MoE --keep-names runs (informational)"
+    )
+    parser.add_argument("--workdir", type=Path, default=None, help="keep checkpoints here")
+    parser.add_argument("--no-reference", action="store_true", help="skip save_pretrained")
+    parser.add_argument("--no-inspect", action="store_true", help="skip the inspect runs")
+    parser.add_argument("--no-doc", action="store_true", help="do not re-render the doc")
+    parser.add_argument("--out", type=Path, default=RESULTS / "moe-merge.json")
     args = parser.parse_args()
-    from shardstream.testing.distributed import run
 
+    started = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    t_start = time.perf_counter()
+    keep = args.workdir is not None
     work = Path(args.workdir or tempfile.mkdtemp(prefix="moe-merge-"))
-    actor = work / "actor"
-    shape = {k: v for k, v in vars(args).items() if k != "workdir"}
-    if not actor.exists():
-        log(f"saving the verl checkpoint on {args.world} ranks into {actor}")
-        run(save_rank, args.world, args, str(actor), timeout=1800)
-    stored = sum(p.stat().st_size for p in actor.glob("model_world_size_*.pt"))
-    for name in ("merged", "save_pretrained"):
-        shutil.rmtree(work / name, ignore_errors=True)
-    log("shardstream merge")
-    argv = ["merge", "--local_dir", str(actor), "--target_dir", str(work / "merged"), "--json"]
-    merge = run_measured(
-        [sys.executable, "-m", "shardstream", *argv],
-        env={"PYTHONPATH": str(REPO / "src")},
-        capture_stdout=True,
-    )
-    log("save_pretrained of the same weights, held whole")
-    code = SAVE_PRETRAINED.format(
-        bench=str(BENCH), args=json.dumps(shape), target=str(work / "save_pretrained")
-    )
-    floor = run_measured([sys.executable, "-c", code], env={"PYTHONPATH": str(REPO / "src")})
-    equal = same_output(work / "merged", work / "save_pretrained")
-    result = {
+    work.mkdir(parents=True, exist_ok=True)
+    shape = {k: getattr(args, k) for k in SHAPE}
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    result: dict = {
+        "started": started,
+        "argv": ["bench/moe_merge.py", *sys.argv[1:]],
         "revision": git_revision(),
-        "model": shape,
-        "checkpoint_bytes": stored,
-        "output_bytes": sum(p.stat().st_size for p in (work / "merged").glob("*.safetensors")),
-        "merge": _numbers(merge),
-        "save_pretrained": _numbers(floor),
-        "identical_output": equal,
+        "src_dirty": src_dirty(),
+        "machine": machine_facts(work),
+        "model": {**shape, "dense_intermediate": dense_intermediate(args)},
+        "params": {k: param_count(args, k) for k in KINDS},
+        "repeats": args.repeats,
+        "targets": {"peak_rss_mib": TARGET_RSS_MIB, "ratio": TARGET_RATIO},
+        "options": "default 64 MiB buffer, O_DIRECT writes, 5 GB files",
+        "cache": "warm: sync, then every checkpoint file read once before each run",
+        "checkpoints": {},
+        "runs": [],
+        "inspect_runs": [],
     }
-    RESULTS.mkdir(exist_ok=True)
-    (RESULTS / "moe-merge.json").write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result, indent=2))
-    return 0 if equal and merge.returncode == 0 else 1
+    try:
+        for kind in KINDS:
+            actor = work / kind / "actor"
+            gen = ensure_checkpoint(kind, actor, args)
+            result["checkpoints"][kind] = {
+                "bytes": tree_bytes(actor) - tree_bytes(actor / "huggingface"),
+                "rank_files": len(list(actor.glob("model_world_size_*.pt"))),
+                "generated_s": gen,
+            }
+        variants = [v for v in VARIANTS if v[0] != "moe_fused" or not args.no_fused]
+        for i in range(args.repeats):
+            for kind, checkpoint, flags in variants:
+                log(f"repeat {i + 1}/{args.repeats}: shardstream merge of {kind}")
+                target = work / checkpoint / f"merged-{kind}"
+                rec = merge_once(work / checkpoint / "actor", target, env, flags)
+                rec.update(kind=kind, repeat=i)
+                result["runs"].append(rec)
+                log(
+                    f"  {rec['wall_s']:.2f} s, peak RSS {rec['peak_rss_mib']:.0f} MiB, rc "
+                    f"{rec['rc']}"
+                )
+                if kind != "moe" or i < args.repeats - 1:
+                    shutil.rmtree(target, ignore_errors=True)
+            for kind in KINDS if not args.no_inspect else ():
+                # inspect plans the output names as merge does and copies nothing: MoE minus
+                # dense is what planning the save_pretrained layout costs.
+                actor = work / kind / "actor"
+                m = run_measured(
+                    [sys.executable, "-m", "shardstream", "inspect", str(actor), "--json"],
+                    env=env,
+                    capture_stdout=True,
+                )
+                rule = (parse_json_stdout_any(m.stdout) or {}).get("layout", {}).get("rule")
+                result["inspect_runs"].append(
+                    {
+                        "kind": kind,
+                        "repeat": i,
+                        "wall_s": m.wall_s,
+                        "peak_rss_mib": m.peak_rss_bytes / MiB,
+                        "rc": m.returncode,
+                        "layout": rule,
+                    }
+                )
+                log(f"  inspect {kind}: {m.wall_s:.2f} s")
+        merged = work / "moe" / "merged-moe"
+        result["output_bytes"] = {r["kind"]: r["bytes_written"] for r in result["runs"]}
+        result["layout_check"] = layout_check(merged, args) if merged.is_dir() else {"ok": False}
+        if not args.no_reference and merged.is_dir():
+            log("save_pretrained of the same MoE weights, held whole (the reference)")
+            ref = work / "moe" / "save_pretrained"
+            shutil.rmtree(ref, ignore_errors=True)
+            code = SAVE_PRETRAINED.format(bench=str(BENCH), args=json.dumps(shape), target=str(ref))
+            m = run_measured([sys.executable, "-c", code], env=env)
+            result["save_pretrained"] = {
+                "wall_s": m.wall_s,
+                "peak_rss_mib": m.peak_rss_bytes / MiB,
+                "rc": m.returncode,
+            }
+            log("comparing the MoE merge with save_pretrained, tensor by tensor")
+            result["reference_check"] = same_output(merged, ref)
+            shutil.rmtree(ref, ignore_errors=True)
+        shutil.rmtree(merged, ignore_errors=True)
+    finally:
+        if not keep:
+            shutil.rmtree(work, ignore_errors=True)
+        else:
+            for kind, checkpoint, _ in VARIANTS:
+                shutil.rmtree(work / checkpoint / f"merged-{kind}", ignore_errors=True)
+    result["summary"] = summarize(result)
+    result["duration_s"] = time.perf_counter() - t_start
+    result["finished"] = time.strftime("%Y-%m-%dT%H:%M:%S%z")
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps({k: result[k] for k in ("checkpoints", "summary")}, indent=2))
+    if not args.no_doc:
+        import report
+
+        report.main(["--moe", str(args.out)])
+    checks = [result["layout_check"]["ok"]]
+    if "reference_check" in result:
+        checks.append(result["reference_check"]["identical"])
+    return 0 if all(checks) and all(r["rc"] == 0 for r in result["runs"]) else 1
 
 
 if __name__ == "__main__":
