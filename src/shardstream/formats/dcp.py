@@ -30,6 +30,7 @@ skipped. Non-tensor entries (``BytesStorageMetadata``) are always skipped.
 from __future__ import annotations
 
 import bisect
+import io
 import os
 import re
 from dataclasses import dataclass, field
@@ -46,6 +47,7 @@ from .dcp_pickles import (
     MetadataIndex,
     StorageInfo,
     TensorStorageMetadata,
+    _Frozen,
     int_sequence,
     ints,
     load_metadata,
@@ -635,8 +637,6 @@ def open_dcp_train_state(
             path = _container_path(key, paths.get(key) if paths else None, root, names)
             if path is None or path[0] not in containers:
                 continue
-            if path[0] == "train_state" and path[1:] != ("step",):
-                continue  # torchtitan's loss histories are pickled BytesIO: not read
             if isinstance(md, TensorStorageMetadata):
                 flat = ".".join(map(str, path))
                 if path[0] == "optimizer" and flat.startswith(OPTIMIZER_STATE_PREFIX):
@@ -647,6 +647,10 @@ def open_dcp_train_state(
                     small[flat] = _global_tensor(
                         directory, meta_path, key, flat, md, by_chunk, sizes, fds
                     )
+                    if path[0] == "train_state":  # a TrainState's step as a tensor
+                        value = _read_small_tensor(directory, meta_path, key, md, by_chunk,
+                                                   sizes, fds)  # fmt: skip
+                        _place(objects, path, value, meta_path, key)
                 continue
             value = _read_object(directory, meta_path, key, by_chunk, sizes, fds)
             _place(objects, path, value, meta_path, key)
@@ -668,9 +672,14 @@ def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fd
     from .torch_pt import load_restricted
 
     data = os.pread(fds[path], length, start)
+    name = f"{path}: entry {key!r}"
     try:
         # The restricted unpickler: containers, numbers, strings and tensors; nothing runs code.
-        return load_restricted(data, f"{path}: entry {key!r}", "cpu")
+        value = load_restricted(data, name, "cpu", {("_io", "BytesIO"): _SavedBytesIO})
+        if isinstance(value, _SavedBytesIO):  # torchtitan's TrainState: torch.save'd histories
+            load_restricted(value.data, f"{name} (its BytesIO)", "cpu")  # checked, not kept
+            value = io.BytesIO(value.data)
+        return value
     except CheckpointFormatError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure here is a bad record
@@ -678,6 +687,27 @@ def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fd
             f"{path}: entry {key!r} is not a readable weights-only record "
             f"({type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''})"
         ) from None
+
+
+class _SavedBytesIO(metaclass=_Frozen):
+    """An ``io.BytesIO`` as DCP pickles one (``torch.save`` of it): only its bytes are kept,
+    and ``_read_object`` checks them as a weights-only archive before a real BytesIO is made."""
+
+    def __setstate__(self, state) -> None:
+        if type(state) is not tuple or len(state) != 3 or type(state[0]) is not bytes:
+            raise CheckpointFormatError("a BytesIO with an unexpected state")
+        self.__dict__["data"] = state[0]
+
+
+def _read_small_tensor(directory: Path, meta_path: Path, key: str, md, by_chunk, sizes, fds):
+    """A small tensor stored whole (one chunk, as a replicated plain tensor is): its record is a
+    ``torch.save`` archive, read like the other objects."""
+    chunks = md.chunks if isinstance(md.chunks, list) else []
+    offsets = tuple(getattr(chunks[0], "offsets", ())) if len(chunks) == 1 else None
+    if offsets is None or any(offsets) or (key, offsets) not in by_chunk:
+        raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not stored as one tensor")
+    by_key = {(key, None): by_chunk[(key, offsets)]}
+    return _read_object(directory, meta_path, key, by_key, sizes, fds)
 
 
 def _place(root: dict, path: tuple, value: object, meta_path: Path, key: str) -> None:

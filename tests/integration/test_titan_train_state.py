@@ -1,0 +1,111 @@
+"""A torchtitan-style TrainState in a DCP train state: the step as a tensor, ntokens_seen, and
+loss histories as ``torch.save``'d ``BytesIO`` (as torchtitan's ``TrainState`` saved them),
+restored whole; a BytesIO holding code is refused before anything is touched."""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+import shardstream
+from shardstream.errors import CheckpointFormatError
+
+
+class TrainState:
+    """Built like torchtitan's ``TrainState`` (its checkpoint.py): ``state_dict`` keeps the step
+    as a tensor and each history as a BytesIO of ``torch.save(list)``."""
+
+    def __init__(self, step=0, ntokens_seen=0, avg=(), max_=(), log_steps=()):
+        self.step, self.ntokens_seen = step, ntokens_seen
+        self.global_avg_losses, self.global_max_losses = list(avg), list(max_)
+        self.log_steps = list(log_steps)
+
+    def state_dict(self):
+        out = {"step": torch.tensor(self.step, dtype=torch.int32),
+               "ntokens_seen": self.ntokens_seen}  # fmt: skip
+        for name in ("global_avg_losses", "global_max_losses", "log_steps"):
+            buffer = io.BytesIO()
+            torch.save(getattr(self, name), buffer)
+            out[name] = buffer
+        return out
+
+    def load_state_dict(self, state):
+        self.step = state["step"].item()
+        self.ntokens_seen = state["ntokens_seen"]
+        for name in ("global_avg_losses", "global_max_losses", "log_steps"):
+            state[name].seek(0)
+            setattr(self, name, torch.load(state[name], weights_only=False))
+
+
+class _RunsCode:
+    def __init__(self, marker: str):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 3))
+
+
+def _save(path, model, train_state) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when used without a process group
+        dcp.save({"model": model.state_dict(), "train_state": train_state},
+                 checkpoint_id=str(path))  # fmt: skip
+
+
+def _load(path, model, train_state):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return shardstream.load(path, model=model, states={"train_state": train_state})
+
+
+def test_whole_train_state_with_bytesio_histories_restores_bit_for_bit(tmp_path):
+    avg = [2.5, 1.25, 0.1 + 0.2, float.fromhex("0x1.fffffffffffffp-2")]
+    saved = TrainState(7, 4096, avg, [3.0, 2.0, 1.5, 1.0], [1, 3, 5, 7])
+    model = _model(0)
+    _save(tmp_path / "step-7", model, saved)
+
+    fresh, state = _model(1), TrainState()
+    result = _load(tmp_path / "step-7", fresh, state)
+    assert result.step == 7
+    for (name, want), got in zip(model.state_dict().items(), fresh.state_dict().values()):
+        assert torch.equal(got, want), name
+    assert (state.step, state.ntokens_seen) == (7, 4096)
+    assert [x.hex() for x in state.global_avg_losses] == [x.hex() for x in avg]
+    assert state.global_max_losses == [3.0, 2.0, 1.5, 1.0]
+    assert state.log_steps == [1, 3, 5, 7]
+
+
+def test_bytesio_holding_code_is_refused_before_anything_is_touched(tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = TrainState(3, 10, [1.0])
+    hostile_dict = hostile.state_dict()
+    buffer = io.BytesIO()
+    torch.save([1.0, _RunsCode(str(marker))], buffer)  # a pickle with GLOBAL os.system
+    hostile_dict["global_avg_losses"] = buffer
+    holder = type("Holder", (), {"state_dict": lambda self: hostile_dict,
+                                 "load_state_dict": lambda self, s: None})()  # fmt: skip
+    _save(tmp_path / "step-3", _model(0), holder)
+    assert not marker.exists()
+
+    fresh, state = _model(1), TrainState(1, 2, [9.0], [8.0], [1])
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointFormatError) as info:
+        _load(tmp_path / "step-3", fresh, state)
+    message = str(info.value)
+    assert "\n" not in message
+    assert ".distcp" in message and "train_state.global_avg_losses" in message
+    assert "system" in message
+    assert not marker.exists()  # never ran
+    for name, tensor in fresh.state_dict().items():  # nothing touched
+        assert torch.equal(tensor, before[name]), name
+    assert (state.step, state.ntokens_seen, state.global_avg_losses) == (1, 2, [9.0])
