@@ -19,11 +19,13 @@ refused, naming the module.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 
 import torch
 
+from ..engine.dtypes import itemsize
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
@@ -37,6 +39,9 @@ class Region:
     live: str
     start: tuple[int, ...]
     shape: tuple[int, ...]
+    # A hook that gathers rows (torchtitan's fused QKV: wq is every hpk rows of each kv group
+    # of wqkv): (first presented row, rows, start in ``live``) per run of consecutive rows.
+    rows: tuple[tuple[int, int, tuple[int, ...]], ...] | None = None
 
 
 def has_state_dict_hooks(model: torch.nn.Module) -> bool:
@@ -97,18 +102,105 @@ def _walk(module: torch.nn.Module, prefix: str) -> dict[str, Region]:
         if not isinstance(tensor, torch.Tensor):
             continue
         source = by_id.get(id(tensor)) or by_id.get(id(tensor._base))
-        if source is None:
-            raise CheckpointFormatError(
-                f"the state_dict hook of {where} presents {key!r} as a new tensor, not a part "
-                "of a parameter (cat, copy or arithmetic); shardstream restores hooks that "
-                "rename, split or slice parameters"
-            )
+        if source is None:  # a copy: which elements? (torchtitan's fused QKV gathers rows)
+            return _gathered(module, entries, prefix, where)
         start = _offset_in(probes[source], tensor, key, where)
         base = entries[source]
+        if base.rows is not None and (any(start) or tuple(tensor.shape) != base.shape):
+            raise CheckpointFormatError(
+                f"the state_dict hook of {where} presents {key!r} as a slice of a tensor that "
+                "an inner hook gathered; shardstream restores one level of such hooks"
+            )
+        if base.rows is not None:
+            out[key] = base
+            continue
         out[key] = Region(
             base.live, tuple(a + b for a, b in zip(base.start, start)), tuple(tensor.shape)
         )
     return out
+
+
+def _gathered(
+    module: torch.nn.Module, entries: dict[str, Region], prefix: str, where: str
+) -> dict[str, Region]:
+    """Run ``module``'s hooks again on index tensors (each element holds its own position, one
+    range per entry; one module's tensors, transiently): every presented tensor must be, row by
+    row, a rectangular slice of one entry, and becomes runs of consecutive such rows."""
+    bases, probes, base = [], {}, 0
+    for key, region in entries.items():
+        if region.rows is not None:
+            raise CheckpointFormatError(
+                f"the state_dict hook of {where} copies a tensor that an inner hook gathered; "
+                "shardstream restores one level of such hooks"
+            )
+        n = math.prod(region.shape)
+        probes[key] = torch.arange(base, base + n, dtype=torch.int64).reshape(region.shape)
+        bases.append((base, base + n, key))
+        base += n
+    state: OrderedDict = OrderedDict(probes)
+    try:
+        for hook in list(module._state_dict_hooks.values()):
+            result = hook(module, state, prefix, {"version": getattr(module, "_version", 1)})
+            if result is not None:
+                state = result
+    except Exception as exc:  # noqa: BLE001 - a hook that cannot run on index tensors
+        raise CheckpointFormatError(
+            f"the state_dict hook of {where} cannot be traced ({type(exc).__name__}: {exc}); "
+            "shardstream restores hooks that rename, split, slice or gather parameters"
+        ) from None
+    out: dict[str, Region] = {}
+    for key, tensor in state.items():
+        if isinstance(tensor, torch.Tensor):
+            out[key] = _rows_of(key, tensor, probes, bases, entries, where)
+    return out
+
+
+def _rows_of(key, tensor, probes, bases, entries, where) -> Region:
+    new = CheckpointFormatError(
+        f"the state_dict hook of {where} presents {key!r} as a new tensor, not a part of a "
+        "parameter (cat, arithmetic, a reshape across rows); shardstream restores hooks that "
+        "rename, split, slice or gather parameters"
+    )
+    if tensor.dtype != torch.int64 or tensor.dim() == 0 or tensor.numel() == 0:
+        raise new
+    lo, hi = int(tensor.min()), int(tensor.max())
+    found = [(a, key_) for a, b, key_ in bases if a <= lo and hi < b]
+    if not found:
+        raise new
+    first_index, source = found[0]
+    src = probes[source]
+    if tensor.dim() != src.dim():
+        raise new
+    rows = tensor.reshape(tensor.shape[0], -1) - first_index
+    firsts = rows[:, 0]
+    # the offsets of a rectangular slice of tensor.shape[1:] inside the source's rows
+    pattern = torch.zeros((), dtype=torch.int64)
+    for n, stride in zip(tensor.shape[1:], src.stride()[1:]):
+        pattern = pattern.unsqueeze(-1) + torch.arange(n, dtype=torch.int64) * stride
+    if not torch.equal(rows - firsts[:, None], pattern.reshape(1, -1).expand_as(rows)):
+        raise new
+    coords = []
+    rest = firsts.clone()
+    for stride in src.stride():
+        coords.append(rest // stride)
+        rest = rest % stride
+    coords = torch.stack(coords, 1)  # (presented row, source dims)
+    for d in range(1, src.dim()):
+        if bool((coords[:, d] + tensor.shape[d] > src.shape[d]).any()):
+            raise new
+    runs: list[tuple[int, int, tuple[int, ...]]] = []
+    base = entries[source]
+    for i, at in enumerate(coords.tolist()):
+        at = tuple(a + b for a, b in zip(base.start, at))
+        if runs:
+            p, n, start = runs[-1]
+            if at == (start[0] + n, *start[1:]):
+                runs[-1] = (p, n + 1, start)
+                continue
+        runs.append((i, 1, at))
+    if len(runs) == 1:
+        return Region(base.live, runs[0][2], tuple(tensor.shape))
+    return Region(base.live, (0,) * tensor.dim(), tuple(tensor.shape), tuple(runs))
 
 
 def _whole(name: str, tensor: torch.Tensor) -> Region:
@@ -166,10 +258,15 @@ def translate(
         target = f"{head}{region.live}{tail}"
         full = tuple(live[MODEL_PREFIX + region.live].shape)
         if tensor.shape == region.shape and len(full) == len(region.shape):
-            shifted = [
-                dataclasses.replace(b, start=tuple(s + o for s, o in zip(b.start, region.start)))
-                for b in tensor.blocks
-            ]
+            if region.rows is not None:
+                shifted = [p for b in tensor.blocks for p in _row_pieces(b, region.rows)]
+            else:
+                shifted = [
+                    dataclasses.replace(
+                        b, start=tuple(s + o for s, o in zip(b.start, region.start))
+                    )
+                    for b in tensor.blocks
+                ]
             pieces.setdefault(target, []).extend(shifted)
             kinds[target] = (tensor.dtype, full)
         elif tensor.shape == () and target not in kinds:  # e.g. Adam's step, once per part
@@ -184,6 +281,26 @@ def translate(
         blocks.sort(key=lambda b: b.start)
         check_blocks_tile(target, shape, blocks)  # every part of the live tensor saved once
         out[target] = GlobalTensor(target, dtype, shape, tuple(blocks))
+    return out
+
+
+def _row_pieces(block: Block, rows) -> list[Block]:
+    """A saved block of a gathered tensor, cut where its rows' runs end, in the live tensor."""
+    out = []
+    first, count = block.start[0], block.shape[0]
+    for presented, n, start in rows:
+        lo, hi = max(first, presented), min(first + count, presented + n)
+        if lo >= hi:
+            continue
+        out.append(
+            dataclasses.replace(
+                block,
+                offset=block.offset + (lo - first) * block.strides[0] * itemsize(block.dtype),
+                start=(start[0] + lo - presented, *(a + b for a, b in zip(start[1:],
+                                                                          block.start[1:]))),
+                shape=(hi - lo, *block.shape[1:]),
+            )
+        )  # fmt: skip
     return out
 
 
