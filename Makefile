@@ -3,6 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.shardstream-installed
+# torchtitan 0.3.0 for bench/titan_interop.py, with only what importing its trainer's parts
+# needs; --no-deps so pip never touches torch (triton, which it imports undeclared, is an
+# inert stub inside the script's processes).
+TITAN_DEPS := torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 \
+	docstring-parser==0.18.0 typeguard==4.6.0 tensorboard==2.21.0 absl-py==2.5.1
 
 .PHONY: demo test lint format bench interop soak clean
 
@@ -41,12 +46,16 @@ bench: $(STAMP)
 	$(PY) bench/wide_merge_bench.py
 	$(PY) bench/save_bench.py --at-commit HEAD
 	$(PY) bench/verl_interop.py
+	$(PY) -m pip install --quiet --no-deps $(TITAN_DEPS)
+	$(PY) bench/titan_interop.py
 	$(PY) bench/verl_bench.py  # verl's FSDPCheckpointManager vs the plug-in's; docs/benchmarks-verl.md
 
-# verl 0.9.1's own checkpoint manager saves; verl's merger and shardstream merge and restore
-# (bit for bit); writes docs/interop.md (about 3 minutes).
+# verl 0.9.1's and torchtitan 0.3.0's own checkpoint managers save; verl's merger and
+# shardstream merge and restore (bit for bit); writes docs/interop.md (about 5 minutes).
 interop: $(STAMP)
 	$(PY) bench/verl_interop.py
+	$(PY) -m pip install --quiet --no-deps $(TITAN_DEPS)
+	$(PY) bench/titan_interop.py
 
 # Long reliability trials (kill -9, corruption, fuzzing); writes docs/reliability.md.
 soak: $(STAMP)

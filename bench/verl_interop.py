@@ -36,7 +36,7 @@ from pathlib import Path
 from harness import BENCH, REPO, RESULTS
 from harness.machine import git_revision
 from harness.process import torchrun
-from harness.render import generated_note, table, write_doc
+from harness.render import generated_note, keep_sections, table, write_doc
 
 BENCH_PY = REPO / ".bench-venv" / "bin" / "python"
 DOC = REPO / "docs" / "interop.md"
@@ -590,7 +590,7 @@ OTHER_TRAINERS = [
     "presents as `wq`/`wk`/`wv`) and dataloader and `TrainState` objects as its "
     '`CheckpointManager` saves them; `restore(path=..., states={"dataloader": dl, '
     '"train_state": ts})` restores model, optimizer, scheduler, the step and each saved '
-    "rank's data position.",
+    "rank's data position. torchtitan's own `CheckpointManager`: the section below.",
     "- DCP's `HuggingFaceStorageWriter(save_distributed=True)`, with and without "
     "consolidation: merge, inspect, verify, `test --exact` and restore of the model.",
     "- A restore that cannot finish (a scheduler or Stateful that does not take the "
@@ -739,7 +739,7 @@ def main(argv: list[str] | None = None) -> int:
         out_json.parent.mkdir(parents=True, exist_ok=True)
         out_json.write_text(json.dumps(results, indent=1))
     results = json.loads(out_json.read_text())
-    write_doc(DOC, render(results))
+    write_doc(DOC, keep_sections(DOC, render(results)))  # keeps titan_interop.py's section
     bad = failures(results)
     for line in bad:
         print(f"!!! {line}")

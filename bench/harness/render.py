@@ -68,3 +68,34 @@ def save_figure(fig, path: Path, dpi: int = 110) -> Path:
 def bar_offset(i: int, n: int, width: float) -> float:
     """Where bar ``i`` of ``n`` side-by-side bars of ``width`` sits from its group's centre."""
     return (i - (n - 1) / 2) * width
+
+
+def _markers(name: str) -> tuple[str, str]:
+    return f"<!-- section {name}: begin -->", f"<!-- section {name}: end -->"
+
+
+def write_section(path: Path, name: str, text: str) -> Path:
+    """Put ``text`` between the page's markers for section ``name`` (appended, with the markers,
+    where the page has none), leaving the rest of the page as it is."""
+    begin, end = _markers(name)
+    block = f"{begin}\n{text.rstrip()}\n{end}\n"
+    page = path.read_text() if path.exists() else ""
+    head, found, rest = page.partition(begin)
+    if found and end in rest:
+        return write_doc(path, head + block + rest.partition(end)[2].lstrip("\n"))
+    return write_doc(path, page.rstrip("\n") + ("\n\n" if page else "") + block)
+
+
+def keep_sections(path: Path, text: str) -> str:
+    """``text`` (a whole page about to replace ``path``) with the sections other scripts wrote
+    into ``path`` (``write_section``) appended, so regenerating one part keeps the others."""
+    page = path.read_text() if path.exists() else ""
+    kept = []
+    while "<!-- section " in page:
+        _, _, page = page.partition("<!-- section ")
+        name = page.partition(": begin -->")[0]
+        begin, end = _markers(name)
+        body, found, page = page.partition(end)
+        if found and name and f"<!-- section {name}" not in text:
+            kept.append(begin + body.partition(": begin -->")[2] + end + "\n")
+    return text.rstrip("\n") + "\n" + "".join("\n" + block for block in kept)
