@@ -471,14 +471,53 @@ MOE_HEADING = "## MoE merge"
 MOE_BEFORE = "## Other benchmarks"  # where the section goes when the page has none yet
 MOE_LABEL = {
     "dense": "dense Qwen3 (`Qwen3ForCausalLM`)",
-    "moe": "Qwen3-MoE, fused experts → per-expert tensors",
+    "moe": "Qwen3-MoE, fused experts → per-expert tensors, **cold** (empty layout cache)",
+    "moe_warm": "Qwen3-MoE, the same merge **warm** (layout plan read from the cache)",
     "moe_fused": "Qwen3-MoE with `--keep-names` (fused, no split; informational)",
 }
-MOE_CHECKPOINT = {"dense": "dense", "moe": "moe", "moe_fused": "moe"}
+MOE_CHECKPOINT = {"dense": "dense", "moe": "moe", "moe_warm": "moe", "moe_fused": "moe"}
+MOE_SHORT = {
+    "dense": "dense",
+    "moe": "MoE cold",
+    "moe_warm": "MoE warm",
+    "moe_fused": "MoE `--keep-names`",
+}
 
 
 def _met(ok: bool | None) -> str:
     return {True: "**met**", False: "**not met**", None: "n/a"}[ok]
+
+
+def _ratio_met(s: dict, which: str) -> bool | None:
+    """The time goal's verdict for the cold or warm MoE merge (a result from before the
+    layout cache holds one bool, for the only MoE merge it timed: cold)."""
+    met = s.get("ratio_met")
+    if isinstance(met, dict):
+        return met.get(which)
+    return bool(met) if which == "cold" else None
+
+
+def _time_verdict(s: dict, goal: float) -> str | None:
+    """One line on the time goal, cold and warm, neither hidden."""
+    cold, warm = s.get("ratio_moe_dense"), s.get("ratio_moe_warm_dense")
+    if cold is None or warm is None:
+        return None
+    met_cold, met_warm = _ratio_met(s, "cold"), _ratio_met(s, "warm")
+    figures = (
+        f"Cold (the first merge of a layout on a machine: transformers imported, meta model "
+        f"built, conversion traced, plan cached) **{cold:.3f}×** dense's time per byte; warm "
+        f"(every later merge of the same layout, transformers version and config: plan read "
+        f"from the cache, transformers not imported) **{warm:.3f}×**"
+    )
+    if met_cold and met_warm:
+        verdict = f"**met** cold and warm (≤ {goal:.2f}×)"
+    elif met_warm:
+        verdict = f"**met only warm** (≤ {goal:.2f}×); **not met cold**"
+    elif met_cold:
+        verdict = f"met cold but **not met warm** (≤ {goal:.2f}×)"
+    else:
+        verdict = f"**not met**, cold nor warm (≤ {goal:.2f}×)"
+    return f"- **Time goal:** {verdict}. {figures}."
 
 
 def render_moe(m: dict) -> str:
@@ -497,9 +536,10 @@ def render_moe(m: dict) -> str:
         goal = f"RSS ≤ {rss_goal} MiB"
         ratio = "1 (reference)" if kind == "dense" else fmt(k.get("ratio_to_dense"), ".3f")
         result = _met(rss_ok)
-        if kind == "moe":
+        if kind in ("moe", "moe_warm"):
             goal += f"; s/GB ≤ {ratio_goal:.2f}× dense"
-            result = f"RSS {_met(rss_ok)}; time {_met(bool(s['ratio_met']))}"
+            which = "warm" if kind == "moe_warm" else "cold"
+            result = f"RSS {_met(rss_ok)}; time {_met(_ratio_met(s, which))}"
         elif kind == "moe_fused":
             goal, result = "–", "n/a"
         rows.append(
@@ -520,7 +560,17 @@ def render_moe(m: dict) -> str:
     )
     first = [r["kind"] for r in m["runs"] if r["repeat"] == 0]
     names = {"dense": "dense", "moe": "MoE", "moe_fused": "MoE --keep-names"}
+    names["moe_warm"] = "MoE warm"
+    if "moe_warm" in first:
+        names["moe"] = "MoE cold"
     order = ", ".join(names.get(k, k) for k in first)
+    layout_cache = (
+        " Layout cache (`SHARDSTREAM_CACHE_DIR`, see docs/hf-layout.md): every run gets a fresh "
+        "empty directory except the warm MoE run, which gets the one the cold MoE run of the "
+        "same repeat just filled (`cache_files_before` in the JSON); likewise for `inspect`."
+        if "moe_warm" in first
+        else ""
+    )
     lines = [
         MOE_HEADING,
         "",
@@ -552,14 +602,19 @@ def render_moe(m: dict) -> str:
         f"{m['repeats']} runs of each, interleaved ({order}, and again); {m['cache']}. "
         "Wall time and peak RSS per run from `harness.process.run_measured` (spawn to reap; the "
         "kernel's peak RSS of the process, i.e. its VmHWM, via GNU `time`). **Medians** of the "
-        "runs; the goal is checked on the largest peak RSS of any run.",
+        "runs; the goal is checked on the largest peak RSS of any run." + layout_cache,
         "",
         *table(head, "lrrrrrll", rows),
         "",
     ]
     kinds = [k for k in MOE_LABEL if s.get(k, {}).get("n_ok")]
-    short = {"dense": "dense", "moe": "MoE", "moe_fused": "MoE `--keep-names`"}
+    short = dict(MOE_SHORT)
+    if "moe_warm" not in s:
+        short["moe"] = "MoE"
     extra = []
+    verdict = _time_verdict(s, ratio_goal)
+    if verdict:
+        extra.append(verdict)
     calls = [k for k in kinds if s[k].get("median_merge_call_s") is not None]
     if "dense" in calls and len(calls) > 1:
         extra.append(
@@ -574,7 +629,7 @@ def render_moe(m: dict) -> str:
         )
     if "moe" in kinds and "moe_fused" in kinds:
         extra.append(
-            f"- Where the MoE merge's extra time goes: MoE − MoE `--keep-names` = "
+            f"- Where the MoE merge's extra time goes: {short['moe']} − MoE `--keep-names` = "
             f"{s['moe']['median_wall_s'] - s['moe_fused']['median_wall_s']:.2f} s of median "
             "wall: planning the save_pretrained layout (importing transformers, building the "
             "model on the meta device, tracing its save-time conversion) and the split itself; "
@@ -595,6 +650,13 @@ def render_moe(m: dict) -> str:
             "It reads no tensor data, so it does not grow with the bytes: without it the MoE "
             "merge would take "
             f"{s['ratio_without_planning']:.3f}× dense's time per byte (informational)."
+        )
+    if s.get("planning_warm_s") is not None:
+        i = s["inspect_median_wall_s"]
+        extra.append(
+            "- Planning the layout from the cache: `inspect --json` with the cache the cold "
+            f"`inspect` filled, median {i['moe_warm']:.2f} s on the MoE checkpoint against "
+            f"{i['dense']:.2f} s on the dense one ({s['planning_warm_s']:+.2f} s)."
         )
     if kinds:
         extra.append(
@@ -623,6 +685,18 @@ def render_moe(m: dict) -> str:
                 if lc.get("ok")
                 else f"**WRONG** — `{json.dumps(lc)[:600]}`"
             )
+        )
+    wc = m.get("warm_check")
+    if wc:
+        extra.append(
+            (
+                f"- **Warm against cold:** the warm MoE merge's output (cached plan) is "
+                f"**identical** to the cold one's — {wc['tensors']:,} tensors, same keys and "
+                f"index, {wc['bytes_compared'] / 2**20:.0f} MiB compared bit for bit"
+                + ("; the same layout rule every run." if s.get("warm_layout_same") else ".")
+            )
+            if wc.get("identical")
+            else f"- **Warm against cold: MISMATCH** — `{json.dumps(wc)[:600]}`"
         )
     rc = m.get("reference_check")
     if rc:

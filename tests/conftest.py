@@ -137,6 +137,33 @@ def build_fsdp_checkpoints(root: Path, world_size: int = WORLD_SIZE) -> Path:
     return root
 
 
+def pytest_configure(config):
+    """Plans of the output layout are cached on disk (``formats/hf_names_cache.py``): the test
+    session, and every process it starts (they inherit the environment), uses a private
+    directory of its own, never the user's ``~/.cache``."""
+    import tempfile
+
+    from shardstream.formats import hf_names_cache
+
+    path = tempfile.mkdtemp(prefix="shardstream-test-cache-")
+    config._shardstream_cache = (os.environ.get(hf_names_cache.ENV), path)
+    os.environ[hf_names_cache.ENV] = path
+
+
+def pytest_unconfigure(config):
+    saved = getattr(config, "_shardstream_cache", None)
+    if saved is None:
+        return
+    before, path = saved
+    from shardstream.formats import hf_names_cache
+
+    if before is None:
+        os.environ.pop(hf_names_cache.ENV, None)
+    else:
+        os.environ[hf_names_cache.ENV] = before
+    shutil.rmtree(path, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def fsdp_root(tmp_path_factory) -> Path:
     """The session's FSDP2 checkpoints (read-only: copy a variant before changing it)."""

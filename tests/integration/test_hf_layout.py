@@ -171,3 +171,29 @@ def test_inspect_shows_the_layout_merge_applies(saved):
         "model.layers.0.mlp.experts.1.gate_proj.weight",
     ]
     assert "layout: transformers" in render(info)
+
+
+@pytest.mark.parametrize("case", ["qwen3_moe", "qwen2_5_vl"])
+def test_a_cached_layout_merges_what_save_pretrained_writes(
+    saved, reference, tmp_path, monkeypatch, case
+):
+    """A cold merge caches the plan; a warm one (a fresh process's view: no memo, tracing
+    made to fail) writes the same files from the cache; an unwritable cache still merges."""
+    from shardstream.formats import hf_names, hf_names_cache
+
+    actor = _actor(saved, 2, case)
+    monkeypatch.setenv(hf_names_cache.ENV, str(tmp_path / "layouts"))
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    cold = merge(actor, tmp_path / "cold", dtype="bfloat16")
+    assert len(list((tmp_path / "layouts").glob("*.json"))) == 1
+    with monkeypatch.context() as m:
+        m.setattr(hf_names, "_PLANS", {})
+        m.setattr(hf_names, "_trace_v5", lambda *a, **k: pytest.fail("not read from the cache"))
+        warm = merge(actor, tmp_path / "warm", dtype="bfloat16")
+    assert warm.layout == cold.layout
+    assert_same_model_files(tmp_path / "warm", reference[case])
+    (tmp_path / "a-file").write_text("")
+    monkeypatch.setenv(hf_names_cache.ENV, str(tmp_path / "a-file" / "layouts"))
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    merge(actor, tmp_path / "unwritable", dtype="bfloat16")
+    assert_same_model_files(tmp_path / "unwritable", reference[case])

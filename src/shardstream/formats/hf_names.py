@@ -17,7 +17,8 @@ A model type known to need no mapping (``NO_MAPPING_MODEL_TYPES``, checked again
 transformers 4.57 and 5.25) is written under its stripped names without asking transformers,
 unless a newer transformers is installed. Without transformers any other model type is
 refused, naming it and ``pip install transformers``. torch and transformers are imported only
-when a config names a model type the table does not decide.
+when a config names a model type the table does not decide, and the plan is not in the
+on-disk cache of plans transformers computed before (``hf_names_cache``).
 """
 
 from __future__ import annotations
@@ -178,6 +179,12 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
         return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
     if _table_decides(model_type):
         return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
+    from . import hf_names_cache
+
+    cached = hf_names_cache.load(tensors, config)
+    if cached is not None:  # computed by this transformers before: not imported now
+        found, pieces = cached
+        return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped)
     try:
         import transformers
     except ImportError:
@@ -192,7 +199,9 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     else:
         pieces, what = _renames_v4(plain, config)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
-    return NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
+    plan = NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
+    hf_names_cache.store(tensors, config, plan.rule, plan.pieces)
+    return plan
 
 
 def _join(*parts: str) -> str:

@@ -1,0 +1,212 @@
+"""An on-disk cache of the NamePlans transformers computes (``hf_names.plan_names``), so that
+only the first merge, export or inspect of a layout pays for importing transformers and its
+modeling module (seconds); later ones read a small JSON file and import nothing.
+
+Key: sha256 of the cache format, the installed transformers version (read from its package
+metadata, which imports nothing), config.json's ``model_type`` and ``architectures``, its
+content as canonical JSON, and the stored tensors (name, dtype code, shape) in order.
+Directory: ``$SHARDSTREAM_CACHE_DIR`` if set (the empty string disables the cache), else
+``$XDG_CACHE_HOME/shardstream/hf-layouts``, else ``~/.cache/shardstream/hf-layouts``.
+
+A file is read with the strict JSON reader (``jsondoc``) and checked against the request:
+every piece names a stored tensor of the request, its box lies inside that tensor, its output
+shape is the box's, output names are unique, every field has its type. Anything else (an
+unreadable or tampered file) is a miss: the plan is computed again and the file rewritten.
+Writes are atomic (a temporary file in the same directory, fsync, rename); a write that fails
+(a read-only home, a full disk) is skipped, logged at debug level.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ShardstreamError
+
+log = logging.getLogger(__name__)
+
+CACHE_FORMAT = 1  # bump whenever what plan_names computes, or this file's layout, changes
+ENV = "SHARDSTREAM_CACHE_DIR"
+FIELDS = ("name", "stored", "start", "extent", "dims", "shape", "storage", "storage_numel")
+
+Tensors = Sequence[tuple[str, str, tuple[int, ...]]]
+
+
+def cache_dir() -> Path | None:
+    """Where plans are kept; None when ``$SHARDSTREAM_CACHE_DIR`` is set to ``""``."""
+    chosen = os.environ.get(ENV)
+    if chosen is not None:
+        return Path(chosen).expanduser() if chosen else None
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "shardstream" / "hf-layouts"
+
+
+def transformers_version() -> str | None:
+    """The installed transformers' version, without importing it; None when absent."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("transformers")
+    except (PackageNotFoundError, ValueError):
+        return None
+
+
+def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str | None:
+    """The hex key of a request, or None when it cannot be keyed (no transformers installed,
+    a config that is not JSON)."""
+    version = version if version is not None else transformers_version()
+    if version is None or not isinstance(config, dict):
+        return None
+    try:
+        described = json.dumps(
+            {
+                "format": CACHE_FORMAT,
+                "transformers": version,
+                "model_type": config.get("model_type"),
+                "architectures": config.get("architectures"),
+                "config": config,
+                "tensors": [[n, d, [int(x) for x in s]] for n, d, s in tensors],
+            },
+            sort_keys=True,
+            separators=(",", ":"),
+            ensure_ascii=True,
+            allow_nan=False,
+        )
+    except (TypeError, ValueError):
+        return None
+    return hashlib.sha256(described.encode()).hexdigest()
+
+
+def load(tensors: Tensors, config: dict) -> tuple[str, list[dict]] | None:
+    """The cached ``(rule, pieces)`` for this request, pieces as dicts of ``FIELDS`` with
+    tuples; None on a miss, a disabled cache or a file that fails any check."""
+    directory = cache_dir()
+    key = cache_key(tensors, config)
+    if directory is None or key is None:
+        return None
+    path = directory / f"{key}.json"
+    from .jsondoc import read_object
+
+    try:
+        if not path.is_file():
+            return None
+        doc = read_object(path, "cached layout")
+        found = _checked(doc, key, tensors)
+    except (OSError, ShardstreamError, ValueError, TypeError, KeyError, RecursionError) as exc:
+        log.debug("ignoring the cached layout %s: %s", path, exc)
+        return None
+    if found is None:
+        log.debug("ignoring the cached layout %s: it does not fit the request", path)
+    return found
+
+
+def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
+    """Keep ``rule`` and ``pieces`` (``hf_names.Piece``) for this request; never raises for
+    a directory or disk that refuses the write."""
+    directory = cache_dir()
+    key = cache_key(tensors, config)
+    if directory is None or key is None:
+        return
+    doc = {
+        "format": CACHE_FORMAT,
+        "key": key,
+        "transformers": transformers_version(),
+        "rule": rule,
+        "pieces": [
+            {
+                "name": p.name,
+                "stored": p.stored,
+                "start": list(p.start),
+                "extent": list(p.extent),
+                "dims": list(p.dims),
+                "shape": list(p.shape),
+                "storage": p.storage,
+                "storage_numel": p.storage_numel,
+            }
+            for p in pieces
+        ],
+    }
+    tmp = None
+    try:
+        raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+        directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
+        with os.fdopen(fd, "wb") as f:
+            f.write(raw)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, directory / f"{key}.json")
+        tmp = None
+    except (OSError, ValueError, TypeError) as exc:
+        log.debug("not caching the layout in %s: %s", directory, exc)
+    finally:
+        if tmp is not None:
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+
+
+def _is_int(value: object, low: int = 0) -> bool:
+    return type(value) is int and value >= low
+
+
+def _int_list(value: object) -> bool:
+    return isinstance(value, list) and all(_is_int(v) for v in value)
+
+
+def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | None:
+    """``doc``'s rule and pieces when every check holds against the request, else None."""
+    if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
+        return None
+    rule, pieces = doc.get("rule"), doc.get("pieces")
+    if not isinstance(rule, str) or not isinstance(pieces, list):
+        return None
+    shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
+    names: set[str] = set()
+    out = []
+    for piece in pieces:
+        if not isinstance(piece, dict) or set(piece) != set(FIELDS):
+            return None
+        name, stored = piece["name"], piece["stored"]
+        if not isinstance(name, str) or name in names or not isinstance(stored, str):
+            return None
+        names.add(name)
+        stored_shape = shapes.get(stored)
+        start, extent, dims, shape = piece["start"], piece["extent"], piece["dims"], piece["shape"]
+        if stored_shape is None or not all(map(_int_list, (start, extent, shape))):
+            return None
+        ndim = len(stored_shape)
+        if len(start) != ndim or len(extent) != ndim:
+            return None
+        if any(s + e > size for s, e, size in zip(start, extent, stored_shape)):
+            return None
+        if not isinstance(dims, list) or len(dims) != len(shape):
+            return None
+        used = [d for d in dims if d is not None]
+        if not all(_is_int(d) and d < ndim for d in used) or len(set(used)) != len(used):
+            return None
+        if any(size != (1 if d is None else extent[d]) for size, d in zip(shape, dims)):
+            return None
+        if math.prod(shape) != math.prod(extent):
+            return None
+        if not _is_int(piece["storage"], -1) or not _is_int(piece["storage_numel"]):
+            return None
+        if piece["storage"] >= len(pieces):
+            return None
+        out.append(
+            {
+                **piece,
+                "start": tuple(start),
+                "extent": tuple(extent),
+                "dims": tuple(dims),
+                "shape": tuple(shape),
+            }
+        )
+    return rule, out

@@ -1,0 +1,225 @@
+"""The on-disk cache of the NamePlans transformers computes (``formats/hf_names_cache.py``): a
+hit gives the same plan without importing transformers, and a file that is unreadable or does
+not fit the request is a miss, never an error."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardstream.formats import hf_names, hf_names_cache
+from shardstream.formats.hf_names import plan_names
+
+E, INTER, H = 3, 6, 8
+STORED = [
+    ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (E, 2 * INTER, H)),
+    ("model.layers.0.mlp.experts.down_proj", "BF16", (E, H, INTER)),
+    ("model.layers.0.mlp.gate.weight", "BF16", (E, H)),
+    ("model.norm.weight", "BF16", (H,)),
+]
+
+
+@pytest.fixture(scope="module")
+def config() -> dict:
+    """A tiny Qwen3-MoE config.json's content (as read back from the file)."""
+    import transformers
+
+    c = transformers.Qwen3MoeConfig(
+        hidden_size=H,
+        intermediate_size=16,
+        moe_intermediate_size=INTER,
+        num_experts=E,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=20,
+    ).to_dict()
+    c["architectures"] = ["Qwen3MoeForCausalLM"]
+    return json.loads(json.dumps(c))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    """An empty cache directory of this test's own, and no in-process memo."""
+    path = tmp_path / "layouts"
+    monkeypatch.setenv(hf_names_cache.ENV, str(path))
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    return path
+
+
+def _fresh_process(monkeypatch) -> None:
+    """What a new process sees: no memo; and tracing would fail, so a plan must be a hit."""
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+
+    def no_trace(*_a, **_k):
+        raise AssertionError("transformers asked: the cache should have answered")
+
+    monkeypatch.setattr(hf_names, "_trace_v5", no_trace)
+
+
+def _files(path: Path) -> list[Path]:
+    return sorted(path.glob("*.json"))
+
+
+def test_a_miss_then_a_hit_gives_the_same_plan(cache, config, monkeypatch):
+    first = plan_names(STORED, config)
+    assert first.sliced == 9 and "Qwen3MoeForCausalLM" in first.rule
+    assert len(_files(cache)) == 1
+    assert not list(cache.glob(".tmp-*"))  # the write was renamed into place
+    _fresh_process(monkeypatch)
+    second = plan_names(STORED, config)
+    assert second == first
+    assert second.storage() == first.storage()
+    assert second.describe() == first.describe()
+
+
+def test_a_hit_does_not_import_transformers(cache, config, tmp_path):
+    plan = plan_names(STORED, config)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    code = f"""
+import json, sys
+from shardstream.formats.hf_names import plan_names
+config = json.load(open({str(tmp_path / "config.json")!r}))
+stored = [(n, d, tuple(s)) for n, d, s in json.loads({json.dumps(STORED)!r})]
+plan = plan_names(stored, config)
+print(json.dumps({{"transformers": "transformers" in sys.modules,
+                  "pieces": [[p.name, p.stored, p.start, p.extent] for p in plan.pieces]}}))
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=300
+    )  # inherits SHARDSTREAM_CACHE_DIR from the monkeypatched environment
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert out["transformers"] is False
+    want = [[p.name, p.stored, list(p.start), list(p.extent)] for p in plan.pieces]
+    assert out["pieces"] == want
+
+
+def _set_first_piece(doc: dict, **fields) -> dict:
+    """``doc`` with ``fields`` changed in its first expert's box of ``gate_up_proj``."""
+    box = next(p for p in doc["pieces"] if p["stored"] == STORED[0][0])
+    assert box["extent"] == [1, INTER, H] and box["shape"] == [INTER, H]
+    box.update(fields)
+    return doc
+
+
+TAMPERS = {
+    "bad JSON": lambda raw: raw[: len(raw) // 2],
+    "not an object": lambda raw: "[1, 2]",
+    "Infinity": lambda raw: raw.replace('"storage_numel":', '"storage_numel":Infinity,"x":', 1),
+    "huge integer": lambda raw: raw.replace('"storage":', '"storage":' + "9" * 40 + ',"y":', 1),
+    "outside its tensor": lambda raw: json.dumps(
+        _set_first_piece(json.loads(raw), start=[0, INTER + 1, 0])
+    ),
+    "unknown tensor": lambda raw: json.dumps(_set_first_piece(json.loads(raw), stored="nope")),
+    "shape not the box's": lambda raw: json.dumps(
+        _set_first_piece(json.loads(raw), shape=[H, INTER])
+    ),
+    "duplicate names": lambda raw: json.dumps(
+        (lambda d: d["pieces"].append(d["pieces"][0]) or d)(json.loads(raw))
+    ),
+    "wrong type": lambda raw: json.dumps(_set_first_piece(json.loads(raw), storage="0")),
+    "bool for int": lambda raw: json.dumps(_set_first_piece(json.loads(raw), storage=True)),
+    "missing field": lambda raw: json.dumps(
+        (lambda d: d["pieces"][0].pop("dims") and d)(json.loads(raw))
+    ),
+    "other format": lambda raw: json.dumps({**json.loads(raw), "format": 999}),
+    "other key": lambda raw: json.dumps({**json.loads(raw), "key": "0" * 64}),
+    "empty": lambda raw: "",
+}
+
+
+@pytest.mark.parametrize("tamper", TAMPERS)
+def test_a_tampered_file_is_ignored_and_rewritten(cache, config, monkeypatch, tamper):
+    want = plan_names(STORED, config)
+    (path,) = _files(cache)
+    path.write_text(TAMPERS[tamper](path.read_text()))
+    assert hf_names_cache.load(STORED, config) is None  # a miss, not an error
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    assert plan_names(STORED, config) == want  # recomputed by transformers
+    assert hf_names_cache.load(STORED, config) is not None  # and the file rewritten
+    _fresh_process(monkeypatch)
+    assert plan_names(STORED, config) == want
+
+
+def test_a_directory_in_place_of_the_file_is_a_miss(cache, config, monkeypatch):
+    want = plan_names(STORED, config)
+    (path,) = _files(cache)
+    path.unlink()
+    path.mkdir()
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    assert plan_names(STORED, config) == want
+
+
+def test_the_key_changes_with_transformers_config_and_tensors(config):
+    key = hf_names_cache.cache_key(STORED, config, "5.25.0")
+    assert key == hf_names_cache.cache_key(list(STORED), dict(config), "5.25.0")
+    assert key != hf_names_cache.cache_key(STORED, config, "5.25.1")
+    assert key != hf_names_cache.cache_key(STORED, {**config, "num_experts_per_tok": 1}, "5.25.0")
+    other = {**config, "architectures": ["Qwen3MoeForSequenceClassification"]}
+    assert key != hf_names_cache.cache_key(STORED, other, "5.25.0")
+    assert key != hf_names_cache.cache_key([(n, "F32", s) for n, _, s in STORED], config, "5.25.0")
+    assert key != hf_names_cache.cache_key(STORED[:-1], config, "5.25.0")
+    assert key != hf_names_cache.cache_key(list(reversed(STORED)), config, "5.25.0")
+    # the installed version is read from package metadata, which imports nothing
+    from importlib.metadata import version
+
+    assert hf_names_cache.cache_key(STORED, config) == hf_names_cache.cache_key(
+        STORED, config, version("transformers")
+    )
+
+
+def test_where_the_cache_lives(monkeypatch, tmp_path):
+    monkeypatch.setenv(hf_names_cache.ENV, str(tmp_path / "x"))
+    assert hf_names_cache.cache_dir() == tmp_path / "x"
+    monkeypatch.delenv(hf_names_cache.ENV)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert hf_names_cache.cache_dir() == tmp_path / "xdg" / "shardstream" / "hf-layouts"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert hf_names_cache.cache_dir() == tmp_path / "home" / ".cache" / "shardstream" / "hf-layouts"
+
+
+def test_an_empty_cache_dir_setting_disables_the_cache(config, monkeypatch, tmp_path):
+    monkeypatch.setenv(hf_names_cache.ENV, "")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    assert hf_names_cache.cache_dir() is None
+    plan = plan_names(STORED, config)
+    assert plan.sliced == 9
+    assert not list(tmp_path.rglob("*.json"))
+    assert hf_names_cache.load(STORED, config) is None
+
+
+def test_an_unwritable_cache_dir_still_plans(config, monkeypatch, tmp_path, caplog):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("")
+    # a path under a regular file: mkdir fails even for root (unlike permission bits)
+    monkeypatch.setenv(hf_names_cache.ENV, str(blocker / "layouts"))
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    with caplog.at_level("DEBUG", logger=hf_names_cache.__name__):
+        plan = plan_names(STORED, config)
+    assert plan.sliced == 9
+    assert "not caching the layout" in caplog.text
+
+
+def test_only_plans_transformers_computed_are_cached(cache, config):
+    plan_names([("_orig_mod.model.norm.weight", "F32", (4,))], {"model_type": "qwen2"})
+    plan_names([("x", "F32", (2,))], {})
+    plan_names(STORED, config, keep_names=True)
+    assert not cache.exists() or not _files(cache)
+
+
+def test_the_test_session_never_uses_the_home_cache():
+    import os
+
+    path = Path(os.environ[hf_names_cache.ENV])
+    assert path.name.startswith("shardstream-test-cache-")
+    assert hf_names_cache.cache_dir() == path
