@@ -637,6 +637,15 @@ def render_moe(m: dict) -> str:
             f"{s['moe_fused']['median_wall_s'] - s['dense']['median_wall_s']:.2f} s: the same "
             "bytes in fused rather than dense tensors."
         )
+    if "moe_warm" in kinds and "moe_fused" in kinds:
+        extra.append(
+            f"- What is left warm: MoE warm − MoE `--keep-names` = "
+            f"{s['moe_warm']['median_wall_s'] - s['moe_fused']['median_wall_s']:.2f} s of median "
+            "wall (merge call alone: "
+            f"{s['moe_warm']['median_merge_call_s'] - s['moe_fused']['median_merge_call_s']:.2f}"
+            " s): reading the cached plan and the split itself (per-expert output tensors, each "
+            "a strided box of a fused record)."
+        )
     if s.get("planning_s") is not None:
         i = s["inspect_median_wall_s"]
         extra.append(
