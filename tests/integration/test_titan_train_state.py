@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 
 import pytest
@@ -109,3 +110,54 @@ def test_bytesio_holding_code_is_refused_before_anything_is_touched(tmp_path):
     for name, tensor in fresh.state_dict().items():  # nothing touched
         assert torch.equal(tensor, before[name]), name
     assert (state.step, state.ntokens_seen, state.global_avg_losses) == (1, 2, [9.0])
+
+
+class Dataloader:
+    """Like torchtitan's ParallelAwareDataloader: its state is ``pickle.dumps`` of the inner
+    loader's, keyed by rank, and ``load_state_dict`` unpickles it."""
+
+    def __init__(self, state=None):
+        self.state = state
+
+    def state_dict(self):
+        return {"rank_0": pickle.dumps(self.state), "world_size": 1}
+
+    def load_state_dict(self, saved):
+        self.state = pickle.loads(saved["rank_0"])  # what torchtitan's own code does
+
+
+def test_pickled_dataloader_state_of_plain_data_is_passed_on(tmp_path):
+    saved = {"_num_yielded": 12, "dataset_state": {"sample_idx": 24, "tokens": [5, 6, 7]}}
+    _save_with_loader(tmp_path / "step-2", _model(0), Dataloader(saved))
+    loader = Dataloader()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shardstream.load(tmp_path / "step-2", model=_model(1), states={"dataloader": loader})
+    assert loader.state == saved
+
+
+def test_pickled_dataloader_state_naming_code_is_refused_before_anything_runs(tmp_path):
+    marker = tmp_path / "pwned"
+    hostile = Dataloader()
+    hostile.state = _RunsCode(str(marker))  # pickle.dumps -> GLOBAL posix.system + REDUCE
+    _save_with_loader(tmp_path / "step-2", _model(0), hostile)
+    assert not marker.exists()
+
+    fresh, loader = _model(1), Dataloader({"untouched": True})
+    before = {k: v.clone() for k, v in fresh.state_dict().items()}
+    with pytest.raises(CheckpointFormatError) as info:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            shardstream.load(tmp_path / "step-2", model=fresh, states={"dataloader": loader})
+    message = str(info.value)
+    assert "\n" not in message and "dataloader.rank_0" in message and "system" in message
+    assert not marker.exists()
+    assert loader.state == {"untouched": True}
+    for name, tensor in fresh.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+
+
+def _save_with_loader(path, model, loader) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "dataloader": loader}, checkpoint_id=str(path))

@@ -48,6 +48,7 @@ from .dcp_pickles import (
     StorageInfo,
     TensorStorageMetadata,
     _Frozen,
+    check_passed_pickle,
     int_sequence,
     ints,
     load_metadata,
@@ -679,6 +680,8 @@ def _read_object(directory: Path, meta_path: Path, key: str, by_chunk, sizes, fd
         if isinstance(value, _SavedBytesIO):  # torchtitan's TrainState: torch.save'd histories
             load_restricted(value.data, f"{name} (its BytesIO)", "cpu")  # checked, not kept
             value = io.BytesIO(value.data)
+        elif isinstance(value, bytes):  # torchtitan's dataloader: pickle.dumps of its state
+            check_passed_pickle(value, name)
         return value
     except CheckpointFormatError:
         raise

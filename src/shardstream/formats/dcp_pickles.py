@@ -534,6 +534,36 @@ _REPR = reprlib.Repr()
 _REPR.maxlevel, _REPR.maxstring, _REPR.maxother = 3, 80, 80
 
 
+class _PlainDataUnpickler(_SafeUnpickler):
+    """Resolves no global at all: a pickle of containers, numbers and strings only."""
+
+    allowed: dict[tuple[str, str], object] = {}
+
+
+def check_passed_pickle(data: bytes, name: str) -> None:
+    """Bytes that a Stateful's own ``load_state_dict`` may unpickle (torchtitan's dataloader
+    keeps ``pickle.dumps`` of its state): when they are a pickle any unpickler would load, it
+    must hold plain data, since the object's code would run whatever it names. Bytes no
+    unpickler loads pass as they are."""
+    try:
+        check_pickle(data)
+    except UnsafeCheckpointError as exc:
+        raise UnsafeCheckpointError(f"{name}: its bytes are a hostile pickle: {exc}") from None
+    except CheckpointFormatError:
+        return  # not a loadable pickle: opaque bytes
+    try:
+        _PlainDataUnpickler(io.BytesIO(data), name).load()
+    except UnsafeCheckpointError as exc:
+        detail = str(exc).removeprefix(f"{name}: ")
+        raise UnsafeCheckpointError(
+            f"{name}: holds a pickle that the object's load_state_dict would unpickle, and it "
+            f"names code ({detail}); shardstream passes pickled state on only when it is "
+            "plain data"
+        ) from None
+    except Exception:  # noqa: BLE001 - pickle.loads fails on these bytes too
+        return
+
+
 def short_repr(value) -> str:
     """``repr`` bounded in depth and length: unpickled values can be huge or nest shared parts."""
     return _REPR.repr(value)
