@@ -84,18 +84,10 @@ def _walk(module: torch.nn.Module, prefix: str) -> dict[str, Region]:
         return entries
     where = f"{type(module).__name__} at {prefix[:-1] or '<root>'}"
     probes = {key: torch.empty(region.shape, device="meta") for key, region in entries.items()}
-    state: OrderedDict = OrderedDict(probes)
-    try:
-        for hook in list(module._state_dict_hooks.values()):
-            result = hook(module, state, prefix, {"version": getattr(module, "_version", 1)})
-            if result is not None:
-                state = result
-    except Exception as exc:  # noqa: BLE001 - a hook that needs real data
-        raise CheckpointFormatError(
-            f"the state_dict hook of {where} cannot run on shapes alone "
-            f"({type(exc).__name__}: {exc}); shardstream restores hooks that rename, split or "
-            "slice parameters"
-        ) from None
+    state = _run_hooks(
+        module, probes, prefix, f"the state_dict hook of {where} cannot run on shapes alone",
+        "rename, split or slice",
+    )  # fmt: skip
     by_id = {id(probe): key for key, probe in probes.items()}
     out: dict[str, Region] = {}
     for key, tensor in state.items():
@@ -120,6 +112,24 @@ def _walk(module: torch.nn.Module, prefix: str) -> dict[str, Region]:
     return out
 
 
+def _run_hooks(
+    module: torch.nn.Module, probes: dict[str, torch.Tensor], prefix: str, failed: str, can: str
+) -> OrderedDict:
+    """``module``'s state-dict hooks run over ``probes``, as ``state_dict`` would run them."""
+    state: OrderedDict = OrderedDict(probes)
+    try:
+        for hook in list(module._state_dict_hooks.values()):
+            result = hook(module, state, prefix, {"version": getattr(module, "_version", 1)})
+            if result is not None:
+                state = result
+    except Exception as exc:  # noqa: BLE001 - a hook that needs real data or cannot be traced
+        raise CheckpointFormatError(
+            f"{failed} ({type(exc).__name__}: {exc}); shardstream restores hooks that {can} "
+            "parameters"
+        ) from None
+    return state
+
+
 def _gathered(
     module: torch.nn.Module, entries: dict[str, Region], prefix: str, where: str
 ) -> dict[str, Region]:
@@ -137,17 +147,10 @@ def _gathered(
         probes[key] = torch.arange(base, base + n, dtype=torch.int64).reshape(region.shape)
         bases.append((base, base + n, key))
         base += n
-    state: OrderedDict = OrderedDict(probes)
-    try:
-        for hook in list(module._state_dict_hooks.values()):
-            result = hook(module, state, prefix, {"version": getattr(module, "_version", 1)})
-            if result is not None:
-                state = result
-    except Exception as exc:  # noqa: BLE001 - a hook that cannot run on index tensors
-        raise CheckpointFormatError(
-            f"the state_dict hook of {where} cannot be traced ({type(exc).__name__}: {exc}); "
-            "shardstream restores hooks that rename, split, slice or gather parameters"
-        ) from None
+    state = _run_hooks(
+        module, probes, prefix, f"the state_dict hook of {where} cannot be traced",
+        "rename, split, slice or gather",
+    )  # fmt: skip
     out: dict[str, Region] = {}
     for key, tensor in state.items():
         if isinstance(tensor, torch.Tensor):
