@@ -265,14 +265,19 @@ def write_safetensors(
     progress: Callable[[int], None] | None = None,
     window_hook: Callable[[int, int], None] | None = None,
     borrow: bool = False,
+    writeback: bool = False,
 ) -> WrittenFile:
     """Write one safetensors file: header first (placeholder checksums), data, final header.
 
-    ``borrow``: write unconverted bytes straight from live host tensors (see ``stream_file``).
+    ``borrow``: write unconverted bytes straight from live host tensors (see ``stream_file``);
+    ``writeback``: hand written data to the disk while the rest streams (see ``fill_range``).
     """
     job = plan_file(path, tensors, metadata, chunk_bytes)
     create_file(job)
-    chunks = fill_range(job, streamer, progress=progress, window_hook=window_hook, borrow=borrow)
+    chunks = fill_range(
+        job, streamer, progress=progress, window_hook=window_hook, borrow=borrow,
+        writeback=writeback,
+    )  # fmt: skip
     return seal_file(job, chunks)
 
 

@@ -137,6 +137,7 @@ class StreamingWriter(StorageWriter):
                 chunk_bytes=self.chunk_bytes,
                 window_hook=window_hook,
                 borrow=self.guard is None,  # an async save reads live tensors only under guard
+                writeback=True,  # the closing fsync then has little left to wait for
             )
         finally:
             if self.guard is not None:
