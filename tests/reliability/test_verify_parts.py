@@ -235,6 +235,23 @@ def test_links_out_of_a_tokenizer_subfolder_are_refused(nested, tmp_path):
     ]
 
 
+@pytest.mark.parametrize("name", ["\ud800", "huggingface/\udcff.json", "a\nb", "x/./y", ""])
+def test_a_manifest_name_that_names_no_file_is_refused(nested, tmp_path, capsys, name):
+    """Names are wider than before (nested, hidden); one that cannot be a file name (a lone
+    surrogate, a control character, a '.' part) is refused in one line, never a traceback."""
+    from shardstream.errors import ShardstreamError
+
+    from .test_hostile import _reseal
+
+    _reseal(nested, lambda doc: doc["files"].update({name: {"size": 1, "xxh3": "0" * 16}}))
+    report = verify(nested)
+    assert any("not a plain file name" in p.line() for p in report.problems), report.problems
+    with pytest.raises(ShardstreamError, match="not a plain file name"):
+        shardstream.load(nested, model=torch.nn.Linear(8, 4))
+    code, lines = _cli(capsys, "merge", "--local_dir", nested, "--target_dir", tmp_path / "m")
+    assert code == 1 and len(lines) == 1 and "not a plain file name" in lines[0], lines
+
+
 def test_a_link_to_a_listed_file_is_not_an_unlisted_file(nested):
     (nested / "huggingface" / "tokenizer.json").rename(nested / "real-tokenizer.json")
     os.symlink("../real-tokenizer.json", nested / "huggingface" / "tokenizer.json")

@@ -91,6 +91,10 @@ def is_safe_name(name: object) -> bool:
     neither "." nor ".." (where it leads is checked separately, see ``check_name``)."""
     if not isinstance(name, str) or len(name) > MAX_NAME_CHARS:
         return False
+    try:
+        name.encode()  # a lone surrogate ("\ud800") names no file: open() would raise
+    except UnicodeEncodeError:
+        return False
     parts = name.split("/")
     return len(parts) <= MAX_NAME_PARTS and all(
         _NAME_PART.fullmatch(part) and part not in (".", "..") for part in parts
