@@ -253,17 +253,21 @@ def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:
 
 
 def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
-    """accelerate's save_state: every DCP part (models, optimizers) as ``_verify_dcp``; the
-    scheduler and RNG files' zip records against their CRC-32 and through the restricted
-    unpickler (which refuses code)."""
+    """accelerate's save_state: every DCP part (models, optimizers) as ``_verify_dcp``; its
+    torch.save files (scheduler, RNG, GradScaler, register_for_checkpointing objects, stateful
+    dataloaders) record by record against their CRC-32s and through the restricted unpickler
+    (which refuses code); a pickled sampler object by its records only (never unpickled)."""
     from ..formats.source import (
         ACCELERATE_MODEL_DIR,
         ACCELERATE_OPTIMIZER_DIR,
         ACCELERATE_RNG_FILE,
+        ACCELERATE_SAMPLER_FILE,
         ACCELERATE_SCHEDULER_FILE,
+        ACCELERATE_STATE_FILE,
     )
     from ..formats.torch_pt import check_records, load_restricted, numpy_globals
 
+    pickles = (ACCELERATE_SCHEDULER_FILE, ACCELERATE_RNG_FILE, ACCELERATE_STATE_FILE)
     for entry in sorted(directory.iterdir()):
         name = entry.name
         if entry.is_dir() and (
@@ -271,12 +275,13 @@ def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
         ):
             _verify_dcp(entry, report)
         elif entry.is_file() and (
-            ACCELERATE_SCHEDULER_FILE.match(name) or ACCELERATE_RNG_FILE.match(name)
+            any(p.match(name) for p in pickles) or ACCELERATE_SAMPLER_FILE.match(name)
         ):
             report.files_checked += 1
             try:
                 check_records(str(entry))
-                load_restricted(str(entry), str(entry), "cpu", numpy_globals())
+                if not ACCELERATE_SAMPLER_FILE.match(name):
+                    load_restricted(str(entry), str(entry), "cpu", numpy_globals())
                 report.bytes_checked += entry.stat().st_size
             except ShardstreamError as exc:
                 report.problems.append(Problem(str(entry), _strip(exc, entry)))

@@ -60,6 +60,13 @@ ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
 ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
+# Its other torch.save files, each a state_dict() restored by name (load(states={stem: obj})):
+# the GradScaler's, register_for_checkpointing objects', stateful dataloaders'.
+ACCELERATE_STATE_FILE = re.compile(
+    r"^(?:scaler\.pt|custom_checkpoint_\d+\.pkl|dl_state_dict(?:_\d+)?\.bin)$"
+)
+# A pickled SeedableRandomSampler object (with its dataset): never unpickled, CRC-checked only.
+ACCELERATE_SAMPLER_FILE = re.compile(r"^sampler(?:_\d+)?\.bin$")
 
 
 @runtime_checkable
@@ -143,21 +150,29 @@ def is_dcp_checkpoint(directory: Path) -> bool:
 
 @dataclasses.dataclass
 class AccelerateState:
-    """The parts of accelerate's ``save_state`` directory (the first model's and optimizer's)."""
+    """The parts of accelerate's ``save_state`` directory; ``model``, ``optimizer`` and
+    ``scheduler`` are those of model ``index`` (0 unless chosen)."""
 
     directory: Path
     model: Path
     optimizer: Path | None
     scheduler: Path | None
     rng: dict[int, Path]  # saving process -> its RNG file
-    models: int  # pytorch_model_fsdp_N directories (only the first is restored)
+    models: int  # pytorch_model_fsdp_N directories
+    index: int = 0
+    indices: tuple[int, ...] = (0,)  # the N of every pytorch_model_fsdp_N
+    # file stem -> file, for load(states={stem: obj}): scaler, custom_checkpoint_N,
+    # dl_state_dict[_N], scheduler[_N]; samplers (pickled objects) apart
+    states: dict[str, Path] = dataclasses.field(default_factory=dict)
+    samplers: dict[str, Path] = dataclasses.field(default_factory=dict)
 
 
-def accelerate_state(directory: Path) -> AccelerateState | None:
-    """The parts of an accelerate ``save_state`` directory; None when ``directory`` is none."""
+def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
+    """The parts of an accelerate ``save_state`` directory, with model ``index``'s model,
+    optimizer and scheduler; None when ``directory`` is none (or has no model ``index``)."""
     if not directory.is_dir():
         return None
-    models, optims, schedulers, rng = {}, {}, {}, {}
+    models, optims, schedulers, rng, states, samplers = {}, {}, {}, {}, {}, {}
     for entry in directory.iterdir():
         name = entry.name
         if (m := ACCELERATE_MODEL_DIR.match(name)) and is_dcp_checkpoint(entry):
@@ -166,11 +181,27 @@ def accelerate_state(directory: Path) -> AccelerateState | None:
             optims[int(m[1])] = entry
         elif (m := ACCELERATE_SCHEDULER_FILE.match(name)) and entry.is_file():
             schedulers[int(m[1] or 0)] = entry
+            states[entry.stem] = entry
         elif (m := ACCELERATE_RNG_FILE.match(name)) and entry.is_file():
             rng[int(m[1])] = entry
-    if 0 not in models:
+        elif ACCELERATE_STATE_FILE.match(name) and entry.is_file():
+            states[entry.stem] = entry
+        elif ACCELERATE_SAMPLER_FILE.match(name) and entry.is_file():
+            samplers[entry.stem] = entry
+    if 0 not in models or index not in models:
         return None
-    return AccelerateState(directory, models[0], optims.get(0), schedulers.get(0), rng, len(models))
+    return AccelerateState(
+        directory,
+        models[index],
+        optims.get(index),
+        schedulers.get(index),
+        rng,
+        len(models),
+        index,
+        tuple(sorted(models)),
+        states,
+        samplers,
+    )
 
 
 def is_accelerate_state(directory: Path) -> bool:

@@ -141,7 +141,12 @@ def _open_source(
             all_names=frozenset(manifest.get("tensors", ())),
         )
     if kind is Kind.DCP:
-        _refuse_accelerate_part(path, want_optimizer)
+        chosen = _accelerate_model_part(path, want_optimizer or bool(states))
+        if chosen is not None:  # <save_state dir>/pytorch_model_fsdp_N: model N's train state
+            return _accelerate_source(
+                path.parent, model, optimizer, want_optimizer, verify, prefix, presented,
+                states, index=chosen,
+            )  # fmt: skip
         # PyTorch DCP (torchtitan, PyTorch's recipe, accelerate's model directory): the model,
         # and the optimizer, scheduler and step of a train state when they are asked for.
         return _dcp_source(
@@ -154,7 +159,9 @@ def _open_source(
         tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
         return _Source(tensors, FileEndpoint, {"model"}, {}, _step_of(path), lambda rank: {})
     if kind is Kind.ACCELERATE:
-        return _accelerate_source(path, model, optimizer, want_optimizer, verify, prefix, presented)
+        return _accelerate_source(
+            path, model, optimizer, want_optimizer, verify, prefix, presented, states
+        )
     if kind is not Kind.VERL:
         below = checkpoints_below(path)
         hint = (
@@ -319,13 +326,31 @@ _STATE = "state:"
 
 
 def _accelerate_source(
-    path: Path, model, optimizer, want_optimizer: bool, verify: bool, prefix, presented=None
+    path: Path,
+    model,
+    optimizer,
+    want_optimizer: bool,
+    verify: bool,
+    prefix,
+    presented=None,
+    states: tuple[str, ...] = (),
+    index: int | None = None,
 ) -> _Source:
-    """accelerate's ``save_state`` directory: model and optimizer (DCP), scheduler and RNG
-    (``torch.save`` files, read by the restricted unpickler)."""
+    """accelerate's ``save_state`` directory: model ``index`` and its optimizer (DCP), its
+    scheduler, the RNG and the ``states`` asked for (``torch.save`` files by stem: scaler,
+    custom_checkpoint_N, dl_state_dict[_N], scheduler_N), all read by the restricted
+    unpickler. ``index`` None: the directory itself was passed, which must hold one model."""
     from ..formats.source import accelerate_state
 
-    parts = accelerate_state(path)
+    parts = accelerate_state(path, index or 0)
+    if index is None and parts.models > 1:
+        raise UsageError(
+            f"{path}: holds {parts.models} models ("
+            + ", ".join(f"pytorch_model_fsdp_{i}" for i in parts.indices)
+            + f"); pass {path}/pytorch_model_fsdp_<i> to restore model i with its optimizer_<i>"
+            " and scheduler (scheduler.bin for 0, scheduler_<i>.bin), the RNG and the states"
+            " asked for"
+        )
     source = _dcp_source(
         parts.model,
         parts.optimizer,
@@ -341,6 +366,23 @@ def _accelerate_source(
         source.saved.discard("optimizer")
     if parts.scheduler is not None:
         source.objects["lr_scheduler"] = _read_pickle(parts.scheduler, verify, "the scheduler")
+    else:
+        source.objects.pop("lr_scheduler", None)
+    for name in states:
+        stem = name.rsplit(".", 1)[0] if name.endswith((".pt", ".pkl", ".bin")) else name
+        if stem in parts.samplers:
+            raise UsageError(
+                f"{parts.samplers[stem]}: accelerate pickles the SeedableRandomSampler object "
+                "itself (with its dataset), which shardstream never unpickles; nothing was "
+                "restored. Leave it out of states= and set the sampler's epoch yourself"
+            )
+        file = parts.states.get(stem)
+        if file is None:
+            raise CheckpointFormatError(
+                f"{path}: holds no {name!r} state, so nothing was restored (states here: "
+                f"{sorted(parts.states) or 'none'})"
+            )
+        source.objects[_STATE + name] = _read_pickle(file, verify, f"the {name}")
     if parts.rng:
         source.saved.add("extra")
         rng = parts.rng
@@ -375,23 +417,35 @@ def _presented_optimizer(saved: dict, presented: dict) -> dict:
     return out
 
 
-def _refuse_accelerate_part(path: Path, want_optimizer: bool) -> None:
-    """``pytorch_model_fsdp_N`` (with the optimizer asked for) or ``optimizer_N`` of an
-    accelerate ``save_state`` directory: the directory around them is what restores whole."""
+def _accelerate_model_part(path: Path, whole: bool) -> int | None:
+    """N, when ``path`` is ``pytorch_model_fsdp_N`` of an accelerate ``save_state`` directory
+    holding several models and ``whole`` (more than the model asked for): that directory
+    restores with model N. Else such a part (``optimizer_N``, or the model of a directory
+    with one) is refused, naming what to pass: the directory, or with several models
+    ``pytorch_model_fsdp_N``."""
     from ..formats.source import (
         ACCELERATE_MODEL_DIR,
         ACCELERATE_OPTIMIZER_DIR,
         accelerate_state,
     )
 
-    part = ACCELERATE_OPTIMIZER_DIR.match(path.name) or (
-        want_optimizer and ACCELERATE_MODEL_DIR.match(path.name)
+    model = ACCELERATE_MODEL_DIR.match(path.name)
+    optimizer = ACCELERATE_OPTIMIZER_DIR.match(path.name)
+    if not (model or optimizer) or (model and not whole):
+        return None
+    parts = accelerate_state(path.parent)
+    if parts is None:
+        return None
+    index = int((model or optimizer)[1])
+    if model and parts.models > 1 and index in parts.indices:
+        return index  # the directory holds several: this path picks one
+    target = path.parent
+    if parts.models > 1 and index in parts.indices:
+        target = path.parent / f"pytorch_model_fsdp_{index}"
+    raise CheckpointFormatError(
+        f"{path}: one part of accelerate's save_state directory {path.parent}; pass "
+        f"{target} to restore its model, optimizer, scheduler and RNG state together"
     )
-    if part and accelerate_state(path.parent) is not None:
-        raise CheckpointFormatError(
-            f"{path}: one part of accelerate's save_state directory {path.parent}; pass "
-            f"{path.parent} to restore its model, optimizer, scheduler and RNG state together"
-        )
 
 
 def _read_pickle(file: Path, verify: bool, what: str) -> Any:
@@ -570,7 +624,10 @@ def load(
     ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
     level), where detection finds several candidates. ``states``: other Stateful objects of
     a DCP train state by container name (torchtitan's ``{"dataloader": ..., "train_state":
-    ...}``), each loaded with its saved values merged over its own ``state_dict()``.
+    ...}``), or of an accelerate ``save_state`` directory by file stem (``"scaler"``,
+    ``"custom_checkpoint_0"``, ``"dl_state_dict"``, ``"scheduler_1"``), each loaded with its
+    saved values merged over its own ``state_dict()``. An accelerate directory with several
+    models restores one: pass its ``pytorch_model_fsdp_N`` for model N.
 
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
