@@ -226,3 +226,20 @@ def test_async_save_killed_anywhere_leaves_verl_a_complete_step(tmp_path):
         assert found is not None, f"trial {trial}, kill after {delay:.2f} s"
         report = verify(Path(found) / "actor")
         assert report.ok, (delay, [p.line() for p in report.problems])
+
+
+def test_actor_and_critic_save_side_by_side_and_load_at_another_world_size(tmp_path):
+    run(workers.actor_critic_run, 2, str(tmp_path))
+    steps = {
+        p.name: sorted(c.name for c in p.iterdir())
+        for p in tmp_path.iterdir()
+        if p.name.startswith("global_step_")
+    }
+    # each role kept its own last max_ckpt_to_keep steps and deleted only what it wrote
+    assert steps == {"global_step_2": ["actor"], "global_step_3": ["actor", "critic"]}
+    for role in ("actor", "critic"):
+        assert verify(str(tmp_path / "global_step_3" / role)).ok, role
+    loaded = run(workers.load_roles_run, 1, str(tmp_path), 3)[0]
+    for role in ("actor", "critic"):
+        reference = torch.load(tmp_path / f"reference_{role}.pt", weights_only=False)
+        _assert_same(loaded[role], reference)

@@ -182,3 +182,44 @@ def misc_run(rank: int, world: int, lora_root: str, damaged: list[str]) -> dict:
         "lora": lora_run(rank, world, lora_root),
         "damaged": [load_error_run(rank, world, actor) for actor in damaged],
     }
+
+
+def actor_critic_run(rank: int, world: int, root: str) -> None:
+    """verl's actor and critic saving side by side into one run, as its trainer drives them:
+    the actor synchronously (max_ckpt_to_keep=2), the critic with async_save (keep 1), steps
+    1-3 into ``global_step_N/actor`` and ``global_step_N/critic``. Rank 0 writes each role's
+    final state as the reference."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    roles = {}
+    for role, seed, keep, async_save in (("actor", 0, 2, False), ("critic", 5, 1, True)):
+        model, optimizer, scheduler, _ = build((world,), seed=seed)
+        config = {"save_contents": CONTENTS, "load_contents": CONTENTS, "async_save": async_save}
+        manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
+        roles[role] = (model, optimizer, scheduler, manager, keep)
+    for step in (1, 2, 3):
+        for role, (model, optimizer, scheduler, manager, keep) in roles.items():
+            train_step(model, optimizer, scheduler, step)  # the critic's overlaps its last save
+            path = str(Path(root) / f"global_step_{step}" / role)
+            manager.save_checkpoint(path, None, step, max_ckpt_to_keep=keep)
+    for role, (model, optimizer, scheduler, manager, _) in roles.items():
+        manager.wait()
+        reference = full_state(model, optimizer, scheduler)
+        if rank == 0:
+            torch.save(reference, Path(root) / f"reference_{role}.pt")
+        manager.close()
+
+
+def load_roles_run(rank: int, world: int, root: str, step: int) -> dict:
+    """Fresh models load ``global_step_<step>``'s actor and critic; returns each role's state."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    out = {}
+    for role in ("actor", "critic"):
+        model, optimizer, scheduler, _ = build((world,), seed=123)
+        train_step(model, optimizer, scheduler, 1)  # optimizer state exists, and differs
+        config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+        manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
+        manager.load_checkpoint(str(Path(root) / f"global_step_{step}" / role), None, False)
+        out[role] = full_state(model, optimizer, scheduler)
+    return out
