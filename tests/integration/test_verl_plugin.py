@@ -243,3 +243,15 @@ def test_actor_and_critic_save_side_by_side_and_load_at_another_world_size(tmp_p
     for role in ("actor", "critic"):
         reference = torch.load(tmp_path / f"reference_{role}.pt", weights_only=False)
         _assert_same(loaded[role], reference)
+
+
+def test_fsdp1_saves_at_2_and_loads_bit_for_bit_at_1_and_2(tmp_path):
+    """verl's ``strategy: fsdp`` (FSDP1, whose state dict hands out copies of its flat
+    parameters): the load must reach the flat parameters, not only those copies."""
+    run(workers.fsdp1_save_run, 2, str(tmp_path))
+    reference = torch.load(tmp_path / "reference_fsdp1.pt", weights_only=False)
+    actor = str(tmp_path / "global_step_2" / "actor")
+    assert verify(actor).ok
+    for world in (1, 2):
+        for state in run(workers.fsdp1_load_run, world, actor):
+            _assert_same(state, reference)

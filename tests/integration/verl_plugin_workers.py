@@ -223,3 +223,47 @@ def load_roles_run(rank: int, world: int, root: str, step: int) -> dict:
         manager.load_checkpoint(str(Path(root) / f"global_step_{step}" / role), None, False)
         out[role] = full_state(model, optimizer, scheduler)
     return out
+
+
+def _fsdp1(world: int, seed: int):
+    """The tiny Qwen2 wrapped by FSDP1 (verl's ``strategy: fsdp``), on a CPU mesh."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model, _, _, _ = build(None, seed=seed)
+    model = FullyShardedDataParallel(
+        model,
+        device_mesh=init_device_mesh("cpu", (world,)),
+        device_id=torch.device("cpu"),
+        use_orig_params=True,
+    )
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    return model, optimizer, scheduler
+
+
+def fsdp1_save_run(rank: int, world: int, root: str) -> None:
+    """Two steps of an FSDP1 model saved through the plug-in; rank 0 writes the reference."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    model, optimizer, scheduler = _fsdp1(world, seed=0)
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+    manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
+    for step in (1, 2):
+        train_step(model, optimizer, scheduler, step)
+        manager.save_checkpoint(_actor(root, step), None, step, max_ckpt_to_keep=1)
+    reference = full_state(model, optimizer, scheduler)
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference_fsdp1.pt")
+
+
+def fsdp1_load_run(rank: int, world: int, actor: str) -> dict:
+    """A fresh FSDP1 model (another seed, one step taken) loads ``actor``."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    model, optimizer, scheduler = _fsdp1(world, seed=123)
+    train_step(model, optimizer, scheduler, 1)
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+    manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
+    manager.load_checkpoint(actor, None, False)
+    return full_state(model, optimizer, scheduler)

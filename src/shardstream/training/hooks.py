@@ -29,7 +29,7 @@ from ..engine.dtypes import itemsize
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
-from .state import STATE
+from .state import STATE, has_state_dict_hooks  # noqa: F401  (load.py asks here)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -42,11 +42,6 @@ class Region:
     # A hook that gathers rows (torchtitan's fused QKV: wq is every hpk rows of each kv group
     # of wqkv): (first presented row, rows, start in ``live``) per run of consecutive rows.
     rows: tuple[tuple[int, int, tuple[int, ...]], ...] | None = None
-
-
-def has_state_dict_hooks(model: torch.nn.Module) -> bool:
-    """Whether any module registers a hook that may change what ``state_dict`` presents."""
-    return any(module._state_dict_hooks for module in model.modules())
 
 
 def live_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -713,7 +713,9 @@ def load(
     extra: dict[str, Any] = pending.extra
     error: Exception | None = None
     try:  # local work from here on: a rank that fails must tell the others, not leave them
-        if optim_tensors:  # waiting in a barrier for a process that may never exit
+        if want_model and targets:  # waiting in a barrier for a process that may never exit
+            st.apply_model_copies(model, {k: v for k, v in model_tensors.items() if k in targets})
+        if optim_tensors:
             st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
         if pending.scheduler is not None:
             schedulers.load(lr_scheduler, pending.scheduler)

@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     get_optimizer_state_dict,
+    set_model_state_dict,
     set_optimizer_state_dict,
 )
 
@@ -33,6 +34,23 @@ def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """``model.<fqn>`` -> live (sharded) tensor, sharing storage with the parameters."""
     state = get_model_state_dict(model, options=_OPTIONS)
     return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+
+
+def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Hand filled model tensors back where ``model_tensors`` returned copies rather than the
+    live storage (FSDP1 unflattens its flat parameters into new tensors); nothing to do where
+    they are the parameters themselves (FSDP2, plain modules)."""
+    from torch.distributed.tensor import DTensor
+
+    def storage(t: torch.Tensor) -> int:
+        local = t.to_local() if isinstance(t, DTensor) else t
+        return local.untyped_storage().data_ptr()
+
+    live = {storage(t) for t in (*model.parameters(), *model.buffers())}
+    if all(storage(t) in live for t in tensors.values() if t.numel()):
+        return
+    state = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items()}
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))
 
 
 def placement_of(tensor: torch.Tensor) -> str:
@@ -149,9 +167,21 @@ def nest_optimizer_state(
     return nested
 
 
+def has_state_dict_hooks(model: torch.nn.Module) -> bool:
+    """Whether any module registers a hook that may change what ``state_dict`` presents.
+    FSDP1's own hooks (which unflatten its flat parameters) do not count: torch's state-dict
+    API reads through them."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(
+        module._state_dict_hooks and not isinstance(module, FullyShardedDataParallel)
+        for module in model.modules()
+    )
+
+
 def _parameter_names(model: torch.nn.Module) -> set[str]:
     names = {n for n, _ in model.named_parameters()} | {n for n, _ in model.named_buffers()}
-    if any(module._state_dict_hooks for module in model.modules()):
+    if has_state_dict_hooks(model):
         return names  # hooks present other keys than the parameters (training/hooks.py)
     return names | set(get_model_state_dict(model, options=_OPTIONS))
 
