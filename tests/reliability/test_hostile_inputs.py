@@ -16,6 +16,7 @@ import warnings
 from pathlib import Path
 
 import pytest
+import torch
 
 from shardstream import cli
 from shardstream.commands.verify import verify
@@ -362,3 +363,34 @@ def test_unreadable_file_is_named(saved_run, open_dir, kind):
         assert code == 1 and lines, lines
         assert all("Traceback" not in line and "child raised" not in line for line in lines)
         assert any(str(path) in line and "permission denied" in line for line in lines), lines
+
+
+PARAM_GROUPS = {
+    "params a number": lambda groups: groups[0].update(params=406),
+    "params of no live group": lambda groups: groups[0].update(params=["0.weight"]),
+    "a group too many": lambda groups: groups.append(dict(groups[0])),
+    "not a list": lambda groups: groups.clear() or groups.append(7),
+}
+
+
+@pytest.mark.parametrize("case", sorted(PARAM_GROUPS))
+def test_resealed_param_groups_are_refused_before_the_model_changes(saved_run, tmp_path, case):
+    """Found by the soak's structure-aware fuzzer: torch's set_optimizer_state_dict raised a
+    TypeError after the model had already been loaded."""
+    from shardstream.manager import CheckpointConfig, CheckpointManager
+
+    from .forkserver import build_model, build_optimizer
+
+    step = _native_step(saved_run, tmp_path)
+    _reseal(step, lambda doc: PARAM_GROUPS[case](doc["objects"]["optimizer"]["param_groups"]))
+    model = build_model()
+    optimizer = build_optimizer(model)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    config = CheckpointConfig(directory=str(tmp_path / "scratch-root"))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
+        with pytest.raises(ShardstreamError) as caught:
+            manager.restore(path=step)
+    message = str(caught.value)
+    assert "\n" not in message and "param_groups" in message and str(step) in message, message
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name

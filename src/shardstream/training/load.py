@@ -783,6 +783,7 @@ def _checked_parts(
         if optim_tensors:
             st.nest_optimizer_state(model, {**source.objects["optimizer"].get("scalars", {}),
                                             **optim_tensors})  # fmt: skip
+            st.check_param_groups(model, optimizer, source.objects["optimizer"].get("param_groups"))
         part = "lr_scheduler"
         if lr_scheduler is not None and "optimizer" in contents:
             saved = source.objects.get("lr_scheduler")

@@ -138,6 +138,30 @@ def optimizer_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return get_optimizer_state_dict(model, optimizer, options=_OPTIONS)["param_groups"]
 
 
+def check_param_groups(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any
+) -> None:
+    """Saved param groups must fit the live optimizer's: as many groups, each naming exactly
+    the parameters of one live group (else torch's ``set_optimizer_state_dict`` fails after
+    the model was already written)."""
+    live = [frozenset(g["params"]) for g in optimizer_param_groups(model, optimizer)]
+    if not isinstance(saved, list) or len(saved) != len(live):
+        count = f"{len(saved)} groups" if isinstance(saved, list) else type(saved).__name__
+        raise CheckpointFormatError(
+            f"param_groups: {count} saved, the optimizer has {len(live)} groups"
+        )
+    for i, group in enumerate(saved):
+        params = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise CheckpointFormatError(
+                f"param_groups[{i}]: not a group with a list of parameter names"
+            )
+        if frozenset(params) not in live:
+            raise CheckpointFormatError(
+                f"param_groups[{i}]: its parameters are not those of any of the optimizer's groups"
+            )
+
+
 def apply_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
