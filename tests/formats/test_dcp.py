@@ -534,6 +534,100 @@ def test_transformed_chunks_are_refused(tmp_path):
         open_checkpoint(_corrupt(tmp_path, edit))
 
 
+def _run_cli(*argv) -> tuple[int, list[str]]:
+    """``python -m shardstream ARGV`` in a child process: exit code and stderr's lines."""
+    done = subprocess.run(
+        [sys.executable, "-m", "shardstream", *map(str, argv)],
+        capture_output=True,
+        text=True,
+        errors="backslashreplace",
+        timeout=300,
+    )
+    return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
+
+
+def _refused_in_one_line(ckpt: Path, tmp_path: Path, *needles: str) -> None:
+    """inspect, merge and verify each end with exit 1 and one line naming ``.metadata``."""
+    meta_path = str(ckpt / ".metadata")
+    target = tmp_path / "merged"
+    for argv in (
+        ["inspect", ckpt],
+        ["merge", "--local_dir", ckpt, "--target_dir", target, "--quiet"],
+        ["verify", "--quiet", ckpt],
+    ):
+        code, lines = _run_cli(*argv)
+        assert code == 1 and len(lines) == 1, (argv[0], code, lines)
+        assert "Traceback" not in lines[0] and meta_path in lines[0], (argv[0], lines)
+        for needle in needles:
+            assert needle in lines[0], (argv[0], needle, lines)
+        assert not target.exists()
+
+
+@pytest.mark.parametrize(
+    "value", [5, True, 1.5, "stream.zstd/1", {"a": 1}], ids=["int", "bool", "float", "str", "dict"]
+)
+def test_transform_descriptors_that_are_no_list_are_one_line_errors(tmp_path, value):
+    """Found by the soak's structure-aware fuzzer: an int there made the error message itself
+    raise a TypeError (``list(5)``) from inside the reader."""
+
+    def edit(meta, _):
+        _storage(meta, "w").transform_descriptors = value
+
+    ckpt = _corrupt(tmp_path, edit)
+    with pytest.raises(CheckpointFormatError, match="not a list of transform names"):
+        open_checkpoint(ckpt)
+    _refused_in_one_line(ckpt, tmp_path, "'w' has transform_descriptors", "not a list")
+
+
+def _set(obj, field: str, value) -> None:
+    object.__setattr__(obj, field, value)  # DCP's MetadataIndex is a frozen dataclass
+
+
+WRONG_FIELDS = {
+    # the other fields of StorageInfo, ChunkStorageMetadata, TensorStorageMetadata and the
+    # storage_data keys: each refused in one line naming .metadata
+    "storage file a lone surrogate": (
+        lambda meta: _set(_storage(meta, "w"), "relative_path", "\ud800.distcp"),
+        "not a plain file name",
+    ),
+    "storage file with a NUL": (
+        lambda meta: _set(_storage(meta, "w"), "relative_path", "__0_0\x00.distcp"),
+        "not a plain file name",
+    ),
+    "storage offset a string": (
+        lambda meta: _set(_storage(meta, "w"), "offset", "0"),
+        "invalid byte range",
+    ),
+    "chunk offsets an int": (
+        lambda meta: _set(meta.state_dict_metadata["w"].chunks[0], "offsets", 5),
+        "'w' chunk offsets is a int",
+    ),
+    "chunk sizes an int": (
+        lambda meta: _set(meta.state_dict_metadata["w"].chunks[0], "sizes", 5),
+        "'w' chunk sizes is a int",
+    ),
+    "tensor size an int": (
+        lambda meta: _set(meta.state_dict_metadata["w"], "size", 5),
+        "'w' shape is 5",
+    ),
+    "tensor dtype a long string": (
+        lambda meta: _set(meta.state_dict_metadata["w"].properties, "dtype", "x" * 10_000),
+        "unsupported dtype",
+    ),
+    "storage key offset an int": (
+        lambda meta: _set(next(k for k in meta.storage_data if k.fqn == "w"), "offset", 5),
+        "chunk offset is 5",
+    ),
+}
+
+
+@pytest.mark.parametrize("case", sorted(WRONG_FIELDS))
+def test_metadata_fields_of_the_wrong_type_are_one_line_errors(tmp_path, case):
+    edit, needle = WRONG_FIELDS[case]
+    ckpt = _corrupt(tmp_path, lambda meta, _: edit(meta))
+    _refused_in_one_line(ckpt, tmp_path, needle)
+
+
 def test_chunks_that_do_not_tile_are_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 

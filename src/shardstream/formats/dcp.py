@@ -53,7 +53,9 @@ from .dcp_pickles import (
     ints,
     load_metadata,
     read_chunk_layout,
+    short_repr,
 )
+from .native import is_safe_name
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
 
@@ -167,22 +169,33 @@ def step_of_name(name: str) -> int | None:
 # --------------------------------------------------------------------------- validation helpers
 
 
-def _index_key(index) -> tuple[str, tuple[int, ...] | None]:
+def _index_key(index, meta_path: Path) -> tuple[str, tuple[int, ...] | None]:
     if not isinstance(index, MetadataIndex) or not isinstance(index.fqn, str):
-        raise CheckpointFormatError(f"storage_data key {index!r} is not a MetadataIndex")
+        raise CheckpointFormatError(
+            f"{meta_path}: storage_data key {short_repr(index)} is not a MetadataIndex"
+        )
     offset = index.offset
     if offset is not None:
-        offset = ints(tuple(offset) if isinstance(offset, list) else offset, "chunk offset")
+        what = f"{meta_path}: storage_data key {index.fqn!r}: chunk offset"
+        offset = ints(tuple(offset) if isinstance(offset, list) else offset, what)
     return index.fqn, offset
 
 
 def _data_file(directory: Path, relative: object, meta_path: Path) -> Path:
     if not isinstance(relative, str) or not relative:
-        raise CheckpointFormatError(f"{meta_path}: storage entry with file name {relative!r}")
+        raise CheckpointFormatError(
+            f"{meta_path}: storage entry with file name {short_repr(relative)}"
+        )
     candidate = Path(relative)
     if candidate.is_absolute() or ".." in candidate.parts or "\\" in relative:
         raise UnsafeCheckpointError(
-            f"{meta_path}: storage file {relative!r} lies outside the checkpoint directory"
+            f"{meta_path}: storage file {short_repr(relative)} lies outside the checkpoint "
+            "directory"
+        )
+    if not is_safe_name(relative):  # a lone surrogate, a NUL or control character: no file
+        raise UnsafeCheckpointError(
+            f"{meta_path}: storage file {short_repr(relative)} is not a plain file name inside "
+            "the checkpoint"
         )
     full = directory / candidate
     try:
@@ -461,13 +474,16 @@ def _storage_by_chunk(storage: dict, meta_path: Path) -> dict:
     by_chunk: dict[tuple[str, tuple[int, ...] | None], StorageInfo] = {}
     for index, info in storage.items():
         if not isinstance(info, StorageInfo):
-            raise CheckpointFormatError(f"{meta_path}: storage entry {index!r} is malformed")
-        by_chunk[_index_key(index)] = info
+            raise CheckpointFormatError(
+                f"{meta_path}: storage entry {short_repr(index)} is malformed"
+            )
+        by_chunk[_index_key(index, meta_path)] = info
     return by_chunk
 
 
 def _stored_range(directory: Path, meta_path: Path, key: str, info, sizes, fds, kind="tensor"):
     """The data file and byte range of a storage entry, opened once and checked to fit."""
+    _check_no_transforms(info.transform_descriptors, meta_path, key, kind)
     path = _data_file(directory, info.relative_path, meta_path)
     if path not in sizes:
         if not path.is_file():
@@ -489,26 +505,44 @@ def _stored_range(directory: Path, meta_path: Path, key: str, info, sizes, fds, 
     return path, start, length
 
 
+def _check_no_transforms(descriptors: object, meta_path: Path, key: str, kind: str) -> None:
+    """DCP's ``transform_descriptors`` of a storage entry: None or empty, else refused (a
+    transformed record is not a plain byte range; a value of another type is malformed)."""
+    if descriptors is None:
+        return
+    if not isinstance(descriptors, (list, tuple)):
+        raise CheckpointFormatError(
+            f"{meta_path}: {kind} {key!r} has transform_descriptors {short_repr(descriptors)}, "
+            "not a list of transform names"
+        )
+    if descriptors:
+        raise CheckpointFormatError(
+            f"{meta_path}: {kind} {key!r} is stored through transform(s) "
+            f"{short_repr(list(descriptors))} (e.g. zstd compression); shardstream streams "
+            "byte ranges and cannot read transformed chunks; save without _extensions"
+        )
+
+
 def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) -> GlobalTensor:
     try:
         dtype = code_of(getattr(md.properties, "dtype", None))
     except (CheckpointFormatError, TypeError):
         raise CheckpointFormatError(
             f"{meta_path}: tensor {key!r} has unsupported dtype "
-            f"{getattr(md.properties, 'dtype', None)}"
+            f"{short_repr(getattr(md.properties, 'dtype', None))}"
         ) from None
     shape = md.size
     if isinstance(shape, list):
         shape = tuple(shape)
-    shape = ints(shape, f"tensor {key!r} shape")
+    shape = ints(shape, f"{meta_path}: tensor {key!r} shape")
     if any(n < 0 for n in shape) or not isinstance(md.chunks, list):
         raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has an invalid shape or chunks")
     blocks = []
     for chunk in md.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has a malformed chunk")
-        offsets = int_sequence(chunk.offsets, f"tensor {key!r} chunk offsets")
-        lengths = int_sequence(chunk.sizes, f"tensor {key!r} chunk sizes")
+        offsets = int_sequence(chunk.offsets, f"{meta_path}: tensor {key!r} chunk offsets")
+        lengths = int_sequence(chunk.sizes, f"{meta_path}: tensor {key!r} chunk sizes")
         if len(offsets) != len(shape) or len(lengths) != len(shape):
             raise CheckpointFormatError(
                 f"{meta_path}: tensor {key!r} of shape {list(shape)} has a chunk of rank "
@@ -521,12 +555,6 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
             raise CheckpointFormatError(
                 f"{meta_path}: chunk of tensor {key!r} at offsets {list(offsets)} has no storage "
                 "entry"
-            )
-        if info.transform_descriptors:
-            raise CheckpointFormatError(
-                f"{meta_path}: tensor {key!r} is stored through transform(s) "
-                f"{list(info.transform_descriptors)} (e.g. zstd compression); shardstream streams "
-                "byte ranges and cannot read transformed chunks; save without _extensions"
             )
         path, start, length = _stored_range(directory, meta_path, key, info, sizes, fds)
         what = f"chunk of {key!r} at {list(offsets)}"
@@ -706,7 +734,8 @@ def _read_small_tensor(directory: Path, meta_path: Path, key: str, md, by_chunk,
     """A small tensor stored whole (one chunk, as a replicated plain tensor is): its record is a
     ``torch.save`` archive, read like the other objects."""
     chunks = md.chunks if isinstance(md.chunks, list) else []
-    offsets = tuple(getattr(chunks[0], "offsets", ())) if len(chunks) == 1 else None
+    offsets = getattr(chunks[0], "offsets", None) if len(chunks) == 1 else None
+    offsets = tuple(offsets) if isinstance(offsets, (list, tuple)) else None
     if offsets is None or any(offsets) or (key, offsets) not in by_chunk:
         raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not stored as one tensor")
     by_key = {(key, None): by_chunk[(key, offsets)]}
