@@ -719,6 +719,10 @@ REGRESSIONS = {
     "config.json architectures a number (inspect iterated it)": (
         "hf", "config.json", lambda doc: doc.update(architectures=-1),
     ),
+    "index weight_map file name a lone surrogate (open() raised UnicodeEncodeError)": (
+        "hf_sharded", "model.safetensors.index.json",
+        lambda doc: doc["weight_map"].__setitem__(_first_weight(doc), "\ud800.safetensors"),
+    ),
 }  # fmt: skip
 
 
@@ -735,3 +739,23 @@ def test_fuzz_regressions(forkserver, corpus, case):
         body = json.dumps(doc).encode()
     (directory / name).write_bytes(body)
     run_entry_points(forkserver, kind.split("_")[0], directory, corpus, f"{name}: {case}")
+
+
+DCP_REGRESSIONS = {
+    # found by the DCP metadata fuzzer; each once ended in a traceback
+    "a storage entry's transform_descriptors an int (list() of it in the error message)": (
+        lambda meta: object.__setattr__(next(iter(meta.storage_data.values())),
+                                        "transform_descriptors", 5)
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(DCP_REGRESSIONS))
+def test_fuzz_dcp_regressions(forkserver, corpus, case):
+    import pickle
+
+    ckpt = _clone(corpus["dcp"], corpus["scratch"])
+    meta = pickle.loads((corpus["dcp"] / ".metadata").read_bytes())  # our own file
+    DCP_REGRESSIONS[case](meta)
+    (ckpt / ".metadata").write_bytes(pickle.dumps(meta))
+    run_entry_points(forkserver, "dcp", ckpt, corpus, f"DCP .metadata: {case}")

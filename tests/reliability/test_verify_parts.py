@@ -252,6 +252,44 @@ def test_a_manifest_name_that_names_no_file_is_refused(nested, tmp_path, capsys,
     assert code == 1 and len(lines) == 1 and "not a plain file name" in lines[0], lines
 
 
+@pytest.mark.parametrize(
+    "name", ["\ud800.safetensors", "\udcff", "a\x00.safetensors", "a\nb.safetensors"]
+)
+def test_an_index_file_name_that_names_no_file_is_refused(saved_run, tmp_path, name):
+    """The HF index's weight_map, like the manifest: a file name with a lone surrogate raised
+    UnicodeEncodeError from open() in inspect (found by the soak's structure-aware fuzzer);
+    now one line naming the index, from ``python -m shardstream``."""
+    import subprocess
+    import sys
+
+    model = tmp_path / "hf"
+    shutil.copytree(saved_run.hf_sharded, model)
+    index = model / "model.safetensors.index.json"
+    doc = json.loads(index.read_text())
+    doc["weight_map"][sorted(doc["weight_map"])[0]] = name
+    index.write_text(json.dumps(doc))  # ensure_ascii: a surrogate is written as its escape
+    for argv in (
+        ["inspect", model],
+        ["test", "--local_dir", saved_run.step, "--test_hf_dir", model, "--quiet"],
+        ["verify", "--quiet", model],
+    ):
+        done = subprocess.run(
+            [sys.executable, "-m", "shardstream", *map(str, argv)],
+            capture_output=True,
+            text=True,
+            errors="backslashreplace",
+            timeout=300,
+        )
+        lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
+        assert done.returncode == 1 and "Traceback" not in done.stderr, (argv[0], lines)
+        if argv[0] == "verify":  # its problems, one a line: the name among them
+            assert any(line.startswith(f"{index}: unsafe file name") for line in lines), lines
+        else:
+            assert len(lines) == 1, (argv[0], lines)
+            assert lines[0].startswith(f"shardstream {argv[0]}: error: {index}: "), lines
+            assert "not a plain file name" in lines[0], lines
+
+
 def test_a_link_to_a_listed_file_is_not_an_unlisted_file(nested):
     (nested / "huggingface" / "tokenizer.json").rename(nested / "real-tokenizer.json")
     os.symlink("../real-tokenizer.json", nested / "huggingface" / "tokenizer.json")

@@ -22,6 +22,7 @@ from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
 from .hf_names import strip_wrappers
 from .jsondoc import read_object
+from .native import is_safe_name
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
@@ -269,6 +270,13 @@ def tensors_of(header: SafetensorsHeader) -> list[HfTensor]:
     ]
 
 
+def is_plain_file_name(name: object) -> bool:
+    """Whether an index's ``weight_map`` may name ``name``: a file of the model directory
+    itself (no folder), named as a manifest may name one (``native.is_safe_name``: encodes as
+    UTF-8, no control character, not "." or "..")."""
+    return is_safe_name(name) and "/" not in name
+
+
 def _read_index(directory: Path, index: Path) -> list[HfTensor]:
     try:
         weight_map = read_object(index, "safetensors index (JSON object)")["weight_map"]
@@ -284,7 +292,13 @@ def _read_index(directory: Path, index: Path) -> list[HfTensor]:
     for name, file in weight_map.items():
         if Path(file).name != file or file in ("", ".", ".."):
             raise UnsafeCheckpointError(
-                f"{index}: tensor {name!r} points at {file!r}, outside the model directory"
+                f"{index}: tensor {name[:300]!r} points at {file[:300]!r}, outside the model "
+                "directory"
+            )
+        if not is_plain_file_name(file):  # a lone surrogate ("\ud800"), a NUL: names no file
+            raise UnsafeCheckpointError(
+                f"{index}: tensor {name[:300]!r} points at {file[:300]!r}, which is not a plain "
+                "file name in the model directory"
             )
         files.setdefault(file, []).append(name)
     tensors = []
