@@ -496,7 +496,8 @@ class CheckpointManager:
         "resume_path" ``config.resume_from_path``. ``prefix``: what a DCP checkpoint's model
         keys start with ("app.model."), where detection finds several candidates. ``states``:
         other Stateful objects of a DCP train state by name (torchtitan's ``{"dataloader":
-        dl, "train_state": ts}``), restored with the rest or not at all.
+        dl, "train_state": ts}``), or accelerate's extra files by stem (``{"scaler":
+        grad_scaler, "custom_checkpoint_0": obj}``), restored with the rest or not at all.
 
         Returns ``(step, extra)``, or None when there is nothing to restore.
         """
