@@ -50,29 +50,8 @@ def test_keep_names_writes_the_stored_names():
     assert plan.kept_names and "on purpose" in plan.describe()
 
 
-def _config(cls_name: str, **kwargs) -> dict:
-    import transformers
-
-    config = getattr(transformers, cls_name.replace("ForCausalLM", "Config"))(**kwargs)
-    return {**config.to_dict(), "architectures": [cls_name]}
-
-
-MOE = dict(
-    hidden_size=8,
-    intermediate_size=16,
-    moe_intermediate_size=6,
-    num_experts=3,
-    num_experts_per_tok=2,
-    num_hidden_layers=1,
-    num_attention_heads=2,
-    num_key_value_heads=1,
-    head_dim=4,
-    vocab_size=20,
-)
-
-
-def test_qwen3_moe_experts_are_boxes_of_the_fused_tensors():
-    config = _config("Qwen3MoeForCausalLM", **MOE)
+def test_qwen3_moe_experts_are_boxes_of_the_fused_tensors(qwen3_moe_config):
+    config = qwen3_moe_config
     e, i, h = 3, 6, 8
     stored = [
         ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (e, 2 * i, h)),
@@ -126,14 +105,14 @@ def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
         plan_names([("model.norm.weight", "F32", (4,))], {"model_type": "qwen3_moe"})
 
 
-def test_a_computed_tensor_is_refused_naming_it(monkeypatch):
+def test_a_computed_tensor_is_refused_naming_it(monkeypatch, qwen3_moe_config):
     from transformers import core_model_loading
 
     def concatenating(model, state_dict):
         return {"fused.weight": torch.cat(list(state_dict.values()))}
 
     monkeypatch.setattr(core_model_loading, "revert_weight_conversion", concatenating)
-    config = _config("Qwen3MoeForCausalLM", **MOE)
+    config = qwen3_moe_config
     with pytest.raises(CheckpointFormatError, match=r"'fused\.weight'.*--keep-names"):
         plan_names([("a", "F32", (2, 8)), ("b", "F32", (2, 8))], config)
 
@@ -209,10 +188,10 @@ def test_slices_of_a_sharded_fused_tensor_plan_their_bytes(world, dim):
             np.testing.assert_array_equal(_execute(box, files), full[x, half * 3 : half * 3 + 3])
 
 
-def test_experts_share_the_storage_save_pretrained_gives_them():
+def test_experts_share_the_storage_save_pretrained_gives_them(qwen3_moe_config):
     """down_proj's experts are views of the fused tensor; gate and up halves are each a copy
     (Chunk's contiguous) whose experts are views of it: three storages per layer."""
-    config = _config("Qwen3MoeForCausalLM", **MOE)
+    config = qwen3_moe_config
     e, i, h = 3, 6, 8
     stored = [
         ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (e, 2 * i, h)),

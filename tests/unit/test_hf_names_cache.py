@@ -23,25 +23,11 @@ STORED = [
 ]
 
 
-@pytest.fixture(scope="module")
-def config() -> dict:
-    """A tiny Qwen3-MoE config.json's content (as read back from the file)."""
-    import transformers
-
-    c = transformers.Qwen3MoeConfig(
-        hidden_size=H,
-        intermediate_size=16,
-        moe_intermediate_size=INTER,
-        num_experts=E,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=20,
-    ).to_dict()
-    c["architectures"] = ["Qwen3MoeForCausalLM"]
-    return json.loads(json.dumps(c))
+@pytest.fixture
+def config(qwen3_moe_config) -> dict:
+    """A tiny Qwen3-MoE config.json's content (tests/unit/conftest.py), E experts of width
+    INTER, hidden H."""
+    return qwen3_moe_config
 
 
 @pytest.fixture
