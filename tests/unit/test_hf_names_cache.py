@@ -13,6 +13,7 @@ import pytest
 
 from shardstream.formats import hf_names, hf_names_cache
 from shardstream.formats.hf_names import plan_names
+from shardstream.storage.commit import is_temporary
 
 E, INTER, H = 3, 6, 8
 STORED = [
@@ -57,7 +58,7 @@ def test_a_miss_then_a_hit_gives_the_same_plan(cache, config, monkeypatch):
     first = plan_names(STORED, config)
     assert first.sliced == 9 and "Qwen3MoeForCausalLM" in first.rule
     assert len(_files(cache)) == 1
-    assert not list(cache.glob(".tmp-*"))  # the write was renamed into place
+    assert not [p for p in cache.iterdir() if is_temporary(p.name)]  # renamed into place
     _fresh_process(monkeypatch)
     second = plan_names(STORED, config)
     assert second == first

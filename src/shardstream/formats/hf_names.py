@@ -159,11 +159,10 @@ def _table_decides(model_type: str) -> bool:
     and ~100 MiB); a newer transformers is asked, since it may have added a conversion."""
     if model_type not in NO_MAPPING_MODEL_TYPES:
         return False
-    from importlib.metadata import PackageNotFoundError, version
+    from .hf_names_cache import transformers_version
 
-    try:
-        installed = version("transformers")
-    except PackageNotFoundError:
+    installed = transformers_version()
+    if installed is None:
         return True
     numbers = re.findall(r"\d+", installed)[:2]
     return tuple(int(n) for n in numbers) <= TABLE_CHECKED_UP_TO

@@ -12,7 +12,7 @@ A file is read with the strict JSON reader (``jsondoc``) and checked against the
 every piece names a stored tensor of the request, its box lies inside that tensor, its output
 shape is the box's, output names are unique, every field has its type. Anything else (an
 unreadable or tampered file) is a miss: the plan is computed again and the file rewritten.
-Writes are atomic (a temporary file in the same directory, fsync, rename); a write that fails
+Writes are atomic (``storage.commit.atomic_write_bytes``); a write that fails
 (a read-only home, a full disk) is skipped, logged at debug level.
 """
 
@@ -23,11 +23,11 @@ import json
 import logging
 import math
 import os
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ShardstreamError
+from ..storage.commit import atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -132,25 +132,12 @@ def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
             for p in pieces
         ],
     }
-    tmp = None
     try:
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
         directory.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".json", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(raw)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, directory / f"{key}.json")
-        tmp = None
-    except (OSError, ValueError, TypeError) as exc:
+        atomic_write_bytes(directory / f"{key}.json", raw)
+    except (OSError, ShardstreamError, ValueError, TypeError) as exc:
         log.debug("not caching the layout in %s: %s", directory, exc)
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
 
 
 def _is_int(value: object, low: int = 0) -> bool:
