@@ -791,6 +791,12 @@ def item_ranges(
     return sorted(out, key=lambda item: (str(item[1]), item[2]))
 
 
+def holds_offset(offsets: list[int], start: int, length: int) -> bool:
+    """Whether one of ``offsets`` (sorted) lies in the item [start, start + length)."""
+    i = bisect.bisect_left(offsets, start)
+    return i < len(offsets) and offsets[i] < start + length
+
+
 def item_records(
     location: str, items: list[tuple[int, int]], offsets: list[int] | None = None
 ) -> list:
@@ -800,13 +806,7 @@ def item_records(
 
     items = sorted(items)
     if offsets is not None:
-        starts = [start for start, _ in items]
-        held = set()
-        for offset in offsets:
-            i = bisect.bisect_right(starts, offset) - 1
-            if i >= 0 and offset < items[i][0] + items[i][1]:
-                held.add(i)
-        items = [items[i] for i in sorted(held)]
+        items = [(start, n) for start, n in items if holds_offset(offsets, start, n)]
     records = []
     fd = os.open(location, os.O_RDONLY)
     try:

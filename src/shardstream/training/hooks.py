@@ -29,7 +29,7 @@ from ..engine.dtypes import itemsize
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
-from .state import STATE, has_state_dict_hooks  # noqa: F401  (load.py asks here)
+from .state import STATE
 
 
 @dataclasses.dataclass(frozen=True)

@@ -299,9 +299,7 @@ def _dcp_precheck(directories: dict[Path, Any], unread: list[GlobalTensor]):
     ``.metadata``, or None) that a restore may read: model, optimizer, scheduler, train state;
     all but the items of ``unread`` (optimizer tensors not restored). Each item is a
     ``torch.save`` archive whose zip records carry CRC-32s, checked as verify checks them."""
-    import bisect
-
-    from ..formats.dcp import check_items_dealt_out, item_ranges
+    from ..formats.dcp import check_items_dealt_out, holds_offset, item_ranges
 
     skip: dict[str, list[int]] = {}
     for tensor in unread:
@@ -313,11 +311,8 @@ def _dcp_precheck(directories: dict[Path, Any], unread: list[GlobalTensor]):
     for directory, metadata in directories.items():
         for item in item_ranges(directory, metadata):
             _, file, start, length = item
-            offsets = skip.get(str(file), [])
-            i = bisect.bisect_left(offsets, start)
-            if i < len(offsets) and offsets[i] < start + length:
-                continue  # holds an optimizer tensor this restore does not read
-            items.append(item)
+            if not holds_offset(skip.get(str(file), []), start, length):
+                items.append(item)  # else it holds an optimizer tensor not restored here
     return lambda: check_items_dealt_out(items, "restore")
 
 
@@ -641,13 +636,15 @@ def load(
     # A model whose state_dict hooks present other keys (torchtitan's fused QKV): its live
     # tensors by attribute, the saved ones described in their terms (training/hooks.py).
     presented = None
-    if (want_model or want_optimizer) and hooks.has_state_dict_hooks(model):
+    if (want_model or want_optimizer) and st.has_state_dict_hooks(model):
         presented = hooks.presented_regions(model)
     if want_model:
         model_tensors = hooks.live_tensors(model) if presented else st.model_tensors(model)
     else:
         model_tensors = {}
-    optim_tensors = st.optimizer_state(model, optimizer)[0] if want_optimizer else {}
+    optim_tensors, live_optimizer = (
+        st.optimizer_state(model, optimizer) if want_optimizer else ({}, {})
+    )
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
     _, verl_optimizer_files = _verl_layout_everywhere(path)
     # Ranks open only the files they read, so one may fail where others do not: fail together,
@@ -680,7 +677,14 @@ def load(
             optim_tensors if want_optimizer else None,
         )
         pending = _checked_parts(
-            path, source, model, optimizer, optim_tensors, lr_scheduler, contents, restore_rng
+            path,
+            source,
+            model,
+            optim_tensors,
+            live_optimizer.get("param_groups"),
+            lr_scheduler,
+            contents,
+            restore_rng,
         )
         pending.states = _checked_states(path, source, states or {})
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
@@ -769,8 +773,8 @@ def _checked_parts(
     path: Path,
     source: _Source,
     model,
-    optimizer,
     optim_tensors: dict,
+    live_groups: list | None,
     lr_scheduler,
     contents: tuple[str, ...],
     restore_rng: bool,
@@ -783,7 +787,7 @@ def _checked_parts(
         if optim_tensors:
             st.nest_optimizer_state(model, {**source.objects["optimizer"].get("scalars", {}),
                                             **optim_tensors})  # fmt: skip
-            st.check_param_groups(model, optimizer, source.objects["optimizer"].get("param_groups"))
+            st.check_param_groups(live_groups, source.objects["optimizer"].get("param_groups"))
         part = "lr_scheduler"
         if lr_scheduler is not None and "optimizer" in contents:
             saved = source.objects.get("lr_scheduler")

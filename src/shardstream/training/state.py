@@ -138,13 +138,11 @@ def optimizer_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return get_optimizer_state_dict(model, optimizer, options=_OPTIONS)["param_groups"]
 
 
-def check_param_groups(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer, saved: Any
-) -> None:
-    """Saved param groups must fit the live optimizer's: as many groups, each naming exactly
-    the parameters of one live group (else torch's ``set_optimizer_state_dict`` fails after
-    the model was already written)."""
-    live = [frozenset(g["params"]) for g in optimizer_param_groups(model, optimizer)]
+def check_param_groups(live_groups: list, saved: Any) -> None:
+    """Saved param groups must fit the live optimizer's (``optimizer_state``'s, FQNs as
+    ``params``): as many groups, each naming exactly the parameters of one live group (else
+    torch's ``set_optimizer_state_dict`` fails after the model was already written)."""
+    live = [frozenset(g["params"]) for g in live_groups]
     if not isinstance(saved, list) or len(saved) != len(live):
         count = f"{len(saved)} groups" if isinstance(saved, list) else type(saved).__name__
         raise CheckpointFormatError(
