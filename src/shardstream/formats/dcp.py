@@ -34,6 +34,7 @@ import io
 import os
 import re
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 from ..engine.dtypes import code_of
@@ -124,19 +125,22 @@ class DcpCheckpoint:
         from .torch_pt import crc_checked_endpoint
 
         named = [(t.name, t.blocks) for t in self.tensors]
-        by_file = getattr(self, "_items_by_file", None)
-        if by_file is None:  # once per checkpoint: endpoints open file by file
-            by_file = {}
-            for _, path, start, length in item_ranges(self.directory, self.metadata):
-                by_file.setdefault(str(path), []).append((start, length))
-            self._items_by_file = by_file
         # Only the items this reader's tensors lie in: the others are never read.
         offsets = sorted(b.offset for _, blocks in named for b in blocks if b.location == location)
         return crc_checked_endpoint(
             location,
             lambda lo, hi: tensors_touching(named, location, lo, hi),
-            item_records(location, by_file.get(str(location), []), offsets),
+            item_records(location, self._items_by_file.get(str(location), []), offsets),
         )
+
+    @cached_property
+    def _items_by_file(self) -> dict[str, list[tuple[int, int]]]:
+        """(start, length) of every item, by data file; once per checkpoint (endpoints open
+        file by file)."""
+        by_file: dict[str, list[tuple[int, int]]] = {}
+        for _, path, start, length in item_ranges(self.directory, self.metadata):
+            by_file.setdefault(str(path), []).append((start, length))
+        return by_file
 
     def check_split_records(self, tensors: list[GlobalTensor]) -> None:
         """Nothing to check ahead of a merge: no checksums."""
