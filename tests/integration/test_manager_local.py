@@ -387,8 +387,8 @@ def test_save_with_hf_model_uses_one_buffer_set(tmp_path, monkeypatch, hf_dtype)
     model = build_tiny_model(config, seed=1)
     optimizer = torch.optim.AdamW(model.parameters())
     allocations = []
-    real = copy_module._anonymous
-    monkeypatch.setattr(copy_module, "_anonymous", lambda n: allocations.append(n) or real(n))
+    real = copy_module.anonymous_memory
+    monkeypatch.setattr(copy_module, "anonymous_memory", lambda n: allocations.append(n) or real(n))
     cfg = CheckpointConfig(
         str(tmp_path / "run"),
         save_contents=("model", "optimizer", "extra", "hf_model"),

@@ -11,7 +11,7 @@ import torch
 
 from shardstream.engine.copy import Buffers, Streamer, stream_file
 from shardstream.engine.dtypes import CODE_BY_TORCH, itemsize
-from shardstream.engine.endpoints import FileEndpoint
+from shardstream.engine.endpoints import FileEndpoint, OpenEndpoints
 from shardstream.engine.plan import Block, chunk_extent, dense_block, plan_copy
 
 
@@ -206,3 +206,39 @@ def test_writeback_hints_cover_written_windows_in_order(tmp_path, monkeypatch):
     assert hints[0][0] == data_start
     assert all(a[1] == b[0] for a, b in zip(hints, hints[1:]))  # contiguous, in order
     assert hints[-1][1] <= data_start + job.data_size - 512  # the last windows: fsync's job
+
+
+def test_window_hook_hears_of_each_window_when_filled_before_it_is_written(tmp_path):
+    """Without borrowing, each window is announced (lo, hi) before its sources are read and
+    (hi, hi) once it holds its bytes, before they reach the file: an async save's step then
+    waits for no write. The windows tile the data in order."""
+    from shardstream.engine.plan import GlobalTensor
+    from shardstream.formats.writer import OutputTensor, create_file, fill_range, plan_file
+
+    full = torch.randn(64, 48)
+    blocks = saved_shards(tmp_path, full, 0, 2)
+    tensor = GlobalTensor("w", "F32", tuple(full.shape), tuple(blocks))
+    job = plan_file(
+        str(tmp_path / "out.safetensors"), [OutputTensor("w", "F32", tensor)], None, 256
+    )
+    create_file(job)
+    calls, unwritten = [], []
+
+    def hook(lo: int, hi: int) -> None:
+        calls.append((lo, hi))
+        if lo == hi and calls[-2][1] == hi:
+            with open(job.path, "rb") as f:
+                f.seek(job.header_bytes + calls[-2][0])
+                unwritten.append(not any(f.read(hi - calls[-2][0])))
+
+    endpoints = OpenEndpoints()
+    try:
+        fill_range(job, Streamer(endpoints, tiny(512, 1024)), window_hook=hook)
+    finally:
+        endpoints.close()
+    starts, ends = calls[0::2], calls[1::2]
+    assert len(calls) >= 4 and len(starts) == len(ends)
+    assert [lo for lo, _ in starts] == [0] + [hi for _, hi in starts[:-1]]
+    assert starts[-1][1] == job.data_size
+    assert ends == [(hi, hi) for _, hi in starts]
+    assert unwritten == [True] * len(ends)

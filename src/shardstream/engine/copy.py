@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import mmap
 import os
 import threading
 from collections.abc import Callable, Iterator, Sequence
@@ -26,6 +25,7 @@ from ..units import DEFAULT_CHUNK_BYTES, DIRECT_ALIGN
 from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, itemsize
 from .endpoints import Endpoint, TensorEndpoint
+from .memory import anonymous_memory
 from .plan import CopyRun
 
 _MIN_WINDOW = 4096
@@ -62,7 +62,7 @@ class Buffers:
         src = max(_MIN_WINDOW, int(window * ratio))
         arena = getattr(_ARENA, "memory", None)
         if arena is None or 3 * window + src > arena.nbytes:
-            arena = _anonymous(3 * window + src)
+            arena = anonymous_memory(3 * window + src)
         # Windows first: a save touches them, an export or conversion the rest.
         window_a, spare = arena[:window], arena[window : 2 * window]
         src_part = arena[2 * window : 2 * window + src]
@@ -71,21 +71,6 @@ class Buffers:
 
 
 _ARENA = threading.local()
-
-
-def _anonymous(nbytes: int) -> np.ndarray:
-    """Zeroed memory of its own mapping: untouched pages cost nothing, and dropping the last
-    reference unmaps it, so it goes back to the kernel instead of staying in malloc's heap.
-
-    Private (a shared anonymous mapping is shmem, which gets no huge pages) and advised for
-    huge pages as ``np.empty`` does: with 4 KiB pages, faulting in the windows made saves
-    measurably slower on a THP=madvise host.
-    """
-    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    if hasattr(mmap, "MADV_HUGEPAGE"):
-        with contextlib.suppress(OSError):
-            memory.madvise(mmap.MADV_HUGEPAGE)
-    return np.frombuffer(memory, dtype=np.uint8)[:nbytes]
 
 
 @contextlib.contextmanager
@@ -100,7 +85,7 @@ def one_buffer_set(buffer_bytes: int) -> Iterator[None]:
     """
     previous = getattr(_ARENA, "memory", None)
     if previous is None:
-        _ARENA.memory = _anonymous(buffer_bytes)
+        _ARENA.memory = anonymous_memory(buffer_bytes)
     try:
         yield
     finally:
@@ -274,7 +259,8 @@ def stream_file(
     Only data bytes [start, end) are filled when given (distributed merge splits files this
     way); ``start`` must be a multiple of ``chunk_bytes`` so the digests line up.
     ``window_hook(lo, hi)`` is told each data range before its sources are read; everything
-    before ``lo`` has been read by then (async saves use it to track live tensors).
+    before ``lo`` has been read by then (async saves use it to track live tensors). Without
+    ``borrow`` it is also told ``(hi, hi)`` once a window is filled, before it is written.
     Windows are written and hashed on a second thread while the next one fills.
     With ``borrow``, bytes that need no conversion and lie contiguous in a source's host memory
     (live CPU tensors) are hashed and written from there, not copied into the window first; the
@@ -339,6 +325,8 @@ def stream_file(
             turn += 1
             borrowed: list[tuple[int, np.ndarray]] | None = [] if borrow else None
             filled = _fill_window(window, lo, hi, active, streamer, borrowed)
+            if window_hook and not borrow:
+                window_hook(hi, hi)  # the window holds its bytes: no source is read any more
             if filled != hi - lo:
                 name = next((n for b, e, _, n in tensor_bounds if b <= lo < e), "?")
                 raise CheckpointFormatError(

@@ -1,12 +1,38 @@
-"""Peak resident memory as the kernel reports it, and the garbage collector around planning."""
+"""Host memory: peak resident memory as the kernel reports it, memory mappings of its own for
+buffers, and the garbage collector around planning."""
 
 from __future__ import annotations
 
 import contextlib
 import gc
+import mmap
 import resource
 import threading
 from collections.abc import Iterator
+
+import numpy as np
+
+_PAGE = 4096
+
+
+def anonymous_memory(nbytes: int, touch: bool = False, huge: bool = True) -> np.ndarray:
+    """Zeroed memory of its own mapping: untouched pages cost nothing, and dropping the last
+    reference unmaps it, so it goes back to the kernel instead of staying in malloc's heap.
+
+    Private (a shared anonymous mapping is shmem, which gets no huge pages) and advised for
+    huge pages as ``np.empty`` does: with 4 KiB pages, faulting in the windows made saves
+    measurably slower on a THP=madvise host. ``touch``: fault every page in now (a copy into
+    it later then runs at memory speed: 1.2 GB in 0.07 s here, against 0.4 s into fresh pages).
+    """
+    memory = mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    advice = "MADV_HUGEPAGE" if huge else "MADV_NOHUGEPAGE"
+    if hasattr(mmap, advice):
+        with contextlib.suppress(OSError):
+            memory.madvise(getattr(mmap, advice))
+    array = np.frombuffer(memory, dtype=np.uint8)[:nbytes]
+    if touch:
+        array[::_PAGE] = 0
+    return array
 
 
 def peak_rss_bytes() -> int:

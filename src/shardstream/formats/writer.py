@@ -211,11 +211,12 @@ def _writeback_behind(
     state = {"handed": start, "previous": start}
 
     def hook(lo: int, hi: int) -> None:
-        done = state["previous"]
-        if done > state["handed"]:
-            start_writeback(fd, data_start + state["handed"], done - state["handed"])
-            state["handed"] = done
-        state["previous"] = lo
+        if lo < hi:  # a window begins (an empty range only reports that one was filled)
+            done = state["previous"]
+            if done > state["handed"]:
+                start_writeback(fd, data_start + state["handed"], done - state["handed"])
+                state["handed"] = done
+            state["previous"] = lo
         if then is not None:
             then(lo, hi)
 
