@@ -87,6 +87,9 @@ class CheckpointConfig:
             a value <= 0 saves only on ``final=True``.
         keep_last: committed checkpoints to keep (None keeps all); never the newest.
         staging_budget: host memory one rank may use for a save beyond what it holds ("256MiB").
+            With ``async_save``, what is left after the writer's buffers (at most 64 MiB) is
+            where a step copies tensors the save has not read yet; it is faulted in once and
+            held while the manager lives.
         verify_on_load: check every byte read against its checksum.
         async_save: return from ``save()`` at once and write in the background.
         shared_filesystem: whether all ranks see one filesystem (None: detect at save time).

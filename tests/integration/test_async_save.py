@@ -157,6 +157,85 @@ def test_guard_stages_what_the_writer_has_not_reached():
     assert out.tolist() == list(range(100))
 
 
+def test_staged_copies_land_in_the_memory_reserved_as_the_save_started():
+    """With ``reserve_staging`` run, a step copies into the memory it was given (one arena,
+    as large as the budget or the sources, whichever is less), at aligned offsets, and each
+    copy holds the bytes as they were when staged."""
+    guard = SourceGuard(staging_bytes=250)
+    a, b, c = _endpoint(100), _endpoint(100), _endpoint(100)
+    held = []
+
+    def provide(nbytes: int, pinned: bool) -> torch.Tensor:
+        held.append(torch.zeros(nbytes + 10, dtype=torch.uint8))
+        return held[-1]
+
+    reserver = guard.start_reserving(provide)
+    guard.register([("a", a, 0, 100), ("b", b, 100, 200), ("c", c, 200, 300)])
+    reserver.join(timeout=GUARD_S)
+    assert guard.arena is not None and guard.arena.numel() == 250 + 3 * SourceGuard._ALIGN
+    assert guard.arena.data_ptr() == held[0].data_ptr()
+    guard.window(0, 100)  # the writer is reading a: b and c are staged
+    thread, released = _freeze_in_thread(guard)
+    _wait_until(lambda: guard.staged_bytes == 200, "b and c staged")
+    guard.window(100, 100)  # a is read: the step goes on
+    thread.join(timeout=GUARD_S)
+    assert released.is_set()
+    lo = guard.arena.data_ptr()
+    for name, live in (("b", b), ("c", c)):
+        staged = guard.endpoint(name)
+        assert staged is not live
+        at = staged.bytes.data_ptr() - lo
+        assert 0 <= at and at + 100 <= guard.arena.numel() and at % SourceGuard._ALIGN == 0
+        live.bytes.zero_()
+        assert staged.bytes.tolist() == list(range(100))
+    assert guard.endpoint("a") is a
+    guard.finish()
+    assert guard.arena is None
+
+
+class _HeldCopy(TensorEndpoint):
+    """A live tensor whose staging copy waits for ``go`` (``copying`` is set meanwhile)."""
+
+    def __init__(self, n: int):
+        super().__init__("t", torch.arange(n, dtype=torch.uint8))
+        self.copying, self.go = threading.Event(), threading.Event()
+
+    def snapshot(self, into=None):
+        self.copying.set()
+        assert self.go.wait(timeout=GUARD_S)
+        return super().snapshot(into)
+
+
+@pytest.mark.parametrize("everything_fits", [True, False])
+def test_the_writer_waits_only_while_a_step_copies_out_everything_left(everything_fits):
+    """When all the save has yet to read fits the staging budget, the writer waits at its next
+    window while the step copies (the copies then have the cores and memory to themselves);
+    when it does not fit, the step needs the writer's progress, so the writer goes on."""
+    guard = SourceGuard(staging_bytes=1000 if everything_fits else 150)
+    a, b, c = _endpoint(100), _endpoint(100), _HeldCopy(100)
+    guard.register([("a", a, 0, 100), ("b", b, 100, 200), ("c", c, 200, 300)])
+    guard.window(0, 100)  # the writer is reading a
+    thread, released = _freeze_in_thread(guard)
+    assert c.copying.wait(timeout=GUARD_S)  # c (read last) is being copied out
+    writer = threading.Thread(target=guard.window, args=(100, 200))
+    writer.start()
+    _wait_until(lambda: guard.done_upto == 100, "a reported read")
+    if everything_fits:
+        writer.join(timeout=0.2)
+        assert writer.is_alive() and guard.reading_upto == 100  # held before starting b
+    else:
+        writer.join(timeout=GUARD_S)
+        assert not writer.is_alive() and guard.reading_upto == 200
+    c.go.set()
+    writer.join(timeout=GUARD_S)
+    assert not writer.is_alive() and guard.reading_upto == 200
+    if not everything_fits:
+        guard.window(300, 300)  # b was not staged: the step waits until it is read
+    thread.join(timeout=GUARD_S)
+    assert released.is_set()
+    assert (guard.endpoint("b") is not b) == everything_fits
+
+
 def test_background_error_surfaces_on_next_call(tmp_path, monkeypatch):
     model = torch.nn.Linear(3, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)

@@ -418,12 +418,15 @@ class TensorEndpoint(Endpoint):
             transfer = default_transfer()
         self.transfer = transfer
 
-    def snapshot(self) -> TensorEndpoint:
-        """A private host copy of the whole storage, at the same offsets (async staging)."""
+    def snapshot(self, into: torch.Tensor | None = None) -> TensorEndpoint:
+        """A private host copy of the whole storage, at the same offsets (async staging):
+        in ``into`` (host bytes, at least ``nbytes``) when given, else in new memory."""
         copy = TensorEndpoint.__new__(TensorEndpoint)
         copy.name, copy.device, copy.transfer = self.name, torch.device("cpu"), None
-        pinned = self.device.type == "cuda"
-        copy.bytes = torch.empty(self.bytes.numel(), dtype=torch.uint8, pin_memory=pinned)
+        if into is None:
+            pinned = self.device.type == "cuda"
+            into = torch.empty(self.bytes.numel(), dtype=torch.uint8, pin_memory=pinned)
+        copy.bytes = into[: self.bytes.numel()]
         copy.bytes.copy_(self.bytes)
         return copy
 
