@@ -63,3 +63,41 @@ def test_accelerate_state_files_by_name(tmp_path):
         shardstream.load(root, model=model, states={"sampler": object()})
     report = verify(root)
     assert report.ok and report.files_checked == 2 + 3  # DCP (1 rank + .metadata), 3 files
+
+
+def test_accelerate_custom_object_not_a_dict_is_named(tmp_path):
+    """A custom_checkpoint_N whose saved state is no dict: the error names that object, not the
+    LR scheduler (the merge over the live state_dict is the scheduler's), and nothing is
+    touched."""
+    import warnings
+
+    import pytest
+    import torch.distributed.checkpoint as dcp
+
+    import shardstream
+    from shardstream.errors import CheckpointFormatError
+
+    class Counter:
+        def __init__(self):
+            self.count = 5
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state):
+            self.count = state["count"]
+
+    root = tmp_path / "checkpoint_2"
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(4, 6)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns when used without a process group
+        dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
+    torch.save([7], root / "custom_checkpoint_0.pkl")
+    counter = Counter()
+    with pytest.raises(CheckpointFormatError) as caught:
+        shardstream.load(root, model=model, states={"custom_checkpoint_0": counter})
+    text = str(caught.value)
+    assert "custom_checkpoint_0: saved state is a list, not a dict" in text, text
+    assert "lr_scheduler" not in text, text
+    assert counter.count == 5

@@ -726,7 +726,7 @@ def load(
         if pending.rng is not None:
             st.set_rng_state(pending.rng)
         for name, saved_state in pending.states.items():
-            schedulers.load(states[name], saved_state)
+            schedulers.load(states[name], saved_state, name)
     except Exception as exc:  # noqa: BLE001
         error = exc
     failed = [
@@ -760,7 +760,7 @@ def _checked_states(path: Path, source: _Source, states: Mapping[str, Any]) -> d
                 f"{sorted(k[len(_STATE) :] for k in source.objects if k.startswith(_STATE))})"
             )
         try:
-            schedulers.check(obj, saved)
+            schedulers.check(obj, saved, name)
         except Exception as exc:  # noqa: BLE001 - named
             raise CheckpointFormatError(
                 f"{path}: cannot restore the {name}, so nothing was restored: {exc}"

@@ -22,7 +22,8 @@ from ..errors import CheckpointFormatError
 
 
 def merged_state(live: Mapping[str, Any], saved: Any, where: str = "lr_scheduler") -> dict:
-    """``saved`` laid over ``live`` (a scheduler's ``state_dict()``), recursively."""
+    """``saved`` laid over ``live`` (a scheduler's ``state_dict()``), recursively. ``where``
+    names the object in errors: the scheduler, or a Stateful of ``states=`` by its name."""
     if not isinstance(saved, Mapping):
         raise CheckpointFormatError(f"{where}: saved state is a {type(saved).__name__}, not a dict")
     return _merge(live, saved, where)
@@ -61,17 +62,18 @@ def _merge(live: Any, saved: Any, where: str) -> Any:
     return saved
 
 
-def load(scheduler: Any, saved: Any) -> None:
-    """Load ``saved`` into ``scheduler``, merged over its current state."""
-    state = merged_state(scheduler.state_dict(), saved)
+def load(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
+    """Load ``saved`` into ``scheduler`` (or any Stateful, named ``where``), merged over its
+    current state."""
+    state = merged_state(scheduler.state_dict(), saved, where)
     scheduler.load_state_dict(state)
 
 
-def check(scheduler: Any, saved: Any) -> None:
+def check(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
     """Raise what ``load`` would raise, leaving ``scheduler`` as it was."""
     before = copy.deepcopy(scheduler.state_dict())
     try:
-        load(scheduler, copy.deepcopy(saved))
+        load(scheduler, copy.deepcopy(saved), where)
     except CheckpointFormatError:
         raise
     except Exception as exc:  # noqa: BLE001 - any failure: the state does not fit
