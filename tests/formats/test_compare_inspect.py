@@ -223,9 +223,16 @@ def edit_index(directory: Path, edit) -> None:
 
 def test_index_errors(fsdp_root, tmp_path):
     ref = sharded_reference(fsdp_root, tmp_path)
-    edit_index(ref, lambda d: d["weight_map"].update({EMBED: "../../etc/passwd"}))
-    with pytest.raises(UnsafeCheckpointError, match=f"{EMBED!r} points at '../../etc/passwd'"):
-        compare_with_reference(fsdp_root / "base", ref)
+    index = ref / "model.safetensors.index.json"
+    for file in ("../../etc/passwd", "sub/model.safetensors", "..", ".", ""):
+        edit_index(ref, lambda d, file=file: d["weight_map"].update({EMBED: file}))
+        with pytest.raises(UnsafeCheckpointError) as caught:
+            compare_with_reference(fsdp_root / "base", ref)
+        # one check, one message: the index, the tensor and the name it points at
+        assert str(caught.value) == (
+            f"{index}: tensor {EMBED!r} points at {file!r}, which is not a plain file name in "
+            "the model directory"
+        )
     ref = sharded_reference(fsdp_root, tmp_path / "2")
     first = sorted(p.name for p in ref.glob("model-*.safetensors"))[0]
     edit_index(ref, lambda d: d["weight_map"].update({"ghost": first}))
