@@ -5,6 +5,7 @@ not fit the request is a miss, never an error."""
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -144,13 +145,14 @@ def test_a_directory_in_place_of_the_file_is_a_miss(cache, config, monkeypatch):
     assert plan_names(STORED, config) == want
 
 
-def test_the_key_changes_with_transformers_config_and_tensors(config):
+def test_the_key_changes_with_transformers_config_tensors_and_format(config, monkeypatch):
     key = hf_names_cache.cache_key(STORED, config, "5.25.0")
     assert key == hf_names_cache.cache_key(list(STORED), dict(config), "5.25.0")
     assert key != hf_names_cache.cache_key(STORED, config, "5.25.1")
     assert key != hf_names_cache.cache_key(STORED, {**config, "num_experts_per_tok": 1}, "5.25.0")
     other = {**config, "architectures": ["Qwen3MoeForSequenceClassification"]}
     assert key != hf_names_cache.cache_key(STORED, other, "5.25.0")
+    assert key != hf_names_cache.cache_key(STORED, {**config, "model_type": "x"}, "5.25.0")
     assert key != hf_names_cache.cache_key([(n, "F32", s) for n, _, s in STORED], config, "5.25.0")
     assert key != hf_names_cache.cache_key(STORED[:-1], config, "5.25.0")
     assert key != hf_names_cache.cache_key(list(reversed(STORED)), config, "5.25.0")
@@ -160,6 +162,65 @@ def test_the_key_changes_with_transformers_config_and_tensors(config):
     assert hf_names_cache.cache_key(STORED, config) == hf_names_cache.cache_key(
         STORED, config, version("transformers")
     )
+    # the planning code's version: CACHE_FORMAT, bumped when what plan_names computes changes
+    monkeypatch.setattr(hf_names_cache, "CACHE_FORMAT", hf_names_cache.CACHE_FORMAT + 1)
+    assert key != hf_names_cache.cache_key(STORED, config, "5.25.0")
+
+
+def _fake_plans(directory: Path, count: int, first_mtime: int = 1_000_000) -> list[Path]:
+    """``count`` files named as plans, the first the oldest (mtimes ``first_mtime`` on)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    paths = [directory / f"{i:064x}.json" for i in range(count)]
+    for age, path in enumerate(paths):
+        path.write_text("{}")
+        os.utime(path, (first_mtime + age, first_mtime + age))
+    return paths
+
+
+def test_a_store_keeps_the_most_recently_used_plans(cache, config, monkeypatch):
+    """At most MAX_ENTRIES plans: a hit touches its file, a store removes the least recently
+    used beyond the bound, and files not named as plans stay."""
+    monkeypatch.setattr(hf_names_cache, "MAX_ENTRIES", 4)
+    plan = plan_names(STORED, config)
+    (ours,) = _files(cache)
+    old = _fake_plans(cache, 6)
+    os.utime(ours, (500, 500))  # the least recently used of all...
+    stray = cache / "notes.json"
+    stray.write_text("{}")
+    _fresh_process(monkeypatch)
+    assert plan_names(STORED, config) == plan  # ...until a hit touches it
+    assert ours.stat().st_mtime > old[-1].stat().st_mtime
+    hf_names_cache.store(STORED[:-1], config, plan.rule, plan.pieces)  # another request
+    new = cache / f"{hf_names_cache.cache_key(STORED[:-1], config)}.json"
+    assert set(_files(cache)) == {new, ours, old[-1], old[-2], stray}
+    _fresh_process(monkeypatch)
+    assert plan_names(STORED, config) == plan  # still a hit
+
+
+def test_the_default_bound_is_64_plans(cache, config):
+    assert hf_names_cache.MAX_ENTRIES == 64
+    old = _fake_plans(cache, 70)
+    plan = plan_names(STORED, config)
+    ours = cache / f"{hf_names_cache.cache_key(STORED, config)}.json"
+    assert set(_files(cache)) == {ours, *old[-63:]}
+    assert plan.sliced == 9
+
+
+def test_pruning_tolerates_other_processes(tmp_path, monkeypatch):
+    """Files another process removed first (between the listing and the removal), and a
+    directory removed altogether: no error, the rest pruned."""
+    paths = _fake_plans(tmp_path / "layouts", 5)
+    unlink = os.unlink
+
+    def raced(path, *args, **kwargs):
+        unlink(path, *args, **kwargs)  # the other process
+        unlink(path, *args, **kwargs)  # ours: FileNotFoundError
+
+    with monkeypatch.context() as patch:
+        patch.setattr(os, "unlink", raced)
+        hf_names_cache.prune(tmp_path / "layouts", 2)
+    assert _files(tmp_path / "layouts") == paths[-2:]
+    hf_names_cache.prune(tmp_path / "gone", 2)
 
 
 def test_where_the_cache_lives(monkeypatch, tmp_path):

@@ -2,11 +2,15 @@
 only the first merge, export or inspect of a layout pays for importing transformers and its
 modeling module (seconds); later ones read a small JSON file and import nothing.
 
-Key: sha256 of the cache format, the installed transformers version (read from its package
-metadata, which imports nothing), config.json's ``model_type`` and ``architectures``, its
-content as canonical JSON, and the stored tensors (name, dtype code, shape) in order.
+Key: sha256 of the cache format (``CACHE_FORMAT``, bumped with the planning code), the
+installed transformers version (read from its package metadata, which imports nothing),
+config.json's content as canonical JSON (``model_type`` and ``architectures`` among it), and
+the stored tensors (name, dtype code, shape) in order.
 Directory: ``$SHARDSTREAM_CACHE_DIR`` if set (the empty string disables the cache), else
-``$XDG_CACHE_HOME/shardstream/hf-layouts``, else ``~/.cache/shardstream/hf-layouts``.
+``$XDG_CACHE_HOME/shardstream/hf-layouts``, else ``~/.cache/shardstream/hf-layouts``. It holds
+at most ``MAX_ENTRIES`` plans: a hit touches its file's mtime, and each store removes the
+least recently used beyond that (other processes may prune at the same time: a file already
+gone is no error).
 
 A file is read with the strict JSON reader (``jsondoc``) and checked against the request:
 every piece names a stored tensor of the request, its box lies inside that tensor, its output
@@ -23,6 +27,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -33,6 +38,8 @@ log = logging.getLogger(__name__)
 
 CACHE_FORMAT = 1  # bump whenever what plan_names computes, or this file's layout, changes
 ENV = "SHARDSTREAM_CACHE_DIR"
+MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
+ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
 FIELDS = ("name", "stored", "start", "extent", "dims", "shape", "storage", "storage_numel")
 
 Tensors = Sequence[tuple[str, str, tuple[int, ...]]]
@@ -68,8 +75,6 @@ def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str
             {
                 "format": CACHE_FORMAT,
                 "transformers": version,
-                "model_type": config.get("model_type"),
-                "architectures": config.get("architectures"),
                 "config": config,
                 "tensors": [[n, d, [int(x) for x in s]] for n, d, s in tensors],
             },
@@ -103,6 +108,11 @@ def load(tensors: Tensors, config: dict) -> tuple[str, list[dict]] | None:
         return None
     if found is None:
         log.debug("ignoring the cached layout %s: it does not fit the request", path)
+        return None
+    try:
+        os.utime(path)  # recently used: pruned last
+    except OSError as exc:  # a read-only cache, or pruned by another process meanwhile
+        log.debug("cannot touch the cached layout %s: %s", path, exc)
     return found
 
 
@@ -138,6 +148,35 @@ def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
         atomic_write_bytes(directory / f"{key}.json", raw)
     except (OSError, ShardstreamError, ValueError, TypeError) as exc:
         log.debug("not caching the layout in %s: %s", directory, exc)
+        return
+    prune(directory)
+
+
+def prune(directory: Path, keep: int | None = None) -> None:
+    """Remove all but the ``keep`` (``MAX_ENTRIES``) most recently used plans, by mtime, from
+    ``directory``; files not named as plans are left alone. Other processes may store, touch
+    or prune at the same time: a file that is gone when looked at or removed is skipped; any
+    other failure stops the pruning, logged at debug level."""
+    keep = MAX_ENTRIES if keep is None else keep
+    try:
+        found = []
+        with os.scandir(directory) as entries:
+            for entry in entries:
+                if not ENTRY.fullmatch(entry.name):
+                    continue
+                try:
+                    if entry.is_file(follow_symlinks=False):
+                        found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
+                except FileNotFoundError:
+                    continue
+        found.sort(reverse=True)
+        for _, name in found[keep:]:
+            try:
+                os.unlink(directory / name)
+            except FileNotFoundError:
+                continue
+    except OSError as exc:
+        log.debug("not pruning the cached layouts in %s: %s", directory, exc)
 
 
 def _is_int(value: object, low: int = 0) -> bool:
