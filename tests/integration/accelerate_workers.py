@@ -12,7 +12,7 @@ import torch
 from shardstream import CheckpointConfig, CheckpointManager
 
 from . import workers
-from .trainer_workers import _accelerate_env, _build, _train
+from .trainer_workers import _accelerator, _build, _save_state, _train
 
 # A GradScaler state no fresh scaler has: every field restored shows.
 SCALER_STATE = {
@@ -54,17 +54,7 @@ def _state(model, optimizer, scheduler, scaler, counter) -> dict:
 def save_run(rank: int, world: int, root: str) -> dict:
     """Two FSDP2 models, each prepared with its optimizer and scheduler, two steps each; a
     GradScaler and a Counter; ``Accelerator.save_state``. Returns each model's full state."""
-    _accelerate_env(rank, world)
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
-    )
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    # as in trainer_workers.accelerate_run: accelerate's FSDP code on CPU once the state says so
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
+    accelerator = _accelerator(rank, world)
     states = []
     for seed in (0, 1):
         model, optimizer, scheduler = _build(world, seed=seed, shard=False)
@@ -77,8 +67,7 @@ def save_run(rank: int, world: int, root: str) -> dict:
     counter = Counter()
     counter.count, counter.name, counter.history = 7, "saved", torch.randn(3)
     accelerator.register_for_checkpointing(counter)
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.save_state(f"{root}/accelerate_state")
+    _save_state(accelerator, f"{root}/accelerate_state")
     return {
         "states": [_state(*parts, scaler, counter) for parts in states],
         "files": sorted(os.listdir(f"{root}/accelerate_state")),

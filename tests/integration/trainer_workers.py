@@ -116,6 +116,34 @@ def _accelerate_env(rank: int, world: int) -> None:
     )
 
 
+def _accelerator(rank: int, world: int):
+    """accelerate's ``Accelerator`` on CPU with the FSDP2 plugin (sharded state dict), in the
+    process group that exists already; save through ``_save_state``."""
+    _accelerate_env(rank, world)
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
+
+    plugin = FullyShardedDataParallelPlugin(
+        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
+    )
+    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
+    # accelerate enables FSDP only on accelerators (its AcceleratorState turns FSDP on
+    # from GPU-like distributed types, never from MULTI_CPU); its FSDP2 preparation and
+    # checkpoint code run on CPU all the same once the state says FSDP.
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.state.fsdp_plugin = plugin
+    return accelerator
+
+
+def _save_state(accelerator, path: str) -> None:
+    """``Accelerator.save_state(path)`` through accelerate's FSDP code (the state says FSDP
+    again, as ``_accelerator`` set it)."""
+    from accelerate.utils import DistributedType
+
+    accelerator.state.distributed_type = DistributedType.FSDP
+    accelerator.save_state(path)
+
+
 def accelerate_run(rank: int, world: int, root: str, stage: str) -> dict:
     """stage "save": accelerate's own prepare (FSDP2, sharded state dict) and two steps, then
     ``Accelerator.save_state``; stage "restore": the manager's restore(path=...) of that
@@ -124,26 +152,13 @@ def accelerate_run(rank: int, world: int, root: str, stage: str) -> dict:
     path = f"{root}/accelerate_state"
     restored = None
     if stage == "save":
-        _accelerate_env(rank, world)
-        from accelerate import Accelerator
-        from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-        plugin = FullyShardedDataParallelPlugin(
-            fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
-        )
-        accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-        # accelerate enables FSDP only on accelerators (its AcceleratorState turns FSDP on
-        # from GPU-like distributed types, never from MULTI_CPU); its FSDP2 preparation and
-        # checkpoint code run on CPU all the same once the state says FSDP.
-        accelerator.state.distributed_type = DistributedType.FSDP
-        accelerator.state.fsdp_plugin = plugin
+        accelerator = _accelerator(rank, world)
         model, optimizer, scheduler = _build(world, seed=0, shard=False)
         model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
         _train(model, optimizer, scheduler)
-        accelerator.state.distributed_type = DistributedType.FSDP
         torch.manual_seed(1234 + rank)
         random.seed(99 + rank)
-        accelerator.save_state(path)
+        _save_state(accelerator, path)
         optimizer, scheduler = optimizer.optimizer, scheduler.scheduler
         names = sorted(os.listdir(path))
     else:

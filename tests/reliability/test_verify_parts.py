@@ -14,18 +14,13 @@ import pytest
 import torch
 
 import shardstream
-from shardstream import cli
 from shardstream.commands.verify import verify
 from shardstream.formats import native
 
+from .test_hostile_inputs import _cli
+
 CONFIG = {"model_type": "tiny", "num_hidden_layers": 2, "torch_dtype": "float32"}
 SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json")
-
-
-def _cli(capsys, *argv) -> tuple[int, list[str]]:
-    code = cli.main([str(a) for a in argv])
-    err = capsys.readouterr().err
-    return code, [line for line in err.splitlines() if line.strip()]
 
 
 @pytest.fixture
