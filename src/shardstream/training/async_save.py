@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import atexit
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
@@ -131,6 +133,7 @@ class SourceGuard:
             self.cond.notify_all()
 
     _ALIGN = 64  # staged copies start at this alignment in the arena
+    _COPY_THREADS = 4  # at most, for a step's copies
 
     def start_reserving(self, provide: Callable[[int, bool], torch.Tensor]) -> threading.Thread:
         """Run ``reserve_staging(provide)`` on a thread of its own."""
@@ -209,23 +212,35 @@ class SourceGuard:
 
     def _stage(self, pending: list[_Source]) -> None:
         """Copy out the sources the writer has not started, in ``pending`` order, while the
-        staging budget lasts."""
-        for source in pending:
-            with self.cond:
-                if self.finished:
-                    break
+        staging budget lasts; on several threads (torch's copies release the GIL, and ranks
+        often run torch on one thread), each copy marked staged as it completes."""
+        chosen = []
+        with self.cond:
+            for source in pending:
                 size = source.live.nbytes
-                if source.staged or source.begin < self.reading_upto:
+                if self.finished or source.staged or source.begin < self.reading_upto:
                     continue
                 if self.staged_bytes + size > self.staging_bytes:
                     continue
                 self.staged_bytes += size
-                space = self._staging_space(size)
+                chosen.append((source, self._staging_space(size)))
+
+        def stage(item: tuple[_Source, torch.Tensor | None]) -> None:
+            source, space = item
             # Copied without the lock: the writer, unless held, goes on reading meanwhile (the
             # step has not started, so the live tensor and its copy hold the same bytes).
             staged = source.live.snapshot(space)
             with self.cond:
                 source.staged = staged
+
+        threads = min(self._COPY_THREADS, len(os.sched_getaffinity(0)), len(chosen))
+        if threads <= 1:
+            for item in chosen:
+                stage(item)
+            return
+        with ThreadPoolExecutor(threads, thread_name_prefix="shardstream-stage") as pool:
+            for _ in pool.map(stage, chosen):  # in order; the first error is raised
+                pass
 
 
 class AsyncSaver:
