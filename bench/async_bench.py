@@ -56,17 +56,33 @@ from harness.training import (
 )
 
 MODES = ("none", "shardstream_sync", "shardstream_async", "dcp_async")
-# --short-step adds an async save with a larger staging budget (more of the state copied out
-# before the next step may write it).
-BIG_BUDGET = "1GiB"
-SHORT_MODES = (*MODES, "shardstream_async_1GiB")
+# --short-step adds an async save whose staging budget holds the rank's whole state (model and
+# optimizer shards plus the writer's buffers): a step then copies what the save has not read
+# yet and never waits for the disk.
+STATE_BUDGET = "shardstream_async_state"
+SHORT_MODES = (*MODES, STATE_BUDGET)
 LABELS = {
     "none": "no checkpointing",
     "shardstream_sync": "shardstream save (sync)",
-    "shardstream_async": "shardstream save (async_save=True)",
+    "shardstream_async": f"shardstream save (async_save=True, staging_budget={BUDGET})",
     "dcp_async": "dcp.async_save (THREAD)",
-    "shardstream_async_1GiB": f"shardstream save (async_save=True, staging_budget={BIG_BUDGET})",
+    STATE_BUDGET: "shardstream save (async_save=True, staging_budget ≥ the rank's state)",
 }
+
+
+def state_budget(model, optimizer) -> str:
+    """A staging budget that holds every byte a save reads live, plus 64 MiB of buffers."""
+    import torch
+
+    def local(t):
+        return t.to_local() if hasattr(t, "to_local") else t
+
+    total = sum(local(p).untyped_storage().nbytes() for p in model.parameters())
+    for state in optimizer.state.values():
+        for v in state.values():
+            if isinstance(v, torch.Tensor):
+                total += local(v).untyped_storage().nbytes()
+    return f"{-(-total // (1 << 20)) + 64}MiB"
 
 
 def _warm_up(out: Path) -> None:
@@ -112,7 +128,7 @@ def _run_mode(mode: str, rank: int, model, optimizer, scheduler, spec: dict, out
         cfg = CheckpointConfig(
             str(out / mode),
             save_contents=("model", "optimizer", "extra"),
-            staging_budget=BIG_BUDGET if mode.endswith(BIG_BUDGET) else BUDGET,
+            staging_budget=state_budget(model, optimizer) if mode == STATE_BUDGET else BUDGET,
             async_save=mode.startswith("shardstream_async"),
         )
         mgr = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
@@ -261,6 +277,7 @@ def summarize(modes: dict) -> dict:
         hook = [max(sum(rk["hook_stalls_s"]) for rk in ranks)] if save_idx else [0.0]
         saves = len(save_idx)
         stall_total = sum(calls) + hook[0]
+        per_save = _stall_per_save(ranks)
         out[mode] = {
             "steps": n,
             "saves": saves,
@@ -271,6 +288,9 @@ def summarize(modes: dict) -> dict:
             "save_call_s": statistics.mean(calls) if calls else None,
             "hook_stall_s_total": hook[0],
             "stall_per_save_s": stall_total / saves if saves else None,
+            # each save's own: its call and the hook waits of the steps up to the next save
+            "stalls_per_save_s": per_save,
+            "later_stall_per_save_s": statistics.mean(per_save[1:]) if saves > 1 else None,
             "extra_rss_mib_per_rank": [rk["extra_rss_mib"] for rk in ranks],
             "base_rss_mib_per_rank": [rk["base_rss_mib"] for rk in ranks],
             "peak_rss_mib_per_rank": [rk["peak_rss_mib"] for rk in ranks],
@@ -286,6 +306,21 @@ def summarize(modes: dict) -> dict:
                 (s["loop_s"] + s["drain_s"] - ref["loop_s"]) / s["saves"] if s["saves"] else None
             )
     return out
+
+
+def _stall_per_save(ranks: list[dict]) -> list[float]:
+    """Per save, the slowest rank's stall: the save call plus the pre-hook waits of the steps
+    that follow it, up to the next save (the first save also faults in staging memory)."""
+    per_rank = []
+    for rk in ranks:
+        saves: list[float] = []
+        for st in rk["steps"]:
+            if saves:
+                saves[-1] += st["hook_stall_s"]
+            if st["save_call_s"] is not None:
+                saves.append(st["save_call_s"])
+        per_rank.append(saves)
+    return [max(v) for v in zip(*per_rank)]
 
 
 def run_async_bench(
