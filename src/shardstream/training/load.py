@@ -720,7 +720,8 @@ def load(
         if want_model and targets:  # waiting in a barrier for a process that may never exit
             st.apply_model_copies(model, {k: v for k, v in model_tensors.items() if k in targets})
         if optim_tensors:
-            st.apply_optimizer_state(model, optimizer, optim_tensors, objects["optimizer"])
+            groups = objects["optimizer"]["param_groups"]
+            st.apply_optimizer_state(model, optimizer, pending.optimizer, groups)
         if pending.scheduler is not None:
             schedulers.load(lr_scheduler, pending.scheduler)
         if pending.rng is not None:
@@ -743,6 +744,8 @@ def load(
 class _Pending:
     """The small parts, read and checked before any tensor is written, applied after."""
 
+    # optimizer state by parameter (``st.nest_optimizer_state``), its tensors the targets
+    optimizer: dict[str, dict[str, Any]] = dataclasses.field(default_factory=dict)
     scheduler: Any = None  # saved scheduler state for ``schedulers.load``
     rng: Any = None  # RNG state for ``st.set_rng_state``
     extra: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -785,9 +788,10 @@ def _checked_parts(
     part = "optimizer"
     try:
         if optim_tensors:
-            st.nest_optimizer_state(model, {**source.objects["optimizer"].get("scalars", {}),
-                                            **optim_tensors})  # fmt: skip
-            st.check_param_groups(live_groups, source.objects["optimizer"].get("param_groups"))
+            optim = source.objects["optimizer"]
+            values = {**optim.get("scalars", {}), **optim_tensors}
+            pending.optimizer = st.nest_optimizer_state(model, values)
+            st.check_param_groups(live_groups, optim.get("param_groups"))
         part = "lr_scheduler"
         if lr_scheduler is not None and "optimizer" in contents:
             saved = source.objects.get("lr_scheduler")

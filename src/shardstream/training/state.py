@@ -163,12 +163,12 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
 def apply_optimizer_state(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
-    tensors: Mapping[str, torch.Tensor],
-    objects: Mapping[str, Any],
+    nested: Mapping[str, Mapping[str, Any]],
+    param_groups: list,
 ) -> None:
-    """Hand the (already filled) tensors and the JSON state back to the optimizer."""
-    nested = nest_optimizer_state(model, {**objects.get("scalars", {}), **tensors})
-    state = {"state": nested, "param_groups": objects["param_groups"]}
+    """Hand the optimizer state back: ``nested`` as ``nest_optimizer_state`` returns it (its
+    tensors filled by now) and the saved param groups."""
+    state = {"state": dict(nested), "param_groups": param_groups}
     set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
 
 
