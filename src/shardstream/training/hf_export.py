@@ -9,6 +9,7 @@ do not share a filesystem, pieces stream to rank 0 in bounded messages instead.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import uuid
 from collections.abc import Callable
@@ -217,13 +218,16 @@ def _plan_files(
     return out_dtype, hf.plan_hf_files(outputs, storage=names.storage())
 
 
-def _layout(plan: ExportPlan) -> tuple:
-    return (plan.out_dtype, [[(t.name, t.dtype, t.shape) for t in ts] for _, ts in plan.files])
+def _layout(plan: ExportPlan) -> tuple[str, str]:
+    """The output dtype, and a digest of every file's tensors (names, dtypes, shapes)."""
+    files = [[(t.name, t.dtype, tuple(t.shape)) for t in ts] for _, ts in plan.files]
+    return (plan.out_dtype, hashlib.sha256(repr(files).encode()).hexdigest())
 
 
 def _check_same_layout(plan: ExportPlan) -> None:
     """Every rank planned the export from its own copy of the config; one that differs (a
-    config changed on some ranks only) would write its rows at other offsets. Refuse by name."""
+    config changed on some ranks only) would write its rows at other offsets. Refuse by name.
+    Ranks compare digests, so the collective stays small whatever the model."""
     layouts = coll.gather(_layout(plan))
     for rank, layout in enumerate(layouts):
         if layout != layouts[0]:
