@@ -37,23 +37,31 @@ def test_scaler_custom_objects_and_second_model(tmp_path):
     assert not report.ok and "custom_checkpoint_0.pkl" in report.problems[0].line()
 
 
-def test_accelerate_state_files_by_name(tmp_path):
-    """A part asked for that the directory lacks, and a pickled sampler: one-line errors,
-    nothing touched; verify checks the sampler file's records (never unpickling it)."""
+def _model_saved_as_accelerate(root) -> torch.nn.Module:
+    """A small model, saved with DCP where accelerate's FSDP saves the first one."""
     import warnings
 
-    import pytest
     import torch.distributed.checkpoint as dcp
 
-    import shardstream
-    from shardstream.errors import CheckpointFormatError, UsageError
-
-    root = tmp_path / "checkpoint_4"
     model = torch.nn.Module()
     model.layer = torch.nn.Linear(4, 6)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # DCP warns when used without a process group
         dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
+    return model
+
+
+def test_accelerate_state_files_by_name(tmp_path):
+    """A part asked for that the directory lacks, and a pickled sampler: one-line errors,
+    nothing touched; verify checks the sampler file's records (never unpickling it)."""
+
+    import pytest
+
+    import shardstream
+    from shardstream.errors import CheckpointFormatError, UsageError
+
+    root = tmp_path / "checkpoint_4"
+    model = _model_saved_as_accelerate(root)
     torch.save({"torch_manual_seed": torch.get_rng_state()}, root / "random_states_0.pkl")
     torch.save({"epoch": 3}, root / "sampler.bin")
     torch.save({"scale": 2.0}, root / "scaler.pt")
@@ -69,10 +77,8 @@ def test_accelerate_custom_object_not_a_dict_is_named(tmp_path):
     """A custom_checkpoint_N whose saved state is no dict: the error names that object, not the
     LR scheduler (the merge over the live state_dict is the scheduler's), and nothing is
     touched."""
-    import warnings
 
     import pytest
-    import torch.distributed.checkpoint as dcp
 
     import shardstream
     from shardstream.errors import CheckpointFormatError
@@ -88,11 +94,7 @@ def test_accelerate_custom_object_not_a_dict_is_named(tmp_path):
             self.count = state["count"]
 
     root = tmp_path / "checkpoint_2"
-    model = torch.nn.Module()
-    model.layer = torch.nn.Linear(4, 6)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # DCP warns when used without a process group
-        dcp.save({"model": model.state_dict()}, checkpoint_id=str(root / "pytorch_model_fsdp_0"))
+    model = _model_saved_as_accelerate(root)
     torch.save([7], root / "custom_checkpoint_0.pkl")
     counter = Counter()
     with pytest.raises(CheckpointFormatError) as caught:
