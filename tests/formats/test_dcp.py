@@ -39,6 +39,7 @@ from shardstream.errors import (
 )
 from shardstream.formats import dcp_pickles
 from shardstream.formats.source import is_dcp_checkpoint, open_checkpoint
+from shardstream.testing.cli import run_cli
 
 TINY = {
     "hidden_size": 48,
@@ -536,13 +537,7 @@ def test_transformed_chunks_are_refused(tmp_path):
 
 def _run_cli(*argv) -> tuple[int, list[str]]:
     """``python -m shardstream ARGV`` in a child process: exit code and stderr's lines."""
-    done = subprocess.run(
-        [sys.executable, "-m", "shardstream", *map(str, argv)],
-        capture_output=True,
-        text=True,
-        errors="backslashreplace",
-        timeout=300,
-    )
+    done = run_cli(*argv)
     return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
 
 

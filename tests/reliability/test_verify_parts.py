@@ -16,6 +16,7 @@ import torch
 import shardstream
 from shardstream.commands.verify import verify
 from shardstream.formats import native
+from shardstream.testing.cli import run_cli
 
 from .test_hostile_inputs import _cli
 
@@ -254,8 +255,6 @@ def test_an_index_file_name_that_names_no_file_is_refused(saved_run, tmp_path, n
     """The HF index's weight_map, like the manifest: a file name with a lone surrogate raised
     UnicodeEncodeError from open() in inspect (found by the soak's structure-aware fuzzer);
     now one line naming the index, from ``python -m shardstream``."""
-    import subprocess
-    import sys
 
     model = tmp_path / "hf"
     shutil.copytree(saved_run.hf_sharded, model)
@@ -268,13 +267,7 @@ def test_an_index_file_name_that_names_no_file_is_refused(saved_run, tmp_path, n
         ["test", "--local_dir", saved_run.step, "--test_hf_dir", model, "--quiet"],
         ["verify", "--quiet", model],
     ):
-        done = subprocess.run(
-            [sys.executable, "-m", "shardstream", *map(str, argv)],
-            capture_output=True,
-            text=True,
-            errors="backslashreplace",
-            timeout=300,
-        )
+        done = run_cli(*argv)
         lines = [line for line in (done.stdout + done.stderr).splitlines() if line.strip()]
         assert done.returncode == 1 and "Traceback" not in done.stderr, (argv[0], lines)
         if argv[0] == "verify":  # its problems, one a line: the name among them
