@@ -111,7 +111,7 @@ class SourceGuard:
 
     def window(self, lo: int, hi: int) -> None:
         """The save has read everything before ``lo`` and starts on [lo, hi); while a step
-        copies the rest out (``hold_writer``), it waits here first."""
+        copies the rest out (``writer_held``), it waits here first."""
         with self.cond:
             self.done_upto = lo
             self.cond.notify_all()
@@ -187,16 +187,12 @@ class SourceGuard:
             )
             if self.finished:
                 return time.perf_counter() - started
-            # What the save would reach last is staged first.
-            pending = sorted(self.sources.values(), key=lambda s: -s.begin)
-            unread = sum(
-                s.live.nbytes for s in pending if not s.staged and s.begin >= self.reading_upto
-            )
+            chosen, everything = self._choose()
             # Everything left fits: the writer has nothing the step waits for beyond its
             # current window, so it pauses while the copies run at full speed.
-            self.writer_held = self.staged_bytes + unread <= self.staging_bytes
+            self.writer_held = everything
         try:
-            self._stage(pending)
+            self._stage(chosen)
         finally:
             with self.cond:
                 self.writer_held = False
@@ -210,20 +206,25 @@ class SourceGuard:
             )
         return time.perf_counter() - started
 
-    def _stage(self, pending: list[_Source]) -> None:
-        """Copy out the sources the writer has not started, in ``pending`` order, while the
-        staging budget lasts; on several threads (torch's copies release the GIL, and ranks
-        often run torch on one thread), each copy marked staged as it completes."""
-        chosen = []
-        with self.cond:
-            for source in pending:
-                size = source.live.nbytes
-                if self.finished or source.staged or source.begin < self.reading_upto:
-                    continue
-                if self.staged_bytes + size > self.staging_bytes:
-                    continue
-                self.staged_bytes += size
-                chosen.append((source, self._staging_space(size)))
+    def _choose(self) -> tuple[list[tuple[_Source, torch.Tensor | None]], bool]:
+        """Under the lock: the sources the writer has not started that the staging budget
+        still holds, what the save would reach last first, each with its arena space (None:
+        new memory); and whether that is all of them."""
+        chosen, everything = [], True
+        for source in sorted(self.sources.values(), key=lambda s: -s.begin):
+            size = source.live.nbytes
+            if source.staged or source.begin < self.reading_upto:
+                continue
+            if self.staged_bytes + size > self.staging_bytes:
+                everything = False
+                continue
+            self.staged_bytes += size
+            chosen.append((source, self._staging_space(size)))
+        return chosen, everything
+
+    def _stage(self, chosen: list[tuple[_Source, torch.Tensor | None]]) -> None:
+        """Copy out the ``chosen`` sources, on several threads (torch's copies release the
+        GIL, and ranks often run torch on one thread), each marked staged as it completes."""
 
         def stage(item: tuple[_Source, torch.Tensor | None]) -> None:
             source, space = item
