@@ -291,6 +291,7 @@ class CheckpointManager:
         if self.root.exists() and not self.root.is_dir():
             raise UsageError(f"checkpoint directory {self.root} exists and is not a directory")
         self._lock = _Lock(self.root / self.lock_name)
+        self._deleter = commit.Deleter()  # retention's deletions, off the training thread
         self._closed = False
         self._writer = False
         self._async = None
@@ -462,12 +463,14 @@ class CheckpointManager:
         older = [s for s in self.all_steps() if s < newest]
         protected = self._async.in_flight_steps() if self._async is not None else set()
         doomed = [s for s in older[: max(0, len(older) - (keep - 1))] if s not in protected]
+        graves = []
         for step in doomed:
             path = self.step_dir(step)
             try:
-                commit.discard(path)  # disappears atomically; a crash leaves debris to sweep
+                graves.append(commit.bury(path))  # gone at once; a crash leaves debris to sweep
             except OSError as exc:
                 log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
+        self._deleter.submit(graves)  # the slow part, in the background; joined by wait()
 
     def _remove_debris(self) -> None:
         """Remove temporary directories left by crashed saves (this process holds the lock)."""
@@ -593,9 +596,13 @@ class CheckpointManager:
     # --- lifecycle ----------------------------------------------------------------------------
 
     def wait(self) -> None:
-        """Block until every background save has committed; raise its error if one failed."""
-        if self._async is not None:
-            self._async.wait()
+        """Block until every background save has committed and the steps retention dropped
+        are deleted from disk; raise a failed save's error."""
+        try:
+            if self._async is not None:
+                self._async.wait()
+        finally:
+            self._deleter.join()
 
     def close(self) -> None:
         if self._closed:

@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
+import shutil
+import threading
 
 import pytest
 import torch
@@ -18,6 +21,7 @@ from shardstream.errors import (
 )
 from shardstream.formats import native
 from shardstream.manager import LATEST_FILE
+from shardstream.storage import commit
 from shardstream.storage.commit import TMP_MARK
 
 
@@ -161,6 +165,81 @@ def test_retention_keeps_newer_steps_and_the_newest(tmp_path):
         mgr.save(5)  # rewinding: step 10 is newer and is not ours to delete
         assert mgr.all_steps() == [5, 10]
         assert mgr.latest_step() == 5
+
+
+def _entries(directory) -> list[str]:
+    return sorted(p.name for p in directory.iterdir() if p.name != LATEST_FILE)
+
+
+def test_retention_drops_the_step_at_once_and_deletes_it_in_the_background(tmp_path, monkeypatch):
+    """save() returns with the old step gone from every listing (renamed aside); the files go
+    on a background thread, which wait() joins."""
+    release = threading.Event()
+    real_rmtree = shutil.rmtree
+
+    def held_rmtree(path, *args, **kwargs):  # retention's deletion waits for the test
+        if threading.current_thread().name == "shardstream-delete":
+            assert release.wait(timeout=120)
+        return real_rmtree(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit.shutil, "rmtree", held_rmtree)
+    model, optimizer, _ = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        mgr.save(1)
+        mgr.save(2)
+        assert mgr.all_steps() == [2] and mgr.latest_step() == 2
+        (grave,) = [name for name in _entries(tmp_path) if TMP_MARK in name]
+        assert grave.startswith(f"global_step_1{TMP_MARK}")  # not deleted yet, not a step
+        assert _entries(tmp_path) == sorted(["global_step_2", grave, ".shardstream.lock"])
+        release.set()
+        mgr.wait()
+        assert _entries(tmp_path) == [".shardstream.lock", "global_step_2"]
+        mgr.save(3)
+        mgr.save(4)  # deletes step 3 after the deletion of step 2 has finished
+    # close() joined the last deletion
+    assert _entries(tmp_path) == [".shardstream.lock", "global_step_4"]
+
+
+def test_async_save_retention_is_deleted_by_close(tmp_path):
+    """With async_save the background save renames the old step away and hands its deletion
+    on; close() joins the save, then the deletion."""
+    model, optimizer, _ = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1, async_save=True)
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s)
+    assert _entries(tmp_path) == [".shardstream.lock", "global_step_3"]
+
+
+def test_retention_deletion_failure_is_a_warning_and_its_debris_is_swept(
+    tmp_path, monkeypatch, caplog
+):
+    real_rmtree = shutil.rmtree
+
+    def failing_rmtree(path, *args, **kwargs):
+        if threading.current_thread().name != "shardstream-delete":
+            return real_rmtree(path, *args, **kwargs)
+        if not kwargs.get("ignore_errors"):
+            raise PermissionError(13, "Permission denied", str(path))
+
+    monkeypatch.setattr(commit.shutil, "rmtree", failing_rmtree)
+    model, optimizer, _ = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
+            mgr.save(1)
+            mgr.save(2)  # nothing raised here,
+            mgr.wait()  # nor here
+            assert mgr.all_steps() == [2]
+    (grave,) = [name for name in _entries(tmp_path) if TMP_MARK in name]
+    assert grave.startswith(f"global_step_1{TMP_MARK}")
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("could not delete" in m and grave in m and "Permission denied" in m for m in warned)
+    monkeypatch.undo()
+    with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:  # the start sweeps
+        assert _entries(tmp_path) == [".shardstream.lock", "global_step_2"]
+        assert mgr.restore()[0] == 2
 
 
 # --- commit protocol -----------------------------------------------------------------------------

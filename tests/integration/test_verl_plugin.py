@@ -135,6 +135,7 @@ def test_layout_retention_and_side_files(saved):
     ]
     assert (root / "global_step_0/actor/model_world_size_4_rank_3.pt").is_file()
     assert results[0]["previous"] == [str(root / f"global_step_{s}/actor") for s in (2, 3)]
+    assert results[0]["gone_at_once"]  # renamed away before save_checkpoint returned
     actor = root / "global_step_3/actor"
     manifest = json.loads((actor / "manifest.json").read_text())
     assert manifest["step"] == 3 and manifest["world_size"] == 4

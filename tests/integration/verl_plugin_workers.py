@@ -70,11 +70,14 @@ def save_run(rank: int, world: int, root: str, verl_root: str) -> dict:
     for step in (1, 2, 3):
         train_step(model, optimizer, scheduler, step)
         manager.save_checkpoint(_actor(root, step), None, step, max_ckpt_to_keep=2)
+    previous = list(manager.previous_saved_paths)  # as save_checkpoint left it
+    gone_at_once = not Path(_actor(root, 1)).exists()
+    manager.wait()  # retention's background deletion ends (the ranks skip interpreter exit)
     verl_manager.save_checkpoint(_actor(verl_root, 3), None, 3)
     reference = full_state(model, optimizer, scheduler)
     reference["rng_next"] = torch.rand(3)
     torch.save(reference, Path(root) / f"reference_rank{rank}.pt")
-    return {"previous": manager.previous_saved_paths, "rank": manager.rank}
+    return {"previous": previous, "gone_at_once": gone_at_once, "rank": manager.rank}
 
 
 def load_run(rank: int, world: int, actors: list[str], mesh: bool, use_verl: bool) -> list:

@@ -85,6 +85,7 @@ def test_save_on_a_full_disk(tmp_path):
                     good[step] = _clone(full_state(model, optimizer))
                 finally:
                     (disk / "ballast").unlink()
+                manager.wait()  # retention's background deletion too
                 assert _leftovers(root) == [], f"partial output left: {_leftovers(root)}"
                 report = verify(root)
                 assert report.ok, [p.line() for p in report.problems]
@@ -262,6 +263,7 @@ def test_hf_model_export_on_a_full_disk(tmp_path):
                     outcomes["saved"] += 1
                 finally:
                     (disk / "ballast").unlink()
+                manager.wait()  # retention's background deletion too
                 assert _leftovers(root) == [], f"partial output left: {_leftovers(root)}"
                 assert verify(root).ok
     assert outcomes["  in the hf export"] > 0 and outcomes["saved"] > 0, outcomes

@@ -44,6 +44,17 @@ INJECT = textwrap.dedent(
 
             commit._exchange = exchange_then_die
             return
+        if die_at == "mid-delete":  # retention's background deletion, cut half way
+            real_rmtree = commit.shutil.rmtree
+
+            def delete_one_file_then_die(path, *args, **kwargs):
+                if not os.path.basename(path).startswith(os.path.basename(victim) + ".tmp-"):
+                    return real_rmtree(path, *args, **kwargs)
+                os.unlink(min(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs))
+                die()
+
+            commit.shutil.rmtree = delete_one_file_then_die
+            return
         real_rename = os.rename
 
         def rename_then_die(src, dst):
@@ -141,10 +152,12 @@ def test_resave_of_step_killed_mid_swap_keeps_the_step(tmp_path, die_at):
     assert _restored(root) == ([1], 1, 3.0)
 
 
-def test_retention_killed_between_rename_and_delete_drops_the_step(tmp_path):
+@pytest.mark.parametrize("die_at", ["retention", "mid-delete"])
+def test_retention_killed_between_rename_and_delete_drops_the_step(tmp_path, die_at):
+    """Killed right after the rename, or in the middle of the background deletion."""
     root = tmp_path / "run"
     _save(root, 1.0, step=1, keep_last=1)
-    assert _child(SAVE, root, "retention", 2.0, 1, 2) == -signal.SIGKILL
+    assert _child(SAVE, root, die_at, 2.0, 1, 2) == -signal.SIGKILL
     assert not (root / "global_step_1").exists() and _temporaries(root)
     assert _restored(root, keep_last=1) == ([2], 2, 2.0)
     assert verify(root).ok

@@ -244,6 +244,51 @@ def test_discard_leaves_nothing(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+def test_buried_step_is_debris_to_the_run_sweep(tmp_path):
+    """What retention leaves if the process dies before its background deletion ends."""
+    from shardstream.storage import commit
+    from shardstream.storage.run_layout import is_run_entry
+
+    step = tmp_path / "global_step_1"
+    (step / "sub").mkdir(parents=True)
+    (step / "sub" / "rank-00000.safetensors").write_bytes(b"x")
+    grave = commit.bury(step)
+    assert not step.exists() and grave.parent == tmp_path and grave.is_dir()
+    assert grave.name.startswith(f"global_step_1{TMP_MARK}")
+    taken = commit.take_debris(tmp_path, is_run_entry)
+    assert len(taken) == 1 and not grave.exists()
+    commit.remove(taken[0])
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_deleter_deletes_in_the_background_then_calls_back_and_logs_failures(tmp_path, caplog):
+    import logging
+
+    from shardstream.storage import commit
+
+    graves = []
+    for name in ("a", "b"):
+        (tmp_path / "step" / name / "deep").mkdir(parents=True)
+        (tmp_path / "step" / name / "deep" / "f").write_text(name)
+        graves.append(commit.bury(tmp_path / "step" / name))
+    seen = []
+
+    def then(grave):
+        seen.append((grave.name, grave.exists()))
+        raise OSError("callback failed")
+
+    deleter = commit.Deleter()
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        deleter.submit(graves, then)
+        deleter.join()
+    assert seen == [(g.name, False) for g in graves]
+    assert list((tmp_path / "step").iterdir()) == []
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert len(warned) == 2 and all("callback failed" in m for m in warned)
+    deleter.submit([])  # nothing to delete: no thread
+    deleter.join()
+
+
 @pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EFBIG"])
 def test_a_full_disk_is_out_of_space_naming_the_path(code):
     import errno

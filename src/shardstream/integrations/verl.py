@@ -531,19 +531,25 @@ class _RoleRun(CheckpointManager):
             return
         older = [s for s in self.all_steps() if s < newest]
         protected = self._async.in_flight_steps() if self._async is not None else set()
+        graves = []
         for step in [s for s in older[: max(0, len(older) - (keep - 1))] if s not in protected]:
             path = self.step_dir(step)
             try:
-                commit.discard(path)
+                graves.append(commit.bury(path))  # gone at once; a crash leaves debris to sweep
             except OSError as exc:
                 log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
                 continue
-            self.owner._deleted(str(path))
-            if self.role is not None:  # the step directory, if that role was all it held
-                try:
-                    path.parent.rmdir()
-                except OSError:
-                    pass
+            self.owner._deleted(str(path))  # verl's previous_saved_paths: bookkeeping, at once
+
+        def drop_emptied_step(grave: Path) -> None:  # the step directory, if the role was all
+            try:
+                grave.parent.rmdir()
+            except OSError:
+                pass
+
+        # The files go in the background (joined by wait() and close()), then, with a role,
+        # the step directory if that role was all it held.
+        self._deleter.submit(graves, drop_emptied_step if self.role is not None else None)
 
     def _take_debris(self) -> list[Path]:
         if self.role is None:

@@ -22,15 +22,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import logging
 import os
 import re
 import shutil
+import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import ShardstreamError, TargetExistsError, UsageError, out_of_space
 from . import locks
+
+log = logging.getLogger(__name__)
 
 TMP_MARK = ".tmp-"
 OWNER_SUFFIX = ".owner"
@@ -206,10 +210,77 @@ def swap_in(tmp: Path, target: Path) -> None:
 def discard(path: Path) -> None:
     """Remove the directory ``path`` so that it disappears at once: renamed to a temporary name
     (debris to the next sweep, should this die), then deleted."""
+    _remove(bury(path))
+
+
+def bury(path: Path) -> Path:
+    """Make the directory ``path`` disappear at once: rename it to a temporary name beside it
+    (``T.tmp-<hex>``, no owner file: debris to the next sweep of the directory's lock holder)
+    and fsync the parent. Returns the new name, for ``remove`` or a ``Deleter`` to delete."""
     grave = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
     os.rename(path, grave)
     fsync_dir(path.parent)
-    _remove(grave)
+    return grave
+
+
+class Deleter:
+    """Deletes ``bury``-ed directories on a background thread, one batch at a time.
+
+    ``submit`` first waits for the batch before it (deletions never pile up) and ``join``
+    waits for the current one. A failure is logged as a warning, never raised; whatever it
+    leaves, or a crash leaves, is debris to the next sweep. The thread is not a daemon, so a
+    process that exits without ``join`` still finishes the deletion first."""
+
+    def __init__(self) -> None:
+        self._thread: threading.Thread | None = None
+        self._guard = threading.Lock()
+
+    def submit(self, graves: Sequence[Path], then: Callable[[Path], None] | None = None) -> None:
+        """Delete ``graves`` in the background, calling ``then(grave)`` after each."""
+        self.join()
+        if not graves:
+            return
+        thread = threading.Thread(
+            target=self._run, args=(list(graves), then), name="shardstream-delete"
+        )
+        try:
+            thread.start()
+        except RuntimeError:  # no new thread at interpreter shutdown: delete them here
+            self._run(list(graves), then)
+            return
+        with self._guard:
+            self._thread = thread
+
+    def join(self) -> None:
+        """Wait until every submitted directory is deleted (or its deletion failed)."""
+        with self._guard:
+            thread = self._thread
+        if thread is not None:
+            thread.join()
+            with self._guard:
+                if self._thread is thread:
+                    self._thread = None
+
+    @staticmethod
+    def _run(graves: list[Path], then: Callable[[Path], None] | None) -> None:
+        for grave in graves:
+            try:
+                try:
+                    if grave.is_dir() and not grave.is_symlink():
+                        shutil.rmtree(grave)
+                    else:
+                        grave.unlink()
+                except OSError as exc:
+                    log.warning(
+                        "shardstream: could not delete %s (the next start removes it): %s",
+                        grave,
+                        exc,
+                    )
+                    _remove(grave)  # as much of the rest as it can
+                if then is not None:
+                    then(grave)
+            except Exception as exc:  # noqa: BLE001  (never raised into training)
+                log.warning("shardstream: could not delete %s: %s", grave, exc)
 
 
 @contextlib.contextmanager
