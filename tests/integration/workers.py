@@ -141,13 +141,24 @@ def restore_run(
     }
 
 
+def _fsdp2(world: int, seed: int):
+    return build((world,), seed=seed)
+
+
 def async_run(
-    rank: int, world: int, root: str, steps: int, budget: str, hf_model: str | None = None
+    rank: int,
+    world: int,
+    root: str,
+    steps: int,
+    budget: str,
+    hf_model: str | None = None,
+    builder=_fsdp2,
 ) -> dict:
     """Train with async saves at every step; then restore each step and compare with the
     state the model had when that save was requested. Reads of live tensors are slowed down
     so that every optimizer step meets a save still in flight. ``hf_model``: "export" adds
-    hf_model to the contents, "shared" also sets ``share_hf_weights``."""
+    hf_model to the contents, "shared" also sets ``share_hf_weights``. ``builder(world,
+    seed)``: the model, optimizer, scheduler and config (FSDP2 by default)."""
     import time as _time
 
     from shardstream.engine import endpoints as engine
@@ -159,7 +170,7 @@ def async_run(
         return original(self, offset, out)
 
     engine.TensorEndpoint.read_into = slow_read
-    model, optimizer, scheduler, config = build((world,))
+    model, optimizer, scheduler, config = builder(world, 0)
     contents = ("model", "optimizer", "extra") + (("hf_model",) if hf_model else ())
     cfg = CheckpointConfig(
         directory=root,
@@ -181,7 +192,7 @@ def async_run(
     engine.TensorEndpoint.read_into = original
     stalls = list(manager._async.stalls)
     manager.close()
-    fresh, fresh_opt, fresh_sched, _ = build((world,), seed=7)
+    fresh, fresh_opt, fresh_sched, _ = builder(world, 7)
     checker = CheckpointManager(
         CheckpointConfig(directory=root),
         model=fresh,

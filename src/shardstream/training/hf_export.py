@@ -12,7 +12,7 @@ import functools
 import hashlib
 import os
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from ..formats.safetensors import build_header
 from ..formats.writer import OutputTensor, WrittenFile, read_chunk_digest, start_writeback
 from ..storage import collectives as coll
 from ..units import DEFAULT_CHUNK_BYTES
+from .fsdp1_shards import FlatShard
 from .state import model_tensors
 
 if TYPE_CHECKING:
@@ -50,11 +51,16 @@ if TYPE_CHECKING:
 HF_DIR = "huggingface"
 
 
-def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, torch.Tensor]:
-    """This rank's block of a (D)Tensor, or None when another rank owns the bytes."""
+def _local_blocks(location: str, tensor: Any) -> Iterator[tuple[Block, torch.Tensor]]:
+    """This rank's blocks of a (D)Tensor or FSDP1 flat shard, none where another rank owns
+    the bytes."""
     from torch.distributed.tensor import DTensor, Replicate
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
+    if isinstance(tensor, FlatShard):  # each box of a flat shard is read on its own
+        for start, view in tensor.pieces:
+            yield live_block(item_key(location, list(start)), view, start), view
+        return
     if isinstance(tensor, DTensor):
         local = tensor.to_local()
         mesh = tensor.device_mesh
@@ -62,14 +68,14 @@ def _local_block(location: str, tensor: torch.Tensor) -> tuple[Block | None, tor
         if coordinate is None or any(
             isinstance(p, Replicate) and c != 0 for p, c in zip(tensor.placements, coordinate)
         ):
-            return None, local
+            return
         _, offset = compute_local_shape_and_global_offset(tensor.shape, mesh, tensor.placements)
         start = tuple(int(o) for o in offset)
     else:
         if coll.rank() != 0:
-            return None, tensor
+            return
         local, start = tensor, (0,) * tensor.dim()
-    return live_block(location, local, start), local
+    yield live_block(location, local, start), local
 
 
 def _config(hf_config: Any, source: Path | None) -> dict:
@@ -127,7 +133,7 @@ class ExportPlan:
         return [(block.location, TensorEndpoint(name, local)) for name, block, local in self.reads]
 
     def rank_file_keys(self, items: list[tuple[str, torch.Tensor]]) -> dict[str, str] | None:
-        """Model name -> rank-file key of every tensor this rank exports rows of, when ``items``
+        """Read location -> rank-file key of every block this rank exports, when ``items``
         (what this rank's file of the same save holds: ``local_save.local_items``) hold each
         of them with the same shape and dtype; else None."""
         held = dict(items)
@@ -140,7 +146,7 @@ class ExportPlan:
                 block.dtype,
             ):
                 return None
-            keys[name] = key
+            keys[block.location] = key
         return keys
 
     def same_bytes(self, tensors: dict[str, torch.Tensor]) -> dict[str, dict]:
@@ -188,7 +194,7 @@ class RankFileRows:
     export reads them there, so the next optimizer step need not wait for the export."""
 
     file: WrittenFile
-    offsets: dict[str, int]  # model name -> absolute byte offset of this rank's rows
+    offsets: dict[str, int]  # read location -> absolute byte offset of those rows
 
     @classmethod
     def of(
@@ -197,7 +203,7 @@ class RankFileRows:
         """``file`` as written from ``items``; ``keys`` from ``HfExport.rank_file_keys``."""
         _, entries = build_header([(k, code_of(t.dtype), tuple(t.shape)) for k, t in items])
         begin = {e.name: file.data_start + e.begin for e in entries}
-        return cls(file, {name: begin[key] for name, key in keys.items()})
+        return cls(file, {location: begin[key] for location, key in keys.items()})
 
     def endpoint(self) -> FileEndpoint:
         """The rank file, every read checked against the chunk digests just written."""
@@ -271,27 +277,32 @@ def write_hf_model(
     endpoints: dict[str, Endpoint] = {}
     guarded = guard is not None and rank_file is None
     runs: list[tuple[int, CopyRun]] = []
-    mine = {name: (block, local) for name, block, local in plan.reads}
+    mine: dict[str, list[tuple[Block, torch.Tensor]]] = {}
+    for name, block, local in plan.reads:
+        mine.setdefault(name, []).append((block, local))
     for index, job in enumerate(output.jobs):
         for tensor, entry in zip(job.tensors, job.entries):
             name = tensor.source.name
-            if name not in mine:  # another rank exports its rows
-                continue
-            block, local = mine[name]
-            if rank_file is not None:
-                at = rank_file.offsets[name]
-                block = dense_block(rank_file.file.path, at, block.dtype, block.shape, block.start)
-            elif not guarded:
-                endpoints[block.location] = TensorEndpoint(name, local)
-            source = tensor.source
-            if isinstance(source, TensorSlice):  # an expert, half a gate_up: its box only
-                block = slice_block(block, source.start, source.extent, source.dims)
-                if block is None:
-                    continue
             dst = dense_block(
                 str(index), job.header_bytes + entry.begin, tensor.dtype, tensor.shape
             )
-            runs.extend((index, r) for r in plan_copy(name, tensor.shape, block, dst))
+            for block, local in mine.get(name, ()):  # none: other ranks export its rows
+                if rank_file is not None:
+                    at = rank_file.offsets[block.location]
+                    block = dense_block(
+                        rank_file.file.path, at, block.dtype, block.shape, block.start
+                    )
+                elif not guarded:
+                    endpoints[block.location] = TensorEndpoint(name, local)
+                source = tensor.source
+                if isinstance(source, TensorSlice):  # an expert, half a gate_up: its box only
+                    block = slice_block(block, source.start, source.extent, source.dims)
+                    if block is None:
+                        continue
+                runs.extend((index, r) for r in plan_copy(name, tensor.shape, block, dst))
+    if guarded:  # in the order the guard was told (live_reads), so a source read is done
+        order = {block.location: i for i, (_, block, _) in enumerate(plan.reads)}
+        runs.sort(key=lambda item: order[item[1].src])
     ratio = max((itemsize(r.src_dtype) / itemsize(r.dst_dtype) for _, r in runs), default=1.0)
     lookup = _guarded_lookup(guard) if guarded else endpoints.__getitem__
     streamer = Streamer(lookup, Buffers.sized(buffer_bytes, ratio))
@@ -336,8 +347,7 @@ def _owned(live: dict[str, torch.Tensor], files: list[tuple[str, list[OutputTens
             if name in seen:
                 continue
             seen.add(name)
-            block, local = _local_block(f"export:{name}", live[name])
-            if block is not None:
+            for block, local in _local_blocks(f"export:{name}", live[name]):
                 yield name, block, local
 
 

@@ -9,10 +9,15 @@ write results to rank 0 and walk them, O(ranks × tensors) there (docs/scaling.m
 21 GiB at 8,192 ranks). Any other layout (``Shard(1)``, other meshes, uneven splits, empty
 dimensions) goes through DCP's planner as before; ranks agree on the path with one small
 gather, so they never take different ones.
+
+FSDP1's flat shards (``fsdp1_shards.FlatShard``) are written rank-locally too, box by box;
+their boxes depend on how each unit's flat parameter was cut, so rank 0 learns every rank's
+boxes from that same gather (``flat_boxes_held``) to write their chunks into the manifest.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 import torch
@@ -20,7 +25,12 @@ import torch
 from ..engine.checksum import digest
 from ..engine.dtypes import code_of
 from ..engine.plan import chunk_extent
+from ..errors import UsageError
 from ..formats.native import _is_grid, item_key, rank_file, whole_chunk
+from .fsdp1_shards import FlatShard
+
+# A rank's FSDP1 boxes: (name, dtype code, global shape, start, size)
+Boxes = list[tuple[str, str, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]
 
 
 def _shard_group(tensor, rank: int, world: int) -> tuple[int, int, bool] | None:
@@ -51,6 +61,9 @@ def local_items(
     items = []
     for fqn, tensor in tensors.items():
         shape = list(tensor.shape)
+        if isinstance(tensor, FlatShard):  # every rank writes its boxes
+            items.extend((item_key(fqn, list(start)), view) for start, view in tensor.pieces)
+            continue
         if 0 in shape:
             return None
         if isinstance(tensor, DTensor):
@@ -72,10 +85,24 @@ def local_items(
     return items
 
 
+def flat_boxes_held(tensors: Mapping[str, torch.Tensor]) -> Boxes:
+    """Each box of this rank's FSDP1 flat shards, with its tensor's dtype and shape."""
+    return [
+        (fqn, code_of(tensor.dtype), tuple(tensor.shape), start, tuple(view.shape))
+        for fqn, tensor in tensors.items()
+        if isinstance(tensor, FlatShard)
+        for start, view in tensor.pieces
+    ]
+
+
 def layout_signature(tensors: Mapping[str, torch.Tensor]) -> str:
     """What every rank must agree on before planning alone: names, global shapes, dtypes and
     the shard-group size of each sharded tensor."""
-    layout = sorted((k, list(t.shape), str(t.dtype), _grid(t)) for k, t in tensors.items())
+    layout = sorted(
+        (k, list(t.shape), str(t.dtype), _grid(t))
+        for k, t in tensors.items()
+        if not isinstance(t, FlatShard)  # ranks hold different ones; their boxes tell
+    )
     return digest(repr(layout).encode())
 
 
@@ -89,10 +116,50 @@ def _grid(tensor: torch.Tensor) -> int | None:
     return mesh.size(mesh.ndim - 1)
 
 
-def manifest_tensors(tensors: Mapping[str, torch.Tensor], world: int) -> dict[str, dict]:
-    """The manifest's ``tensors`` section for a state planned by ``local_items``."""
-    layout = [(fqn, list(t.shape), code_of(t.dtype), _grid(t)) for fqn, t in tensors.items()]
-    return manifest_entries(layout, world)
+def manifest_tensors(
+    tensors: Mapping[str, torch.Tensor], world: int, boxes: list[Boxes] | None = None
+) -> dict[str, dict]:
+    """The manifest's ``tensors`` section for a state planned by ``local_items``; ``boxes``:
+    every rank's ``flat_boxes_held``, in rank order."""
+    layout = [
+        (fqn, list(t.shape), code_of(t.dtype), _grid(t))
+        for fqn, t in tensors.items()
+        if not isinstance(t, FlatShard)
+    ]
+    section = manifest_entries(layout, world)
+    section.update(flat_entries(boxes or []))
+    return section
+
+
+def flat_entries(boxes: list[Boxes]) -> dict[str, dict]:
+    """Pure: manifest entries of FSDP1 tensors from every rank's boxes; raises naming a tensor
+    whose boxes disagree on dtype or shape, or do not add up to it."""
+    section: dict[str, dict] = {}
+    covered: dict[str, int] = {}
+    for rank, held in enumerate(boxes):
+        for fqn, dtype, shape, start, size in held:
+            entry = section.setdefault(fqn, {"dtype": dtype, "shape": list(shape), "chunks": []})
+            if (entry["dtype"], entry["shape"]) != (dtype, list(shape)):
+                raise UsageError(
+                    f"{fqn}: rank {rank} holds it as {dtype} {list(shape)}, another rank as "
+                    f"{entry['dtype']} {entry['shape']}; nothing was written"
+                )
+            entry["chunks"].append(
+                {
+                    "offsets": list(start),
+                    "sizes": list(size),
+                    "file": rank_file(rank),
+                    "key": item_key(fqn, list(start)),
+                }
+            )
+            covered[fqn] = covered.get(fqn, 0) + math.prod(size)
+    for fqn, entry in section.items():
+        if covered[fqn] != math.prod(entry["shape"]):
+            raise UsageError(
+                f"{fqn}: the ranks' FSDP1 shards hold {covered[fqn]} of its "
+                f"{math.prod(entry['shape'])} elements; nothing was written"
+            )
+    return section
 
 
 def manifest_entries(

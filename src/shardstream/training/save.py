@@ -34,7 +34,7 @@ from ..storage import collectives as coll
 from ..storage import commit
 from ..storage.commit import fsync_tree
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
-from . import local_save, native_storage
+from . import fsdp1_shards, local_save, native_storage
 from . import state as st
 
 
@@ -143,14 +143,18 @@ def prepare_save(
     tensors: dict[str, torch.Tensor] = {}
     objects: dict[str, Any] = {}
     hf_entries: dict[str, dict] = {}
-    model_part = st.model_tensors(model) if "model" in contents else None
+    # FSDP1: views of the flat parameters' shards, not torch's gathered and cloned copies.
+    flat = fsdp1_shards.model_shards(model) if model is not None else None
+    model_part = None
+    if "model" in contents:
+        model_part = flat if flat is not None else st.model_tensors(model)
     export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
     placements: dict[str, str] = {}
     mesh = None
     if model_part is not None:
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         if coll.rank() == 0:  # before share_hf_weights moves some into huggingface/
-            placements.update({k: st.placement_of(v) for k, v in tensors.items()})
+            placements.update({k: _placement(v) for k, v in tensors.items()})
             mesh = st.mesh_of(tensors)
         lora = st.model_lora_meta(model)
         if lora is not None:  # merge needs r and alpha to write or fuse the adapter
@@ -166,10 +170,11 @@ def prepare_save(
                     stacklevel=3,
                 )
     if "optimizer" in contents:
-        optim_tensors, optim_objects = st.optimizer_state(model, optimizer)
+        optim = fsdp1_shards.optimizer_shards(model, optimizer) if flat is not None else None
+        optim_tensors, optim_objects = optim or st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
         if coll.rank() == 0:
-            placements.update({k: st.placement_of(v) for k, v in optim_tensors.items()})
+            placements.update({k: _placement(v) for k, v in optim_tensors.items()})
             mesh = mesh or st.mesh_of(optim_tensors)
         objects["optimizer"] = st.encode(optim_objects, {})
         if lr_scheduler is not None:
@@ -238,19 +243,33 @@ def save(
     return execute_save(prepared)
 
 
-def _rank_local_plan(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]] | None:
-    """This rank's items when every rank can plan alone (formats/local_save.py), else None.
+def _placement(tensor: Any) -> str:
+    """How a tensor was laid out over the saving ranks, for the manifest."""
+    if isinstance(tensor, fsdp1_shards.FlatShard):
+        return fsdp1_shards.PLACEMENT
+    return st.placement_of(tensor)
 
-    One gather of a short signature makes every rank take the same path."""
+
+def _rank_local_plan(
+    tensors: dict[str, torch.Tensor],
+) -> tuple[list[tuple[str, torch.Tensor]], list[local_save.Boxes]] | None:
+    """This rank's items when every rank can plan alone (formats/local_save.py), and on rank 0
+    every rank's FSDP1 boxes; else None.
+
+    One gather of a short signature (and the boxes, for FSDP1) makes every rank take the same
+    path."""
     try:
         items = local_save.local_items(tensors, coll.rank(), coll.world())
         mine = None if items is None else local_save.layout_signature(tensors)
+        boxes = local_save.flat_boxes_held(tensors)
     except Exception:  # noqa: BLE001 - DCP's path then plans it, or reports it on every rank
-        items = mine = None
-    everyone = coll.gather(mine)
-    if mine is None or any(sig != mine for sig in everyone):
+        items = mine = boxes = None
+    everyone = coll.gather((mine, boxes))
+    if mine is None or any(sig != mine for sig, _ in everyone):
+        if any(isinstance(t, fsdp1_shards.FlatShard) for t in tensors.values()):
+            raise UsageError("FSDP1 state: ranks hold different tensors; nothing was written")
         return None
-    return items
+    return items, [b for _, b in everyone]
 
 
 @gc_paused()
@@ -283,7 +302,8 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
             writer = native_storage.StreamingWriter(tmp, buffer_bytes, guard=prepared.guard)
             tensor_section, file_section = {}, {}
             records: dict[str, Any] = {}
-            local = _rank_local_plan(tensors) if tensors else None
+            planned = _rank_local_plan(tensors) if tensors else None
+            local, boxes = planned if planned is not None else (None, None)
             guard, export_keys, rank_rows = prepared.guard, None, None
             if guard is not None and prepared.hf_export is not None:
                 # An async export reads this rank's rows back from its rank file when that holds
@@ -306,7 +326,7 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
 
                         rank_rows = RankFileRows.of(written, local, export_keys)
                     if coll.rank() == 0:
-                        tensor_section = local_save.manifest_tensors(tensors, coll.world())
+                        tensor_section = local_save.manifest_tensors(tensors, coll.world(), boxes)
                 except Exception as exc:  # noqa: BLE001
                     local_error = _save_error(exc, target)
             elif tensors:

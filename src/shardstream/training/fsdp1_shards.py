@@ -1,0 +1,254 @@
+"""What an FSDP1 rank holds, read straight from its flat parameters: no unflatten, no gather.
+
+FSDP1 keeps each wrapped unit's parameters as one flat parameter, concatenated, padded and
+cut into equal contiguous shards. A rank's part of an original parameter is therefore a range
+of its row-major elements, which ``flat_boxes`` cuts into at most a few rectangular boxes, each
+a contiguous run of the local shard. torch's sharded state dict of FSDP1 instead all-gathers
+every unit and clones every parameter's ``torch.chunk`` rows (and does the same to the
+optimizer state): a second copy of the rank's whole state, on the device or, on CPU, in host
+memory. The boxes here are views of the live shard and its optimizer state, which the save
+streams like any other tensor.
+
+``model_shards``/``optimizer_shards`` return None when the model is not plain FSDP1 with a
+sharded strategy over the whole process group (hybrid or no sharding, ignored modules, other
+state-dict hooks, parameters not in their sharded views): the caller then takes torch's path.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ..errors import UsageError
+from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
+from .state import STATE, has_state_dict_hooks
+
+PLACEMENT = "fsdp1:flat"  # the manifest's placement for these tensors
+
+
+def flat_boxes(
+    shape: Sequence[int], begin: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Pure: the (start, size) boxes that cover row-major elements ``[begin, end)`` of a tensor
+    of ``shape``, in element order, so each box is a contiguous run of the range."""
+    shape = tuple(shape)
+    if begin >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    first, last = begin // inner, (end - 1) // inner
+    lo, hi = begin - first * inner, end - last * inner  # 0 <= lo < inner, 0 < hi <= inner
+
+    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *s), (1, *z)) for s, z in flat_boxes(shape[1:], a, b)]
+
+    if first == last:
+        if lo == 0 and hi == inner:
+            return [((first, *zeros), (1, *shape[1:]))]
+        return within(first, lo, hi)
+    boxes = within(first, lo, inner) if lo else []
+    rows_from = first + 1 if lo else first
+    rows_to = last + 1 if hi == inner else last
+    if rows_to > rows_from:
+        boxes.append(((rows_from, *zeros), (rows_to - rows_from, *shape[1:])))
+    if hi != inner:
+        boxes += within(last, 0, hi)
+    return boxes
+
+
+@dataclass(frozen=True)
+class FlatShard:
+    """A rank's part of one global tensor as boxes: (start, view of the live storage).
+
+    Stands where a DTensor would in the save's tensors: ``shape`` and ``dtype`` are the global
+    tensor's."""
+
+    shape: torch.Size
+    dtype: torch.dtype
+    pieces: tuple[tuple[tuple[int, ...], torch.Tensor], ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(view.numel() for _, view in self.pieces) * self.dtype.itemsize
+
+
+@dataclass(frozen=True)
+class _Param:
+    fqn: str  # as torch's state dict names it
+    shape: torch.Size
+    begin: int  # the range of the parameter's elements this rank holds
+    end: int
+    offset: int  # where that range starts in the rank's shard of the flat parameter
+
+
+def _pieces(param: _Param, local: torch.Tensor) -> FlatShard:
+    """``local``'s elements ``param.offset ...`` as the boxes of the parameter's range."""
+    pieces, at = [], param.offset
+    for start, size in flat_boxes(param.shape, param.begin, param.end):
+        n = math.prod(size)
+        pieces.append((start, local[at : at + n].view(size)))
+        at += n
+    return FlatShard(param.shape, local.dtype, tuple(pieces))
+
+
+class _Layout:
+    """The FSDP1 units of a model: each flat parameter, its local shard and its parameters."""
+
+    def __init__(self, units: list[tuple[Any, torch.Tensor, list[_Param], list[tuple[str, str]]]]):
+        self.units = units  # (flat param, local shard, params, [(shared fqn, primary fqn)])
+
+    @classmethod
+    def of(cls, model: torch.nn.Module) -> _Layout | None:
+        import torch.distributed as dist
+        from torch.distributed.fsdp import FullyShardedDataParallel
+        from torch.distributed.fsdp._common_utils import clean_tensor_name
+        from torch.distributed.fsdp._flat_param import HandleShardingStrategy
+
+        sharded = (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP)
+        fsdp = [
+            (name, m)
+            for name, m in model.named_modules()
+            if isinstance(m, FullyShardedDataParallel)
+        ]
+        if not fsdp or has_state_dict_hooks(model) or not dist.is_initialized():
+            return None
+        units, covered = [], set()
+        for name, module in fsdp:
+            handle = module._handle
+            if handle is None:
+                continue
+            if handle._sharding_strategy not in sharded or (
+                dist.get_world_size(handle.process_group) != dist.get_world_size()
+            ):
+                return None
+            flat = handle.flat_param
+            local = getattr(flat, "_local_shard", None)
+            if local is None or local.dim() != 1:
+                return None
+            prefix = f"{name}." if name else ""
+            params = []
+            infos = zip(flat._fqns, flat._shapes, flat._shard_param_infos)
+            for fqn, shape, info in infos:
+                if not math.prod(shape):
+                    return None  # torch's path handles empty parameters
+                full = clean_tensor_name(prefix + fqn)
+                if info.in_shard:
+                    begin, end = info.intra_param_start_idx, info.intra_param_end_idx + 1
+                    params.append(_Param(full, shape, begin, end, info.offset_in_shard))
+                else:
+                    params.append(_Param(full, shape, 0, 0, 0))
+            shared = [
+                (
+                    clean_tensor_name(prefix + _joined(s.module_name, s.param_name)),
+                    clean_tensor_name(prefix + _joined(s.prim_module_name, s.prim_param_name)),
+                )
+                for s in flat._shared_param_infos
+            ]
+            views = flat._params or ()
+            if any(v.numel() != p.end - p.begin for v, p in zip(views, params)):
+                return None  # not in their sharded views (inside summon_full_params)
+            units.append((flat, local, params, shared))
+            covered.add(id(flat))
+            covered.update(id(p) for p in (flat._params or ()))
+        if not units or any(id(p) not in covered for p in model.parameters()):
+            return None  # a parameter outside every flat parameter (ignored modules)
+        return cls(units)
+
+    def model(self, model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor]:
+        out: dict[str, FlatShard | torch.Tensor] = {}
+        for _, local, params, shared in self.units:
+            mine = {p.fqn: _pieces(p, local) for p in params}
+            for shared_fqn, primary in shared:
+                mine[shared_fqn] = mine[primary]
+            out.update(mine)
+        for name, buffer in _persistent_buffers(model):
+            out[name] = buffer.detach()
+        return out
+
+    def optimizer(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, FlatShard], dict[str, Any]]:
+        """Tensors by ``optimizer.state.<fqn>.<key>`` and the JSON-able rest, as
+        ``state.optimizer_state`` gives them. A rank presents only the state it holds (with
+        ``use_orig_params`` a parameter outside its shard has none): every rank's boxes reach
+        the manifest, so each entry is written by the rank that holds it."""
+        by_param: dict[int, list[str]] = {}
+        tensors: dict[str, FlatShard] = {}
+        scalars: dict[str, Any] = {}
+        for flat, local, params, _ in self.units:
+            if flat._params is None:  # use_orig_params=False: the optimizer steps ``flat``
+                by_param[id(flat)] = [p.fqn for p in params]
+                for key, value in (optimizer.state.get(flat) or {}).items():
+                    for p in params:
+                        _add(tensors, scalars, p, key, value, local.numel(), p.offset)
+                continue
+            for p, live in zip(params, flat._params):  # use_orig_params=True: each of them
+                by_param[id(live)] = [p.fqn]
+                for key, value in (optimizer.state.get(live) or {}).items():
+                    _add(tensors, scalars, p, key, value, live.numel(), 0)
+        groups = []
+        for group in optimizer.param_groups:
+            names = [n for param in group["params"] for n in by_param.get(id(param), ())]
+            groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
+        return tensors, {"param_groups": groups, "scalars": scalars}
+
+
+def _add(tensors, scalars, param: _Param, key: str, value: Any, local_numel: int, offset: int):
+    """One optimizer state entry of ``param``: the param's range of a per-element state
+    tensor; a scalar tensor from the rank holding the parameter's first element (one copy of
+    it reaches the checkpoint); anything else JSON."""
+    name = f"{OPTIMIZER_PREFIX}{STATE}{param.fqn}.{key}"
+    if not isinstance(value, torch.Tensor):
+        scalars[name] = value
+    elif value.dim() == 0:
+        held = param.begin == 0 and param.end > 0
+        pieces = (((), value.detach()),) if held else ()
+        tensors[name] = FlatShard(value.shape, value.dtype, pieces)
+    elif value.dim() == 1 and value.numel() == local_numel:
+        tensors[name] = _pieces(
+            _Param(param.fqn, param.shape, param.begin, param.end, offset), value.detach()
+        )
+    else:
+        raise UsageError(
+            f"{name}: optimizer state of shape {tuple(value.shape)} does not follow the FSDP1 "
+            f"flat shard ({local_numel} elements); shardstream cannot place it"
+        )
+
+
+def _joined(module: str, name: str) -> str:
+    return f"{module}.{name}" if module else name
+
+
+def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    from torch.distributed.fsdp._common_utils import clean_tensor_name
+
+    for module_name, module in model.named_modules():
+        for name, buffer in module._buffers.items():
+            if buffer is not None and name not in module._non_persistent_buffers_set:
+                yield clean_tensor_name(_joined(module_name, name)), buffer
+
+
+def model_shards(model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor] | None:
+    """``model.<fqn>`` -> this rank's part of an FSDP1 model (views of its flat parameters),
+    or None where this path does not apply."""
+    layout = _Layout.of(model)
+    if layout is None:
+        return None
+    return {MODEL_PREFIX + k: v for k, v in layout.model(model).items()}
+
+
+def optimizer_shards(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> tuple[dict[str, FlatShard], dict[str, Any]] | None:
+    """``state.optimizer_state`` of an FSDP1 model from the live optimizer state (what this
+    rank holds of it), or None where this path does not apply."""
+    layout = _Layout.of(model)
+    if layout is None or not optimizer.state:  # before the first step: torch creates it
+        return None
+    return layout.optimizer(optimizer)

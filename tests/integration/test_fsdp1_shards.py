@@ -1,0 +1,116 @@
+"""FSDP1 saves read the flat parameters' shards in place (training/fsdp1_shards.py): the same
+names, bytes and param groups as torch's sharded state dict, with no copy, restoring bit for
+bit at other world sizes and into FSDP2, and the same hf_model as a merge."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardstream.commands.verify import verify
+from shardstream.testing.cli import run_cli
+from shardstream.testing.distributed import run
+
+from . import fsdp1_workers as workers
+
+pytestmark = pytest.mark.slow
+
+
+def _assert_same(got, want, where=""):
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            _assert_same(got[key], want[key], f"{where}.{key}")
+    elif where.endswith(".params"):  # the live model's order: FSDP1 lists a unit's first
+        assert sorted(got) == sorted(want), where
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            _assert_same(g, w, f"{where}[{i}]")
+    else:
+        assert got == want, where
+
+
+@pytest.fixture(scope="module", params=[(False, True), (True, False)], ids=["flat", "orig"])
+def saved(request, tmp_path_factory):
+    """Saved at 4 ranks; use_orig_params False with tied embeddings, True without."""
+    use_orig_params, tie = request.param
+    root = tmp_path_factory.mktemp("fsdp1")
+    presented = run(workers.save_run, 4, str(root), use_orig_params, tie)
+    return root, presented, tie
+
+
+def test_presents_what_torch_presents_as_views_of_the_shards(saved):
+    """The model as torch names it on every rank; the optimizer state split over the ranks
+    that hold it, which together present torch's names."""
+    _, presented, _ = saved
+    held = set()
+    for rank in presented:
+        ours, theirs = rank["model_keys"]
+        assert ours == theirs
+        ours, theirs = rank["optim_keys"]
+        assert set(ours) <= set(theirs)
+        held |= set(ours)
+        ours, theirs = rank["groups"]
+        assert ours == theirs
+        assert rank["model_views"]  # no copy of the model was made
+        assert rank["pieces"] > 0
+    assert held == set(presented[0]["optim_keys"][1])
+
+
+def test_checkpoint_verifies_and_holds_the_state_bit_for_bit(saved):
+    root, _, tie = saved
+    path = root / "ckpt"
+    assert verify(str(path)).ok
+    reference = torch.load(root / "reference.pt", weights_only=False)
+    for world, kind in ((1, "fsdp2"), (2, "fsdp1"), (2, "fsdp2")):
+        for state in run(workers.load_run, world, str(path), kind, tie):
+            _assert_same(state, reference, f"{kind}@{world}")
+
+
+def test_hf_model_equals_a_merge_of_the_same_step(saved, tmp_path):
+    root, _, _ = saved
+    path = root / "ckpt"
+    result = run_cli("merge", "--local_dir", path, "--target_dir", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+    exported = {}
+    for file in sorted((path / "huggingface").glob("*.safetensors")):
+        exported.update(load_file(file))
+    merged = {}
+    for file in sorted((tmp_path / "merged").glob("*.safetensors")):
+        merged.update(load_file(file))
+    assert exported.keys() == merged.keys() and exported
+    for key in exported:
+        assert torch.equal(exported[key], merged[key]), key
+
+
+@pytest.mark.parametrize(
+    "hf_model, budget",
+    [("export", "1MiB"), ("export", "64MiB"), ("shared", "1MiB")],
+    ids=["wait-for-writer", "stage-all", "shared-live-reads"],
+)
+def test_async_saves_hold_the_state_of_their_step(tmp_path, hf_model, budget):
+    """The boxes are views of live shards: an optimizer step during a save waits for them or
+    has them staged first, as with FSDP2. The hf_model export reads the rank files, or with
+    share_hf_weights the live boxes themselves."""
+    from . import workers as training
+
+    root = tmp_path / "run"
+    results = run(training.async_run, 2, str(root), 3, budget, hf_model, workers.fsdp1_flat)
+    expected = results[0]["expected"]
+    for result in results:
+        assert sorted(result["restored"]) == [1, 2, 3]
+        for step, state in result["restored"].items():
+            _assert_same(state, expected[step], f"step {step}")
+        assert result["stalls"]  # the optimizer met a save in flight
+    for step in (1, 2, 3):
+        exported = {}
+        for file in (root / f"global_step_{step}" / "huggingface").glob("*.safetensors"):
+            exported.update(load_file(file))
+        assert exported.keys() == expected[step]["model"].keys()
+        for name, tensor in expected[step]["model"].items():
+            assert torch.equal(exported[name], tensor), (step, name)
