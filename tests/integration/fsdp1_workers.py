@@ -43,7 +43,8 @@ def _storage_ranges(model) -> list[tuple[int, int]]:
     ranges = []
     for module in FullyShardedDataParallel.fsdp_modules(model):
         if module._handle is not None:
-            local = module._handle.flat_param._local_shard
+            flat = module._handle.flat_param
+            local = getattr(flat, "_local_shard", flat)  # before the first forward: itself
             start = local.data_ptr()
             ranges.append((start, start + local.numel() * local.element_size()))
     return ranges
@@ -63,6 +64,14 @@ def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool)
     model, optimizer, scheduler, config = fsdp1_model(world, 0, use_orig_params, tie)
     for step in (1, 2):
         train_step(model, optimizer, scheduler, step)
+    fresh = fsdp1_model(world, 5, use_orig_params, tie)[0]  # no forward yet: no lazy init
+    fresh_shards = fsdp1_shards.model_shards(fresh)
+    fresh_views = fresh_shards is not None and all(
+        _is_view_of(v, _storage_ranges(fresh))
+        for t in fresh_shards.values()
+        if hasattr(t, "pieces")
+        for _, v in t.pieces
+    )
     shards = fsdp1_shards.model_shards(model)
     optim = fsdp1_shards.optimizer_shards(model, optimizer)
     torch_model = st.model_tensors(model)
@@ -93,19 +102,21 @@ def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool)
         "optim_keys": (sorted(optim[0]), sorted(torch_optim)),
         "groups": (groups(optim[1]), groups(torch_objects)),
         "model_views": all(_is_view_of(v, ranges) for v in model_pieces),
+        "fresh_views": fresh_views,
         "pieces": len(pieces),
     }
 
 
 def load_run(rank: int, world: int, path: str, kind: str, tie: bool) -> dict:
     """A fresh model (another seed, one step taken) restores ``path``: ``kind`` "fsdp1" or
-    "fsdp2" at this world size."""
+    "fsdp2" at this world size; "fsdp1-fresh" before any step (as verl resumes)."""
     import shardstream
 
-    if kind == "fsdp1":
+    if kind.startswith("fsdp1"):
         model, optimizer, scheduler, _ = fsdp1_model(world, 123, False, tie)
     else:
         model, optimizer, scheduler, _ = build((world,), seed=123, tie=tie)
-    train_step(model, optimizer, scheduler, 1)
+    if kind != "fsdp1-fresh":  # fresh: no step yet, no optimizer state (a resume)
+        train_step(model, optimizer, scheduler, 1)
     shardstream.load(path, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     return full_state(model, optimizer, scheduler)

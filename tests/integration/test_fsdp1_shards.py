@@ -58,6 +58,7 @@ def test_presents_what_torch_presents_as_views_of_the_shards(saved):
         ours, theirs = rank["groups"]
         assert ours == theirs
         assert rank["model_views"]  # no copy of the model was made
+        assert rank["fresh_views"]  # also before FSDP's lazy init (no forward yet)
         assert rank["pieces"] > 0
     assert held == set(presented[0]["optim_keys"][1])
 
@@ -67,7 +68,7 @@ def test_checkpoint_verifies_and_holds_the_state_bit_for_bit(saved):
     path = root / "ckpt"
     assert verify(str(path)).ok
     reference = torch.load(root / "reference.pt", weights_only=False)
-    for world, kind in ((1, "fsdp2"), (2, "fsdp1"), (2, "fsdp2")):
+    for world, kind in ((1, "fsdp2"), (2, "fsdp1"), (2, "fsdp2"), (4, "fsdp1-fresh")):
         for state in run(workers.load_run, world, str(path), kind, tie):
             _assert_same(state, reference, f"{kind}@{world}")
 

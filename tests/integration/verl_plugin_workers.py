@@ -228,7 +228,7 @@ def load_roles_run(rank: int, world: int, root: str, step: int) -> dict:
     return out
 
 
-def _fsdp1(world: int, seed: int):
+def _fsdp1(world: int, seed: int, use_orig_params: bool = True):
     """The tiny Qwen2 wrapped by FSDP1 (verl's ``strategy: fsdp``), on a CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -238,7 +238,7 @@ def _fsdp1(world: int, seed: int):
         model,
         device_mesh=init_device_mesh("cpu", (world,)),
         device_id=torch.device("cpu"),
-        use_orig_params=True,
+        use_orig_params=use_orig_params,
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
@@ -260,13 +260,30 @@ def fsdp1_save_run(rank: int, world: int, root: str) -> None:
         torch.save(reference, Path(root) / "reference_fsdp1.pt")
 
 
-def fsdp1_load_run(rank: int, world: int, actor: str) -> dict:
-    """A fresh FSDP1 model (another seed, one step taken) loads ``actor``."""
+def fsdp1_verl_save_run(rank: int, world: int, root: str) -> None:
+    """verl's own manager saves two steps of the FSDP1 model as verl wraps it by default
+    (``use_orig_params=False``), its ``.pt`` files per rank; rank 0 writes the reference."""
+    _, verls = _engine_class()
+    model, optimizer, scheduler = _fsdp1(world, seed=0, use_orig_params=False)
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+    manager = _manager(verls, model, optimizer, scheduler, config)
+    for step in (1, 2):
+        train_step(model, optimizer, scheduler, step)
+    manager.save_checkpoint(_actor(root, 2), None, 2, max_ckpt_to_keep=1)
+    reference = full_state(model, optimizer, scheduler)
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference_fsdp1.pt")
+
+
+def fsdp1_load_run(
+    rank: int, world: int, actor: str, use_orig_params: bool = True, contents=CONTENTS
+) -> dict:
+    """A fresh FSDP1 model (another seed, one step taken) loads ``contents`` of ``actor``."""
     from shardstream.integrations.verl import FSDPCheckpointManager
 
-    model, optimizer, scheduler = _fsdp1(world, seed=123)
+    model, optimizer, scheduler = _fsdp1(world, seed=123, use_orig_params=use_orig_params)
     train_step(model, optimizer, scheduler, 1)
-    config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
+    config = {"save_contents": CONTENTS, "load_contents": list(contents)}
     manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
     manager.load_checkpoint(actor, None, False)
     return full_state(model, optimizer, scheduler)

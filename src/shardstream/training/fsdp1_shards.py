@@ -128,7 +128,9 @@ class _Layout:
             ):
                 return None
             flat = handle.flat_param
-            local = getattr(flat, "_local_shard", None)
+            local = getattr(flat, "_local_shard", None)  # set at FSDP's lazy init
+            if local is None and flat.size() == getattr(flat, "_sharded_size", None):
+                local = flat.data  # before the first forward: the flat parameter is the shard
             if local is None or local.dim() != 1:
                 return None
             prefix = f"{name}." if name else ""
@@ -172,12 +174,13 @@ class _Layout:
         return out
 
     def optimizer(
-        self, optimizer: torch.optim.Optimizer
+        self, optimizer: torch.optim.Optimizer, every_rank: bool = False
     ) -> tuple[dict[str, FlatShard], dict[str, Any]]:
         """Tensors by ``optimizer.state.<fqn>.<key>`` and the JSON-able rest, as
         ``state.optimizer_state`` gives them. A rank presents only the state it holds (with
         ``use_orig_params`` a parameter outside its shard has none): every rank's boxes reach
-        the manifest, so each entry is written by the rank that holds it."""
+        the manifest, so each entry is written by the rank that holds it. ``every_rank``:
+        scalar state on every rank that has it (restore targets), not on one."""
         by_param: dict[int, list[str]] = {}
         tensors: dict[str, FlatShard] = {}
         scalars: dict[str, Any] = {}
@@ -186,12 +189,12 @@ class _Layout:
                 by_param[id(flat)] = [p.fqn for p in params]
                 for key, value in (optimizer.state.get(flat) or {}).items():
                     for p in params:
-                        _add(tensors, scalars, p, key, value, local.numel(), p.offset)
+                        _add(tensors, scalars, p, key, value, local.numel(), p.offset, every_rank)
                 continue
             for p, live in zip(params, flat._params):  # use_orig_params=True: each of them
                 by_param[id(live)] = [p.fqn]
                 for key, value in (optimizer.state.get(live) or {}).items():
-                    _add(tensors, scalars, p, key, value, live.numel(), 0)
+                    _add(tensors, scalars, p, key, value, live.numel(), 0, every_rank)
         groups = []
         for group in optimizer.param_groups:
             names = [n for param in group["params"] for n in by_param.get(id(param), ())]
@@ -199,7 +202,16 @@ class _Layout:
         return tensors, {"param_groups": groups, "scalars": scalars}
 
 
-def _add(tensors, scalars, param: _Param, key: str, value: Any, local_numel: int, offset: int):
+def _add(
+    tensors,
+    scalars,
+    param: _Param,
+    key: str,
+    value: Any,
+    local_numel: int,
+    offset: int,
+    every_rank: bool,
+):
     """One optimizer state entry of ``param``: the param's range of a per-element state
     tensor; a scalar tensor from the rank holding the parameter's first element (one copy of
     it reaches the checkpoint); anything else JSON."""
@@ -207,7 +219,7 @@ def _add(tensors, scalars, param: _Param, key: str, value: Any, local_numel: int
     if not isinstance(value, torch.Tensor):
         scalars[name] = value
     elif value.dim() == 0:
-        held = param.begin == 0 and param.end > 0
+        held = every_rank or (param.begin == 0 and param.end > 0)
         pieces = (((), value.detach()),) if held else ()
         tensors[name] = FlatShard(value.shape, value.dtype, pieces)
     elif value.dim() == 1 and value.numel() == local_numel:
@@ -252,3 +264,82 @@ def optimizer_shards(
     if layout is None or not optimizer.state:  # before the first step: torch creates it
         return None
     return layout.optimizer(optimizer)
+
+
+@dataclass
+class RestoreTargets:
+    """What a restore fills in an FSDP1 model, in place: views of the flat shards and of the
+    optimizer state (created first, as torch does, where the optimizer has none yet)."""
+
+    model: dict[str, FlatShard | torch.Tensor]  # model.<fqn>
+    optimizer: dict[str, FlatShard | torch.Tensor]  # optimizer.state.<fqn>.<key>
+    objects: dict[str, Any]  # the live optimizer's param groups (FQNs) and scalar state
+    params: dict[str, Any]  # fqn -> the object the optimizer keys its state by
+
+    @property
+    def names(self) -> set[str]:
+        """Parameter and buffer names, as ``state.nest_optimizer_state`` needs them."""
+        return {k[len(MODEL_PREFIX) :] for k in self.model}
+
+    def apply_optimizer(
+        self, optimizer: torch.optim.Optimizer, nested: dict[str, dict[str, Any]], groups: list
+    ) -> None:
+        """After the tensors are filled: the saved hyperparameters of each group (matched by
+        its parameter names) and the non-tensor state values."""
+        live = [frozenset(g["params"]) for g in self.objects["param_groups"]]
+        for group, names in zip(optimizer.param_groups, live):
+            saved = next(g for g in groups if frozenset(g["params"]) == names)
+            group.update({k: v for k, v in saved.items() if k != "params"})
+        for fqn, entries in nested.items():
+            for key, value in entries.items():
+                filled = isinstance(value, (torch.Tensor, FlatShard))  # in place already
+                if not filled and fqn in self.params:
+                    optimizer.state[self.params[fqn]][key] = value
+
+
+def restore_targets(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+) -> RestoreTargets | None:
+    """The live boxes a restore fills, or None where this path does not apply."""
+    layout = _Layout.of(model)
+    if layout is None:
+        return None
+    objects: dict[str, Any] = {"param_groups": [], "scalars": {}}
+    tensors: dict[str, FlatShard | torch.Tensor] = {}
+    if optimizer is not None:
+        if not optimizer.state:
+            from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+            _init_optim_state(optimizer)  # torch's own: one step of zero gradients at lr 0
+        tensors, objects = layout.optimizer(optimizer, every_rank=True)
+    params = {}
+    for flat, _, units_params, _ in layout.units:
+        owners = flat._params or [flat] * len(units_params)
+        params.update({p.fqn: owner for p, owner in zip(units_params, owners)})
+    model_part = {MODEL_PREFIX + k: v for k, v in layout.model(model).items()}
+    return RestoreTargets(model_part, tensors, objects, params)
+
+
+def boxes(
+    targets: dict[str, FlatShard | torch.Tensor],
+) -> list[tuple[str, tuple[int, ...], torch.Tensor]]:
+    """(name, global start, live tensor) of every box to fill: a flat shard's boxes, a plain
+    tensor (a buffer) whole."""
+    out = []
+    for name, target in targets.items():
+        if isinstance(target, FlatShard):
+            out += [(name, start, view) for start, view in target.pieces]
+        else:
+            out.append((name, (0,) * target.dim(), target))
+    return out
+
+
+def region(target: FlatShard | torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(start, shape) of the smallest box holding every box of ``target`` this rank fills."""
+    if not isinstance(target, FlatShard):
+        return (0,) * target.dim(), tuple(target.shape)
+    if not target.pieces:
+        return (0,) * len(target.shape), (0,) * len(target.shape)
+    lo = [min(s[d] for s, _ in target.pieces) for d in range(len(target.shape))]
+    hi = [max(s[d] + v.shape[d] for s, v in target.pieces) for d in range(len(target.shape))]
+    return tuple(lo), tuple(h - low for h, low in zip(hi, lo))

@@ -39,7 +39,7 @@ from ..formats.safetensors import read_header
 from ..storage import collectives as coll
 from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
-from . import hooks, native_storage, schedulers
+from . import fsdp1_shards, hooks, native_storage, schedulers
 from . import state as st
 
 
@@ -516,6 +516,8 @@ def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...
     """(global start, shape) of the part of ``tensor`` this rank holds."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(tensor, fsdp1_shards.FlatShard):
+        return fsdp1_shards.region(tensor)
     if isinstance(tensor, DTensor):
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
@@ -638,13 +640,22 @@ def load(
     presented = None
     if (want_model or want_optimizer) and st.has_state_dict_hooks(model):
         presented = hooks.presented_regions(model)
-    if want_model:
-        model_tensors = hooks.live_tensors(model) if presented else st.model_tensors(model)
+    # FSDP1: fill the flat parameters' shards and the optimizer state in place, not torch's
+    # gathered copies (training/fsdp1_shards.py).
+    flat = None
+    if (want_model or want_optimizer) and not presented:
+        flat = fsdp1_shards.restore_targets(model, optimizer if want_optimizer else None)
+    if flat is not None:
+        model_tensors = flat.model if want_model else {}
+        optim_tensors, live_optimizer = flat.optimizer, flat.objects
     else:
-        model_tensors = {}
-    optim_tensors, live_optimizer = (
-        st.optimizer_state(model, optimizer) if want_optimizer else ({}, {})
-    )
+        if want_model:
+            model_tensors = hooks.live_tensors(model) if presented else st.model_tensors(model)
+        else:
+            model_tensors = {}
+        optim_tensors, live_optimizer = (
+            st.optimizer_state(model, optimizer) if want_optimizer else ({}, {})
+        )
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
     _, verl_optimizer_files = _verl_layout_everywhere(path)
     # Ranks open only the files they read, so one may fail where others do not: fail together,
@@ -685,6 +696,7 @@ def load(
             lr_scheduler,
             contents,
             restore_rng,
+            flat.names if flat is not None else None,
         )
         pending.states = _checked_states(path, source, states or {})
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
@@ -698,8 +710,18 @@ def load(
     )
     if targets:
         try:
-            with coll.quiet_without_group():
-                dcp.load(targets, storage_reader=reader, process_group=coll.group())
+            if flat is not None:  # boxes no DTensor describes; each rank reads its own
+                failure = None
+                try:
+                    reader.bytes_read = native_storage.read_into_boxes(
+                        fsdp1_shards.boxes(targets), reader.tensors, endpoint, reader.buffer_bytes
+                    )
+                except Exception as exc:  # noqa: BLE001 - every rank hears of it
+                    failure = exc
+                coll.agree_or_raise(failure, "restore")
+            else:
+                with coll.quiet_without_group():
+                    dcp.load(targets, storage_reader=reader, process_group=coll.group())
         except ShardstreamError:
             raise
         except BaseException as exc:  # DCP wraps rank failures (CheckpointException is a
@@ -717,11 +739,16 @@ def load(
     extra: dict[str, Any] = pending.extra
     error: Exception | None = None
     try:  # local work from here on: a rank that fails must tell the others, not leave them
-        if want_model and targets:  # waiting in a barrier for a process that may never exit
-            st.apply_model_copies(model, {k: v for k, v in model_tensors.items() if k in targets})
+        if want_model and targets and flat is None:  # waiting in a barrier for a process
+            st.apply_model_copies(  # that may never exit
+                model, {k: v for k, v in model_tensors.items() if k in targets}
+            )
         if optim_tensors:
             groups = objects["optimizer"]["param_groups"]
-            st.apply_optimizer_state(model, optimizer, pending.optimizer, groups)
+            if flat is not None:
+                flat.apply_optimizer(optimizer, pending.optimizer, groups)
+            else:
+                st.apply_optimizer_state(model, optimizer, pending.optimizer, groups)
         if pending.scheduler is not None:
             schedulers.load(lr_scheduler, pending.scheduler)
         if pending.rng is not None:
@@ -781,6 +808,7 @@ def _checked_parts(
     lr_scheduler,
     contents: tuple[str, ...],
     restore_rng: bool,
+    param_names: set[str] | None = None,
 ) -> _Pending:
     """Open and check every part but the tensors (already checked by ``_checked_targets``)
     against the live objects, so that a restore that cannot finish touches nothing."""
@@ -790,7 +818,7 @@ def _checked_parts(
         if optim_tensors:
             optim = source.objects["optimizer"]
             values = {**optim.get("scalars", {}), **optim_tensors}
-            pending.optimizer = st.nest_optimizer_state(model, values)
+            pending.optimizer = st.nest_optimizer_state(model, values, param_names)
             st.check_param_groups(live_groups, optim.get("param_groups"))
         part = "lr_scheduler"
         if lr_scheduler is not None and "optimizer" in contents:

@@ -257,6 +257,56 @@ def tensor_manifest(metadata: Metadata, results: list[list[WriteResult]]) -> tup
     return tensors, files
 
 
+def _read_block(
+    endpoints: OpenEndpoints,
+    streamer: Streamer,
+    fqn: str,
+    shape: tuple[int, ...],
+    src: Block,
+    start: tuple[int, ...],
+    target: torch.Tensor,
+) -> int:
+    """Fill the part of ``target`` (which holds the global tensor's box at ``start``) that the
+    source block ``src`` covers; returns the bytes read."""
+    dst_name = f"target:{fqn}@{start}"
+    endpoints.opened[dst_name] = TensorEndpoint(fqn, target)
+    try:
+        runs = plan_copy(fqn, shape, src, live_block(dst_name, target, start))
+        stream_into_memory(runs, streamer)
+    finally:
+        del endpoints.opened[dst_name]
+    return sum(r.src_nbytes for r in runs)
+
+
+def read_into_boxes(
+    boxes: list[tuple[str, tuple[int, ...], torch.Tensor]],
+    tensors: dict[str, GlobalTensor],
+    endpoint: Any = FileEndpoint,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> int:
+    """Fill live boxes ``(name, global start, tensor)`` from the saved ``tensors``, source
+    file by file and in file order, without DCP's planner (FSDP1's flat shards are boxes no
+    DTensor describes). Returns the bytes read; every byte is verified before it returns."""
+    work = []
+    for name, start, target in boxes:
+        end = [s + n for s, n in zip(start, target.shape)]
+        for src in tensors[name].blocks:
+            if all(s < b + n and b < e for s, e, b, n in zip(start, end, src.start, src.shape)):
+                work.append((src.location, src.offset, name, start, target, src))
+    work.sort(key=lambda w: (w[0], w[1]))
+    endpoints = OpenEndpoints(endpoint)
+    streamer = Streamer(endpoints, Buffers.sized(buffer_bytes, 2.0))
+    read = 0
+    try:
+        for _, _, name, start, target, src in work:
+            shape = tensors[name].shape
+            read += _read_block(endpoints, streamer, name, shape, src, start, target.detach())
+        endpoints.finish()
+    finally:
+        endpoints.close()
+    return read
+
+
 class StreamingReader(StorageReader):
     """Presents any set of ``GlobalTensor``s to DCP's load planner and streams the reads."""
 
@@ -318,14 +368,9 @@ class StreamingReader(StorageReader):
                 fqn = req.storage_index.fqn
                 target = planner.resolve_tensor(req).detach()
                 start = tuple(s + o for s, o in zip(src.start, req.storage_offsets))
-                dst_name = f"target:{fqn}"
-                endpoints.opened[dst_name] = TensorEndpoint(fqn, target)
-                dst = live_block(dst_name, target, start)
-                runs = plan_copy(fqn, self.tensors[fqn].shape, src, dst)
-                stream_into_memory(runs, streamer)
-                self.bytes_read += sum(r.src_nbytes for r in runs)
+                shape = self.tensors[fqn].shape
+                self.bytes_read += _read_block(endpoints, streamer, fqn, shape, src, start, target)
                 planner.commit_tensor(req, target)
-                del endpoints.opened[dst_name]
             endpoints.finish()  # every byte read is verified before the load returns
         finally:
             endpoints.close()

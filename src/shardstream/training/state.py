@@ -173,13 +173,13 @@ def apply_optimizer_state(
 
 
 def nest_optimizer_state(
-    model: torch.nn.Module, values: Mapping[str, Any]
+    model: torch.nn.Module, values: Mapping[str, Any], names: set[str] | None = None
 ) -> dict[str, dict[str, Any]]:
     """``optimizer.state.<fqn>.<key>`` -> value as ``{fqn: {key: value}}``; raises for a name
-    that is no parameter of ``model``."""
+    that is no parameter of ``model`` (``names``: its parameter names, where known)."""
     prefix = OPTIMIZER_PREFIX + STATE
     nested: dict[str, dict[str, Any]] = {}
-    names = _parameter_names(model)
+    names = _parameter_names(model) if names is None else names
     for flat, value in values.items():
         rest = flat[len(prefix) :]
         fqn = next((n for n in _prefixes(rest) if n in names), None)
