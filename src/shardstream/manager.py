@@ -420,6 +420,10 @@ class CheckpointManager:
         """Capture what to save (references, not copies); local to this rank."""
         from .training.hf_export import hf_exporter
 
+        # The last retention's deletions end first: disk use stays at keep_last steps, and a
+        # step directory retention empties is not removed under a save of that same step.
+        self._deleter.join()
+
         contents = self.config.save_contents
         exporter = None
         if "hf_model" in contents:
