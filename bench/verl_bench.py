@@ -47,7 +47,16 @@ from harness import REPO, RESULTS, MiB, log
 from harness.machine import git_revision, machine_facts, src_dirty
 from harness.memory import Probe, cpu_seconds, settle
 from harness.process import busy_cpu_s
-from harness.render import fmt, generated_note, per_rank, pyplot, save_figure, table, write_doc
+from harness.render import (
+    fmt,
+    generated_note,
+    keep_sections,
+    per_rank,
+    pyplot,
+    save_figure,
+    table,
+    write_doc,
+)
 from harness.training import BUDGET, BUDGET_BYTES, MODEL_FULL, MODEL_QUICK, param_count, run_ranks
 
 WS = 2
@@ -584,7 +593,7 @@ def render(res: dict) -> None:
         *_async_section(res.get("async")),
         "",
     ]
-    write_doc(DOC, "\n".join(L))
+    write_doc(DOC, keep_sections(DOC, "\n".join(L)))
     plot(res, PLOT)
     log(f"wrote {DOC.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
 

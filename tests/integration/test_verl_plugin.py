@@ -258,14 +258,13 @@ def test_fsdp1_saves_at_2_and_loads_bit_for_bit_at_1_and_2(tmp_path):
             _assert_same(state, reference)
 
 
-def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin_at_1(tmp_path):
-    """A run switching to the plug-in mid-run with ``strategy: fsdp``: the model in verl's
-    ``.pt`` files of FSDP1 at 2 ranks fills the FSDP1 flat shards at 1, bit for bit. (verl
-    saves FSDP1's optimizer as raw flat-parameter shards: not restorable, see docs/verl.md.)"""
+def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin_at_1_and_4(tmp_path):
+    """A run switching to the plug-in mid-run with ``strategy: fsdp``: verl's ``.pt`` files of
+    FSDP1 at 2 ranks (its optimizer state as raw flat-parameter shards) fill the FSDP1 flat
+    shards and optimizer state at 1 and 4 ranks, bit for bit."""
     run(workers.fsdp1_verl_save_run, 2, str(tmp_path))
     reference = torch.load(tmp_path / "reference_fsdp1.pt", weights_only=False)
     actor = str(tmp_path / "global_step_2" / "actor")
-    for state in run(workers.fsdp1_load_run, 1, actor, False, ["model", "extra"]):
-        assert state["model"].keys() == reference["model"].keys()
-        for name, tensor in reference["model"].items():
-            assert torch.equal(state["model"][name], tensor), name
+    for world in (1, 4):
+        for state in run(workers.fsdp1_load_run, world, actor, False):
+            _assert_same(state, reference)

@@ -1,4 +1,4 @@
-"""fsdp1_shards.flat_boxes: a range of row-major elements as rectangular boxes, in order."""
+"""plan.flat_boxes: a range of row-major elements as rectangular boxes, in order."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from shardstream.training.fsdp1_shards import flat_boxes
+from shardstream.engine.plan import flat_boxes
 
 
 def _elements(shape, boxes) -> list[int]:

@@ -450,3 +450,35 @@ def _blocks_in_box(
     lo, hi = start[blocks.dim], start[blocks.dim] + extent[blocks.dim]
     first, last = lo // step, min(len(blocks), -(-hi // step))
     return [blocks[i] for i in range(first, last)]
+
+
+def flat_boxes(
+    shape: Sequence[int], begin: int, end: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """Pure: the (start, size) boxes that cover row-major elements ``[begin, end)`` of a tensor
+    of ``shape``, in element order, so each box is a contiguous run of the range."""
+    shape = tuple(shape)
+    if begin >= end:
+        return []
+    if not shape:
+        return [((), ())]
+    inner = math.prod(shape[1:])
+    zeros = (0,) * (len(shape) - 1)
+    first, last = begin // inner, (end - 1) // inner
+    lo, hi = begin - first * inner, end - last * inner  # 0 <= lo < inner, 0 < hi <= inner
+
+    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+        return [((row, *s), (1, *z)) for s, z in flat_boxes(shape[1:], a, b)]
+
+    if first == last:
+        if lo == 0 and hi == inner:
+            return [((first, *zeros), (1, *shape[1:]))]
+        return within(first, lo, hi)
+    boxes = within(first, lo, inner) if lo else []
+    rows_from = first + 1 if lo else first
+    rows_to = last + 1 if hi == inner else last
+    if rows_to > rows_from:
+        boxes.append(((rows_from, *zeros), (rows_to - rows_from, *shape[1:])))
+    if hi != inner:
+        boxes += within(last, 0, hi)
+    return boxes

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 
+from ..engine.dtypes import itemsize
 from ..engine.endpoints import FileEndpoint
 from ..engine.plan import (
     Block,
@@ -24,6 +25,8 @@ from ..engine.plan import (
     GridBlocks,
     check_blocks_tile,
     chunk_extent,
+    dense_block,
+    flat_boxes,
     row_major_strides,
     tensors_touching,
 )
@@ -503,6 +506,83 @@ def open_verl_optimizer(
     files = optimizer_files(directory, world_size)
     layout = read_rank_layouts(files, flatten, shared, keep_scalars=True)
     return layout.tensors, layout.scalars
+
+
+def open_verl_flat_optimizer(
+    directory: Path,
+    world_size: int,
+    segments: dict[int, list[tuple[str, tuple[int, ...], int]]],
+    prefix: str,
+    *,
+    shared: bool = False,
+) -> tuple[list[GlobalTensor], dict[str, object]] | None:
+    """verl's FSDP1 optimizer state (``optimizer.state_dict()`` of flat parameters: rank r
+    holds elements ``[r·S, (r+1)·S)`` of each padded flat state tensor) as tensors
+    ``<prefix><fqn>.<key>`` of the parameters inside, given where each parameter lies in its
+    flat parameter (``segments``, by verl's parameter id). A scalar (AdamW's ``step``) is rank
+    0's, for every parameter of the flat parameter. None where the files hold DTensors."""
+
+    def raw(state: dict, path: str) -> dict:
+        entries = state.get("state")
+        if not isinstance(entries, dict):
+            raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
+        out = {}
+        for pid, values in entries.items():
+            if pid not in segments or not isinstance(values, dict):
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state for parameter id {pid!r}, which the model's "
+                    "optimizer does not have; was it built differently?"
+                )
+            out.update({(pid, key): value for key, value in values.items()})
+        return out
+
+    files = optimizer_files(directory, world_size)
+    blocks: dict[str, list[Block]] = {}
+    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    scalars: dict[str, object] = {}
+    read = lambda _, path: _read_entries(path, raw, keep_scalars=True)  # noqa: E731
+    for rank, path, (entries, file_scalars) in coll.in_turns(files, read, shared):
+        for (pid, key), value in file_scalars.items():
+            if rank == 0:
+                scalars.update({f"{prefix}{fqn}.{key}": value for fqn, _, _ in segments[pid]})
+        for (pid, key), entry in entries.items():
+            local = entry.local
+            if entry.shape is not None:
+                return None  # DTensors: saved per parameter, not as flat shards
+            for fqn, shape, offset in segments[pid]:
+                name = f"{prefix}{fqn}.{key}"
+                if not local.shape:  # a scalar tensor: rank 0's
+                    meta[name] = (local.dtype, ())
+                    if rank == 0:
+                        blocks[name] = [local.block(path, ())]
+                    continue
+                if len(local.shape) != 1 or local.strides != (1,):
+                    raise CheckpointFormatError(
+                        f"{path}: optimizer state {fqn}.{key} is not a flat shard"
+                    )
+                meta[name] = (local.dtype, shape)
+                size = local.shape[0]
+                begin = max(offset, rank * size)
+                end = min(offset + math.prod(shape), (rank + 1) * size)
+                at = begin - rank * size  # where this parameter's range starts in the shard
+                for start, extent in flat_boxes(shape, begin - offset, end - offset):
+                    item = local.offset + at * itemsize(local.dtype)
+                    blocks.setdefault(name, []).append(
+                        dense_block(path, item, local.dtype, extent, start)
+                    )
+                    at += math.prod(extent)
+    tensors = []
+    for name, (dtype, shape) in meta.items():
+        parts = tuple(blocks.get(name, ()))
+        try:
+            check_blocks_tile(name, shape, parts)
+        except CheckpointFormatError as exc:
+            raise CheckpointFormatError(
+                f"{directory}: verl's FSDP1 optimizer state does not fit the model's flat "
+                f"parameters (wrapped differently?): {exc}"
+            ) from None
+        tensors.append(GlobalTensor(name, dtype, shape, parts))
+    return tensors, scalars
 
 
 def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool = True) -> dict:

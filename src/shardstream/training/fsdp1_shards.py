@@ -10,56 +10,26 @@ memory. The boxes here are views of the live shard and its optimizer state, whic
 streams like any other tensor.
 
 ``model_shards``/``optimizer_shards`` return None when the model is not plain FSDP1 with a
-sharded strategy over the whole process group (hybrid or no sharding, ignored modules, other
-state-dict hooks, parameters not in their sharded views): the caller then takes torch's path.
+sharded strategy over the whole process group, or alone at world size 1 (hybrid or no
+sharding, ignored modules, other state-dict hooks, parameters not in their sharded views): the
+caller then takes torch's path.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..engine.plan import flat_boxes
 from ..errors import UsageError
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 from .state import STATE, has_state_dict_hooks
 
 PLACEMENT = "fsdp1:flat"  # the manifest's placement for these tensors
-
-
-def flat_boxes(
-    shape: Sequence[int], begin: int, end: int
-) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Pure: the (start, size) boxes that cover row-major elements ``[begin, end)`` of a tensor
-    of ``shape``, in element order, so each box is a contiguous run of the range."""
-    shape = tuple(shape)
-    if begin >= end:
-        return []
-    if not shape:
-        return [((), ())]
-    inner = math.prod(shape[1:])
-    zeros = (0,) * (len(shape) - 1)
-    first, last = begin // inner, (end - 1) // inner
-    lo, hi = begin - first * inner, end - last * inner  # 0 <= lo < inner, 0 < hi <= inner
-
-    def within(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((row, *s), (1, *z)) for s, z in flat_boxes(shape[1:], a, b)]
-
-    if first == last:
-        if lo == 0 and hi == inner:
-            return [((first, *zeros), (1, *shape[1:]))]
-        return within(first, lo, hi)
-    boxes = within(first, lo, inner) if lo else []
-    rows_from = first + 1 if lo else first
-    rows_to = last + 1 if hi == inner else last
-    if rows_to > rows_from:
-        boxes.append(((rows_from, *zeros), (rows_to - rows_from, *shape[1:])))
-    if hi != inner:
-        boxes += within(last, 0, hi)
-    return boxes
 
 
 @dataclass(frozen=True)
@@ -123,9 +93,9 @@ class _Layout:
             handle = module._handle
             if handle is None:
                 continue
-            if handle._sharding_strategy not in sharded or (
-                dist.get_world_size(handle.process_group) != dist.get_world_size()
-            ):
+            whole = dist.get_world_size(handle.process_group) == dist.get_world_size()
+            alone = dist.get_world_size() == 1  # FSDP1 turns FULL_SHARD into NO_SHARD there
+            if not whole or (handle._sharding_strategy not in sharded and not alone):
                 return None
             flat = handle.flat_param
             local = getattr(flat, "_local_shard", None)  # set at FSDP's lazy init
@@ -222,9 +192,10 @@ def _add(
         held = every_rank or (param.begin == 0 and param.end > 0)
         pieces = (((), value.detach()),) if held else ()
         tensors[name] = FlatShard(value.shape, value.dtype, pieces)
-    elif value.dim() == 1 and value.numel() == local_numel:
+    elif value.numel() == local_numel and value.is_contiguous():  # 1-D, or unsharded (NO_SHARD)
         tensors[name] = _pieces(
-            _Param(param.fqn, param.shape, param.begin, param.end, offset), value.detach()
+            _Param(param.fqn, param.shape, param.begin, param.end, offset),
+            value.detach().view(-1),
         )
     else:
         raise UsageError(
@@ -343,3 +314,34 @@ def region(target: FlatShard | torch.Tensor) -> tuple[tuple[int, ...], tuple[int
     lo = [min(s[d] for s, _ in target.pieces) for d in range(len(target.shape))]
     hi = [max(s[d] + v.shape[d] for s, v in target.pieces) for d in range(len(target.shape))]
     return tuple(lo), tuple(h - low for h, low in zip(hi, lo))
+
+
+Segment = tuple[str, tuple[int, ...], int]  # (fqn, shape, offset in the unpadded flat param)
+
+
+def optimizer_segments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[list[Segment]]] | None:
+    """For FSDP1 with ``use_orig_params=False``: per optimizer group, per flat parameter in it,
+    where each parameter lies in the whole (unsharded) flat parameter; what reads a flat
+    optimizer state saved at another world size (verl's FSDP1 ``.pt``). None otherwise."""
+    layout = _Layout.of(model)
+    if layout is None:
+        return None
+    by_flat: dict[int, list[Segment]] = {}
+    for flat, _, params, _ in layout.units:
+        if flat._params is not None:
+            return None
+        segments, at, queue = [], 0, iter(params)
+        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+            if not padding:
+                p = next(queue)
+                segments.append((p.fqn, tuple(p.shape), at))
+            at += numel
+        by_flat[id(flat)] = segments
+    groups = []
+    for group in optimizer.param_groups:
+        if any(id(param) not in by_flat for param in group["params"]):
+            return None
+        groups.append([by_flat[id(param)] for param in group["params"]])
+    return groups

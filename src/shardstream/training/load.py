@@ -180,16 +180,37 @@ def _open_source(
     saved, objects = {"model"}, {}
     world = ckpt.world_size
     if want_optimizer and verl_optimizer_files:
-        error = None
+        error = flat = None
+        prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
             groups = verl.saved_param_groups(path, world)
-            live = st.optimizer_param_groups(model, optimizer)
-            names = _verl_parameter_names(path, groups, live)
+            segments = fsdp1_shards.optimizer_segments(model, optimizer)
+            if segments is not None and [len(g["params"]) for g in groups] == [
+                len(units) for units in segments
+            ]:  # an FSDP1 model as verl's FSDP1 run saved it: one entry per flat parameter
+                live = [
+                    {"params": [fqn for unit in units for fqn, _, _ in unit]} for units in segments
+                ]
+                flat = {
+                    pid: unit
+                    for saved_group, units in zip(groups, segments)
+                    for pid, unit in zip(saved_group["params"], units)
+                }
+            else:
+                live = st.optimizer_param_groups(model, optimizer)
+                names = _verl_parameter_names(path, groups, live)
         except Exception as exc:  # noqa: BLE001
             error = exc
         coll.agree_or_raise(error, "restore")
-        prefix = native.OPTIMIZER_PREFIX + st.STATE
-        optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
+        read = None
+        if flat is not None:
+            read = verl.open_verl_flat_optimizer(path, world, flat, prefix, shared=True)
+            if read is None:  # saved per parameter after all
+                live = st.optimizer_param_groups(model, optimizer)
+                names = _verl_parameter_names(path, groups, live)
+        if read is None:
+            read = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
+        optim, scalars = read
         tensors.update({t.name: t for t in optim})
         objects["optimizer"] = {
             "param_groups": [
