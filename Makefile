@@ -51,6 +51,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet --no-deps $(TITAN_DEPS)
 	$(PY) bench/titan_interop.py
 	$(PY) bench/verl_bench.py  # verl's FSDPCheckpointManager vs the plug-in's; docs/benchmarks-verl.md
+	$(PY) bench/fsdp1_bench.py  # the same on FSDP1 (strategy: fsdp); its section of docs/benchmarks-verl.md
 
 # verl 0.9.1's and torchtitan 0.3.0's own checkpoint managers save; verl's merger and
 # shardstream merge and restore (bit for bit); writes docs/interop.md (about 5 minutes).
