@@ -3,8 +3,10 @@ conversions, refusals, and the byte-range plan of a fused tensor's slices."""
 
 from __future__ import annotations
 
+import gc
 import math
 import sys
+import threading
 from array import array
 
 import numpy as np
@@ -103,6 +105,69 @@ def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
     assert [p.name for p in plan.pieces] == ["model.norm.weight"]
     with pytest.raises(UsageError, match=r"'qwen3_moe'.*pip install transformers"):
         plan_names([("model.norm.weight", "F32", (4,))], {"model_type": "qwen3_moe"})
+    assert gc.isenabled()  # the collector paused for the import is back on after the refusal
+
+
+def test_planning_with_transformers_pauses_the_collector(monkeypatch, qwen3_moe_config):
+    """transformers' import and trace run with the cyclic collector off, which is on again
+    after, with the import's objects aged: no young pile for the next collection to walk."""
+    seen, kept = [], []
+    trace = hf_names._trace_v5
+
+    def watched(plain, config):
+        seen.append(gc.isenabled())
+        kept.extend([] for _ in range(5000))  # what an import leaves in the youngest generation
+        assert gc.get_count()[0] >= len(kept)
+        monkeypatch.setitem(sys.modules, "_imported_by_the_trace", sys)  # as an import does
+        return trace(plain, config)
+
+    monkeypatch.setattr(hf_names, "_trace_v5", watched)
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    assert gc.isenabled()
+    plan_names([("model.norm.weight", "F32", (8,))], qwen3_moe_config)
+    assert seen == [False] and gc.isenabled()
+    assert id(kept[0]) in {id(o) for o in gc.get_objects(generation=2)}
+
+
+def test_the_collector_held_ages_what_an_import_left_on_the_main_thread(monkeypatch):
+    assert gc.isenabled() and not gc.get_freeze_count()
+    with hf_names._collector_held():
+        assert not gc.isenabled()
+        kept = [[] for _ in range(5000)]
+        monkeypatch.setitem(sys.modules, "_imported_meanwhile", sys)
+    assert gc.isenabled() and not gc.get_freeze_count()
+    assert id(kept[0]) in {id(o) for o in gc.get_objects(generation=2)}
+    # nothing imported: nothing aged
+    with hf_names._collector_held():
+        young = [[] for _ in range(10)]
+    assert id(young[0]) not in {id(o) for o in gc.get_objects(generation=2)}
+    # objects the process keeps frozen itself stay frozen
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        with hf_names._collector_held():
+            monkeypatch.setitem(sys.modules, "_imported_too", sys)
+        assert gc.get_freeze_count() == frozen
+    finally:
+        gc.unfreeze()
+
+
+def test_the_collector_held_leaves_the_collector_alone_off_the_main_thread(monkeypatch):
+    """The switch is process-wide: off the main thread (an async save's export) nothing
+    changes."""
+    frozen = []
+    monkeypatch.setattr(gc, "freeze", lambda: frozen.append(True))
+    seen = []
+
+    def plan():
+        with hf_names._collector_held():
+            seen.append(gc.isenabled())
+
+    thread = threading.Thread(target=plan)
+    thread.start()
+    thread.join()
+    assert seen == [True] and not frozen
 
 
 def test_a_computed_tensor_is_refused_naming_it(monkeypatch, qwen3_moe_config):

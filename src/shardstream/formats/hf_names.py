@@ -18,18 +18,23 @@ transformers 4.57 and 5.25) is written under its stripped names without asking t
 unless a newer transformers is installed. Without transformers any other model type is
 refused, naming it and ``pip install transformers``. torch and transformers are imported only
 when a config names a model type the table does not decide, and the plan is not in the
-on-disk cache of plans transformers computed before (``hf_names_cache``).
+on-disk cache of plans transformers computed before (``hf_names_cache``); that import and the
+trace run with the cyclic garbage collector paused (``_collector_held``).
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
+import gc
 import json
 import logging
 import math
 import re
-from collections.abc import Sequence
+import sys
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -184,23 +189,57 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     if cached is not None:  # computed by this transformers before: not imported now
         found, pieces = cached
         return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped)
-    try:
-        import transformers
-    except ImportError:
-        raise UsageError(
-            f"model type {model_type!r}: the layout save_pretrained writes for it may differ "
-            "from the in-memory names, and only transformers can tell: pip install "
-            "transformers (or merge with --keep-names to write the in-memory names)"
-        ) from None
-    version = transformers.__version__
-    if _has_weight_conversions():
-        pieces, what = _trace_v5(plain, config)
-    else:
-        pieces, what = _renames_v4(plain, config)
+    with _collector_held():
+        try:
+            import transformers
+        except ImportError:
+            raise UsageError(
+                f"model type {model_type!r}: the layout save_pretrained writes for it may differ "
+                "from the in-memory names, and only transformers can tell: pip install "
+                "transformers (or merge with --keep-names to write the in-memory names)"
+            ) from None
+        version = transformers.__version__
+        if _has_weight_conversions():
+            pieces, what = _trace_v5(plain, config)
+        else:
+            pieces, what = _renames_v4(plain, config)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
     plan = NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
     hf_names_cache.store(tensors, config, plan.rule, plan.pieces)
     return plan
+
+
+@contextlib.contextmanager
+def _collector_held() -> Iterator[None]:
+    """Python's cyclic garbage collector around importing transformers and tracing.
+
+    The import (transformers, torch._dynamo, torch.distributed.tensor, sympy, the model's
+    modeling module) creates ~300,000 objects, modules, classes and functions that live as
+    long as the process. With the collector on, they trigger hundreds of collections during
+    the import, several of them full ones (~0.5 s of a cold ``inspect`` on a 2-core VM);
+    paused, they pile up in the youngest generation, and the first collection after walks
+    them all (0.13-0.2 s at the end of a cold merge). So the collector is paused
+    (``engine.memory.gc_paused``; merge already is), and when something was imported, every
+    object alive moves to the oldest generation before it resumes (``gc.freeze()`` then
+    ``gc.unfreeze()``, which splice lists): the standing surviving two collections would
+    have given them. Nothing is exempt from later full collections. Like ``gc_paused``, only
+    on the main thread; and not when the process keeps objects frozen itself
+    (``gc.unfreeze()`` would release them).
+    """
+    from ..engine.memory import gc_paused
+
+    modules = len(sys.modules)
+    with gc_paused():
+        try:
+            yield
+        finally:
+            if (
+                len(sys.modules) > modules
+                and threading.current_thread() is threading.main_thread()
+                and not gc.get_freeze_count()
+            ):
+                gc.freeze()
+                gc.unfreeze()
 
 
 def _join(*parts: str) -> str:
