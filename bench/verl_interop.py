@@ -76,9 +76,9 @@ CASES: dict[str, dict] = {
         "lora": False,
         "fsdp1": True,  # FullyShardedDataParallel with a device mesh: DTensor shards
         "contents": ["model", "optimizer", "extra"],
+        # FSDP1's optimizer files hold each parameter's per-rank runs of elements
+        # (use_orig_params): restored at any world size from the runs' lengths.
         "restore": [[3]],
-        # FSDP1's optimizer files hold flat-parameter fragments: no reshardable optimizer.
-        "restore_contents": ["model", "extra"],
     },
     "qwen2-lora-only-fsdp4": {
         "arch": "qwen2",
@@ -709,9 +709,11 @@ def render(results: dict) -> str:
         "names. After a `save_lora_only` checkpoint the base weights must keep their values.",
         "- FSDP1: verl's manager saves `FullyShardedDataParallel` (with a device mesh, "
         "`use_orig_params`) the same way; its model shards are DTensors and merge and restore "
-        "them like FSDP2's. Its optimizer files hold flat-parameter fragments with no "
-        "placement, so they cannot be resharded; restore refuses them by name. FSDP1 without "
-        "a device mesh (`ShardedTensor`) is refused by merge.",
+        "them like FSDP2's. Its optimizer files hold plain per-rank runs of each parameter's "
+        "elements (`use_orig_params=True`; with `False`, of each flat parameter), with no "
+        "placement; each rank's run starts where the previous rank's ends, so restore places "
+        "them at any world size (flat parameters: into FSDP1 wrapped as the run wrapped it). "
+        "FSDP1 without a device mesh (`ShardedTensor`) is refused by merge.",
         "",
     ]
     lines += OTHER_TRAINERS

@@ -204,7 +204,13 @@ def _fsdp1_rank(rank: int, world: int, root: str, with_mesh: bool) -> dict:
         # As verl saves it: the optimizer's own state dict, flat-parameter fragments.
         torch.save(optimizer.state_dict(), f"{root}/optim_world_size_{world}_rank_{rank}.pt")
     with FSDP.state_dict_type(wrapped, StateDictType.FULL_STATE_DICT):
-        return {k: v.clone() for k, v in wrapped.state_dict().items()}
+        full = {k: v.clone() for k, v in wrapped.state_dict().items()}
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    optim = get_optimizer_state_dict(
+        wrapped, optimizer, options=StateDictOptions(full_state_dict=True)
+    )
+    return full, {fqn: {k: v.clone() for k, v in e.items()} for fqn, e in optim["state"].items()}
 
 
 @pytest.mark.filterwarnings("ignore")
@@ -214,7 +220,7 @@ def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path)
     for with_mesh in (True, False):
         root = tmp_path / f"fsdp1-{with_mesh}"
         root.mkdir()
-        full = run(_fsdp1_rank, 2, str(root), with_mesh)[0]
+        full, optim = run(_fsdp1_rank, 2, str(root), with_mesh)[0]
         target = tmp_path / f"out-{with_mesh}"
         code = main(["merge", "--local_dir", str(root), "--target_dir", str(target), "--quiet"])
         if with_mesh:
@@ -225,23 +231,23 @@ def test_fsdp1_with_device_mesh_merges_and_sharded_tensors_are_refused(tmp_path)
             assert all(torch.equal(got[k], v.to(torch.bfloat16)) for k, v in full.items())
         else:
             assert code == 1 and not target.exists()
-    _fsdp1_optimizer_is_refused(tmp_path / "fsdp1-True", full)
+    _fsdp1_optimizer_restores(tmp_path / "fsdp1-True", full, optim)
 
 
-def _fsdp1_optimizer_is_refused(actor, full: dict) -> None:
-    """FSDP1's optimizer files cannot be resharded: restore says so and names the file;
-    the model alone restores (here into a plain module on one process)."""
+def _fsdp1_optimizer_restores(actor, full: dict, optim: dict) -> None:
+    """FSDP1's optimizer files (``use_orig_params``: each rank's run of each parameter's
+    elements, no placement) restore at another world size, here into a plain module on one
+    process, bit for bit."""
     import shardstream
-    from shardstream.errors import CheckpointFormatError
 
     torch.manual_seed(5)
     model = torch.nn.Sequential(torch.nn.Linear(6, 30), torch.nn.Linear(30, 5))
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    with pytest.raises(CheckpointFormatError, match="flat-parameter shards") as err:
-        shardstream.load(actor, model=model, optimizer=optimizer, contents=("model", "optimizer"))
-    assert "optim_world_size_2_rank_" in str(err.value)
-    shardstream.load(actor, model=model, optimizer=optimizer, contents=("model",))
+    shardstream.load(actor, model=model, optimizer=optimizer, contents=("model", "optimizer"))
     assert all(torch.equal(model.state_dict()[k], v) for k, v in full.items())
+    for name, param in model.named_parameters():
+        for key, value in optim[name].items():
+            assert torch.equal(optimizer.state[param][key], value), (name, key)
 
 
 # What load_layout says about every tensor of a .pt file, as JSON; run in a fresh process

@@ -258,13 +258,24 @@ def test_fsdp1_saves_at_2_and_loads_bit_for_bit_at_1_and_2(tmp_path):
             _assert_same(state, reference)
 
 
-def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin_at_1_and_4(tmp_path):
+@pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])
+def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin(tmp_path, use_orig_params):
     """A run switching to the plug-in mid-run with ``strategy: fsdp``: verl's ``.pt`` files of
-    FSDP1 at 2 ranks (its optimizer state as raw flat-parameter shards) fill the FSDP1 flat
-    shards and optimizer state at 1 and 4 ranks, bit for bit."""
-    run(workers.fsdp1_verl_save_run, 2, str(tmp_path))
+    FSDP1 at 2 ranks (its optimizer state as plain per-rank parts of flat tensors: each flat
+    parameter's, or with use_orig_params each parameter's) fill the FSDP1 flat shards and
+    optimizer state at 1 and 4 ranks, bit for bit."""
+    run(workers.fsdp1_verl_save_run, 2, str(tmp_path), use_orig_params)
     reference = torch.load(tmp_path / "reference_fsdp1.pt", weights_only=False)
     actor = str(tmp_path / "global_step_2" / "actor")
     for world in (1, 4):
-        for state in run(workers.fsdp1_load_run, world, actor, False):
+        for state in run(workers.fsdp1_load_run, world, actor, use_orig_params):
             _assert_same(state, reference)
+    if use_orig_params:  # each parameter's runs are self-describing: into FSDP2 at 3 too
+        for result in run(workers.load_run, 3, [actor], True, False):
+            state = result[0]["state"]
+            assert state["model"].keys() == reference["model"].keys()
+            for name, tensor in reference["model"].items():
+                assert torch.equal(state["model"][name], tensor), name
+            for fqn, entries in reference["optim"]["state"].items():
+                for key, value in entries.items():
+                    assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)

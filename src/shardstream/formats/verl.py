@@ -462,8 +462,10 @@ def optimizer_files(directory: Path, world_size: int) -> list[str]:
     return [str(check_inside(f, directory)) for f in files]
 
 
-def saved_param_groups(directory: Path, world_size: int) -> list[dict]:
-    """The optimizer's param groups as verl saved them (``params`` are integer ids)."""
+def saved_param_groups(directory: Path, world_size: int) -> tuple[list[dict], bool]:
+    """The optimizer's param groups as verl saved them (``params`` are integer ids), and
+    whether rank 0's state tensors are all plain (FSDP1's per-rank runs) rather than DTensors:
+    ``open_verl_flat_optimizer``'s input."""
     path = optimizer_files(directory, world_size)[0]
     state = load_layout(path)
     groups = state.get("param_groups") if isinstance(state, dict) else None
@@ -471,7 +473,15 @@ def saved_param_groups(directory: Path, world_size: int) -> list[dict]:
         isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups
     ):
         raise CheckpointFormatError(f"{path}: not an optimizer state dict (no param_groups)")
-    return groups
+    entries = state.get("state")
+    values = [
+        v
+        for per_param in (entries.values() if isinstance(entries, dict) else ())
+        if isinstance(per_param, dict)
+        for v in per_param.values()
+    ]
+    plain = not any(isinstance(v, DistributedTensor) for v in values)
+    return groups, plain
 
 
 def open_verl_optimizer(
@@ -516,11 +526,13 @@ def open_verl_flat_optimizer(
     *,
     shared: bool = False,
 ) -> tuple[list[GlobalTensor], dict[str, object]] | None:
-    """verl's FSDP1 optimizer state (``optimizer.state_dict()`` of flat parameters: rank r
-    holds elements ``[r·S, (r+1)·S)`` of each padded flat state tensor) as tensors
-    ``<prefix><fqn>.<key>`` of the parameters inside, given where each parameter lies in its
-    flat parameter (``segments``, by verl's parameter id). A scalar (AdamW's ``step``) is rank
-    0's, for every parameter of the flat parameter. None where the files hold DTensors."""
+    """verl's FSDP1 optimizer state, saved as plain per-rank parts of flat tensors, as tensors
+    ``<prefix><fqn>.<key>``. Each rank holds the next run of elements: rank r's part starts
+    where rank r-1's ends. ``segments`` says, by verl's parameter id, which parameters lie
+    where in that flat tensor: several for a flat parameter (``use_orig_params=False``, the
+    padded flat state), one at 0 for a parameter of ``use_orig_params=True``. A scalar
+    (AdamW's ``step``) is rank 0's, for every parameter of the id. None where the files hold
+    DTensors (saved per parameter, FSDP2 or FSDP1's sharded state dict)."""
 
     def raw(state: dict, path: str) -> dict:
         entries = state.get("state")
@@ -537,52 +549,58 @@ def open_verl_flat_optimizer(
         return out
 
     files = optimizer_files(directory, world_size)
-    blocks: dict[str, list[Block]] = {}
-    meta: dict[str, tuple[str, tuple[int, ...]]] = {}
+    parts: dict[tuple, list[tuple[int, str, LocalTensor]]] = {}
     scalars: dict[str, object] = {}
     read = lambda _, path: _read_entries(path, raw, keep_scalars=True)  # noqa: E731
     for rank, path, (entries, file_scalars) in coll.in_turns(files, read, shared):
+        if any(entry.shape is not None for entry in entries.values()):
+            return None  # every rank reads the same files: all return here together
         for (pid, key), value in file_scalars.items():
             if rank == 0:
                 scalars.update({f"{prefix}{fqn}.{key}": value for fqn, _, _ in segments[pid]})
-        for (pid, key), entry in entries.items():
-            local = entry.local
-            if entry.shape is not None:
-                return None  # DTensors: saved per parameter, not as flat shards
-            for fqn, shape, offset in segments[pid]:
-                name = f"{prefix}{fqn}.{key}"
-                if not local.shape:  # a scalar tensor: rank 0's
-                    meta[name] = (local.dtype, ())
-                    if rank == 0:
-                        blocks[name] = [local.block(path, ())]
-                    continue
-                if len(local.shape) != 1 or local.strides != (1,):
-                    raise CheckpointFormatError(
-                        f"{path}: optimizer state {fqn}.{key} is not a flat shard"
-                    )
-                meta[name] = (local.dtype, shape)
-                size = local.shape[0]
-                begin = max(offset, rank * size)
-                end = min(offset + math.prod(shape), (rank + 1) * size)
-                at = begin - rank * size  # where this parameter's range starts in the shard
-                for start, extent in flat_boxes(shape, begin - offset, end - offset):
-                    item = local.offset + at * itemsize(local.dtype)
-                    blocks.setdefault(name, []).append(
-                        dense_block(path, item, local.dtype, extent, start)
-                    )
-                    at += math.prod(extent)
+        for name, entry in entries.items():
+            parts.setdefault(name, []).append((rank, path, entry.local))
     tensors = []
-    for name, (dtype, shape) in meta.items():
-        parts = tuple(blocks.get(name, ()))
-        try:
-            check_blocks_tile(name, shape, parts)
-        except CheckpointFormatError as exc:
-            raise CheckpointFormatError(
-                f"{directory}: verl's FSDP1 optimizer state does not fit the model's flat "
-                f"parameters (wrapped differently?): {exc}"
-            ) from None
-        tensors.append(GlobalTensor(name, dtype, shape, parts))
+    for (pid, key), held in parts.items():
+        for fqn, shape, offset in segments[pid]:
+            name = f"{prefix}{fqn}.{key}"
+            dtype, blocks = held[0][2].dtype, _flat_part_blocks(name, shape, offset, held)
+            try:
+                check_blocks_tile(name, shape if held[0][2].shape else (), blocks)
+            except CheckpointFormatError as exc:
+                raise CheckpointFormatError(
+                    f"{directory}: verl's FSDP1 optimizer state does not fit the model's "
+                    f"parameters (wrapped differently?): {exc}"
+                ) from None
+            tensors.append(GlobalTensor(name, dtype, shape if held[0][2].shape else (), blocks))
     return tensors, scalars
+
+
+def _flat_part_blocks(
+    name: str, shape: tuple[int, ...], offset: int, held: list[tuple[int, str, LocalTensor]]
+) -> tuple[Block, ...]:
+    """The blocks of the parameter at ``offset`` of a flat tensor whose consecutive runs the
+    ranks hold (``held``: rank, file, where the run is), or rank 0's scalar."""
+    held = sorted(held, key=lambda h: h[0])
+    _, path, local = held[0]
+    if not local.shape:
+        return (local.block(path, ()),)
+    blocks, begin = [], 0  # where each rank's run starts in the flat tensor
+    for _, path, local in held:
+        if len(local.shape) != 1 or local.strides != (1,):
+            raise CheckpointFormatError(f"{path}: optimizer state {name} is not a flat part")
+        size = local.shape[0]
+        lo, hi = max(offset, begin), min(offset + math.prod(shape), begin + size)
+        at = lo - begin  # where this parameter's range starts in the rank's run
+        for start, extent in flat_boxes(shape, lo - offset, hi - offset):
+            blocks.append(
+                dense_block(
+                    path, local.offset + at * itemsize(local.dtype), local.dtype, extent, start
+                )
+            )
+            at += math.prod(extent)
+        begin += size
+    return tuple(blocks)
 
 
 def read_extra_state(directory: Path, world_size: int, rank: int, verify: bool = True) -> dict:

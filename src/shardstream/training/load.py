@@ -180,11 +180,11 @@ def _open_source(
     saved, objects = {"model"}, {}
     world = ckpt.world_size
     if want_optimizer and verl_optimizer_files:
-        error = flat = None
+        error = flat = names = None
         prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
-            groups = verl.saved_param_groups(path, world)
-            segments = fsdp1_shards.optimizer_segments(model, optimizer)
+            groups, plain = verl.saved_param_groups(path, world)
+            segments = fsdp1_shards.optimizer_segments(model, optimizer) if plain else None
             if segments is not None and [len(g["params"]) for g in groups] == [
                 len(units) for units in segments
             ]:  # an FSDP1 model as verl's FSDP1 run saved it: one entry per flat parameter
@@ -199,13 +199,17 @@ def _open_source(
             else:
                 live = st.optimizer_param_groups(model, optimizer)
                 names = _verl_parameter_names(path, groups, live)
+                shapes = {t.name: t.shape for t in ckpt.tensors}
+                if plain and world > 1 and all(fqn in shapes for fqn in names.values()):
+                    # FSDP1 with use_orig_params: maybe each rank's run of each parameter
+                    flat = {pid: [(fqn, shapes[fqn], 0)] for pid, fqn in names.items()}
         except Exception as exc:  # noqa: BLE001
             error = exc
         coll.agree_or_raise(error, "restore")
         read = None
         if flat is not None:
             read = verl.open_verl_flat_optimizer(path, world, flat, prefix, shared=True)
-            if read is None:  # saved per parameter after all
+            if read is None and names is None:  # saved per parameter after all
                 live = st.optimizer_param_groups(model, optimizer)
                 names = _verl_parameter_names(path, groups, live)
         if read is None:
