@@ -171,8 +171,9 @@ def render(res: dict) -> None:
         f"FSDP1 with one unit per decoder layer (`use_orig_params=False`, as verl wraps it), "
         f"median of {res['repeats']} repeats; staging budget {BUDGET}. `plugin-torch-sd` is "
         "the plug-in reading FSDP1 through torch's sharded state dict (the flat-shard reads "
-        "switched off), i.e. before `training/fsdp1_shards.py`. verl's save includes an fsync "
-        "of the step (its own time is shown beside it).",
+        "switched off), i.e. before `training/fsdp1_shards.py`. verl's save time includes an "
+        "fsync of the step made after verl returns (that part in brackets), as the plug-in's "
+        "commit makes its own files durable.",
         "",
     ]
     head = [

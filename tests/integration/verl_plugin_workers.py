@@ -260,11 +260,11 @@ def fsdp1_save_run(rank: int, world: int, root: str) -> None:
         torch.save(reference, Path(root) / "reference_fsdp1.pt")
 
 
-def fsdp1_verl_save_run(rank: int, world: int, root: str) -> None:
-    """verl's own manager saves two steps of the FSDP1 model as verl wraps it by default
-    (``use_orig_params=False``), its ``.pt`` files per rank; rank 0 writes the reference."""
+def fsdp1_verl_save_run(rank: int, world: int, root: str, use_orig_params: bool) -> None:
+    """verl's own manager saves two steps of the FSDP1 model (verl's default is
+    ``use_orig_params=False``), its ``.pt`` files per rank; rank 0 writes the reference."""
     _, verls = _engine_class()
-    model, optimizer, scheduler = _fsdp1(world, seed=0, use_orig_params=False)
+    model, optimizer, scheduler = _fsdp1(world, seed=0, use_orig_params=use_orig_params)
     config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
     manager = _manager(verls, model, optimizer, scheduler, config)
     for step in (1, 2):

@@ -484,6 +484,20 @@ def saved_param_groups(directory: Path, world_size: int) -> tuple[list[dict], bo
     return groups, plain
 
 
+def _optimizer_entries(state: dict, path: str, known) -> list[tuple[int, dict]]:
+    """(parameter id, its state) of a verl optimizer file; an id ``known`` lacks is refused."""
+    entries = state.get("state")
+    if not isinstance(entries, dict):
+        raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
+    for pid, values in entries.items():
+        if pid not in known or not isinstance(values, dict):
+            raise CheckpointFormatError(
+                f"{path}: optimizer state for parameter id {pid!r}, which the model's "
+                "optimizer does not have; was it built differently?"
+            )
+    return list(entries.items())
+
+
 def open_verl_optimizer(
     directory: Path, world_size: int, names: dict[int, str], prefix: str, *, shared: bool = False
 ) -> tuple[list[GlobalTensor], dict[str, object]]:
@@ -491,16 +505,8 @@ def open_verl_optimizer(
     and the non-tensor per-parameter values. ``shared``: as for ``open_verl``."""
 
     def flatten(state: dict, path: str) -> dict:
-        entries = state.get("state")
-        if not isinstance(entries, dict):
-            raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
         out = {}
-        for pid, values in entries.items():
-            if pid not in names:
-                raise CheckpointFormatError(
-                    f"{path}: optimizer state for parameter id {pid!r}, which the model's "
-                    "optimizer does not have; was it built differently?"
-                )
+        for pid, values in _optimizer_entries(state, path, names):
             for key, value in values.items():
                 flat = f"{prefix}{names[pid]}.{key}"
                 if isinstance(value, torch.Tensor) and value.dim() > 0 and world_size > 1:
@@ -535,16 +541,8 @@ def open_verl_flat_optimizer(
     DTensors (saved per parameter, FSDP2 or FSDP1's sharded state dict)."""
 
     def raw(state: dict, path: str) -> dict:
-        entries = state.get("state")
-        if not isinstance(entries, dict):
-            raise CheckpointFormatError(f"{path}: not an optimizer state dict (no state)")
         out = {}
-        for pid, values in entries.items():
-            if pid not in segments or not isinstance(values, dict):
-                raise CheckpointFormatError(
-                    f"{path}: optimizer state for parameter id {pid!r}, which the model's "
-                    "optimizer does not have; was it built differently?"
-                )
+        for pid, values in _optimizer_entries(state, path, segments):
             out.update({(pid, key): value for key, value in values.items()})
         return out
 

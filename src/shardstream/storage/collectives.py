@@ -84,6 +84,16 @@ def gather(value: Any) -> list[Any]:
     return out
 
 
+def gather_to_root(value: Any) -> list[Any] | None:
+    """Every rank's ``value`` on rank 0 (None elsewhere): for what only rank 0 needs, which
+    would cost every rank world x its size with ``gather``."""
+    if world() == 1:
+        return [value]
+    out: list[Any] | None = [None] * world() if rank() == 0 else None
+    dist.gather_object(value, out, dst=global_rank(0), group=group())
+    return out
+
+
 def agree_or_raise(error: BaseException | None, what: str = "save") -> None:
     """Make every rank fail together, so no rank waits forever on a collective."""
     gather_or_raise(None, error, what)

@@ -256,20 +256,21 @@ def _rank_local_plan(
     """This rank's items when every rank can plan alone (formats/local_save.py), and on rank 0
     every rank's FSDP1 boxes; else None.
 
-    One gather of a short signature (and the boxes, for FSDP1) makes every rank take the same
-    path."""
+    One gather of a short signature makes every rank take the same path; FSDP1's boxes go to
+    rank 0 alone, which writes the manifest."""
     try:
         items = local_save.local_items(tensors, coll.rank(), coll.world())
         mine = None if items is None else local_save.layout_signature(tensors)
-        boxes = local_save.flat_boxes_held(tensors)
     except Exception:  # noqa: BLE001 - DCP's path then plans it, or reports it on every rank
-        items = mine = boxes = None
-    everyone = coll.gather((mine, boxes))
-    if mine is None or any(sig != mine for sig, _ in everyone):
-        if any(isinstance(t, fsdp1_shards.FlatShard) for t in tensors.values()):
+        items = mine = None
+    everyone = coll.gather(mine)
+    flat = any(isinstance(t, fsdp1_shards.FlatShard) for t in tensors.values())
+    if mine is None or any(sig != mine for sig in everyone):
+        if flat:
             raise UsageError("FSDP1 state: ranks hold different tensors; nothing was written")
         return None
-    return items, [b for _, b in everyone]
+    boxes = coll.gather_to_root(local_save.flat_boxes_held(tensors)) if flat else None
+    return items, boxes or []
 
 
 @gc_paused()
