@@ -313,7 +313,12 @@ def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
 
     try:
         files = [str(verl.check_inside(Path(ranks[r]), directory)) for r in range(world)]
-        verl.read_rank_layouts(files, flatten, keep_scalars=True)
+        _, plain = verl.saved_param_groups(directory, world)
+        if plain:  # FSDP1: each rank's runs of elements; a rank holding none of a parameter
+            for path in files:  # has no state for it, so only each file's layout is checked
+                verl.read_entries(path, flatten, keep_scalars=True)
+        else:
+            verl.read_rank_layouts(files, flatten, keep_scalars=True)
     except (ShardstreamError, OSError) as exc:
         report.problems.append(Problem(str(directory), _strip(exc, directory)))
 

@@ -305,7 +305,7 @@ class _Entry:
     mesh: MeshLayout | None = None
 
 
-def _read_entries(
+def read_entries(
     path: str, flatten, keep_scalars: bool = False
 ) -> tuple[dict[str, _Entry], dict[str, object]]:
     """Unpickle one rank file's layout and locate each of its tensors; other values are an
@@ -352,7 +352,7 @@ def read_rank_layouts(
     scalars: dict[str, object] = {}
 
     def read(_: int, path: str):
-        return _read_entries(path, flatten, keep_scalars)
+        return read_entries(path, flatten, keep_scalars)
 
     for rank, path, (state, file_scalars) in coll.in_turns(files, read, shared):
         scalars.update(file_scalars)
@@ -549,7 +549,7 @@ def open_verl_flat_optimizer(
     files = optimizer_files(directory, world_size)
     parts: dict[tuple, list[tuple[int, str, LocalTensor]]] = {}
     scalars: dict[str, object] = {}
-    read = lambda _, path: _read_entries(path, raw, keep_scalars=True)  # noqa: E731
+    read = lambda _, path: read_entries(path, raw, keep_scalars=True)  # noqa: E731
     for rank, path, (entries, file_scalars) in coll.in_turns(files, read, shared):
         if any(entry.shape is not None for entry in entries.values()):
             return None  # every rank reads the same files: all return here together
