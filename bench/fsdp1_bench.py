@@ -72,12 +72,10 @@ def _flat_shards(on: bool) -> None:
     """Switch the plug-in's flat-shard reads on or off in this process."""
     from shardstream.training import fsdp1_shards
 
-    names = ("model_shards", "optimizer_shards", "restore_targets")
     if not hasattr(fsdp1_shards, "_original"):
-        fsdp1_shards._original = {n: getattr(fsdp1_shards, n) for n in names}
-    for name in names:
-        off = lambda *args: None  # noqa: E731 - the callers then take torch's path
-        setattr(fsdp1_shards, name, fsdp1_shards._original[name] if on else off)
+        fsdp1_shards._original = fsdp1_shards.layout
+    off = lambda model: None  # noqa: E731 - save and restore then take torch's path
+    fsdp1_shards.layout = fsdp1_shards._original if on else off
 
 
 def worker(rank: int, ws: int, spec: dict) -> dict:

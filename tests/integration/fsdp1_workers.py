@@ -65,15 +65,16 @@ def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool)
     for step in (1, 2):
         train_step(model, optimizer, scheduler, step)
     fresh = fsdp1_model(world, 5, use_orig_params, tie)[0]  # no forward yet: no lazy init
-    fresh_shards = fsdp1_shards.model_shards(fresh)
+    fresh_shards = fsdp1_shards.layout(fresh).model_tensors(fresh)
     fresh_views = fresh_shards is not None and all(
         _is_view_of(v, _storage_ranges(fresh))
         for t in fresh_shards.values()
         if hasattr(t, "pieces")
         for _, v in t.pieces
     )
-    shards = fsdp1_shards.model_shards(model)
-    optim = fsdp1_shards.optimizer_shards(model, optimizer)
+    layout = fsdp1_shards.layout(model)
+    shards = layout.model_tensors(model)
+    optim = layout.optimizer_tensors(optimizer)
     torch_model = st.model_tensors(model)
     torch_optim, torch_objects = st.optimizer_state(model, optimizer)
     ranges = _storage_ranges(model)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError
@@ -482,3 +482,14 @@ def flat_boxes(
     if hi != inner:
         boxes += within(last, 0, hi)
     return boxes
+
+
+def flat_runs(
+    shape: Sequence[int], begin: int, end: int
+) -> Iterator[tuple[tuple[int, ...], tuple[int, ...], int]]:
+    """Pure: ``flat_boxes`` with where each box starts, in elements from ``begin``: the boxes
+    follow each other, so a range held contiguously holds box k at that offset."""
+    at = 0
+    for start, size in flat_boxes(shape, begin, end):
+        yield start, size, at
+        at += math.prod(size)

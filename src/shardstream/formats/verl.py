@@ -26,7 +26,7 @@ from ..engine.plan import (
     check_blocks_tile,
     chunk_extent,
     dense_block,
-    flat_boxes,
+    flat_runs,
     row_major_strides,
     tensors_touching,
 )
@@ -589,14 +589,10 @@ def _flat_part_blocks(
             raise CheckpointFormatError(f"{path}: optimizer state {name} is not a flat part")
         size = local.shape[0]
         lo, hi = max(offset, begin), min(offset + math.prod(shape), begin + size)
-        at = lo - begin  # where this parameter's range starts in the rank's run
-        for start, extent in flat_boxes(shape, lo - offset, hi - offset):
-            blocks.append(
-                dense_block(
-                    path, local.offset + at * itemsize(local.dtype), local.dtype, extent, start
-                )
-            )
-            at += math.prod(extent)
+        first = lo - begin  # where this parameter's range starts in the rank's run
+        for start, extent, at in flat_runs(shape, lo - offset, hi - offset):
+            byte = local.offset + (first + at) * itemsize(local.dtype)
+            blocks.append(dense_block(path, byte, local.dtype, extent, start))
         begin += size
     return tuple(blocks)
 

@@ -9,10 +9,10 @@ optimizer state): a second copy of the rank's whole state, on the device or, on 
 memory. The boxes here are views of the live shard and its optimizer state, which the save
 streams like any other tensor.
 
-``model_shards``/``optimizer_shards`` return None when the model is not plain FSDP1 with a
-sharded strategy over the whole process group, or alone at world size 1 (hybrid or no
-sharding, ignored modules, other state-dict hooks, parameters not in their sharded views): the
-caller then takes torch's path.
+``layout(model)`` is None when the model is not plain FSDP1 with a sharded strategy over the
+whole process group, or alone at world size 1 (hybrid or no sharding, ignored modules, other
+state-dict hooks, parameters not in their sharded views): the caller then takes torch's path.
+A save or restore takes the layout once and asks it for what it reads or fills.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from typing import Any
 
 import torch
 
-from ..engine.plan import flat_boxes
+from ..engine.plan import flat_runs
 from ..errors import UsageError
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 from .state import STATE, has_state_dict_hooks
 
 PLACEMENT = "fsdp1:flat"  # the manifest's placement for these tensors
+Segment = tuple[str, tuple[int, ...], int]  # (fqn, shape, offset in the unpadded flat param)
 
 
 @dataclass(frozen=True)
@@ -43,10 +44,6 @@ class FlatShard:
     dtype: torch.dtype
     pieces: tuple[tuple[tuple[int, ...], torch.Tensor], ...]
 
-    @property
-    def nbytes(self) -> int:
-        return sum(view.numel() for _, view in self.pieces) * self.dtype.itemsize
-
 
 @dataclass(frozen=True)
 class _Param:
@@ -59,22 +56,21 @@ class _Param:
 
 def _pieces(param: _Param, local: torch.Tensor) -> FlatShard:
     """``local``'s elements ``param.offset ...`` as the boxes of the parameter's range."""
-    pieces, at = [], param.offset
-    for start, size in flat_boxes(param.shape, param.begin, param.end):
-        n = math.prod(size)
-        pieces.append((start, local[at : at + n].view(size)))
-        at += n
-    return FlatShard(param.shape, local.dtype, tuple(pieces))
+    pieces = tuple(
+        (start, local[param.offset + at : param.offset + at + math.prod(size)].view(size))
+        for start, size, at in flat_runs(param.shape, param.begin, param.end)
+    )
+    return FlatShard(param.shape, local.dtype, pieces)
 
 
-class _Layout:
+class Layout:
     """The FSDP1 units of a model: each flat parameter, its local shard and its parameters."""
 
     def __init__(self, units: list[tuple[Any, torch.Tensor, list[_Param], list[tuple[str, str]]]]):
         self.units = units  # (flat param, local shard, params, [(shared fqn, primary fqn)])
 
     @classmethod
-    def of(cls, model: torch.nn.Module) -> _Layout | None:
+    def of(cls, model: torch.nn.Module) -> Layout | None:
         import torch.distributed as dist
         from torch.distributed.fsdp import FullyShardedDataParallel
         from torch.distributed.fsdp._common_utils import clean_tensor_name
@@ -132,7 +128,8 @@ class _Layout:
             return None  # a parameter outside every flat parameter (ignored modules)
         return cls(units)
 
-    def model(self, model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor]:
+    def model_tensors(self, model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor]:
+        """``model.<fqn>`` -> this rank's part (views of the flat parameters), buffers whole."""
         out: dict[str, FlatShard | torch.Tensor] = {}
         for _, local, params, shared in self.units:
             mine = {p.fqn: _pieces(p, local) for p in params}
@@ -141,7 +138,14 @@ class _Layout:
             out.update(mine)
         for name, buffer in _persistent_buffers(model):
             out[name] = buffer.detach()
-        return out
+        return {MODEL_PREFIX + k: v for k, v in out.items()}
+
+    def optimizer_tensors(
+        self, optimizer: torch.optim.Optimizer
+    ) -> tuple[dict[str, FlatShard], dict[str, Any]] | None:
+        """``state.optimizer_state`` from the live optimizer state (what this rank holds of
+        it); None before the first step, where torch's path creates the state."""
+        return self.optimizer(optimizer) if optimizer.state else None
 
     def optimizer(
         self, optimizer: torch.optim.Optimizer, every_rank: bool = False
@@ -170,6 +174,49 @@ class _Layout:
             names = [n for param in group["params"] for n in by_param.get(id(param), ())]
             groups.append({**{k: v for k, v in group.items() if k != "params"}, "params": names})
         return tensors, {"param_groups": groups, "scalars": scalars}
+
+    def restore_targets(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
+    ) -> RestoreTargets:
+        """The live boxes a restore fills."""
+        objects: dict[str, Any] = {"param_groups": [], "scalars": {}}
+        tensors: dict[str, FlatShard | torch.Tensor] = {}
+        if optimizer is not None:
+            if not optimizer.state:
+                from torch.distributed.checkpoint.state_dict import _init_optim_state
+
+                _init_optim_state(optimizer)  # torch's own: one step of zero gradients at lr 0
+            tensors, objects = self.optimizer(optimizer, every_rank=True)
+        params = {}
+        for flat, _, units_params, _ in self.units:
+            owners = flat._params or [flat] * len(units_params)
+            params.update({p.fqn: owner for p, owner in zip(units_params, owners)})
+        return RestoreTargets(self.model_tensors(model), tensors, objects, params)
+
+    def optimizer_segments(
+        self, optimizer: torch.optim.Optimizer
+    ) -> list[list[list[Segment]]] | None:
+        """For FSDP1 with ``use_orig_params=False``: per optimizer group, per flat parameter in
+        it, where each parameter lies in the whole (unsharded) flat parameter; what reads a
+        flat optimizer state saved at another world size (verl's FSDP1 ``.pt``). None
+        otherwise."""
+        by_flat: dict[int, list[Segment]] = {}
+        for flat, _, params, _ in self.units:
+            if flat._params is not None:
+                return None
+            segments, at, queue = [], 0, iter(params)
+            for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
+                if not padding:
+                    p = next(queue)
+                    segments.append((p.fqn, tuple(p.shape), at))
+                at += numel
+            by_flat[id(flat)] = segments
+        groups = []
+        for group in optimizer.param_groups:
+            if any(id(param) not in by_flat for param in group["params"]):
+                return None
+            groups.append([by_flat[id(param)] for param in group["params"]])
+        return groups
 
 
 def _add(
@@ -217,26 +264,6 @@ def _persistent_buffers(model: torch.nn.Module) -> Iterator[tuple[str, torch.Ten
                 yield clean_tensor_name(_joined(module_name, name)), buffer
 
 
-def model_shards(model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor] | None:
-    """``model.<fqn>`` -> this rank's part of an FSDP1 model (views of its flat parameters),
-    or None where this path does not apply."""
-    layout = _Layout.of(model)
-    if layout is None:
-        return None
-    return {MODEL_PREFIX + k: v for k, v in layout.model(model).items()}
-
-
-def optimizer_shards(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> tuple[dict[str, FlatShard], dict[str, Any]] | None:
-    """``state.optimizer_state`` of an FSDP1 model from the live optimizer state (what this
-    rank holds of it), or None where this path does not apply."""
-    layout = _Layout.of(model)
-    if layout is None or not optimizer.state:  # before the first step: torch creates it
-        return None
-    return layout.optimizer(optimizer)
-
-
 @dataclass
 class RestoreTargets:
     """What a restore fills in an FSDP1 model, in place: views of the flat shards and of the
@@ -268,27 +295,9 @@ class RestoreTargets:
                     optimizer.state[self.params[fqn]][key] = value
 
 
-def restore_targets(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer | None
-) -> RestoreTargets | None:
-    """The live boxes a restore fills, or None where this path does not apply."""
-    layout = _Layout.of(model)
-    if layout is None:
-        return None
-    objects: dict[str, Any] = {"param_groups": [], "scalars": {}}
-    tensors: dict[str, FlatShard | torch.Tensor] = {}
-    if optimizer is not None:
-        if not optimizer.state:
-            from torch.distributed.checkpoint.state_dict import _init_optim_state
-
-            _init_optim_state(optimizer)  # torch's own: one step of zero gradients at lr 0
-        tensors, objects = layout.optimizer(optimizer, every_rank=True)
-    params = {}
-    for flat, _, units_params, _ in layout.units:
-        owners = flat._params or [flat] * len(units_params)
-        params.update({p.fqn: owner for p, owner in zip(units_params, owners)})
-    model_part = {MODEL_PREFIX + k: v for k, v in layout.model(model).items()}
-    return RestoreTargets(model_part, tensors, objects, params)
+def layout(model: torch.nn.Module | None) -> Layout | None:
+    """The model's FSDP1 layout, or None where this path does not apply."""
+    return None if model is None else Layout.of(model)
 
 
 def boxes(
@@ -314,34 +323,3 @@ def region(target: FlatShard | torch.Tensor) -> tuple[tuple[int, ...], tuple[int
     lo = [min(s[d] for s, _ in target.pieces) for d in range(len(target.shape))]
     hi = [max(s[d] + v.shape[d] for s, v in target.pieces) for d in range(len(target.shape))]
     return tuple(lo), tuple(h - low for h, low in zip(hi, lo))
-
-
-Segment = tuple[str, tuple[int, ...], int]  # (fqn, shape, offset in the unpadded flat param)
-
-
-def optimizer_segments(
-    model: torch.nn.Module, optimizer: torch.optim.Optimizer
-) -> list[list[list[Segment]]] | None:
-    """For FSDP1 with ``use_orig_params=False``: per optimizer group, per flat parameter in it,
-    where each parameter lies in the whole (unsharded) flat parameter; what reads a flat
-    optimizer state saved at another world size (verl's FSDP1 ``.pt``). None otherwise."""
-    layout = _Layout.of(model)
-    if layout is None:
-        return None
-    by_flat: dict[int, list[Segment]] = {}
-    for flat, _, params, _ in layout.units:
-        if flat._params is not None:
-            return None
-        segments, at, queue = [], 0, iter(params)
-        for numel, padding in zip(flat._numels_with_padding, flat._is_padding_mask):
-            if not padding:
-                p = next(queue)
-                segments.append((p.fqn, tuple(p.shape), at))
-            at += numel
-        by_flat[id(flat)] = segments
-    groups = []
-    for group in optimizer.param_groups:
-        if any(id(param) not in by_flat for param in group["params"]):
-            return None
-        groups.append([by_flat[id(param)] for param in group["params"]])
-    return groups

@@ -106,13 +106,15 @@ def _open_source(
     prefix: str | None = None,
     presented: dict | None = None,
     states: tuple[str, ...] = (),
+    fsdp1: fsdp1_shards.Layout | None = None,
 ) -> _Source:
     """A native checkpoint, or a verl one (model, optimizer and extra) under the same names.
 
     ``regions`` (name -> the part of the tensor this rank restores) lets a native checkpoint
     open only what this rank reads. Every rank opens a verl checkpoint together, reading a
     share of its rank files; ``verl_optimizer_files`` comes from ``_verl_layout_everywhere``,
-    so all of them agree on whether its optimizer files are read too."""
+    so all of them agree on whether its optimizer files are read too. ``fsdp1``: the live
+    model's FSDP1 layout, which places verl's flat-parameter optimizer state."""
     from ..formats.source import Kind, checkpoints_below, detect
 
     kind = detect(path)
@@ -184,7 +186,7 @@ def _open_source(
         prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
             groups, plain = verl.saved_param_groups(path, world)
-            segments = fsdp1_shards.optimizer_segments(model, optimizer) if plain else None
+            segments = fsdp1.optimizer_segments(optimizer) if plain and fsdp1 else None
             if segments is not None and [len(g["params"]) for g in groups] == [
                 len(units) for units in segments
             ]:  # an FSDP1 model as verl's FSDP1 run saved it: one entry per flat parameter
@@ -667,9 +669,8 @@ def load(
         presented = hooks.presented_regions(model)
     # FSDP1: fill the flat parameters' shards and the optimizer state in place, not torch's
     # gathered copies (training/fsdp1_shards.py).
-    flat = None
-    if (want_model or want_optimizer) and not presented:
-        flat = fsdp1_shards.restore_targets(model, optimizer if want_optimizer else None)
+    fsdp1 = fsdp1_shards.layout(model) if (want_model or want_optimizer) and not presented else None
+    flat = fsdp1.restore_targets(model, optimizer if want_optimizer else None) if fsdp1 else None
     if flat is not None:
         model_tensors = flat.model if want_model else {}
         optim_tensors, live_optimizer = flat.optimizer, flat.objects
@@ -698,6 +699,7 @@ def load(
             prefix=prefix,
             presented=presented,
             states=tuple(states or ()),
+            fsdp1=fsdp1,
         )
         if presented:
             source.tensors = hooks.translate(source.tensors, presented, hooks.live_tensors(model))

@@ -144,10 +144,10 @@ def prepare_save(
     objects: dict[str, Any] = {}
     hf_entries: dict[str, dict] = {}
     # FSDP1: views of the flat parameters' shards, not torch's gathered and cloned copies.
-    flat = fsdp1_shards.model_shards(model) if model is not None else None
+    fsdp1 = fsdp1_shards.layout(model)
     model_part = None
     if "model" in contents:
-        model_part = flat if flat is not None else st.model_tensors(model)
+        model_part = fsdp1.model_tensors(model) if fsdp1 else st.model_tensors(model)
     export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
     placements: dict[str, str] = {}
     mesh = None
@@ -170,7 +170,7 @@ def prepare_save(
                     stacklevel=3,
                 )
     if "optimizer" in contents:
-        optim = fsdp1_shards.optimizer_shards(model, optimizer) if flat is not None else None
+        optim = fsdp1.optimizer_tensors(optimizer) if fsdp1 else None
         optim_tensors, optim_objects = optim or st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
         if coll.rank() == 0:
