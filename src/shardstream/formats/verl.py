@@ -531,14 +531,14 @@ def open_verl_flat_optimizer(
     prefix: str,
     *,
     shared: bool = False,
-) -> tuple[list[GlobalTensor], dict[str, object]] | None:
+) -> tuple[list[GlobalTensor], dict[str, object]]:
     """verl's FSDP1 optimizer state, saved as plain per-rank parts of flat tensors, as tensors
     ``<prefix><fqn>.<key>``. Each rank holds the next run of elements: rank r's part starts
     where rank r-1's ends. ``segments`` says, by verl's parameter id, which parameters lie
     where in that flat tensor: several for a flat parameter (``use_orig_params=False``, the
     padded flat state), one at 0 for a parameter of ``use_orig_params=True``. A scalar
-    (AdamW's ``step``) is rank 0's, for every parameter of the id. None where the files hold
-    DTensors (saved per parameter, FSDP2 or FSDP1's sharded state dict)."""
+    (AdamW's ``step``) is rank 0's, for every parameter of the id. For files whose rank 0
+    holds plain tensors (``saved_param_groups``); a file holding DTensors is refused."""
 
     def raw(state: dict, path: str) -> dict:
         out = {}
@@ -552,7 +552,10 @@ def open_verl_flat_optimizer(
     read = lambda _, path: read_entries(path, raw, keep_scalars=True)  # noqa: E731
     for rank, path, (entries, file_scalars) in coll.in_turns(files, read, shared):
         if any(entry.shape is not None for entry in entries.values()):
-            return None  # every rank reads the same files: all return here together
+            raise CheckpointFormatError(
+                f"{path}: holds DTensors where rank 0's optimizer file holds plain per-rank "
+                "parts; the ranks' optimizer files come from different saves"
+            )
         for (pid, key), value in file_scalars.items():
             if rank == 0:
                 scalars.update({f"{prefix}{fqn}.{key}": value for fqn, _, _ in segments[pid]})

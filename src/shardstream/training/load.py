@@ -182,7 +182,7 @@ def _open_source(
     saved, objects = {"model"}, {}
     world = ckpt.world_size
     if want_optimizer and verl_optimizer_files:
-        error = flat = names = None
+        error = flat = None
         prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
             groups, plain = verl.saved_param_groups(path, world)
@@ -203,20 +203,15 @@ def _open_source(
                 names = _verl_parameter_names(path, groups, live)
                 shapes = {t.name: t.shape for t in ckpt.tensors}
                 if plain and world > 1 and all(fqn in shapes for fqn in names.values()):
-                    # FSDP1 with use_orig_params: maybe each rank's run of each parameter
+                    # FSDP1 with use_orig_params: each rank holds a run of each parameter
                     flat = {pid: [(fqn, shapes[fqn], 0)] for pid, fqn in names.items()}
         except Exception as exc:  # noqa: BLE001
             error = exc
         coll.agree_or_raise(error, "restore")
-        read = None
         if flat is not None:
-            read = verl.open_verl_flat_optimizer(path, world, flat, prefix, shared=True)
-            if read is None and names is None:  # saved per parameter after all
-                live = st.optimizer_param_groups(model, optimizer)
-                names = _verl_parameter_names(path, groups, live)
-        if read is None:
-            read = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
-        optim, scalars = read
+            optim, scalars = verl.open_verl_flat_optimizer(path, world, flat, prefix, shared=True)
+        else:
+            optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
         tensors.update({t.name: t for t in optim})
         objects["optimizer"] = {
             "param_groups": [
