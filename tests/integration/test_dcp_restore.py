@@ -19,27 +19,12 @@ def test_dcp_checkpoint_restores_at_another_world_size(tmp_path):
             assert torch.equal(state[name], tensor), name
 
 
-def _assert_same(a, b, where=""):
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            _assert_same(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            _assert_same(x, y, f"{where}[{i}]")
-    else:
-        assert a == b, where
-
-
 @pytest.mark.parametrize("flatten", [True, False], ids=["torchtitan-flat", "nested"])
 def test_dcp_train_state_restores_optimizer_and_scheduler(tmp_path, flatten):
     saved = run(workers.dcp_train_state_run, 2, str(tmp_path), "save", flatten)[0]
     restored = run(workers.dcp_train_state_run, 3, str(tmp_path), "restore", flatten)
     for result in restored:
         assert result["step"][0] == 2  # (step, extra), step from the directory name
-        _assert_same(saved["state"], result["state"], "state")
+        workers.assert_nested_equal(result["state"], saved["state"], "state")
         # The next step matches up to the reduction order of another world size.
         assert abs(result["next"] - saved["next"]) < 1e-4

@@ -13,26 +13,14 @@ from shardstream.testing.cli import run_cli
 from shardstream.testing.distributed import run
 
 from . import fsdp1_workers as workers
+from . import workers as training
 
 pytestmark = pytest.mark.slow
 
 
 def _assert_same(got, want, where=""):
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            _assert_same(got[key], want[key], f"{where}.{key}")
-    elif where.endswith(".params"):  # the live model's order: FSDP1 lists a unit's first
-        assert sorted(got) == sorted(want), where
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            _assert_same(g, w, f"{where}[{i}]")
-    else:
-        assert got == want, where
+    """The param groups list parameters in the live model's order: FSDP1 lists a unit's first."""
+    training.assert_nested_equal(got, want, where, unordered=("params",))
 
 
 @pytest.fixture(scope="module", params=[(False, True), (True, False)], ids=["flat", "orig"])
@@ -98,8 +86,6 @@ def test_async_saves_hold_the_state_of_their_step(tmp_path, hf_model, budget):
     """The boxes are views of live shards: an optimizer step during a save waits for them or
     has them staged first, as with FSDP2. The hf_model export reads the rank files, or with
     share_hf_weights the live boxes themselves."""
-    from . import workers as training
-
     root = tmp_path / "run"
     results = run(training.async_run, 2, str(root), 3, budget, hf_model, workers.fsdp1_flat)
     expected = results[0]["expected"]

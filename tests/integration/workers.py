@@ -66,6 +66,28 @@ def full_state(model, optimizer, scheduler) -> dict:
     }
 
 
+def assert_nested_equal(got, want, where: str = "", unordered: tuple[str, ...] = ()) -> None:
+    """``got`` equals ``want`` all the way down: tensors bit for bit with the same dtype,
+    dicts by keys, sequences item by item; the lists under a key in ``unordered`` as sets
+    (e.g. ``"params"``, whose order follows how the model was wrapped). ``where`` names the
+    path in a failure."""
+    if isinstance(want, torch.Tensor):
+        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
+        assert torch.equal(got, want), where
+    elif isinstance(want, dict):
+        assert set(got) == set(want), where
+        for key in want:
+            assert_nested_equal(got[key], want[key], f"{where}.{key}", unordered)
+    elif where.rpartition(".")[2] in unordered:
+        assert sorted(got) == sorted(want), where
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want)):
+            assert_nested_equal(g, w, f"{where}[{i}]", unordered)
+    else:
+        assert got == want, where
+
+
 def _clone(value):
     if isinstance(value, torch.Tensor):
         return value.detach().clone()
