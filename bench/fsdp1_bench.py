@@ -33,7 +33,7 @@ from harness import REPO, RESULTS, log
 from harness.machine import git_revision, machine_facts, src_dirty
 from harness.memory import cpu_seconds
 from harness.render import DASH, fmt, generated_note, per_rank, table, write_section
-from harness.training import BUDGET, run_ranks
+from harness.training import BUDGET, run_in_scratch
 from verl_bench import CONTENTS, KINDS, SIZES, WS, _manager, _save_then_sync, _timed, gb
 
 MODES = ("verl", "plugin-torch-sd", "plugin")
@@ -233,13 +233,9 @@ def main(argv=None) -> int:
         render(json.loads(path.read_text()))
         return 0
     size, repeats = ("quick", 1) if a.quick else ("mid", 3)
-    out = RESULTS / "fsdp1-bench-out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     log(f"fsdp1 bench: {gb(SIZES[size]):.2f} GB, {repeats} repeats, ws {WS}")
-    spec = {"size": size, "repeats": repeats, "out": str(out)}
-    ranks, wall, others = run_ranks(worker, WS, spec)
-    shutil.rmtree(out, ignore_errors=True)
+    spec = {"size": size, "repeats": repeats}
+    ranks, wall, others = run_in_scratch(worker, WS, spec, RESULTS / "fsdp1-bench-out")
     res = {
         "quick": a.quick,
         "world_size": WS,

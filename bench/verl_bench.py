@@ -57,7 +57,14 @@ from harness.render import (
     table,
     write_doc,
 )
-from harness.training import BUDGET, BUDGET_BYTES, MODEL_FULL, MODEL_QUICK, param_count, run_ranks
+from harness.training import (
+    BUDGET,
+    BUDGET_BYTES,
+    MODEL_FULL,
+    MODEL_QUICK,
+    param_count,
+    run_in_scratch,
+)
 
 WS = 2
 CONTENTS = ["model", "optimizer", "extra"]
@@ -683,14 +690,10 @@ def main(argv=None) -> int:
         return 0
     sizes = a.sizes.split(",") if a.sizes else (["tiny", "quick"] if a.quick else ["quick", "mid"])
     repeats = a.repeats or (1 if a.quick else 3)
-    out = RESULTS / "verl-bench-out"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
     shown = [f"{gb(SIZES[s]):.2f} GB" for s in sizes]
     log(f"verl bench: sizes {shown}, {repeats} repeats, ws {WS}")
-    spec = {"sizes": sizes, "repeats": repeats, "out": str(out)}
-    ranks, wall, others = run_ranks(worker, WS, spec)
-    shutil.rmtree(out, ignore_errors=True)
+    spec = {"sizes": sizes, "repeats": repeats}
+    ranks, wall, others = run_in_scratch(worker, WS, spec, RESULTS / "verl-bench-out")
     res = {
         "quick": a.quick,
         "world_size": WS,

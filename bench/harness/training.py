@@ -6,7 +6,9 @@ torch lazily, so a driver that only renders never pays for it.
 
 from __future__ import annotations
 
+import shutil
 import time
+from pathlib import Path
 
 from harness import MiB
 from harness.process import busy_cpu_s, others_cpu_share
@@ -134,3 +136,16 @@ def run_ranks(worker, world_size: int, spec: dict) -> tuple[list, float, float |
     wall = time.perf_counter() - t0
     share = others_cpu_share(busy0, wall, sum(r["cpu_s_total"] for r in ranks))
     return ranks, wall, share
+
+
+def run_in_scratch(
+    worker, world_size: int, spec: dict, scratch: Path
+) -> tuple[list, float, float | None]:
+    """``run_ranks`` with ``spec["out"]`` a fresh ``scratch`` directory, removed afterwards
+    (also when a rank fails: the checkpoints there are large)."""
+    shutil.rmtree(scratch, ignore_errors=True)
+    scratch.mkdir(parents=True)
+    try:
+        return run_ranks(worker, world_size, {**spec, "out": str(scratch)})
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
