@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 from pathlib import Path
@@ -34,7 +33,7 @@ from harness.machine import git_revision, machine_facts, src_dirty
 from harness.memory import cpu_seconds
 from harness.render import DASH, fmt, generated_note, per_rank, table, write_section
 from harness.training import BUDGET, run_in_scratch
-from verl_bench import CONTENTS, KINDS, SIZES, WS, _manager, _save_then_sync, _timed, gb
+from verl_bench import CONTENTS, KINDS, SIZES, WS, _manager, gb, save_and_load
 
 MODES = ("verl", "plugin-torch-sd", "plugin")
 # Observed: verl's hf_model save of FSDP1 on CPU raises inside torch's FSDP1 full state dict
@@ -79,7 +78,6 @@ def _flat_shards(on: bool) -> None:
 
 
 def worker(rank: int, ws: int, spec: dict) -> dict:
-    import torch.distributed as dist
     from verl.utils.checkpoint.fsdp_checkpoint_manager import FSDPCheckpointManager as verls
 
     from shardstream.integrations.verl import FSDPCheckpointManager as ours
@@ -101,17 +99,7 @@ def worker(rank: int, ws: int, spec: dict) -> dict:
                 root = out / f"{mode}-{len(contents)}-{rep}"
                 actor = str(root / "global_step_1" / "actor")
                 m = _manager(classes[mode], model, optimizer, scheduler, contents, tokenizer)
-                durable: dict | None = {} if mode == "verl" else None
-                args = (m, mode, model, actor, None, 1, 2)
-                save = _timed(lambda a=args, r=root, d=durable: _save_then_sync(a, r, d), False)
-                load = _timed(lambda m=m, a=actor: m.load_checkpoint(a, None, False), False)
-                if hasattr(m, "close"):
-                    m.close()
-                dist.barrier()
-                if rank == 0:
-                    shutil.rmtree(root, ignore_errors=True)
-                os.sync()
-                dist.barrier()
+                save, load, durable = save_and_load(m, mode, model, root, actor, 1)
                 if rep >= 0:
                     results.append(
                         {

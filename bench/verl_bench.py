@@ -182,8 +182,31 @@ def _timed(fn, sample: bool) -> dict:
     return used
 
 
-def worker(rank: int, ws: int, spec: dict) -> dict:
+def save_and_load(
+    m, which: str, model, root: Path, actor: str, step: int, sample: bool = False
+) -> tuple[dict, dict, dict | None]:
+    """One timed save of ``actor`` (verl's made durable: ``_save_then_sync``) and the timed
+    load of what it wrote, on every rank; then the manager is closed and ``root`` removed.
+    Returns (save, load, verl's fsync or None); ``save`` also holds rank 0's bytes written."""
     import torch.distributed as dist
+
+    durable: dict | None = {} if which == "verl" else None
+    args = (m, which, model, actor, None, step, 2)
+    save = _timed(lambda: _save_then_sync(args, root, durable), sample)
+    dist.barrier()
+    save.update(_tree_bytes(root) if dist.get_rank() == 0 else {})
+    load = _timed(lambda: m.load_checkpoint(actor, None, False), False)
+    if hasattr(m, "close"):
+        m.close()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(root, ignore_errors=True)
+    os.sync()
+    dist.barrier()
+    return save, load, durable
+
+
+def worker(rank: int, ws: int, spec: dict) -> dict:
     from harness.training import fsdp_state
 
     from shardstream.testing.tiny_models import build_tiny_tokenizer
@@ -217,21 +240,9 @@ def worker(rank: int, ws: int, spec: dict) -> dict:
                     actor = str(root / f"global_step_{rep + 1}" / "actor")
                     m = _manager(classes[which], model, optimizer, scheduler, contents, tokenizer)
                     sample = rep == 0 and kind == "+hf_model" and size == spec["sizes"][-1]
-                    args = (m, which, model, actor, None, rep + 1, 2)
-                    durable: dict | None = {} if which == "verl" else None
-                    save = _timed(
-                        lambda a=args, r=root, d=durable: _save_then_sync(a, r, d), sample
+                    save, load, durable = save_and_load(
+                        m, which, model, root, actor, rep + 1, sample
                     )
-                    dist.barrier()
-                    save.update(_tree_bytes(root) if rank == 0 else {})
-                    load = _timed(lambda m=m, a=actor: m.load_checkpoint(a, None, False), False)
-                    if hasattr(m, "close"):
-                        m.close()
-                    dist.barrier()
-                    if rank == 0:
-                        shutil.rmtree(root, ignore_errors=True)
-                    os.sync()
-                    dist.barrier()
                     results.append(
                         {
                             "size": size,
