@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -460,8 +460,9 @@ class CheckpointManager:
         return result
 
     def _retain(self, newest: int) -> None:
-        """Drop committed steps beyond ``keep_last``; never ``newest``, never an uncommitted dir."""
-        keep = self.config.keep_last
+        """Drop committed steps beyond ``keep_last``; never ``newest``, never a step a save is
+        using, never an uncommitted dir."""
+        keep = self._keep_last()
         if keep is None:
             return
         older = [s for s in self.all_steps() if s < newest]
@@ -474,7 +475,20 @@ class CheckpointManager:
                 graves.append(commit.bury(path))  # gone at once; a crash leaves debris to sweep
             except OSError as exc:
                 log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
-        self._deleter.submit(graves)  # the slow part, in the background; joined by wait()
+                continue
+            self._dropped(path)
+        # The slow part, in the background; joined by wait(), close() and the next save.
+        self._deleter.submit(graves, self._after_deleting())
+
+    def _keep_last(self) -> int | None:
+        return self.config.keep_last
+
+    def _dropped(self, path: Path) -> None:
+        """``path``, a step retention drops, has just left every listing."""
+
+    def _after_deleting(self) -> Callable[[Path], None] | None:
+        """What to do with each dropped step once its files are deleted."""
+        return None
 
     def _remove_debris(self) -> None:
         """Remove temporary directories left by crashed saves (this process holds the lock)."""

@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -523,33 +524,18 @@ class _RoleRun(CheckpointManager):
                 return False
         return True
 
-    def _retain(self, newest: int) -> None:
-        """verl's ``max_ckpt_to_keep`` over this role's committed shardstream steps: never the
-        newest, never a step a save is using, never a directory of another format."""
-        keep = self.keep
-        if keep is None:
-            return
-        older = [s for s in self.all_steps() if s < newest]
-        protected = self._async.in_flight_steps() if self._async is not None else set()
-        graves = []
-        for step in [s for s in older[: max(0, len(older) - (keep - 1))] if s not in protected]:
-            path = self.step_dir(step)
-            try:
-                graves.append(commit.bury(path))  # gone at once; a crash leaves debris to sweep
-            except OSError as exc:
-                log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
-                continue
-            self.owner._deleted(str(path))  # verl's previous_saved_paths: bookkeeping, at once
+    # Retention is verl's ``max_ckpt_to_keep`` (``keep``) over this role's committed
+    # shardstream steps, as ``all_steps`` lists them: never a directory of another format.
+    def _keep_last(self) -> int | None:
+        return self.keep
 
-        def drop_emptied_step(grave: Path) -> None:  # the step directory, if the role was all
-            try:
-                grave.parent.rmdir()
-            except OSError:
-                pass
+    def _dropped(self, path: Path) -> None:
+        self.owner._deleted(str(path))  # verl's previous_saved_paths: bookkeeping, at once
 
-        # The files go in the background (joined by wait() and close()), then, with a role,
-        # the step directory if that role was all it held.
-        self._deleter.submit(graves, drop_emptied_step if self.role is not None else None)
+    def _after_deleting(self) -> Callable[[Path], None] | None:
+        """With a role, the step directory once its files are gone, if that role was all it
+        held."""
+        return _drop_emptied_step if self.role is not None else None
 
     def _take_debris(self) -> list[Path]:
         if self.role is None:
@@ -560,3 +546,11 @@ class _RoleRun(CheckpointManager):
             if step_path.is_dir():
                 taken += commit.take_debris(step_path, lambda name: name == self.role)
         return taken
+
+
+def _drop_emptied_step(grave: Path) -> None:
+    """Remove the step directory holding ``grave`` if nothing else is left in it."""
+    try:
+        grave.parent.rmdir()
+    except OSError:
+        pass
