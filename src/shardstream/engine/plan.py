@@ -400,7 +400,7 @@ def slice_tensor(
     if any(extent[d] != 1 for d in range(len(extent)) if d not in kept):
         raise ValueError(f"tensor {tensor.name!r}: a dropped dim of the slice is not of size 1")
     blocks = []
-    for block in _blocks_in_box(tensor.blocks, start, extent):
+    for block in blocks_in_box(tensor.blocks, start, extent):
         clipped = slice_block(block, start, extent, dims)
         if clipped is not None:
             blocks.append(clipped)
@@ -438,7 +438,7 @@ def slice_block(
     )
 
 
-def _blocks_in_box(
+def blocks_in_box(
     blocks: Sequence[Block], start: Sequence[int], extent: Sequence[int]
 ) -> Iterable[Block]:
     """The blocks that may meet the box: for a ``GridBlocks`` only the parts along its split

@@ -36,7 +36,14 @@ from torch.futures import Future
 from ..engine.copy import Buffers, Streamer, stream_into_memory
 from ..engine.dtypes import TORCH_BY_CODE, code_of
 from ..engine.endpoints import Endpoint, FileEndpoint, OpenEndpoints, TensorEndpoint, live_block
-from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block, plan_copy
+from ..engine.plan import (
+    Block,
+    GlobalTensor,
+    blocks_in_box,
+    check_blocks_tile,
+    dense_block,
+    plan_copy,
+)
 from ..errors import CheckpointFormatError
 from ..formats.native import _is_grid, item_key, rank_file
 from ..formats.safetensors import build_header
@@ -290,7 +297,7 @@ def read_into_boxes(
     work = []
     for name, start, target in boxes:
         end = [s + n for s, n in zip(start, target.shape)]
-        for src in tensors[name].blocks:
+        for src in blocks_in_box(tensors[name].blocks, start, target.shape):  # grids: a few
             if all(s < b + n and b < e for s, e, b, n in zip(start, end, src.start, src.shape)):
                 work.append((src.location, src.offset, name, start, target, src))
     work.sort(key=lambda w: (w[0], w[1]))
