@@ -9,7 +9,7 @@ from shardstream.commands.verify import verify
 from shardstream.testing.distributed import run
 
 from . import accelerate_workers
-from .test_dcp_restore import _assert_same
+from .workers import assert_nested_equal as _assert_same
 
 
 def test_scaler_custom_objects_and_second_model(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from shardstream.testing.distributed import run
 
 from . import trainer_workers
-from .test_dcp_restore import _assert_same
+from .workers import assert_nested_equal as _assert_same
 
 
 def test_pytorch_recipe_app_state_with_transformers_schedule(tmp_path):
