@@ -312,7 +312,12 @@ class CheckpointManager:
         if config.async_save:
             from .training.async_save import AsyncSaver
 
-            self._async = AsyncSaver(self)
+            self._async = AsyncSaver(self, self._shared_staging())
+
+    def _shared_staging(self) -> Any:
+        """Staging memory for async saves that its owner faulted in already (a
+        ``training.async_save.StagingMemory``); None: the saver's own."""
+        return None
 
     # --- queries ------------------------------------------------------------------------------
 

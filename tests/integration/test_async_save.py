@@ -13,7 +13,7 @@ from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.engine.endpoints import TensorEndpoint
 from shardstream.formats import native
 from shardstream.testing.distributed import run
-from shardstream.training.async_save import SourceGuard
+from shardstream.training.async_save import SourceGuard, StagingMemory, split_budget
 
 from . import workers
 from .test_manager_roundtrip import assert_state_equal
@@ -292,3 +292,75 @@ def test_a_save_with_only_export_reads_is_ready_when_marked():
     guard.mark_ready()  # e1 is staged: the step goes before the export reads anything
     thread.join(timeout=GUARD_S)
     assert released.is_set() and guard.endpoint("e1") is not e1
+
+
+def _model_and_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = torch.nn.Sequential(torch.nn.Linear(64, 32), torch.nn.Linear(32, 8))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    model(torch.ones(2, 64)).sum().backward()
+    optimizer.step()
+
+
+@pytest.mark.parametrize("budget", [1 << 20, 64 << 20], ids=["budget-bound", "state-bound"])
+def test_staging_memory_is_faulted_in_after_the_first_step_and_sized_from_the_state(budget):
+    """Nothing is held before the optimizer's first step; after it, the staging part of the
+    budget or the state's bytes (parameters and AdamW's two moments and step), whichever is
+    less, plus room for alignment; later steps change nothing."""
+    model, optimizer = _model_and_adamw()
+    staging = StagingMemory()
+    staging.prefault_after_first_step(model, optimizer, budget)
+    assert staging.held_bytes == 0
+    _step(model, optimizer)
+    held = staging.held_bytes
+    params = sum(p.numel() * 4 for p in model.parameters())
+    state_bytes = 3 * params + 4 * 4  # AdamW: exp_avg and exp_avg_sq, and a float32 step each
+    want = min(split_budget(budget)[1], state_bytes)
+    assert want < held <= want + (1 << 20) + 4 * SourceGuard._ALIGN * 16
+    memory = staging.take(want, pinned=False)
+    _step(model, optimizer)
+    assert staging.held_bytes == held and staging.take(want, False).data_ptr() == memory.data_ptr()
+    assert staging.take(held + 1, False).numel() == held + 1  # too small: replaced
+
+
+def test_a_save_before_the_first_step_keeps_its_memory():
+    """A save that takes staging memory before the first step ends the fault-in plan: the
+    step after it does not replace what the save holds."""
+    model, optimizer = _model_and_adamw()
+    staging = StagingMemory()
+    staging.prefault_after_first_step(model, optimizer, 64 << 20)
+    memory = staging.take(1000, pinned=False)
+    _step(model, optimizer)
+    assert staging.held_bytes == 1000 and staging.take(1000, False).data_ptr() == memory.data_ptr()
+
+
+def test_first_async_save_copies_into_memory_faulted_in_after_the_first_step(tmp_path):
+    """The manager's async saver faults its staging memory in after the first optimizer step,
+    and the first save uses that memory: it faults in nothing new."""
+    model, optimizer = _model_and_adamw()
+    config = CheckpointConfig(str(tmp_path), async_save=True, staging_budget="64MiB")
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    try:
+        staging = manager._async.staging
+        assert staging.held_bytes == 0
+        _step(model, optimizer)
+        held = staging.held_bytes
+        memory = staging.take(1, False).data_ptr()
+        assert held > 0
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.save(1)
+        _step(model, optimizer)  # meets the save, or follows it
+        manager.wait()
+        assert staging.held_bytes == held and staging.take(1, False).data_ptr() == memory
+    finally:
+        manager.close()
+    restored, _ = _model_and_adamw()
+    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
+    try:
+        assert reader.restore(1) is not None
+    finally:
+        reader.close()
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, want[name]), name

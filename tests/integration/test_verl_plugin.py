@@ -125,6 +125,43 @@ def test_config_as_dataclass_dictconfig_or_dict():
     assert default.checkpoint_load_contents == ["model", "optimizer", "extra"]
 
 
+def test_async_staging_memory_is_faulted_in_after_the_first_step_and_used_by_the_first_save(
+    tmp_path,
+):
+    """With async_save, the plug-in faults its staging memory in after the optimizer's first
+    step, before any save knows where it saves; the first role run saves into that memory. A
+    run that saves synchronously (verl's SFT layout) lets it go."""
+    from verl.trainer.config import CheckpointConfig
+
+    from shardstream.integrations.verl import FSDPCheckpointManager
+
+    config = CheckpointConfig(save_contents=["model", "optimizer"], async_save=True)
+    for local_path, role_run in (
+        (tmp_path / "ppo" / "global_step_1" / "actor", True),
+        (tmp_path / "sft" / "global_step_1", False),
+    ):
+        model = torch.nn.Linear(64, 32)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+        manager = FSDPCheckpointManager(model, optimizer, checkpoint_config=config)
+        staging = manager._staging
+        assert staging is not None and staging.held_bytes == 0
+        model(torch.ones(2, 64)).sum().backward()
+        optimizer.step()
+        held = staging.held_bytes
+        memory = staging.take(1, False).data_ptr()
+        assert held > 3 * 4 * (64 * 32 + 32)  # the weights and AdamW's two moments
+        manager.save_checkpoint(str(local_path), global_step=1)
+        manager.wait()
+        (run,) = manager._runs.values()
+        if role_run:
+            assert run._async.staging is staging and manager._staging is None
+            assert staging.held_bytes == held and staging.take(1, False).data_ptr() == memory
+        else:
+            assert run._async is None and staging.held_bytes == 0
+        assert (local_path / "manifest.json").is_file()
+        manager.close()
+
+
 def test_layout_retention_and_side_files(saved):
     root, _, results = saved
     # max_ckpt_to_keep=2 deleted step 1 (and its emptied directory), not verl's step 0

@@ -40,6 +40,8 @@ from ..storage.run_layout import MANIFEST, step_dirs, step_name, step_of, write_
 from ..training import load as loading
 from ..training import save as saving
 from ..training import state as st
+from ..training.async_save import StagingMemory
+from ..units import parse_size
 
 if TYPE_CHECKING:
     from ..formats.source import Kind
@@ -143,6 +145,17 @@ class FSDPCheckpointManager:
         self.world_size = dist.get_world_size() if initialized else 1
         self._runs: dict[tuple[Path, str | None], _RoleRun] = {}
         self._generation_config: Any = ...  # read on the first save (verl reads it per save)
+        # Async saves copy into host memory faulted in after the first optimizer step, long
+        # before the first save; the first role run to save asynchronously takes it.
+        self._staging: StagingMemory | None = None
+        if self.async_save and optimizer is not None:
+            self._staging = StagingMemory()
+            self._staging.prefault_after_first_step(
+                model,
+                optimizer,
+                parse_size(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET)),
+                twice_model="hf_model" in self.checkpoint_save_contents,
+            )
 
     # --- verl's BaseCheckpointManager attributes --------------------------------------------------
 
@@ -263,6 +276,9 @@ class FSDPCheckpointManager:
                     root,
                 )
                 async_save = False
+                if self._staging is not None:
+                    self._staging.drop()
+                    self._staging = None
             contents = self.checkpoint_save_contents
             config = CheckpointConfig(
                 directory=str(root),
@@ -476,6 +492,10 @@ class _RoleRun(CheckpointManager):
             optimizer=owner.optimizer,
             hf_config=getattr(unwrapped, "config", None),
         )
+
+    def _shared_staging(self) -> StagingMemory | None:
+        staging, self.owner._staging = self.owner._staging, None
+        return staging
 
     def step_dir(self, step: int) -> Path:
         path = self.root / step_name(step)

@@ -3,10 +3,11 @@
 Nothing is copied up front. Parameters and optimizer state only change in ``optimizer.step()``,
 so an optimizer step pre-hook calls ``SourceGuard.freeze()``: tensors the writer has not started
 yet are staged into host memory while the staging budget lasts (the last ones to be written
-first), and the step waits only for the rest. That memory (as much as the budget allows, at
-most the bytes a save reads live) is faulted in on a thread of its own as the first save starts
-and reused by every later one: a copy into fresh pages runs at page-fault speed, 5 to 10 times
-slower here than into touched ones. It is held while the manager saves asynchronously. An
+first), and the step waits only for the rest. That memory (``StagingMemory``: as much as the
+budget allows, at most the bytes a save reads live) is faulted in on a thread of its own after
+the first optimizer step, when the optimizer's state exists and can be sized, and reused by
+every save: a copy into fresh pages runs at page-fault speed, 5 to 10 times slower here than
+into touched ones. It is held while the manager saves asynchronously. An
 hf_model export that reads live weights (not the rank file: ``saving.execute_save``) registers
 them too, after the rank file's. The background save runs on a process group of its own, so
 its collectives never interleave with training's.
@@ -244,10 +245,150 @@ class SourceGuard:
                 pass
 
 
+def split_budget(budget: int) -> tuple[int, int]:
+    """An async save's staging budget as (the copy engine's buffer, memory for staged copies)."""
+    buffer_bytes = max(1 << 20, min(64 << 20, budget // 4))
+    return buffer_bytes, budget - buffer_bytes
+
+
+def live_state_bytes(model: Any, optimizer: Any) -> tuple[int, int, bool]:
+    """What a save of this rank reads live, estimated from the rank's own tensors: (bytes,
+    tensors, whether any is on a GPU). Parameters, buffers and optimizer state, local shards
+    only; the save reads each of them once."""
+    tensors: dict[int, torch.Tensor] = {}
+
+    def add(value: Any) -> None:
+        if isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            tensors.setdefault(id(value), local)
+
+    if model is not None:
+        for value in list(model.parameters()) + list(model.buffers()):
+            add(value)
+    for state in optimizer.state.values() if optimizer is not None else ():
+        for value in state.values() if isinstance(state, dict) else ():
+            add(value)
+    nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    on_gpu = any(t.device.type == "cuda" for t in tensors.values())
+    return nbytes, len(tensors), on_gpu
+
+
+class StagingMemory:
+    """Touched host memory an async save copies into, reused by every save of one saver.
+
+    ``take`` gives it to a save (faulting in new memory when what is held is too small);
+    ``prefault_after_first_step`` faults it in ahead of the first save, on a thread of its own,
+    sized from the state the optimizer's first step created. A save starts only after the
+    previous one has ended, so one save at a time uses it.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._held: torch.Tensor | None = None
+        self._filling: threading.Thread | None = None
+        self._hook: Any = None  # removed on the training thread only: torch iterates its hooks
+        self._armed = False  # the hook still has to size and start the fault-in
+
+    @property
+    def held_bytes(self) -> int:
+        self.join()
+        held = self._held
+        return 0 if held is None else held.numel()
+
+    def take(self, nbytes: int, pinned: bool) -> torch.Tensor:
+        """At least ``nbytes`` of touched host memory (pinned for GPU sources)."""
+        while True:
+            self.join()
+            with self._lock:
+                if self._filling is not None:
+                    continue  # the first step's fault-in started meanwhile
+                self._armed = False
+                held = self._held
+                if held is None or held.numel() < nbytes or held.is_pinned() != pinned:
+                    self._held = None  # dropped before the new memory is faulted in
+                    self._held = held = _touched_memory(nbytes, pinned)
+                return held
+
+    def _start_filling(self, nbytes: int, pinned: bool) -> None:
+        """Under the lock: fault in ``nbytes`` on a background thread."""
+        self._held = None
+        self._filling = threading.Thread(
+            target=self._fill, args=(nbytes, pinned), name="shardstream-prefault", daemon=True
+        )
+        self._filling.start()
+
+    def _fill(self, nbytes: int, pinned: bool) -> None:
+        try:
+            memory = _touched_memory(nbytes, pinned)
+        except Exception as exc:  # noqa: BLE001  (the first save then faults its own in)
+            log.warning("shardstream: could not fault in async staging memory: %s", exc)
+            return
+        with self._lock:
+            self._held = memory
+
+    def join(self) -> None:
+        filling = self._filling
+        if filling is not None:
+            filling.join()
+            with self._lock:
+                if self._filling is filling:
+                    self._filling = None
+
+    def prefault_after_first_step(
+        self, model: Any, optimizer: Any, budget: int, twice_model: bool = False
+    ) -> None:
+        """After the optimizer's next step, fault in what a save will copy into: the staging
+        part of ``budget``, or the live state's bytes when fewer (the model's counted twice when
+        an hf_model export reads it live as well)."""
+
+        def after_step(*_: Any) -> None:
+            if not self._armed:
+                return
+            nbytes, count, on_gpu = live_state_bytes(model, optimizer)
+            if twice_model and model is not None:
+                nbytes += live_state_bytes(model, None)[0]
+                count *= 2
+            # A save places each copy at an aligned offset, and may read a tensor in several
+            # pieces (FSDP1's boxes): room for that on top.
+            slack = (1 << 20) + 4 * SourceGuard._ALIGN * count
+            with self._lock:
+                if self._armed:  # not done yet, and no save has taken memory meanwhile
+                    self._armed = False
+                    self._start_filling(min(split_budget(budget)[1], nbytes) + slack, on_gpu)
+
+        with self._lock:
+            if self._held is not None or self._filling is not None:
+                return  # sized already
+            self._remove_hook()
+            self._hook = optimizer.register_step_post_hook(after_step)
+            self._armed = True
+
+    def _remove_hook(self) -> None:
+        """Under the lock."""
+        if self._hook is not None:
+            self._hook.remove()
+            self._hook = None
+
+    def drop(self) -> None:
+        """Let the memory go (it returns to the kernel once no staged copy uses it). On the
+        training thread."""
+        self.join()
+        with self._lock:
+            self._remove_hook()
+            self._armed = False
+            self._held = None
+
+
+def _touched_memory(nbytes: int, pinned: bool) -> torch.Tensor:
+    if pinned:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    return torch.from_numpy(anonymous_memory(nbytes, touch=True, huge=False))
+
+
 class AsyncSaver:
     """Runs one background save at a time for a CheckpointManager."""
 
-    def __init__(self, manager: Any):
+    def __init__(self, manager: Any, staging: StagingMemory | None = None):
         self.manager = manager
         # A group of its own: background collectives must not interleave with training's.
         self.group = dist.new_group(backend="gloo") if coll.initialized() else None
@@ -256,40 +397,33 @@ class AsyncSaver:
         self.step: int | None = None
         self.error: BaseException | None = None
         self.stalls: list[float] = []
-        self.staging: torch.Tensor | None = None  # faulted in once, reused by every save
+        self.staging = staging if staging is not None else StagingMemory()
         self.hook = None
-        if manager.optimizer is not None:
-            self.hook = manager.optimizer.register_step_pre_hook(self._before_step)
+        optimizer = manager.optimizer
+        if optimizer is not None:
+            self.hook = optimizer.register_step_pre_hook(self._before_step)
+            config = manager.config
+            self.staging.prefault_after_first_step(
+                manager.model,
+                optimizer,
+                config.staging_budget_bytes,
+                twice_model="hf_model" in config.save_contents,
+            )
         atexit.register(self._at_exit)
 
     def submit(self, step: int, extra: Any) -> None:
         """Wait for the previous save (raising its error), then start this one."""
         self.wait()
         config = self.manager.config
-        budget = config.staging_budget_bytes
-        buffer_bytes = max(1 << 20, min(64 << 20, budget // 4))
+        buffer_bytes, staging_bytes = split_budget(config.staging_budget_bytes)
         prepared = self.manager._prepare(step, extra, buffer_bytes)
-        prepared.guard = SourceGuard(budget - buffer_bytes)
-        prepared.guard.start_reserving(self._staging_memory)
+        prepared.guard = SourceGuard(staging_bytes)
+        prepared.guard.start_reserving(self.staging.take)
         self.guard, self.step = prepared.guard, step
         self.thread = threading.Thread(
             target=self._run, args=(prepared,), name=f"shardstream-save-{step}", daemon=True
         )
         self.thread.start()
-
-    def _staging_memory(self, nbytes: int, pinned: bool) -> torch.Tensor:
-        """At least ``nbytes`` of touched host memory (pinned for CUDA sources): the memory
-        the last save used when it is large enough, else new memory that replaces it. Called
-        by one save at a time: a save starts once the previous one has ended."""
-        held = self.staging
-        if held is None or held.numel() < nbytes or held.is_pinned() != pinned:
-            self.staging = held = None  # dropped before the new one is faulted in
-            if pinned:
-                held = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-            else:
-                held = torch.from_numpy(anonymous_memory(nbytes, touch=True, huge=False))
-            self.staging = held
-        return held
 
     def _run(self, prepared: Any) -> None:
         try:
@@ -326,7 +460,7 @@ class AsyncSaver:
         try:
             self.wait()
         finally:
-            self.staging = None
+            self.staging.drop()
             if self.hook is not None:
                 self.hook.remove()
                 self.hook = None
