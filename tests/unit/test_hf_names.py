@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import torch
 
+from shardstream.engine.memory import imports_collector_held
 from shardstream.engine.plan import (
     Block,
     GlobalTensor,
@@ -132,21 +133,21 @@ def test_planning_with_transformers_pauses_the_collector(monkeypatch, qwen3_moe_
 
 def test_the_collector_held_ages_what_an_import_left_on_the_main_thread(monkeypatch):
     assert gc.isenabled() and not gc.get_freeze_count()
-    with hf_names._collector_held():
+    with imports_collector_held():
         assert not gc.isenabled()
         kept = [[] for _ in range(5000)]
         monkeypatch.setitem(sys.modules, "_imported_meanwhile", sys)
     assert gc.isenabled() and not gc.get_freeze_count()
     assert id(kept[0]) in {id(o) for o in gc.get_objects(generation=2)}
     # nothing imported: nothing aged
-    with hf_names._collector_held():
+    with imports_collector_held():
         young = [[] for _ in range(10)]
     assert id(young[0]) not in {id(o) for o in gc.get_objects(generation=2)}
     # objects the process keeps frozen itself stay frozen
     gc.freeze()
     try:
         frozen = gc.get_freeze_count()
-        with hf_names._collector_held():
+        with imports_collector_held():
             monkeypatch.setitem(sys.modules, "_imported_too", sys)
         assert gc.get_freeze_count() == frozen
     finally:
@@ -161,7 +162,7 @@ def test_the_collector_held_leaves_the_collector_alone_off_the_main_thread(monke
     seen = []
 
     def plan():
-        with hf_names._collector_held():
+        with imports_collector_held():
             seen.append(gc.isenabled())
 
     thread = threading.Thread(target=plan)

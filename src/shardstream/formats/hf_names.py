@@ -19,25 +19,22 @@ unless a newer transformers is installed. Without transformers any other model t
 refused, naming it and ``pip install transformers``. torch and transformers are imported only
 when a config names a model type the table does not decide, and the plan is not in the
 on-disk cache of plans transformers computed before (``hf_names_cache``); that import and the
-trace run with the cyclic garbage collector paused (``_collector_held``).
+trace run with the cyclic garbage collector paused (``engine.memory.imports_collector_held``).
 """
 
 from __future__ import annotations
 
 import bisect
-import contextlib
 import dataclasses
-import gc
 import json
 import logging
 import math
 import re
-import sys
-import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.memory import imports_collector_held
 from ..errors import CheckpointFormatError, UsageError
 
 WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -189,7 +186,7 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     if cached is not None:  # computed by this transformers before: not imported now
         found, pieces = cached
         return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped)
-    with _collector_held():
+    with imports_collector_held():
         try:
             import transformers
         except ImportError:
@@ -207,39 +204,6 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     plan = NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
     hf_names_cache.store(tensors, config, plan.rule, plan.pieces)
     return plan
-
-
-@contextlib.contextmanager
-def _collector_held() -> Iterator[None]:
-    """Python's cyclic garbage collector around importing transformers and tracing.
-
-    The import (transformers, torch._dynamo, torch.distributed.tensor, sympy, the model's
-    modeling module) creates ~300,000 objects, modules, classes and functions that live as
-    long as the process. With the collector on, they trigger hundreds of collections during
-    the import, several of them full ones (~0.5 s of a cold ``inspect`` on a 2-core VM);
-    paused, they pile up in the youngest generation, and the first collection after walks
-    them all (0.13-0.2 s at the end of a cold merge). So the collector is paused
-    (``engine.memory.gc_paused``; merge already is), and when something was imported, every
-    object alive moves to the oldest generation before it resumes (``gc.freeze()`` then
-    ``gc.unfreeze()``, which splice lists): the standing surviving two collections would
-    have given them. Nothing is exempt from later full collections. Like ``gc_paused``, only
-    on the main thread; and not when the process keeps objects frozen itself
-    (``gc.unfreeze()`` would release them).
-    """
-    from ..engine.memory import gc_paused
-
-    modules = len(sys.modules)
-    with gc_paused():
-        try:
-            yield
-        finally:
-            if (
-                len(sys.modules) > modules
-                and threading.current_thread() is threading.main_thread()
-                and not gc.get_freeze_count()
-            ):
-                gc.freeze()
-                gc.unfreeze()
 
 
 def _join(*parts: str) -> str:
