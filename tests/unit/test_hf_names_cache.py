@@ -8,13 +8,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from shardstream.formats import hf_names, hf_names_cache
 from shardstream.formats.hf_names import plan_names
-from shardstream.storage.commit import is_temporary
+from shardstream.storage.commit import TMP_MARK, is_temporary
 
 E, INTER, H = 3, 6, 8
 STORED = [
@@ -221,6 +222,24 @@ def test_pruning_tolerates_other_processes(tmp_path, monkeypatch):
         hf_names_cache.prune(tmp_path / "layouts", 2)
     assert _files(tmp_path / "layouts") == paths[-2:]
     hf_names_cache.prune(tmp_path / "gone", 2)
+
+
+def test_pruning_removes_what_crashed_writes_left_once_an_hour_old(tmp_path):
+    """A plan file's temporary (``atomic_write_bytes``: name, TMP_MARK, 8 hex digits) is a
+    write a crash cut off once it is an hour old, and goes; a younger one may be another
+    process's write in progress, and other names are not the cache's: both stay."""
+    directory = tmp_path / "layouts"
+    (plan,) = _fake_plans(directory, 1)
+    stale = directory / f"{plan.name}{TMP_MARK}0123abcd"
+    young = directory / f"{plan.name}{TMP_MARK}89abcdef"
+    foreign = directory / f"notes.json{TMP_MARK}0123abcd"
+    for path in (stale, young, foreign):
+        path.write_bytes(b"{")
+    hour_ago = time.time() - hf_names_cache.STALE_WRITE_S - 60
+    for path in (stale, foreign):
+        os.utime(path, (hour_ago, hour_ago))
+    hf_names_cache.prune(directory)
+    assert set(directory.iterdir()) == {plan, young, foreign}
 
 
 def test_where_the_cache_lives(monkeypatch, tmp_path):

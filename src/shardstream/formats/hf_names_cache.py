@@ -10,7 +10,8 @@ Directory: ``$SHARDSTREAM_CACHE_DIR`` if set (the empty string disables the cach
 ``$XDG_CACHE_HOME/shardstream/hf-layouts``, else ``~/.cache/shardstream/hf-layouts``. It holds
 at most ``MAX_ENTRIES`` plans: a hit touches its file's mtime, and each store removes the
 least recently used beyond that (other processes may prune at the same time: a file already
-gone is no error).
+gone is no error), and the temporary files of writes a crash cut off, once they are an hour old
+(a write takes milliseconds, so none is still being written).
 
 A file is read with the strict JSON reader (``jsondoc``) and checked against the request:
 every piece names a stored tensor of the request, its box lies inside that tensor, its output
@@ -28,11 +29,12 @@ import logging
 import math
 import os
 import re
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
 from ..errors import ShardstreamError
-from ..storage.commit import atomic_write_bytes
+from ..storage.commit import TMP_MARK, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,9 @@ CACHE_FORMAT = 1  # bump whenever what plan_names computes, or this file's layou
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
+# ``atomic_write_bytes``'s temporary for a plan's file, and the age at which one is surely dead
+STALE_WRITE = re.compile(r"[0-9a-f]{64}\.json" + re.escape(TMP_MARK) + r"[0-9a-f]{8}")
+STALE_WRITE_S = 3600
 FIELDS = ("name", "stored", "start", "extent", "dims", "shape", "storage", "storage_numel")
 
 Tensors = Sequence[tuple[str, str, tuple[int, ...]]]
@@ -154,23 +159,31 @@ def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
 
 def prune(directory: Path, keep: int | None = None) -> None:
     """Remove all but the ``keep`` (``MAX_ENTRIES``) most recently used plans, by mtime, from
-    ``directory``; files not named as plans are left alone. Other processes may store, touch
+    ``directory``, and plan-file temporaries older than ``STALE_WRITE_S``; files named as
+    neither are left alone. Other processes may store, touch
     or prune at the same time: a file that is gone when looked at or removed is skipped; any
     other failure stops the pruning, logged at debug level."""
     keep = MAX_ENTRIES if keep is None else keep
     try:
-        found = []
+        found, doomed = [], []
+        stale_before = time.time_ns() - STALE_WRITE_S * 10**9
         with os.scandir(directory) as entries:
             for entry in entries:
-                if not ENTRY.fullmatch(entry.name):
+                plan, stale = ENTRY.fullmatch(entry.name), STALE_WRITE.fullmatch(entry.name)
+                if not plan and not stale:
                     continue
                 try:
-                    if entry.is_file(follow_symlinks=False):
-                        found.append((entry.stat(follow_symlinks=False).st_mtime_ns, entry.name))
+                    if not entry.is_file(follow_symlinks=False):
+                        continue
+                    mtime = entry.stat(follow_symlinks=False).st_mtime_ns
                 except FileNotFoundError:
                     continue
+                if plan:
+                    found.append((mtime, entry.name))
+                elif mtime < stale_before:
+                    doomed.append(entry.name)
         found.sort(reverse=True)
-        for _, name in found[keep:]:
+        for name in [name for _, name in found[keep:]] + doomed:
             try:
                 os.unlink(directory / name)
             except FileNotFoundError:
