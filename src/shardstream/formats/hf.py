@@ -245,6 +245,8 @@ def read_hf_model(directory: str | os.PathLike) -> tuple[list[HfTensor], dict]:
                 f"{path}: expected a HF model directory or a .safetensors file"
             )
         return tensors_of(read_header(path)), read_config(path.parent)
+    if not path.is_dir():  # a FIFO, a device
+        raise CheckpointFormatError(f"{path}: expected a HF model directory or a .safetensors file")
     config = read_config(path)
     index = path / INDEX_FILE
     single = path / SINGLE_FILE

@@ -20,6 +20,7 @@ from ..errors import (
     UnsafeCheckpointError,
     UsageError,
 )
+from .regular_file import open_regular
 
 MAX_HEADER_BYTES = 100_000_000
 MAX_TENSORS = 10_000_000
@@ -105,7 +106,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate a header against the safetensors rules and the file's real size."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             file_size = os.fstat(f.fileno()).st_size
             prefix = f.read(8)
             if len(prefix) < 8:
@@ -129,6 +130,8 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         ) from None
     except PermissionError:
         raise UsageError(f"{path}: cannot read: permission denied") from None
+    except OSError as exc:  # a symlink loop, an I/O error
+        raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
     return parse_header(path, raw, file_size)
 
 

@@ -1,0 +1,40 @@
+"""Opening a checkpoint file for reading only when it is a regular file.
+
+A FIFO in a rank file's place blocks ``open()`` (or the first read) forever, and a device such
+as ``/dev/zero`` reports size 0 but never ends, so a reader that looks for the end of a zip
+archive reads without bound. Both are refused here, naming the file.
+"""
+
+from __future__ import annotations
+
+import os
+import stat
+from typing import BinaryIO
+
+from ..errors import CheckpointFormatError
+
+_KINDS = {
+    stat.S_IFDIR: "a directory",
+    stat.S_IFIFO: "a FIFO",
+    stat.S_IFCHR: "a character device",
+    stat.S_IFBLK: "a block device",
+    stat.S_IFSOCK: "a socket",
+}
+
+
+def open_regular(path: str | os.PathLike) -> BinaryIO:
+    """``open(path, "rb")``, links followed, for a regular file; anything else is a
+    ``CheckpointFormatError`` naming ``path``. OSErrors of the open itself (no such file, a
+    refused permission, a symlink loop) are raised as they are."""
+    # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one.
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
+            raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
