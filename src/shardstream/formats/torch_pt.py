@@ -44,6 +44,7 @@ from .dcp_pickles import (
     check_pickle,
     check_unpickled,
 )
+from .regular_file import open_regular
 
 
 @dataclass(frozen=True)
@@ -523,17 +524,29 @@ class ZipRecord:
     crc: str
 
 
-def zip_records(path: str) -> list[ZipRecord]:
+def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
     """The stored records of the zip archive ``path`` that carry a CRC-32, in file order.
 
     torch writes a CRC-32 for every record but checks none when it loads; records saved with
-    ``compute_crc32=False`` hold 0 there and are left out (nothing to check them against).
+    ``compute_crc32=False`` hold 0 there and are left out (nothing to check them against),
+    unless ``unchecked``. Compressed records are always left out: no tensor may lie in one.
+    An archive naming a record twice is refused (readers disagree on which one counts).
     """
     records = []
     try:
-        with open(path, "rb") as f, zipfile.ZipFile(f) as archive:
-            for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
+        with open_regular(path) as f, zipfile.ZipFile(f) as archive:
+            infos = archive.infolist()
+            counts = collections.Counter(info.filename for info in infos)
+            twice = [name for name, count in counts.items() if count > 1]
+            if twice:
+                raise CheckpointFormatError(
+                    f"{path}: corrupt torch checkpoint: the zip archive holds record "
+                    f"{twice[0]!r} twice"
+                )
+            for info in infos:
+                if info.compress_type != zipfile.ZIP_STORED:
+                    continue
+                if info.CRC == 0 and info.file_size and not unchecked:
                     continue
                 local = os.pread(f.fileno(), 30, info.header_offset)
                 if len(local) < 30 or local[:4] != b"PK\x03\x04":
@@ -545,6 +558,8 @@ def zip_records(path: str) -> list[ZipRecord]:
                 start = info.header_offset + 30 + name_len + extra_len
                 crc = f"{info.CRC:08x}"
                 records.append(ZipRecord(info.filename, start, start + info.file_size, crc))
+    except CheckpointFormatError:
+        raise
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
         raise CheckpointFormatError(f"{path}: corrupt torch checkpoint: {exc}") from None
     records.sort(key=lambda r: r.start)
@@ -635,8 +650,21 @@ def check_records(
         reader.close()
 
 
-def local_layout(path: str, name: str, tensor: torch.Tensor, file_size: int) -> LocalTensor:
-    """The layout of a plain (non-distributed) meta tensor loaded by ``load_layout``."""
+def storage_records(path: str) -> dict[int, int]:
+    """Where the storages of the archive ``path`` may lie: data start -> size of each of its
+    stored (uncompressed) records, those without a CRC-32 too."""
+    return {r.start: r.end - r.start for r in zip_records(path, unchecked=True)}
+
+
+def local_layout(
+    path: str, name: str, tensor: torch.Tensor, file_size: int, records: Mapping[int, int]
+) -> LocalTensor:
+    """The layout of a plain (non-distributed) meta tensor loaded by ``load_layout``.
+
+    ``records``: ``storage_records(path)``. torch places a meta storage by arithmetic over the
+    sizes the pickle claims, and grows it to fit any view of it, so neither is trusted: the
+    storage must be a stored zip record, and the tensor must lie inside that record.
+    """
     storage = tensor.untyped_storage()
     base = getattr(storage, "_checkpoint_offset", None)
     if base is None:
@@ -644,15 +672,28 @@ def local_layout(path: str, name: str, tensor: torch.Tensor, file_size: int) -> 
     dtype = code_of(tensor.dtype)
     isz = tensor.element_size()
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
+    record_size = records.get(base)
+    if record_size is None:
+        raise CheckpointFormatError(
+            f"{path}: the storage of tensor {name!r} (at byte {base}) is not an uncompressed "
+            "record of the zip archive; the file is compressed, damaged or not written by torch"
+        )
+    if storage.nbytes() != record_size:
+        raise CheckpointFormatError(
+            f"{path}: the storage of tensor {name!r} claims {storage.nbytes()} bytes but its "
+            f"zip record holds {record_size}"
+        )
+    if any(s < 0 for s in strides):
+        raise CheckpointFormatError(f"{path}: tensor {name!r} has negative strides {strides}")
     if tensor.numel():
         last = tensor.storage_offset() + sum((n - 1) * s for n, s in zip(shape, strides))
-        if tensor.storage_offset() < 0 or (last + 1) * isz > storage.nbytes():
+        if tensor.storage_offset() < 0 or (last + 1) * isz > record_size:
             raise CheckpointFormatError(
                 f"{path}: tensor {name!r} reaches past the end of its storage"
             )
-    if base + storage.nbytes() > file_size:
+    if base + record_size > file_size:
         raise CheckpointFormatError(
-            f"{path}: storage of tensor {name!r} ends at byte {base + storage.nbytes()}, "
+            f"{path}: storage of tensor {name!r} ends at byte {base + record_size}, "
             f"past the end of the file ({file_size} bytes); the file is truncated"
         )
     return LocalTensor(dtype, shape, strides, base + tensor.storage_offset() * isz)

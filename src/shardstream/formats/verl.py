@@ -48,6 +48,7 @@ from .torch_pt import (
     load_restricted,
     local_layout,
     numpy_globals,
+    storage_records,
     zip_records,
 )
 
@@ -254,7 +255,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
     config = directory / FSDP_CONFIG
     if config.is_file():
         fsdp_version = read_object(config, "FSDP config (JSON object)").get("FSDP_version")
-    layout = read_rank_layouts(files, lambda state, path: state, shared)
+    layout = read_rank_layouts(files, _model_state, shared)
     return VerlCheckpoint(
         directory,
         world_size,
@@ -265,6 +266,16 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
         files,
         layout.replicas,
     )
+
+
+def _model_state(state: dict, path: str) -> dict:
+    """A model file's state dict, whose keys must be tensor names."""
+    for name in state:
+        if not isinstance(name, str):
+            raise CheckpointFormatError(
+                f"{path}: state dict key {name!r} is a {type(name).__name__}, not a tensor name"
+            )
+    return state
 
 
 @dataclass
@@ -315,13 +326,14 @@ def read_entries(
         raise CheckpointFormatError(f"{path}: expected a state dict, got {type(state).__name__}")
     state = flatten(state, path)
     file_size = os.path.getsize(path)
+    records = storage_records(path)
     entries, scalars = {}, {}
     for name, value in state.items():
         if isinstance(value, DistributedTensor):
-            local = local_layout(path, name, value.local, file_size)
+            local = local_layout(path, name, value.local, file_size, records)
             entries[name] = _Entry(local, value.shape, value.placements, value.mesh)
         elif isinstance(value, torch.Tensor):
-            entries[name] = _Entry(local_layout(path, name, value, file_size))
+            entries[name] = _Entry(local_layout(path, name, value, file_size, records))
         elif keep_scalars:
             scalars[name] = value
         else:
