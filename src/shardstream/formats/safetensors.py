@@ -80,6 +80,11 @@ def build_header(
     for name, dtype, shape in tensors:
         if name in doc:
             raise CheckpointFormatError(f"duplicate tensor name {name!r} in safetensors layout")
+        if not _is_unicode(name):
+            raise CheckpointFormatError(
+                f"tensor {name!r}: the name is not valid Unicode (a lone surrogate), which no "
+                "safetensors reader accepts"
+            )
         nbytes = tensor_nbytes(dtype, shape)
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, offset + nbytes))
         doc[name] = {
@@ -91,6 +96,14 @@ def build_header(
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(len(body) + 8) % align)
     return struct.pack("<Q", len(body)) + body, entries
+
+
+def _is_unicode(name: str) -> bool:
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:

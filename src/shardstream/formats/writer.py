@@ -7,13 +7,13 @@ import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
-from ..engine.checksum import digest
+from ..engine.checksum import DIGEST_WIDTH, digest
 from ..engine.copy import Streamer, stream_file, write_all
 from ..engine.dtypes import itemsize
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
-from ..errors import out_of_space
+from ..errors import CheckpointFormatError, out_of_space
 from ..units import DEFAULT_CHUNK_BYTES
-from .safetensors import build_header, checksum_metadata
+from .safetensors import MAX_HEADER_BYTES, build_header, checksum_metadata
 
 
 @dataclass(frozen=True)
@@ -108,6 +108,13 @@ def plan_file(
     layout = [(t.name, t.dtype, t.shape) for t in tensors]
     _, entries = build_header(layout)
     data_size = entries[-1].end if entries else 0
+    if -(-data_size // chunk_bytes) * DIGEST_WIDTH > MAX_HEADER_BYTES:
+        largest = max(tensors, key=lambda t: t.nbytes)
+        raise CheckpointFormatError(
+            f"tensor {largest.name!r} of shape {list(largest.shape)} ({largest.nbytes} bytes): "
+            f"{os.path.basename(path)} would hold {data_size} bytes, more than the checksums of "
+            f"one safetensors file can cover (its header is limited to {MAX_HEADER_BYTES} bytes)"
+        )
     meta = {"format": "pt", **(metadata or {})}
     runs = plan_file_runs(path, tensors)[1] if plan_runs else None
     bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
