@@ -1,0 +1,324 @@
+"""Hostile inputs found by a campaign against inputs the other hostile tests had not tried.
+
+Each once ended in a hang, unbounded memory, a traceback, or a merge that exited 0 with wrong
+weights. Each must now end in ``shardstream <cmd>: error: ...`` (or a verify problem) naming
+the file or tensor, a non-zero exit, nothing written and the input untouched.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import hashlib
+import io
+import json
+import os
+import pickle
+import signal
+import warnings
+import zipfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstream import cli
+
+from .test_hostile import _plain_state, _verl_dir
+
+MODEL = "model_world_size_1_rank_0.pt"
+
+
+class Hang(BaseException):
+    """Raised by the deadline; a BaseException, so no ``except OSError`` reports it as a
+    problem of the file."""
+
+
+@contextlib.contextmanager
+def _deadline(seconds: int = 60) -> Iterator[None]:
+    """Fail a command that blocks (a FIFO opened for reading waits for a writer forever)."""
+
+    def expire(signum, frame):
+        raise Hang(f"no answer within {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _cli(capsys, *argv: object) -> tuple[int, list[str]]:
+    with _deadline():
+        code = cli.main([str(a) for a in argv])
+    captured = capsys.readouterr()
+    output = captured.err + captured.out
+    assert "Traceback" not in output, output
+    return code, [line for line in captured.err.splitlines() if line.strip()]
+
+
+def _snapshot(root: Path) -> dict[str, str]:
+    """Every entry below ``root``: a file's digest, a link's target, or its kind."""
+    found = {}
+    for dirpath, dirs, files in os.walk(root):
+        for name in dirs + files:
+            path = Path(dirpath) / name
+            if path.is_symlink():
+                found[str(path)] = "-> " + os.readlink(path)
+            elif path.is_file():
+                found[str(path)] = hashlib.sha1(path.read_bytes()).hexdigest()
+            else:
+                found[str(path)] = oct(path.lstat().st_mode)
+    return found
+
+
+def _fails_naming(capsys, argv: list[object], source: Path, *needles: str) -> None:
+    """``argv`` exits 1 with a stderr line naming every needle; for merge nothing is written;
+    the input directory ``source`` is unchanged."""
+    before = _snapshot(source)
+    code, lines = _cli(capsys, *argv)
+    assert code == 1, lines
+    assert any(all(n in line for n in needles) for line in lines), (needles, lines)
+    if argv[0] == "merge":
+        target = Path(argv[argv.index("--target_dir") + 1])
+        assert not target.exists()
+        assert not [p for p in target.parent.iterdir() if ".tmp-" in p.name]
+    assert _snapshot(source) == before
+
+
+def _merge_argv(source: Path, tmp_path: Path) -> list[object]:
+    return ["merge", "--local_dir", source, "--target_dir", tmp_path / "merged", "--quiet"]
+
+
+# --- files that are not regular files --------------------------------------------------------
+
+
+def _hf_dir(directory: Path) -> Path:
+    """A two-file HF safetensors model with its index."""
+    from safetensors.torch import save_file
+
+    directory.mkdir()
+    state = _plain_state()
+    names = sorted(state)
+    half = len(names) // 2
+    weight_map = {}
+    for i, part in enumerate((names[:half], names[half:])):
+        file = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({n: state[n] for n in part}, str(directory / file), metadata={"format": "pt"})
+        weight_map.update({n: file for n in part})
+    index = {"metadata": {"total_size": 0}, "weight_map": weight_map}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    (directory / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    return directory
+
+
+def _replace(path: Path, kind: str) -> None:
+    path.unlink()
+    if kind == "FIFO":
+        os.mkfifo(path)
+    else:  # a symlink to itself
+        os.symlink(path.name, path)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "symlink loop"])
+@pytest.mark.parametrize("command", ["inspect", "test"])
+def test_hf_shard_that_is_no_regular_file(tmp_path, capsys, command, kind):
+    """inspect and test once blocked forever opening a FIFO shard, and printed a traceback
+    for a symlink loop."""
+    model = _hf_dir(tmp_path / "hf")
+    shard = model / "model-00002-of-00002.safetensors"
+    _replace(shard, kind)
+    if command == "inspect":
+        argv = ["inspect", model]
+    else:
+        source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+        argv = ["test", "--local_dir", source, "--test_hf_dir", model, "--quiet"]
+    _fails_naming(capsys, argv, model, str(shard))
+
+
+def test_test_hf_dir_that_is_a_fifo(tmp_path, capsys):
+    """A FIFO given as the reference model ended in a NotADirectoryError traceback."""
+    fifo = tmp_path / "reference"
+    os.mkfifo(fifo)
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    argv = ["test", "--local_dir", source, "--test_hf_dir", fifo, "--quiet"]
+    _fails_naming(capsys, argv, source, str(fifo))
+
+
+def test_verify_verl_rank_file_that_is_a_fifo(tmp_path, capsys):
+    """verify read every ``*.pt`` file without asking what it is: a FIFO blocked it."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    _replace(source / MODEL, "FIFO")
+    _fails_naming(capsys, ["verify", "--quiet", source], source, str(source / MODEL), "FIFO")
+
+
+def test_verify_verl_rank_file_linked_to_dev_zero(tmp_path):
+    """zipfile looks for the end of the archive by reading to EOF: through a link to
+    /dev/zero verify read until the kernel killed it (22 GiB). Run in a child under an
+    address-space cap, so a regression fails instead of exhausting the machine."""
+    from .test_hostile_pickles import _cli as guarded_cli
+
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    (source / MODEL).unlink()
+    os.symlink("/dev/zero", source / MODEL)
+    proc = guarded_cli("verify", "--quiet", str(source))
+    output = proc.stderr + proc.stdout
+    assert proc.returncode == 1 and "Traceback" not in output, output[-2000:]
+    assert f"{source / MODEL}: is a character device" in output, output
+
+
+# --- zip archives and pickles that lie about where a tensor's bytes are ---------------------
+
+
+def _torch_bytes(obj) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def _rezip(raw: bytes, transform: Callable[[str, bytes], list[tuple[str, bytes, int]]]) -> bytes:
+    """The archive ``raw`` with each record replaced by ``transform(name, data)``: a list of
+    (name, data, compression)."""
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(raw)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in src.infolist():
+            for name, data, compression in transform(info.filename, src.read(info)):
+                record = zipfile.ZipInfo(name)
+                record.compress_type = compression
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")  # "Duplicate name", on purpose
+                    dst.writestr(record, data)
+    return out.getvalue()
+
+
+def _deflated(name: str, data: bytes) -> list[tuple[str, bytes, int]]:
+    return [(name, data, zipfile.ZIP_DEFLATED)]
+
+
+def _record_twice(name: str, data: bytes) -> list[tuple[str, bytes, int]]:
+    """data/0 twice, the second copy zeros: torch and zipfile read different ones."""
+    first = [(name, data, zipfile.ZIP_STORED)]
+    if not name.endswith("/data/0"):
+        return first
+    return first + [(name, bytes(len(data)), zipfile.ZIP_STORED)]
+
+
+class _Storage:
+    def __init__(self, numel: int):
+        self.numel = numel
+
+
+class _Tensor:
+    """Pickles as torch pickles a tensor, with whatever offset, size and stride it is given."""
+
+    def __init__(self, storage: _Storage, offset: int, size: tuple, stride: tuple):
+        self.args = (storage, offset, size, stride, False, collections.OrderedDict())
+
+    def __reduce_ex__(self, protocol):
+        return (torch._utils._rebuild_tensor_v2, self.args)
+
+
+class _TorchPickler(pickle.Pickler):
+    def persistent_id(self, obj):
+        if isinstance(obj, _Storage):
+            return ("storage", torch.FloatStorage, "0", "cpu", obj.numel)
+        return None
+
+
+def _lying_pt(numel: int, offset: int, size: tuple, stride: tuple, data_bytes: int = 96) -> bytes:
+    """A torch archive holding tensor ``w`` over storage record data/0 of ``data_bytes``
+    bytes, whose pickle claims ``numel`` floats and the given view of them."""
+    pickled = io.BytesIO()
+    _TorchPickler(pickled, protocol=2).dump({"w": _Tensor(_Storage(numel), offset, size, stride)})
+
+    def swap(name: str, data: bytes) -> list[tuple[str, bytes, int]]:
+        if name.endswith("/data.pkl"):
+            return [(name, pickled.getvalue(), zipfile.ZIP_STORED)]
+        if name.endswith("/data/0"):
+            return [(name, bytes(range(data_bytes)), zipfile.ZIP_STORED)]
+        return [(name, data, zipfile.ZIP_STORED)]
+
+    return _rezip(_torch_bytes({"w": torch.zeros(1)}), swap)
+
+
+ARCHIVES: dict[str, tuple[Callable[[], bytes], str]] = {
+    # the merge wrote the deflated bytes as the weights, exit 0
+    "records deflated": (
+        lambda: _rezip(_torch_bytes(_plain_state()), _deflated),
+        "not an uncompressed record",
+    ),
+    # the merge read one copy, torch.load the other
+    "a record twice": (
+        lambda: _rezip(_torch_bytes(_plain_state()), _record_twice),
+        "twice",
+    ),
+    # torch grows a meta storage to fit any view: the merge read the zip records after it
+    "storage offset past the record": (
+        lambda: _lying_pt(24, 100, (4, 6), (6, 1)),
+        "tensor 'w'",
+    ),
+    "view ending past the record": (lambda: _lying_pt(24, 2, (4, 6), (6, 1)), "tensor 'w'"),
+    "record shorter than the storage": (
+        lambda: _lying_pt(24, 0, (4, 6), (6, 1), data_bytes=40),
+        "tensor 'w'",
+    ),
+    # torch.load refuses negative strides; the merge wrote bytes from before the storage
+    "negative stride": (lambda: _lying_pt(24, 23, (24,), (-1,)), "tensor 'w'"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(ARCHIVES))
+@pytest.mark.parametrize("command", ["merge", "verify", "inspect"])
+def test_archive_that_lies_about_its_tensors(tmp_path, capsys, case, command):
+    build, needle = ARCHIVES[case]
+    source = _verl_dir(tmp_path / "actor", {})
+    (source / MODEL).write_bytes(build())
+    argv = {
+        "merge": _merge_argv(source, tmp_path),
+        "verify": ["verify", "--quiet", source],
+        "inspect": ["inspect", source],
+    }[command]
+    _fails_naming(capsys, argv, source, str(source / MODEL), needle)
+
+
+def test_storage_as_torch_writes_it_still_merges(tmp_path, capsys):
+    """The builder above, telling the truth: the checks refuse the lies, not the format."""
+    source = _verl_dir(tmp_path / "actor", {})
+    (source / MODEL).write_bytes(_lying_pt(24, 0, (4, 6), (6, 1)))
+    code, lines = _cli(capsys, *_merge_argv(source, tmp_path))
+    assert (code, lines) == (0, [])
+    from safetensors.torch import load_file
+
+    merged = load_file(tmp_path / "merged" / "model.safetensors")["w"]
+    expected = torch.frombuffer(bytearray(range(96)), dtype=torch.float32).reshape(4, 6)
+    assert torch.equal(merged.float(), expected)
+
+
+# --- state dicts with keys and names no output can hold -------------------------------------
+
+
+@pytest.mark.parametrize("key", [7, None, ("a", "b")], ids=["int", "None", "tuple"])
+@pytest.mark.parametrize("command", ["merge", "inspect"])
+def test_state_dict_key_that_is_no_name(tmp_path, capsys, command, key):
+    """A non-string key ended in a TypeError or AttributeError traceback."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: {key: torch.ones(3), "b": torch.ones(2)}})
+    argv = _merge_argv(source, tmp_path) if command == "merge" else ["inspect", source]
+    _fails_naming(capsys, argv, source, str(source / MODEL), "not a tensor name")
+
+
+def test_tensor_name_with_a_lone_surrogate(tmp_path, capsys):
+    """The merge wrote a header no safetensors reader parses ("lone leading surrogate")."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: {"a\udc80": torch.ones(3)}})
+    argv = _merge_argv(source, tmp_path)
+    _fails_naming(capsys, argv, source, "'a\\udc80'", "not valid Unicode")
+
+
+def test_expanded_tensor_too_large_for_any_file(tmp_path, capsys):
+    """One float viewed 2**62 times (stride 0): planning the output's checksum list raised
+    MemoryError."""
+    source = _verl_dir(tmp_path / "actor", {})
+    (source / MODEL).write_bytes(_lying_pt(1, 0, (2**62,), (0,), data_bytes=4))
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, "tensor 'w'", "more than")
