@@ -12,18 +12,23 @@ from shardstream.training import state as st
 from .workers import build, full_state, train_step
 
 
-def fsdp1_model(world: int, seed: int, use_orig_params: bool, tie: bool = False):
-    """The tiny Qwen2 with one FSDP1 unit per decoder layer inside a root unit."""
+def fsdp1_model(
+    world: int, seed: int, use_orig_params: bool, tie: bool = False, strategy: str = "FULL_SHARD"
+):
+    """The tiny Qwen2 with one FSDP1 unit per decoder layer inside a root unit; a hybrid
+    ``strategy`` shards over pairs of ranks, which the other pairs replicate."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel
+    from torch.distributed.fsdp import FullyShardedDataParallel, ShardingStrategy
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
     model, _, _, config = build(None, seed=seed, tie=tie)
     layer = type(model.model.layers[0])
+    hybrid = "HYBRID" in strategy
     model = FullyShardedDataParallel(
         model,
-        device_mesh=init_device_mesh("cpu", (world,)),
+        device_mesh=init_device_mesh("cpu", (world // 2, 2) if hybrid else (world,)),
         device_id=torch.device("cpu"),
+        sharding_strategy=getattr(ShardingStrategy, strategy),
         use_orig_params=use_orig_params,
         auto_wrap_policy=ModuleWrapPolicy({layer}),
     )
@@ -108,12 +113,45 @@ def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool)
     }
 
 
+def save_replicated_run(rank: int, world: int, root: str, strategy: str, orig: bool) -> dict:
+    """Two steps under a replicating ``strategy``, then a save (model, optimizer, hf_model);
+    rank 0 writes the full state as the reference. Returns whether the flat-shard path took
+    the model and what this rank presented for saving."""
+    import shardstream
+
+    model, optimizer, scheduler, config = fsdp1_model(world, 0, orig, strategy=strategy)
+    for step in (1, 2):
+        train_step(model, optimizer, scheduler, step)
+    layout = fsdp1_shards.layout(model)
+    presented = [
+        t
+        for part in (layout.model_tensors(model), layout.optimizer_tensors(optimizer)[0])
+        for t in part.values()
+        if isinstance(t, fsdp1_shards.FlatShard)
+    ]
+    shardstream.save(
+        Path(root) / "ckpt",
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        contents=("model", "optimizer", "extra", "hf_model"),
+        step=2,
+        hf_config=config,
+    )
+    reference = full_state(model, optimizer, scheduler)  # collective: on every rank
+    if rank == 0:
+        torch.save(reference, Path(root) / "reference.pt")
+    return {"writes": layout.writes, "boxes": sum(len(t.pieces) for t in presented)}
+
+
 def load_run(rank: int, world: int, path: str, kind: str, tie: bool) -> dict:
     """A fresh model (another seed, one step taken) restores ``path``: ``kind`` "fsdp1" or
     "fsdp2" at this world size; "fsdp1-fresh" before any step (as verl resumes)."""
     import shardstream
 
-    if kind.startswith("fsdp1"):
+    if kind.startswith("fsdp1-hybrid"):
+        model, optimizer, scheduler, _ = fsdp1_model(world, 123, True, tie, "HYBRID_SHARD")
+    elif kind.startswith("fsdp1"):
         model, optimizer, scheduler, _ = fsdp1_model(world, 123, False, tie)
     else:
         model, optimizer, scheduler, _ = build((world,), seed=123, tie=tie)

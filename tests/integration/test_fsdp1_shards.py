@@ -4,6 +4,9 @@ bit at other world sizes and into FSDP2, and the same hf_model as a merge."""
 
 from __future__ import annotations
 
+import json
+import math
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -72,6 +75,50 @@ def test_hf_model_equals_a_merge_of_the_same_step(saved, tmp_path):
     merged = {}
     for file in sorted((tmp_path / "merged").glob("*.safetensors")):
         merged.update(load_file(file))
+    assert exported.keys() == merged.keys() and exported
+    for key in exported:
+        assert torch.equal(exported[key], merged[key]), key
+
+
+@pytest.mark.parametrize(
+    "world, strategy, orig, loads",
+    [
+        (4, "HYBRID_SHARD", False, ((2, "fsdp2"), (4, "fsdp1-hybrid"))),
+        (4, "_HYBRID_SHARD_ZERO2", True, ((2, "fsdp1"),)),
+        (2, "NO_SHARD", False, ((1, "fsdp2"),)),
+    ],
+    ids=["hybrid-flat", "hybrid-zero2-orig", "no-shard"],
+)
+def test_replicated_strategies_save_once_from_the_shards(tmp_path, world, strategy, orig, loads):
+    """Hybrid sharding (pairs of ranks shard, the pairs replicate) and no sharding take the
+    flat-shard path too: the first replica writes its boxes, the others none, so the manifest
+    lists every element once; the checkpoint verifies, restores bit for bit at other world
+    sizes and strategies, and its hf_model equals a merge."""
+    presented = run(workers.save_replicated_run, world, str(tmp_path), strategy, orig)
+    shards = 2 if "HYBRID" in strategy else 1
+    for rank, result in enumerate(presented):
+        writes = rank < shards
+        assert result["writes"] == writes
+        assert (result["boxes"] > 0) == writes
+    path = tmp_path / "ckpt"
+    assert verify(str(path)).ok
+    manifest = json.loads((path / "manifest.json").read_text())
+    for name, entry in manifest["tensors"].items():
+        if "chunks" in entry:  # every element listed once: the boxes tile the tensor
+            held = sum(math.prod(c["sizes"]) for c in entry["chunks"])
+            assert held == math.prod(entry["shape"]), name
+    reference = torch.load(tmp_path / "reference.pt", weights_only=False)
+    for load_world, kind in loads:
+        for state in run(workers.load_run, load_world, str(path), kind, False):
+            _assert_same(state, reference, f"{kind}@{load_world}")
+    result = run_cli("merge", "--local_dir", path, "--target_dir", tmp_path / "merged")
+    assert result.returncode == 0, result.stderr
+    merged = {}
+    for file in sorted((tmp_path / "merged").glob("*.safetensors")):
+        merged.update(load_file(file))
+    exported = {}
+    for file in sorted((path / "huggingface").glob("*.safetensors")):
+        exported.update(load_file(file))
     assert exported.keys() == merged.keys() and exported
     for key in exported:
         assert torch.equal(exported[key], merged[key]), key

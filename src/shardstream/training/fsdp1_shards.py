@@ -9,10 +9,12 @@ optimizer state): a second copy of the rank's whole state, on the device or, on 
 memory. The boxes here are views of the live shard and its optimizer state, which the save
 streams like any other tensor.
 
-``layout(model)`` is None when the model is not plain FSDP1 with a sharded strategy over the
-whole process group, or alone at world size 1 (hybrid or no sharding, ignored modules, other
-state-dict hooks, parameters not in their sharded views): the caller then takes torch's path.
-A save or restore takes the layout once and asks it for what it reads or fills.
+Every sharding strategy is read this way: full or gradient-op sharding over the whole process
+group, hybrid sharding (shards within a group, groups replicating each other: the first replica
+writes), and no sharding (every rank holds everything: rank 0 writes). ``layout(model)`` is None
+when the model is not plain FSDP1 (ignored modules, other state-dict hooks, parameters not in
+their sharded views): the caller then takes torch's path. A save or restore takes the layout
+once and asks it for what it reads or fills.
 """
 
 from __future__ import annotations
@@ -64,10 +66,16 @@ def _pieces(param: _Param, local: torch.Tensor) -> FlatShard:
 
 
 class Layout:
-    """The FSDP1 units of a model: each flat parameter, its local shard and its parameters."""
+    """The FSDP1 units of a model: each flat parameter, its local shard and its parameters;
+    ``writes``: this rank is the one of its replicas that saves what it holds."""
 
-    def __init__(self, units: list[tuple[Any, torch.Tensor, list[_Param], list[tuple[str, str]]]]):
+    def __init__(
+        self,
+        units: list[tuple[Any, torch.Tensor, list[_Param], list[tuple[str, str]]]],
+        writes: bool = True,
+    ):
         self.units = units  # (flat param, local shard, params, [(shared fqn, primary fqn)])
+        self.writes = writes
 
     @classmethod
     def of(cls, model: torch.nn.Module) -> Layout | None:
@@ -76,7 +84,7 @@ class Layout:
         from torch.distributed.fsdp._common_utils import clean_tensor_name
         from torch.distributed.fsdp._flat_param import HandleShardingStrategy
 
-        sharded = (HandleShardingStrategy.FULL_SHARD, HandleShardingStrategy.SHARD_GRAD_OP)
+        hybrid = (HandleShardingStrategy.HYBRID_SHARD, HandleShardingStrategy._HYBRID_SHARD_ZERO2)
         fsdp = [
             (name, m)
             for name, m in model.named_modules()
@@ -84,15 +92,24 @@ class Layout:
         ]
         if not fsdp or has_state_dict_hooks(model) or not dist.is_initialized():
             return None
-        units, covered = [], set()
+        units, covered, writers = [], set(), set()
         for name, module in fsdp:
             handle = module._handle
             if handle is None:
                 continue
-            whole = dist.get_world_size(handle.process_group) == dist.get_world_size()
-            alone = dist.get_world_size() == 1  # FSDP1 turns FULL_SHARD into NO_SHARD there
-            if not whole or (handle._sharding_strategy not in sharded and not alone):
+            group = handle.process_group  # the ranks the flat parameter is sharded over
+            if handle._sharding_strategy in hybrid:
+                replicas = module._inter_node_pg  # the ranks holding the same shard
+                writes = dist.get_rank(replicas) == 0
+            elif handle._sharding_strategy == HandleShardingStrategy.NO_SHARD:
+                replicas, group = group, None  # every rank holds everything
+                writes = dist.get_rank(replicas) == 0
+            else:
+                replicas, writes = None, True
+            sizes = [dist.get_world_size(g) for g in (group, replicas) if g is not None]
+            if math.prod(sizes) != dist.get_world_size():
                 return None
+            writers.add(writes)
             flat = handle.flat_param
             local = getattr(flat, "_local_shard", None)  # set at FSDP's lazy init
             if local is None and flat.size() == getattr(flat, "_sharded_size", None):
@@ -126,13 +143,20 @@ class Layout:
             covered.update(id(p) for p in (flat._params or ()))
         if not units or any(id(p) not in covered for p in model.parameters()):
             return None  # a parameter outside every flat parameter (ignored modules)
-        return cls(units)
+        if len(writers) != 1:
+            return None  # units replicated differently: torch's path
+        return cls(units, writers.pop())
 
-    def model_tensors(self, model: torch.nn.Module) -> dict[str, FlatShard | torch.Tensor]:
-        """``model.<fqn>`` -> this rank's part (views of the flat parameters), buffers whole."""
+    def model_tensors(
+        self, model: torch.nn.Module, every_rank: bool = False
+    ) -> dict[str, FlatShard | torch.Tensor]:
+        """``model.<fqn>`` -> this rank's part (views of the flat parameters), buffers whole.
+        A replica that does not write presents no boxes, unless ``every_rank`` (restore
+        targets)."""
         out: dict[str, FlatShard | torch.Tensor] = {}
+        held = every_rank or self.writes
         for _, local, params, shared in self.units:
-            mine = {p.fqn: _pieces(p, local) for p in params}
+            mine = {p.fqn: _pieces(p if held else _nothing(p), local) for p in params}
             for shared_fqn, primary in shared:
                 mine[shared_fqn] = mine[primary]
             out.update(mine)
@@ -158,7 +182,9 @@ class Layout:
         by_param: dict[int, list[str]] = {}
         tensors: dict[str, FlatShard] = {}
         scalars: dict[str, Any] = {}
-        for flat, local, params, _ in self.units:
+        held = every_rank or self.writes
+        for flat, local, all_params, _ in self.units:
+            params = all_params if held else [_nothing(p) for p in all_params]
             if flat._params is None:  # use_orig_params=False: the optimizer steps ``flat``
                 by_param[id(flat)] = [p.fqn for p in params]
                 for key, value in (optimizer.state.get(flat) or {}).items():
@@ -191,7 +217,7 @@ class Layout:
         for flat, _, units_params, _ in self.units:
             owners = flat._params or [flat] * len(units_params)
             params.update({p.fqn: owner for p, owner in zip(units_params, owners)})
-        return RestoreTargets(self.model_tensors(model), tensors, objects, params)
+        return RestoreTargets(self.model_tensors(model, every_rank=True), tensors, objects, params)
 
     def optimizer_segments(
         self, optimizer: torch.optim.Optimizer
@@ -217,6 +243,11 @@ class Layout:
                 return None
             groups.append([by_flat[id(param)] for param in group["params"]])
         return groups
+
+
+def _nothing(param: _Param) -> _Param:
+    """``param`` as a rank that holds none of it presents it."""
+    return _Param(param.fqn, param.shape, 0, 0, 0)
 
 
 def _add(
