@@ -676,6 +676,9 @@ def _storage_types() -> dict[tuple[str, str], object]:
         ("torch", name): _StorageType(dtype) for dtype, name in _dtype_to_storage_type_map().items()
     }
     types[("torch", "UntypedStorage")] = _StorageType(None)
+    # dtypes with no typed storage class (float8_*, uint16/32/64) pickle their storage as
+    # torch.storage.UntypedStorage; the dtype comes with _rebuild_tensor_v3.
+    types[("torch.storage", "UntypedStorage")] = _StorageType(None)
     return types
 
 
