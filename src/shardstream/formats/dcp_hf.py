@@ -106,8 +106,15 @@ def _open_consolidated(directory: Path) -> DcpHfCheckpoint:
         )
     files = sorted({b.location for t in tensors for b in t.blocks})
     placements = {t.name: "whole (consolidated)" for t in tensors}
-    ranks = len(shard_files(directory / SHARDED_SUBDIR)) or 1
-    return DcpHfCheckpoint(directory, ranks, tensors, placements, files, True)
+    return DcpHfCheckpoint(
+        directory, _ranks(shard_files(directory / SHARDED_SUBDIR)), tensors, placements, files, True
+    )
+
+
+def _ranks(files: list[Path]) -> int:
+    """The ranks that wrote ``files`` (named ``shard-{rank+1}-model-{i}-of-{n}``): the highest
+    rank number, not the file count, since a rank writes one file per output file index."""
+    return max((int(SHARD_FILE.match(p.name)[1]) for p in files), default=1)
 
 
 def _open_sharded(directory: Path, files: list[Path]) -> DcpHfCheckpoint:
@@ -157,10 +164,12 @@ def _open_sharded(directory: Path, files: list[Path]) -> DcpHfCheckpoint:
         check_blocks_tile(name, shape, pieces)
         tensors.append(GlobalTensor(name, dtypes[name], shape, tuple(pieces)))
         dims = sorted({d for b in pieces for d, o in enumerate(b.start) if o})
+        where = ", ".join(map(str, dims))  # as the DCP reader words it
         placements[name] = (
-            "whole (1 chunk)" if len(pieces) == 1 else f"{len(pieces)} chunks along dim {dims}"
+            "whole (1 chunk)"
+            if len(pieces) == 1
+            else f"{len(pieces)} chunks along dim{'s' if len(dims) > 1 else ''} {where}"
         )
-    ranks = {int(SHARD_FILE.match(p.name)[1]) for p in files}
     return DcpHfCheckpoint(
-        directory, max(ranks), tensors, placements, [str(p) for p in files], False
+        directory, _ranks(files), tensors, placements, [str(p) for p in files], False
     )
