@@ -680,10 +680,10 @@ def open_dcp_train_state(
                     small[flat] = _global_tensor(
                         directory, meta_path, key, flat, md, by_chunk, sizes, fds
                     )
-                    if path[0] == "train_state":  # a TrainState's step as a tensor
-                        value = _read_small_tensor(directory, meta_path, key, md, by_chunk,
-                                                   sizes, fds)  # fmt: skip
-                        _place(objects, path, value, meta_path, key)
+                    # a Stateful's tensors (a TrainState's step, a counter) are its values
+                    value = _read_small_tensor(directory, meta_path, key, md, by_chunk,
+                                               sizes, fds)  # fmt: skip
+                    _place(objects, path, value, meta_path, key)
                 continue
             value = _read_object(directory, meta_path, key, by_chunk, sizes, fds)
             _place(objects, path, value, meta_path, key)
@@ -741,7 +741,10 @@ def _read_small_tensor(directory: Path, meta_path: Path, key: str, md, by_chunk,
     offsets = getattr(chunks[0], "offsets", None) if len(chunks) == 1 else None
     offsets = tuple(offsets) if isinstance(offsets, (list, tuple)) else None
     if offsets is None or any(offsets) or (key, offsets) not in by_chunk:
-        raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not stored as one tensor")
+        raise CheckpointFormatError(
+            f"{meta_path}: entry {key!r} is not stored as one tensor ({len(chunks)} chunks): a "
+            "sharded tensor outside the model and optimizer, which shardstream does not restore"
+        )
     by_key = {(key, None): by_chunk[(key, offsets)]}
     return _read_object(directory, meta_path, key, by_key, sizes, fds)
 
