@@ -382,6 +382,14 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
     for key in tensor_keys:
         if key not in names:
             skipped[key] = _reason(key, paths)
+    if not tensor_keys:
+        raise CheckpointNotFoundError(
+            f"{directory}: the DCP checkpoint holds no tensors: its {len(entries)} entries (e.g. "
+            + ", ".join(repr(k) for k in list(entries)[:3])
+            + ") are pickled objects (DefaultSavePlanner(flatten_state_dict=False) pickles each "
+            "container whole); shardstream reads tensors DCP stores as chunks, which the "
+            "default planner writes"
+        )
     if not names:
         raise CheckpointNotFoundError(
             f"{directory}: the DCP checkpoint holds no model tensors ({len(entries)} entries, "
