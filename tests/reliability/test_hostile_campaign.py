@@ -322,3 +322,44 @@ def test_expanded_tensor_too_large_for_any_file(tmp_path, capsys):
     source = _verl_dir(tmp_path / "actor", {})
     (source / MODEL).write_bytes(_lying_pt(1, 0, (2**62,), (0,), data_bytes=4))
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, "tensor 'w'", "more than")
+
+
+# --- output dtypes and target names ----------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", ["bool", "I64", "F8_E4M3"])
+def test_merge_dtype_that_is_not_floating(tmp_path, capsys, dtype):
+    """--dtype bool cast every weight to True/False and exited 0; test already refused it."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    argv = [*_merge_argv(source, tmp_path), "--dtype", dtype]
+    before = _snapshot(source)
+    code, lines = _cli(capsys, *argv)
+    assert code == 2 and lines == [
+        f"shardstream merge: error: --dtype {dtype}: expected a floating dtype "
+        "(bfloat16, float16, float32)"
+    ]
+    assert not (tmp_path / "merged").exists() and _snapshot(source) == before
+
+
+@pytest.mark.parametrize("named", ["bool", "int8", "float128"])
+@pytest.mark.parametrize("command", ["merge", "inspect"])
+def test_config_dtype_that_is_not_floating(tmp_path, capsys, command, named):
+    """config.json's torch_dtype "bool" cast every weight to bool with exit 0, and an unknown
+    one was a usage error that did not name config.json."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    config = source / "huggingface" / "config.json"
+    config.write_text(json.dumps({"model_type": "tiny", "torch_dtype": named}))
+    argv = _merge_argv(source, tmp_path) if command == "merge" else ["inspect", source]
+    _fails_naming(capsys, argv, source, f"{config}: dtype {named!r}", "--dtype")
+
+
+def test_target_name_longer_than_the_file_system_allows(tmp_path, capsys):
+    """A 300-byte target name ended in an ENAMETOOLONG traceback from the target checks."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / ("x" * 300)
+    argv = ["merge", "--local_dir", source, "--target_dir", target, "--quiet"]
+    before = _snapshot(tmp_path)
+    code, lines = _cli(capsys, *argv)
+    assert code == 2 and len(lines) == 1, lines
+    assert lines[0].startswith(f"shardstream merge: error: target {target}: File name too long")
+    assert _snapshot(tmp_path) == before

@@ -38,7 +38,7 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     from ..formats.hf import read_config
 
     config = read_config(config_dir)
-    out_dtype = output_dtype(None, config, checkpoint.format)
+    out_dtype = output_dtype(None, config, checkpoint.format, config_dir)
     dropped = tied_duplicates(checkpoint.tensors, config, False)
     tensors = []
     stored = written = 0

@@ -15,7 +15,7 @@ from ..engine.dtypes import itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
 from ..engine.plan import TensorSlice, split_ranges
-from ..errors import CheckpointFormatError, UsageError
+from ..errors import CheckpointFormatError, ShardstreamError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
@@ -148,9 +148,14 @@ def merge(
     elif config_dir is not None:
         inputs["the checkpoint's config directory"] = config_dir
     check_target_apart(target, inputs)
-    check_target(target.absolute(), overwrite)
+    try:
+        check_target(target.absolute(), overwrite)
+    except ShardstreamError:
+        raise
+    except OSError as exc:  # a name longer than the file system allows, a loop in its path
+        raise UsageError(f"target {target}: {exc.strerror or exc}") from None
     config = hf.read_config(config_dir)
-    out_dtype = output_dtype(dtype, config, checkpoint.format)
+    out_dtype = output_dtype(dtype, config, checkpoint.format, config_dir)
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)
     adapter_only = split is not None and not split.base  # saved with save_lora_only

@@ -17,7 +17,12 @@ from typing import TYPE_CHECKING, Any
 
 from ..engine.dtypes import TORCH_NAME, is_floating, itemsize, parse_dtype
 from ..engine.plan import split_into_files
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    UnsafeCheckpointError,
+    UsageError,
+)
 from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
 from .hf_names import strip_wrappers
@@ -193,14 +198,35 @@ TIED_EMBEDDING_SUFFIX = "embed_tokens.weight"
 VERL_DEFAULT_DTYPE = "bfloat16"
 
 
-def output_dtype(requested: str | None, config: dict, source_format: str = "") -> str | None:
-    """``--dtype`` if given, else the dtype config.json names, else bfloat16 for a verl
-    checkpoint (as verl's merger) and the stored dtype (None) for other formats."""
+def output_dtype(
+    requested: str | None,
+    config: dict,
+    source_format: str = "",
+    config_dir: Path | None = None,
+) -> str | None:
+    """``--dtype`` if given, else the dtype config.json (in ``config_dir``) names, else
+    bfloat16 for a verl checkpoint (as verl's merger) and the stored dtype (None) for other
+    formats. Either must be a floating dtype: it is what the floating weights are cast to."""
     if requested:
-        return parse_dtype(requested)
+        code = parse_dtype(requested)
+        if not is_floating(code):
+            raise UsageError(
+                f"--dtype {requested}: expected a floating dtype (bfloat16, float16, float32)"
+            )
+        return code
     named = config.get("dtype") or config.get("torch_dtype")
     if isinstance(named, str) and named != "auto":
-        return parse_dtype(named)
+        try:
+            code = parse_dtype(named)
+        except UsageError:
+            code = None
+        if code is None or not is_floating(code):
+            where = config_dir / "config.json" if config_dir is not None else "config.json"
+            raise CheckpointFormatError(
+                f"{where}: dtype {named!r} is not a floating dtype to write the weights in "
+                "(bfloat16, float16, float32); pass --dtype"
+            )
+        return code
     return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
 
 
