@@ -333,20 +333,8 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
     ``prefix``: what the model's keys start with ("app.model.", "" for the top level), when
     detection (``_model_names``) finds several candidates or the wrong one."""
     directory = Path(directory)
-    meta_path = directory / METADATA_FILE
     on_disk = sorted(p.name for p in directory.iterdir() if DATA_FILE.match(p.name))
-    if not meta_path.is_file():
-        per_rank = sorted(p.name for p in directory.iterdir() if RANK_METADATA_FILE.match(p.name))
-        if per_rank:
-            raise CheckpointFormatError(
-                f"{directory}: per-rank DCP metadata ({per_rank[0]}, ...) but no global "
-                ".metadata: saved without collectives, which shardstream does not read"
-            )
-        raise CheckpointNotFoundError(
-            f"{directory}: DCP data files but no .metadata; DCP writes it last, so the save "
-            "did not finish (or the file was not copied)"
-        )
-    meta = load_metadata(meta_path)
+    meta, meta_path = read_metadata(directory)
     version = meta.version
     if version is not None and (
         not isinstance(version, str) or version.split(".")[0] != SUPPORTED_DCP_MAJOR
@@ -452,10 +440,7 @@ def check_dcp(directory: str | os.PathLike) -> list[str]:
     too): each tensor chunk's record and shape, each byte entry's range inside an existing
     data file. DCP stores no checksums, so no data is hashed. Returns the files named."""
     directory = Path(directory)
-    meta_path = directory / METADATA_FILE
-    if not meta_path.is_file():
-        open_dcp(directory)  # raises the reason: no .metadata, or per-rank metadata only
-    meta = load_metadata(meta_path)
+    meta, meta_path = read_metadata(directory)
     entries, storage = meta.state_dict_metadata, meta.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
@@ -479,6 +464,83 @@ def check_dcp(directory: str | os.PathLike) -> list[str]:
         for fd in fds.values():
             os.close(fd)
     return sorted({str(meta_path), *(str(p) for p in sizes)})
+
+
+def read_metadata(directory: Path) -> tuple[Metadata, Path]:
+    """DCP's metadata of ``directory`` and the file it names in errors: ``.metadata``, or for a
+    save without collectives (``dcp.save(use_collectives=False)``) every rank's
+    ``__R.metadata`` joined into one."""
+    meta_path = directory / METADATA_FILE
+    if meta_path.is_file():
+        return load_metadata(meta_path), meta_path
+    per_rank = sorted(
+        (int(m[1]), p) for p in directory.iterdir() if (m := RANK_METADATA_FILE.match(p.name))
+    )
+    if not per_rank:
+        raise CheckpointNotFoundError(
+            f"{directory}: DCP data files but no .metadata; DCP writes it last, so the save "
+            "did not finish (or the file was not copied)"
+        )
+    return _joined([(path, load_metadata(path)) for _, path in per_rank]), per_rank[0][1]
+
+
+def _joined(metas: list[tuple[Path, Metadata]]) -> Metadata:
+    """Per-rank metadata (in rank order) as one: every rank's entries, chunks and storage; an
+    item several ranks saved (a replicated tensor, a shared object) from the lowest of them."""
+    entries: dict = {}
+    storage: dict = {}
+    planner: dict = {}
+    stored: set = set()
+    version = metas[0][1].version
+    for path, meta in metas:
+        if meta.version != version:
+            raise CheckpointFormatError(
+                f"{path}: DCP version {short_repr(meta.version)}, but {metas[0][0].name} has "
+                f"{short_repr(version)}"
+            )
+        if not isinstance(meta.state_dict_metadata, dict) or not isinstance(
+            meta.storage_data, dict
+        ):
+            raise CheckpointFormatError(f"{path}: state_dict_metadata/storage_data missing")
+        for key, md in meta.state_dict_metadata.items():
+            have = entries.setdefault(key, md)
+            if have is md:
+                continue
+            if type(have) is not type(md):
+                raise CheckpointFormatError(f"{path}: entry {key!r} is another kind elsewhere")
+            if isinstance(md, TensorStorageMetadata):
+                _join_chunks(have, md, key, path)
+        for index, info in meta.storage_data.items():
+            where = _index_key(index, path)
+            if where not in stored:
+                stored.add(where)
+                storage[index] = info
+        if isinstance(meta.planner_data, dict):
+            planner.update(meta.planner_data)
+    joined = Metadata()
+    joined.__dict__.update(
+        state_dict_metadata=entries, storage_data=storage, planner_data=planner, version=version
+    )
+    return joined
+
+
+def _join_chunks(have: TensorStorageMetadata, md: TensorStorageMetadata, key: str, path: Path):
+    """Add ``md``'s chunks of tensor ``key`` that ``have`` lacks; shape and dtype must agree."""
+    same_dtype = getattr(have.properties, "dtype", None) == getattr(md.properties, "dtype", None)
+    if not same_dtype or int_sequence(have.size, key) != int_sequence(md.size, key):
+        raise CheckpointFormatError(
+            f"{path}: tensor {key!r} has another shape or dtype than in a lower rank's metadata"
+        )
+    if not isinstance(have.chunks, list) or not isinstance(md.chunks, list):
+        raise CheckpointFormatError(f"{path}: tensor {key!r} has malformed chunks")
+
+    def extent(chunk) -> tuple:
+        what = f"{path}: tensor {key!r} chunk"
+        return (int_sequence(getattr(chunk, "offsets", None), what),
+                int_sequence(getattr(chunk, "sizes", None), what))  # fmt: skip
+
+    known = {extent(c) for c in have.chunks}
+    have.chunks.extend(c for c in md.chunks if extent(c) not in known)
 
 
 def _storage_by_chunk(storage: dict, meta_path: Path) -> dict:
@@ -658,7 +720,9 @@ def open_dcp_train_state(
     """
     directory = Path(directory)
     meta_path = directory / METADATA_FILE
-    meta = metadata if metadata is not None else load_metadata(meta_path)
+    if metadata is None:
+        metadata, meta_path = read_metadata(directory)
+    meta = metadata
     entries, storage = meta.state_dict_metadata, meta.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
@@ -790,7 +854,9 @@ def item_ranges(
     file checked to lie inside the checkpoint; in file order."""
     directory = Path(directory)
     meta_path = directory / METADATA_FILE
-    meta = metadata if metadata is not None else load_metadata(meta_path)
+    if metadata is None:
+        metadata, meta_path = read_metadata(directory)
+    meta = metadata
     storage = meta.storage_data if isinstance(meta.storage_data, dict) else {}
     out = []
     for index, info in storage.items():
