@@ -77,34 +77,55 @@ def test_hf_writer_with_index_mapping_names_the_saving_ranks(written, tmp_path):
         _assert_bit_identical(_merged(where, tmp_path / where.name), want)
 
 
-def test_tensors_of_another_stateful_are_restored(written):
-    """``dcp.save({"model": ..., "extra": {...}})``: restore(states={"extra": obj}) gives the
-    object its saved values, its tensor included."""
+class _Extra:
+    state = None
 
-    class Extra:
-        state = None
+    def state_dict(self):
+        return {}
 
-        def state_dict(self):
-            return {}
+    def load_state_dict(self, state):
+        self.state = state
 
-        def load_state_dict(self, state):
-            self.state = state
 
+def _restored(path: Path) -> tuple[dict, dict]:
+    """The model (at one process) and the ``extra`` Stateful's state restored from ``path``."""
     torch.manual_seed(5)
     model = torch.nn.Module()
     model.embed = torch.nn.Embedding(7, 4)
     model.norm = torch.nn.LayerNorm(4, bias=False)
     model.head = torch.nn.Linear(4, 7, bias=False)
-    extra = Extra()
-    shardstream.load(written / "extras", model=model, states={"extra": extra})
-    _assert_bit_identical(
-        dict(model.state_dict()), load_file(written / "extras.reference.safetensors")
-    )
-    assert extra.state.keys() == tool_writers.EXTRA.keys()
-    assert torch.equal(extra.state["seen"], tool_writers.EXTRA["seen"])
-    assert {k: v for k, v in extra.state.items() if k != "seen"} == {
-        k: v for k, v in tool_writers.EXTRA.items() if k != "seen"
+    extra = _Extra()
+    shardstream.load(path, model=model, states={"extra": extra})
+    return dict(model.state_dict()), extra.state
+
+
+def _assert_extra(state: dict) -> None:
+    want = tool_writers.EXTRA
+    assert state.keys() == want.keys()
+    assert torch.equal(state["seen"], want["seen"])
+    assert {k: v for k, v in state.items() if k != "seen"} == {
+        k: v for k, v in want.items() if k != "seen"
     }
+
+
+def test_tensors_of_another_stateful_are_restored(written):
+    """``dcp.save({"model": ..., "extra": {...}})``: restore(states={"extra": obj}) gives the
+    object its saved values, its tensor included."""
+    model, extra = _restored(written / "extras")
+    _assert_bit_identical(model, load_file(written / "extras.reference.safetensors"))
+    _assert_extra(extra)
+
+
+def test_save_without_collectives_is_read_from_every_ranks_metadata(written, tmp_path):
+    path = written / "uncoordinated"
+    assert not (path / ".metadata").exists() and (path / "__1.metadata").is_file()
+    want = load_file(written / "extras.reference.safetensors")
+    assert describe(path)["num_tensors"] == len(want)
+    assert verify(path).ok
+    _assert_bit_identical(_merged(path, tmp_path / "merged"), want)
+    model, extra = _restored(path)
+    _assert_bit_identical(model, want)
+    _assert_extra(extra)
 
 
 def test_containers_pickled_whole_are_refused_clearly(written):

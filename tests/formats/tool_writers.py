@@ -12,6 +12,8 @@ and writes, each with DCP's own saving code:
 ``extras``          an FSDP2 model under ``model`` beside an ``extra`` Stateful's state that
                     holds a tensor, ints, strings and lists
 ``not_flattened``   ``dcp.save`` with ``DefaultSavePlanner(flatten_state_dict=False)``
+``uncoordinated``   ``extras`` saved with ``use_collectives=False``: each rank's own
+                    ``__R.metadata``, no global ``.metadata``
 
 and rank 0 writes each one's reference tensors (``<name>.reference.safetensors``).
 """
@@ -92,6 +94,8 @@ def write_all(rank: int, world: int, root: str) -> None:
 
     state = get_model_state_dict(model)
     dcp.save({"model": state, "extra": dict(EXTRA)}, checkpoint_id=root / "extras")
+    dcp.save({"model": state, "extra": dict(EXTRA)}, checkpoint_id=root / "uncoordinated",
+             use_collectives=False)  # fmt: skip
     dcp.save({"model": state}, checkpoint_id=root / "not_flattened",
              planner=DefaultSavePlanner(flatten_state_dict=False))  # fmt: skip
 
