@@ -34,7 +34,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..engine.memory import imports_collector_held
 from ..errors import CheckpointFormatError, UsageError
 
 WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -186,6 +185,8 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     if cached is not None:  # computed by this transformers before: not imported now
         found, pieces = cached
         return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped)
+    from ..engine.memory import imports_collector_held  # here: it imports numpy
+
     with imports_collector_held():
         try:
             import transformers
