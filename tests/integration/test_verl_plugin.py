@@ -300,7 +300,9 @@ def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin(tmp_path
     """A run switching to the plug-in mid-run with ``strategy: fsdp``: verl's ``.pt`` files of
     FSDP1 at 2 ranks (its optimizer state as plain per-rank parts of flat tensors: each flat
     parameter's, or with use_orig_params each parameter's) fill the FSDP1 flat shards and
-    optimizer state at 1 and 4 ranks, bit for bit; verify passes on them."""
+    optimizer state at 1 and 4 ranks, bit for bit; verify passes on them. They also resume
+    into FSDP2 at 3 ranks (switching to ``strategy: fsdp2``): with use_orig_params=False the
+    flat parameters are placed by verl's wrap policy, read from the model's own classes."""
     run(workers.fsdp1_verl_save_run, 2, str(tmp_path), use_orig_params)
     reference = torch.load(tmp_path / "reference_fsdp1.pt", weights_only=False)
     actor = str(tmp_path / "global_step_2" / "actor")
@@ -310,12 +312,15 @@ def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin(tmp_path
     for world in (1, 4):
         for state in run(workers.fsdp1_load_run, world, actor, use_orig_params):
             _assert_same(state, reference)
-    if use_orig_params:  # each parameter's runs are self-describing: into FSDP2 at 3 too
-        for result in run(workers.load_run, 3, [actor], True, False):
-            state = result[0]["state"]
-            assert state["model"].keys() == reference["model"].keys()
-            for name, tensor in reference["model"].items():
-                assert torch.equal(state["model"][name], tensor), name
-            for fqn, entries in reference["optim"]["state"].items():
-                for key, value in entries.items():
-                    assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)
+    if not use_orig_params:  # units that do not match the saved flat sizes: refused
+        for result in run(workers.load_error_run, 3, actor, {"Qwen2MLP"}):
+            assert "the run wrapped the model in other units" in result["error"]
+            assert result["untouched"]
+    for result in run(workers.load_run, 3, [actor], True, False):
+        state = result[0]["state"]
+        assert state["model"].keys() == reference["model"].keys()
+        for name, tensor in reference["model"].items():
+            assert torch.equal(state["model"][name], tensor), name
+        for fqn, entries in reference["optim"]["state"].items():
+            for key, value in entries.items():
+                assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)

@@ -102,11 +102,14 @@ def load_run(rank: int, world: int, actors: list[str], mesh: bool, use_verl: boo
     return out
 
 
-def load_error_run(rank: int, world: int, actor: str) -> dict:
-    """Load a damaged checkpoint: the error, and whether the model changed."""
+def load_error_run(rank: int, world: int, actor: str, units: set[str] | None = None) -> dict:
+    """Load a damaged checkpoint: the error, and whether the model changed. ``units``: the
+    classes the model names as its wrap units (``_no_split_modules``) instead of its own."""
     from shardstream.integrations.verl import FSDPCheckpointManager
 
     model, optimizer, scheduler, _ = build((world,), seed=123)
+    if units is not None:
+        model._no_split_modules = units
     before = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
     manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, {})
     try:
@@ -229,9 +232,11 @@ def load_roles_run(rank: int, world: int, root: str, step: int) -> dict:
 
 
 def _fsdp1(world: int, seed: int, use_orig_params: bool = True):
-    """The tiny Qwen2 wrapped by FSDP1 (verl's ``strategy: fsdp``), on a CPU mesh."""
+    """The tiny Qwen2 wrapped by FSDP1 (verl's ``strategy: fsdp``) with verl's own wrap
+    policy (a unit per decoder layer inside the root's), on a CPU mesh."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel
+    from verl.utils.fsdp_utils import get_fsdp_wrap_policy
 
     model, _, _, _ = build(None, seed=seed)
     model = FullyShardedDataParallel(
@@ -239,6 +244,7 @@ def _fsdp1(world: int, seed: int, use_orig_params: bool = True):
         device_mesh=init_device_mesh("cpu", (world,)),
         device_id=torch.device("cpu"),
         use_orig_params=use_orig_params,
+        auto_wrap_policy=get_fsdp_wrap_policy(model),
     )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)

@@ -575,6 +575,7 @@ def open_verl_flat_optimizer(
             parts.setdefault(name, []).append((rank, path, entry.local))
     tensors = []
     for (pid, key), held in parts.items():
+        _check_flat_size(directory, pid, key, segments[pid], held, world_size)
         for fqn, shape, offset in segments[pid]:
             name = f"{prefix}{fqn}.{key}"
             dtype, blocks = held[0][2].dtype, _flat_part_blocks(name, shape, offset, held)
@@ -587,6 +588,31 @@ def open_verl_flat_optimizer(
                 ) from None
             tensors.append(GlobalTensor(name, dtype, shape if held[0][2].shape else (), blocks))
     return tensors, scalars
+
+
+def _check_flat_size(
+    directory: Path,
+    pid: int,
+    key: str,
+    segments: list[tuple[str, tuple[int, ...], int]],
+    held: list[tuple[int, str, LocalTensor]],
+    world_size: int,
+) -> None:
+    """The ranks' runs of a flat state tensor together hold the parameters ``segments`` place
+    in it, and at most the padding FSDP1 adds to make it divisible by the world size."""
+    if not held[0][2].shape:
+        return  # a scalar (AdamW's step)
+    total = sum(math.prod(local.shape) for _, _, local in held)
+    need = max(offset + math.prod(shape) for _, shape, offset in segments)
+    if not need <= total < need + world_size:
+        names = ", ".join(fqn for fqn, _, _ in segments[:3])
+        names += ", ..." if len(segments) > 3 else ""
+        raise CheckpointFormatError(
+            f"{directory}: verl's FSDP1 optimizer state {key!r} of parameter id {pid} holds "
+            f"{total} elements over {world_size} ranks, where the model's parameters {names} "
+            f"need {need} (and less than {world_size} of padding): the run wrapped the model "
+            "in other units"
+        )
 
 
 def _flat_part_blocks(

@@ -245,6 +245,53 @@ class Layout:
         return groups
 
 
+def wrapped(model: torch.nn.Module) -> bool:
+    """Whether FSDP1 wraps any part of ``model``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    return any(isinstance(m, FullyShardedDataParallel) for m in model.modules())
+
+
+def wrap_policy_segments(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer
+) -> list[list[list[Segment]]] | None:
+    """For a model that is not FSDP1 itself (FSDP2, or plain): where a verl FSDP1 run with
+    ``use_orig_params=False`` kept its parameters, as ``Layout.optimizer_segments`` gives them.
+    verl's wrap policy makes a unit of each outermost module whose class the model's
+    ``_no_split_modules`` names; the root unit holds the rest and comes first; a unit's flat
+    parameter holds its parameters in module order, each once, with no padding between. None
+    when the model names no such class or a unit's parameters are not in one optimizer group.
+    A guess from the model's own classes: the saved flat sizes must confirm it
+    (``formats.verl.open_verl_flat_optimizer`` checks them)."""
+    classes = set(getattr(model, "_no_split_modules", None) or ())
+    if not classes:
+        return None
+    units: list[str] = []
+    for name, module in model.named_modules():
+        # FSDP2's fully_shard makes each module an instance of a subclass of its own class
+        named = any(c.__name__ in classes for c in type(module).__mro__)
+        if named and not any(name.startswith(u + ".") for u in units):
+            units.append(name)
+    members: dict[str, list[tuple[str, torch.nn.Parameter]]] = {"": [], **{u: [] for u in units}}
+    for fqn, param in model.named_parameters():
+        owner = next((u for u in units if fqn.startswith(u + ".")), "")
+        members[owner].append((fqn, param))
+    group_of = {id(p): g for g, group in enumerate(optimizer.param_groups) for p in group["params"]}
+    per_group: list[list[list[Segment]]] = [[] for _ in optimizer.param_groups]
+    for params in members.values():
+        if not params:
+            continue
+        groups = {group_of.get(id(param)) for _, param in params}
+        if len(groups) != 1 or None in groups:
+            return None
+        segments, at = [], 0
+        for fqn, param in params:
+            segments.append((fqn, tuple(param.shape), at))
+            at += param.numel()
+        per_group[groups.pop()].append(segments)
+    return per_group
+
+
 def _nothing(param: _Param) -> _Param:
     """``param`` as a rank that holds none of it presents it."""
     return _Param(param.fqn, param.shape, 0, 0, 0)

@@ -186,7 +186,11 @@ def _open_source(
         prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
             groups, plain = verl.saved_param_groups(path, world)
-            segments = fsdp1.optimizer_segments(optimizer) if plain and fsdp1 else None
+            segments = None
+            if plain and fsdp1:
+                segments = fsdp1.optimizer_segments(optimizer)
+            elif plain and world > 1 and not fsdp1_shards.wrapped(model):
+                segments = fsdp1_shards.wrap_policy_segments(model, optimizer)
             if segments is not None and [len(g["params"]) for g in groups] == [
                 len(units) for units in segments
             ]:  # an FSDP1 model as verl's FSDP1 run saved it: one entry per flat parameter
