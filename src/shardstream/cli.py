@@ -319,12 +319,22 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
-    except Exception as exc:  # an OSError errors.os_error names (a refused permission, ...)
-        mapped = os_error(exc)
+    except Exception as exc:  # an OSError: named as errors.os_error names it, else as it says
+        mapped = os_error(exc) or _system_error(exc)
         if mapped is None:
             raise
         print(f"shardstream {args.command}: error: {mapped}", file=sys.stderr)
         return EXIT_ERROR
+
+
+def _system_error(exc: BaseException) -> str | None:
+    """An OSError as one line naming its file(s); None for any other error (a bug, which
+    keeps its traceback)."""
+    if not isinstance(exc, OSError):
+        return None
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    names = [n for n in (exc.filename, exc.filename2) if n is not None]
+    return ": ".join([*(os.fsdecode(n) for n in names), reason])
 
 
 def console_main() -> None:

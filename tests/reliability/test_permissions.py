@@ -190,3 +190,38 @@ def test_unprivileged_user_loses_write_permission_mid_run(forkserver, shared_dir
             "restore with an unreadable extra-state file": extra["message"],
         },
     )
+
+
+@pytest.mark.parametrize(
+    "error, line",
+    [
+        (OSError(5, "Input/output error", "/ckpt/rank_0.safetensors"), "/ckpt/rank_0.safetensors"),
+        (
+            OSError(18, "Invalid cross-device link", "/a", None, "/b"),
+            "/a: /b: Invalid cross-device link",
+        ),
+        (OSError(5, "Input/output error"), "error: Input/output error"),
+    ],
+    ids=["named", "two-names", "unnamed"],
+)
+def test_other_system_errors_are_one_line_naming_the_file(monkeypatch, capsys, error, line):
+    """An OSError the permission and disk-full rules do not name (an I/O error, a refused
+    rename) is still one line with its file(s) and exit 1, not a traceback."""
+
+    def failing(args):
+        raise error
+
+    monkeypatch.setattr(cli, "run_verify", failing)
+    assert cli.main(["verify", "/ckpt"]) == cli.EXIT_ERROR
+    err = capsys.readouterr().err
+    assert err.startswith("shardstream verify: error: ") and line in err
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_bug_keeps_its_traceback(monkeypatch):
+    def failing(args):
+        raise KeyError("a bug")
+
+    monkeypatch.setattr(cli, "run_verify", failing)
+    with pytest.raises(KeyError):
+        cli.main(["verify", "/ckpt"])
