@@ -363,3 +363,21 @@ def test_target_name_longer_than_the_file_system_allows(tmp_path, capsys):
     assert code == 2 and len(lines) == 1, lines
     assert lines[0].startswith(f"shardstream merge: error: target {target}: File name too long")
     assert _snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("kind", ["broken link", "symlink loop", "FIFO", "directory"])
+def test_config_json_that_is_no_regular_file_is_no_missing_config(tmp_path, capsys, kind):
+    """A config.json that cannot be read (a broken link, a loop, a FIFO, a directory) is an
+    error naming it: a merge without it would write a model with no config and exit 0."""
+    source = _verl_dir(tmp_path / "ckpt", {MODEL: _plain_state()})
+    config = source / "huggingface" / "config.json"
+    config.unlink()
+    if kind == "broken link":
+        os.symlink("gone.json", config)
+    elif kind == "symlink loop":
+        os.symlink(config.name, config)
+    elif kind == "FIFO":
+        os.mkfifo(config)
+    else:
+        config.mkdir()
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(config))

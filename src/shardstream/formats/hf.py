@@ -28,6 +28,7 @@ from ..units import DEFAULT_MAX_SHARD_BYTES
 from .hf_names import strip_wrappers
 from .jsondoc import read_object
 from .native import is_safe_name
+from .regular_file import present
 from .safetensors import SafetensorsHeader, read_header
 
 if TYPE_CHECKING:
@@ -186,7 +187,7 @@ def _write_generation_config(target: Path, hf_config: Any) -> None:
 
 
 def read_config(config_dir: Path | None) -> dict:
-    if config_dir is None or not (config_dir / "config.json").is_file():
+    if config_dir is None or not present(config_dir / "config.json"):
         return {}
     return read_object(config_dir / "config.json", "config (JSON object)")
 

@@ -38,3 +38,23 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     except BaseException:
         os.close(fd)
         raise
+
+
+def present(path: str | os.PathLike) -> bool:
+    """Whether an optional file (config.json, fsdp_config.json) is there: True for a regular
+    file (links followed), False when nothing has the name; anything else under the name (a
+    broken link, a symlink loop, a directory, a FIFO) is a ``CheckpointFormatError`` naming it,
+    not an absent file."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            return False
+        raise CheckpointFormatError(f"{os.fspath(path)}: is a broken symbolic link") from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CheckpointFormatError(f"{os.fspath(path)}: cannot be read ({reason})") from None
+    if not stat.S_ISREG(mode):
+        kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
+        raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
+    return True

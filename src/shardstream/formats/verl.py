@@ -34,6 +34,7 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheck
 from ..storage import collectives as coll
 from .jsondoc import read_object
 from .layout_names import describe_mesh, describe_placements
+from .regular_file import present
 from .source import VERL_FILE_PATTERN as FILE_PATTERN
 from .source import VERL_MODEL_FILE as MODEL_FILE
 from .torch_pt import (
@@ -86,7 +87,7 @@ class VerlCheckpoint:
         from .hf import check_no_links_out
 
         for candidate in (self.directory / HF_SUBDIR, self.directory):
-            if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
+            if os.path.lexists(candidate / "config.json"):  # read_config refuses a non-file
                 return check_no_links_out(candidate, self.directory)
         return None
 
@@ -187,7 +188,7 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
         )
     ((world_size, ranks),) = found.items()
     config = directory / FSDP_CONFIG
-    if config.is_file():
+    if present(config):
         try:
             declared = read_object(config, "FSDP config (JSON object)").get("world_size")
         except CheckpointFormatError:
@@ -253,7 +254,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
     world_size, files = _rank_files(directory)
     fsdp_version = None
     config = directory / FSDP_CONFIG
-    if config.is_file():
+    if present(config):
         fsdp_version = read_object(config, "FSDP config (JSON object)").get("FSDP_version")
     layout = read_rank_layouts(files, _model_state, shared)
     return VerlCheckpoint(
