@@ -272,7 +272,8 @@ def run_verify(args: argparse.Namespace) -> int:
             elif report.kind == "dcp_hf" and not report.bytes_checked:
                 checked = "headers and chunk tiling checked (the writer stores no checksums)"
             elif report.kind == "accelerate":
-                checked = "DCP byte ranges (no checksums), scheduler and RNG records checked"
+                checked += " (the zip records of every DCP item and torch.save file against "
+                checked += "their CRC-32s)"
             print(
                 f"{verdict}: {report.kind} {report.path}: {report.files_checked} files, "
                 f"{checked}{steps}"

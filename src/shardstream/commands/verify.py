@@ -330,9 +330,7 @@ def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None
     from ..formats.dcp import item_ranges
     from ..formats.torch_pt import zip_records_in
 
-    if not (directory / ".metadata").is_file():
-        return  # reported by the structural check
-    try:
+    try:  # .metadata, or the per-rank metadata of a save without collectives
         items = item_ranges(directory)
     except (ShardstreamError, OSError) as exc:
         report.problems.append(Problem(str(directory), _strip(exc, directory)))
