@@ -356,6 +356,8 @@ class StagingMemory:
                     self._armed = False
                     self._start_filling(min(split_budget(budget)[1], nbytes) + slack, on_gpu)
 
+        if not hasattr(optimizer, "register_step_post_hook"):
+            return  # not a torch optimizer: the first save faults its memory in
         with self._lock:
             if self._held is not None or self._filling is not None:
                 return  # sized already
