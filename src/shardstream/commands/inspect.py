@@ -69,6 +69,10 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
 
         step = step_of_name(Path(path).name)
         key_prefix = checkpoint.prefix
+    elif kind is Kind.ACCELERATE:  # a whole state dict (FULL_STATE_DICT): likewise
+        from ..formats.dcp import step_of_name
+
+        step = step_of_name(Path(path).name)
     files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
     replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)

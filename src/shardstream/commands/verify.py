@@ -94,7 +94,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         return report
     if kind is Kind.ACCELERATE:
         report = VerifyReport(str(root), "accelerate")
-        _verify_accelerate(root, report)
+        _verify_accelerate(root, report, progress)
         return report
     if kind is Kind.DCP_HF:
         report = VerifyReport(str(root), "dcp_hf")
@@ -174,23 +174,14 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
     weights. verl's files carry no checksum of their own beyond these."""
-    from ..engine.checksum import Crc32
     from ..engine.plan import tensors_touching
     from ..formats import verl
-    from ..formats.torch_pt import zip_records
 
     bad = []
     buffer = memoryview(bytearray(READ_BYTES))
     for file in sorted(directory.glob("*.pt")):
         try:
-            records = zip_records(str(file))
-            with open(file, "rb", buffering=0) as f:
-                for record in records:
-                    f.seek(record.start)
-                    hasher = Crc32()
-                    _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
-                    if hasher.hexdigest() != record.crc:
-                        bad.append((file, record))
+            bad += [(file, record) for record in _bad_zip_records(file, report, progress, buffer)]
         except (ShardstreamError, OSError) as exc:
             report.problems.append(Problem(str(file), _strip(exc, file)))
             continue
@@ -219,6 +210,24 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
+
+
+def _bad_zip_records(file: Path, report: VerifyReport, progress, buffer) -> list:
+    """The zip records of the torch archive ``file`` whose bytes fail their CRC-32 (torch
+    records one and checks none); raises if the archive cannot be read."""
+    from ..engine.checksum import Crc32
+    from ..formats.torch_pt import zip_records
+
+    bad = []
+    records = zip_records(str(file))
+    with open(file, "rb", buffering=0) as f:
+        for record in records:
+            f.seek(record.start)
+            hasher = Crc32()
+            _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
+            if hasher.hexdigest() != record.crc:
+                bad.append(record)
+    return bad
 
 
 def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
@@ -252,21 +261,32 @@ def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:
     report.files_checked += len(shard_files(directory))
 
 
-def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
-    """accelerate's save_state: every DCP part (models, optimizers) as ``_verify_dcp``; its
-    torch.save files (scheduler, RNG, GradScaler, register_for_checkpointing objects, stateful
-    dataloaders) record by record against their CRC-32s and through the restricted unpickler
-    (which refuses code); a pickled sampler object by its records only (never unpickled)."""
+def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> None:
+    """accelerate's save_state: every DCP part (models, optimizers) as ``_verify_dcp``; the
+    whole state dicts of ``FULL_STATE_DICT`` (``pytorch_model_fsdp.bin``, ``optimizer.bin``) as
+    ``_verify_full_state``; its other torch.save files (scheduler, RNG, GradScaler,
+    register_for_checkpointing objects, stateful dataloaders) record by record against their
+    CRC-32s and through the restricted unpickler (which refuses code); a pickled sampler object
+    by its records only (never unpickled)."""
     from ..formats.source import (
+        ACCELERATE_FULL_MODEL_FILE,
+        ACCELERATE_FULL_OPTIMIZER_FILE,
         ACCELERATE_MODEL_DIR,
         ACCELERATE_OPTIMIZER_DIR,
         ACCELERATE_RNG_FILE,
         ACCELERATE_SAMPLER_FILE,
         ACCELERATE_SCHEDULER_FILE,
         ACCELERATE_STATE_FILE,
+        accelerate_state,
     )
     from ..formats.torch_pt import check_records, load_restricted, numpy_globals
 
+    try:
+        parts = accelerate_state(directory)  # model 0 in both layouts: said here
+        world_size = parts.world_size if parts else 1
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        world_size = 1
     pickles = (ACCELERATE_SCHEDULER_FILE, ACCELERATE_RNG_FILE, ACCELERATE_STATE_FILE)
     for entry in sorted(directory.iterdir()):
         name = entry.name
@@ -274,6 +294,10 @@ def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
             ACCELERATE_MODEL_DIR.match(name) or ACCELERATE_OPTIMIZER_DIR.match(name)
         ):
             _verify_dcp(entry, report)
+        elif entry.is_file() and ACCELERATE_FULL_MODEL_FILE.match(name):
+            _verify_full_state(entry, report, progress, world_size)
+        elif entry.is_file() and ACCELERATE_FULL_OPTIMIZER_FILE.match(name):
+            _verify_full_state(entry, report, progress)
         elif entry.is_file() and (
             any(p.match(name) for p in pickles) or ACCELERATE_SAMPLER_FILE.match(name)
         ):
@@ -285,6 +309,50 @@ def _verify_accelerate(directory: Path, report: VerifyReport) -> None:
                 report.bytes_checked += entry.stat().st_size
             except ShardstreamError as exc:
                 report.problems.append(Problem(str(entry), _strip(exc, entry)))
+
+
+def _verify_full_state(
+    file: Path, report: VerifyReport, progress, world_size: int | None = None
+) -> None:
+    """One whole state dict saved with ``torch.save`` (accelerate's ``FULL_STATE_DICT``):
+    every zip record against its CRC-32, a damaged one named with the tensors it holds, and
+    the pickle through the restricted unpickler (layout only, onto the meta device): a
+    model's as merge reads it (``world_size`` given: tensors under their names, each inside
+    its record), an optimizer's as an optimizer state dict (``state``, ``param_groups``)."""
+    from ..engine.plan import tensors_touching
+    from ..formats.torch_pt import load_layout
+    from ..formats.torch_state_dict import open_torch_state_dict
+
+    report.files_checked += 1
+    try:
+        bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
+        return
+    named = []
+    try:
+        if world_size is not None:
+            checkpoint = open_torch_state_dict(file, world_size=world_size)
+            named = [(t.name, t.blocks) for t in checkpoint.tensors]
+        else:
+            state = load_layout(str(file))
+            if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+                raise CheckpointFormatError(
+                    f"{file}: not an optimizer state dict (no state and param_groups)"
+                )
+    except (ShardstreamError, OSError) as exc:
+        if not bad:  # a damaged record explains it, and is said below
+            report.problems.append(Problem(str(file), _strip(exc, file)))
+    for record in bad:
+        tensors = tensors_touching(named, str(file), record.start, record.end)
+        report.problems.append(
+            Problem(
+                str(file),
+                f"CRC-32 mismatch in zip record {record.name}",
+                ", ".join(tensors) or None,
+                (record.start, record.end),
+            )
+        )
 
 
 def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:

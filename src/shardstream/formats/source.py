@@ -8,7 +8,8 @@
                    or ``__R_i.distcp`` files
    ``ACCELERATE``  accelerate's ``save_state`` (or a Trainer checkpoint) of an FSDP model:
                    ``pytorch_model_fsdp_N/`` (DCP) beside ``optimizer_N/``, the scheduler's and
-                   RNG files
+                   RNG files; with ``FULL_STATE_DICT``, ``pytorch_model_fsdp.bin`` (one
+                   ``torch.save`` state dict) beside ``optimizer.bin`` instead
    ``DCP_HF``      DCP's ``HuggingFaceStorageWriter``: per-rank ``shard-N-model-I-of-K
                    .safetensors`` files, or a model consolidated beside them in ``sharded/``
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
@@ -60,6 +61,10 @@ ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
 ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
+# accelerate's save_state with an FSDP FULL_STATE_DICT: the whole model state dict, and the
+# optimizer's, each one torch.save file by rank 0 (model 0: no _N; model N: _N).
+ACCELERATE_FULL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_([1-9]\d*))?\.bin$")
+ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.bin$")
 # Its other torch.save files, each a state_dict() restored by name (load(states={stem: obj})):
 # the GradScaler's, register_for_checkpointing objects', stateful dataloaders'.
 ACCELERATE_STATE_FILE = re.compile(
@@ -151,14 +156,16 @@ def is_dcp_checkpoint(directory: Path) -> bool:
 @dataclasses.dataclass
 class AccelerateState:
     """The parts of accelerate's ``save_state`` directory; ``model``, ``optimizer`` and
-    ``scheduler`` are those of model ``index`` (0 unless chosen)."""
+    ``scheduler`` are those of model ``index`` (0 unless chosen). ``model`` and ``optimizer``
+    are DCP directories (``SHARDED_STATE_DICT``), or with ``full_state`` one ``torch.save``
+    file each (``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, ``optimizer.bin``)."""
 
     directory: Path
     model: Path
     optimizer: Path | None
     scheduler: Path | None
     rng: dict[int, Path]  # saving process -> its RNG file
-    models: int  # pytorch_model_fsdp_N directories
+    models: int  # pytorch_model_fsdp_N directories (or .bin files)
     index: int = 0
     indices: tuple[int, ...] = (0,)  # the N of every pytorch_model_fsdp_N
     # file stem -> file, for load(states={stem: obj}): scaler, custom_checkpoint_N,
@@ -166,19 +173,36 @@ class AccelerateState:
     states: dict[str, Path] = dataclasses.field(default_factory=dict)
     samplers: dict[str, Path] = dataclasses.field(default_factory=dict)
 
+    @property
+    def full_state(self) -> bool:
+        """Whether model ``index`` is one whole state dict (``FULL_STATE_DICT``)."""
+        return self.model.is_file()
+
+    @property
+    def world_size(self) -> int:
+        """The processes of the saving run, from its per-rank RNG files (1 without any)."""
+        return max(self.rng) + 1 if self.rng else 1
+
 
 def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
     """The parts of an accelerate ``save_state`` directory, with model ``index``'s model,
-    optimizer and scheduler; None when ``directory`` is none (or has no model ``index``)."""
+    optimizer and scheduler; None when ``directory`` is none (or has no model ``index``).
+    Raises ``CheckpointFormatError`` when model ``index`` (or its optimizer) is there both
+    as a DCP directory and as a ``.bin`` file: two saves, and which one is meant is unknown."""
     if not directory.is_dir():
         return None
     models, optims, schedulers, rng, states, samplers = {}, {}, {}, {}, {}, {}
+    full_models, full_optims = {}, {}
     for entry in directory.iterdir():
         name = entry.name
         if (m := ACCELERATE_MODEL_DIR.match(name)) and is_dcp_checkpoint(entry):
             models[int(m[1])] = entry
         elif (m := ACCELERATE_OPTIMIZER_DIR.match(name)) and is_dcp_checkpoint(entry):
             optims[int(m[1])] = entry
+        elif (m := ACCELERATE_FULL_MODEL_FILE.match(name)) and entry.is_file():
+            full_models[int(m[1] or 0)] = entry
+        elif (m := ACCELERATE_FULL_OPTIMIZER_FILE.match(name)) and entry.is_file():
+            full_optims[int(m[1] or 0)] = entry
         elif (m := ACCELERATE_SCHEDULER_FILE.match(name)) and entry.is_file():
             schedulers[int(m[1] or 0)] = entry
             states[entry.stem] = entry
@@ -188,24 +212,35 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
             states[entry.stem] = entry
         elif ACCELERATE_SAMPLER_FILE.match(name) and entry.is_file():
             samplers[entry.stem] = entry
-    if 0 not in models or index not in models:
+    for sharded, full in ((models, full_models), (optims, full_optims)):
+        if index in sharded and index in full:
+            raise CheckpointFormatError(
+                f"{directory}: holds both {sharded[index].name}/ (SHARDED_STATE_DICT) and "
+                f"{full[index].name} (FULL_STATE_DICT), from two saves; remove the one not "
+                "meant"
+            )
+    indices = {*models, *full_models}
+    if 0 not in indices or index not in indices:
         return None
     return AccelerateState(
         directory,
-        models[index],
-        optims.get(index),
+        models.get(index) or full_models[index],
+        optims.get(index) or full_optims.get(index),
         schedulers.get(index),
         rng,
-        len(models),
+        len(indices),
         index,
-        tuple(sorted(models)),
+        tuple(sorted(indices)),
         states,
         samplers,
     )
 
 
 def is_accelerate_state(directory: Path) -> bool:
-    return accelerate_state(directory) is not None
+    try:
+        return accelerate_state(directory) is not None
+    except CheckpointFormatError:  # both layouts of model 0: accelerate's, and the reader says
+        return True
 
 
 def is_dcp_hf(directory: Path) -> bool:
@@ -270,9 +305,16 @@ def _open_dcp(path: Path, model_only: bool, shared: bool, prefix: str | None) ->
 def _open_accelerate(
     path: Path, model_only: bool, shared: bool, prefix: str | None
 ) -> CheckpointSource:
+    parts = accelerate_state(path)
+    if parts.full_state:  # FULL_STATE_DICT: pytorch_model_fsdp.bin
+        from .torch_state_dict import open_torch_state_dict
+
+        return open_torch_state_dict(
+            parts.model, world_size=parts.world_size, shared=shared, prefix=prefix
+        )
     from .dcp import open_dcp
 
-    return open_dcp(accelerate_state(path).model, prefix)
+    return open_dcp(parts.model, prefix)
 
 
 def _open_dcp_hf(
@@ -353,7 +395,8 @@ def open_checkpoint(
         )
     raise CheckpointNotFoundError(
         f"{path}: no model files found (expected a shardstream manifest.json, verl's "
-        "model_world_size_W_rank_R.pt files, or a DCP .metadata)"
+        "model_world_size_W_rank_R.pt files, a DCP .metadata, or accelerate's "
+        "pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin)"
     )
 
 

@@ -1,0 +1,113 @@
+"""Source: one whole model state dict saved with ``torch.save`` by one process.
+
+accelerate's ``save_state`` with an FSDP ``FULL_STATE_DICT`` writes one on rank 0
+(``pytorch_model_fsdp.bin`` for model 0, ``pytorch_model_fsdp_N.bin`` for model N): plain
+tensors under their module names, in the same kind of zip archive as one of verl's rank files.
+So it is read as a verl checkpoint of world size 1 (``verl.read_rank_layouts``): the restricted
+unpickler on the meta device for the layout, then byte ranges streamed with every zip record
+checked against its CRC-32.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..engine.plan import GlobalTensor
+from ..errors import CheckpointFormatError, UsageError
+from .verl import VerlCheckpoint, _model_state, check_inside, read_rank_layouts
+
+ACCELERATE_FULL_FORMAT = "accelerate (FULL_STATE_DICT)"
+WHOLE = "whole (full state dict)"
+ONE_FILE_MESH = "none: one whole state dict, written by rank 0"
+
+
+@dataclass
+class TorchStateDict(VerlCheckpoint):
+    """A whole state dict in one ``torch.save`` file; ``world_size`` is the saving run's."""
+
+    label: str = ACCELERATE_FULL_FORMAT
+
+    @property
+    def format(self) -> str:
+        return self.label
+
+    def config_dir(self) -> Path | None:
+        """config.json's directory: the one holding the file (a Trainer's checkpoint-N has
+        one; accelerate's save_state none: pass --hf_model_path)."""
+        from .hf import check_no_links_out
+
+        if os.path.lexists(self.directory / "config.json"):  # read_config refuses a non-file
+            return check_no_links_out(self.directory, self.directory)
+        return None
+
+
+def open_torch_state_dict(
+    file: str | os.PathLike,
+    *,
+    world_size: int = 1,
+    label: str = ACCELERATE_FULL_FORMAT,
+    shared: bool = False,
+    prefix: str | None = None,
+) -> TorchStateDict:
+    """The layout of the state dict in ``file`` (its tensors located, none loaded).
+
+    ``world_size``: how many processes the saving run had (the file says nothing of it).
+    ``shared``: every process of the current group opens it together (one unpickles it).
+    """
+    file = Path(file)
+    directory = file.parent
+    if prefix is not None:
+        raise UsageError(
+            f"{file}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'); this "
+            "file holds the model's state dict at the top level"
+        )
+    check_inside(file, directory)
+    layout = read_rank_layouts([str(file)], _model_state, shared)
+    return TorchStateDict(
+        directory,
+        world_size,
+        None,
+        layout.tensors,
+        {t.name: WHOLE for t in layout.tensors},
+        ONE_FILE_MESH,
+        [str(file)],
+        layout.replicas,
+        label=label,
+    )
+
+
+def open_torch_optimizer(
+    file: str | os.PathLike, prefix: str
+) -> tuple[list[GlobalTensor], dict[str, object], list[dict]]:
+    """A whole optimizer state dict keyed by parameter name, as ``get_optimizer_state_dict``
+    (full) and FSDP1's ``FSDP.optim_state_dict`` give it (accelerate's ``optimizer.bin``):
+    its tensors named ``<prefix><fqn>.<key>``, its other per-parameter values under the same
+    names, and its param groups (``params`` as names). Every process reads the pickle."""
+    file = Path(file)
+    check_inside(file, file.parent)
+    groups: list[dict] = []
+
+    def flatten(state, path: str) -> dict:
+        entries = state.get("state") if isinstance(state, dict) else None
+        saved_groups = state.get("param_groups") if isinstance(state, dict) else None
+        if not isinstance(entries, dict) or not isinstance(saved_groups, list):
+            raise CheckpointFormatError(
+                f"{path}: not an optimizer state dict (no state and param_groups)"
+            )
+        if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
+            raise CheckpointFormatError(f"{path}: a param group without a params list")
+        out = {}
+        for fqn, values in entries.items():
+            if not isinstance(fqn, str) or not isinstance(values, dict):
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state under {fqn!r}, not a parameter name with its "
+                    "values (saved with optimizer.state_dict() rather than a full state dict?)"
+                )
+            out.update({f"{prefix}{fqn}.{key}": value for key, value in values.items()})
+        groups[:] = saved_groups
+        return out
+
+    layout = read_rank_layouts([str(file)], flatten, keep_scalars=True)
+    return layout.tensors, layout.scalars, groups
