@@ -364,6 +364,17 @@ def _accelerate_source(
     from ..formats.source import accelerate_state
 
     parts = accelerate_state(path, index or 0)
+    if index is None and parts.models > 1 and parts.full_state:
+        raise UsageError(
+            f"{path}: holds {parts.models} models saved whole (FULL_STATE_DICT: "
+            + ", ".join(
+                "pytorch_model_fsdp.bin" if i == 0 else f"pytorch_model_fsdp_{i}.bin"
+                for i in parts.indices
+            )
+            + "); restoring one of several models saved whole is not supported: put the "
+            "files of the one meant in a directory of their own as model 0's "
+            "(pytorch_model_fsdp.bin, optimizer.bin, scheduler.bin) with the RNG files"
+        )
     if index is None and parts.models > 1:
         raise UsageError(
             f"{path}: holds {parts.models} models ("
@@ -372,16 +383,19 @@ def _accelerate_source(
             " and scheduler (scheduler.bin for 0, scheduler_<i>.bin), the RNG and the states"
             " asked for"
         )
-    source = _dcp_source(
-        parts.model,
-        parts.optimizer,
-        model,
-        optimizer,
-        want_optimizer,
-        prefix,
-        presented,
-        verify=verify,
-    )
+    if parts.full_state:  # FULL_STATE_DICT: pytorch_model_fsdp.bin, optimizer.bin
+        source = _full_state_source(parts, model, optimizer, want_optimizer, verify, prefix)
+    else:
+        source = _dcp_source(
+            parts.model,
+            parts.optimizer,
+            model,
+            optimizer,
+            want_optimizer,
+            prefix,
+            presented,
+            verify=verify,
+        )
     source.step = _step_of(path)
     if parts.optimizer is None:
         source.saved.discard("optimizer")
@@ -413,6 +427,40 @@ def _accelerate_source(
             return {"user": {}, "rng": _accelerate_rng(state)}
 
         source.read_extra = read_extra
+    return source
+
+
+def _full_state_source(
+    parts, model, optimizer, want_optimizer: bool, verify: bool, prefix
+) -> _Source:
+    """accelerate's ``FULL_STATE_DICT``: the model's whole state dict and the optimizer's,
+    one ``torch.save`` file each, read as a verl rank file of world size 1. ``verify``: the
+    processes check the records they read against their CRC-32s between them first (each
+    record once; every process reads part of each whole tensor), then read unchecked."""
+    from ..formats import verl
+    from ..formats.torch_pt import zip_records
+    from ..formats.torch_state_dict import open_torch_optimizer, open_torch_state_dict
+
+    ckpt = open_torch_state_dict(
+        parts.model, world_size=parts.world_size, shared=True, prefix=prefix
+    )
+    tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+    saved, objects = {"model"}, {}
+    files = list(ckpt.files)
+    if parts.optimizer is not None:
+        saved.add("optimizer")
+        if want_optimizer:
+            state_prefix = native.OPTIMIZER_PREFIX + st.STATE
+            optim, scalars, groups = open_torch_optimizer(parts.optimizer, state_prefix)
+            tensors.update({t.name: t for t in optim})
+            # saved by name: check_param_groups matches them to the live groups by name
+            objects["optimizer"] = {"param_groups": groups, "scalars": scalars}
+            files.append(str(parts.optimizer))
+    source = _Source(tensors, FileEndpoint, saved, objects, 0, lambda rank: {})
+    if verify:
+        named = [(t.name, t.blocks) for t in tensors.values()]
+        work = [(file, record) for file in files for record in zip_records(file)]
+        source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
     return source
 
 
