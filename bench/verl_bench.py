@@ -455,7 +455,8 @@ def _async_section(a: dict | None) -> list[str]:
         f"it, and that wait counts as stall too (the training steps here are CPU work, so a "
         f"background save shares the cores with them and runs longer than a synchronous one). "
         f"{a['world_size']} rank(s) on {a.get('cores', 2)} cores; others used "
-        f"{fmt(a['others_cpu_share'], '.0%')} of the machine's CPU meanwhile.",
+        f"{fmt(a['others_cpu_share'], '.0%')} of the machine's CPU meanwhile."
+        + (f" Run at git {a['git']}, finished {a['finished']}." if a.get("git") else ""),
         "",
         *table(
             "mode | mean step s | stall per save s | stall ÷ sync save (per run) | first save's "
@@ -494,10 +495,11 @@ def _async_section(a: dict | None) -> list[str]:
         "lives). That happens on a thread of its own right after the first optimizer step, when "
         "the optimizer's state can be sized, so the fault-in overlaps training steps (it counts "
         "in their time, not in a save's stall); the first save's stall is still shown apart, "
-        "and the saves after it are the steady state. `dcp.async_save` allocates its full copy at every call. Peak RSS is each mode's "
-        "peak above the peak of the run without checkpoints (the optimizer's own temporaries "
-        "excluded); a mode that runs right after `dcp.async_save` tends to peak higher (the "
-        "per-run figures are in `bench/results/verl-bench.json`).",
+        "and the saves after it are the steady state. `dcp.async_save` allocates its full copy "
+        "at every call. Peak RSS is each mode's peak above the peak of the run without "
+        "checkpoints (the optimizer's own temporaries excluded); a mode that runs right after "
+        "`dcp.async_save` tends to peak higher (the per-run figures are in "
+        "`bench/results/verl-bench.json`).",
     ]
     return L
 
@@ -672,6 +674,8 @@ def _async_part(a) -> dict:
         others_cpu_share=statistics.median(shares) if shares else None,
         model_gb=gb(model),
         cores=len(os.sched_getaffinity(0)),
+        git=git_revision(),
+        finished=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     )
 
 
