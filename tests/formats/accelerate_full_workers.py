@@ -3,9 +3,8 @@ for test_accelerate_full_state.py (run through ``shardstream.testing.distributed
 
 from __future__ import annotations
 
-import os
-
 import torch
+from integration.trainer_workers import _accelerator
 
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config, write_config_json
 
@@ -14,39 +13,13 @@ REFERENCE_DIR = "reference"  # save_pretrained of the saved weights
 CONFIG_DIR = "config"  # config.json alone, for --hf_model_path
 
 
-def _accelerator(rank: int, world: int):
-    """accelerate's ``Accelerator`` on CPU with the FSDP2 plugin and a full state dict, in the
-    process group that exists already."""
-    os.environ.update(
-        RANK=str(rank),
-        LOCAL_RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_WORLD_SIZE=str(world),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT="1",  # the process group exists already; accelerate does not open one
-        OMP_NUM_THREADS="1",
-    )
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
-
-    plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, state_dict_type="FULL_STATE_DICT", reshard_after_forward=True
-    )
-    accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
-    # accelerate turns FSDP on only from GPU-like distributed types; its FSDP2 preparation
-    # and checkpoint code run on CPU all the same once the state says FSDP.
-    accelerator.state.distributed_type = DistributedType.FSDP
-    accelerator.state.fsdp_plugin = plugin
-    return accelerator
-
-
 def save_full_state(rank: int, world: int, root: str) -> dict | None:
     """Prepare a tiny Qwen2 with AdamW and a scheduler, one training step, then
     ``Accelerator.save_state``. Rank 0 also writes the saved weights with ``save_pretrained``
     and config.json apart, and returns the model's full state dict."""
     from accelerate.utils import DistributedType
 
-    accelerator = _accelerator(rank, world)
+    accelerator = _accelerator(rank, world, "FULL_STATE_DICT")
     config = tiny_config("qwen2")
     model = build_tiny_model(config, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)

@@ -18,6 +18,7 @@ from shardstream.commands.verify import verify
 from shardstream.errors import CheckpointFormatError
 from shardstream.formats.source import Kind, detect, open_checkpoint
 from shardstream.formats.torch_pt import zip_records
+from shardstream.testing.compare import assert_bit_identical, assert_nested_equal
 from shardstream.testing.distributed import run
 
 pytestmark = pytest.mark.slow
@@ -32,17 +33,6 @@ def saved(tmp_path_factory) -> tuple[Path, dict]:
     model, optimizer (by parameter name) and scheduler."""
     root = tmp_path_factory.mktemp("accelerate-full")
     return root, run(workers.save_full_state, 2, str(root))[0]
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_bit_identical(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(_bits(got[name]), _bits(tensor)), name
 
 
 def _damaged_copy(root: Path, name: str) -> tuple[Path, str]:
@@ -95,13 +85,13 @@ def test_merge_is_bit_identical_in_the_stored_dtype(saved, tmp_path):
     state = root / workers.STATE_DIR
     target = tmp_path / "weights_only"  # no config anywhere: the weights alone, as stored
     assert main(["merge", "--local_dir", str(state), "--target_dir", str(target), "--quiet"]) == 0
-    _assert_bit_identical(load_file(target / "model.safetensors"), full)
+    assert_bit_identical(load_file(target / "model.safetensors"), full)
     assert not (target / "config.json").exists()
 
     with_config = tmp_path / "with_config"
     argv = ["merge", "--local_dir", str(state), "--target_dir", str(with_config), "--quiet"]
     assert main([*argv, "--hf_model_path", str(root / workers.CONFIG_DIR)]) == 0
-    _assert_bit_identical(load_file(with_config / "model.safetensors"), full)
+    assert_bit_identical(load_file(with_config / "model.safetensors"), full)
     assert (with_config / "config.json").is_file()
 
     argv = ["test", "--local_dir", str(state), "--test_hf_dir", str(root / workers.REFERENCE_DIR)]
@@ -137,26 +127,10 @@ def test_both_layouts_of_one_model_are_refused_naming_both(saved):
     assert not report.ok and "pytorch_model_fsdp.bin" in report.problems[0].line()
 
 
-def _assert_nested_equal(got, want, where: str = "") -> None:
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            _assert_nested_equal(got[key], want[key], f"{where}.{key}")
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (a, b) in enumerate(zip(got, want)):
-            _assert_nested_equal(a, b, f"{where}[{i}]")
-    else:
-        assert got == want, where
-
-
 def test_restore_at_another_world_size(saved):
     """CheckpointManager.restore(path=<save_state dir>) at 3 FSDP2 ranks: model, optimizer
     and scheduler bit for bit."""
     root, state = saved
     restored = run(workers.restore_full_state, 3, str(root))[0]
     for part in ("model", "optimizer", "scheduler"):
-        _assert_nested_equal(restored[part], state[part], part)
+        assert_nested_equal(restored[part], state[part], part)

@@ -18,6 +18,7 @@ for a tiny Qwen2 (untied) and a tiny Llama (tied embeddings), all at world size 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import os
@@ -40,6 +41,7 @@ from shardstream.errors import (
 from shardstream.formats import dcp_pickles
 from shardstream.formats.source import is_dcp_checkpoint, open_checkpoint
 from shardstream.testing.cli import run_cli
+from shardstream.testing.compare import assert_bit_identical
 
 TINY = {
     "hidden_size": 48,
@@ -232,16 +234,6 @@ def _expected(root: Path, layout: str, dtype: torch.dtype | None) -> dict[str, t
     }
 
 
-def _assert_bit_identical(merged: dict, expected: dict) -> None:
-    assert sorted(merged) == sorted(expected)
-    for name, want in expected.items():
-        got = merged[name]
-        assert got.dtype == want.dtype, name
-        assert got.shape == want.shape, name
-        got_bytes = got.reshape(-1).contiguous().view(torch.uint8)
-        assert torch.equal(got_bytes, want.reshape(-1).contiguous().view(torch.uint8)), name
-
-
 def _merge(source: Path, target: Path, *extra: str) -> None:
     rc = cli.main(
         ["merge", "--local_dir", str(source), "--target_dir", str(target), "--quiet", *extra]
@@ -260,7 +252,7 @@ def test_merge_fsdp2_qwen2_layouts_bit_identical(fsdp_runs, tmp_path, layout):
     extra = [] if layout == "accelerate" else ["--hf_model_path", str(root / "hf")]
     _merge(source, tmp_path / "out", *extra)
     merged = _load_merged(tmp_path / "out")
-    _assert_bit_identical(merged, _expected(root, layout, torch.float32))
+    assert_bit_identical(merged, _expected(root, layout, torch.float32))
     # config.json comes from --hf_model_path, or accelerate's enclosing Trainer checkpoint.
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 101
 
@@ -289,7 +281,7 @@ def test_merge_tied_llama_titan_layout_to_bf16(fsdp_runs, tmp_path):
     _merge(root / "titan", tmp_path / "out", "--hf_model_path", str(root / "hf"), "--dtype", "bf16")
     merged = _load_merged(tmp_path / "out")
     expected = _expected(root, "titan", torch.bfloat16)
-    _assert_bit_identical(merged, expected)
+    assert_bit_identical(merged, expected)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.bfloat16)
     reference = AutoModelForCausalLM.from_config(_config("llama", True), dtype=torch.bfloat16)
     reference.load_state_dict(expected, strict=False)
@@ -335,7 +327,7 @@ def test_empty_shards_of_small_parameters(fsdp_runs, tmp_path):
     proj = next(t for t in ckpt.tensors if t.name == "proj.weight")
     assert [b.shape for b in proj.blocks] == [(1, 6), (1, 6), (0, 6)]
     _merge(root, tmp_path / "out")
-    _assert_bit_identical(_load_merged(tmp_path / "out"), load_file(root / "reference.safetensors"))
+    assert_bit_identical(_load_merged(tmp_path / "out"), load_file(root / "reference.safetensors"))
 
 
 @pytest.mark.slow
@@ -344,7 +336,7 @@ def test_merge_without_config_writes_weights_only(fsdp_runs, tmp_path):
     assert open_checkpoint(root / "model_only").config_dir() is None
     _merge(root / "model_only", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
-    _assert_bit_identical(_load_merged(tmp_path / "out"), _expected(root, "model_only", None))
+    assert_bit_identical(_load_merged(tmp_path / "out"), _expected(root, "model_only", None))
 
 
 @pytest.mark.slow
@@ -399,7 +391,7 @@ def test_single_process_plain_tensors(tmp_path):
     transposed = next(t for t in ckpt.tensors if t.name == "transposed")
     assert transposed.blocks[0].strides == (1, 6)
     _merge(tmp_path / "ck", tmp_path / "out")
-    _assert_bit_identical(_load_merged(tmp_path / "out"), state)
+    assert_bit_identical(_load_merged(tmp_path / "out"), state)
 
 
 def test_single_process_dtype_cast_and_bytes_skipped(tmp_path):
@@ -412,7 +404,7 @@ def test_single_process_dtype_cast_and_bytes_skipped(tmp_path):
     }
     _merge(tmp_path / "ck", tmp_path / "out", "--dtype", "float16")
     want = {k: v.half() if v.is_floating_point() else v for k, v in state["model"].items()}
-    _assert_bit_identical(_load_merged(tmp_path / "out"), want)
+    assert_bit_identical(_load_merged(tmp_path / "out"), want)
 
 
 def test_hf_names_keep_their_model_prefix_in_a_flat_state_dict(tmp_path):
@@ -535,14 +527,21 @@ def test_transformed_chunks_are_refused(tmp_path):
         open_checkpoint(_corrupt(tmp_path, edit))
 
 
-def _run_cli(*argv) -> tuple[int, list[str]]:
-    """``python -m shardstream ARGV`` in a child process: exit code and stderr's lines."""
-    done = run_cli(*argv)
-    return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
+def _run_cli(*argv, child: bool = False) -> tuple[int, list[str]]:
+    """``shardstream ARGV``'s exit code and stderr's lines: in this process (an uncaught
+    error raises here), or with ``child`` as ``python -m shardstream`` in a child process."""
+    if child:
+        done = run_cli(*argv)
+        return done.returncode, [line for line in done.stderr.splitlines() if line.strip()]
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+        code = cli.main([str(a) for a in argv])
+    return code, [line for line in err.getvalue().splitlines() if line.strip()]
 
 
-def _refused_in_one_line(ckpt: Path, tmp_path: Path, *needles: str) -> None:
-    """inspect, merge and verify each end with exit 1 and one line naming ``.metadata``."""
+def _refused_in_one_line(ckpt: Path, tmp_path: Path, *needles: str, child: bool = False) -> None:
+    """inspect, merge and verify each end with exit 1 and one line naming ``.metadata``
+    (``child``: each in a process of its own, as a user runs them)."""
     meta_path = str(ckpt / ".metadata")
     target = tmp_path / "merged"
     for argv in (
@@ -550,7 +549,7 @@ def _refused_in_one_line(ckpt: Path, tmp_path: Path, *needles: str) -> None:
         ["merge", "--local_dir", ckpt, "--target_dir", target, "--quiet"],
         ["verify", "--quiet", ckpt],
     ):
-        code, lines = _run_cli(*argv)
+        code, lines = _run_cli(*argv, child=child)
         assert code == 1 and len(lines) == 1, (argv[0], code, lines)
         assert "Traceback" not in lines[0] and meta_path in lines[0], (argv[0], lines)
         for needle in needles:
@@ -571,7 +570,8 @@ def test_transform_descriptors_that_are_no_list_are_one_line_errors(tmp_path, va
     ckpt = _corrupt(tmp_path, edit)
     with pytest.raises(CheckpointFormatError, match="not a list of transform names"):
         open_checkpoint(ckpt)
-    _refused_in_one_line(ckpt, tmp_path, "'w' has transform_descriptors", "not a list")
+    needles = ("'w' has transform_descriptors", "not a list")
+    _refused_in_one_line(ckpt, tmp_path, *needles, child=type(value) is int)
 
 
 def _set(obj, field: str, value) -> None:

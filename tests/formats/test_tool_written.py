@@ -16,6 +16,7 @@ from shardstream.commands.inspect import describe
 from shardstream.commands.verify import verify
 from shardstream.errors import CheckpointNotFoundError
 from shardstream.formats.source import open_checkpoint
+from shardstream.testing.compare import assert_bit_identical
 from shardstream.testing.distributed import run
 
 pytestmark = pytest.mark.slow
@@ -26,17 +27,6 @@ def written(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("tool-written")
     run(tool_writers.write_all, 2, str(root))
     return root
-
-
-def _bits(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.contiguous().reshape(-1).view(torch.uint8)
-
-
-def _assert_bit_identical(got: dict, want: dict) -> None:
-    assert sorted(got) == sorted(want)
-    for name, tensor in want.items():
-        assert got[name].dtype == tensor.dtype and got[name].shape == tensor.shape, name
-        assert torch.equal(_bits(got[name]), _bits(tensor)), name
 
 
 def _merged(source: Path, target: Path) -> dict[str, torch.Tensor]:
@@ -54,7 +44,7 @@ def test_float8_tensors_merge_and_restore_bit_for_bit(written, tmp_path):
     dtypes = {row["name"]: row["dtype"] for row in describe(path)["tensors"]}
     assert dtypes["sharded.e4m3"] == "float8_e4m3fn" and dtypes["e5m2"] == "float8_e5m2"
     assert verify(path).ok
-    _assert_bit_identical(_merged(path, tmp_path / "merged"), want)
+    assert_bit_identical(_merged(path, tmp_path / "merged"), want)
 
     # restore into a module holding buffers at the saved names
     holder = torch.nn.Module()
@@ -63,7 +53,7 @@ def test_float8_tensors_merge_and_restore_bit_for_bit(written, tmp_path):
         owner, leaf = (holder.sharded, name.split(".")[1]) if "." in name else (holder, name)
         owner.register_buffer(leaf, torch.zeros(tensor.shape).to(tensor.dtype))
     shardstream.load(path, model=holder)
-    _assert_bit_identical(dict(holder.state_dict()), want)
+    assert_bit_identical(dict(holder.state_dict()), want)
 
 
 def test_hf_writer_with_index_mapping_names_the_saving_ranks(written, tmp_path):
@@ -74,7 +64,7 @@ def test_hf_writer_with_index_mapping_names_the_saving_ranks(written, tmp_path):
         assert open_checkpoint(where).world_size == 2, where
         assert verify(where).ok
         want = load_file(written / "hf_mapped.reference.safetensors")
-        _assert_bit_identical(_merged(where, tmp_path / where.name), want)
+        assert_bit_identical(_merged(where, tmp_path / where.name), want)
 
 
 class _Extra:
@@ -112,7 +102,7 @@ def test_tensors_of_another_stateful_are_restored(written):
     """``dcp.save({"model": ..., "extra": {...}})``: restore(states={"extra": obj}) gives the
     object its saved values, its tensor included."""
     model, extra = _restored(written / "extras")
-    _assert_bit_identical(model, load_file(written / "extras.reference.safetensors"))
+    assert_bit_identical(model, load_file(written / "extras.reference.safetensors"))
     _assert_extra(extra)
 
 
@@ -123,9 +113,9 @@ def test_save_without_collectives_is_read_from_every_ranks_metadata(written, tmp
     assert describe(path)["num_tensors"] == len(want)
     report = verify(path)  # every item's zip records, from the per-rank metadata
     assert report.ok and report.bytes_checked >= sum(t.nbytes for t in want.values())
-    _assert_bit_identical(_merged(path, tmp_path / "merged"), want)
+    assert_bit_identical(_merged(path, tmp_path / "merged"), want)
     model, extra = _restored(path)
-    _assert_bit_identical(model, want)
+    assert_bit_identical(model, want)
     _assert_extra(extra)
 
 

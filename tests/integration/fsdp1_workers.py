@@ -61,10 +61,24 @@ def _is_view_of(view: torch.Tensor, ranges: list[tuple[int, int]]) -> bool:
     return any(a <= lo and hi <= b for a, b in ranges)
 
 
+def _save_step_2(root: str, model, optimizer, scheduler, config) -> None:
+    """Model, optimizer, extra and hf_model as step 2 in ``root/ckpt``."""
+    import shardstream
+
+    shardstream.save(
+        Path(root) / "ckpt",
+        model=model,
+        optimizer=optimizer,
+        lr_scheduler=scheduler,
+        contents=("model", "optimizer", "extra", "hf_model"),
+        step=2,
+        hf_config=config,
+    )
+
+
 def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool) -> dict:
     """Two steps, then a save through the flat shards (model, optimizer, hf_model); rank 0
     writes the full state as the reference. Returns what the flat-shard path presented."""
-    import shardstream
 
     model, optimizer, scheduler, config = fsdp1_model(world, 0, use_orig_params, tie)
     for step in (1, 2):
@@ -90,15 +104,7 @@ def save_run(rank: int, world: int, root: str, use_orig_params: bool, tie: bool)
         for _, view in value.pieces
     ]
     model_pieces = [v for t in shards.values() if hasattr(t, "pieces") for _, v in t.pieces]
-    shardstream.save(
-        Path(root) / "ckpt",
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        contents=("model", "optimizer", "extra", "hf_model"),
-        step=2,
-        hf_config=config,
-    )
+    _save_step_2(root, model, optimizer, scheduler, config)
     reference = full_state(model, optimizer, scheduler)
     if rank == 0:
         torch.save(reference, Path(root) / "reference.pt")
@@ -117,7 +123,6 @@ def save_replicated_run(rank: int, world: int, root: str, strategy: str, orig: b
     """Two steps under a replicating ``strategy``, then a save (model, optimizer, hf_model);
     rank 0 writes the full state as the reference. Returns whether the flat-shard path took
     the model and what this rank presented for saving."""
-    import shardstream
 
     model, optimizer, scheduler, config = fsdp1_model(world, 0, orig, strategy=strategy)
     for step in (1, 2):
@@ -129,15 +134,7 @@ def save_replicated_run(rank: int, world: int, root: str, strategy: str, orig: b
         for t in part.values()
         if isinstance(t, fsdp1_shards.FlatShard)
     ]
-    shardstream.save(
-        Path(root) / "ckpt",
-        model=model,
-        optimizer=optimizer,
-        lr_scheduler=scheduler,
-        contents=("model", "optimizer", "extra", "hf_model"),
-        step=2,
-        hf_config=config,
-    )
+    _save_step_2(root, model, optimizer, scheduler, config)
     reference = full_state(model, optimizer, scheduler)  # collective: on every rank
     if rank == 0:
         torch.save(reference, Path(root) / "reference.pt")

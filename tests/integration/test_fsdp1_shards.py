@@ -59,7 +59,7 @@ def test_checkpoint_verifies_and_holds_the_state_bit_for_bit(saved):
     path = root / "ckpt"
     assert verify(str(path)).ok
     reference = torch.load(root / "reference.pt", weights_only=False)
-    for world, kind in ((1, "fsdp2"), (2, "fsdp1"), (2, "fsdp2"), (4, "fsdp1-fresh")):
+    for world, kind in ((1, "fsdp2"), (2, "fsdp1"), (4, "fsdp1-fresh")):
         for state in run(workers.load_run, world, str(path), kind, tie):
             _assert_same(state, reference, f"{kind}@{world}")
 
@@ -81,19 +81,21 @@ def test_hf_model_equals_a_merge_of_the_same_step(saved, tmp_path):
 
 
 @pytest.mark.parametrize(
-    "world, strategy, orig, loads",
+    "world, strategy, orig, loads, merges",
     [
-        (4, "HYBRID_SHARD", False, ((2, "fsdp2"), (4, "fsdp1-hybrid"))),
-        (4, "_HYBRID_SHARD_ZERO2", True, ((2, "fsdp1"),)),
-        (2, "NO_SHARD", False, ((1, "fsdp2"),)),
+        (4, "HYBRID_SHARD", False, ((2, "fsdp2"), (4, "fsdp1-hybrid")), True),
+        (4, "_HYBRID_SHARD_ZERO2", True, ((2, "fsdp1"),), False),
+        (2, "NO_SHARD", False, ((1, "fsdp2"),), False),
     ],
     ids=["hybrid-flat", "hybrid-zero2-orig", "no-shard"],
 )
-def test_replicated_strategies_save_once_from_the_shards(tmp_path, world, strategy, orig, loads):
+def test_replicated_strategies_save_once_from_the_shards(
+    tmp_path, world, strategy, orig, loads, merges
+):
     """Hybrid sharding (pairs of ranks shard, the pairs replicate) and no sharding take the
     flat-shard path too: the first replica writes its boxes, the others none, so the manifest
     lists every element once; the checkpoint verifies, restores bit for bit at other world
-    sizes and strategies, and its hf_model equals a merge."""
+    sizes and strategies, and (in the first case) its hf_model equals a merge."""
     presented = run(workers.save_replicated_run, world, str(tmp_path), strategy, orig)
     shards = 2 if "HYBRID" in strategy else 1
     for rank, result in enumerate(presented):
@@ -111,6 +113,8 @@ def test_replicated_strategies_save_once_from_the_shards(tmp_path, world, strate
     for load_world, kind in loads:
         for state in run(workers.load_run, load_world, str(path), kind, False):
             _assert_same(state, reference, f"{kind}@{load_world}")
+    if not merges:
+        return
     result = run_cli("merge", "--local_dir", path, "--target_dir", tmp_path / "merged")
     assert result.returncode == 0, result.stderr
     merged = {}

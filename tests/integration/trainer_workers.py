@@ -116,15 +116,16 @@ def _accelerate_env(rank: int, world: int) -> None:
     )
 
 
-def _accelerator(rank: int, world: int):
-    """accelerate's ``Accelerator`` on CPU with the FSDP2 plugin (sharded state dict), in the
-    process group that exists already; save through ``_save_state``."""
+def _accelerator(rank: int, world: int, state_dict_type: str = "SHARDED_STATE_DICT"):
+    """accelerate's ``Accelerator`` on CPU with the FSDP2 plugin (a sharded state dict unless
+    ``state_dict_type`` says otherwise), in the process group that exists already; save
+    through ``_save_state``."""
     _accelerate_env(rank, world)
     from accelerate import Accelerator
     from accelerate.utils import DistributedType, FullyShardedDataParallelPlugin
 
     plugin = FullyShardedDataParallelPlugin(
-        fsdp_version=2, state_dict_type="SHARDED_STATE_DICT", reshard_after_forward=True
+        fsdp_version=2, state_dict_type=state_dict_type, reshard_after_forward=True
     )
     accelerator = Accelerator(fsdp_plugin=plugin, cpu=True)
     # accelerate enables FSDP only on accelerators (its AcceleratorState turns FSDP on

@@ -102,6 +102,15 @@ def load_run(rank: int, world: int, actors: list[str], mesh: bool, use_verl: boo
     return out
 
 
+def fsdp2_switch_run(rank: int, world: int, actor: str, wrong_units: set[str] | None) -> dict:
+    """A run switching to FSDP2 resumes ``actor``: with ``wrong_units``, first into a model
+    naming other wrap units (``load_error_run``'s result under "refused"); then into the
+    model as it is (``load_run``'s state and RNG stream)."""
+    refused = load_error_run(rank, world, actor, wrong_units) if wrong_units else None
+    (loaded,) = load_run(rank, world, [actor], True, False)
+    return {"refused": refused, **loaded}
+
+
 def load_error_run(rank: int, world: int, actor: str, units: set[str] | None = None) -> dict:
     """Load a damaged checkpoint: the error, and whether the model changed. ``units``: the
     classes the model names as its wrap units (``_no_split_modules``) instead of its own."""

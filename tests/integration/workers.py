@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.formats import verl
+from shardstream.testing.compare import assert_nested_equal  # noqa: F401  (tests use it here)
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -64,28 +65,6 @@ def full_state(model, optimizer, scheduler) -> dict:
         "optim": _clone(optim_sd),
         "scheduler": _clone(scheduler.state_dict()),
     }
-
-
-def assert_nested_equal(got, want, where: str = "", unordered: tuple[str, ...] = ()) -> None:
-    """``got`` equals ``want`` all the way down: tensors bit for bit with the same dtype,
-    dicts by keys, sequences item by item; the lists under a key in ``unordered`` as sets
-    (e.g. ``"params"``, whose order follows how the model was wrapped). ``where`` names the
-    path in a failure."""
-    if isinstance(want, torch.Tensor):
-        assert isinstance(got, torch.Tensor) and got.dtype == want.dtype, where
-        assert torch.equal(got, want), where
-    elif isinstance(want, dict):
-        assert set(got) == set(want), where
-        for key in want:
-            assert_nested_equal(got[key], want[key], f"{where}.{key}", unordered)
-    elif where.rpartition(".")[2] in unordered:
-        assert sorted(got) == sorted(want), where
-    elif isinstance(want, (list, tuple)):
-        assert len(got) == len(want), where
-        for i, (g, w) in enumerate(zip(got, want)):
-            assert_nested_equal(g, w, f"{where}[{i}]", unordered)
-    else:
-        assert got == want, where
 
 
 def _clone(value):

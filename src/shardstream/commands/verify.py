@@ -174,7 +174,6 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
     weights. verl's files carry no checksum of their own beyond these."""
-    from ..engine.plan import tensors_touching
     from ..formats import verl
 
     bad = []
@@ -198,15 +197,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
             report.problems.append(Problem(str(directory), _strip(exc, directory)))
     for file, record in bad:
-        tensors = tensors_touching(named, str(file), record.start, record.end)
-        report.problems.append(
-            Problem(
-                str(file),
-                f"CRC-32 mismatch in zip record {record.name}",
-                ", ".join(tensors) or None,
-                (record.start, record.end),
-            )
-        )
+        report.problems.append(_crc_mismatch(file, record, named))
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
@@ -319,7 +310,6 @@ def _verify_full_state(
     the pickle through the restricted unpickler (layout only, onto the meta device): a
     model's as merge reads it (``world_size`` given: tensors under their names, each inside
     its record), an optimizer's as an optimizer state dict (``state``, ``param_groups``)."""
-    from ..engine.plan import tensors_touching
     from ..formats.torch_pt import load_layout
     from ..formats.torch_state_dict import open_torch_state_dict
 
@@ -344,15 +334,7 @@ def _verify_full_state(
         if not bad:  # a damaged record explains it, and is said below
             report.problems.append(Problem(str(file), _strip(exc, file)))
     for record in bad:
-        tensors = tensors_touching(named, str(file), record.start, record.end)
-        report.problems.append(
-            Problem(
-                str(file),
-                f"CRC-32 mismatch in zip record {record.name}",
-                ", ".join(tensors) or None,
-                (record.start, record.end),
-            )
-        )
+        report.problems.append(_crc_mismatch(file, record, named))
 
 
 def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
@@ -674,3 +656,16 @@ def _strip(exc: Exception, path: Path) -> str:
     text = str(exc)
     prefix = f"{path}: "
     return text[len(prefix) :] if text.startswith(prefix) else text
+
+
+def _crc_mismatch(file, record, named) -> Problem:
+    """A zip record whose bytes fail its CRC-32, with the tensors it holds part of."""
+    from ..engine.plan import tensors_touching
+
+    tensors = tensors_touching(named, str(file), record.start, record.end)
+    return Problem(
+        str(file),
+        f"CRC-32 mismatch in zip record {record.name}",
+        ", ".join(tensors) or None,
+        (record.start, record.end),
+    )
