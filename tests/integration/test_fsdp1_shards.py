@@ -64,20 +64,24 @@ def test_checkpoint_verifies_and_holds_the_state_bit_for_bit(saved):
             _assert_same(state, reference, f"{kind}@{world}")
 
 
-def test_hf_model_equals_a_merge_of_the_same_step(saved, tmp_path):
-    root, _, _ = saved
-    path = root / "ckpt"
-    result = run_cli("merge", "--local_dir", path, "--target_dir", tmp_path / "merged")
+def _assert_export_equals_merge(path, target) -> None:
+    """The hf_model export of the checkpoint at ``path`` equals ``shardstream merge`` of it."""
+    result = run_cli("merge", "--local_dir", path, "--target_dir", target)
     assert result.returncode == 0, result.stderr
     exported = {}
     for file in sorted((path / "huggingface").glob("*.safetensors")):
         exported.update(load_file(file))
     merged = {}
-    for file in sorted((tmp_path / "merged").glob("*.safetensors")):
+    for file in sorted(target.glob("*.safetensors")):
         merged.update(load_file(file))
     assert exported.keys() == merged.keys() and exported
     for key in exported:
         assert torch.equal(exported[key], merged[key]), key
+
+
+def test_hf_model_equals_a_merge_of_the_same_step(saved, tmp_path):
+    root, _, _ = saved
+    _assert_export_equals_merge(root / "ckpt", tmp_path / "merged")
 
 
 @pytest.mark.parametrize(
@@ -113,19 +117,8 @@ def test_replicated_strategies_save_once_from_the_shards(
     for load_world, kind in loads:
         for state in run(workers.load_run, load_world, str(path), kind, False):
             _assert_same(state, reference, f"{kind}@{load_world}")
-    if not merges:
-        return
-    result = run_cli("merge", "--local_dir", path, "--target_dir", tmp_path / "merged")
-    assert result.returncode == 0, result.stderr
-    merged = {}
-    for file in sorted((tmp_path / "merged").glob("*.safetensors")):
-        merged.update(load_file(file))
-    exported = {}
-    for file in sorted((path / "huggingface").glob("*.safetensors")):
-        exported.update(load_file(file))
-    assert exported.keys() == merged.keys() and exported
-    for key in exported:
-        assert torch.equal(exported[key], merged[key]), key
+    if merges:
+        _assert_export_equals_merge(path, tmp_path / "merged")
 
 
 @pytest.mark.parametrize(
