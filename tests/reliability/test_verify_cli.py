@@ -131,6 +131,26 @@ def test_verify_hf_dirs(saved_run, tmp_path, capsys):
     assert any(str(shards[0]) in line and "missing" in line for line in lines), lines
 
 
+def test_verify_hf_shard_names_that_merely_start_with_dots(saved_run, tmp_path, capsys):
+    """A shard named ``..model-00001-of-00002.safetensors`` is a file of the model directory,
+    as merge and ``test`` read it: verify checks it like any other; ``..`` itself is refused."""
+    sharded = tmp_path / "sharded"
+    shutil.copytree(saved_run.hf_sharded, sharded)
+    index_path = sharded / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    first = sorted(set(index["weight_map"].values()))[0]
+    (sharded / first).rename(sharded / f"..{first}")
+    index["weight_map"] = {t: f"..{f}" if f == first else f for t, f in index["weight_map"].items()}
+    index_path.write_text(json.dumps(index))
+    code, lines, _ = _verify(capsys, sharded)
+    assert code == 0 and not lines, lines
+    renamed = index["weight_map"].items()
+    index["weight_map"] = {t: ".." if f == f"..{first}" else f for t, f in renamed}
+    index_path.write_text(json.dumps(index))
+    code, lines, _ = _verify(capsys, sharded)
+    assert code == 1 and any("unsafe file name '..'" in line for line in lines), lines
+
+
 def test_verify_missing_or_foreign_directory(tmp_path, capsys):
     code, lines, _ = _verify(capsys, tmp_path / "nope")
     assert code == 1 and len(lines) == 1 and "no such directory" in lines[0]
