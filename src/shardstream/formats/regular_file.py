@@ -29,10 +29,7 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one.
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        mode = os.fstat(fd).st_mode
-        if not stat.S_ISREG(mode):
-            kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
-            raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
+        _check_regular(path, os.fstat(fd).st_mode)
         os.set_blocking(fd, True)
         return os.fdopen(fd, "rb")
     except BaseException:
@@ -54,7 +51,12 @@ def present(path: str | os.PathLike) -> bool:
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise CheckpointFormatError(f"{os.fspath(path)}: cannot be read ({reason})") from None
+    _check_regular(path, mode)
+    return True
+
+
+def _check_regular(path: str | os.PathLike, mode: int) -> None:
+    """A ``CheckpointFormatError`` naming ``path`` unless ``mode`` is a regular file's."""
     if not stat.S_ISREG(mode):
         kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
         raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
-    return True
