@@ -344,10 +344,11 @@ class StagingMemory:
         def after_step(*_: Any) -> None:
             if not self._armed:
                 return
-            nbytes, count, on_gpu = live_state_bytes(model, optimizer)
-            if twice_model and model is not None:
-                nbytes += live_state_bytes(model, None)[0]
-                count *= 2
+            model_bytes, model_count, model_gpu = live_state_bytes(model, None)
+            nbytes, count, on_gpu = live_state_bytes(None, optimizer)
+            copies = 2 if twice_model else 1
+            nbytes, count = nbytes + copies * model_bytes, (count + model_count) * copies
+            on_gpu = on_gpu or model_gpu
             # A save places each copy at an aligned offset, and may read a tensor in several
             # pieces (FSDP1's boxes): room for that on top.
             slack = (1 << 20) + 4 * SourceGuard._ALIGN * count
