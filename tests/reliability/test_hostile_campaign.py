@@ -381,3 +381,19 @@ def test_config_json_that_is_no_regular_file_is_no_missing_config(tmp_path, caps
     else:
         config.mkdir()
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(config))
+
+
+# --- checkpoints with nothing in them ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["merge", "test"])
+def test_verl_checkpoint_without_model_tensors(tmp_path, capsys, command):
+    """A verl rank file holding an empty state dict merged into a model of no tensors and
+    exited 0; merge and test now refuse a checkpoint with nothing to write or compare."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: {}})
+    if command == "merge":
+        argv = _merge_argv(source, tmp_path)
+    else:
+        reference = _hf_dir(tmp_path / "hf")
+        argv = ["test", "--local_dir", source, "--test_hf_dir", reference, "--quiet"]
+    _fails_naming(capsys, argv, source, str(source), "holds no model tensors")

@@ -386,7 +386,13 @@ def open_checkpoint(
             f"this one ({kind.value})"
         )
     if opener is not None:
-        return opener(path, model_only, shared, prefix)
+        source = opener(path, model_only, shared, prefix)
+        if model_only and not source.tensors:
+            raise CheckpointFormatError(
+                f"{path}: the {source.format} checkpoint holds no model tensors; nothing to "
+                "merge or compare"
+            )
+        return source
     hint = checkpoints_below(path)
     if hint:
         raise CheckpointNotFoundError(
