@@ -45,13 +45,20 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
     exit_finished_rank()
 
 
+PRELOADED = ["torch", "torch.distributed.checkpoint", "transformers", "shardstream"]
+
+
+def preload(*modules: str) -> None:
+    """Have the fork server also import ``modules`` (those the ranks' functions import), if
+    called before its first start; a module that is not installed is skipped."""
+    PRELOADED.extend(m for m in modules if m not in PRELOADED)
+
+
 def _preload() -> None:
     """Have the fork server import the heavy modules once (it starts on first use)."""
     import multiprocessing
 
-    multiprocessing.set_forkserver_preload(
-        ["torch", "torch.distributed.checkpoint", "transformers", "shardstream"]
-    )
+    multiprocessing.set_forkserver_preload(list(PRELOADED))
 
 
 def exit_finished_rank() -> NoReturn:
