@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardstream.cli import main
+from shardstream.commands.merge import merge
 from shardstream.commands.verify import verify
 from shardstream.errors import UsageError
 from shardstream.testing.distributed import run
@@ -293,6 +294,26 @@ def test_fsdp1_saves_at_2_and_loads_bit_for_bit_at_1_and_2(tmp_path):
     for world in (1, 2):
         for state in run(workers.fsdp1_load_run, world, actor):
             _assert_same(state, reference)
+
+
+def test_hybrid_sharded_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin(tmp_path):
+    """verl's ``fsdp_size`` below the world size: FSDP1 ``HYBRID_SHARD`` over its
+    ``("ddp", "fsdp")`` mesh, where each ``ddp`` row of ranks saves the same flat optimizer
+    parts. verl's ``.pt`` files of 4 ranks as 2 replicas of 2 parts load through the plug-in
+    at 2 ranks fully sharded and at 4 ranks as 2 x 2 again, bit for bit, and merge."""
+    run(workers.fsdp1_verl_save_run, 4, str(tmp_path), False, 2)
+    reference = torch.load(tmp_path / "reference_fsdp1.pt", weights_only=False)
+    actor = str(tmp_path / "global_step_2" / "actor")
+    report = verify(actor)
+    assert report.ok, report.problems
+    for world, fsdp_size in ((2, -1), (4, 2)):
+        for state in run(workers.fsdp1_load_run, world, actor, False, workers.CONTENTS, fsdp_size):
+            _assert_same(state, reference)
+    merge(actor, tmp_path / "merged", dtype="float32")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert merged.keys() == reference["model"].keys()
+    for name, tensor in reference["model"].items():
+        assert torch.equal(merged[name], tensor), name
 
 
 @pytest.mark.parametrize("use_orig_params", [False, True], ids=["flat", "orig"])

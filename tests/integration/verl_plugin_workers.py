@@ -240,17 +240,27 @@ def load_roles_run(rank: int, world: int, root: str, step: int) -> dict:
     return out
 
 
-def _fsdp1(world: int, seed: int, use_orig_params: bool = True):
+def _fsdp1(world: int, seed: int, use_orig_params: bool = True, fsdp_size: int = -1):
     """The tiny Qwen2 wrapped by FSDP1 (verl's ``strategy: fsdp``) with verl's own wrap
-    policy (a unit per decoder layer inside the root's), on a CPU mesh."""
+    policy (a unit per decoder layer inside the root's), on a CPU mesh shaped as verl's
+    ``create_device_mesh`` shapes it: ``fsdp_size`` below the world size is hybrid sharding
+    over ``("ddp", "fsdp")``, with the strategy verl's ``get_sharding_strategy`` picks."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel
     from verl.utils.fsdp_utils import get_fsdp_wrap_policy
+    from verl.workers.engine.fsdp.utils import get_sharding_strategy
 
+    if 0 < fsdp_size < world:
+        mesh = init_device_mesh(
+            "cpu", (world // fsdp_size, fsdp_size), mesh_dim_names=("ddp", "fsdp")
+        )
+    else:
+        mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     model, _, _, _ = build(None, seed=seed)
     model = FullyShardedDataParallel(
         model,
-        device_mesh=init_device_mesh("cpu", (world,)),
+        device_mesh=mesh,
+        sharding_strategy=get_sharding_strategy(mesh),
         device_id=torch.device("cpu"),
         use_orig_params=use_orig_params,
         auto_wrap_policy=get_fsdp_wrap_policy(model),
@@ -275,11 +285,13 @@ def fsdp1_save_run(rank: int, world: int, root: str) -> None:
         torch.save(reference, Path(root) / "reference_fsdp1.pt")
 
 
-def fsdp1_verl_save_run(rank: int, world: int, root: str, use_orig_params: bool) -> None:
+def fsdp1_verl_save_run(
+    rank: int, world: int, root: str, use_orig_params: bool, fsdp_size: int = -1
+) -> None:
     """verl's own manager saves two steps of the FSDP1 model (verl's default is
     ``use_orig_params=False``), its ``.pt`` files per rank; rank 0 writes the reference."""
     _, verls = _engine_class()
-    model, optimizer, scheduler = _fsdp1(world, seed=0, use_orig_params=use_orig_params)
+    model, optimizer, scheduler = _fsdp1(world, 0, use_orig_params, fsdp_size)
     config = {"save_contents": CONTENTS, "load_contents": CONTENTS}
     manager = _manager(verls, model, optimizer, scheduler, config)
     for step in (1, 2):
@@ -291,12 +303,17 @@ def fsdp1_verl_save_run(rank: int, world: int, root: str, use_orig_params: bool)
 
 
 def fsdp1_load_run(
-    rank: int, world: int, actor: str, use_orig_params: bool = True, contents=CONTENTS
+    rank: int,
+    world: int,
+    actor: str,
+    use_orig_params: bool = True,
+    contents=CONTENTS,
+    fsdp_size: int = -1,
 ) -> dict:
     """A fresh FSDP1 model (another seed, one step taken) loads ``contents`` of ``actor``."""
     from shardstream.integrations.verl import FSDPCheckpointManager
 
-    model, optimizer, scheduler = _fsdp1(world, seed=123, use_orig_params=use_orig_params)
+    model, optimizer, scheduler = _fsdp1(world, 123, use_orig_params, fsdp_size)
     train_step(model, optimizer, scheduler, 1)
     config = {"save_contents": CONTENTS, "load_contents": list(contents)}
     manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)

@@ -69,6 +69,7 @@ class VerlCheckpoint:
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     # file -> starts of zip records checked before the merge read them (check_split_records)
     checked_records: dict[str, set[int]] = field(default_factory=dict)
+    mesh_layout: MeshLayout | None = None  # the saving device mesh, where DTensors record one
 
     @property
     def format(self) -> str:
@@ -266,6 +267,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
         layout.mesh,
         files,
         layout.replicas,
+        mesh_layout=layout.mesh_layout,
     )
 
 
@@ -286,6 +288,7 @@ class RankLayouts:
     mesh: str
     replicas: dict[str, list[Block]]
     scalars: dict[str, object] = field(default_factory=dict)  # with keep_scalars
+    mesh_layout: MeshLayout | None = None
 
 
 def _grid_part(
@@ -435,7 +438,7 @@ def read_rank_layouts(
         if last_mesh is not None
         else "none (plain tensors)"
     )
-    return RankLayouts(tensors, placements, mesh_desc, replicas, scalars)
+    return RankLayouts(tensors, placements, mesh_desc, replicas, scalars, last_mesh)
 
 
 def _add_piece(name, shape, local, start, path, part, blocks: dict, grids: dict) -> None:
@@ -537,6 +540,25 @@ def open_verl_optimizer(
     return layout.tensors, layout.scalars
 
 
+def flat_shard_of_ranks(mesh: MeshLayout | None, world_size: int) -> list[int]:
+    """Which part of each FSDP1 flat tensor each saving rank held: its place along the last
+    dim of the mesh the model's DTensors record (verl's ``("ddp", "fsdp")`` mesh of hybrid
+    sharding: the ranks of one ``fsdp`` row hold the parts, the rows are replicas), or its
+    rank where there is no mesh or a 1-D one."""
+    if mesh is None or len(mesh.shape) < 2:
+        return list(range(world_size))
+    positions = mesh.rank_map or tuple(range(math.prod(mesh.shape)))
+    if sorted(positions) != list(range(world_size)):
+        raise CheckpointFormatError(
+            f"the model's device mesh {describe_mesh(mesh.dim_names, mesh.shape)} does not "
+            f"hold the {world_size} ranks that saved the checkpoint"
+        )
+    shard = [0] * world_size
+    for position, rank in enumerate(positions):
+        shard[rank] = position % mesh.shape[-1]
+    return shard
+
+
 def open_verl_flat_optimizer(
     directory: Path,
     world_size: int,
@@ -544,14 +566,19 @@ def open_verl_flat_optimizer(
     prefix: str,
     *,
     shared: bool = False,
+    shard_of_rank: list[int] | None = None,
 ) -> tuple[list[GlobalTensor], dict[str, object]]:
     """verl's FSDP1 optimizer state, saved as plain per-rank parts of flat tensors, as tensors
-    ``<prefix><fqn>.<key>``. Each rank holds the next run of elements: rank r's part starts
-    where rank r-1's ends. ``segments`` says, by verl's parameter id, which parameters lie
-    where in that flat tensor: several for a flat parameter (``use_orig_params=False``, the
-    padded flat state), one at 0 for a parameter of ``use_orig_params=True``. A scalar
-    (AdamW's ``step``) is rank 0's, for every parameter of the id. For files whose rank 0
-    holds plain tensors (``saved_param_groups``); a file holding DTensors is refused."""
+    ``<prefix><fqn>.<key>``. Each part holds the next run of elements: part p starts where
+    part p-1 ends. ``shard_of_rank``: the part each rank holds (``flat_shard_of_ranks``;
+    default: its rank); the ranks after the first that hold a part are its replicas (hybrid
+    sharding), read only for their sizes. ``segments`` says, by verl's parameter id, which
+    parameters lie where in that flat tensor: several for a flat parameter
+    (``use_orig_params=False``, the padded flat state), one at 0 for a parameter of
+    ``use_orig_params=True``. A scalar (AdamW's ``step``) is rank 0's, for every parameter of
+    the id. For files whose rank 0 holds plain tensors (``saved_param_groups``); a file
+    holding DTensors is refused."""
+    shard_of_rank = shard_of_rank or list(range(world_size))
 
     def raw(state: dict, path: str) -> dict:
         out = {}
@@ -575,8 +602,9 @@ def open_verl_flat_optimizer(
         for name, entry in entries.items():
             parts.setdefault(name, []).append((rank, path, entry.local))
     tensors = []
-    for (pid, key), held in parts.items():
-        _check_flat_size(directory, pid, key, segments[pid], held, world_size)
+    for (pid, key), every in parts.items():
+        held = _first_of_each_part(every, shard_of_rank, f"{prefix}{pid}.{key}")
+        _check_flat_size(directory, pid, key, segments[pid], held, len(held))
         for fqn, shape, offset in segments[pid]:
             name = f"{prefix}{fqn}.{key}"
             dtype, blocks = held[0][2].dtype, _flat_part_blocks(name, shape, offset, held)
@@ -591,6 +619,25 @@ def open_verl_flat_optimizer(
     return tensors, scalars
 
 
+def _first_of_each_part(
+    held: list[tuple[int, str, LocalTensor]], shard_of_rank: list[int], name: str
+) -> list[tuple[int, str, LocalTensor]]:
+    """The run of each part, from the lowest rank that holds it, as (part, file, run); the
+    replicas' runs must have its size."""
+    first: dict[int, tuple[int, str, LocalTensor]] = {}
+    for rank, path, local in sorted(held, key=lambda h: h[0]):
+        part = shard_of_rank[rank]
+        if part not in first:
+            first[part] = (part, path, local)
+        elif local.shape != first[part][2].shape:
+            raise CheckpointFormatError(
+                f"{path}: optimizer state {name} holds {local.shape} where its replica "
+                f"{first[part][1]} holds {first[part][2].shape}; the ranks' optimizer files "
+                "come from different saves"
+            )
+    return [first[part] for part in sorted(first)]
+
+
 def _check_flat_size(
     directory: Path,
     pid: int,
@@ -599,8 +646,8 @@ def _check_flat_size(
     held: list[tuple[int, str, LocalTensor]],
     world_size: int,
 ) -> None:
-    """The ranks' runs of a flat state tensor together hold the parameters ``segments`` place
-    in it, and at most the padding FSDP1 adds to make it divisible by the world size."""
+    """The parts of a flat state tensor together hold the parameters ``segments`` place in
+    it, and at most the padding FSDP1 adds to make it divisible by the number of parts."""
     if not held[0][2].shape:
         return  # a scalar (AdamW's step)
     total = sum(math.prod(local.shape) for _, _, local in held)
@@ -610,7 +657,7 @@ def _check_flat_size(
         names += ", ..." if len(segments) > 3 else ""
         raise CheckpointFormatError(
             f"{directory}: verl's FSDP1 optimizer state {key!r} of parameter id {pid} holds "
-            f"{total} elements over {world_size} ranks, where the model's parameters {names} "
+            f"{total} elements over {world_size} parts, where the model's parameters {names} "
             f"need {need} (and less than {world_size} of padding): the run wrapped the model "
             "in other units"
         )

@@ -213,7 +213,10 @@ def _open_source(
             error = exc
         coll.agree_or_raise(error, "restore")
         if flat is not None:
-            optim, scalars = verl.open_verl_flat_optimizer(path, world, flat, prefix, shared=True)
+            parts = verl.flat_shard_of_ranks(ckpt.mesh_layout, world)
+            optim, scalars = verl.open_verl_flat_optimizer(
+                path, world, flat, prefix, shared=True, shard_of_rank=parts
+            )
         else:
             optim, scalars = verl.open_verl_optimizer(path, world, names, prefix, shared=True)
         tensors.update({t.name: t for t in optim})
