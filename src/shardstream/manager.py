@@ -41,7 +41,7 @@ from .storage.run_layout import (
 )
 from .training import load as loading
 from .training import save as saving
-from .units import parse_size
+from .units import DEFAULT_BUFFER_BYTES, parse_size
 
 log = logging.getLogger(__name__)
 
@@ -67,6 +67,7 @@ _IGNORED_VERL_KEYS = frozenset(
     }
 )
 RESUME_MODES = ("auto", "disable", "resume_path")  # verl's trainer.resume_mode values
+WHOLE_STATE = "state"  # staging_budget: an async save may stage the rank's whole state
 _SYNONYMS = {
     "save_freq": "save_interval",
     "default_local_dir": "directory",
@@ -89,7 +90,10 @@ class CheckpointConfig:
         staging_budget: host memory one rank may use for a save beyond what it holds ("256MiB").
             With ``async_save``, what is left after the writer's buffers (at most 64 MiB) is
             where a step copies tensors the save has not read yet; it is faulted in once and
-            held while the manager lives.
+            held while the manager lives. ``"state"``: an async save may stage the rank's whole
+            state (its model and optimizer shards, the model twice with ``hf_model``), as
+            ``dcp.async_save`` does, so a step never waits for the disk; the writer's buffers
+            are then 64 MiB, as a synchronous save's.
         verify_on_load: check every byte read against its checksum.
         async_save: return from ``save()`` at once and write in the background.
         shared_filesystem: whether all ranks see one filesystem (None: detect at save time).
@@ -146,7 +150,11 @@ class CheckpointConfig:
             )
         if self.resume_mode == "resume_path" and not self.resume_from_path:
             raise UsageError("resume_mode 'resume_path' needs resume_from_path")
-        if self.staging_budget_bytes < 1 << 20:
+        try:
+            budget = self.staging_budget_bytes
+        except UsageError as exc:
+            raise UsageError(f"staging_budget: {exc} (or 'state')") from None
+        if budget < 1 << 20:
             raise UsageError(f"staging_budget must be at least 1MiB, got {self.staging_budget!r}")
         if self.share_hf_weights and not {"model", "hf_model"} <= set(self.save_contents):
             warnings.warn(
@@ -156,7 +164,17 @@ class CheckpointConfig:
             )
 
     @property
+    def stages_whole_state(self) -> bool:
+        """``staging_budget="state"``: an async save may stage the rank's whole state."""
+        budget = self.staging_budget
+        return isinstance(budget, str) and budget.strip().lower() == WHOLE_STATE
+
+    @property
     def staging_budget_bytes(self) -> int:
+        """The budget; with ``"state"``, the writer's buffers (an async save stages the rank's
+        state on top)."""
+        if self.stages_whole_state:
+            return DEFAULT_BUFFER_BYTES
         return parse_size(self.staging_budget)
 
     @classmethod

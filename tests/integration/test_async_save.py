@@ -11,6 +11,7 @@ import torch
 
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.engine.endpoints import TensorEndpoint
+from shardstream.errors import UsageError
 from shardstream.formats import native
 from shardstream.testing.distributed import run
 from shardstream.training.async_save import SourceGuard, StagingMemory, split_budget
@@ -364,3 +365,53 @@ def test_first_async_save_copies_into_memory_faulted_in_after_the_first_step(tmp
         reader.close()
     for name, tensor in restored.state_dict().items():
         assert torch.equal(tensor, want[name]), name
+
+
+def test_state_budget_stages_the_whole_state_so_a_step_never_waits_for_the_writer(
+    tmp_path, monkeypatch
+):
+    """``staging_budget="state"``: the staging memory is sized from the whole state after the
+    first step, and a step that meets a save whose writer has not read anything yet copies
+    everything out and goes on; the writer is held until that step has returned."""
+    model, optimizer = _model_and_adamw()
+    config = CheckpointConfig(str(tmp_path), async_save=True, staging_budget="state")
+    assert config.stages_whole_state
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    stepped = threading.Event()
+    window = SourceGuard.window
+
+    def held_window(self, lo, hi):
+        if not stepped.wait(timeout=300):  # a deadlock guard: fails only if the step waited
+            raise AssertionError("the step waited for the held writer")
+        window(self, lo, hi)
+
+    monkeypatch.setattr(SourceGuard, "window", held_window)
+    try:
+        _step(model, optimizer)
+        state_bytes = 3 * sum(p.numel() * 4 for p in model.parameters())  # weights, 2 moments
+        assert manager._async.staging.held_bytes > state_bytes
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.save(1)
+        _step(model, optimizer)
+        stepped.set()
+        manager.wait()
+    finally:
+        stepped.set()
+        manager.close()
+    restored, _ = _model_and_adamw()
+    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
+    try:
+        assert reader.restore(1) is not None
+    finally:
+        reader.close()
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
+def test_staging_budget_is_a_size_or_state():
+    whole = CheckpointConfig("/tmp/x", staging_budget=" State ")
+    assert whole.stages_whole_state and whole.staging_budget_bytes == 64 << 20
+    sized = CheckpointConfig("/tmp/x", staging_budget="512MiB")
+    assert not sized.stages_whole_state and sized.staging_budget_bytes == 512 << 20
+    with pytest.raises(UsageError, match="staging_budget: invalid size 'lots'.*'state'"):
+        CheckpointConfig("/tmp/x", staging_budget="lots")

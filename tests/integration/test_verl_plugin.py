@@ -107,6 +107,20 @@ def test_bad_contents_are_refused_by_name():
         FSDPCheckpointManager(model=None, checkpoint_config={"load_contents": "model"})
 
 
+def test_staging_budget_variable_is_a_size_or_state(monkeypatch):
+    """SHARDSTREAM_STAGING_BUDGET: a size, or ``state`` (an async save may stage the rank's
+    whole state); anything else is refused naming the variable."""
+    from shardstream.integrations import verl as plugin
+
+    monkeypatch.setenv("SHARDSTREAM_STAGING_BUDGET", "state")
+    assert plugin._staging_budget() == ("state", None)
+    monkeypatch.setenv("SHARDSTREAM_STAGING_BUDGET", "1GiB")
+    assert plugin._staging_budget() == ("1GiB", 1 << 30)
+    monkeypatch.setenv("SHARDSTREAM_STAGING_BUDGET", "lots")
+    with pytest.raises(UsageError, match="SHARDSTREAM_STAGING_BUDGET: invalid size 'lots'"):
+        plugin._staging_budget()
+
+
 def test_config_as_dataclass_dictconfig_or_dict():
     from omegaconf import OmegaConf
     from verl.trainer.config import CheckpointConfig

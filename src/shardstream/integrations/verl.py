@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..engine.checksum import digest
 from ..errors import ChecksumMismatchError, UsageError
 from ..formats import native
-from ..manager import CheckpointConfig, CheckpointManager
+from ..manager import WHOLE_STATE, CheckpointConfig, CheckpointManager
 from ..storage import collectives as coll
 from ..storage import commit
 from ..storage.commit import TMP_MARK, is_temporary
@@ -41,7 +41,7 @@ from ..training import load as loading
 from ..training import save as saving
 from ..training import state as st
 from ..training.async_save import StagingMemory
-from ..units import parse_size
+from ..units import DEFAULT_BUFFER_BYTES, parse_size
 
 if TYPE_CHECKING:
     from ..formats.source import Kind
@@ -53,6 +53,20 @@ DEFAULT_CONTENTS = ("model", "optimizer", "extra")  # verl's default for both li
 # verl's config has no key for it: host memory one rank may use to save beyond what it holds.
 BUDGET_ENV = "SHARDSTREAM_STAGING_BUDGET"
 DEFAULT_BUDGET = "256MiB"
+
+
+def _staging_budget() -> tuple[str, int | None]:
+    """``SHARDSTREAM_STAGING_BUDGET`` as given, and in bytes (None: ``state``, an async save
+    may stage the rank's whole state)."""
+    value = os.environ.get(BUDGET_ENV, DEFAULT_BUDGET).strip()
+    if value.lower() == WHOLE_STATE:
+        return value, None
+    try:
+        return value, parse_size(value)
+    except UsageError as exc:
+        raise UsageError(f"{BUDGET_ENV}: {exc} (or '{WHOLE_STATE}')") from None
+
+
 HF_DIR = "huggingface"
 LORA_META = "lora_train_meta.json"  # verl's name for r, lora_alpha and task_type
 
@@ -153,7 +167,7 @@ class FSDPCheckpointManager:
             self._staging.prefault_after_first_step(
                 model,
                 optimizer,
-                parse_size(os.environ.get(BUDGET_ENV, DEFAULT_BUDGET)),
+                _staging_budget()[1],
                 twice_model="hf_model" in self.checkpoint_save_contents,
             )
 
@@ -284,7 +298,7 @@ class FSDPCheckpointManager:
                 directory=str(root),
                 save_contents=tuple(contents),
                 load_contents=tuple(c for c in self.checkpoint_load_contents if c != "hf_model"),
-                staging_budget=os.environ.get(BUDGET_ENV, DEFAULT_BUDGET),
+                staging_budget=_staging_budget()[0],
                 async_save=async_save,
                 save_lora_only=self.should_save_lora_only,
             )
@@ -349,7 +363,7 @@ class FSDPCheckpointManager:
             lr_scheduler=self.lr_scheduler if kind is Kind.DCP else None,
             contents=contents,
             verify=kind is Kind.DCP,  # checked in full above; DCP stores no checksums
-            buffer_size=os.environ.get(BUDGET_ENV, DEFAULT_BUDGET),
+            buffer_size=_staging_budget()[1] or DEFAULT_BUFFER_BYTES,
         )
         if self.should_load_extra and self.lr_scheduler is not None and kind is not Kind.DCP:
             if kind is Kind.VERL:

@@ -273,6 +273,18 @@ def live_state_bytes(model: Any, optimizer: Any) -> tuple[int, int, bool]:
     return nbytes, len(tensors), on_gpu
 
 
+def staged_state_bytes(model: Any, optimizer: Any, twice_model: bool) -> tuple[int, int, bool]:
+    """What an async save of this rank stages at most: (bytes, room for placing them, whether
+    any source is on a GPU). Its parameters, buffers and optimizer state, the model twice when
+    an hf_model export reads it live as well; the room covers each copy's aligned offset and
+    tensors read in several pieces (FSDP1's boxes)."""
+    model_bytes, model_count, model_gpu = live_state_bytes(model, None)
+    nbytes, count, on_gpu = live_state_bytes(None, optimizer)
+    copies = 2 if twice_model else 1
+    nbytes, count = nbytes + copies * model_bytes, (count + model_count) * copies
+    return nbytes, (1 << 20) + 4 * SourceGuard._ALIGN * count, on_gpu or model_gpu
+
+
 class StagingMemory:
     """Touched host memory an async save copies into, reused by every save of one saver.
 
@@ -335,27 +347,22 @@ class StagingMemory:
                     self._filling = None
 
     def prefault_after_first_step(
-        self, model: Any, optimizer: Any, budget: int, twice_model: bool = False
+        self, model: Any, optimizer: Any, budget: int | None, twice_model: bool = False
     ) -> None:
         """After the optimizer's next step, fault in what a save will copy into: the staging
-        part of ``budget``, or the live state's bytes when fewer (the model's counted twice when
-        an hf_model export reads it live as well)."""
+        part of ``budget``, or the live state's bytes when fewer or ``budget`` is None
+        (``staged_state_bytes``)."""
 
         def after_step(*_: Any) -> None:
             if not self._armed:
                 return
-            model_bytes, model_count, model_gpu = live_state_bytes(model, None)
-            nbytes, count, on_gpu = live_state_bytes(None, optimizer)
-            copies = 2 if twice_model else 1
-            nbytes, count = nbytes + copies * model_bytes, (count + model_count) * copies
-            on_gpu = on_gpu or model_gpu
-            # A save places each copy at an aligned offset, and may read a tensor in several
-            # pieces (FSDP1's boxes): room for that on top.
-            slack = (1 << 20) + 4 * SourceGuard._ALIGN * count
+            nbytes, room, on_gpu = staged_state_bytes(model, optimizer, twice_model)
+            if budget is not None:
+                nbytes = min(split_budget(budget)[1], nbytes)
             with self._lock:
                 if self._armed:  # not done yet, and no save has taken memory meanwhile
                     self._armed = False
-                    self._start_filling(min(split_budget(budget)[1], nbytes) + slack, on_gpu)
+                    self._start_filling(nbytes + room, on_gpu)
 
         if not hasattr(optimizer, "register_step_post_hook"):
             return  # not a torch optimizer: the first save faults its memory in
@@ -409,7 +416,7 @@ class AsyncSaver:
             self.staging.prefault_after_first_step(
                 manager.model,
                 optimizer,
-                config.staging_budget_bytes,
+                None if config.stages_whole_state else config.staging_budget_bytes,
                 twice_model="hf_model" in config.save_contents,
             )
         atexit.register(self._at_exit)
@@ -418,7 +425,13 @@ class AsyncSaver:
         """Wait for the previous save (raising its error), then start this one."""
         self.wait()
         config = self.manager.config
-        buffer_bytes, staging_bytes = split_budget(config.staging_budget_bytes)
+        if config.stages_whole_state:
+            state, room, _ = staged_state_bytes(
+                self.manager.model, self.manager.optimizer, "hf_model" in config.save_contents
+            )
+            buffer_bytes, staging_bytes = config.staging_budget_bytes, state + room
+        else:
+            buffer_bytes, staging_bytes = split_budget(config.staging_budget_bytes)
         prepared = self.manager._prepare(step, extra, buffer_bytes)
         prepared.guard = SourceGuard(staging_bytes)
         prepared.guard.start_reserving(self.staging.take)
