@@ -415,3 +415,41 @@ def test_staging_budget_is_a_size_or_state():
     assert not sized.stages_whole_state and sized.staging_budget_bytes == 512 << 20
     with pytest.raises(UsageError, match="staging_budget: invalid size 'lots'.*'state'"):
         CheckpointConfig("/tmp/x", staging_budget="lots")
+
+
+def test_a_save_whose_memory_holds_everything_stages_it_before_the_next_step(tmp_path, monkeypatch):
+    """When the staging memory holds every tensor of the save (here ``staging_budget="state"``)
+    they are copied right after ``save()``, in the background, with no step and no writer
+    progress needed: the writer is held until every source is staged."""
+    model, optimizer = _model_and_adamw()
+    config = CheckpointConfig(str(tmp_path), async_save=True, staging_budget="state")
+    manager = CheckpointManager(config, model=model, optimizer=optimizer)
+    staged = threading.Event()
+    window = SourceGuard.window
+
+    def held_window(self, lo, hi):
+        with self.cond:
+            every = self.cond.wait_for(  # a deadlock guard: fails only if nothing staged them
+                lambda: self.ready and all(s.staged for s in self.sources.values()), timeout=300
+            )
+        if every:
+            staged.set()
+        window(self, lo, hi)
+
+    monkeypatch.setattr(SourceGuard, "window", held_window)
+    try:
+        _step(model, optimizer)
+        want = {k: v.clone() for k, v in model.state_dict().items()}
+        manager.save(1)
+        manager.wait()
+        assert staged.is_set(), "the save's tensors were not staged ahead of any step"
+    finally:
+        manager.close()
+    restored, _ = _model_and_adamw()
+    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
+    try:
+        assert reader.restore(1) is not None
+    finally:
+        reader.close()
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, want[name]), name

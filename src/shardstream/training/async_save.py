@@ -41,6 +41,7 @@ class _Source:
     begin: int
     end: int
     staged: TensorEndpoint | None = None
+    claimed: bool = False  # its copy into staging memory is made or being made
 
 
 class SourceGuard:
@@ -67,6 +68,7 @@ class SourceGuard:
         self.arena: torch.Tensor | None = None
         self.arena_used = 0
         self.arena_ready = False
+        self.arena_holds_all = False  # every source fits: staged ahead of the next step
         # Set while a step copies out everything the save has yet to read: the writer then
         # waits at its next window instead of competing for memory bandwidth and cores.
         self.writer_held = False
@@ -148,7 +150,7 @@ class SourceGuard:
     def reserve_staging(self, provide: Callable[[int, bool], torch.Tensor]) -> None:
         """Once the sources are known, take the host memory ``freeze`` copies into from
         ``provide(nbytes, pinned)``: the staging budget, or the sources' bytes when fewer."""
-        arena = None
+        arena, size, need = None, 0, -1
         try:
             with self.cond:
                 self.cond.wait_for(lambda: self.finished or self.ready)
@@ -164,6 +166,28 @@ class SourceGuard:
             with self.cond:
                 self.arena = None if self.finished else arena
                 self.arena_ready = True
+                self.arena_holds_all = self.arena is not None and size == need
+                self.cond.notify_all()
+        if self.arena_holds_all:
+            self._stage_ahead()
+
+    def _stage_ahead(self) -> None:
+        """With memory for every source: copy them all now, on this thread, so that the next
+        step finds them staged and waits for nothing; the writer goes on reading meanwhile
+        (live tensors, or the copies once made). A copy that fails is left to the step."""
+        with self.cond:
+            if self.finished:
+                return
+            chosen, _ = self._choose()
+        try:
+            self._stage(chosen)
+        except Exception as exc:  # noqa: BLE001  (the step copies or waits for what is left)
+            log.warning("shardstream: could not stage the save's tensors ahead: %s", exc)
+            with self.cond:
+                for source, _ in chosen:
+                    if source.staged is None:
+                        source.claimed = False
+                        self.staged_bytes -= source.live.nbytes
                 self.cond.notify_all()
 
     def _staging_space(self, size: int) -> torch.Tensor | None:
@@ -214,12 +238,13 @@ class SourceGuard:
         chosen, everything = [], True
         for source in sorted(self.sources.values(), key=lambda s: -s.begin):
             size = source.live.nbytes
-            if source.staged or source.begin < self.reading_upto:
+            if source.claimed or source.begin < self.reading_upto:
                 continue
             if self.staged_bytes + size > self.staging_bytes:
                 everything = False
                 continue
             self.staged_bytes += size
+            source.claimed = True
             chosen.append((source, self._staging_space(size)))
         return chosen, everything
 
@@ -229,11 +254,14 @@ class SourceGuard:
 
         def stage(item: tuple[_Source, torch.Tensor | None]) -> None:
             source, space = item
+            if self.finished:
+                return  # the save has read everything
             # Copied without the lock: the writer, unless held, goes on reading meanwhile (the
             # step has not started, so the live tensor and its copy hold the same bytes).
             staged = source.live.snapshot(space)
             with self.cond:
                 source.staged = staged
+                self.cond.notify_all()
 
         threads = min(self._COPY_THREADS, len(os.sched_getaffinity(0)), len(chosen))
         if threads <= 1:
