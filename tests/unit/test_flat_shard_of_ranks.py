@@ -1,12 +1,13 @@
-"""Which part of an FSDP1 flat tensor each saving rank held, from the model's saved mesh."""
+"""Which part of an FSDP1 flat tensor each saving rank held, from the model's saved mesh, and
+which rank's file each part is read from."""
 
 from __future__ import annotations
 
 import pytest
 
 from shardstream.errors import CheckpointFormatError
-from shardstream.formats.torch_pt import MeshLayout
-from shardstream.formats.verl import flat_shard_of_ranks
+from shardstream.formats.torch_pt import LocalTensor, MeshLayout
+from shardstream.formats.verl import _first_of_each_part, flat_shard_of_ranks
 
 
 def _mesh(shape, rank_map=None) -> MeshLayout:
@@ -33,3 +34,29 @@ def test_a_recorded_rank_order_places_each_rank():
 def test_a_mesh_of_other_ranks_than_saved_is_refused():
     with pytest.raises(CheckpointFormatError, match="does not hold the 4 ranks"):
         flat_shard_of_ranks(_mesh((2, 4)), 4)
+
+
+def _run(size: int, offset: int = 64) -> LocalTensor:
+    return LocalTensor("F32", (size,), (1,), offset)
+
+
+def test_each_part_is_read_from_the_first_rank_holding_it():
+    held = [
+        (3, "r3.pt", _run(5)),
+        (0, "r0.pt", _run(5)),
+        (2, "r2.pt", _run(5)),
+        (1, "r1.pt", _run(5)),
+    ]
+    parts = _first_of_each_part(held, [0, 1, 0, 1], "optim.0.exp_avg")
+    assert [(part, path) for part, path, _ in parts] == [(0, "r0.pt"), (1, "r1.pt")]
+
+
+def test_a_replica_of_another_size_is_refused_naming_both_files():
+    held = [
+        (0, "r0.pt", _run(5)),
+        (1, "r1.pt", _run(5)),
+        (2, "r2.pt", _run(4)),
+        (3, "r3.pt", _run(5)),
+    ]
+    with pytest.raises(CheckpointFormatError, match=r"r2.pt: .*exp_avg holds \(4,\).*r0.pt holds"):
+        _first_of_each_part(held, [0, 1, 0, 1], "optim.0.exp_avg")
