@@ -69,9 +69,10 @@ class SourceGuard:
         self.arena_used = 0
         self.arena_ready = False
         self.arena_holds_all = False  # every source fits: staged ahead of the next step
-        # Set while a step copies out everything the save has yet to read: the writer then
-        # waits at its next window instead of competing for memory bandwidth and cores.
-        self.writer_held = False
+        # Copies of everything the save has yet to read in progress (a step's, or made ahead
+        # of it): the writer waits at its next window instead of competing for memory
+        # bandwidth and cores.
+        self.writer_holds = 0
         self.finished = False
         # Set once a step calls freeze(). A test seam: tests hold a save's writer on it, so that
         # the save is certainly in flight when the step comes, whatever the machine's load.
@@ -114,11 +115,11 @@ class SourceGuard:
 
     def window(self, lo: int, hi: int) -> None:
         """The save has read everything before ``lo`` and starts on [lo, hi); while a step
-        copies the rest out (``writer_held``), it waits here first."""
+        copies the rest out (``writer_holds``), it waits here first."""
         with self.cond:
             self.done_upto = lo
             self.cond.notify_all()
-            self.cond.wait_for(lambda: not self.writer_held or self.finished)
+            self.cond.wait_for(lambda: not self.writer_holds or self.finished)
             self.reading_upto = hi
             self.cond.notify_all()
 
@@ -173,12 +174,14 @@ class SourceGuard:
 
     def _stage_ahead(self) -> None:
         """With memory for every source: copy them all now, on this thread, so that the next
-        step finds them staged and waits for nothing; the writer goes on reading meanwhile
-        (live tensors, or the copies once made). A copy that fails is left to the step."""
+        step finds them staged and waits for nothing. The writer waits at its next window
+        meanwhile (the copies have the cores and memory bandwidth; a step that comes first
+        waits for them alone), then reads the copies. A copy that fails is left to the step."""
         with self.cond:
             if self.finished:
                 return
             chosen, _ = self._choose()
+            self.writer_holds += 1  # a step coming meanwhile waits for these copies alone
         try:
             self._stage(chosen)
         except Exception as exc:  # noqa: BLE001  (the step copies or waits for what is left)
@@ -188,6 +191,9 @@ class SourceGuard:
                     if source.staged is None:
                         source.claimed = False
                         self.staged_bytes -= source.live.nbytes
+        finally:
+            with self.cond:
+                self.writer_holds -= 1
                 self.cond.notify_all()
 
     def _staging_space(self, size: int) -> torch.Tensor | None:
@@ -215,12 +221,12 @@ class SourceGuard:
             chosen, everything = self._choose()
             # Everything left fits: the writer has nothing the step waits for beyond its
             # current window, so it pauses while the copies run at full speed.
-            self.writer_held = everything
+            self.writer_holds += everything
         try:
             self._stage(chosen)
         finally:
             with self.cond:
-                self.writer_held = False
+                self.writer_holds -= everything
                 self.cond.notify_all()
         with self.cond:
             self.cond.wait_for(
