@@ -24,8 +24,7 @@ plot (the largest model, with ``hf_model``, the first repeat).
 
 Then, unless ``--no-async``, ``async_bench.run_async_bench(short_step=True)``: a step that is
 only the optimizer's update (shorter than the time a save needs to read the state), with
-shardstream sync and async saves and ``dcp.async_save`` in one run; and the same with
-``short_step=False``: steps of a forward, a backward and the update, still shorter than a save.
+shardstream sync and async saves and ``dcp.async_save`` in one run.
 
 Writes ``results/verl-bench[-quick].json``, ``docs/benchmarks-verl.md`` and
 ``docs/img/verl_save_memory.png`` (``--quick``: only the JSON, unless ``--docs``).
@@ -412,16 +411,7 @@ def _findings(res: dict) -> list[str]:
         + f". Load memory per rank: verl {per_rank(rows[-1]['verl_load_extra_mib'])} MiB, the "
         f"plug-in {per_rank(rows[-1]['plugin_load_extra_mib'])} MiB at {rows[-1]['gb']:.2f} GB."
     )
-    for key, what in (
-        ("async", "step shorter than a save (`optimizer.step()` only)"),
-        ("async_full", "step shorter than a save (forward, backward and `optimizer.step()`)"),
-    ):
-        L.extend(_async_summary_line(res.get(key), what))
-    return L
-
-
-def _async_summary_line(a: dict | None, what: str) -> list[str]:
-    L = []
+    a = res.get("async")
     if a:
         su = a["summary"]
         sync = su["shardstream_sync"]["stall_per_save_s"]
@@ -437,7 +427,7 @@ def _async_summary_line(a: dict | None, what: str) -> list[str]:
                     "checkpointing"
                 )
         L.append(
-            f"- **Async save, {what}** (goal: stall ≤ 5% of a sync save's): "
+            "- **Async save, step shorter than a save** (goal: stall ≤ 5% of a sync save's): "
             + "; ".join(parts)
             + f". A sync save stalls {sync:.2f} s per save; a step takes "
             f"{su['none']['mean_step_s']:.2f} s."
@@ -451,21 +441,13 @@ def _async_section(a: dict | None) -> list[str]:
     s = a["summary"]
     sync = s["shardstream_sync"]["stall_per_save_s"]
     L = [
-        f"`async_bench.run_async_bench(short_step={a['short_step']})`: world size "
-        f"{a['world_size']}, the "
+        f"`async_bench.run_async_bench(short_step=True)`: world size {a['world_size']}, the "
         f"{a['model_gb']:.2f} GB model, {a['steps']} steps per mode, a save (model, optimizer, "
         f"extra) after every {a['every']} (never after the last), one set of ranks running the "
         f"modes in turn; {a.get('repeats', 1)} runs, the modes after `none` in forward then "
         f"reverse order, medians over runs (the ratio: median of the per-run ratios). "
-        + (
-            "A step here is only `optimizer.step()` + the scheduler (gradients set once and "
-            "kept), so the next step's optimizer pre-hook comes right after a save returns: "
-            if a["short_step"]
-            else "A step here is a forward and backward of one sequence of "
-            f"{a.get('seq', 16)} tokens, `optimizer.step()` and the scheduler, so the forward "
-            "and backward run before the next step's optimizer pre-hook: "
-        )
-        + f"{s['none']['mean_step_s']:.2f} s, against "
+        f"A step here is only `optimizer.step()` + the scheduler (gradients set "
+        f"once and kept): {s['none']['mean_step_s']:.2f} s, against "
         f"{sync:.2f} s for a synchronous save, so an async save is still reading the "
         f"state when the next step's optimizer pre-hook runs. Saves are "
         f"{a['every'] * s['none']['mean_step_s']:.1f} s of steps apart, longer than a "
@@ -631,21 +613,16 @@ def render(res: dict) -> None:
         "",
         *_async_section(res.get("async")),
         "",
-        "## Async save when a step with forward and backward is shorter than a save",
-        "",
-        *_async_section(res.get("async_full")),
-        "",
     ]
     write_doc(DOC, keep_sections(DOC, "\n".join(L)))
     plot(res, PLOT)
     log(f"wrote {DOC.relative_to(REPO)} and {PLOT.relative_to(REPO)}")
 
 
-def _async_part(a, short_step: bool = True) -> dict:
-    """``--async-repeats`` runs of the async bench (``short_step``: steps of
-    ``optimizer.step()`` only; else forward, backward and the step), the modes in forward then
-    reverse order (after ``none``); per mode the median over runs, and the median of the
-    per-run ratios of the stall per save to the sync save's."""
+def _async_part(a) -> dict:
+    """``--async-repeats`` runs of the short-step async bench, the modes in forward then reverse
+    order (after ``none``); per mode the median over runs, and the median of the per-run ratios
+    of the stall per save to the sync save's."""
     model = SIZES[a.async_size]
     runs = []
     for k in range(a.async_repeats):
@@ -655,7 +632,7 @@ def _async_part(a, short_step: bool = True) -> dict:
             model,
             steps=a.async_steps,
             every=a.async_every,
-            short_step=short_step,
+            short_step=True,
             world_size=a.async_ws,
             modes=order,
         )
@@ -716,12 +693,6 @@ def main(argv=None) -> int:
     p.add_argument("--docs", action="store_true", help="with --quick: write the docs too")
     p.add_argument("--render", action="store_true", help="re-render from the JSON only")
     p.add_argument("--async-only", action="store_true", help="rerun the async part into the JSON")
-    p.add_argument(
-        "--async-kind",
-        choices=("both", "short", "full"),
-        default="both",
-        help="with --async-only: which async runs (optimizer-only steps, full steps)",
-    )
     a = p.parse_args(argv)
     path = RESULTS / ("verl-bench-quick.json" if a.quick else "verl-bench.json")
     if a.render:
@@ -729,11 +700,7 @@ def main(argv=None) -> int:
         return 0
     if a.async_only:
         res = json.loads(path.read_text())
-        if a.async_kind in ("both", "short"):
-            res["async"] = _async_part(a)
-            path.write_text(json.dumps(res, indent=1) + "\n")  # kept should the next part fail
-        if a.async_kind in ("both", "full"):
-            res["async_full"] = _async_part(a, short_step=False)
+        res["async"] = _async_part(a)
         path.write_text(json.dumps(res, indent=1) + "\n")
         render(res)
         return 0
@@ -758,11 +725,8 @@ def main(argv=None) -> int:
     if not (a.no_async or a.quick):
         path.write_text(json.dumps(res, indent=1) + "\n")  # kept should the async part fail
         res["async"] = _async_part(a)
-        path.write_text(json.dumps(res, indent=1) + "\n")
-        res["async_full"] = _async_part(a, short_step=False)
     elif path.exists() and "async" in json.loads(path.read_text()):
-        last = json.loads(path.read_text())  # --no-async keeps the last ones
-        res.update({k: last[k] for k in ("async", "async_full") if k in last})
+        res["async"] = json.loads(path.read_text())["async"]  # --no-async keeps the last one
     path.write_text(json.dumps(res, indent=1) + "\n")
     for r in res["rows"]:
         log(
