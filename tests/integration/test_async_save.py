@@ -305,6 +305,18 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
     optimizer.step()
 
 
+def _assert_restores(root, step: int, want: dict) -> None:
+    """The model checkpoint ``step`` under ``root`` restores to the state ``want``."""
+    restored, _ = _model_and_adamw()
+    reader = CheckpointManager(CheckpointConfig(str(root)), model=restored)
+    try:
+        assert reader.restore(step) is not None
+    finally:
+        reader.close()
+    for name, tensor in restored.state_dict().items():
+        assert torch.equal(tensor, want[name]), name
+
+
 @pytest.mark.parametrize("budget", [1 << 20, 64 << 20], ids=["budget-bound", "state-bound"])
 def test_staging_memory_is_faulted_in_after_the_first_step_and_sized_from_the_state(budget):
     """Nothing is held before the optimizer's first step; after it, the staging part of the
@@ -357,14 +369,7 @@ def test_first_async_save_copies_into_memory_faulted_in_after_the_first_step(tmp
         assert staging.held_bytes == held and staging.take(1, False).data_ptr() == memory
     finally:
         manager.close()
-    restored, _ = _model_and_adamw()
-    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
-    try:
-        assert reader.restore(1) is not None
-    finally:
-        reader.close()
-    for name, tensor in restored.state_dict().items():
-        assert torch.equal(tensor, want[name]), name
+    _assert_restores(tmp_path, 1, want)
 
 
 def test_state_budget_stages_the_whole_state_so_a_step_never_waits_for_the_writer(
@@ -398,14 +403,7 @@ def test_state_budget_stages_the_whole_state_so_a_step_never_waits_for_the_write
     finally:
         stepped.set()
         manager.close()
-    restored, _ = _model_and_adamw()
-    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
-    try:
-        assert reader.restore(1) is not None
-    finally:
-        reader.close()
-    for name, tensor in restored.state_dict().items():
-        assert torch.equal(tensor, want[name]), name
+    _assert_restores(tmp_path, 1, want)
 
 
 def test_staging_budget_is_a_size_or_state():
@@ -445,11 +443,4 @@ def test_a_save_whose_memory_holds_everything_stages_it_before_the_next_step(tmp
         assert staged.is_set(), "the save's tensors were not staged ahead of any step"
     finally:
         manager.close()
-    restored, _ = _model_and_adamw()
-    reader = CheckpointManager(CheckpointConfig(str(tmp_path)), model=restored)
-    try:
-        assert reader.restore(1) is not None
-    finally:
-        reader.close()
-    for name, tensor in restored.state_dict().items():
-        assert torch.equal(tensor, want[name]), name
+    _assert_restores(tmp_path, 1, want)
