@@ -41,7 +41,7 @@ from .storage.run_layout import (
 )
 from .training import load as loading
 from .training import save as saving
-from .units import DEFAULT_BUFFER_BYTES, parse_size
+from .units import DEFAULT_BUFFER_BYTES, WHOLE_STATE, staging_limit
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +67,6 @@ _IGNORED_VERL_KEYS = frozenset(
     }
 )
 RESUME_MODES = ("auto", "disable", "resume_path")  # verl's trainer.resume_mode values
-WHOLE_STATE = "state"  # staging_budget: an async save may stage the rank's whole state
 _SYNONYMS = {
     "save_freq": "save_interval",
     "default_local_dir": "directory",
@@ -153,7 +152,7 @@ class CheckpointConfig:
         try:
             budget = self.staging_budget_bytes
         except UsageError as exc:
-            raise UsageError(f"staging_budget: {exc} (or 'state')") from None
+            raise UsageError(f"staging_budget: {exc} (or '{WHOLE_STATE}')") from None
         if budget < 1 << 20:
             raise UsageError(f"staging_budget must be at least 1MiB, got {self.staging_budget!r}")
         if self.share_hf_weights and not {"model", "hf_model"} <= set(self.save_contents):
@@ -166,16 +165,14 @@ class CheckpointConfig:
     @property
     def stages_whole_state(self) -> bool:
         """``staging_budget="state"``: an async save may stage the rank's whole state."""
-        budget = self.staging_budget
-        return isinstance(budget, str) and budget.strip().lower() == WHOLE_STATE
+        return staging_limit(self.staging_budget) is None
 
     @property
     def staging_budget_bytes(self) -> int:
         """The budget; with ``"state"``, the writer's buffers (an async save stages the rank's
         state on top)."""
-        if self.stages_whole_state:
-            return DEFAULT_BUFFER_BYTES
-        return parse_size(self.staging_budget)
+        limit = staging_limit(self.staging_budget)
+        return DEFAULT_BUFFER_BYTES if limit is None else limit
 
     @classmethod
     def from_dict(

@@ -13,6 +13,7 @@ DEFAULT_BUFFER_BYTES = 64 * 2**20  # --buffer-size and staging_budget
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # the span of one checksum in a data file
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # a HF model's file size limit, as save_pretrained's "5GB"
 DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
+WHOLE_STATE = "state"  # staging_budget: an async save may stage the rank's whole state
 
 _UNITS = {
     "": 1,
@@ -91,3 +92,11 @@ def format_size(nbytes: float) -> str:
             return f"{nbytes:.0f} {unit}" if unit == "B" else f"{nbytes:.2f} {unit}"
         nbytes /= 1024
     raise AssertionError("unreachable")
+
+
+def staging_limit(budget: int | str) -> int | None:
+    """A ``staging_budget`` in bytes; None for ``"state"`` (an async save may stage the rank's
+    whole state)."""
+    if isinstance(budget, str) and budget.strip().lower() == WHOLE_STATE:
+        return None
+    return parse_size(budget)

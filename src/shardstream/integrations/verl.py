@@ -32,7 +32,7 @@ import torch.distributed as dist
 from ..engine.checksum import digest
 from ..errors import ChecksumMismatchError, UsageError
 from ..formats import native
-from ..manager import WHOLE_STATE, CheckpointConfig, CheckpointManager
+from ..manager import CheckpointConfig, CheckpointManager
 from ..storage import collectives as coll
 from ..storage import commit
 from ..storage.commit import TMP_MARK, is_temporary
@@ -41,7 +41,7 @@ from ..training import load as loading
 from ..training import save as saving
 from ..training import state as st
 from ..training.async_save import StagingMemory
-from ..units import DEFAULT_BUFFER_BYTES, parse_size
+from ..units import DEFAULT_BUFFER_BYTES, WHOLE_STATE, staging_limit
 
 if TYPE_CHECKING:
     from ..formats.source import Kind
@@ -59,10 +59,8 @@ def _staging_budget() -> tuple[str, int | None]:
     """``SHARDSTREAM_STAGING_BUDGET`` as given, and in bytes (None: ``state``, an async save
     may stage the rank's whole state)."""
     value = os.environ.get(BUDGET_ENV, DEFAULT_BUDGET).strip()
-    if value.lower() == WHOLE_STATE:
-        return value, None
     try:
-        return value, parse_size(value)
+        return value, staging_limit(value)
     except UsageError as exc:
         raise UsageError(f"{BUDGET_ENV}: {exc} (or '{WHOLE_STATE}')") from None
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 from ..engine.endpoints import TensorEndpoint
 from ..engine.memory import anonymous_memory
 from ..storage import collectives as coll
+from ..units import staging_limit
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,6 @@ class SourceGuard:
         self.arena: torch.Tensor | None = None
         self.arena_used = 0
         self.arena_ready = False
-        self.arena_holds_all = False  # every source fits: staged ahead of the next step
         # Copies of everything the save has yet to read in progress (a step's, or made ahead
         # of it): the writer waits at its next window instead of competing for memory
         # bandwidth and cores.
@@ -151,7 +151,7 @@ class SourceGuard:
     def reserve_staging(self, provide: Callable[[int, bool], torch.Tensor]) -> None:
         """Once the sources are known, take the host memory ``freeze`` copies into from
         ``provide(nbytes, pinned)``: the staging budget, or the sources' bytes when fewer."""
-        arena, size, need = None, 0, -1
+        arena, holds_all = None, False
         try:
             with self.cond:
                 self.cond.wait_for(lambda: self.finished or self.ready)
@@ -161,15 +161,15 @@ class SourceGuard:
             if size > 0 and not self.finished:
                 pinned = any(s.live.device.type == "cuda" for s in sources)
                 arena = provide(size, pinned)[:size]
+                holds_all = size == need
         except Exception as exc:  # noqa: BLE001  (a step then copies into fresh memory)
             log.warning("shardstream: could not reserve async staging memory: %s", exc)
         finally:
             with self.cond:
                 self.arena = None if self.finished else arena
                 self.arena_ready = True
-                self.arena_holds_all = self.arena is not None and size == need
                 self.cond.notify_all()
-        if self.arena_holds_all:
+        if holds_all and self.arena is not None:  # every source fits: staged ahead of the step
             self._stage_ahead()
 
     def _stage_ahead(self) -> None:
@@ -450,7 +450,7 @@ class AsyncSaver:
             self.staging.prefault_after_first_step(
                 manager.model,
                 optimizer,
-                None if config.stages_whole_state else config.staging_budget_bytes,
+                staging_limit(config.staging_budget),
                 twice_model="hf_model" in config.save_contents,
             )
         atexit.register(self._at_exit)
