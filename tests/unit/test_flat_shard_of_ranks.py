@@ -36,27 +36,17 @@ def test_a_mesh_of_other_ranks_than_saved_is_refused():
         flat_shard_of_ranks(_mesh((2, 4)), 4)
 
 
-def _run(size: int, offset: int = 64) -> LocalTensor:
-    return LocalTensor("F32", (size,), (1,), offset)
+def _held(*sizes: int) -> list[tuple[int, str, LocalTensor]]:
+    """(rank, file, run) of ranks 0, 1, ... whose flat runs hold ``sizes`` elements."""
+    return [(r, f"r{r}.pt", LocalTensor("F32", (n,), (1,), 64)) for r, n in enumerate(sizes)]
 
 
 def test_each_part_is_read_from_the_first_rank_holding_it():
-    held = [
-        (3, "r3.pt", _run(5)),
-        (0, "r0.pt", _run(5)),
-        (2, "r2.pt", _run(5)),
-        (1, "r1.pt", _run(5)),
-    ]
+    held = _held(5, 5, 5, 5)[::-1]  # in any order
     parts = _first_of_each_part(held, [0, 1, 0, 1], "optim.0.exp_avg")
     assert [(part, path) for part, path, _ in parts] == [(0, "r0.pt"), (1, "r1.pt")]
 
 
 def test_a_replica_of_another_size_is_refused_naming_both_files():
-    held = [
-        (0, "r0.pt", _run(5)),
-        (1, "r1.pt", _run(5)),
-        (2, "r2.pt", _run(4)),
-        (3, "r3.pt", _run(5)),
-    ]
     with pytest.raises(CheckpointFormatError, match=r"r2.pt: .*exp_avg holds \(4,\).*r0.pt holds"):
-        _first_of_each_part(held, [0, 1, 0, 1], "optim.0.exp_avg")
+        _first_of_each_part(_held(5, 5, 4, 5), [0, 1, 0, 1], "optim.0.exp_avg")
