@@ -79,6 +79,36 @@ def test_qwen3_moe_experts_are_boxes_of_the_fused_tensors(qwen3_moe_config):
     assert "3 experts" not in plan.describe() and "2 fused tensors split into 9" in plan.describe()
 
 
+def test_architectures_that_name_no_model_class_fall_back_to_the_auto_classes(
+    qwen3_moe_config, monkeypatch
+):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    stored = [("model.layers.0.mlp.experts.down_proj", "BF16", (3, 8, 6))]
+    for named in (["pipeline"], ["AutoConfig"], ["__class__"], ["NoSuchForCausalLM"]):
+        config = {**qwen3_moe_config, "architectures": named}
+        plan = plan_names(stored, config)
+        assert "Qwen3MoeForCausalLM" in plan.rule  # pipeline(config) was called before
+        assert len(plan.pieces) == 3
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("architectures", [1], "'architectures' is \\[1\\], not a list of class names"),
+        ("architectures", "Qwen3MoeForCausalLM", "'architectures' is Qwen3MoeForCausalLM, not"),
+        ("model_type", ["qwen3_moe"], "'model_type' is \\['qwen3_moe'\\], not a model type"),
+    ],
+)
+def test_a_config_field_of_the_wrong_type_is_refused_naming_it(
+    qwen3_moe_config, monkeypatch, field, value, message
+):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    config = {**qwen3_moe_config, field: value}
+    with pytest.raises(CheckpointFormatError, match="config.json: " + message):
+        plan_names([("model.norm.weight", "F32", (4,))], config)
+
+
 def test_qwen2_5_vl_is_renamed():
     import transformers
 
@@ -188,7 +218,9 @@ def test_a_computed_tensor_is_refused_naming_it(monkeypatch, qwen3_moe_config):
 def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):
     import transformers
 
-    class Qwen2_5_VLOld:  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
+    class Qwen2_5_VLOld(
+        transformers.PreTrainedModel
+    ):  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
         _checkpoint_conversion_mapping = {
             "^visual": "model.visual",
             r"^model(?!\.(language_model|visual))": "model.language_model",

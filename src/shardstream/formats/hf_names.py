@@ -177,6 +177,10 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
         return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
+    if not isinstance(model_type, str):
+        raise CheckpointFormatError(
+            f"config.json: 'model_type' is {str(model_type)[:200]}, not a model type's name"
+        )
     if _table_decides(model_type):
         return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
     from . import hf_names_cache
@@ -267,12 +271,17 @@ _AUTO_CLASSES = (
 
 
 def _model_class(config: dict, config_class: type | None = None) -> type | None:
-    """config.json's ``architectures[0]``, else the first auto class that maps its config."""
+    """config.json's ``architectures[0]`` when transformers has a model class of that name,
+    else the first auto class that maps its config."""
     import transformers
 
     names = config.get("architectures") or []
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise CheckpointFormatError(
+            f"config.json: 'architectures' is {str(names)[:200]}, not a list of class names"
+        )
     cls = getattr(transformers, names[0], None) if names else None
-    if cls is not None:
+    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
         return cls
     if config_class is None:
         from transformers import CONFIG_MAPPING
