@@ -2,7 +2,7 @@
 per-expert layout, against a dense checkpoint of the same size (issue #22's benchmark).
 
     python bench/moe_merge.py [--experts 64] [--layers 6] [--hidden 1024] [--moe-inter 512]
-                              [--world 2] [--repeats 5] [--workdir DIR] [--no-doc]
+                              [--world 2] [--repeats 5] [--scale 2] [--workdir DIR] [--no-doc]
 
 1. One process per rank (``--world``, FSDP2 over gloo) saves each model as verl does
    (``model_world_size_W_rank_R.pt``, fp32): a ``Qwen3MoeForCausalLM`` (fused
@@ -19,7 +19,13 @@ per-expert layout, against a dense checkpoint of the same size (issue #22's benc
    cache and transformers is not imported. Every other run gets a fresh empty directory. The
    ``--keep-names`` run (informational) writes the fused tensors whole and never imports
    transformers.
-3. The MoE output is checked: no fused key left, every expert's ``gate_proj``, ``up_proj``
+3. The same dense, MoE cold and MoE warm merges run again on a second pair of checkpoints
+   ``--scale`` times as deep (``--layers`` × ``--scale`` layers, so that many times the bytes;
+   ``--scale 1`` skips them). The two sizes give each merge's time per byte at the margin (the
+   slope of wall time against checkpoint bytes) apart from its fixed cost (the intercept:
+   interpreter, imports, planning), and the size from which a cold MoE merge, fixed cost
+   included, stays within the goal.
+4. The MoE output is checked: no fused key left, every expert's ``gate_proj``, ``up_proj``
    and ``down_proj`` present, and, tensor by tensor (names, dtypes, bytes) and by index, equal
    to what ``save_pretrained`` writes for the same weights cast to bf16 (built whole in one
    process, at the full size). The warm run's output must equal the cold run's, tensor by
@@ -51,7 +57,8 @@ sys.path.insert(0, str(REPO / "src"))
 
 TARGET_RSS_MIB = 512
 TARGET_RATIO = 1.10  # MoE wall time per checkpoint byte ÷ dense's
-KINDS = ("dense", "moe")  # the two checkpoints
+KINDS = ("dense", "moe")  # the two models
+BIG = "_big"  # suffix of the checkpoints (and their runs) --scale times as deep
 # What is timed, interleaved in this order every repeat: (name, checkpoint, extra merge flags,
 # layout cache). "cold": a fresh empty SHARDSTREAM_CACHE_DIR (transformers plans the layout);
 # "warm": the directory the cold run of the same checkpoint filled just before (the plan is
@@ -65,9 +72,15 @@ VARIANTS = (
     ("moe_warm", "moe", (), "warm"),
     ("moe_fused", "moe", ("--keep-names",), "cold"),
 )
+# The same merges of the --scale times deeper checkpoints (when --scale > 1).
+BIG_VARIANTS = tuple(
+    (kind + BIG, checkpoint + BIG, flags, cache)
+    for kind, checkpoint, flags, cache in VARIANTS
+    if kind != "moe_fused"
+)
 # inspect after each repeat: (name, checkpoint, layout cache), as above
 INSPECTS = (("dense", "dense", "cold"), ("moe", "moe", "cold"), ("moe_warm", "moe", "warm"))
-TIMED = ("dense", "moe", "moe_warm")  # the runs the RSS goal is checked on
+TIMED = ("dense", "moe", "moe_warm")  # the runs the RSS goal is checked on (and their _big)
 SHAPE = ("experts", "layers", "hidden", "moe_inter", "world")  # what a checkpoint is built from
 
 
@@ -280,7 +293,7 @@ def merge_once(actor: Path, target: Path, env: dict, flags: tuple[str, ...] = ()
 def summarize(result: dict) -> dict:
     """Medians per model, s/GB of checkpoint, the MoE/dense per-byte ratio and the goals."""
     s = {}
-    for kind, checkpoint, _, _ in VARIANTS:
+    for kind, checkpoint, _, _ in VARIANTS + BIG_VARIANTS:
         if not any(r["kind"] == kind for r in result["runs"]):
             continue
         runs = [r for r in result["runs"] if r["kind"] == kind and r["rc"] == 0]
@@ -304,14 +317,18 @@ def summarize(result: dict) -> dict:
                 r["others_cpu_share"] or 0.0 for r in runs
             ),
         }
-    dense = s["dense"]
     for kind in s.copy():
         k = s[kind]
-        if kind == "dense" or not (k.get("n_ok") and dense.get("n_ok")):
+        dense = s.get("dense" + BIG if kind.endswith(BIG) else "dense", {})
+        if kind.startswith("dense") or not (k.get("n_ok") and dense.get("n_ok")):
             continue
         k["ratio_to_dense"] = k["s_per_gb"] / dense["s_per_gb"]
         if k["call_s_per_gb"] and dense["call_s_per_gb"]:
             k["call_ratio_to_dense"] = k["call_s_per_gb"] / dense["call_s_per_gb"]
+    dense = s["dense"]
+    margin = _margins(s, result["checkpoints"])
+    if margin:
+        s["margin"] = margin
     inspect_runs = result.get("inspect_runs", [])
     inspect = {
         kind: statistics.median(
@@ -338,7 +355,11 @@ def summarize(result: dict) -> dict:
     s["ratio_moe_warm_dense"] = s.get("moe_warm", {}).get("ratio_to_dense")
     s["call_ratio_moe_dense"] = s["moe"].get("call_ratio_to_dense")
     s["call_ratio_moe_warm_dense"] = s.get("moe_warm", {}).get("call_ratio_to_dense")
-    s["rss_met"] = {k: s[k].get("max_peak_rss_mib", 1e9) <= TARGET_RSS_MIB for k in TIMED if k in s}
+    s["rss_met"] = {
+        k: s[k].get("max_peak_rss_mib", 1e9) <= TARGET_RSS_MIB
+        for k in TIMED + tuple(t + BIG for t in TIMED)
+        if k in s
+    }
     s["ratio_met"] = {
         "cold": _within(s["ratio_moe_dense"]),
         "warm": _within(s["ratio_moe_warm_dense"]),
@@ -347,6 +368,34 @@ def summarize(result: dict) -> dict:
     cold_layouts = {r["layout"] for r in result["runs"] if r["kind"] == "moe" and not r["rc"]}
     s["warm_layout_same"] = bool(warm_layouts) and warm_layouts == cold_layouts
     return s
+
+
+def _margins(s: dict, checkpoints: dict) -> dict:
+    """Each merge's wall time as a line through its two sizes' medians: the slope (s per GB at
+    the margin) and the intercept (s of fixed cost); the MoE merges' slope against dense's,
+    their fixed cost beyond dense's, and the checkpoint size from which their whole wall time
+    per byte is within the goal (None: at every size, or at none)."""
+    out = {}
+    for kind, checkpoint in (("dense", "dense"), ("moe", "moe"), ("moe_warm", "moe")):
+        small, big = s.get(kind, {}), s.get(kind + BIG, {})
+        if not (small.get("n_ok") and big.get("n_ok")):
+            continue
+        gb = checkpoints[checkpoint]["bytes"] / 1e9
+        gb_big = checkpoints[checkpoint + BIG]["bytes"] / 1e9
+        slope = (big["median_wall_s"] - small["median_wall_s"]) / (gb_big - gb)
+        out[kind] = {"s_per_gb": slope, "fixed_s": small["median_wall_s"] - slope * gb}
+    dense = out.get("dense")
+    for kind in ("moe", "moe_warm"):
+        if kind not in out or dense is None or dense["s_per_gb"] <= 0:
+            continue
+        k = out[kind]
+        k["ratio_to_dense"] = k["s_per_gb"] / dense["s_per_gb"]
+        k["fixed_beyond_dense_s"] = k["fixed_s"] - dense["fixed_s"]
+        # (a_m + b_m x) / (a_d + b_d x) <= goal  <=>  x >= (a_m - goal a_d) / (goal b_d - b_m)
+        room = TARGET_RATIO * dense["s_per_gb"] - k["s_per_gb"]
+        excess = k["fixed_s"] - TARGET_RATIO * dense["fixed_s"]
+        k["goal_from_gb"] = (max(excess, 0.0) / room) if room > 0 else None
+    return out
 
 
 def _within(ratio: float | None) -> bool | None:
@@ -389,6 +438,9 @@ def main() -> int:
     parser.add_argument("--world", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument(
+        "--scale", type=int, default=2, help="the second size's depth, × --layers (1: none)"
+    )
+    parser.add_argument(
         "--no-fused", action="store_true", help="skip the MoE --keep-names runs (informational)"
     )
     parser.add_argument("--workdir", type=Path, default=None, help="keep checkpoints here")
@@ -413,6 +465,7 @@ def main() -> int:
         "machine": machine_facts(work),
         "model": {**shape, "dense_intermediate": dense_intermediate(args)},
         "params": {k: param_count(args, k) for k in KINDS},
+        "scale": args.scale,
         "repeats": args.repeats,
         "targets": {"peak_rss_mib": TARGET_RSS_MIB, "ratio": TARGET_RATIO},
         "options": "default 64 MiB buffer, O_DIRECT writes, 5 GB files",
@@ -422,15 +475,26 @@ def main() -> int:
         "inspect_runs": [],
     }
     try:
-        for kind in KINDS:
-            actor = work / kind / "actor"
-            gen = ensure_checkpoint(kind, actor, args)
-            result["checkpoints"][kind] = {
-                "bytes": tree_bytes(actor) - tree_bytes(actor / "huggingface"),
-                "rank_files": len(list(actor.glob("model_world_size_*.pt"))),
-                "generated_s": gen,
+        big = argparse.Namespace(**{**vars(args), "layers": args.layers * args.scale})
+        if args.scale > 1:
+            result["model_big"] = {
+                **{k: getattr(big, k) for k in SHAPE},
+                "dense_intermediate": dense_intermediate(big),
             }
+            result["params_big"] = {k: param_count(big, k) for k in KINDS}
+        for kind in KINDS:
+            for name, built_from in ((kind, args), (kind + BIG, big)):
+                if name.endswith(BIG) and args.scale <= 1:
+                    continue
+                actor = work / name / "actor"
+                gen = ensure_checkpoint(kind, actor, built_from)
+                result["checkpoints"][name] = {
+                    "bytes": tree_bytes(actor) - tree_bytes(actor / "huggingface"),
+                    "rank_files": len(list(actor.glob("model_world_size_*.pt"))),
+                    "generated_s": gen,
+                }
         variants = [v for v in VARIANTS if v[0] != "moe_fused" or not args.no_fused]
+        variants += list(BIG_VARIANTS) if args.scale > 1 else []
         for i in range(args.repeats):
             filled: dict[str, Path] = {}  # checkpoint -> the cache its cold run filled
             for kind, checkpoint, flags, cache in variants:
@@ -507,7 +571,7 @@ def main() -> int:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
         else:
-            for kind, checkpoint, _, _ in VARIANTS:
+            for kind, checkpoint, _, _ in VARIANTS + BIG_VARIANTS:
                 shutil.rmtree(work / checkpoint / f"merged-{kind}", ignore_errors=True)
             shutil.rmtree(work / "layout-cache", ignore_errors=True)
     result["summary"] = summarize(result)

@@ -482,6 +482,11 @@ MOE_SHORT = {
     "moe_warm": "MoE warm",
     "moe_fused": "MoE `--keep-names`",
 }
+MOE_BIG = "_big"  # bench/moe_merge.py's BIG: the same merges of --scale times deeper checkpoints
+for _kind in ("dense", "moe", "moe_warm"):
+    MOE_LABEL[_kind + MOE_BIG] = MOE_LABEL[_kind] + ", **larger**"
+    MOE_CHECKPOINT[_kind + MOE_BIG] = MOE_CHECKPOINT[_kind] + MOE_BIG
+    MOE_SHORT[_kind + MOE_BIG] = MOE_SHORT[_kind] + " (larger)"
 
 
 def _met(ok: bool | None) -> str:
@@ -520,6 +525,63 @@ def _time_verdict(s: dict, goal: float) -> str | None:
     return f"- **Time goal:** {verdict}. {figures}."
 
 
+def _larger_note(m: dict) -> str:
+    big = m.get("model_big")
+    if not big or "dense" + MOE_BIG not in m["checkpoints"]:
+        return ""
+    c = m["checkpoints"]
+    return (
+        f" **Larger** (rows marked so): the same two models at {big['layers']} layers "
+        f"(MoE {m['params_big']['moe']:,} parameters, {c['moe' + MOE_BIG]['bytes']:,} bytes; "
+        f"dense MLP width {big['dense_intermediate']}, {m['params_big']['dense']:,} "
+        f"parameters, {c['dense' + MOE_BIG]['bytes']:,} bytes); the dense, MoE cold and MoE "
+        "warm merges run on them in every repeat too."
+    )
+
+
+def _margin_lines(m: dict, goal: float) -> str | None:
+    """What the two checkpoint sizes say: each merge's time per byte at the margin and its
+    fixed cost, and the size from which a cold MoE merge meets the goal."""
+    margin, big = m["summary"].get("margin") or {}, m.get("model_big")
+    if not {"dense", "moe"} <= set(margin) or not big:
+        return None
+    d, cold, warm = margin["dense"], margin["moe"], margin.get("moe_warm")
+    if "ratio_to_dense" not in cold:
+        return (
+            f"- **Per byte at the margin:** not measured: dense's median wall time does not grow "
+            f"from the smaller checkpoint to the larger ({d['s_per_gb']:.3f} s/GB), so the "
+            "sizes are too close for this machine's noise."
+        )
+    sizes = (
+        f"{m['checkpoints']['dense']['bytes'] / 1e9:.2f} and "
+        f"{m['checkpoints']['dense' + MOE_BIG]['bytes'] / 1e9:.2f} GB"
+    )
+    where = cold.get("goal_from_gb")
+    reach = (
+        "at no size (its time per byte at the margin is above the goal)"
+        if where is None
+        else "at every size measured"
+        if where == 0
+        else f"from **{where:.1f} GB** of checkpoint"
+    )
+    line = (
+        f"- **Per byte at the margin** (the slope of median wall time between the two sizes, "
+        f"{big['layers']} against {m['model']['layers']} layers; {sizes}): dense "
+        f"{d['s_per_gb']:.3f} s/GB, MoE cold {cold['s_per_gb']:.3f} s/GB "
+        f"(**{cold['ratio_to_dense']:.3f}×** dense)"
+    )
+    if warm:
+        line += f", MoE warm {warm['s_per_gb']:.3f} s/GB (**{warm['ratio_to_dense']:.3f}×**)"
+    line += (
+        f". Fixed cost (the intercept: interpreter, imports, planning) beyond dense's: MoE cold "
+        f"{cold['fixed_beyond_dense_s']:.2f} s"
+        + (f", MoE warm {warm['fixed_beyond_dense_s']:+.2f} s" if warm else "")
+        + f". Counting that fixed cost, a cold MoE merge is within {goal:.2f}× dense's time "
+        f"per byte {reach} (the line through the two sizes)."
+    )
+    return line
+
+
 def render_moe(m: dict) -> str:
     """The MoE merge section, from moe-merge.json only."""
     s, mach, model = m["summary"], m["machine"], m["model"]
@@ -540,6 +602,10 @@ def render_moe(m: dict) -> str:
             goal += f"; s/GB ≤ {ratio_goal:.2f}× dense"
             which = "warm" if kind == "moe_warm" else "cold"
             result = f"RSS {_met(rss_ok)}; time {_met(_ratio_met(s, which))}"
+        elif kind.startswith("moe") and kind.endswith(MOE_BIG):
+            goal += f"; s/GB ≤ {ratio_goal:.2f}× dense (larger)"
+            ok = k.get("ratio_to_dense")
+            result = f"RSS {_met(rss_ok)}; time {_met(None if ok is None else ok <= ratio_goal)}"
         elif kind == "moe_fused":
             goal, result = "–", "n/a"
         rows.append(
@@ -563,7 +629,7 @@ def render_moe(m: dict) -> str:
     names["moe_warm"] = "MoE warm"
     if "moe_warm" in first:
         names["moe"] = "MoE cold"
-    order = ", ".join(names.get(k, k) for k in first)
+    order = ", ".join(names.get(k, MOE_SHORT.get(k, k)) for k in first)
     layout_cache = (
         " Layout cache (`SHARDSTREAM_CACHE_DIR`, see docs/hf-layout.md): every run gets a fresh "
         "empty directory except the warm MoE run, which gets the one the cold MoE run of the "
@@ -597,7 +663,8 @@ def render_moe(m: dict) -> str:
         f"`Qwen3ForCausalLM` with the same attention, embeddings and layers and MLP width "
         f"{model['dense_intermediate']}, chosen to match the parameter count "
         f"({m['params']['dense']:,}); on disk the two differ by "
-        f"{abs(m['checkpoints']['moe']['bytes'] / m['checkpoints']['dense']['bytes'] - 1):.3%}.",
+        f"{abs(m['checkpoints']['moe']['bytes'] / m['checkpoints']['dense']['bytes'] - 1):.3%}."
+        + _larger_note(m),
         f"- **Design:** `shardstream merge --dtype bfloat16 --json`, {m['options']}; "
         f"{m['repeats']} runs of each, interleaved ({order}, and again); {m['cache']}. "
         "Wall time and peak RSS per run from `harness.process.run_measured` (spawn to reap; the "
@@ -615,6 +682,9 @@ def render_moe(m: dict) -> str:
     verdict = _time_verdict(s, ratio_goal)
     if verdict:
         extra.append(verdict)
+    margin = _margin_lines(m, ratio_goal)
+    if margin:
+        extra.append(margin)
     calls = [k for k in kinds if s[k].get("median_merge_call_s") is not None]
     if "dense" in calls and len(calls) > 1:
         extra.append(
@@ -622,7 +692,11 @@ def render_moe(m: dict) -> str:
             "interpreter start-up or torch import), median: "
             + "; ".join(
                 f"{short[k]} {s[k]['median_merge_call_s']:.2f} s"
-                + ("" if k == "dense" else f" ({s[k]['call_ratio_to_dense']:.3f}× dense per byte)")
+                + (
+                    ""
+                    if k.startswith("dense")
+                    else f" ({s[k]['call_ratio_to_dense']:.3f}× dense per byte)"
+                )
                 for k in calls
             )
             + "."
