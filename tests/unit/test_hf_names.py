@@ -109,6 +109,28 @@ def test_a_config_field_of_the_wrong_type_is_refused_naming_it(
         plan_names([("model.norm.weight", "F32", (4,))], config)
 
 
+def test_a_config_of_a_far_larger_model_than_the_checkpoint_is_refused_unbuilt(
+    qwen3_moe_config, monkeypatch
+):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    config = {**qwen3_moe_config, "num_hidden_layers": 10**7}  # days to build on meta
+    stored = [("model.norm.weight", "F32", (8,))]
+    with pytest.raises(CheckpointFormatError, match=r"config.json describes a larger model"):
+        plan_names(stored, config)
+    # the same config with the layers it names stored is built (the bound is per tensor)
+    config["num_hidden_layers"] = 300
+    stored = [(f"model.layers.{n}.input_layernorm.weight", "F32", (8,)) for n in range(3000)]
+    assert "Qwen3MoeForCausalLM" in plan_names(stored, config).rule
+
+
+def test_a_config_transformers_rejects_is_refused_naming_config_json(qwen3_moe_config, monkeypatch):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    config = {**qwen3_moe_config, "hidden_size": "wide"}
+    with pytest.raises(CheckpointFormatError, match=r"config.json: transformers' 'qwen3_moe'"):
+        plan_names([("model.norm.weight", "F32", (8,))], config)
+
+
 def test_qwen2_5_vl_is_renamed():
     import transformers
 

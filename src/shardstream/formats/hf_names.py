@@ -30,6 +30,7 @@ import json
 import logging
 import math
 import re
+import threading
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -233,24 +234,52 @@ def _has_weight_conversions() -> bool:
     return True
 
 
-def _meta_model(config: dict) -> Any:
-    """The model class config.json's ``architectures`` names, built on the meta device."""
+def _meta_model(config: dict, stored: int) -> Any:
+    """The model class config.json's ``architectures`` names, built on the meta device.
+    ``stored``: how many tensors the checkpoint holds; a model that registers far more
+    parameters than that (a config.json of 10**7 layers beside a small checkpoint) is refused
+    as soon as it does, not built for hours."""
     import torch
+    from torch.nn.modules.module import register_module_parameter_registration_hook
     from transformers import CONFIG_MAPPING
 
     model_type = config["model_type"]
     if model_type not in CONFIG_MAPPING:
         return None
-    hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    try:
+        hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+    except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
+        raise CheckpointFormatError(
+            f"config.json: transformers' {model_type!r} config rejects it "
+            f"({type(exc).__name__}: {str(exc)[:300]})"
+        ) from None
     cls = _model_class(config, type(hf_config))
     if cls is None:
         return None
+    limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
+    planner, registered = threading.get_ident(), 0
+
+    def count(module, name, param):
+        nonlocal registered
+        if threading.get_ident() == planner:  # the export plans beside a training thread
+            registered += 1
+            if registered > limit:
+                raise _LargerThanStored
+
     quiet = logging.getLogger("transformers")
     level = quiet.level
     quiet.setLevel(logging.ERROR)
+    handle = register_module_parameter_registration_hook(count)
     try:
         with torch.device("meta"):
             return cls(hf_config)
+    except _LargerThanStored:
+        raise CheckpointFormatError(
+            f"config.json describes a larger model than the checkpoint: building {cls.__name__} "
+            f"from it registered over {limit:,} parameters, and the checkpoint holds {stored:,} "
+            "tensors (check num_hidden_layers and the other sizes there; --keep-names writes "
+            "the in-memory names without building the model)"
+        ) from None
     except Exception as exc:  # noqa: BLE001  (any model code may fail on meta)
         raise CheckpointFormatError(
             f"model type {model_type!r}: cannot build {cls.__name__} to learn the layout "
@@ -258,7 +287,18 @@ def _meta_model(config: dict) -> Any:
             "to write the in-memory names"
         ) from None
     finally:
+        handle.remove()
         quiet.setLevel(level)
+
+
+# Building the meta model stops once it has registered more parameters than this many per
+# stored tensor, plus the slack: a model matches its checkpoint about one to one.
+PARAMETERS_PER_STORED_TENSOR = 8
+PARAMETERS_SLACK = 4096
+
+
+class _LargerThanStored(Exception):
+    """Raised inside the model's constructor by the registration count."""
 
 
 # Where a config.json names no architecture: the auto classes verl and trainers build from.
@@ -307,7 +347,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
 
     from ..engine.dtypes import TORCH_BY_CODE
 
-    model = _meta_model(config)
+    model = _meta_model(config, len(plain))
     if model is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
     what = f"save_pretrained layout of {type(model).__name__}"
