@@ -114,14 +114,34 @@ def test_a_config_of_a_far_larger_model_than_the_checkpoint_is_refused_unbuilt(
 ):
     monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
     monkeypatch.setattr(hf_names, "_PLANS", {})
-    config = {**qwen3_moe_config, "num_hidden_layers": 10**7}  # days to build on meta
+    config = {**qwen3_moe_config, "num_hidden_layers": 4000}  # 44,000 parameters
     stored = [("model.norm.weight", "F32", (8,))]
-    with pytest.raises(CheckpointFormatError, match=r"config.json describes a larger model"):
+    with pytest.raises(CheckpointFormatError, match=r"registered over 4,104 parameters"):
         plan_names(stored, config)
     # the same config with the layers it names stored is built (the bound is per tensor)
     config["num_hidden_layers"] = 300
     stored = [(f"model.layers.{n}.input_layernorm.weight", "F32", (8,)) for n in range(3000)]
     assert "Qwen3MoeForCausalLM" in plan_names(stored, config).rule
+
+
+@pytest.mark.parametrize("nested", [False, True])
+def test_a_layer_count_above_the_stored_tensors_is_refused_before_the_config_is_built(
+    qwen3_moe_config, monkeypatch, nested
+):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    config = dict(qwen3_moe_config)
+    if nested:  # a VLM's text_config: its config class builds lists as long as this too
+        config["text_config"] = {"num_hidden_layers": 10**8}
+    else:
+        config["num_hidden_layers"] = 10**8
+    built = []
+    monkeypatch.setattr(hf_names, "_model_class", lambda *a: built.append(a))
+    stored = [(f"model.layers.{n}.input_layernorm.weight", "F32", (8,)) for n in range(3)]
+    key = "text_config.num_hidden_layers" if nested else "num_hidden_layers"
+    with pytest.raises(CheckpointFormatError, match=rf"larger model .*: {key} is 100,000,000,"):
+        plan_names(stored, config)
+    assert not built
 
 
 def test_a_config_transformers_rejects_is_refused_naming_config_json(qwen3_moe_config, monkeypatch):

@@ -246,6 +246,7 @@ def _meta_model(config: dict, stored: int) -> Any:
     model_type = config["model_type"]
     if model_type not in CONFIG_MAPPING:
         return None
+    _check_layer_counts(config, stored)
     try:
         hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
@@ -289,6 +290,24 @@ def _meta_model(config: dict, stored: int) -> Any:
     finally:
         handle.remove()
         quiet.setLevel(level)
+
+
+LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
+
+
+def _check_layer_counts(config: dict, stored: int, where: str = "") -> None:
+    """Refuse a layer count (``num_hidden_layers`` and the like, in sub-configs too) beyond
+    the bound on parameters per stored tensor: config classes build lists as long as it
+    (10**8 layers: minutes and gigabytes before any model exists)."""
+    limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
+    for key, value in config.items():
+        if isinstance(value, dict) and where.count(".") < 8:
+            _check_layer_counts(value, stored, f"{where}{key}.")
+        elif LAYER_COUNT.fullmatch(str(key)) and type(value) is int and value > limit:
+            raise CheckpointFormatError(
+                f"config.json describes a larger model than the checkpoint: {where}{key} is "
+                f"{value:,}, and the checkpoint holds {stored:,} tensors"
+            )
 
 
 # Building the meta model stops once it has registered more parameters than this many per
