@@ -397,3 +397,81 @@ def test_verl_checkpoint_without_model_tensors(tmp_path, capsys, command):
         reference = _hf_dir(tmp_path / "hf")
         argv = ["test", "--local_dir", source, "--test_hf_dir", reference, "--quiet"]
     _fails_naming(capsys, argv, source, str(source), "holds no model tensors")
+
+
+# --- a config.json that does not describe the checkpoint's model ------------------------------
+
+
+def _moe_dir(directory: Path, tamper: Callable[[dict, dict], None]) -> Path:
+    """A verl checkpoint of a tiny Qwen3-MoE (fused experts), ``tamper(state, config)`` applied."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        moe_intermediate_size=6,
+        num_experts=3,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=16,
+    ).to_dict()
+    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    with torch.device("meta"):
+        model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config))
+    state = {k: torch.ones(v.shape) for k, v in model.state_dict().items()}
+    tamper(state, config)
+    source = _verl_dir(directory, {MODEL: state})
+    (source / "huggingface" / "config.json").write_text(json.dumps(config))
+    return source
+
+
+FUSED = "model.layers.0.mlp.experts.gate_up_proj"
+
+
+def _gate_up(shape: tuple[int, ...]) -> Callable[[dict, dict], None]:
+    def tamper(state: dict, config: dict) -> None:
+        state[FUSED] = torch.ones(shape)
+
+    return tamper
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [(3, 11, 8), (12, 8), (1, 3, 12, 8), (2, 12, 8), (3, 0, 8)],
+    ids=["odd rows", "2-D", "4-D", "fewer experts", "zero rows"],
+)
+@pytest.mark.parametrize("command", ["merge", "inspect"])
+def test_fused_experts_of_another_shape_than_the_config_are_refused(
+    tmp_path, capsys, monkeypatch, shape, command
+):
+    """A fused expert tensor the config's model does not hold was split as given (rc 0, files
+    no model of that config loads), or failed with a ZeroDivisionError traceback."""
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    source = _moe_dir(tmp_path / "actor", _gate_up(shape))
+    needles = (FUSED, str(list(shape)), "[3, 12, 8]", "describe different models")
+    if command == "merge":
+        _fails_naming(capsys, _merge_argv(source, tmp_path), source, *needles)
+    else:  # inspect describes the checkpoint and says merge would refuse it
+        with _deadline():
+            code = cli.main(["inspect", str(source)])
+        captured = capsys.readouterr()
+        assert code == 0 and "Traceback" not in captured.err + captured.out
+        refusal = [line for line in captured.out.splitlines() if "merge would refuse" in line]
+        assert refusal and all(n in refusal[0] for n in needles), captured.out
+
+
+@pytest.mark.parametrize(
+    "field, value", [("hidden_size", 8.5), ("rope_parameters", [1, 2])], ids=["float", "list"]
+)
+def test_a_config_transformers_rejects_is_one_line_naming_config_json(
+    tmp_path, capsys, monkeypatch, field, value
+):
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    source = _moe_dir(tmp_path / "actor", lambda state, config: config.update({field: value}))
+    code, lines = _cli(capsys, *_merge_argv(source, tmp_path))
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith("shardstream merge: error: config.json: transformers' 'qwen3_moe'")
+    assert field in lines[0]

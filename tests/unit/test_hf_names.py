@@ -159,10 +159,17 @@ def test_qwen2_5_vl_is_renamed():
         vision_config={"depth": 1, "hidden_size": 8, "num_heads": 2, "out_hidden_size": 8},
     ).to_dict()
     config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    with torch.device("meta"):
+        held = transformers.Qwen2_5_VLForConditionalGeneration(
+            transformers.Qwen2_5_VLConfig(**config)
+        ).state_dict()
     stored = [
-        ("model.language_model.layers.0.mlp.up_proj.weight", "F32", (4, 8)),
-        ("model.visual.blocks.0.norm1.weight", "F32", (8,)),
-        ("lm_head.weight", "F32", (10, 8)),
+        (name, "F32", tuple(held[name].shape))
+        for name in (
+            "model.language_model.layers.0.mlp.up_proj.weight",
+            "model.visual.blocks.0.norm1.weight",
+            "lm_head.weight",
+        )
     ]
     names = {p.stored: p.name for p in plan_names(stored, config).pieces}
     assert names == {
@@ -371,3 +378,11 @@ def test_files_split_like_huggingface_hub_with_shared_storage():
         ["e0", "e1", "e2"],
         ["b"],
     ]
+
+
+def test_a_view_of_a_tensor_without_elements_is_whole_or_no_box():
+    """No element tells where such a view lies (a stride of 0 divided the offset before)."""
+    base = torch.empty(0, device="meta")
+    stored = base[0:0].view(3, 0, 8)
+    assert hf_names._as_box("out", "fused", (3, 0, 8), stored, 0).whole
+    assert hf_names._as_box("out", "fused", (3, 0, 8), stored[1], 0) is None

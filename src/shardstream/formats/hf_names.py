@@ -247,13 +247,17 @@ def _meta_model(config: dict, stored: int) -> Any:
     if model_type not in CONFIG_MAPPING:
         return None
     _check_layer_counts(config, stored)
+    quiet = logging.getLogger("transformers")  # its warnings about the config are not ours
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
     try:
         hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
         raise CheckpointFormatError(
-            f"config.json: transformers' {model_type!r} config rejects it "
-            f"({type(exc).__name__}: {str(exc)[:300]})"
+            f"config.json: transformers' {model_type!r} config rejects it ({_one_line(exc)})"
         ) from None
+    finally:
+        quiet.setLevel(level)
     cls = _model_class(config, type(hf_config))
     if cls is None:
         return None
@@ -267,8 +271,6 @@ def _meta_model(config: dict, stored: int) -> Any:
             if registered > limit:
                 raise _LargerThanStored
 
-    quiet = logging.getLogger("transformers")
-    level = quiet.level
     quiet.setLevel(logging.ERROR)
     handle = register_module_parameter_registration_hook(count)
     try:
@@ -284,12 +286,32 @@ def _meta_model(config: dict, stored: int) -> Any:
     except Exception as exc:  # noqa: BLE001  (any model code may fail on meta)
         raise CheckpointFormatError(
             f"model type {model_type!r}: cannot build {cls.__name__} to learn the layout "
-            f"save_pretrained writes ({type(exc).__name__}: {exc}); merge with --keep-names "
+            f"save_pretrained writes ({_one_line(exc)}); merge with --keep-names "
             "to write the in-memory names"
         ) from None
     finally:
         handle.remove()
         quiet.setLevel(level)
+
+
+def _one_line(exc: BaseException, limit: int = 300) -> str:
+    """``exc`` for a one-line message: its type and text, whitespace runs made one space."""
+    text = " ".join(str(exc).split())
+    return f"{type(exc).__name__}: {text[:limit]}{'...' if len(text) > limit else ''}"
+
+
+def _check_shapes(model: Any, plain) -> None:
+    """Every stored tensor the model also holds has the model's shape: a fused expert tensor
+    of another size would otherwise be split into tensors no model of config.json loads."""
+    held = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, _, shape in plain:
+        want = held.get(name)
+        if want is not None and tuple(shape) != want:
+            raise CheckpointFormatError(
+                f"tensor {name!r}: shape {list(shape)} in the checkpoint, but "
+                f"{type(model).__name__} built from config.json holds {list(want)}: the "
+                "checkpoint and config.json describe different models"
+            )
 
 
 LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
@@ -370,6 +392,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
     if model is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
     what = f"save_pretrained layout of {type(model).__name__}"
+    _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
     plain = [t for t in plain if t[0] not in ignored]  # save_pretrained leaves them out
 
@@ -398,7 +421,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
     except Exception as exc:  # noqa: BLE001  (names the model's rules do not expect)
         raise CheckpointFormatError(
             f"{what}: transformers' save-time conversion fails on the stored names "
-            f"({type(exc).__name__}: {exc}); rules: {_converter_of(model)}. Merge with "
+            f"({_one_line(exc)}); rules: {_converter_of(model)}. Merge with "
             "--keep-names to write the in-memory names"
         ) from None
     pieces = []
@@ -445,15 +468,13 @@ def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
 
 def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | None:
     """The box of stored tensor ``stored`` (``shape``) that meta ``view`` is, or None."""
+    if math.prod(view.shape) == 0 or math.prod(shape) == 0:  # no element tells where it lies
+        return _whole(name, stored, shape) if tuple(view.shape) == tuple(shape) else None
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
     flat = view.storage_offset() - base_offset
-    start = []
-    for size, stride in zip(shape, strides):
-        start.append(flat // stride % size if size else 0)
-    if math.prod(view.shape) == 0:
-        return _whole(name, stored, shape) if tuple(view.shape) == tuple(shape) else None
+    start = [flat // stride % size for size, stride in zip(shape, strides)]
     extent = [1] * len(shape)
     dims: list[int | None] = []
     nxt = 0
