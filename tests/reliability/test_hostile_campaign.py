@@ -475,3 +475,19 @@ def test_a_config_transformers_rejects_is_one_line_naming_config_json(
     assert code == 1 and len(lines) == 1, lines
     assert lines[0].startswith("shardstream merge: error: config.json: transformers' 'qwen3_moe'")
     assert field in lines[0]
+
+
+def test_a_reference_with_both_a_single_file_and_an_index_is_refused(tmp_path, capsys):
+    """transformers loads model.safetensors, vLLM the files the index names: test compared
+    the index's files and said OK while transformers would load the other file."""
+    from safetensors.torch import save_file
+
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    reference = _hf_dir(tmp_path / "hf")
+    zeros = {k: torch.zeros_like(v) for k, v in _plain_state().items()}
+    save_file(zeros, str(reference / "model.safetensors"), metadata={"format": "pt"})
+    argv = ["test", "--local_dir", source, "--test_hf_dir", reference, "--quiet"]
+    needles = (str(reference), "model.safetensors and model.safetensors.index.json", "ambiguous")
+    _fails_naming(capsys, argv, source, *needles)
+    code, lines = _cli(capsys, "verify", reference, "--quiet")
+    assert code == 1 and any("ambiguous" in line for line in lines), lines

@@ -584,6 +584,9 @@ def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
 
 def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     index_path = directory / hf.INDEX_FILE
+    both = hf.both_weights_files(directory)
+    if both:
+        report.problems.append(Problem(str(directory), both))
     if index_path.is_file():
         try:
             index = jsondoc.read_object(index_path, "safetensors index (JSON object)")

@@ -258,6 +258,19 @@ class HfTensor:
     offset: int  # file offset of the first byte
 
 
+def both_weights_files(directory: Path) -> str | None:
+    """The problem of a model directory holding both ``model.safetensors`` and an index, or
+    None. Readers disagree on which is the model (transformers loads the single file, vLLM
+    the files the index names), so neither is taken."""
+    if (directory / SINGLE_FILE).is_file() and (directory / INDEX_FILE).is_file():
+        return (
+            f"holds both {SINGLE_FILE} and {INDEX_FILE}; transformers would load "
+            "the first and vLLM the files the second names, so which is the model is "
+            "ambiguous: remove one"
+        )
+    return None
+
+
 def read_hf_model(directory: str | os.PathLike) -> tuple[list[HfTensor], dict]:
     """The tensors of a HF safetensors model (single file or sharded) and its config.json.
 
@@ -277,6 +290,9 @@ def read_hf_model(directory: str | os.PathLike) -> tuple[list[HfTensor], dict]:
     config = read_config(path)
     index = path / INDEX_FILE
     single = path / SINGLE_FILE
+    both = both_weights_files(path)
+    if both:
+        raise CheckpointFormatError(f"{path}: {both}")
     if index.is_file():
         return _read_index(path, index), config
     if single.is_file():
