@@ -13,6 +13,11 @@ stripped first. Then transformers' own save-time conversion for the model is app
 * transformers 4 (the model class's ``_checkpoint_conversion_mapping``): the renames
   ``save_pretrained`` applies when it reverses that mapping.
 
+The model is built from config.json only once config.json is plausible for the checkpoint:
+its layer counts and the parameters the model registers are bounded by the stored tensors,
+and every stored tensor the model holds must have the model's shape; anything else is
+refused, naming config.json or the tensor.
+
 A model type known to need no mapping (``NO_MAPPING_MODEL_TYPES``, checked against
 transformers 4.57 and 5.25) is written under its stripped names without asking transformers,
 unless a newer transformers is installed. Without transformers any other model type is
@@ -47,6 +52,12 @@ NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
 TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
+
+# Building the meta model stops once it has registered more parameters than this many per
+# stored tensor, plus the slack: a model matches its checkpoint about one to one.
+PARAMETERS_PER_STORED_TENSOR = 8
+PARAMETERS_SLACK = 4096
+LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
 
 
 @dataclass(frozen=True)
@@ -234,6 +245,10 @@ def _has_weight_conversions() -> bool:
     return True
 
 
+class _LargerThanStored(Exception):
+    """Raised inside the model's constructor by the registration count."""
+
+
 def _meta_model(config: dict, stored: int) -> Any:
     """The model class config.json's ``architectures`` names, built on the meta device.
     ``stored``: how many tensors the checkpoint holds; a model that registers far more
@@ -314,9 +329,6 @@ def _check_shapes(model: Any, plain) -> None:
             )
 
 
-LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
-
-
 def _check_layer_counts(config: dict, stored: int, where: str = "") -> None:
     """Refuse a layer count (``num_hidden_layers`` and the like, in sub-configs too) beyond
     the bound on parameters per stored tensor: config classes build lists as long as it
@@ -330,16 +342,6 @@ def _check_layer_counts(config: dict, stored: int, where: str = "") -> None:
                 f"config.json describes a larger model than the checkpoint: {where}{key} is "
                 f"{value:,}, and the checkpoint holds {stored:,} tensors"
             )
-
-
-# Building the meta model stops once it has registered more parameters than this many per
-# stored tensor, plus the slack: a model matches its checkpoint about one to one.
-PARAMETERS_PER_STORED_TENSOR = 8
-PARAMETERS_SLACK = 4096
-
-
-class _LargerThanStored(Exception):
-    """Raised inside the model's constructor by the registration count."""
 
 
 # Where a config.json names no architecture: the auto classes verl and trainers build from.

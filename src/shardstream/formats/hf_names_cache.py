@@ -38,7 +38,9 @@ from ..storage.commit import TMP_MARK, atomic_write_bytes
 
 log = logging.getLogger(__name__)
 
-CACHE_FORMAT = 1  # bump whenever what plan_names computes, or this file's layout, changes
+# Bump whenever what plan_names computes or refuses, or this file's layout, changes. 2: the
+# shape and size checks against config.json's model (a plan cached before them is not used).
+CACHE_FORMAT = 2
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
