@@ -766,3 +766,12 @@ def test_borrowed_live_tensors_write_the_same_file_as_copies(tmp_path, monkeypat
     for name, t in live.items():
         expected = t.to(torch.bfloat16) if name == "converted" else t
         assert torch.equal(loaded[name], expected), name
+
+
+def test_a_window_end_snaps_to_an_element_of_its_tensor_past_empty_ones():
+    from shardstream.engine.copy import _snap
+
+    # (begin, end, itemsize) in file order, as stream_file sorts them: an empty tensor first
+    bounds = [(0, 10, 2), (10, 10, 4), (10, 30, 4), (30, 30, 8)]
+    starts = [b for b, _, _ in bounds]
+    assert [_snap(x, bounds, starts) for x in (5, 11, 17, 29, 30, 31)] == [4, 10, 14, 26, 30, 31]

@@ -16,9 +16,11 @@ from hypothesis import strategies as st
 
 from shardstream.engine.plan import (
     Block,
+    CopyRun,
     GlobalTensor,
     check_blocks_tile,
     chunk_extent,
+    coalesce_runs,
     dense_block,
     plan_copy,
     row_major_strides,
@@ -448,3 +450,39 @@ def test_global_tensor_nbytes():
     assert t.nbytes == 30
     assert row_major_strides((2, 3, 4)) == (12, 4, 1)
     assert row_major_strides(()) == ()
+
+
+def _run(tensor, src_offset, dst_offset, elems, count=1, src="a", step=None):
+    step = elems * 4 if step is None else step
+    return CopyRun(tensor, src, src_offset, step, "F32", "out", dst_offset, elems * 2, "BF16",
+                   elems, count)  # fmt: skip
+
+
+def test_runs_that_continue_each_other_at_both_ends_are_joined():
+    """An expert's gate and up halves: adjacent in the fused source and in the output."""
+    gate, up = _run("e0.gate", 1000, 0, 6, count=4), _run("e0.up", 1096, 48, 24)
+    (joined,) = coalesce_runs([gate, up])
+    assert (joined.src_offset, joined.dst_offset, joined.elems, joined.count) == (1000, 0, 48, 1)
+    assert joined.src_nbytes == gate.src_nbytes + up.src_nbytes
+    assert joined.dst_end() == up.dst_end()
+
+
+@pytest.mark.parametrize(
+    "second",
+    [
+        _run("b", 1100, 48, 24),  # a gap in the source
+        _run("b", 1096, 50, 24),  # a gap in the destination
+        _run("b", 1096, 48, 24, src="other"),  # another source
+        _run("b", 1096, 48, 6, count=4, step=40),  # strided rows
+    ],
+    ids=["source gap", "destination gap", "other source", "strided"],
+)
+def test_runs_that_do_not_continue_each_other_stay_apart(second):
+    first = _run("a", 1000, 0, 24)
+    assert coalesce_runs([first, second]) == [first, second]
+
+
+def test_runs_of_a_rewritten_tensor_are_never_joined():
+    runs = [_run("a", 1000, 0, 24), _run("b", 1096, 48, 24), _run("c", 1192, 96, 24)]
+    assert coalesce_runs(runs, apart={"b"}) == runs
+    assert len(coalesce_runs(runs)) == 1

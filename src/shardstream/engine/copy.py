@@ -10,6 +10,7 @@ bit-identical to ``tensor.to(dtype)``.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import errno
 import os
@@ -26,7 +27,7 @@ from .checksum import ChunkHasher, new_hasher
 from .dtypes import TORCH_BY_CODE, itemsize
 from .endpoints import Endpoint, TensorEndpoint
 from .memory import anonymous_memory
-from .plan import CopyRun
+from .plan import CopyRun, coalesce_runs
 
 _MIN_WINDOW = 4096
 
@@ -229,10 +230,13 @@ class Streamer:
             i += 1
 
 
-def _snap(offset: int, bounds: Sequence[tuple[int, int, int]]) -> int:
-    """Move ``offset`` down to an element boundary of the tensor containing it."""
-    for begin, end, isz in bounds:
-        if begin <= offset < end:
+def _snap(offset: int, bounds: Sequence[tuple[int, int, int]], starts: Sequence[int]) -> int:
+    """Move ``offset`` down to an element boundary of the tensor containing it (``bounds``
+    in file order, ``starts`` their begins)."""
+    i = bisect.bisect_right(starts, offset) - 1
+    if i >= 0:
+        begin, end, isz = bounds[i]
+        if offset < end:
             return begin + (offset - begin) // isz * isz
     return offset
 
@@ -275,8 +279,9 @@ def stream_file(
     if start % chunk_bytes:
         raise ValueError(f"range start {start} is not a multiple of the chunk size {chunk_bytes}")
     end = data_size if end is None else min(end, data_size)
-    runs = sorted(runs, key=lambda r: r.dst_offset)
-    bounds = [(b, e, isz) for b, e, isz, _ in tensor_bounds]
+    runs = coalesce_runs(sorted(runs, key=lambda r: r.dst_offset), streamer.transforms)
+    bounds = sorted((b, e, isz) for b, e, isz, _ in tensor_bounds)  # empty tensors first
+    starts = [b for b, _, _ in bounds]
     chunks = ChunkHasher(chunk_bytes, max(0, end - start))
 
     def flush(parts: list[np.ndarray], lo: int) -> None:
@@ -309,7 +314,7 @@ def stream_file(
             if hi < end and direct_fd is not None and hi - cut > lo:
                 hi -= cut  # the next window starts aligned too
             if hi < end:
-                hi = max(_snap(hi, bounds), lo + 1)
+                hi = max(_snap(hi, bounds, starts), lo + 1)
             while next_run < len(runs) and runs[next_run].dst_offset < hi:
                 active.append(runs[next_run])
                 next_run += 1

@@ -11,7 +11,7 @@ from __future__ import annotations
 import functools
 import math
 from array import array
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Container, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from ..errors import CheckpointFormatError
@@ -144,6 +144,43 @@ class CopyRun:
 
     def dst_end(self) -> int:
         return self.dst_offset + (self.count - 1) * self.dst_step + self.dst_run_bytes
+
+
+def _flat(run: CopyRun) -> bool:
+    """Whether ``run`` reads and writes one contiguous stretch of bytes each."""
+    return run.count == 1 or (
+        run.src_step == run.src_run_bytes and run.dst_step == run.dst_run_bytes
+    )
+
+
+def coalesce_runs(runs: Sequence[CopyRun], apart: Container[str] = ()) -> list[CopyRun]:
+    """``runs`` (sorted by destination offset) with each run that continues the one before
+    in both its source and its destination, between the same endpoints and dtypes, joined
+    to it: neighbouring tensors copied from one contiguous stretch (an expert's gate and up
+    halves of a fused tensor) then move as one run. Runs of tensors in ``apart`` (rows a
+    hook rewrites by their index) are never joined."""
+    out: list[CopyRun] = []
+    for run in runs:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and run.tensor not in apart
+            and last.tensor not in apart
+            and (run.src, run.dst, run.src_dtype, run.dst_dtype)
+            == (last.src, last.dst, last.src_dtype, last.dst_dtype)
+            and _flat(last)
+            and _flat(run)
+            and run.dst_offset == last.dst_offset + last.dst_nbytes
+            and run.src_offset == last.src_offset + last.src_nbytes
+        ):
+            elems = last.elems * last.count + run.elems * run.count
+            out[-1] = CopyRun(
+                last.tensor, last.src, last.src_offset, 0, last.src_dtype, last.dst,
+                last.dst_offset, 0, last.dst_dtype, elems, 1, last.elem_index, 0,
+            )  # fmt: skip
+            continue
+        out.append(run)
+    return out
 
 
 def _contiguous_from(shape: Sequence[int], strides: Sequence[int], j: int) -> bool:
