@@ -13,7 +13,8 @@ TORCH="torch==2.13.0"
 # verl==0.9.1's own requirements list wandb, datasets, ray[default], ... that the merger never
 # imports, so verl goes in with --no-deps and only what `python -m verl.model_merger` imports is
 # added, inside verl's declared ranges (tensordict<=0.10.0, transformers<5.11). The last four are
-# what verl's own FSDPCheckpointManager imports (bench/verl_interop.py saves with it).
+# what verl's own FSDPCheckpointManager imports (bench/verl_interop.py saves with it); xxhash and
+# zlib-ng are shardstream's own, so that it also merges under the transformers verl's merger used.
 DEPS=(
     "ray==2.60.0"
     "tensordict==0.10.0"
@@ -28,6 +29,8 @@ DEPS=(
     "datasets==5.2.0"
     "pillow==13.0.0"
     "codetiming==1.4.0"
+    "xxhash==4.1.0"
+    "zlib-ng==1.1.0"
 )
 PINS="verl==0.9.1 $TORCH ${DEPS[*]}"
 STAMP="$VENV/.bench-installed"

@@ -89,6 +89,27 @@ CASES: dict[str, dict] = {
         "contents": ["model", "optimizer", "extra"],
         "restore": [[2]],
     },
+    # Models whose save_pretrained layout differs from their in-memory names (issue #22):
+    # verl's merger ends in save_pretrained; shardstream must write the same files, under the
+    # merger's transformers and under the project's.
+    "qwen3moe-fsdp2": {
+        "arch": "qwen3_moe",
+        "tie": False,
+        "mesh": [2],
+        "lora": False,
+        "layout": True,
+        "contents": ["model", "optimizer", "extra"],
+        "restore": [],
+    },
+    "qwen25vl-fsdp2": {
+        "arch": "qwen2_5_vl",
+        "tie": False,
+        "mesh": [2],
+        "lora": False,
+        "layout": True,
+        "contents": ["model", "optimizer", "extra"],
+        "restore": [],
+    },
 }
 LORA = {"r": 4, "lora_alpha": 8, "target_modules": ["q_proj", "v_proj", "down_proj"]}
 
@@ -119,8 +140,12 @@ def _save_main(case_name: str, root: Path) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    config = tm.tiny_config(case["arch"], tie_word_embeddings=case["tie"])
-    model = tm.build_tiny_model(config, seed=0)
+    if case.get("layout"):
+        model = tm.build_layout_model(case["arch"])
+        config = model.config
+    else:
+        config = tm.tiny_config(case["arch"], tie_word_embeddings=case["tie"])
+        model = tm.build_tiny_model(config, seed=0)
     if case["lora"]:
         from peft import LoraConfig, get_peft_model
 
@@ -148,7 +173,7 @@ def _save_main(case_name: str, root: Path) -> None:
     scheduler = get_cosine_schedule_with_warmup(
         optimizer, num_warmup_steps=1, num_training_steps=10
     )
-    vocab = config.vocab_size
+    vocab = config.get_text_config().vocab_size
     for step in range(1, STEP + 1):
         generator = torch.Generator().manual_seed(100 * step + rank)
         ids = torch.randint(0, vocab, (2, 12), generator=generator)
@@ -274,6 +299,27 @@ def merge_case(name: str, root: Path) -> dict:
     check("shardstream merge --dtype bfloat16 runs", ss.returncode == 0, ss.stderr[-500:])
     if verl.returncode or ss.returncode:
         return result
+    if CASES[name].get("layout"):  # the same command under verl's merger's transformers
+        alike = _run(
+            [str(BENCH_PY), "-m", "shardstream", *verl_flags, "--target_dir",
+             str(out / "ss-bench-venv"), "--dtype", "bfloat16", "--quiet", "--json"],
+            env=env,
+        )  # fmt: skip
+        check(
+            "shardstream merge under verl's environment (its transformers) runs",
+            alike.returncode == 0,
+            alike.stderr[-500:],
+        )
+        if alike.returncode == 0:
+            result["layout"] = json.loads(alike.stdout).get("layout")
+            same = compare_dirs(out / "verl", out / "ss-bench-venv")
+            result["vs_verl_same_transformers"] = same["identical"]
+            check(
+                "shardstream (bf16, verl's transformers) == verl's merger, bit for bit, "
+                "index included",
+                same["identical"] and _same_index(out / "verl", out / "ss-bench-venv"),
+                summarize(same),
+            )
     result["shardstream_summary"] = json.loads(ss.stdout)
     config = json.loads((actor / "huggingface" / "config.json").read_text())
     result["config_dtype"] = config.get("dtype", config.get("torch_dtype"))
@@ -283,6 +329,11 @@ def merge_case(name: str, root: Path) -> dict:
     check(
         "shardstream (bf16) == verl's merger, bit for bit", report["identical"], summarize(report)
     )
+    if CASES[name].get("layout"):
+        check(
+            "the same index (weight_map) as verl's merger",
+            _same_index(out / "verl", out / "ss-bf16"),
+        )
     swap = compare_dirs(out / "verl", out / "ss-verl-flags")
     result["same_command_identical"] = swap["identical"]
     check(
@@ -295,7 +346,7 @@ def merge_case(name: str, root: Path) -> dict:
         adapter = compare_dirs(out / "verl" / d, out / "ss-bf16" / d)
         check(f"{d}/ identical to verl's", adapter["identical"], summarize(adapter))
         result["adapter_tensors"] = adapter["n_common"]
-    if not CASES[name]["lora"]:
+    if not CASES[name]["lora"] and not CASES[name].get("layout"):  # layout: other names
         ref = compare_dirs(root / "reference", out / "ss-bf16")
         extra_ref = set(ref["only_in_a"]) - ({"lm_head.weight"} if CASES[name]["tie"] else set())
         ok = (
@@ -376,11 +427,25 @@ def _merge_lora_only(actor: Path, root: Path, out: Path, result: dict, check) ->
     )
 
 
+def _same_index(a: Path, b: Path) -> bool:
+    """Both directories hold one model.safetensors, or the same index."""
+    index = "model.safetensors.index.json"
+    if (a / index).is_file() or (b / index).is_file():
+        try:
+            return json.loads((a / index).read_text()) == json.loads((b / index).read_text())
+        except OSError:
+            return False
+    return (a / "model.safetensors").is_file() and (b / "model.safetensors").is_file()
+
+
 def _loads(path: Path) -> tuple[bool, str]:
-    from transformers import AutoModelForCausalLM
+    import transformers
 
     try:
-        _, info = AutoModelForCausalLM.from_pretrained(path, output_loading_info=True)
+        names = json.loads((path / "config.json").read_text()).get("architectures") or []
+        cls = getattr(transformers, names[0], None) if names else None
+        cls = cls or transformers.AutoModelForCausalLM
+        _, info = cls.from_pretrained(path, output_loading_info=True)
     except Exception as exc:  # noqa: BLE001  (reported, not raised: the run lists every check)
         return False, f"{type(exc).__name__}: {exc}"
     bad = {k: v for k, v in info.items() if v and k in ("missing_keys", "unexpected_keys")}
@@ -652,6 +717,8 @@ def render(results: dict) -> str:
         title += ", tied" if spec["tie"] else ""
         title += ", LoRA (peft)" if spec["lora"] else ""
         title += ", save_lora_only" if spec.get("lora_only") else ""
+        if merge.get("layout"):
+            merge_cell += f"; layout: {merge['layout']}"
         rows.append(
             (f"{name} ({title})", mesh, ", ".join(spec["contents"]), placements, merge_cell,
              "; ".join(restores) or "not run")
@@ -714,6 +781,14 @@ def render(results: dict) -> str:
         "placement; each rank's run starts where the previous rank's ends, so restore places "
         "them at any world size (flat parameters: into FSDP1 wrapped as the run wrapped it). "
         "FSDP1 without a device mesh (`ShardedTensor`) is refused by merge.",
+        "- Qwen3-MoE and Qwen2.5-VL (`shardstream.testing.tiny_models.layout_config`): their "
+        "`save_pretrained` layout differs from the names the model holds (per-expert tensors "
+        "for the fused experts; `model.*` and `visual.*` for `model.language_model.*` and "
+        "`model.visual.*`), and verl's merger ends in `save_pretrained`. shardstream merges "
+        "them twice: in the project's venv (its transformers) and in `.bench-venv` (the "
+        "transformers verl's merger ran with), each compared with verl's merger bit for bit. "
+        "Not restored here (the restore side builds causal LMs); "
+        "`tests/integration/test_hf_layout.py` covers them in the project's venv.",
         "",
     ]
     lines += OTHER_TRAINERS

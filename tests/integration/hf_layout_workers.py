@@ -9,19 +9,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-CASES = ("qwen2_5_vl", "qwen3_moe", "compiled_qwen2", "qwen2_critic")
-SMALL = {
-    "hidden_size": 32,
-    "intermediate_size": 40,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "vocab_size": 101,
-    "max_position_embeddings": 128,
-}
+from shardstream.testing import tiny_models
 
-
-MROPE = {"mrope_section": [2, 1, 1]}  # sums to head_dim / 2
+CASES = tiny_models.LAYOUT_CASES
+tiny_config = tiny_models.layout_config
 
 
 class Compiled(nn.Module):
@@ -36,54 +27,9 @@ class Compiled(nn.Module):
         return self._orig_mod.config
 
 
-def tiny_config(case: str):
-    """The transformers config of ``case``, its ``architectures`` named as a hub config does."""
-    import transformers
-
-    if case == "qwen2_5_vl":
-        config = transformers.Qwen2_5_VLConfig(
-            text_config=dict(SMALL, rope_parameters={"rope_type": "default", **MROPE}),
-            vision_config={
-                "depth": 1,
-                "hidden_size": 16,
-                "intermediate_size": 24,
-                "num_heads": 2,
-                "out_hidden_size": 32,
-                "fullatt_block_indexes": [0],
-            },
-        )
-        cls = "Qwen2_5_VLForConditionalGeneration"
-    elif case == "qwen3_moe":
-        config = transformers.Qwen3MoeConfig(
-            **dict(SMALL, intermediate_size=48),
-            head_dim=8,
-            moe_intermediate_size=16,  # bf16 grouped_mm: 16-byte strides
-            num_experts=3,
-            num_experts_per_tok=2,
-            decoder_sparse_step=1,
-        )
-        cls = "Qwen3MoeForCausalLM"
-    elif case == "qwen2_critic":
-        config = transformers.Qwen2Config(**SMALL, num_labels=1)
-        cls = "Qwen2ForTokenClassification"
-    else:
-        config = transformers.Qwen2Config(**SMALL)
-        cls = "Qwen2ForCausalLM"
-    config.architectures = [cls]
-    config.dtype = "bfloat16"
-    return config
-
-
 def build_model(case: str) -> nn.Module:
     """``case``'s model in fp32, the same weights in every process (seeded)."""
-    import transformers
-
-    config = tiny_config(case)
-    torch.manual_seed(0)
-    model = getattr(transformers, config.architectures[0])(config).float()
-    with torch.no_grad():  # no weight left at a constant init: every byte tells
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p) * 0.05)
+    model = tiny_models.build_layout_model(case)
     return Compiled(model) if case == "compiled_qwen2" else model
 
 

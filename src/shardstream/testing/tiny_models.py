@@ -79,6 +79,75 @@ def tiny_config(
     return config
 
 
+# Models whose save_pretrained layout differs from their in-memory names (docs/hf-layout.md).
+LAYOUT_CASES = ("qwen2_5_vl", "qwen3_moe", "compiled_qwen2", "qwen2_critic")
+LAYOUT_DIMS: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 40,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "vocab_size": 101,
+    "max_position_embeddings": 128,
+}
+MROPE = {"mrope_section": [2, 1, 1]}  # sums to head_dim / 2
+
+
+def layout_config(case: str):
+    """The transformers config of layout ``case`` (``LAYOUT_CASES``), its ``architectures``
+    named as a hub config does; ``compiled_qwen2`` is a plain Qwen2 (the caller wraps it)."""
+    import transformers
+
+    if case == "qwen2_5_vl":
+        config = transformers.Qwen2_5_VLConfig(
+            text_config=dict(LAYOUT_DIMS, rope_parameters={"rope_type": "default", **MROPE}),
+            vision_config={
+                "depth": 1,
+                "hidden_size": 16,
+                "intermediate_size": 24,
+                "num_heads": 2,
+                "out_hidden_size": 32,
+                "fullatt_block_indexes": [0],
+            },
+        )
+        cls = "Qwen2_5_VLForConditionalGeneration"
+    elif case == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(
+            **dict(LAYOUT_DIMS, intermediate_size=48),
+            head_dim=8,
+            moe_intermediate_size=16,  # bf16 grouped_mm: 16-byte strides
+            num_experts=3,
+            num_experts_per_tok=2,
+            decoder_sparse_step=1,
+        )
+        cls = "Qwen3MoeForCausalLM"
+    elif case == "qwen2_critic":
+        config = transformers.Qwen2Config(**LAYOUT_DIMS, num_labels=1)
+        cls = "Qwen2ForTokenClassification"
+    elif case == "compiled_qwen2":
+        config = transformers.Qwen2Config(**LAYOUT_DIMS)
+        cls = "Qwen2ForCausalLM"
+    else:
+        raise ValueError(f"unknown layout case {case!r}; expected one of {LAYOUT_CASES}")
+    config.architectures = [cls]
+    config.dtype = "bfloat16"
+    return config
+
+
+def build_layout_model(case: str, seed: int = 0) -> nn.Module:
+    """Layout ``case``'s model in fp32, every weight drawn from ``seed`` (none left at a
+    constant init, so every byte tells)."""
+    import transformers
+
+    config = layout_config(case)
+    torch.manual_seed(seed)
+    model = getattr(transformers, config.architectures[0])(config).float()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p) * 0.05)
+    return model
+
+
 def build_tiny_model(config, *, seed: int | None = 0, dtype: torch.dtype = torch.float32):
     """Random-initialised causal LM for ``config``, parameters in ``dtype`` (fp32 by default).
 
