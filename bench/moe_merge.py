@@ -2,7 +2,7 @@
 per-expert layout, against a dense checkpoint of the same size (issue #22's benchmark).
 
     python bench/moe_merge.py [--experts 64] [--layers 6] [--hidden 1024] [--moe-inter 512]
-                              [--world 2] [--repeats 5] [--scale 2] [--workdir DIR] [--no-doc]
+                              [--world 2] [--repeats 7] [--scale 3] [--workdir DIR] [--no-doc]
 
 1. One process per rank (``--world``, FSDP2 over gloo) saves each model as verl does
    (``model_world_size_W_rank_R.pt``, fp32): a ``Qwen3MoeForCausalLM`` (fused
@@ -384,6 +384,10 @@ def _margins(s: dict, checkpoints: dict) -> dict:
         gb_big = checkpoints[checkpoint + BIG]["bytes"] / 1e9
         slope = (big["median_wall_s"] - small["median_wall_s"]) / (gb_big - gb)
         out[kind] = {"s_per_gb": slope, "fixed_s": small["median_wall_s"] - slope * gb}
+        if small.get("median_merge_call_s") and big.get("median_merge_call_s"):
+            # the merge call alone: no interpreter start-up or torch import, so less noise
+            call = (big["median_merge_call_s"] - small["median_merge_call_s"]) / (gb_big - gb)
+            out[kind]["call_s_per_gb"] = call
     dense = out.get("dense")
     for kind in ("moe", "moe_warm"):
         if kind not in out or dense is None or dense["s_per_gb"] <= 0:
@@ -391,6 +395,8 @@ def _margins(s: dict, checkpoints: dict) -> dict:
         k = out[kind]
         k["ratio_to_dense"] = k["s_per_gb"] / dense["s_per_gb"]
         k["fixed_beyond_dense_s"] = k["fixed_s"] - dense["fixed_s"]
+        if k.get("call_s_per_gb") is not None and dense.get("call_s_per_gb", 0) > 0:
+            k["call_ratio_to_dense"] = k["call_s_per_gb"] / dense["call_s_per_gb"]
         # (a_m + b_m x) / (a_d + b_d x) <= goal  <=>  x >= (a_m - goal a_d) / (goal b_d - b_m)
         room = TARGET_RATIO * dense["s_per_gb"] - k["s_per_gb"]
         excess = k["fixed_s"] - TARGET_RATIO * dense["fixed_s"]
@@ -436,9 +442,9 @@ def main() -> int:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-inter", dest="moe_inter", type=int, default=512)
     parser.add_argument("--world", type=int, default=2)
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument(
-        "--scale", type=int, default=2, help="the second size's depth, × --layers (1: none)"
+        "--scale", type=int, default=3, help="the second size's depth, × --layers (1: none)"
     )
     parser.add_argument(
         "--no-fused", action="store_true", help="skip the MoE --keep-names runs (informational)"

@@ -572,6 +572,18 @@ def _margin_lines(m: dict, goal: float) -> str | None:
     )
     if warm:
         line += f", MoE warm {warm['s_per_gb']:.3f} s/GB (**{warm['ratio_to_dense']:.3f}×**)"
+    calls = [
+        (n, k) for n, k in (("cold", cold), ("warm", warm)) if k and "call_ratio_to_dense" in k
+    ]
+    if calls:
+        line += (
+            "; the merge call alone (no interpreter start-up or import, so steadier): dense "
+            f"{d['call_s_per_gb']:.3f} s/GB, "
+            + ", ".join(
+                f"MoE {n} {k['call_s_per_gb']:.3f} s/GB (**{k['call_ratio_to_dense']:.3f}×**)"
+                for n, k in calls
+            )
+        )
     line += (
         f". Fixed cost (the intercept: interpreter, imports, planning) beyond dense's: MoE cold "
         f"{cold['fixed_beyond_dense_s']:.2f} s"
