@@ -406,19 +406,9 @@ def _moe_dir(directory: Path, tamper: Callable[[dict, dict], None]) -> Path:
     """A verl checkpoint of a tiny Qwen3-MoE (fused experts), ``tamper(state, config)`` applied."""
     import transformers
 
-    config = transformers.Qwen3MoeConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        moe_intermediate_size=6,
-        num_experts=3,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=16,
-    ).to_dict()
-    config["architectures"] = ["Qwen3MoeForCausalLM"]
+    from shardstream.testing.tiny_models import tiny_moe_config
+
+    config = tiny_moe_config()
     with torch.device("meta"):
         model = transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(**config))
     state = {k: torch.ones(v.shape) for k, v in model.state_dict().items()}

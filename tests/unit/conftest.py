@@ -9,21 +9,9 @@ import pytest
 
 @pytest.fixture(scope="session")
 def _qwen3_moe_config_text() -> str:
-    import transformers
+    from shardstream.testing.tiny_models import tiny_moe_config
 
-    config = transformers.Qwen3MoeConfig(
-        hidden_size=8,
-        intermediate_size=16,
-        moe_intermediate_size=6,
-        num_experts=3,
-        num_experts_per_tok=2,
-        num_hidden_layers=1,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=20,
-    ).to_dict()
-    return json.dumps({**config, "architectures": ["Qwen3MoeForCausalLM"]})
+    return json.dumps(tiny_moe_config())
 
 
 @pytest.fixture

@@ -134,6 +134,26 @@ def layout_config(case: str):
     return config
 
 
+def tiny_moe_config() -> dict:
+    """config.json's content for the smallest Qwen3-MoE: one layer, 3 experts of width 6,
+    hidden 8 (fused ``experts.gate_up_proj`` [3, 12, 8], ``experts.down_proj`` [3, 8, 6])."""
+    import transformers
+
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=8,
+        intermediate_size=16,
+        moe_intermediate_size=6,
+        num_experts=3,
+        num_experts_per_tok=2,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=20,
+    ).to_dict()
+    return {**config, "architectures": ["Qwen3MoeForCausalLM"]}
+
+
 def build_layout_model(case: str, seed: int = 0) -> nn.Module:
     """Layout ``case``'s model in fp32, every weight drawn from ``seed`` (none left at a
     constant init, so every byte tells)."""
