@@ -481,3 +481,59 @@ def test_a_reference_with_both_a_single_file_and_an_index_is_refused(tmp_path, c
     _fails_naming(capsys, argv, source, *needles)
     code, lines = _cli(capsys, "verify", reference, "--quiet")
     assert code == 1 and any("ambiguous" in line for line in lines), lines
+
+
+# --- LoRA settings that would fuse or export wrong weights ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def _lora_checkpoint(tmp_path_factory) -> Path:
+    from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
+
+    fixture = VerlFixture(world_size=1, lora=True, lora_layout="both", train_steps=1)
+    return Path(write_verl_checkpoint(tmp_path_factory.mktemp("lora"), fixture))
+
+
+def _lora_copy(source: Path, tmp_path: Path, **changes) -> Path:
+    """A copy of the LoRA checkpoint with ``changes`` made to both of its settings files."""
+    import shutil
+
+    copy = tmp_path / "actor"
+    shutil.copytree(source, copy)
+    for path in (copy / "lora_train_meta.json", copy / "lora_adapter" / "adapter_config.json"):
+        settings = json.loads(path.read_text())
+        settings.update(changes)
+        path.write_text(json.dumps(settings))
+    return copy
+
+
+@pytest.mark.parametrize(
+    "changes, needles",
+    [
+        ({"r": 0}, ("r is 0, not a positive integer",)),  # was a ZeroDivisionError traceback
+        ({"r": -3}, ("r is -3, not a positive integer",)),  # fused with a negative scale
+        ({"r": "3"}, ("r is 3, not a positive integer",)),
+        ({"r": 5}, ("are not [5, in] and [out, 5]",)),  # rank-3 factors fused with alpha / 5
+        ({"lora_alpha": 0}, ("lora_alpha is 0, not a positive finite number",)),
+        ({"lora_alpha": 1e308}, ("is not finite in float32",)),  # fused weights were NaN
+        ({"use_rslora": True}, ("use_rslora is set",)),  # fused with alpha / r, not / sqrt(r)
+        ({"alpha_pattern": {"q_proj": 64}}, ("alpha_pattern is set",)),
+    ],
+    ids=["r0", "r negative", "r string", "r not the rank", "alpha 0", "alpha huge", "rslora",
+         "alpha pattern"],
+)  # fmt: skip
+def test_lora_settings_merge_cannot_apply_are_refused(
+    _lora_checkpoint, tmp_path, capsys, changes, needles
+):
+    source = _lora_copy(_lora_checkpoint, tmp_path, **changes)
+    argv = [*_merge_argv(source, tmp_path), "--fuse-lora"]
+    _fails_naming(capsys, argv, source, *needles)
+    if "lora_alpha" not in changes or changes["lora_alpha"] != 1e308:  # fusing only
+        _fails_naming(capsys, _merge_argv(source, tmp_path), source, *needles)
+
+
+def test_lora_settings_files_that_disagree_are_refused(_lora_checkpoint, tmp_path, capsys):
+    source = _lora_copy(_lora_checkpoint, tmp_path)
+    meta = source / "lora_train_meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "lora_alpha": 99.0}))
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, "lora_alpha=99.0", "says")

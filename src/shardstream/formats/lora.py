@@ -8,6 +8,7 @@ and the adapter as a PEFT ``adapter_model.safetensors`` beside it, or with ``--f
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -62,25 +63,69 @@ def split_lora(tensors: list[GlobalTensor]) -> LoraSplit | None:
     return split
 
 
+# PEFT settings that change what the factors mean; merge does not apply them, so it refuses
+# them rather than write an adapter or fused weights that differ from the trained model.
+UNSUPPORTED = {
+    "use_rslora": "rank-stabilised scaling (alpha / sqrt(r))",
+    "use_dora": "DoRA's magnitude vectors",
+    "fan_in_fan_out": "transposed factors",
+    "rank_pattern": "per-module ranks",
+    "alpha_pattern": "per-module alphas",
+}
+
+
 def lora_settings(directory: Path, recorded: dict | None = None) -> tuple[int, float]:
     """(r, lora_alpha) as the checkpoint ``recorded`` them (shardstream's manifest), else from
-    verl's lora_train_meta.json or lora_adapter/adapter_config.json."""
+    verl's lora_train_meta.json and lora_adapter/adapter_config.json, which must agree.
+    ``r`` must be a positive integer and ``lora_alpha`` a positive finite number; a setting
+    merge cannot apply (``UNSUPPORTED``) is refused, naming the file."""
     if recorded is not None:
-        try:
-            return int(recorded["r"]), float(recorded["lora_alpha"])
-        except (ValueError, KeyError, TypeError) as exc:
-            raise CheckpointFormatError(f"{directory}: no usable r/lora_alpha ({exc})") from None
+        return _settings(recorded, f"{directory} (recorded LoRA settings)")
+    found = []
     for path in (directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG):
         if path.is_file():
-            meta = jsondoc.read_object(path)
-            try:
-                return int(meta["r"]), float(meta["lora_alpha"])
-            except (ValueError, KeyError, TypeError) as exc:
-                raise CheckpointFormatError(f"{path}: no usable r/lora_alpha ({exc})") from None
-    raise CheckpointFormatError(
-        f"{directory}: LoRA weights found but neither {META_FILE} nor "
-        f"{ADAPTER_DIR}/{ADAPTER_CONFIG} says r and lora_alpha"
-    )
+            found.append((path, _settings(jsondoc.read_object(path), str(path))))
+    if not found:
+        raise CheckpointFormatError(
+            f"{directory}: LoRA weights found but neither {META_FILE} nor "
+            f"{ADAPTER_DIR}/{ADAPTER_CONFIG} says r and lora_alpha"
+        )
+    (first, settings), *rest = found
+    for path, other in rest:
+        if other != settings:
+            raise CheckpointFormatError(
+                f"{first} says r={settings[0]}, lora_alpha={settings[1]} but {path} says "
+                f"r={other[0]}, lora_alpha={other[1]}"
+            )
+    return settings
+
+
+def _settings(meta: dict, where: str) -> tuple[int, float]:
+    r, alpha = meta.get("r"), meta.get("lora_alpha")
+    if type(r) is not int or r <= 0:
+        raise CheckpointFormatError(f"{where}: r is {str(r)[:40]}, not a positive integer")
+    if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
+        raise CheckpointFormatError(
+            f"{where}: lora_alpha is {str(alpha)[:40]}, not a positive finite number"
+        )
+    for key, what in UNSUPPORTED.items():
+        if meta.get(key):
+            raise CheckpointFormatError(
+                f"{where}: {key} is set ({what}); merge does not apply it, so the adapter or "
+                "fused weights would differ from the trained model"
+            )
+    return r, float(alpha)
+
+
+def check_factors(split: LoraSplit, r: int) -> None:
+    """Every module's lora_A is [r, in] and lora_B [out, r], as the settings say."""
+    for module, pair in sorted(split.factors.items()):
+        a, b = pair["A"].shape, pair["B"].shape
+        if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
+            raise CheckpointFormatError(
+                f"LoRA module {module!r}: lora_A {list(a)} and lora_B {list(b)} are not "
+                f"[{r}, in] and [out, {r}] (r={r} in the LoRA settings)"
+            )
 
 
 def fuse_transforms(
@@ -101,7 +146,13 @@ def fuse_transforms(
                 f"LoRA module {module!r}: A {list(a.shape)} and B {list(b.shape)} do not fit "
                 f"weight {list(shapes[weight])}"
             )
-        transforms[weight] = _adder(a, b * scale, cols)
+        scaled = b * scale
+        if not torch.isfinite(scaled).all():
+            raise CheckpointFormatError(
+                f"LoRA module {module!r}: lora_B times lora_alpha / r ({scale:g}) is not finite "
+                "in float32; the fused weights would be inf or NaN"
+            )
+        transforms[weight] = _adder(a, scaled, cols)
     return transforms
 
 

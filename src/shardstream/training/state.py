@@ -109,11 +109,16 @@ def model_lora_meta(model: torch.nn.Module) -> dict[str, Any] | None:
     if r <= 0:
         return None
     task = field("task_type", None) or "CAUSAL_LM"
-    return {
+    meta = {
         "r": r,
         "lora_alpha": float(field("lora_alpha", r)),
         "task_type": str(getattr(task, "value", task)),
     }
+    # settings merge refuses (formats.lora.UNSUPPORTED), recorded only when they are set
+    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern"):
+        if field(key):
+            meta[key] = True
+    return meta
 
 
 def optimizer_state(
