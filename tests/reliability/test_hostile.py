@@ -335,6 +335,32 @@ def test_manifest_paths_that_escape(tmp_path, saved_run, manager, capsys, case):
     assert not verify(step).ok
 
 
+def test_manifest_chunk_with_more_sizes_than_dims(tmp_path, saved_run, capsys):
+    """A chunk of a 1-D tensor with two sizes passed verify and inspect; merge then failed
+    naming neither the manifest nor the file."""
+    step = tmp_path / "ckpt" / "global_step_3"
+    shutil.copytree(saved_run.step, step)
+
+    def alias(doc: dict) -> None:
+        fqn, tensor = next(
+            (k, v)
+            for k, v in doc["tensors"].items()
+            if k.startswith("model.") and len(v["shape"]) == 2
+        )
+        chunk = dict(tensor["chunks"][0], offsets=[0])
+        rows, cols = chunk["sizes"]
+        doc["tensors"]["model.alias"] = {**tensor, "shape": [rows * cols], "chunks": [chunk]}
+
+    _reseal(step, alias)
+    report = verify(step)
+    assert not report.ok
+    assert any(
+        "manifest.json" in p.line() and "2 sizes for 1 dims" in p.line() for p in report.problems
+    )
+    code, err = _merge(capsys, step, tmp_path / "merged")
+    assert code == 1 and "manifest.json" in err and "2 sizes for 1 dims" in err
+
+
 @pytest.mark.parametrize("what", ["file", "directory"])
 def test_symlinks_pointing_outside(tmp_path, saved_run, manager, capsys, what):
     step = tmp_path / "ckpt" / "global_step_3"

@@ -634,9 +634,10 @@ def _global_tensor(
         header = headers.get(path)
         entry = header.tensors.get(key) if header else None
         _check_chunk(directory, fqn, key, path, entry, dtype, sizes)
-        if len(offsets) != len(shape):
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointFormatError(
-                f"{where}: chunk {key!r} has {len(offsets)} offsets for {len(shape)} dims"
+                f"{where}: chunk {key!r} has {len(offsets)} offsets and {len(sizes)} sizes "
+                f"for {len(shape)} dims"
             )
         blocks.append(dense_block(path, header.data_start + entry.begin, dtype, sizes, offsets))
     if "grid" not in info:  # a grid tiles by construction (and a part of one would not)
