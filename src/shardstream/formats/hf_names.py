@@ -30,13 +30,14 @@ trace run with the cyclic garbage collector paused (``engine.memory.imports_coll
 from __future__ import annotations
 
 import bisect
+import contextlib
 import dataclasses
 import json
 import logging
 import math
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -261,22 +262,18 @@ def _meta_model(config: dict, stored: int) -> Any:
     model_type = config["model_type"]
     if model_type not in CONFIG_MAPPING:
         return None
-    _check_layer_counts(config, stored)
-    quiet = logging.getLogger("transformers")  # its warnings about the config are not ours
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
+    limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
+    _check_layer_counts(config, limit, stored)
     try:
-        hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+        with _transformers_quiet():  # its warnings about the config are not ours
+            hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
         raise CheckpointFormatError(
             f"config.json: transformers' {model_type!r} config rejects it ({_one_line(exc)})"
         ) from None
-    finally:
-        quiet.setLevel(level)
     cls = _model_class(config, type(hf_config))
     if cls is None:
         return None
-    limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
     planner, registered = threading.get_ident(), 0
 
     def count(module, name, param):
@@ -286,10 +283,9 @@ def _meta_model(config: dict, stored: int) -> Any:
             if registered > limit:
                 raise _LargerThanStored
 
-    quiet.setLevel(logging.ERROR)
     handle = register_module_parameter_registration_hook(count)
     try:
-        with torch.device("meta"):
+        with _transformers_quiet(), torch.device("meta"):
             return cls(hf_config)
     except _LargerThanStored:
         raise CheckpointFormatError(
@@ -306,7 +302,18 @@ def _meta_model(config: dict, stored: int) -> Any:
         ) from None
     finally:
         handle.remove()
-        quiet.setLevel(level)
+
+
+@contextlib.contextmanager
+def _transformers_quiet() -> Iterator[None]:
+    """transformers' logger at ERROR for the block, then as it was."""
+    logger = logging.getLogger("transformers")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
 
 
 def _one_line(exc: BaseException, limit: int = 300) -> str:
@@ -329,14 +336,13 @@ def _check_shapes(model: Any, plain) -> None:
             )
 
 
-def _check_layer_counts(config: dict, stored: int, where: str = "") -> None:
+def _check_layer_counts(config: dict, limit: int, stored: int, where: str = "") -> None:
     """Refuse a layer count (``num_hidden_layers`` and the like, in sub-configs too) beyond
-    the bound on parameters per stored tensor: config classes build lists as long as it
-    (10**8 layers: minutes and gigabytes before any model exists)."""
-    limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
+    ``limit``, the bound on the parameters of ``stored`` tensors: config classes build lists
+    as long as it (10**8 layers: minutes and gigabytes before any model exists)."""
     for key, value in config.items():
         if isinstance(value, dict) and where.count(".") < 8:
-            _check_layer_counts(value, stored, f"{where}{key}.")
+            _check_layer_counts(value, limit, stored, f"{where}{key}.")
         elif LAYER_COUNT.fullmatch(str(key)) and type(value) is int and value > limit:
             raise CheckpointFormatError(
                 f"config.json describes a larger model than the checkpoint: {where}{key} is "

@@ -23,6 +23,7 @@ from torch.distributed.checkpoint.state_dict import (
 
 from ..errors import CheckpointFormatError, UsageError
 from ..formats.layout_names import describe_placements, mesh_dim_names
+from ..formats.lora import UNSUPPORTED
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
@@ -114,8 +115,7 @@ def model_lora_meta(model: torch.nn.Module) -> dict[str, Any] | None:
         "lora_alpha": float(field("lora_alpha", r)),
         "task_type": str(getattr(task, "value", task)),
     }
-    # settings merge refuses (formats.lora.UNSUPPORTED), recorded only when they are set
-    for key in ("use_rslora", "use_dora", "fan_in_fan_out", "rank_pattern", "alpha_pattern"):
+    for key in UNSUPPORTED:  # settings merge refuses, recorded only when they are set
         if field(key):
             meta[key] = True
     return meta
