@@ -537,3 +537,17 @@ def test_lora_settings_files_that_disagree_are_refused(_lora_checkpoint, tmp_pat
     meta = source / "lora_train_meta.json"
     meta.write_text(json.dumps({**json.loads(meta.read_text()), "lora_alpha": 99.0}))
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, "lora_alpha=99.0", "says")
+
+
+@pytest.mark.parametrize("recorded", [[3, 6.0], "r=3", None], ids=["list", "string", "null"])
+def test_recorded_lora_settings_that_are_no_object_are_refused(tmp_path, recorded):
+    """A manifest's ``objects.lora`` is read as given: a list was an AttributeError."""
+    from shardstream.errors import CheckpointFormatError
+    from shardstream.formats import lora
+
+    if recorded is None:  # null: no settings recorded, so verl's files are looked for
+        with pytest.raises(CheckpointFormatError, match="neither lora_train_meta.json"):
+            lora.lora_settings(tmp_path, recorded)
+        return
+    with pytest.raises(CheckpointFormatError, match="recorded LoRA settings.*not a JSON object"):
+        lora.lora_settings(tmp_path, recorded)

@@ -100,7 +100,9 @@ def lora_settings(directory: Path, recorded: dict | None = None) -> tuple[int, f
     return settings
 
 
-def _settings(meta: dict, where: str) -> tuple[int, float]:
+def _settings(meta: object, where: str) -> tuple[int, float]:
+    if not isinstance(meta, dict):
+        raise CheckpointFormatError(f"{where}: a {type(meta).__name__}, not a JSON object")
     r, alpha = meta.get("r"), meta.get("lora_alpha")
     if type(r) is not int or r <= 0:
         raise CheckpointFormatError(f"{where}: r is {str(r)[:40]}, not a positive integer")
