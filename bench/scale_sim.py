@@ -266,7 +266,7 @@ def rank_write_plan(items: list[WriteItem], name: str) -> tuple[bytes, list]:
     data_size = entries[-1].end if entries else 0
     meta = {"format": "pt", **checksum_metadata(entries, DEFAULT_CHUNK_BYTES, None, data_size)}
     header, _ = build_header(layout, meta)
-    _, runs = plan_file_runs(name, outputs)
+    runs = plan_file_runs(name, outputs, entries)
     return header, runs, data_size
 
 
@@ -678,7 +678,7 @@ def run_group(point: Point, group: Group, mean_file: int, scratch: Path, probe: 
     ]
     outputs = output_tensors(model, BF16, set(), {})
     probe.start()
-    (_, mruns), t = timed(lambda: plan_file_runs("merged.safetensors", outputs))
+    mruns, t = timed(lambda: plan_file_runs("merged.safetensors", outputs))
     point.add("merge.plan_runs", t * w)
     probe.mark("merge.runs", w)  # all files' runs; a merge holds one file's at a time
     if sum(r.dst_nbytes for r in mruns) != sum(o.nbytes for o in outputs):

@@ -70,32 +70,44 @@ def build_header(
     The JSON is padded with spaces so the data starts at a multiple of ``align`` (a multiple
     of 8; 4096 lets the data be written with direct I/O).
     """
-    if align <= 0 or align % 8:
-        raise ValueError(f"header alignment {align} is not a positive multiple of 8")
-    doc: dict[str, object] = {}
-    if metadata:
-        doc[METADATA_KEY] = dict(metadata)
-    entries = []
-    offset = 0
+    entries = layout_entries(tensors)
+    return encode_header(entries, metadata, align), entries
+
+
+def layout_entries(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[TensorEntry]:
+    """The entries of tensors packed in the given order; duplicate or non-Unicode names are
+    refused."""
+    entries, seen, offset = [], set(), 0
     for name, dtype, shape in tensors:
-        if name in doc:
+        if name in seen:
             raise CheckpointFormatError(f"duplicate tensor name {name!r} in safetensors layout")
-        if not _is_unicode(name):
-            raise CheckpointFormatError(
-                f"tensor {name!r}: the name is not valid Unicode (a lone surrogate), which no "
-                "safetensors reader accepts"
-            )
+        if name == METADATA_KEY:
+            raise CheckpointFormatError(f"tensor name {name!r} is the safetensors metadata key")
+        seen.add(name)
         nbytes = tensor_nbytes(dtype, shape)
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, offset + nbytes))
-        doc[name] = {
-            "dtype": dtype,
-            "shape": list(shape),
-            "data_offsets": [offset, offset + nbytes],
-        }
         offset += nbytes
+    if not _is_unicode("".join(seen)):  # one check for all: the name is found only on failure
+        bad = next(e.name for e in entries if not _is_unicode(e.name))
+        raise CheckpointFormatError(
+            f"tensor {bad!r}: the name is not valid Unicode (a lone surrogate), which no "
+            "safetensors reader accepts"
+        )
+    return entries
+
+
+def encode_header(
+    entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None, align: int = 8
+) -> bytes:
+    """The header prefix (length + JSON + padding) of ``layout_entries``' entries."""
+    if align <= 0 or align % 8:
+        raise ValueError(f"header alignment {align} is not a positive multiple of 8")
+    doc: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
+    for e in entries:
+        doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     body = json.dumps(doc, separators=(",", ":")).encode()
     body += b" " * (-(len(body) + 8) % align)
-    return struct.pack("<Q", len(body)) + body, entries
+    return struct.pack("<Q", len(body)) + body
 
 
 def _is_unicode(name: str) -> bool:

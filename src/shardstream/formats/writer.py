@@ -13,7 +13,13 @@ from ..engine.dtypes import itemsize
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
 from ..errors import CheckpointFormatError, out_of_space
 from ..units import DEFAULT_CHUNK_BYTES
-from .safetensors import MAX_HEADER_BYTES, build_header, checksum_metadata
+from .safetensors import (
+    MAX_HEADER_BYTES,
+    TensorEntry,
+    checksum_metadata,
+    encode_header,
+    layout_entries,
+)
 
 
 @dataclass(frozen=True)
@@ -46,15 +52,19 @@ class WrittenFile:
     header_digest: str
 
 
-def plan_file_runs(path: str, tensors: Sequence[OutputTensor]) -> tuple[bytes, list[CopyRun]]:
-    """The placeholder header and the copy runs (data-relative offsets) for one output file."""
-    header, entries = build_header([(t.name, t.dtype, t.shape) for t in tensors])
+def plan_file_runs(
+    path: str, tensors: Sequence[OutputTensor], entries: Sequence[TensorEntry] | None = None
+) -> list[CopyRun]:
+    """The copy runs (data-relative offsets) for one output file; ``entries``: its
+    ``layout_entries``, when already made."""
+    if entries is None:
+        entries = layout_entries([(t.name, t.dtype, t.shape) for t in tensors])
     runs: list[CopyRun] = []
     for tensor, entry in zip(tensors, entries):
         dst = dense_block(path, entry.begin, tensor.dtype, tensor.shape)
         for block in tensor.source.blocks:
             runs.extend(plan_copy(tensor.name, tensor.shape, block, dst))
-    return header, runs
+    return runs
 
 
 @dataclass
@@ -62,8 +72,7 @@ class FileJob:
     """One output file's plan: its layout, placeholder header and copy runs."""
 
     path: str
-    layout: list[tuple[str, str, tuple[int, ...]]]
-    entries: list
+    entries: list[TensorEntry]
     metadata: dict[str, str]
     header_bytes: int
     data_size: int
@@ -72,6 +81,7 @@ class FileJob:
     chunk_bytes: int
     align: int = 8
     tensors: Sequence[OutputTensor] = ()
+    placeholder: bytes = b""  # header(None), once made
 
     @property
     def chunk_count(self) -> int:
@@ -81,14 +91,17 @@ class FileJob:
         """The file's copy runs: kept ones, or planned now (``plan_file(plan_runs=False)``)."""
         if self.runs is not None:
             return self.runs
-        return plan_file_runs(self.path, self.tensors)[1]
+        return plan_file_runs(self.path, self.tensors, self.entries)
 
     def header(self, chunks: list[str] | None) -> bytes:
+        """The header with ``chunks``' digests; None: the placeholder of the same size."""
+        if chunks is None and self.placeholder:
+            return self.placeholder
         meta = {
             **self.metadata,
             **checksum_metadata(self.entries, self.chunk_bytes, chunks, self.data_size),
         }
-        return build_header(self.layout, meta, self.align)[0]
+        return encode_header(self.entries, meta, self.align)
 
 
 def plan_file(
@@ -105,8 +118,7 @@ def plan_file(
     ``plan_runs=False`` leaves the copy runs to be planned when the file is filled, so that
     a caller planning many files holds one file's runs at a time, not all of them.
     """
-    layout = [(t.name, t.dtype, t.shape) for t in tensors]
-    _, entries = build_header(layout)
+    entries = layout_entries([(t.name, t.dtype, t.shape) for t in tensors])
     data_size = entries[-1].end if entries else 0
     if -(-data_size // chunk_bytes) * DIGEST_WIDTH > MAX_HEADER_BYTES:
         largest = max(tensors, key=lambda t: t.nbytes)
@@ -116,12 +128,11 @@ def plan_file(
             f"one safetensors file can cover (its header is limited to {MAX_HEADER_BYTES} bytes)"
         )
     meta = {"format": "pt", **(metadata or {})}
-    runs = plan_file_runs(path, tensors)[1] if plan_runs else None
+    runs = plan_file_runs(path, tensors, entries) if plan_runs else None
     bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
-    job = FileJob(
-        path, layout, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align, tensors
-    )
-    job.header_bytes = len(job.header(None))
+    job = FileJob(path, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align, tensors)
+    job.placeholder = job.header(None)
+    job.header_bytes = len(job.placeholder)
     return job
 
 
