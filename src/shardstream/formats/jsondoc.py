@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 from pathlib import Path
 
 from ..errors import CheckpointFormatError, UnsafeCheckpointError, os_error
@@ -37,17 +38,26 @@ def _finite_float(text: str) -> float:
     return value
 
 
-def strict(**kwargs) -> dict:
-    """``json.loads`` keyword arguments that raise ``Refused`` for those values."""
-    return dict(
-        parse_constant=_no_constant, parse_int=_bounded_int, parse_float=_finite_float, **kwargs
-    )
+_LONG_DIGITS = rf"[0-9]{{{MAX_INT_DIGITS + 1}}}"
+
+
+def strict(raw: bytes | str | None = None, **kwargs) -> dict:
+    """``json.loads`` keyword arguments that raise ``Refused`` for those values. Given the
+    ``raw`` text, integers are checked one by one only where it holds a digit run longer
+    than ``MAX_INT_DIGITS`` (a scan in C; a hook per integer costs more than the parse)."""
+    if (
+        raw is None
+        or (not isinstance(raw, str) and b"\0" in raw)  # UTF-16 or -32: not scanned
+        or re.search(_LONG_DIGITS if isinstance(raw, str) else _LONG_DIGITS.encode(), raw)
+    ):
+        kwargs["parse_int"] = _bounded_int
+    return dict(parse_constant=_no_constant, parse_float=_finite_float, **kwargs)
 
 
 def loads(raw: bytes | str, where: str | os.PathLike) -> object:
     """``json.loads`` without ``Infinity``/``NaN`` or integers over ``MAX_INT_DIGITS`` digits."""
     try:
-        return json.loads(raw, **strict())
+        return json.loads(raw, **strict(raw))
     except Refused as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
