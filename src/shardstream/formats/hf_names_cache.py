@@ -199,7 +199,10 @@ def _is_int(value: object, low: int = 0) -> bool:
 
 
 def _int_list(value: object) -> bool:
-    return isinstance(value, list) and all(_is_int(v) for v in value)
+    return type(value) is list and all(type(v) is int and v >= 0 for v in value)
+
+
+_FIELD_SET = frozenset(FIELDS)
 
 
 def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | None:
@@ -213,10 +216,10 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
     names: set[str] = set()
     out = []
     for piece in pieces:
-        if not isinstance(piece, dict) or set(piece) != set(FIELDS):
+        if type(piece) is not dict or piece.keys() != _FIELD_SET:
             return None
         name, stored = piece["name"], piece["stored"]
-        if not isinstance(name, str) or name in names or not isinstance(stored, str):
+        if type(name) is not str or name in names or type(stored) is not str:
             return None
         names.add(name)
         stored_shape = shapes.get(stored)
@@ -228,7 +231,7 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
             return None
         if any(s + e > size for s, e, size in zip(start, extent, stored_shape)):
             return None
-        if not isinstance(dims, list) or len(dims) != len(shape):
+        if type(dims) is not list or len(dims) != len(shape):
             return None
         used = [d for d in dims if d is not None]
         if not all(_is_int(d) and d < ndim for d in used) or len(set(used)) != len(used):
@@ -237,17 +240,10 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
             return None
         if math.prod(shape) != math.prod(extent):
             return None
-        if not _is_int(piece["storage"], -1) or not _is_int(piece["storage_numel"]):
+        storage, numel = piece["storage"], piece["storage_numel"]
+        if not _is_int(storage, -1) or storage >= len(pieces) or not _is_int(numel):
             return None
-        if piece["storage"] >= len(pieces):
-            return None
-        out.append(
-            {
-                **piece,
-                "start": tuple(start),
-                "extent": tuple(extent),
-                "dims": tuple(dims),
-                "shape": tuple(shape),
-            }
-        )
+        piece["start"], piece["extent"] = tuple(start), tuple(extent)
+        piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
+        out.append(piece)
     return rule, out
