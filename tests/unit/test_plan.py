@@ -486,3 +486,19 @@ def test_runs_of_a_rewritten_tensor_are_never_joined():
     runs = [_run("a", 1000, 0, 24), _run("b", 1096, 48, 24), _run("c", 1192, 96, 24)]
     assert coalesce_runs(runs, apart={"b"}) == runs
     assert len(coalesce_runs(runs)) == 1
+
+
+def test_the_same_dense_box_at_both_ends_is_one_run_with_its_element_index():
+    src = Block("src", 100, "F32", (2, 0), (3, 4), (4, 1))
+    dst = dense_block("dst", 64, "BF16", (3, 4), (2, 0))
+    (run,) = plan_copy("w", (8, 4), src, dst)
+    assert (run.src_offset, run.dst_offset, run.elems, run.count) == (100, 64, 12, 1)
+    assert (run.elem_index, run.src_dtype, run.dst_dtype) == (8, "F32", "BF16")
+    assert plan_copy("w", (8, 4), Block("src", 0, "F32", (2, 0), (3, 0), (0, 1)), dst) == []
+
+
+def test_the_same_box_strided_in_the_source_is_copied_row_by_row():
+    src = Block("src", 0, "F32", (0, 0), (3, 4), (8, 1))  # rows of a wider tensor
+    dst = Block("dst", 0, "F32", (0, 0), (3, 4), (8, 1))
+    (run,) = plan_copy("w", (3, 4), src, dst)
+    assert (run.elems, run.count, run.src_step, run.dst_step) == (4, 3, 32, 32)

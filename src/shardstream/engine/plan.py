@@ -200,6 +200,30 @@ def plan_copy(tensor: str, global_shape: Sequence[int], src: Block, dst: Block) 
         raise CheckpointFormatError(
             f"tensor {tensor!r}: block rank differs from the tensor's {ndim} dims"
         )
+    if src.start == dst.start and src.shape == dst.shape and src.strides == dst.strides:
+        shape, strides = _shared(src.shape)
+        if src.strides == strides:  # the same box, dense at both ends: one run (the common case)
+            n = math.prod(shape)
+            if n == 0:
+                return []
+            index = sum(a * st for a, st in zip(src.start, row_major_strides(global_shape)))
+            return [
+                CopyRun(
+                    tensor,
+                    src.location,
+                    src.offset,
+                    0,
+                    src.dtype,
+                    dst.location,
+                    dst.offset,
+                    0,
+                    dst.dtype,
+                    n,
+                    1,
+                    index,
+                    0,
+                )
+            ]
     lo = [max(a, b) for a, b in zip(src.start, dst.start)]
     hi = [min(a + n, b + m) for a, n, b, m in zip(src.start, src.shape, dst.start, dst.shape)]
     inter = [h - low for low, h in zip(lo, hi)]
@@ -433,7 +457,7 @@ def slice_tensor(
     """The box ``start``/``extent`` of ``tensor``, with output dim k taken from stored dim
     ``dims[k]``; stored dims not in ``dims`` must have extent 1 (they are dropped)."""
     shape = tuple(1 if d is None else extent[d] for d in dims)
-    kept = {d for d in dims if d is not None}
+    kept = set(dims)
     if any(extent[d] != 1 for d in range(len(extent)) if d not in kept):
         raise ValueError(f"tensor {tensor.name!r}: a dropped dim of the slice is not of size 1")
     blocks = []
@@ -458,21 +482,26 @@ def slice_block(
 ) -> Block | None:
     """``block`` (of a stored tensor) clipped to a box and expressed in the box's coordinates,
     dims picked by ``dims`` as in ``slice_tensor``; None when they do not meet."""
-    lo = [max(a, s) for a, s in zip(block.start, start)]
-    hi = [min(a + n, s + e) for a, n, s, e in zip(block.start, block.shape, start, extent)]
-    if any(h <= low for low, h in zip(lo, hi)):
-        return None
-    offset = block.offset + itemsize(block.dtype) * sum(
-        (a - s) * st for a, s, st in zip(lo, block.start, block.strides)
-    )
-    return Block(
-        block.location,
-        offset,
-        block.dtype,
-        tuple(0 if d is None else lo[d] - start[d] for d in dims),
-        tuple(1 if d is None else hi[d] - lo[d] for d in dims),
-        tuple(1 if d is None else block.strides[d] for d in dims),
-    )
+    lo, hi, skip = [], [], 0
+    for a, n, s, e, stride in zip(block.start, block.shape, start, extent, block.strides):
+        low, high = max(a, s), min(a + n, s + e)
+        if high <= low:
+            return None
+        lo.append(low)
+        hi.append(high)
+        skip += (low - a) * stride
+    starts, sizes, strides = [], [], []
+    for d in dims:
+        if d is None:
+            starts.append(0)
+            sizes.append(1)
+            strides.append(1)
+        else:
+            starts.append(lo[d] - start[d])
+            sizes.append(hi[d] - lo[d])
+            strides.append(block.strides[d])
+    offset = block.offset + itemsize(block.dtype) * skip
+    return Block(block.location, offset, block.dtype, tuple(starts), tuple(sizes), tuple(strides))
 
 
 def blocks_in_box(
