@@ -95,6 +95,17 @@ def test_build_header_rejects_duplicate_names():
         build_header([("a", "F32", (1,)), ("a", "F32", (1,))])
 
 
+@pytest.mark.parametrize("metadata", [None, {"format": "pt"}])
+def test_build_header_refuses_a_tensor_named_as_the_metadata_key(metadata):
+    with pytest.raises(CheckpointFormatError, match="'__metadata__' is the safetensors metadata"):
+        build_header([("__metadata__", "F32", (1,))], metadata)
+
+
+def test_build_header_names_a_tensor_whose_name_is_not_unicode():
+    with pytest.raises(CheckpointFormatError, match="not valid Unicode"):
+        build_header([("ok", "F32", (1,)), ("bad\ud800", "F32", (1,))])
+
+
 # ---------------------------------------------------------------------------- validation errors
 
 
