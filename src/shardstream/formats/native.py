@@ -66,6 +66,11 @@ CONTENTS = ("model", "optimizer", "extra", "hf_model")  # what a step directory 
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")
 MODEL_PREFIX = "model."
 OPTIMIZER_PREFIX = "optimizer."
+# world_size is informational (inspect shows it), so only absurd values are refused: a million
+# ranks is ten times the largest training runs. The files cannot bound it: an hf_model-only
+# save of 8 ranks lists 3 files, and manifests without files_complete omit empty rank files.
+MAX_WORLD_SIZE = 1 << 20
+HF_DIR_PREFIX = "huggingface/"  # where share_hf_weights chunks live, under the HF tensor name
 
 
 def rank_file(rank: int) -> str:
@@ -335,13 +340,22 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         if not isinstance(doc.get(section, {}), dict):
             raise CheckpointFormatError(f"{path}: section {section!r} is not an object")
     world_size = doc.get("world_size", 1)
-    if type(world_size) is not int or world_size < 1:
-        raise CheckpointFormatError(f"{path}: world_size {world_size!r} is not a positive integer")
+    if type(world_size) is not int or not 1 <= world_size <= MAX_WORLD_SIZE:
+        raise CheckpointFormatError(
+            f"{path}: world_size {repr(world_size)[:80]} is not a positive integer of at most "
+            f"{MAX_WORLD_SIZE}"
+        )
     contents = doc.get("contents", [])
     if not isinstance(contents, list) or not all(isinstance(c, str) for c in contents):
         raise CheckpointFormatError(f"{path}: 'contents' is not a list of names")
-    if type(doc.get("step", 0)) is not int:
-        raise CheckpointFormatError(f"{path}: step {str(doc.get('step'))[:80]!r} is not an integer")
+    step = doc.get("step", 0)
+    if type(step) is not int or step < 0:
+        raise CheckpointFormatError(f"{path}: step {repr(step)[:80]} is not a non-negative integer")
+    # "yes" is not true: read as absent, it would silently skip the check for added files.
+    if doc.get(FILES_COMPLETE, True) is not True:
+        raise CheckpointFormatError(
+            f"{path}: {FILES_COMPLETE} is {repr(doc[FILES_COMPLETE])[:80]}, not true"
+        )
     return doc
 
 
@@ -624,21 +638,29 @@ def _global_tensor(
             if name not in checked:
                 checked[name] = str(check_name(directory, name, f"tensor {fqn!r}"))
             path = checked[name]
-            offsets = tuple(int(o) for o in chunk["offsets"])
-            sizes = tuple(int(s) for s in chunk["sizes"])
+            offsets = _counts(chunk["offsets"], "offsets")
+            sizes = _counts(chunk["sizes"], "sizes")
             key = chunk["key"]
             if not isinstance(key, str):
                 raise TypeError(f"key {key!r} is not a string")
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointFormatError(f"{where}: malformed chunk ({exc})") from None
-        header = headers.get(path)
-        entry = header.tensors.get(key) if header else None
-        _check_chunk(directory, fqn, key, path, entry, dtype, sizes)
         if len(offsets) != len(shape) or len(sizes) != len(shape):
             raise CheckpointFormatError(
                 f"{where}: chunk {key!r} has {len(offsets)} offsets and {len(sizes)} sizes "
                 f"for {len(shape)} dims"
             )
+        # A rank file holds each chunk under the key its name and offsets give: another key
+        # is another tensor's record (an optimizer state of the same shape, say), not this one.
+        expected = item_key(fqn, list(offsets))
+        if key != expected and not name.startswith(HF_DIR_PREFIX):
+            raise CheckpointFormatError(
+                f"{where}: chunk at offsets {list(offsets)} has key {key[:300]!r}; the format "
+                f"stores it as {expected!r}"
+            )
+        header = headers.get(path)
+        entry = header.tensors.get(key) if header else None
+        _check_chunk(directory, fqn, key, path, entry, dtype, sizes)
         blocks.append(dense_block(path, header.data_start + entry.begin, dtype, sizes, offsets))
     if "grid" not in info:  # a grid tiles by construction (and a part of one would not)
         check_blocks_tile(fqn, shape, blocks)
@@ -649,9 +671,9 @@ def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ..
     """A manifest tensor entry's dtype, shape and grid size (None for a chunk list)."""
     try:
         dtype = info["dtype"]
-        shape = tuple(int(d) for d in info["shape"])
-        if dtype not in ITEMSIZE or any(d < 0 for d in shape):
-            raise ValueError(f"dtype {dtype!r} shape {list(shape)}")
+        shape = _counts(info["shape"], "shape")
+        if dtype not in ITEMSIZE:
+            raise ValueError(f"dtype {dtype!r}")
         world = info.get("grid")
         # A grid names one file per rank; more ranks than files is damage, not a layout.
         if "grid" in info and (type(world) is not int or not 1 <= world <= files or not shape):
@@ -659,6 +681,14 @@ def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ..
     except (KeyError, TypeError, ValueError, AttributeError) as exc:
         raise CheckpointFormatError(f"{where}: malformed entry ({exc})") from None
     return dtype, shape, world
+
+
+def _counts(value: Any, what: str) -> tuple[int, ...]:
+    """A shape, offsets or sizes: a JSON list of non-negative integers (a bool is none; a
+    string or a float is never read as digits or rounded)."""
+    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+        raise ValueError(f"{what} {repr(value)[:80]} is not a list of non-negative integers")
+    return tuple(value)
 
 
 def _check_chunk(
