@@ -25,6 +25,7 @@ def test_an_integer_of_more_digits_than_the_limit_is_refused(encoding, sign):
 def test_integers_up_to_the_limit_and_long_digit_strings_are_read(encoding):
     doc = {"n": int("9" * LIMIT), "m": -int("9" * LIMIT), "digest": "1" * 64, "x": [1, 2.5]}
     assert jsondoc.loads(json.dumps(doc).encode(encoding), "config.json") == doc
+    assert jsondoc.loads(json.dumps(doc), "config.json") == doc
 
 
 @pytest.mark.parametrize("text", ["NaN", "Infinity", "-Infinity", "1e999"])

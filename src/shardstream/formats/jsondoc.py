@@ -39,19 +39,25 @@ def _finite_float(text: str) -> float:
 
 
 _LONG_DIGITS = rf"[0-9]{{{MAX_INT_DIGITS + 1}}}"
+_DIGITS_AS_ZERO = bytes.maketrans(b"123456789", b"0" * 9)
 
 
 def strict(raw: bytes | str | None = None, **kwargs) -> dict:
     """``json.loads`` keyword arguments that raise ``Refused`` for those values. Given the
     ``raw`` text, integers are checked one by one only where it holds a digit run longer
     than ``MAX_INT_DIGITS`` (a scan in C; a hook per integer costs more than the parse)."""
-    if (
-        raw is None
-        or (not isinstance(raw, str) and b"\0" in raw)  # UTF-16 or -32: not scanned
-        or re.search(_LONG_DIGITS if isinstance(raw, str) else _LONG_DIGITS.encode(), raw)
-    ):
+    if raw is None or _long_digit_run(raw):
         kwargs["parse_int"] = _bounded_int
     return dict(parse_constant=_no_constant, parse_float=_finite_float, **kwargs)
+
+
+def _long_digit_run(raw: bytes | str) -> bool:
+    """Whether ``raw`` may hold an integer of over ``MAX_INT_DIGITS`` digits (UTF-16 and -32,
+    which hold NULs, are not scanned: they may)."""
+    if isinstance(raw, str):
+        return re.search(_LONG_DIGITS, raw) is not None
+    raw = bytes(raw)
+    return b"\0" in raw or b"0" * (MAX_INT_DIGITS + 1) in raw.translate(_DIGITS_AS_ZERO)
 
 
 def loads(raw: bytes | str, where: str | os.PathLike) -> object:
