@@ -67,7 +67,13 @@ SECTIONS = [
     (
         "hostile",
         "6. Hostile inputs",
-        ("test_hostile", "test_hostile_inputs", "test_hostile_pickles"),
+        (
+            "test_hostile",
+            "test_hostile_inputs",
+            "test_hostile_pickles",
+            "test_hostile_campaign",
+            "test_hostile_other_tools",
+        ),
         ("hostile",),
     ),  # fmt: skip
     ("fuzz", "7. Fuzzing the readers", ("test_fuzz", "test_fuzz_structured"), ("fuzz:",)),
