@@ -57,6 +57,7 @@ from .dcp_pickles import (
     short_repr,
 )
 from .native import is_safe_name
+from .regular_file import present
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
 
@@ -211,8 +212,12 @@ def _data_file(directory: Path, relative: object, meta_path: Path) -> Path:
     return full
 
 
-def _object_paths(planner_data) -> dict[str, tuple] | None:
-    """DCP's ``planner_data``: flattened key -> path in the original nested state dict."""
+def _object_paths(planner_data, meta_path: Path) -> dict[str, tuple] | None:
+    """DCP's ``planner_data``: flattened key -> path in the original nested state dict.
+
+    DCP makes every key by joining its path with dots, so a path that joins to another key
+    is damage: trusted, it would name a tensor after another's path (or put it outside the
+    model), and the merge would write wrong weights under right-looking names."""
     if not isinstance(planner_data, dict):
         return None
     paths = {}
@@ -226,6 +231,13 @@ def _object_paths(planner_data) -> dict[str, tuple] | None:
             or not all(isinstance(p, (str, int)) for p in path)
         ):
             return None
+        joined = ".".join(map(str, path))
+        if joined != key:
+            raise CheckpointFormatError(
+                f"{meta_path}: planner_data puts key {short_repr(key)} at path "
+                f"{short_repr(list(path))}, which DCP would have named {short_repr(joined)}; "
+                "the metadata is damaged"
+            )
         paths[key] = path
     return paths
 
@@ -362,7 +374,7 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
             skipped[key] = "not a tensor (pickled bytes)"
         else:
             tensor_keys.append(key)
-    paths = _object_paths(meta.planner_data)
+    paths = _object_paths(meta.planner_data, meta_path)
     try:
         names, layout, found_prefix = _model_names(tensor_keys, paths, normalize_prefix(prefix))
     except CheckpointFormatError as exc:
@@ -416,6 +428,7 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
     finally:
         for fd in fds.values():
             os.close(fd)
+    _check_storage_apart(by_chunk, meta_path)
 
     ranks = {int(DATA_FILE.match(n)[1]) for n in on_disk}
     ranks |= {int(m[1]) for p in sizes if (m := DATA_FILE.match(p.name))}
@@ -445,6 +458,7 @@ def check_dcp(directory: str | os.PathLike) -> list[str]:
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
     by_chunk = _storage_by_chunk(storage, meta_path)
+    _object_paths(meta.planner_data, meta_path)  # the names merge and restore give the keys
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
     try:
@@ -463,6 +477,7 @@ def check_dcp(directory: str | os.PathLike) -> list[str]:
     finally:
         for fd in fds.values():
             os.close(fd)
+    _check_storage_apart(by_chunk, meta_path)
     return sorted({str(meta_path), *(str(p) for p in sizes)})
 
 
@@ -471,7 +486,10 @@ def read_metadata(directory: Path) -> tuple[Metadata, Path]:
     save without collectives (``dcp.save(use_collectives=False)``) every rank's
     ``__R.metadata`` joined into one."""
     meta_path = directory / METADATA_FILE
-    if meta_path.is_file():
+    if os.path.lexists(meta_path):
+        present(meta_path)  # a directory, FIFO, device or broken link: named, not "missing"
+        if not meta_path.resolve().is_relative_to(directory.resolve()):
+            raise UnsafeCheckpointError(f"{meta_path}: symlink points outside the checkpoint")
         return load_metadata(meta_path), meta_path
     per_rank = sorted(
         (int(m[1]), p) for p in directory.iterdir() if (m := RANK_METADATA_FILE.match(p.name))
@@ -553,6 +571,33 @@ def _storage_by_chunk(storage: dict, meta_path: Path) -> dict:
             )
         by_chunk[_index_key(index, meta_path)] = info
     return by_chunk
+
+
+def _check_storage_apart(by_chunk: dict, meta_path: Path) -> None:
+    """``check_items_apart`` of ``_storage_by_chunk``'s entries; after the tensors are read,
+    so that a chunk's own damage (a wrong shape, chunks overlapping) is named first."""
+    items = [(key, i.relative_path, i.offset, i.length) for (key, _), i in by_chunk.items()]
+    check_items_apart(items, meta_path)
+
+
+def check_items_apart(items: list[tuple[str, object, object, object]], meta_path: Path) -> None:
+    """DCP writes every item (key, file, start, length) to a byte range of its own. Two that
+    share bytes would each read the other's archive (``zipfile`` finds an archive by its end,
+    and tolerates bytes before it): a tensor merged with another's weights, or one chunk's
+    twice. Entries of the wrong types are left to the checks that name them."""
+    by_file: dict[Path, list[tuple[int, int, str]]] = {}
+    for key, relative, start, length in items:
+        if isinstance(relative, str) and type(start) is int and type(length) is int and length:
+            by_file.setdefault(Path(relative), []).append((start, start + length, key))
+    for relative, ranges in by_file.items():
+        ranges.sort()
+        for (start, end, key), (next_start, next_end, next_key) in zip(ranges, ranges[1:]):
+            if next_start < end:
+                raise CheckpointFormatError(
+                    f"{meta_path}: {short_repr(key)} and {short_repr(next_key)} share bytes of "
+                    f"{relative} ([{start}, {end}) and [{next_start}, {next_end})); DCP writes "
+                    "each item to its own byte range, so the metadata is damaged"
+                )
 
 
 def _stored_range(directory: Path, meta_path: Path, key: str, info, sizes, fds, kind="tensor"):
@@ -727,7 +772,7 @@ def open_dcp_train_state(
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
     by_chunk = _storage_by_chunk(storage, meta_path)
-    paths = _object_paths(meta.planner_data)
+    paths = _object_paths(meta.planner_data, meta_path)
     root = tuple(prefix.split(".")[:-2]) if prefix else ()
     names = {**{c: c for c in containers}, **CONTAINER_NAMES}
     sizes: dict[Path, int] = {}
@@ -762,6 +807,7 @@ def open_dcp_train_state(
     finally:
         for fd in fds.values():
             os.close(fd)
+    _check_storage_apart(by_chunk, meta_path)
     return DcpTrainState(tensors, {k: _lists(v) for k, v in objects.items()}, small)
 
 
@@ -869,6 +915,7 @@ def item_ranges(
             )
         key = index.fqn if isinstance(index, MetadataIndex) else repr(index)
         out.append((key, _data_file(directory, info.relative_path, meta_path), start, length))
+    check_items_apart([(key, str(path), start, n) for key, path, start, n in out], meta_path)
     return sorted(out, key=lambda item: (str(item[1]), item[2]))
 
 
