@@ -14,7 +14,6 @@ engine, exactly the ranges needed.
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,8 @@ from pathlib import Path
 from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
-from . import hf
+from . import hf, jsondoc
+from .regular_file import present
 from .safetensors import read_header
 from .source import DCP_HF_SHARD_FILE as SHARD_FILE
 from .source import DCP_HF_SHARDED_SUBDIR as SHARDED_SUBDIR
@@ -77,8 +77,9 @@ class DcpHfCheckpoint:
 
     def config_dir(self) -> Path | None:
         for candidate in (self.directory, self.directory.parent):
-            if (candidate / "config.json").is_file():
-                return candidate
+            if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
+                # merge copies these files: none may lead out of the directory that holds them
+                return hf.check_no_links_out(candidate, candidate)
         return None
 
 
@@ -86,6 +87,7 @@ def open_dcp_hf(directory: str | os.PathLike) -> DcpHfCheckpoint:
     """The per-rank files of ``directory`` (or of its ``sharded/``), else its consolidated
     model; tensors as blocks."""
     directory = Path(directory)
+    _check_shard_names(directory)
     files = shard_files(directory)
     if files:
         return _open_sharded(directory, files)
@@ -111,6 +113,24 @@ def _open_consolidated(directory: Path) -> DcpHfCheckpoint:
     )
 
 
+def _check_shard_names(directory: Path) -> None:
+    """Every entry named as a rank's file is a regular file, and all come from one save (one
+    output file count): otherwise a FIFO under such a name would be skipped, or a file of
+    another save merged in, with exit 0. A missing rank file cannot be told: the files
+    record no global shape."""
+    counts: dict[int, str] = {}
+    for entry in sorted(directory.iterdir()) if directory.is_dir() else []:
+        if match := SHARD_FILE.match(entry.name):
+            present(entry)  # a FIFO, device, directory or broken link: named
+            counts.setdefault(int(match[3]), entry.name)
+    if len(counts) > 1:
+        names = " and ".join(sorted(counts.values())[:2])
+        raise CheckpointFormatError(
+            f"{directory}: {names} name different output file counts; the files come from "
+            "two saves (remove the one not meant)"
+        )
+
+
 def _ranks(files: list[Path]) -> int:
     """The ranks that wrote ``files`` (named ``shard-{rank+1}-model-{i}-of-{n}``): the highest
     rank number, not the file count, since a rank writes one file per output file index."""
@@ -123,10 +143,8 @@ def _open_sharded(directory: Path, files: list[Path]) -> DcpHfCheckpoint:
     for path in files:
         header = read_header(path)
         raw = header.metadata.get(SHARDING_INFO)
-        try:
-            info = json.loads(raw) if isinstance(raw, str) else None
-        except ValueError:
-            info = None
+        # strict and bounded: deep nesting raised RecursionError from json
+        info = jsondoc.loads(raw, f"{path}: {SHARDING_INFO}") if isinstance(raw, str) else None
         if not isinstance(info, dict):
             raise CheckpointFormatError(
                 f"{path}: no {SHARDING_INFO} in the safetensors metadata; not written by DCP's "
