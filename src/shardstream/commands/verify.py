@@ -259,6 +259,7 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
     register_for_checkpointing objects, stateful dataloaders) record by record against their
     CRC-32s and through the restricted unpickler (which refuses code); a pickled sampler object
     by its records only (never unpickled)."""
+    from ..formats.regular_file import present
     from ..formats.source import (
         ACCELERATE_FULL_MODEL_FILE,
         ACCELERATE_FULL_OPTIMIZER_FILE,
@@ -289,11 +290,10 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
             _verify_full_state(entry, report, progress, world_size)
         elif entry.is_file() and ACCELERATE_FULL_OPTIMIZER_FILE.match(name):
             _verify_full_state(entry, report, progress)
-        elif entry.is_file() and (
-            any(p.match(name) for p in pickles) or ACCELERATE_SAMPLER_FILE.match(name)
-        ):
+        elif any(p.match(name) for p in pickles) or ACCELERATE_SAMPLER_FILE.match(name):
             report.files_checked += 1
             try:
+                present(entry)  # a directory or FIFO in a state file's place: restore fails
                 check_records(str(entry))
                 if not ACCELERATE_SAMPLER_FILE.match(name):
                     load_restricted(str(entry), str(entry), "cpu", numpy_globals())
