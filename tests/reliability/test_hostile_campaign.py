@@ -551,3 +551,50 @@ def test_recorded_lora_settings_that_are_no_object_are_refused(tmp_path, recorde
         return
     with pytest.raises(CheckpointFormatError, match="recorded LoRA settings.*not a JSON object"):
         lora.lora_settings(tmp_path, recorded)
+
+
+def test_verify_passes_the_lora_checkpoint_as_saved(_lora_checkpoint, capsys):
+    code, lines = _cli(capsys, "verify", _lora_checkpoint, "--quiet")
+    assert code == 0, lines
+
+
+@pytest.mark.parametrize(
+    "changes, needle",
+    [
+        ({"r": 5}, "are not [5, in] and [out, 5]"),  # verify passed it; merge refused it
+        ({"r": 0}, "r is 0, not a positive integer"),
+        ({"use_rslora": True}, "use_rslora is set"),
+    ],
+    ids=["r not the rank", "r0", "rslora"],
+)
+def test_verify_reports_lora_settings_merge_refuses(
+    _lora_checkpoint, tmp_path, capsys, changes, needle
+):
+    source = _lora_copy(_lora_checkpoint, tmp_path, **changes)
+    code, lines = _cli(capsys, "verify", source, "--quiet")
+    assert code == 1 and any(needle in line and str(source) in line for line in lines), lines
+
+
+def test_lora_factors_must_fit_a_base_weight():
+    from shardstream.engine.plan import GlobalTensor
+    from shardstream.errors import CheckpointFormatError
+    from shardstream.formats import lora
+
+    def tensor(name: str, *shape: int) -> GlobalTensor:
+        return GlobalTensor(name, "F32", shape, ())
+
+    split = lora.split_lora(
+        [
+            tensor("base_model.model.q.base_layer.weight", 8, 4),
+            tensor("base_model.model.q.lora_A.default.weight", 2, 4),
+            tensor("base_model.model.q.lora_B.default.weight", 8, 2),
+            tensor("base_model.model.k.lora_A.default.weight", 2, 4),
+            tensor("base_model.model.k.lora_B.default.weight", 8, 2),
+        ]
+    )
+    lora.check_factors(split, 2)  # an adapter saved alone: no base to fit
+    with pytest.raises(CheckpointFormatError, match="module 'k' has no base weight 'k.weight'"):
+        lora.check_factors(split, 2, {t.name: t.shape for t in split.base})
+    with pytest.raises(CheckpointFormatError, match=r"do not fit its base weight \[8, 6\]"):
+        lora.check_factors(split, 2, {"q.weight": (8, 6), "k.weight": (8, 4)})
+    lora.check_factors(split, 2, {"q.weight": (8, 4), "k.weight": (8, 4)})

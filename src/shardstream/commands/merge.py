@@ -167,7 +167,8 @@ def merge(
     tensors = split.base if split else checkpoint.tensors
     if split:
         rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
-        lora.check_factors(split, rank_alpha[0])
+        base = None if adapter_only else {t.name: t.shape for t in split.base}
+        lora.check_factors(split, rank_alpha[0], base)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())

@@ -192,6 +192,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         checkpoint = verl.open_verl(directory)
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
         named += list(checkpoint.replicas.items())
+        _verify_lora(directory, checkpoint.tensors, None, report)
     except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
@@ -473,12 +474,30 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
             _verify_whole(file, info.get("xxh3"), report, progress)
     if len(report.problems) == before:
         try:
-            native.open_native(directory)  # cross-checks chunks against headers and tiling
+            # cross-checks chunks against headers and tiling
+            checkpoint = native.open_native(directory)
         except ShardstreamError as exc:
             report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        else:
+            _verify_lora(directory, checkpoint.tensors, checkpoint.lora_settings, report)
     # A manifest that lists every file: one it does not list was added or renamed since.
     for path, problem in native.unlisted_files(directory, manifest):
         report.problems.append(Problem(str(path), problem))
+
+
+def _verify_lora(directory: Path, tensors, recorded: dict | None, report: VerifyReport) -> None:
+    """LoRA factors as merge needs them: settings it can apply, every factor of rank r, and
+    (unless the adapter was saved alone) a base weight each pair fits."""
+    from ..formats import lora
+
+    try:
+        split = lora.split_lora(list(tensors))
+        if split is None:
+            return
+        r, _ = lora.lora_settings(directory, recorded)
+        lora.check_factors(split, r, {t.name: t.shape for t in split.base} if split.base else None)
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(directory), _strip(exc, directory)))
 
 
 def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:

@@ -4,21 +4,27 @@ A verl LoRA run saves keys like ``base_model.model.<path>.base_layer.weight`` an
 ``base_model.model.<path>.lora_A.default.weight``. merge writes the base model under HF names
 and the adapter as a PEFT ``adapter_model.safetensors`` beside it, or with ``--fuse-lora`` folds
 ``W + (alpha / r) * B @ A`` into the base weights, row block by row block.
+
+Splitting and checking import no torch (verify runs them); fusing does.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
-
-from ..engine.copy import RowTransform, Streamer, read_tensor
 from ..engine.plan import GlobalTensor
 from ..errors import CheckpointFormatError, UsageError
 from . import jsondoc
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..engine.copy import RowTransform, Streamer
 
 PEFT_PREFIX = "base_model.model."
 _FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
@@ -119,8 +125,12 @@ def _settings(meta: object, where: str) -> tuple[int, float]:
     return r, float(alpha)
 
 
-def check_factors(split: LoraSplit, r: int) -> None:
-    """Every module's lora_A is [r, in] and lora_B [out, r], as the settings say."""
+def check_factors(
+    split: LoraSplit, r: int, base: Mapping[str, tuple[int, ...]] | None = None
+) -> None:
+    """Every module's lora_A is [r, in] and lora_B [out, r], as the settings say, and with
+    ``base`` (base weight name -> shape; None for an adapter saved alone) the module's base
+    weight ``<module>.weight`` exists and is [out, in]."""
     for module, pair in sorted(split.factors.items()):
         a, b = pair["A"].shape, pair["B"].shape
         if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
@@ -128,26 +138,35 @@ def check_factors(split: LoraSplit, r: int) -> None:
                 f"LoRA module {module!r}: lora_A {list(a)} and lora_B {list(b)} are not "
                 f"[{r}, in] and [out, {r}] (r={r} in the LoRA settings)"
             )
+        if base is None:
+            continue
+        weight = f"{module}.weight"
+        if weight not in base:
+            raise CheckpointFormatError(f"LoRA module {module!r} has no base weight {weight!r}")
+        if tuple(base[weight]) != (b[0], a[1]):
+            raise CheckpointFormatError(
+                f"LoRA module {module!r}: lora_A {list(a)} and lora_B {list(b)} do not fit "
+                f"its base weight {list(base[weight])}"
+            )
 
 
 def fuse_transforms(
     split: LoraSplit, r: int, alpha: float, streamer: Streamer, shapes: dict[str, tuple[int, ...]]
 ) -> dict[str, RowTransform]:
-    """Per base weight, a row hook adding ``(alpha / r) * B @ A`` to the rows it is given."""
+    """Per base weight, a row hook adding ``(alpha / r) * B @ A`` to the rows it is given
+    (``check_factors`` has checked the shapes against ``shapes``)."""
+    import torch
+
+    from ..engine.copy import read_tensor
+
+    check_factors(split, r, shapes)
     scale = alpha / r
     transforms: dict[str, RowTransform] = {}
     for module, pair in split.factors.items():
         weight = f"{module}.weight"
-        if weight not in shapes:
-            raise CheckpointFormatError(f"LoRA module {module!r} has no base weight {weight!r}")
         a = read_tensor(pair["A"], streamer, "F32")
         b = read_tensor(pair["B"], streamer, "F32")
-        rows, cols = shapes[weight]
-        if a.shape != (a.shape[0], cols) or b.shape != (rows, a.shape[0]):
-            raise CheckpointFormatError(
-                f"LoRA module {module!r}: A {list(a.shape)} and B {list(b.shape)} do not fit "
-                f"weight {list(shapes[weight])}"
-            )
+        cols = shapes[weight][1]
         scaled = b * scale
         if not torch.isfinite(scaled).all():
             raise CheckpointFormatError(
