@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import codecs
+import contextlib
 import json
 import os
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from .errors import ShardstreamError, UsageError, os_error
 from .units import DEFAULT_MAX_SHARD_BYTES, check_buffer_size, format_size
@@ -302,8 +304,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": run_inspect,
         "verify": run_verify,
     }
+    with _escaping_unprintable():
+        return _run(handlers[args.command], args)
+
+
+def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
+    """The command's exit code; its errors as one line on stderr."""
     try:
-        code = handlers[args.command](args)
+        code = handler(args)
         sys.stdout.flush()  # a closed pipe raises here, not at interpreter exit
         return code
     except UsageError as exc:
@@ -326,6 +334,41 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"shardstream {args.command}: error: {mapped}", file=sys.stderr)
         return EXIT_ERROR
+
+
+ESCAPING = "shardstream-escape"
+
+
+def _escape(exc: UnicodeError) -> tuple[str | bytes, int]:
+    """An encode error handler: a file name's undecodable bytes as they were
+    (``surrogateescape``), anything else the encoding cannot hold as a backslash escape."""
+    if not isinstance(exc, UnicodeEncodeError):
+        raise exc
+    try:
+        return codecs.lookup_error("surrogateescape")(exc)
+    except UnicodeEncodeError:
+        return codecs.lookup_error("backslashreplace")(exc)
+
+
+codecs.register_error(ESCAPING, _escape)
+
+
+@contextlib.contextmanager
+def _escaping_unprintable() -> Iterator[None]:
+    """stdout and stderr escape what their encoding cannot hold for the block: names read from
+    a checkpoint may hold lone surrogates (JSON spells one "\\ud800"), and printing one raised
+    UnicodeEncodeError after the work was done."""
+    changed = []
+    for stream in (sys.stdout, sys.stderr):
+        errors = getattr(stream, "errors", None)
+        if errors in ("strict", "surrogateescape") and hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors=ESCAPING)
+            changed.append((stream, errors))
+    try:
+        yield
+    finally:
+        for stream, errors in changed:
+            stream.reconfigure(errors=errors)
 
 
 def _system_error(exc: BaseException) -> str | None:

@@ -723,6 +723,9 @@ REGRESSIONS = {
         "hf_sharded", "model.safetensors.index.json",
         lambda doc: doc["weight_map"].__setitem__(_first_weight(doc), "\ud800.safetensors"),
     ),
+    "config.json architectures a lone surrogate (inspect's print raised UnicodeEncodeError)": (
+        "hf", "config.json", lambda doc: doc.update(architectures=["\ud800"]),
+    ),
 }  # fmt: skip
 
 
