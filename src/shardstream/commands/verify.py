@@ -196,7 +196,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
-            report.problems.append(Problem(str(directory), _strip(exc, directory)))
+            report.problems.append(_problem_in(directory, exc))
     for file, record in bad:
         report.problems.append(_crc_mismatch(file, record, named))
     hf_dir = directory / verl.HF_SUBDIR
@@ -230,7 +230,7 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     try:
         check_dcp(directory)
     except ShardstreamError as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
     # the files looked at, passed or not (a failed check names its problem above)
     report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
     if not any(p.path.startswith(str(directory)) for p in report.problems):
@@ -249,7 +249,7 @@ def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:
     try:
         open_dcp_hf(directory)
     except ShardstreamError as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
     report.files_checked += len(shard_files(directory))
 
 
@@ -278,7 +278,7 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
         parts = accelerate_state(directory)  # model 0 in both layouts: said here
         world_size = parts.world_size if parts else 1
     except ShardstreamError as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
         world_size = 1
     pickles = (ACCELERATE_SCHEDULER_FILE, ACCELERATE_RNG_FILE, ACCELERATE_STATE_FILE)
     for entry in sorted(directory.iterdir()):
@@ -371,7 +371,7 @@ def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
         else:
             verl.read_rank_layouts(files, flatten, keep_scalars=True)
     except (ShardstreamError, OSError) as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
 
 
 def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None:
@@ -384,7 +384,7 @@ def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None
     try:  # .metadata, or the per-rank metadata of a save without collectives
         items = item_ranges(directory)
     except (ShardstreamError, OSError) as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
         return
     buffer = memoryview(bytearray(READ_BYTES))
     for key, path, start, length in items:
@@ -438,7 +438,7 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
     try:
         manifest = native.read_manifest(directory)
     except ShardstreamError as exc:
-        report.problems.append(Problem(str(directory / native.MANIFEST), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc, directory / native.MANIFEST))
         return
     match = STEP_DIR.match(directory.name)
     if match and int(match[1]) != manifest.get("step"):
@@ -477,7 +477,7 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
             # cross-checks chunks against headers and tiling
             checkpoint = native.open_native(directory)
         except ShardstreamError as exc:
-            report.problems.append(Problem(str(directory), _strip(exc, directory)))
+            report.problems.append(_problem_in(directory, exc))
         else:
             _verify_lora(directory, checkpoint.tensors, checkpoint.lora_settings, report)
     # A manifest that lists every file: one it does not list was added or renamed since.
@@ -497,7 +497,7 @@ def _verify_lora(directory: Path, tensors, recorded: dict | None, report: Verify
         r, _ = lora.lora_settings(directory, recorded)
         lora.check_factors(split, r, {t.name: t.shape for t in split.base} if split.base else None)
     except ShardstreamError as exc:
-        report.problems.append(Problem(str(directory), _strip(exc, directory)))
+        report.problems.append(_problem_in(directory, exc))
 
 
 def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:
@@ -672,6 +672,16 @@ def _cannot_read(exc: OSError) -> str:
     if permission_denied(exc) is not None:
         return "permission denied"
     return f"cannot read: {exc.strerror or exc}"
+
+
+def _problem_in(directory: Path, exc: Exception, where: Path | None = None) -> Problem:
+    """``exc`` as a problem of the file inside ``directory`` its message starts with ("<dir>/
+    manifest.json: ..."), said once; else of ``where`` (default ``directory``)."""
+    text = str(exc)
+    head, sep, rest = text.partition(": ")
+    if sep and head.startswith(f"{directory}{os.sep}"):
+        return Problem(head, rest)
+    return Problem(str(where or directory), _strip(exc, directory))
 
 
 def _strip(exc: Exception, path: Path) -> str:
