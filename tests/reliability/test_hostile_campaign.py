@@ -580,21 +580,20 @@ def test_lora_factors_must_fit_a_base_weight():
     from shardstream.errors import CheckpointFormatError
     from shardstream.formats import lora
 
-    def tensor(name: str, *shape: int) -> GlobalTensor:
-        return GlobalTensor(name, "F32", shape, ())
-
-    split = lora.split_lora(
-        [
-            tensor("base_model.model.q.base_layer.weight", 8, 4),
-            tensor("base_model.model.q.lora_A.default.weight", 2, 4),
-            tensor("base_model.model.q.lora_B.default.weight", 8, 2),
-            tensor("base_model.model.k.lora_A.default.weight", 2, 4),
-            tensor("base_model.model.k.lora_B.default.weight", 8, 2),
+    def split(**base: tuple[int, int]) -> lora.LoraSplit:
+        tensors = [
+            GlobalTensor(f"base_model.model.{m}.base_layer.weight", "F32", shape, ())
+            for m, shape in base.items()
         ]
-    )
-    lora.check_factors(split, 2)  # an adapter saved alone: no base to fit
+        for module in ("q", "k"):
+            for which, shape in (("A", (2, 4)), ("B", (8, 2))):
+                name = f"base_model.model.{module}.lora_{which}.default.weight"
+                tensors.append(GlobalTensor(name, "F32", shape, ()))
+        return lora.split_lora(tensors)
+
+    lora.check_factors(split(), 2)  # an adapter saved alone: no base to fit
     with pytest.raises(CheckpointFormatError, match="module 'k' has no base weight 'k.weight'"):
-        lora.check_factors(split, 2, {t.name: t.shape for t in split.base})
+        lora.check_factors(split(q=(8, 4)), 2)
     with pytest.raises(CheckpointFormatError, match=r"do not fit its base weight \[8, 6\]"):
-        lora.check_factors(split, 2, {"q.weight": (8, 6), "k.weight": (8, 4)})
-    lora.check_factors(split, 2, {"q.weight": (8, 4), "k.weight": (8, 4)})
+        lora.check_factors(split(q=(8, 6), k=(8, 4)), 2)
+    lora.check_factors(split(q=(8, 4), k=(8, 4)), 2)

@@ -167,8 +167,7 @@ def merge(
     tensors = split.base if split else checkpoint.tensors
     if split:
         rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
-        base = None if adapter_only else {t.name: t.shape for t in split.base}
-        lora.check_factors(split, rank_alpha[0], base)
+        lora.check_factors(split, rank_alpha[0])
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
@@ -190,8 +189,7 @@ def merge(
             if rank == 0:
                 check_replicas(checkpoint, streamer)
             if split and fuse_lora:
-                shapes = {t.name: t.shape for t in tensors}
-                fused = lora.fuse_transforms(split, *rank_alpha, streamer, shapes)
+                fused = lora.fuse_transforms(split, *rank_alpha, streamer)
                 streamer.transforms = _by_output_name(fused, outputs)
         except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc

@@ -495,7 +495,7 @@ def _verify_lora(directory: Path, tensors, recorded: dict | None, report: Verify
         if split is None:
             return
         r, _ = lora.lora_settings(directory, recorded)
-        lora.check_factors(split, r, {t.name: t.shape for t in split.base} if split.base else None)
+        lora.check_factors(split, r)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -125,12 +124,11 @@ def _settings(meta: object, where: str) -> tuple[int, float]:
     return r, float(alpha)
 
 
-def check_factors(
-    split: LoraSplit, r: int, base: Mapping[str, tuple[int, ...]] | None = None
-) -> None:
-    """Every module's lora_A is [r, in] and lora_B [out, r], as the settings say, and with
-    ``base`` (base weight name -> shape; None for an adapter saved alone) the module's base
-    weight ``<module>.weight`` exists and is [out, in]."""
+def check_factors(split: LoraSplit, r: int) -> None:
+    """Every module's lora_A is [r, in] and lora_B [out, r], as the settings say, and unless
+    the adapter was saved alone (no base weights), the module's base weight
+    ``<module>.weight`` exists and is [out, in]."""
+    base = {t.name: t.shape for t in split.base}
     for module, pair in sorted(split.factors.items()):
         a, b = pair["A"].shape, pair["B"].shape
         if len(a) != 2 or len(b) != 2 or a[0] != r or b[1] != r:
@@ -138,7 +136,7 @@ def check_factors(
                 f"LoRA module {module!r}: lora_A {list(a)} and lora_B {list(b)} are not "
                 f"[{r}, in] and [out, {r}] (r={r} in the LoRA settings)"
             )
-        if base is None:
+        if not base:
             continue
         weight = f"{module}.weight"
         if weight not in base:
@@ -151,22 +149,22 @@ def check_factors(
 
 
 def fuse_transforms(
-    split: LoraSplit, r: int, alpha: float, streamer: Streamer, shapes: dict[str, tuple[int, ...]]
+    split: LoraSplit, r: int, alpha: float, streamer: Streamer
 ) -> dict[str, RowTransform]:
     """Per base weight, a row hook adding ``(alpha / r) * B @ A`` to the rows it is given
-    (``check_factors`` has checked the shapes against ``shapes``)."""
+    (``check_factors`` checks the factors fit the base weights first)."""
     import torch
 
     from ..engine.copy import read_tensor
 
-    check_factors(split, r, shapes)
+    check_factors(split, r)
     scale = alpha / r
     transforms: dict[str, RowTransform] = {}
     for module, pair in split.factors.items():
         weight = f"{module}.weight"
         a = read_tensor(pair["A"], streamer, "F32")
         b = read_tensor(pair["B"], streamer, "F32")
-        cols = shapes[weight][1]
+        cols = a.shape[1]  # the base weight's columns: check_factors made sure
         scaled = b * scale
         if not torch.isfinite(scaled).all():
             raise CheckpointFormatError(
