@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..errors import ShardstreamError
 from ..storage.commit import TMP_MARK, atomic_write_bytes
+from .jsondoc import is_counts
 
 log = logging.getLogger(__name__)
 
@@ -198,10 +199,6 @@ def _is_int(value: object, low: int = 0) -> bool:
     return type(value) is int and value >= low
 
 
-def _int_list(value: object) -> bool:
-    return type(value) is list and all(type(v) is int and v >= 0 for v in value)
-
-
 _FIELD_SET = frozenset(FIELDS)
 
 
@@ -224,7 +221,7 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
         names.add(name)
         stored_shape = shapes.get(stored)
         start, extent, dims, shape = piece["start"], piece["extent"], piece["dims"], piece["shape"]
-        if stored_shape is None or not all(map(_int_list, (start, extent, shape))):
+        if stored_shape is None or not all(map(is_counts, (start, extent, shape))):
             return None
         ndim = len(stored_shape)
         if len(start) != ndim or len(extent) != ndim:

@@ -60,6 +60,12 @@ def _long_digit_run(raw: bytes | str) -> bool:
     return b"\0" in raw or b"0" * (MAX_INT_DIGITS + 1) in raw.translate(_DIGITS_AS_ZERO)
 
 
+def is_counts(value: object) -> bool:
+    """Whether ``value`` is a JSON list of non-negative integers (a shape, offsets, sizes): a
+    bool is none, and a string or a float is never read as digits or rounded."""
+    return type(value) is list and all(type(v) is int and v >= 0 for v in value)
+
+
 def loads(raw: bytes | str, where: str | os.PathLike) -> object:
     """``json.loads`` without ``Infinity``/``NaN`` or integers over ``MAX_INT_DIGITS`` digits."""
     try:

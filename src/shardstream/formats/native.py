@@ -319,7 +319,7 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise UnsafeCheckpointError(f"{path}: {size} bytes exceeds the manifest size limit")
     raw = path.read_bytes()
     try:
-        doc = json.loads(raw, **jsondoc.strict())
+        doc = json.loads(raw, **jsondoc.strict(raw))
     except jsondoc.Refused as exc:  # Infinity, NaN, 1e999, an integer of 5000 digits
         raise CheckpointFormatError(f"{path}: manifest {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
@@ -684,9 +684,8 @@ def _entry_layout(where: str, info: Any, files: int) -> tuple[str, tuple[int, ..
 
 
 def _counts(value: Any, what: str) -> tuple[int, ...]:
-    """A shape, offsets or sizes: a JSON list of non-negative integers (a bool is none; a
-    string or a float is never read as digits or rounded)."""
-    if not isinstance(value, list) or not all(type(v) is int and v >= 0 for v in value):
+    """A shape, offsets or sizes, as ``jsondoc.is_counts`` takes them."""
+    if not jsondoc.is_counts(value):
         raise ValueError(f"{what} {repr(value)[:80]} is not a list of non-negative integers")
     return tuple(value)
 
