@@ -516,11 +516,11 @@ def _lora_copy(source: Path, tmp_path: Path, **changes) -> Path:
         ({"r": 5}, ("are not [5, in] and [out, 5]",)),  # rank-3 factors fused with alpha / 5
         ({"lora_alpha": 0}, ("lora_alpha is 0, not a positive finite number",)),
         ({"lora_alpha": 1e308}, ("is not finite in float32",)),  # fused weights were NaN
-        ({"use_rslora": True}, ("use_rslora is set",)),  # fused with alpha / r, not / sqrt(r)
+        ({"use_rslora": "yes"}, ("use_rslora is yes, not true or false",)),
         ({"alpha_pattern": {"q_proj": 64}}, ("alpha_pattern is set",)),
     ],
-    ids=["r0", "r negative", "r string", "r not the rank", "alpha 0", "alpha huge", "rslora",
-         "alpha pattern"],
+    ids=["r0", "r negative", "r string", "r not the rank", "alpha 0", "alpha huge",
+         "rslora not a bool", "alpha pattern"],
 )  # fmt: skip
 def test_lora_settings_merge_cannot_apply_are_refused(
     _lora_checkpoint, tmp_path, capsys, changes, needles
@@ -563,9 +563,9 @@ def test_verify_passes_the_lora_checkpoint_as_saved(_lora_checkpoint, capsys):
     [
         ({"r": 5}, "are not [5, in] and [out, 5]"),  # verify passed it; merge refused it
         ({"r": 0}, "r is 0, not a positive integer"),
-        ({"use_rslora": True}, "use_rslora is set"),
+        ({"use_dora": True}, "use_dora is set"),
     ],
-    ids=["r not the rank", "r0", "rslora"],
+    ids=["r not the rank", "r0", "dora"],
 )
 def test_verify_reports_lora_settings_merge_refuses(
     _lora_checkpoint, tmp_path, capsys, changes, needle

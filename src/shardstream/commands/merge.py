@@ -166,8 +166,8 @@ def merge(
         )
     tensors = split.base if split else checkpoint.tensors
     if split:
-        rank_alpha = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
-        lora.check_factors(split, rank_alpha[0])
+        settings = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
+        lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
@@ -189,7 +189,7 @@ def merge(
             if rank == 0:
                 check_replicas(checkpoint, streamer)
             if split and fuse_lora:
-                fused = lora.fuse_transforms(split, *rank_alpha, streamer)
+                fused = lora.fuse_transforms(split, settings, streamer)
                 streamer.transforms = _by_output_name(fused, outputs)
         except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc
@@ -242,7 +242,7 @@ def merge(
                 if split and not fuse_lora:
                     adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
                     written += write_adapter(
-                        adapter_dir, split, rank_alpha, out_dtype, streamer, config
+                        adapter_dir, split, settings, out_dtype, streamer, config
                     )
                     endpoints.finish()
                 if config_dir is not None:
@@ -285,7 +285,7 @@ def _by_output_name(transforms: dict, outputs: list[OutputTensor]) -> dict:
 def write_adapter(
     adapter_dir: Path,
     split: lora.LoraSplit,
-    rank_alpha: tuple[int, float],
+    settings: lora.LoraSettings,
     dtype: str | None,
     streamer: Streamer,
     config: dict,
@@ -298,8 +298,8 @@ def write_adapter(
         for name, t in lora.adapter_tensors(split)
     ]
     record = write_safetensors(str(adapter_dir / lora.ADAPTER_FILE), factors, streamer)
-    settings = lora.adapter_config(split, *rank_alpha, config.get("_name_or_path") or None)
-    (adapter_dir / lora.ADAPTER_CONFIG).write_text(json.dumps(settings, indent=2) + "\n")
+    adapter = lora.adapter_config(split, settings, config.get("_name_or_path") or None)
+    (adapter_dir / lora.ADAPTER_CONFIG).write_text(json.dumps(adapter, indent=2) + "\n")
     return record.size
 
 

@@ -494,8 +494,7 @@ def _verify_lora(directory: Path, tensors, recorded: dict | None, report: Verify
         split = lora.split_lora(list(tensors))
         if split is None:
             return
-        r, _ = lora.lora_settings(directory, recorded)
-        lora.check_factors(split, r)
+        lora.check_factors(split, lora.lora_settings(directory, recorded).r)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
 

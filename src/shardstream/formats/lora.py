@@ -68,10 +68,26 @@ def split_lora(tensors: list[GlobalTensor]) -> LoraSplit | None:
     return split
 
 
+@dataclass(frozen=True)
+class LoraSettings:
+    """What the factors mean: ``W + scale * B @ A`` with ``scale`` from these."""
+
+    r: int
+    alpha: float
+    rslora: bool = False  # PEFT's use_rslora: scale alpha / sqrt(r)
+
+    @property
+    def scale(self) -> float:
+        return self.alpha / math.sqrt(self.r) if self.rslora else self.alpha / self.r
+
+    @property
+    def scale_rule(self) -> str:
+        return "lora_alpha / sqrt(r)" if self.rslora else "lora_alpha / r"
+
+
 # PEFT settings that change what the factors mean; merge does not apply them, so it refuses
 # them rather than write an adapter or fused weights that differ from the trained model.
 UNSUPPORTED = {
-    "use_rslora": "rank-stabilised scaling (alpha / sqrt(r))",
     "use_dora": "DoRA's magnitude vectors",
     "fan_in_fan_out": "transposed factors",
     "rank_pattern": "per-module ranks",
@@ -79,49 +95,60 @@ UNSUPPORTED = {
 }
 
 
-def lora_settings(directory: Path, recorded: dict | None = None) -> tuple[int, float]:
-    """(r, lora_alpha) as the checkpoint ``recorded`` them (shardstream's manifest), else from
-    verl's lora_train_meta.json and lora_adapter/adapter_config.json, which must agree.
-    ``r`` must be a positive integer and ``lora_alpha`` a positive finite number; a setting
+def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings:
+    """The LoRA settings as the checkpoint ``recorded`` them (shardstream's manifest), else
+    from verl's lora_train_meta.json and lora_adapter/adapter_config.json, which must agree
+    (``use_rslora`` where both state it: verl's meta file does not). ``r`` must be a positive
+    integer, ``lora_alpha`` a positive finite number and ``use_rslora`` a boolean; a setting
     merge cannot apply (``UNSUPPORTED``) is refused, naming the file."""
     if recorded is not None:
-        return _settings(recorded, f"{directory} (recorded LoRA settings)")
+        return _settings(recorded, f"{directory} (recorded LoRA settings)")[0]
     found = []
     for path in (directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG):
         if path.is_file():
-            found.append((path, _settings(jsondoc.read_object(path), str(path))))
+            found.append((path, *_settings(jsondoc.read_object(path), str(path))))
     if not found:
         raise CheckpointFormatError(
             f"{directory}: LoRA weights found but neither {META_FILE} nor "
             f"{ADAPTER_DIR}/{ADAPTER_CONFIG} says r and lora_alpha"
         )
-    (first, settings), *rest = found
-    for path, other in rest:
-        if other != settings:
+    (first, settings, stated), *rest = found
+    for path, other, other_stated in rest:
+        if (other.r, other.alpha) != (settings.r, settings.alpha):
             raise CheckpointFormatError(
-                f"{first} says r={settings[0]}, lora_alpha={settings[1]} but {path} says "
-                f"r={other[0]}, lora_alpha={other[1]}"
+                f"{first} says r={settings.r}, lora_alpha={settings.alpha} but {path} says "
+                f"r={other.r}, lora_alpha={other.alpha}"
             )
+        if stated and other_stated and other.rslora != settings.rslora:
+            raise CheckpointFormatError(
+                f"{first} says use_rslora={settings.rslora} but {path} says "
+                f"use_rslora={other.rslora}"
+            )
+        if other_stated and not stated:  # same r and alpha: other only adds use_rslora
+            settings, stated = other, True
     return settings
 
 
-def _settings(meta: object, where: str) -> tuple[int, float]:
+def _settings(meta: object, where: str) -> tuple[LoraSettings, bool]:
+    """The settings ``meta`` holds, and whether it states ``use_rslora``."""
     if not isinstance(meta, dict):
         raise CheckpointFormatError(f"{where}: a {type(meta).__name__}, not a JSON object")
-    r, alpha = meta.get("r"), meta.get("lora_alpha")
+    r, alpha, rslora = meta.get("r"), meta.get("lora_alpha"), meta.get("use_rslora")
     if type(r) is not int or r <= 0:
         raise CheckpointFormatError(f"{where}: r is {str(r)[:40]}, not a positive integer")
     if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointFormatError(
             f"{where}: lora_alpha is {str(alpha)[:40]}, not a positive finite number"
         )
+    if rslora is not None and type(rslora) is not bool:
+        raise CheckpointFormatError(f"{where}: use_rslora is {str(rslora)[:40]}, not true or false")
     for key, what in UNSUPPORTED.items():
         if meta.get(key):
             raise CheckpointFormatError(
                 f"{where}: {key} is set ({what}); merge does not apply it, so the adapter or "
                 "fused weights would differ from the trained model"
             )
-    return r, float(alpha)
+    return LoraSettings(r, float(alpha), bool(rslora)), rslora is not None
 
 
 def check_factors(split: LoraSplit, r: int) -> None:
@@ -149,16 +176,16 @@ def check_factors(split: LoraSplit, r: int) -> None:
 
 
 def fuse_transforms(
-    split: LoraSplit, r: int, alpha: float, streamer: Streamer
+    split: LoraSplit, settings: LoraSettings, streamer: Streamer
 ) -> dict[str, RowTransform]:
-    """Per base weight, a row hook adding ``(alpha / r) * B @ A`` to the rows it is given
+    """Per base weight, a row hook adding ``settings.scale * B @ A`` to the rows it is given
     (``check_factors`` checks the factors fit the base weights first)."""
     import torch
 
     from ..engine.copy import read_tensor
 
-    check_factors(split, r)
-    scale = alpha / r
+    check_factors(split, settings.r)
+    scale = settings.scale
     transforms: dict[str, RowTransform] = {}
     for module, pair in split.factors.items():
         weight = f"{module}.weight"
@@ -168,8 +195,8 @@ def fuse_transforms(
         scaled = b * scale
         if not torch.isfinite(scaled).all():
             raise CheckpointFormatError(
-                f"LoRA module {module!r}: lora_B times lora_alpha / r ({scale:g}) is not finite "
-                "in float32; the fused weights would be inf or NaN"
+                f"LoRA module {module!r}: lora_B times {settings.scale_rule} ({scale:g}) is "
+                "not finite in float32; the fused weights would be inf or NaN"
             )
         transforms[weight] = _adder(a, scaled, cols)
     return transforms
@@ -197,12 +224,13 @@ def adapter_tensors(split: LoraSplit) -> list[tuple[str, GlobalTensor]]:
     return out
 
 
-def adapter_config(split: LoraSplit, r: int, alpha: float, base_model: str | None) -> dict:
+def adapter_config(split: LoraSplit, settings: LoraSettings, base_model: str | None) -> dict:
     return {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "r": r,
-        "lora_alpha": alpha,
+        "r": settings.r,
+        "lora_alpha": settings.alpha,
+        "use_rslora": settings.rslora,
         "lora_dropout": 0.0,
         "target_modules": split.target_modules,
         "bias": "none",

@@ -114,6 +114,7 @@ def model_lora_meta(model: torch.nn.Module) -> dict[str, Any] | None:
         "r": r,
         "lora_alpha": float(field("lora_alpha", r)),
         "task_type": str(getattr(task, "value", task)),
+        "use_rslora": bool(field("use_rslora", False)),
     }
     for key in UNSUPPORTED:  # settings merge refuses, recorded only when they are set
         if field(key):

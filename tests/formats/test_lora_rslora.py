@@ -1,0 +1,84 @@
+"""Rank-stabilised LoRA (PEFT's ``use_rslora``): merge scales ``B @ A`` by ``alpha / sqrt(r)``
+when fusing, and writes ``use_rslora`` into the adapter it exports, so PEFT itself (loading
+that adapter onto the merged base model and merging it) gives the fused weights merge wrote.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from shardstream.cli import main
+from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoint
+
+R, ALPHA = 3, 6
+
+
+@pytest.fixture(scope="module")
+def rslora_actor(tmp_path_factory) -> Path:
+    """A verl LoRA checkpoint (lora_train_meta.json and lora_adapter/) whose adapter config
+    says use_rslora, as a run with ``LoraConfig(use_rslora=True)`` saves it."""
+    root = tmp_path_factory.mktemp("rslora")
+    fixture = VerlFixture(
+        world_size=2, lora=True, lora_layout="both", lora_rank=R, lora_alpha=ALPHA
+    )
+    actor = Path(write_verl_checkpoint(root, fixture))
+    config = actor / "lora_adapter" / "adapter_config.json"
+    config.write_text(json.dumps({**json.loads(config.read_text()), "use_rslora": True}))
+    return actor
+
+
+def _merge(actor: Path, target: Path, *flags: str) -> None:
+    argv = ["merge", "--local_dir", str(actor), "--target_dir", str(target), "--quiet"]
+    assert main([*argv, "--dtype", "float32", *flags]) == 0
+
+
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def test_fused_weights_are_what_peft_merges_with_rslora(rslora_actor, tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoModelForCausalLM
+
+    _merge(rslora_actor, tmp_path / "split")
+    adapter = json.loads((tmp_path / "split" / "lora_adapter" / "adapter_config.json").read_text())
+    assert adapter["use_rslora"] is True and adapter["r"] == R
+    _merge(rslora_actor, tmp_path / "fused", "--fuse-lora")
+    fused = _tensors(tmp_path / "fused")
+
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "split", dtype=torch.float32)
+    model = peft.PeftModel.from_pretrained(base, tmp_path / "split" / "lora_adapter")
+    from peft.tuners.lora import LoraLayer
+
+    scales = {m.scaling["default"] for m in model.modules() if isinstance(m, LoraLayer)}
+    assert scales and all(s == pytest.approx(ALPHA / math.sqrt(R)) for s in scales)
+    expected = model.merge_and_unload().state_dict()
+
+    base_weights = _tensors(tmp_path / "split")
+    changed = 0
+    for name, tensor in fused.items():
+        torch.testing.assert_close(tensor, expected[name], rtol=0, atol=1e-6, msg=name)
+        changed += not torch.equal(tensor, base_weights[name])
+    assert changed  # the adapter changed some weights, so the scale was tested
+
+
+def test_adapter_files_that_disagree_on_rslora_are_refused(rslora_actor, tmp_path, capsys):
+    copy = tmp_path / "actor"
+    shutil.copytree(rslora_actor, copy)
+    meta = copy / "lora_train_meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "use_rslora": False}))
+    argv = ["merge", "--local_dir", str(copy), "--target_dir", str(tmp_path / "out"), "--quiet"]
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert "use_rslora=False" in err and "use_rslora=True" in err and str(meta) in err
+    assert not (tmp_path / "out").exists()
