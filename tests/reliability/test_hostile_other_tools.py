@@ -124,6 +124,17 @@ def test_items_sharing_bytes_are_refused(tmp_path, capsys, command, edit):
     assert "'q.weight'" in err and "'k.weight'" in err and "__0_0.distcp" in err
 
 
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("version", ["2.0.0", 1], ids=["major_2", "not_a_string"])
+def test_metadata_version_merge_cannot_read(tmp_path, capsys, command, version):
+    """A DCP version merge refuses: verify passed it, so a checkpoint it called sound failed
+    to merge."""
+    source = _edit_metadata(
+        _dcp_save(_state(), tmp_path / "ck"), lambda m: _set(m, "version", version)
+    )
+    _refused(capsys, command, source, tmp_path, str(source / ".metadata"), "is not supported")
+
+
 def _fifo(path: Path) -> None:
     os.mkfifo(path)
 

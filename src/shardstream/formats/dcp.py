@@ -339,6 +339,19 @@ def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
 # --------------------------------------------------------------------------- opening
 
 
+def _supported_version(meta, meta_path: Path) -> str | None:
+    """The metadata's DCP version (None: written before torch recorded one), if 1.x."""
+    version = meta.version
+    if version is not None and (
+        not isinstance(version, str) or version.split(".")[0] != SUPPORTED_DCP_MAJOR
+    ):
+        raise CheckpointFormatError(
+            f"{meta_path}: DCP metadata version {short_repr(version)} is not supported "
+            "(expected 1.x)"
+        )
+    return version
+
+
 def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpCheckpoint:
     """Read ``.metadata`` and each model chunk's record header; describe tensors as blocks.
 
@@ -347,13 +360,7 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
     directory = Path(directory)
     on_disk = sorted(p.name for p in directory.iterdir() if DATA_FILE.match(p.name))
     meta, meta_path = read_metadata(directory)
-    version = meta.version
-    if version is not None and (
-        not isinstance(version, str) or version.split(".")[0] != SUPPORTED_DCP_MAJOR
-    ):
-        raise CheckpointFormatError(
-            f"{meta_path}: DCP metadata version {version!r} is not supported (expected 1.x)"
-        )
+    version = _supported_version(meta, meta_path)
     entries = meta.state_dict_metadata
     storage = meta.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
@@ -454,6 +461,7 @@ def check_dcp(directory: str | os.PathLike) -> list[str]:
     data file. DCP stores no checksums, so no data is hashed. Returns the files named."""
     directory = Path(directory)
     meta, meta_path = read_metadata(directory)
+    _supported_version(meta, meta_path)
     entries, storage = meta.state_dict_metadata, meta.storage_data
     if not isinstance(entries, dict) or not isinstance(storage, dict):
         raise CheckpointFormatError(f"{meta_path}: state_dict_metadata/storage_data missing")
