@@ -197,3 +197,55 @@ def test_a_cached_layout_merges_what_save_pretrained_writes(
     monkeypatch.setattr(hf_names, "_PLANS", {})
     merge(actor, tmp_path / "unwritable", dtype="bfloat16")
     assert_same_model_files(tmp_path / "unwritable", reference[case])
+
+
+@pytest.mark.parametrize("case", w.CASES)
+def test_a_save_pretrained_model_merges_to_itself(reference, tmp_path, case):
+    """A Hugging Face model directory is read as whole tensors: merging save_pretrained's own
+    files gives them back (the layout rules leave the saved names as they are)."""
+    merge(reference[case], tmp_path / "again", dtype="bfloat16")
+    assert_same_model_files(tmp_path / "again", reference[case])
+
+
+@pytest.mark.parametrize("case", w.CASES)
+def test_a_state_dict_saved_as_safetensors_merges_to_the_save_pretrained_layout(
+    reference, tmp_path, case
+):
+    """``safetensors.torch.save_file(model.state_dict())`` beside config.json, as scripts and
+    accelerate's save_state (without FSDP) write it: in-memory names, fused experts, a
+    torch.compile prefix, fp32. merge writes what save_pretrained writes."""
+    from safetensors.torch import save_file
+
+    model = w.build_model(case)
+    source = tmp_path / "state"
+    source.mkdir()
+    inner = w.inner(model)
+    state = {k: v.contiguous() for k, v in model.state_dict().items()}
+    if inner.config.tie_word_embeddings:
+        state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+    save_file(state, source / "model.safetensors")
+    inner.config.save_pretrained(source)
+    summary = merge(source, tmp_path / "merged", dtype="bfloat16")
+    assert summary.format == "huggingface" and not summary.kept_names
+    assert_same_model_files(tmp_path / "merged", reference[case])
+
+
+def test_a_merged_model_is_checked_against_its_checksums_when_merged_again(reference, tmp_path):
+    """merge's own files carry chunk checksums in their headers: merging one again checks every
+    byte it reads, and a flipped byte is refused, naming the file."""
+    from shardstream.errors import ChecksumMismatchError
+    from shardstream.formats.safetensors import read_header, stored_checksums
+
+    merge(reference["qwen3_moe"], tmp_path / "ours", dtype="bfloat16")
+    (file,) = (tmp_path / "ours").glob("*.safetensors")
+    header = read_header(file)
+    assert stored_checksums(header) is not None
+    merge(tmp_path / "ours", tmp_path / "again", dtype="bfloat16")
+    assert_same_model_files(tmp_path / "again", reference["qwen3_moe"])
+
+    raw = bytearray(file.read_bytes())
+    raw[header.data_start + (len(raw) - header.data_start) // 2] ^= 0x10
+    file.write_bytes(bytes(raw))
+    with pytest.raises(ChecksumMismatchError, match=str(file)):
+        merge(tmp_path / "ours", tmp_path / "damaged", dtype="bfloat16")
+    assert not (tmp_path / "damaged").exists()

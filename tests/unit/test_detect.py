@@ -126,7 +126,9 @@ def test_checkpoint_kinds_are_the_readable_ones(tmp_path):
 
 def test_open_checkpoint_refuses_what_it_cannot_read(tmp_path):
     with pytest.raises(shardstream.CheckpointNotFoundError, match="no model files found"):
-        open_checkpoint(hf_model(tmp_path / "hf"))
+        open_checkpoint(tmp_path)
+    hf = open_checkpoint(hf_model(tmp_path / "hf"))  # no training checkpoint, but merge reads it
+    assert hf.format == "huggingface" and hf.tensors
     actor = verl_checkpoint(tmp_path / "step" / "actor")
     with pytest.raises(shardstream.CheckpointNotFoundError, match=f"but {actor} holds"):
         open_checkpoint(tmp_path / "step")

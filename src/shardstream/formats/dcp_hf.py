@@ -6,7 +6,9 @@ under the tensor's name; the header's ``__metadata__["DCP_SHARDING_INFO"]`` (a J
 gives each chunk's ``saved_offsets`` in the global tensor. The global shape is not written: it
 is the extent the chunks cover, and they must tile it. With ``enable_consolidation=True`` the
 same files go to ``sharded/`` and a plain Hugging Face model (``model-*-of-*.safetensors`` and
-its index) is written beside it; that model is read as whole tensors.
+its index) is written beside it; that model is read as whole tensors, as is any Hugging Face
+safetensors model directory (``open_hf_model``: merge re-lays it out as ``save_pretrained``
+would, in the dtype and file size asked for).
 
 Only safetensors headers are read (no pickle, no torch); tensor bytes are read later by the copy
 engine, exactly the ranges needed.
@@ -23,11 +25,12 @@ from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from . import hf, jsondoc
 from .regular_file import present
-from .safetensors import read_header
+from .safetensors import entries_digest, read_header, stored_checksums
 from .source import DCP_HF_SHARD_FILE as SHARD_FILE
 from .source import DCP_HF_SHARDED_SUBDIR as SHARDED_SUBDIR
 
 SHARDING_INFO = "DCP_SHARDING_INFO"
+HF_MODEL_FORMAT = "huggingface"
 
 
 def shard_files(directory: Path) -> list[Path]:
@@ -47,13 +50,16 @@ class DcpHfCheckpoint:
     consolidated: bool
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     prefix: str = ""  # keys are the state dict's own
+    label: str = "dcp"  # HF_MODEL_FORMAT: a Hugging Face model directory
 
     @property
     def format(self) -> str:
-        return "dcp"
+        return self.label
 
     @property
     def mesh(self) -> str:
+        if self.label == HF_MODEL_FORMAT:
+            return "none: whole tensors (a Hugging Face model)"
         return f"not recorded ({self.world_size} rank(s) wrote files, DCP HF storage writer)"
 
     @property
@@ -69,8 +75,18 @@ class DcpHfCheckpoint:
         return None
 
     def endpoint(self, location: str) -> FileEndpoint:
-        """A plain reader: these files carry no checksums."""
-        return FileEndpoint(location)
+        """A reader of one file that checks every chunk it reads against the checksums
+        shardstream wrote into its header (a model it merged or exported); a plain reader
+        for other files, which carry none (DCP's, save_pretrained's)."""
+        header = read_header(location)
+        sums = stored_checksums(header)
+        if sums is None:
+            return FileEndpoint(location)
+        if entries_digest(header.tensors.values()) != sums.entries:
+            raise CheckpointFormatError(
+                f"{location}: tensor table does not match its recorded digest (header altered)"
+            )
+        return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
 
     def check_split_records(self, tensors: list[GlobalTensor]) -> None:
         """Nothing to check ahead of a merge: no checksums."""
@@ -98,7 +114,13 @@ def open_dcp_hf(directory: str | os.PathLike) -> DcpHfCheckpoint:
     )
 
 
-def _open_consolidated(directory: Path) -> DcpHfCheckpoint:
+def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
+    """A Hugging Face safetensors model (``model.safetensors``, or an index and its files) as
+    a source of whole tensors."""
+    return _open_consolidated(Path(directory), HF_MODEL_FORMAT)
+
+
+def _open_consolidated(directory: Path, label: str = "dcp") -> DcpHfCheckpoint:
     tensors = []
     for t in hf.read_hf_model(directory)[0]:
         tensors.append(
@@ -108,9 +130,8 @@ def _open_consolidated(directory: Path) -> DcpHfCheckpoint:
         )
     files = sorted({b.location for t in tensors for b in t.blocks})
     placements = {t.name: "whole (consolidated)" for t in tensors}
-    return DcpHfCheckpoint(
-        directory, _ranks(shard_files(directory / SHARDED_SUBDIR)), tensors, placements, files, True
-    )
+    ranks = _ranks(shard_files(directory / SHARDED_SUBDIR))
+    return DcpHfCheckpoint(directory, ranks, tensors, placements, files, True, label=label)
 
 
 def _check_shard_names(directory: Path) -> None:

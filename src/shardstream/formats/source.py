@@ -12,7 +12,8 @@
                    ``torch.save`` state dict) beside ``optimizer.bin`` instead
    ``DCP_HF``      DCP's ``HuggingFaceStorageWriter``: per-rank ``shard-N-model-I-of-K
                    .safetensors`` files, or a model consolidated beside them in ``sharded/``
-4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output)
+4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output;
+                   merge reads it as whole tensors and writes it as save_pretrained would)
 5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl or
                    shardstream checkpoints (the verl plug-in writes the latter there)
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
@@ -337,6 +338,19 @@ _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.RUN, is_run, None),
 )
 _READERS = {kind: opener for kind, _, opener in _KINDS if opener is not None}
+
+
+def _open_hf_model(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
+    from .dcp_hf import open_hf_model
+
+    return open_hf_model(path)
+
+
+# A Hugging Face model is read too (merge re-lays it out: names, dtype, file split), though it
+# is no training checkpoint: looks_like_checkpoint and the hints leave it out.
+_READERS[Kind.HF_MODEL] = _open_hf_model
 
 
 def detect(path: str | os.PathLike) -> Kind:
