@@ -382,7 +382,8 @@ def test_inspect_run_directory_describes_the_newest_committed_step(tmp_path, cap
 
 
 def test_inspect_of_a_merged_model_reads_its_headers_without_torch(fsdp_root, tmp_path, capsys):
-    """inspect of merge's output (a HF model directory): its files and tensors, as written."""
+    """inspect of merge's output (a HF model directory): its files and tensors, as written,
+    and what merging it again would write."""
     import subprocess
     import sys
 
@@ -390,7 +391,10 @@ def test_inspect_of_a_merged_model_reads_its_headers_without_torch(fsdp_root, tm
     merge(fsdp_root / "base", target, dtype="bfloat16", max_shard_size="8KB")
     index = json.loads((target / "model.safetensors.index.json").read_text())
     info = describe(target)
-    assert info["format"] == "huggingface" and info["merge"] is None
+    assert info["format"] == "huggingface"
+    m = info["merge"]
+    assert m["output_dtype"] == "bfloat16" and m["bytes_read"] == m["bytes_written"]
+    assert m["layout"]["rule"].endswith("(nothing renamed or split)")
     assert info["num_files"] == len(set(index["weight_map"].values())) > 1
     assert info["total_bytes"] == index["metadata"]["total_size"]
     written = {}

@@ -203,8 +203,11 @@ def test_a_cached_layout_merges_what_save_pretrained_writes(
 def test_a_save_pretrained_model_merges_to_itself(reference, tmp_path, case):
     """A Hugging Face model directory is read as whole tensors: merging save_pretrained's own
     files gives them back (the layout rules leave the saved names as they are)."""
+    from shardstream.commands.inspect import describe
+
     merge(reference[case], tmp_path / "again", dtype="bfloat16")
     assert_same_model_files(tmp_path / "again", reference[case])
+    assert "nothing renamed or split" in describe(reference[case])["merge"]["layout"]["rule"]
 
 
 @pytest.mark.parametrize("case", w.CASES)
@@ -228,6 +231,16 @@ def test_a_state_dict_saved_as_safetensors_merges_to_the_save_pretrained_layout(
     summary = merge(source, tmp_path / "merged", dtype="bfloat16")
     assert summary.format == "huggingface" and not summary.kept_names
     assert_same_model_files(tmp_path / "merged", reference[case])
+    expected = {
+        "qwen2_5_vl": "renamed",
+        "qwen3_moe": "4 fused tensors split into 18",
+        "compiled_qwen2": "wrapper prefixes stripped",
+        "qwen2_critic": "nothing renamed or split",
+    }[case]
+    assert expected in summary.layout
+    from shardstream.commands.inspect import describe
+
+    assert describe(source)["merge"]["layout"]["rule"] == summary.layout  # inspect says it
 
 
 def test_a_merged_model_is_checked_against_its_checksums_when_merged_again(reference, tmp_path):

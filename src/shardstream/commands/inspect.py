@@ -24,42 +24,34 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
     run directory (a manager's), its steps and the newest committed one. ``prefix``: what a
     DCP checkpoint's model keys start with, where detection is ambiguous."""
-    from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
+    from ..formats.hf import read_config
     from ..formats.source import Kind, detect, open_checkpoint
 
     kind = detect(path)
     run = _run(Path(path)) if kind is Kind.RUN else None
     if run is not None:
         return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
-    if kind is Kind.HF_MODEL:
-        return _describe_hf_model(Path(path))
+    if kind is Kind.HF_MODEL:  # merge re-lays an HF model out too: what it would write
+        info = _describe_hf_model(Path(path))
+        checkpoint = open_checkpoint(path)
+        info["merge"] = _merge_estimate(checkpoint, read_config(checkpoint.config_dir()))
+        return info
     checkpoint = open_checkpoint(path, prefix=prefix)  # or its error, naming one inside
     config_dir = checkpoint.config_dir()
-    from ..formats.hf import read_config
-
     config = read_config(config_dir)
-    out_dtype = output_dtype(None, config, checkpoint.format, config_dir)
-    dropped = tied_duplicates(checkpoint.tensors, config, False)
-    tensors = []
-    stored = written = 0
     placements, replicas = checkpoint.placements, checkpoint.replicas
-    for t in checkpoint.tensors:
-        nbytes = t.nbytes
-        stored += nbytes
-        target = cast_dtype(t.dtype, out_dtype)
-        out_bytes = 0 if t.name in dropped else nbytes // itemsize(t.dtype) * itemsize(target)
-        written += out_bytes
-        tensors.append(
-            {
-                "name": t.name,
-                "shape": list(t.shape),
-                "dtype": _dtype_name(t.dtype),
-                "placement": placements.get(t.name, ""),
-                "bytes": nbytes,
-                "blocks": len(t.blocks),
-                "replicas": len(replicas.get(t.name, ())),
-            }
-        )
+    tensors = [
+        {
+            "name": t.name,
+            "shape": list(t.shape),
+            "dtype": _dtype_name(t.dtype),
+            "placement": placements.get(t.name, ""),
+            "bytes": t.nbytes,
+            "blocks": len(t.blocks),
+            "replicas": len(replicas.get(t.name, ())),
+        }
+        for t in checkpoint.tensors
+    ]
     manifest = checkpoint.manifest
     contents = manifest.get("contents")
     step = manifest.get("step")
@@ -75,8 +67,6 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         step = step_of_name(Path(path).name)
     files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
-    replica_bytes = sum(b.numel * itemsize(b.dtype) for blocks in replicas.values() for b in blocks)
-    read = stored + replica_bytes
     return {
         "path": str(Path(path)),
         "format": checkpoint.format,
@@ -91,20 +81,40 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         "files_bytes": file_bytes,
         "files": files,
         "num_tensors": len(tensors),
-        "total_bytes": stored,
+        "total_bytes": sum(t.nbytes for t in checkpoint.tensors),
         "tensors": tensors,
-        "merge": {
-            "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
-            "dropped_tied": sorted(dropped),
-            "layout": _layout(checkpoint.tensors, config, dropped),
-            "bytes_read": read,
-            "bytes_written": written,
-            "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
-            "estimated_seconds": (read + written) / ASSUMED_DISK_BYTES_PER_S,
-            "buffer_bytes": DEFAULT_BUFFER_BYTES,
-            "baseline_rss_bytes": BASELINE_RSS_BYTES,
-            "estimated_peak_rss_bytes": DEFAULT_BUFFER_BYTES + BASELINE_RSS_BYTES,
-        },
+        "merge": _merge_estimate(checkpoint, config),
+    }
+
+
+def _merge_estimate(checkpoint, config: dict) -> dict:
+    """What merge would write for ``checkpoint``: dtype, tied head dropped, layout, bytes read
+    and written, and time and memory estimates."""
+    from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
+
+    out_dtype = output_dtype(None, config, checkpoint.format, checkpoint.config_dir())
+    dropped = tied_duplicates(checkpoint.tensors, config, False)
+    stored = sum(t.nbytes for t in checkpoint.tensors)
+    written = sum(
+        t.nbytes // itemsize(t.dtype) * itemsize(cast_dtype(t.dtype, out_dtype))
+        for t in checkpoint.tensors
+        if t.name not in dropped
+    )
+    replica_bytes = sum(
+        b.numel * itemsize(b.dtype) for blocks in checkpoint.replicas.values() for b in blocks
+    )
+    read = stored + replica_bytes
+    return {
+        "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
+        "dropped_tied": sorted(dropped),
+        "layout": _layout(checkpoint.tensors, config, dropped),
+        "bytes_read": read,
+        "bytes_written": written,
+        "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
+        "estimated_seconds": (read + written) / ASSUMED_DISK_BYTES_PER_S,
+        "buffer_bytes": DEFAULT_BUFFER_BYTES,
+        "baseline_rss_bytes": BASELINE_RSS_BYTES,
+        "estimated_peak_rss_bytes": DEFAULT_BUFFER_BYTES + BASELINE_RSS_BYTES,
     }
 
 
@@ -219,7 +229,7 @@ def render(info: dict) -> str:
             f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
             "",
         ]
-        return "\n".join(lines + _tensor_table(info["tensors"]))
+        return "\n".join(lines + _tensor_table(info["tensors"]) + _merge_lines(m))
     lines += [
         f"{info['path']}: {info['format']} checkpoint, world size {info['world_size']}"
         + (f", FSDP v{info['fsdp_version']}" if info.get("fsdp_version") else ""),
@@ -244,8 +254,11 @@ def render(info: dict) -> str:
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
         "",
     ]
-    lines += _tensor_table(info["tensors"])
-    lines += [
+    return "\n".join(lines + _tensor_table(info["tensors"]) + _merge_lines(m))
+
+
+def _merge_lines(m: dict) -> list[str]:
+    return [
         "",
         f"merge estimate: output dtype {m['output_dtype']}"
         + (f", drops tied {', '.join(m['dropped_tied'])}" if m["dropped_tied"] else ""),
@@ -258,7 +271,6 @@ def render(info: dict) -> str:
         f"~{format_size(m['baseline_rss_bytes'])} Python/torch baseline), "
         "independent of the model's size",
     ]
-    return "\n".join(lines)
 
 
 def _layout_lines(layout: dict, shown: int = 5) -> list[str]:

@@ -19,8 +19,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from . import hf, jsondoc
@@ -28,6 +28,9 @@ from .regular_file import present
 from .safetensors import entries_digest, read_header, stored_checksums
 from .source import DCP_HF_SHARD_FILE as SHARD_FILE
 from .source import DCP_HF_SHARDED_SUBDIR as SHARDED_SUBDIR
+
+if TYPE_CHECKING:
+    from ..engine.endpoints import FileEndpoint
 
 SHARDING_INFO = "DCP_SHARDING_INFO"
 HF_MODEL_FORMAT = "huggingface"
@@ -78,6 +81,8 @@ class DcpHfCheckpoint:
         """A reader of one file that checks every chunk it reads against the checksums
         shardstream wrote into its header (a model it merged or exported); a plain reader
         for other files, which carry none (DCP's, save_pretrained's)."""
+        from ..engine.endpoints import FileEndpoint  # it imports torch: reading layouts needs none
+
         header = read_header(location)
         sums = stored_checksums(header)
         if sums is None:
