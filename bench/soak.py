@@ -73,6 +73,7 @@ SECTIONS = [
             "test_hostile_pickles",
             "test_hostile_campaign",
             "test_hostile_other_tools",
+            "test_hostile_hf_source",
         ),
         ("hostile",),
     ),  # fmt: skip

@@ -602,7 +602,11 @@ def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
 
 def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     index_path = directory / hf.INDEX_FILE
-    both = hf.both_weights_files(directory)
+    try:
+        both = hf.both_weights_files(directory)
+    except ShardstreamError as exc:  # a FIFO, directory or broken link under either name
+        report.problems.append(_problem_in(directory, exc))
+        return
     if both:
         report.problems.append(Problem(str(directory), both))
     if index_path.is_file():

@@ -100,8 +100,18 @@ class DcpHfCheckpoint:
         for candidate in (self.directory, self.directory.parent):
             if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
                 # merge copies these files: none may lead out of the directory that holds them
-                return hf.check_no_links_out(candidate, candidate)
+                return hf.check_no_links_out(candidate, link_root(candidate))
         return None
+
+
+def link_root(directory: Path) -> Path:
+    """Where the links of a model directory may lead: into the directory itself, or for a
+    huggingface_hub cache snapshot (``<repo>/snapshots/<revision>/``, whose files are links
+    to ``<repo>/blobs/``) into its repository directory."""
+    real = Path(os.path.realpath(directory))
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        return real.parent.parent
+    return directory
 
 
 def open_dcp_hf(directory: str | os.PathLike) -> DcpHfCheckpoint:
@@ -121,8 +131,10 @@ def open_dcp_hf(directory: str | os.PathLike) -> DcpHfCheckpoint:
 
 def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
     """A Hugging Face safetensors model (``model.safetensors``, or an index and its files) as
-    a source of whole tensors."""
-    return _open_consolidated(Path(directory), HF_MODEL_FORMAT)
+    a source of whole tensors. No file of it may be a link out of it (``link_root``)."""
+    directory = Path(directory)
+    hf.check_no_links_out(directory, link_root(directory))
+    return _open_consolidated(directory, HF_MODEL_FORMAT)
 
 
 def _open_consolidated(directory: Path, label: str = "dcp") -> DcpHfCheckpoint:

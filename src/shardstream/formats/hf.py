@@ -122,15 +122,18 @@ def check_no_links_out(config_dir: Path, root: Path) -> Path:
 
 
 def config_files(config_dir: Path) -> list[Path]:
-    """config.json, generation_config.json, tokenizer and processor files: no weights."""
+    """config.json, generation_config.json, tokenizer and processor files: no weights.
+    Subdirectories are not copied; a FIFO or broken link under such a name is refused,
+    naming it, rather than left out of the output unsaid."""
     return sorted(
         p
         for p in config_dir.iterdir()
-        if p.is_file()
-        and not p.name.endswith(_WEIGHT_SUFFIXES)
+        if not p.name.endswith(_WEIGHT_SUFFIXES)
         and p.name not in _NOT_CONFIG
         and not is_temporary(p.name)
         and not p.name.startswith(("model_world_size_", "optim_world_size_", "extra_state_"))
+        and not p.is_dir()
+        and present(p)
     )
 
 
@@ -261,8 +264,10 @@ class HfTensor:
 def both_weights_files(directory: Path) -> str | None:
     """The problem of a model directory holding both ``model.safetensors`` and an index, or
     None. Readers disagree on which is the model (transformers loads the single file, vLLM
-    the files the index names), so neither is taken."""
-    if (directory / SINGLE_FILE).is_file() and (directory / INDEX_FILE).is_file():
+    the files the index names), so neither is taken. Anything but a regular file under either
+    name (a FIFO, a directory, a broken link) is a ``CheckpointFormatError`` naming it."""
+    single, index = present(directory / SINGLE_FILE), present(directory / INDEX_FILE)
+    if single and index:
         return (
             f"holds both {SINGLE_FILE} and {INDEX_FILE}; transformers would load "
             "the first and vLLM the files the second names, so which is the model is "
@@ -342,14 +347,22 @@ def _read_index(directory: Path, index: Path) -> list[HfTensor]:
                 "file name in the model directory"
             )
         files.setdefault(file, []).append(name)
+    headers = {file: read_header(directory / file) for file in sorted(files)}  # each readable
     tensors = []
     for file, names in sorted(files.items()):
-        header = read_header(directory / file)
+        header = headers[file]
         for name in names:
             if name not in header.tensors:
                 raise CheckpointFormatError(
                     f"{index}: lists tensor {name!r} in {file}, but {file} has no such tensor"
                 )
-        wanted = set(names)
-        tensors.extend(t for t in tensors_of(header) if t.name in wanted)
+        for name in header.tensors.keys() - set(names):
+            # loaders take a file's tensors whatever the index says: a merge without it (or
+            # with the copy the index names) would differ from the model they load
+            listed = weight_map.get(name)
+            raise CheckpointFormatError(
+                f"{directory / file}: holds tensor {name!r}, which {INDEX_FILE} "
+                + (f"places in {listed}" if listed else "does not list")
+            )
+        tensors.extend(tensors_of(header))
     return tensors

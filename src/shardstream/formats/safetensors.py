@@ -197,6 +197,8 @@ def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
 
 
 def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
+    if not _is_unicode(name):  # a lone surrogate: safetensors itself refuses the file
+        raise CheckpointFormatError(f"{path}: tensor name {name!r} is not valid Unicode")
     if not isinstance(info, dict):
         raise CheckpointFormatError(f"{path}: entry for tensor {name!r} is not an object")
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")

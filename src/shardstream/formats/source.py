@@ -257,7 +257,9 @@ def is_dcp_hf(directory: Path) -> bool:
 
 
 def is_hf_model(directory: Path) -> bool:
-    return (directory / hf.SINGLE_FILE).is_file() or (directory / hf.INDEX_FILE).is_file()
+    """``model.safetensors`` or its index under its name (a FIFO or broken link too: the
+    reader names it)."""
+    return os.path.lexists(directory / hf.SINGLE_FILE) or os.path.lexists(directory / hf.INDEX_FILE)
 
 
 def verl_roles(directory: Path) -> list[Path]:
