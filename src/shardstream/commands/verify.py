@@ -609,6 +609,10 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         return
     if both:
         report.problems.append(Problem(str(directory), both))
+    try:
+        hf.read_config(directory)  # merge and inspect read it too: refused there, named here
+    except ShardstreamError as exc:
+        report.problems.append(_problem_in(directory, exc))
     if index_path.is_file():
         try:
             index = jsondoc.read_object(index_path, "safetensors index (JSON object)")
@@ -622,6 +626,8 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             odd = [v for v in weight_map.values() if not isinstance(v, str)]
             if odd:
                 raise ValueError(f"weight_map names a file {str(odd[0])[:80]!r}, not a string")
+            if not weight_map:
+                raise ValueError("weight_map lists no tensor")
         except ShardstreamError as exc:
             report.problems.append(Problem(str(index_path), _strip(exc, index_path)))
             return

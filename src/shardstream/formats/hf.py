@@ -334,6 +334,8 @@ def _read_index(directory: Path, index: Path) -> list[HfTensor]:
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
             raise ValueError("weight_map must map tensor names to file names")
+        if not weight_map:
+            raise ValueError("weight_map lists no tensor")
     except CheckpointFormatError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
