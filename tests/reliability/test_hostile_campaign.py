@@ -463,7 +463,8 @@ def test_a_config_transformers_rejects_is_one_line_naming_config_json(
     source = _moe_dir(tmp_path / "actor", lambda state, config: config.update({field: value}))
     code, lines = _cli(capsys, *_merge_argv(source, tmp_path))
     assert code == 1 and len(lines) == 1, lines
-    assert lines[0].startswith("shardstream merge: error: config.json: transformers' 'qwen3_moe'")
+    config = source / "huggingface" / "config.json"
+    assert lines[0].startswith(f"shardstream merge: error: {config}: transformers' 'qwen3_moe'")
     assert field in lines[0]
 
 

@@ -376,12 +376,6 @@ def test_index_that_is_no_index(tmp_path, capsys, text, needle):
     _refused(capsys, source, tmp_path, str(source / INDEX), needle)
 
 
-def test_index_with_an_empty_weight_map(tmp_path, capsys):
-    source = _sharded(tmp_path / "hf")
-    _edit_index(source, lambda index: index.update(weight_map={}))
-    _refused(capsys, source, tmp_path, str(source), "holds no model tensors")
-
-
 def test_both_a_single_file_and_an_index(tmp_path, capsys):
     """transformers loads model.safetensors, vLLM the index's files: neither is taken."""
     from safetensors.torch import save_file
@@ -584,13 +578,13 @@ def _config_replaced(replace):
         (_config_replaced(_fifo), ("{config}", "is a FIFO")),
         (_config_replaced(_directory), ("{config}", "is a directory")),
         (_config_replaced(_broken_link), ("{config}", "broken symbolic link")),
-        (_set_config(model_type=7), ("config.json", "'model_type' is 7")),
-        (_set_config(model_type=["qwen2"]), ("config.json", "'model_type'")),
+        (_set_config(model_type=7), ("{config}", "'model_type' is 7")),
+        (_set_config(model_type=["qwen2"]), ("{config}", "'model_type'")),
         (
             _set_config(model_type="qwen2_moe", architectures="Qwen2ForCausalLM"),
-            ("config.json", "'architectures'"),
+            ("{config}", "'architectures'"),
         ),
-        (_set_config(model_type="mixtral", architectures=[7]), ("config.json", "'architectures'")),
+        (_set_config(model_type="mixtral", architectures=[7]), ("{config}", "'architectures'")),
         (_set_config(torch_dtype="int8"), ("{config}", "'int8' is not a floating dtype")),
         (_set_config(torch_dtype="float128"), ("{config}", "'float128'")),
         (
@@ -600,7 +594,7 @@ def _config_replaced(replace):
                 num_hidden_layers=10**15,
                 num_local_experts=2,
             ),
-            ("config.json", "larger model than the checkpoint"),
+            ("{config}", "larger model than the checkpoint"),
         ),
     ],
     ids=[
@@ -755,3 +749,26 @@ def test_a_huggingface_hub_cache_snapshot_merges(tmp_path):
     want = _state()
     assert merged.keys() == want.keys()
     assert all(torch.equal(merged[k], want[k].to(merged[k].dtype)) for k in want)
+
+
+def _not_json(path: Path) -> None:
+    path.write_text("{not json")
+
+
+@pytest.mark.parametrize(
+    "replace", [_not_json, _fifo, _directory], ids=["not_json", "fifo", "directory"]
+)
+def test_verify_reports_a_config_merge_refuses(tmp_path, capsys, replace):
+    """verify passed an HF model whose config.json merge and inspect refuse."""
+    source = _single(tmp_path / "hf")
+    (source / "config.json").unlink()
+    replace(source / "config.json")
+    _refused(capsys, source, tmp_path, str(source / "config.json"), command="verify")
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify"])
+def test_index_that_lists_no_tensor(tmp_path, capsys, command):
+    """An empty weight_map beside shard files: inspect showed no tensors and verify passed."""
+    source = _sharded(tmp_path / "hf")
+    _edit_index(source, lambda index: index["weight_map"].clear())
+    _refused(capsys, source, tmp_path, str(source / INDEX), "lists no tensor", command=command)

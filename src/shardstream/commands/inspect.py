@@ -107,7 +107,7 @@ def _merge_estimate(checkpoint, config: dict) -> dict:
     return {
         "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
         "dropped_tied": sorted(dropped),
-        "layout": _layout(checkpoint.tensors, config, dropped),
+        "layout": _layout(checkpoint.tensors, config, dropped, checkpoint.config_dir()),
         "bytes_read": read,
         "bytes_written": written,
         "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
@@ -118,7 +118,7 @@ def _merge_estimate(checkpoint, config: dict) -> dict:
     }
 
 
-def _layout(tensors, config: dict, dropped: set[str]) -> dict:
+def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = None) -> dict:
     """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
     tensors it splits; or why merge would refuse the layout."""
     from ..errors import ShardstreamError
@@ -132,7 +132,8 @@ def _layout(tensors, config: dict, dropped: set[str]) -> dict:
     base = [t for t in tensors if t.name not in dropped]
     try:
         stored = [(t.name, t.dtype, t.shape) for t in base]
-        plan = plan_names(stored, config)
+        where = str(config_dir / "config.json") if config_dir else "config.json"
+        plan = plan_names(stored, config, config_path=where)
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}

@@ -169,7 +169,8 @@ def merge(
         settings = lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
         lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
-    names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names)
+    where = str(config_dir / "config.json") if config_dir else "config.json"
+    names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))

@@ -151,7 +151,7 @@ def compare_with_reference(
     config = hf.read_config(config_dir)
     force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
     tensors, factors = _merged_names(checkpoint.tensors)
-    tensors = _saved_layout(tensors, config)
+    tensors = _saved_layout(tensors, config, config_dir)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
@@ -255,13 +255,16 @@ def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list
     return split.base, factors
 
 
-def _saved_layout(tensors: list[GlobalTensor], config: dict) -> list[GlobalTensor]:
+def _saved_layout(
+    tensors: list[GlobalTensor], config: dict, config_dir: Path | None = None
+) -> list[GlobalTensor]:
     """The base tensors under the names and shapes merge writes (save_pretrained's layout):
     a reference saved by transformers is compared name by name, an expert of a fused
     tensor with its box of the stored tensor."""
     from ..formats.hf_writer import output_layout
 
-    _, outputs = output_layout(tensors, None, set(), config)
+    where = str(config_dir / "config.json") if config_dir else "config.json"
+    _, outputs = output_layout(tensors, None, set(), config, config_path=where)
     return [dataclasses.replace(out.source, name=out.name) for out in outputs]
 
 

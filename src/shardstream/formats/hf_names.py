@@ -147,10 +147,11 @@ def plan_names(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     config: dict,
     keep_names: bool = False,
+    config_path: str = "config.json",
 ) -> NamePlan:
     """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
     ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
-    """
+    ``config_path``: where config.json is, for the messages that refuse it."""
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
     # The export plans every save alike: the model class is built once per layout.
@@ -159,7 +160,13 @@ def plan_names(
     if key not in _PLANS:
         if len(_PLANS) >= 4:
             _PLANS.pop(next(iter(_PLANS)))
-        _PLANS[key] = _plan_names(key[0], config)
+        try:
+            _PLANS[key] = _plan_names(key[0], config)
+        except CheckpointFormatError as exc:  # messages about it start "config.json"
+            text = str(exc)
+            if not text.startswith("config.json") or config_path == "config.json":
+                raise
+            raise CheckpointFormatError(config_path + text.removeprefix("config.json")) from None
     return _PLANS[key]
 
 

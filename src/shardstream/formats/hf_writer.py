@@ -37,13 +37,14 @@ def output_layout(
     drop: set[str],
     config: dict,
     keep_names: bool = False,
+    config_path: str = "config.json",
 ) -> tuple[NamePlan, list[OutputTensor]]:
     """Every tensor but those in ``drop``, under the names, shapes and order ``save_pretrained``
     gives them (``hf_names.plan_names``) and in its output dtype (``hf.cast_dtype``). A renamed
     tensor keeps its source; a slice of a stored tensor reads its box (``TensorSlice``), so
     splitting a fused tensor stays a byte-range plan. ``source.name`` is the stored name."""
     kept = [t for t in tensors if t.name not in drop]
-    plan = plan_names([(t.name, t.dtype, t.shape) for t in kept], config, keep_names)
+    plan = plan_names([(t.name, t.dtype, t.shape) for t in kept], config, keep_names, config_path)
     by_name = {t.name: t for t in kept}
     outputs = []
     for piece in plan.pieces:
