@@ -1,0 +1,119 @@
+"""merge writes what ``save_pretrained`` writes, across model families whose saved layout
+differs from their in-memory names under the installed transformers: MoE models whose experts
+are fused in memory (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3), renamed ones
+(GraniteMoE, and the vision-language models), and models saved as held (GPT-OSS, Gemma 3).
+
+Each tiny model (random weights, built from a config) is written as its in-memory state dict
+(``safetensors.torch.save_file``, beside its config.json) and merged; the merge must equal
+``save_pretrained``'s files tensor for tensor, bit for bit, index included.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardstream import merge
+
+from .test_hf_layout import assert_same_model_files
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(
+    hidden_size=32, intermediate_size=16, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=64,
+)  # fmt: skip
+EXPERTS = dict(num_experts_per_tok=2)
+
+FAMILIES = {
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", {**TEXT, **EXPERTS, "num_local_experts": 4}),
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        "Qwen2MoeForCausalLM",
+        {**TEXT, **EXPERTS, "num_experts": 4, "moe_intermediate_size": 8,
+         "shared_expert_intermediate_size": 16},
+    ),
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {**TEXT, **EXPERTS, "num_experts": 4, "moe_intermediate_size": 8, "head_dim": 8},
+    ),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", {**TEXT, **EXPERTS, "num_experts": 4}),
+    "phimoe": ("PhimoeConfig", "PhimoeForCausalLM", {**TEXT, **EXPERTS, "num_local_experts": 4}),
+    "deepseek_v3": (
+        "DeepseekV3Config",
+        "DeepseekV3ForCausalLM",
+        {**TEXT, **EXPERTS, "intermediate_size": 32, "num_key_value_heads": 4,
+         "moe_intermediate_size": 8, "n_routed_experts": 4, "n_shared_experts": 1,
+         "first_k_dense_replace": 1, "q_lora_rank": 16, "kv_lora_rank": 8,
+         "qk_rope_head_dim": 4, "qk_nope_head_dim": 4, "v_head_dim": 8, "n_group": 1,
+         "topk_group": 1},
+    ),
+    "granitemoe": (
+        "GraniteMoeConfig", "GraniteMoeForCausalLM", {**TEXT, **EXPERTS, "num_local_experts": 4}
+    ),
+    "gpt_oss": (
+        "GptOssConfig",
+        "GptOssForCausalLM",
+        {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
+    ),
+    "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    "qwen2_vl": (
+        "Qwen2VLConfig",
+        "Qwen2VLForConditionalGeneration",
+        {"text_config": {**TEXT, "rope_scaling": {"type": "mrope", "mrope_section": [1, 1, 2]}},
+         "vision_config": {"depth": 1, "embed_dim": 16, "hidden_size": 32, "num_heads": 2,
+                           "mlp_ratio": 2, "patch_size": 2, "spatial_merge_size": 1,
+                           "temporal_patch_size": 1}},
+    ),
+    "llava": (
+        "LlavaConfig",
+        "LlavaForConditionalGeneration",
+        {"text_config": {**TEXT, "model_type": "llama"},
+         "vision_config": {"model_type": "clip_vision_model", "hidden_size": 16,
+                           "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 8, "patch_size": 4,
+                           "projection_dim": 16},
+         "image_token_index": 3},
+    ),
+    "gemma3": (
+        "Gemma3Config",
+        "Gemma3ForConditionalGeneration",
+        {"text_config": {**TEXT, "head_dim": 8, "vocab_size": 300},
+         "vision_config": {"hidden_size": 16, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2, "image_size": 16, "patch_size": 4},
+         "mm_tokens_per_image": 4, "image_token_index": 5, "boi_token_index": 6,
+         "eoi_token_index": 7},
+    ),
+}  # fmt: skip
+
+
+def _model(family: str) -> torch.nn.Module:
+    config_name, class_name, fields = FAMILIES[family]
+    config = getattr(transformers, config_name)(**fields)
+    torch.manual_seed(0)
+    model = getattr(transformers, class_name)(config).eval()
+    with torch.no_grad():  # every weight random: a zero-initialised one would hide a swap
+        for parameter in model.parameters():
+            parameter.copy_(torch.randn_like(parameter))
+    return model
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_in_memory_state_dict_merges_to_what_save_pretrained_writes(tmp_path, family):
+    from safetensors.torch import save_file
+
+    model = _model(family)
+    model.save_pretrained(tmp_path / "reference")
+    state, stored = {}, set()
+    for name, tensor in model.state_dict().items():
+        if tensor.data_ptr() not in stored:  # a tied head shares the embedding's storage
+            stored.add(tensor.data_ptr())
+            state[name] = tensor.contiguous().clone()
+    (tmp_path / "state").mkdir()
+    save_file(state, str(tmp_path / "state" / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "state")
+
+    summary = merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
+    assert "transformers" in summary.layout and not summary.kept_names
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
