@@ -88,6 +88,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "huggingface")
         _verify_hf(root, report, progress)
         return report
+    if kind is Kind.HF_TORCH:
+        report = VerifyReport(str(root), "huggingface (pytorch_model.bin)")
+        _verify_hf_torch(root, report, progress)
+        return report
     if kind is Kind.DCP:
         report = VerifyReport(str(root), "dcp")
         _verify_dcp(root, report, progress)
@@ -336,6 +340,31 @@ def _verify_full_state(
             report.problems.append(Problem(str(file), _strip(exc, file)))
     for record in bad:
         report.problems.append(_crc_mismatch(file, record, named))
+
+
+def _verify_hf_torch(directory: Path, report: VerifyReport, progress) -> None:
+    """A Hugging Face model saved with ``torch.save``: every weights file as a whole state
+    dict (``_verify_full_state``), then the index against what the files hold, and
+    config.json, as merge reads them."""
+    from ..formats.torch_state_dict import open_torch_weights, torch_weights_files
+
+    try:
+        hf.read_config(directory)
+        files = torch_weights_files(directory)[0]
+    except ShardstreamError as exc:
+        report.problems.append(_problem_in(directory, exc))
+        return
+    before = len(report.problems)
+    for file in files:
+        if not file.is_file():
+            report.problems.append(Problem(str(file), "missing (named in the index)"))
+            continue
+        _verify_full_state(file, report, progress, world_size=1)
+    if len(report.problems) == before:  # the files are sound: do they make the model?
+        try:
+            open_torch_weights(directory)
+        except ShardstreamError as exc:
+            report.problems.append(_problem_in(directory, exc))
 
 
 def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:

@@ -327,9 +327,11 @@ def is_plain_file_name(name: object) -> bool:
     return is_safe_name(name) and "/" not in name
 
 
-def _read_index(directory: Path, index: Path) -> list[HfTensor]:
+def read_weight_map(index: Path, what: str = "safetensors index") -> dict[str, list[str]]:
+    """An index's ``weight_map`` (safetensors' or ``pytorch_model.bin``'s) as file -> the
+    tensors it holds; every file a plain name in the model directory, at least one tensor."""
     try:
-        weight_map = read_object(index, "safetensors index (JSON object)")["weight_map"]
+        weight_map = read_object(index, f"{what} (JSON object)")["weight_map"]
         if not isinstance(weight_map, dict) or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
         ):
@@ -339,7 +341,7 @@ def _read_index(directory: Path, index: Path) -> list[HfTensor]:
     except CheckpointFormatError:
         raise
     except (ValueError, KeyError, TypeError) as exc:
-        raise CheckpointFormatError(f"{index}: not a valid safetensors index ({exc})") from None
+        raise CheckpointFormatError(f"{index}: not a valid {what} ({exc})") from None
     files: dict[str, list[str]] = {}
     for name, file in weight_map.items():
         # no folder, "." or "..", nor a name that names no file (a lone surrogate, a NUL)
@@ -349,22 +351,31 @@ def _read_index(directory: Path, index: Path) -> list[HfTensor]:
                 "file name in the model directory"
             )
         files.setdefault(file, []).append(name)
+    return files
+
+
+def check_index_matches(index: Path, file: Path, listed: list[str], held) -> None:
+    """``file`` holds exactly the tensors ``index`` lists for it (``held``: its names).
+    Loaders take a file's tensors whatever the index says: a tensor it leaves out (or lists
+    in another file, a second copy) would make a merge differ from the model they load."""
+    for name in listed:
+        if name not in held:
+            raise CheckpointFormatError(
+                f"{index}: lists tensor {name!r} in {file.name}, but {file.name} has no such "
+                "tensor"
+            )
+    for name in set(held) - set(listed):
+        raise CheckpointFormatError(
+            f"{file}: holds tensor {name!r}, which {index.name} does not list for it"
+        )
+
+
+def _read_index(directory: Path, index: Path) -> list[HfTensor]:
+    files = read_weight_map(index)
     headers = {file: read_header(directory / file) for file in sorted(files)}  # each readable
     tensors = []
     for file, names in sorted(files.items()):
         header = headers[file]
-        for name in names:
-            if name not in header.tensors:
-                raise CheckpointFormatError(
-                    f"{index}: lists tensor {name!r} in {file}, but {file} has no such tensor"
-                )
-        for name in header.tensors.keys() - set(names):
-            # loaders take a file's tensors whatever the index says: a merge without it (or
-            # with the copy the index names) would differ from the model they load
-            listed = weight_map.get(name)
-            raise CheckpointFormatError(
-                f"{directory / file}: holds tensor {name!r}, which {INDEX_FILE} "
-                + (f"places in {listed}" if listed else "does not list")
-            )
+        check_index_matches(index, directory / file, names, header.tensors)
         tensors.extend(tensors_of(header))
     return tensors

@@ -14,6 +14,7 @@
                    .safetensors`` files, or a model consolidated beside them in ``sharded/``
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output;
                    merge reads it as whole tensors and writes it as save_pretrained would)
+   ``HF_TORCH``    the same saved with ``torch.save``: ``pytorch_model.bin`` or its index
 5. ``VERL_ROLES``  a verl step: subdirectories (``actor/``, ``critic/``) that are verl or
                    shardstream checkpoints (the verl plug-in writes the latter there)
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
@@ -52,6 +53,10 @@ VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
 DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+# A Hugging Face model saved with torch.save (transformers' safe_serialization=False,
+# accelerate's save_state or save_model likewise): one file, or an index and its shards.
+HF_TORCH_FILE = "pytorch_model.bin"
+HF_TORCH_INDEX = "pytorch_model.bin.index.json"
 # DCP's HuggingFaceStorageWriter(save_distributed=True): one safetensors file per rank (and
 # with enable_consolidation=True those in sharded/ beside the consolidated model).
 DCP_HF_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$")
@@ -136,6 +141,7 @@ class Kind(enum.Enum):
     ACCELERATE = "accelerate"
     DCP_HF = "dcp_hf"
     HF_MODEL = "huggingface"
+    HF_TORCH = "huggingface_torch"
     VERL_ROLES = "verl_roles"
     RUN = "run"
     NONE = "none"
@@ -256,6 +262,13 @@ def is_dcp_hf(directory: Path) -> bool:
     )
 
 
+def is_hf_torch_model(directory: Path) -> bool:
+    """A Hugging Face model saved with ``torch.save``: ``pytorch_model.bin`` or its index."""
+    return os.path.lexists(directory / HF_TORCH_FILE) or os.path.lexists(
+        directory / HF_TORCH_INDEX
+    )
+
+
 def is_hf_model(directory: Path) -> bool:
     """``model.safetensors`` or its index under its name (a FIFO or broken link too: the
     reader names it)."""
@@ -336,6 +349,7 @@ _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.ACCELERATE, is_accelerate_state, _open_accelerate),
     (Kind.DCP_HF, is_dcp_hf, _open_dcp_hf),
     (Kind.HF_MODEL, is_hf_model, None),
+    (Kind.HF_TORCH, is_hf_torch_model, None),
     (Kind.VERL_ROLES, verl_roles, None),
     (Kind.RUN, is_run, None),
 )
@@ -350,9 +364,18 @@ def _open_hf_model(
     return open_hf_model(path)
 
 
+def _open_hf_torch(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
+    from .torch_state_dict import open_torch_weights
+
+    return open_torch_weights(path, shared=shared)
+
+
 # A Hugging Face model is read too (merge re-lays it out: names, dtype, file split), though it
 # is no training checkpoint: looks_like_checkpoint and the hints leave it out.
 _READERS[Kind.HF_MODEL] = _open_hf_model
+_READERS[Kind.HF_TORCH] = _open_hf_torch
 
 
 def detect(path: str | os.PathLike) -> Kind:

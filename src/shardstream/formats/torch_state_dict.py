@@ -111,3 +111,64 @@ def open_torch_optimizer(
 
     layout = read_rank_layouts([str(file)], flatten, keep_scalars=True)
     return layout.tensors, layout.scalars, groups
+
+
+HF_TORCH_FORMAT = "huggingface (pytorch_model.bin)"
+
+
+def torch_weights_files(directory: Path) -> tuple[list[Path], Path | None, dict[str, list[str]]]:
+    """The weights files of a ``pytorch_model.bin`` model directory, its index (None for a
+    single file) and what the index lists in each file. Both a single file and an index, or
+    anything but a regular file under either name, is refused, naming it."""
+    from . import hf
+    from .regular_file import present
+    from .source import HF_TORCH_FILE, HF_TORCH_INDEX
+
+    single, index = directory / HF_TORCH_FILE, directory / HF_TORCH_INDEX
+    has_single, has_index = present(single), present(index)
+    if has_single and has_index:
+        raise CheckpointFormatError(
+            f"{directory}: holds both {HF_TORCH_FILE} and {HF_TORCH_INDEX}; which is the model "
+            "is ambiguous: remove one"
+        )
+    if not has_index:
+        return [single], None, {}
+    listed = hf.read_weight_map(index, "pytorch_model.bin index")
+    return [directory / name for name in sorted(listed)], index, listed
+
+
+def open_torch_weights(directory: str | os.PathLike, shared: bool = False) -> TorchStateDict:
+    """A Hugging Face model saved with ``torch.save`` (``pytorch_model.bin``, or an index and
+    its shard files): every file a whole state dict, read as accelerate's ``FULL_STATE_DICT``
+    (restricted unpickler for the layout, every record checked against its CRC-32 as it is
+    read). Each shard must hold exactly the tensors the index lists for it, and no file may
+    link out of the model (``dcp_hf.link_root``: a huggingface_hub snapshot may)."""
+    from .dcp_hf import link_root
+    from .hf import check_index_matches, check_no_links_out
+
+    directory = Path(directory)
+    check_no_links_out(directory, link_root(directory))
+    files, index, listed = torch_weights_files(directory)
+    tensors: list[GlobalTensor] = []
+    replicas: dict = {}
+    for file in files:
+        layout = read_rank_layouts([str(file)], _model_state, shared)
+        if index is not None:
+            check_index_matches(index, file, listed[file.name], [t.name for t in layout.tensors])
+        tensors += layout.tensors
+        replicas.update(layout.replicas)
+    names = [t.name for t in tensors]
+    if len(set(names)) != len(names):  # no index lists a name twice; files may hold one twice
+        twice = next(n for n in names if names.count(n) > 1)
+        raise CheckpointFormatError(f"{directory}: tensor {twice!r} is in two files")
+    return TorchStateDict(
+        directory,
+        1,
+        None,
+        tensors,
+        {t.name: WHOLE for t in tensors},
+        "none: whole tensors (a Hugging Face model)",
+        [str(f) for f in files],
+        replicas,
+        label=HF_TORCH_FORMAT,
+    )
