@@ -21,7 +21,7 @@
 7. ``NONE``        none of these
 
 What a directory holds itself comes before what its subdirectories hold: a model directory
-that sits beside step directories is a model. The first three kinds have a reader
+that sits beside step directories is a model. Every kind but the last three has a reader
 (``open_checkpoint``); every reader offers ``CheckpointSource``. A new format is a module with
 a reader and one row of ``_KINDS``. verl's and DCP's readers import torch (1-2 s), so their
 file names and tests are here, torch-free: ``shardstream inspect``/``verify`` of shardstream's
@@ -264,9 +264,7 @@ def is_dcp_hf(directory: Path) -> bool:
 
 def is_hf_torch_model(directory: Path) -> bool:
     """A Hugging Face model saved with ``torch.save``: ``pytorch_model.bin`` or its index."""
-    return os.path.lexists(directory / HF_TORCH_FILE) or os.path.lexists(
-        directory / HF_TORCH_INDEX
-    )
+    return os.path.lexists(directory / HF_TORCH_FILE) or os.path.lexists(directory / HF_TORCH_INDEX)
 
 
 def is_hf_model(directory: Path) -> bool:

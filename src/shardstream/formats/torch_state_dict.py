@@ -1,11 +1,13 @@
-"""Source: one whole model state dict saved with ``torch.save`` by one process.
+"""Source: whole model state dicts saved with ``torch.save`` by one process.
 
 accelerate's ``save_state`` with an FSDP ``FULL_STATE_DICT`` writes one on rank 0
 (``pytorch_model_fsdp.bin`` for model 0, ``pytorch_model_fsdp_N.bin`` for model N): plain
 tensors under their module names, in the same kind of zip archive as one of verl's rank files.
 So it is read as a verl checkpoint of world size 1 (``verl.read_rank_layouts``): the restricted
 unpickler on the meta device for the layout, then byte ranges streamed with every zip record
-checked against its CRC-32.
+checked against its CRC-32. A Hugging Face model saved with ``torch.save``
+(``pytorch_model.bin``, or an index and its shards: ``open_torch_weights``) is read the same
+way, file by file.
 """
 
 from __future__ import annotations
@@ -36,10 +38,11 @@ class TorchStateDict(VerlCheckpoint):
     def config_dir(self) -> Path | None:
         """config.json's directory: the one holding the file (a Trainer's checkpoint-N has
         one; accelerate's save_state none: pass --hf_model_path)."""
+        from .dcp_hf import link_root
         from .hf import check_no_links_out
 
         if os.path.lexists(self.directory / "config.json"):  # read_config refuses a non-file
-            return check_no_links_out(self.directory, self.directory)
+            return check_no_links_out(self.directory, link_root(self.directory))
         return None
 
 
@@ -157,10 +160,6 @@ def open_torch_weights(directory: str | os.PathLike, shared: bool = False) -> To
             check_index_matches(index, file, listed[file.name], [t.name for t in layout.tensors])
         tensors += layout.tensors
         replicas.update(layout.replicas)
-    names = [t.name for t in tensors]
-    if len(set(names)) != len(names):  # no index lists a name twice; files may hold one twice
-        twice = next(n for n in names if names.count(n) > 1)
-        raise CheckpointFormatError(f"{directory}: tensor {twice!r} is in two files")
     return TorchStateDict(
         directory,
         1,
