@@ -118,3 +118,21 @@ def test_both_a_single_file_and_an_index_are_refused(saved, tmp_path, capsys):
     assert (
         "holds both pytorch_model.bin and pytorch_model.bin.index.json" in capsys.readouterr().err
     )
+
+
+def test_shardstream_test_takes_a_pytorch_model_bin_reference(saved, tmp_path, capsys):
+    """verl's --test_hf_dir may be an older model saved as pytorch_model.bin: compared tensor by
+    tensor, each reference record checked against its CRC-32 as it is read."""
+    assert _merge(saved["sharded"], tmp_path / "merged", saved) == 0
+    argv = ["test", "--local_dir", str(tmp_path / "merged"), "--exact", "--test_hf_dir"]
+    assert main([*argv, str(saved["sharded"])]) == 0
+    assert "OK: compared" in capsys.readouterr().out
+
+    reference = tmp_path / "reference"
+    shutil.copytree(saved["sharded"], reference)
+    file = sorted(reference.glob("pytorch_model-*.bin"))[0]
+    raw = bytearray(file.read_bytes())
+    raw[len(raw) // 3] ^= 0x01
+    file.write_bytes(bytes(raw))
+    assert main([*argv, str(reference)]) != 0
+    assert str(file) in capsys.readouterr().err

@@ -48,7 +48,7 @@ from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import hf, lora
 from ..formats.safetensors import read_header
-from ..formats.source import open_checkpoint
+from ..formats.source import Kind, detect, open_checkpoint
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 
 # verl's model_merger test: torch.testing.assert_close(..., atol=1e-6, rtol=1e-6).
@@ -139,11 +139,18 @@ def compare_with_reference(
 
     ref_dir = Path(test_hf_dir)
     adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run
+    ref_endpoint = FileEndpoint  # safetensors references carry no checksums
     if adapter_dir is not None:
-        reference = hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE))
+        reference = _whole(hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE)))
         ref_config = hf.read_config(ref_dir)
+    elif ref_dir.is_dir() and detect(ref_dir) is Kind.HF_TORCH:  # pytorch_model.bin
+        from ..formats.torch_state_dict import open_torch_weights
+
+        saved = open_torch_weights(ref_dir)
+        reference, ref_config, ref_endpoint = saved.tensors, hf.read_config(ref_dir), saved.endpoint
     else:
-        reference, ref_config = hf.read_hf_model(test_hf_dir)
+        hf_tensors, ref_config = hf.read_hf_model(test_hf_dir)
+        reference = _whole(hf_tensors)
     checkpoint = open_checkpoint(local_dir, model_only=True, prefix=prefix)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
@@ -158,7 +165,7 @@ def compare_with_reference(
         unreferenced = [t.name for t in tensors]
         tensors, adapter = factors, adapter_dir / lora.ADAPTER_FILE
     elif factors and adapter.is_file():  # the adapter merge writes beside the model
-        reference = reference + hf.tensors_of(read_header(adapter))
+        reference = reference + _whole(hf.tensors_of(read_header(adapter)))
         tensors = tensors + factors
     drop = tied_duplicates(tensors, config, force_tie)
 
@@ -179,7 +186,8 @@ def compare_with_reference(
     for t in reference:
         if t.name not in ours:
             report.problem(
-                f"tensor {t.name!r}: missing from the checkpoint (the reference has it in {t.path})"
+                f"tensor {t.name!r}: missing from the checkpoint (the reference has it in "
+                f"{t.blocks[0].location if t.blocks else ref_dir})"
             )
     for t in tensors:
         if t.name not in theirs and t.name not in drop:
@@ -209,11 +217,11 @@ def compare_with_reference(
     pairs.sort(key=lambda pair: stored_at(pair[1]))
     # The checkpoint's files are verified as they are read (shardstream's chunk digests, the
     # CRC-32s of verl's .pt records), as merge and restore do; DCP's files carry none.
-    reference_files = {ref.path for ref, _, _ in pairs}
+    reference_files = {b.location for ref, _, _ in pairs for b in ref.blocks}
 
     def open_endpoint(location: str) -> FileEndpoint:
         own = location not in reference_files
-        return (checkpoint.endpoint if own else FileEndpoint)(location)
+        return (checkpoint.endpoint if own else ref_endpoint)(location)
 
     endpoints = OpenEndpoints(open_endpoint)
 
@@ -233,6 +241,14 @@ def compare_with_reference(
         endpoints.close()
     report.wall_s = time.perf_counter() - start
     return report
+
+
+def _whole(tensors: list[hf.HfTensor]) -> list[GlobalTensor]:
+    """A safetensors file's tensors as global tensors of one dense block each."""
+    return [
+        GlobalTensor(t.name, t.dtype, t.shape, (dense_block(t.path, t.offset, t.dtype, t.shape),))
+        for t in tensors
+    ]
 
 
 def _adapter_only(directory: Path) -> Path | None:
@@ -278,7 +294,7 @@ def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
 
 
 def _compare_tensor(
-    ref: hf.HfTensor,
+    ref: GlobalTensor,
     ckpt: GlobalTensor,
     target: str,
     ours: Streamer,
@@ -296,8 +312,10 @@ def _compare_tensor(
         (r for b in ckpt.blocks for r in plan_copy(name, shape, b, window)),
         key=lambda r: r.dst_offset,
     )
-    ref_block = dense_block(ref.path, ref.offset, ref.dtype, shape)
-    ref_runs = plan_copy(name, shape, ref_block, window)
+    ref_runs = sorted(
+        (r for b in ref.blocks for r in plan_copy(name, shape, b, window)),
+        key=lambda r: r.dst_offset,
+    )
     capacity = min(ours.buf.window.nbytes, theirs.buf.window.nbytes) // isz * isz
     total = numel * isz
     floating = is_floating(target)
