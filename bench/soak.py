@@ -74,6 +74,7 @@ SECTIONS = [
             "test_hostile_campaign",
             "test_hostile_other_tools",
             "test_hostile_hf_source",
+            "test_hostile_hf_torch",
         ),
         ("hostile",),
     ),  # fmt: skip

@@ -346,9 +346,12 @@ def _verify_hf_torch(directory: Path, report: VerifyReport, progress) -> None:
     """A Hugging Face model saved with ``torch.save``: every weights file as a whole state
     dict (``_verify_full_state``), then the index against what the files hold, and
     config.json, as merge reads them."""
+    from ..formats.dcp_hf import link_root
+    from ..formats.regular_file import present
     from ..formats.torch_state_dict import open_torch_weights, torch_weights_files
 
     try:
+        hf.check_no_links_out(directory, link_root(directory))
         hf.read_config(directory)
         files = torch_weights_files(directory)[0]
     except ShardstreamError as exc:
@@ -356,13 +359,20 @@ def _verify_hf_torch(directory: Path, report: VerifyReport, progress) -> None:
         return
     before = len(report.problems)
     for file in files:
-        if not file.is_file():
-            report.problems.append(Problem(str(file), "missing (named in the index)"))
+        try:
+            if not present(file):
+                report.problems.append(Problem(str(file), "missing (named in the index)"))
+                continue
+        except ShardstreamError as exc:  # a FIFO, a directory, a broken link: what it is
+            report.problems.append(Problem(str(file), _strip(exc, file)))
             continue
         _verify_full_state(file, report, progress, world_size=1)
     if len(report.problems) == before:  # the files are sound: do they make the model?
         try:
-            open_torch_weights(directory)
+            if not open_torch_weights(directory).tensors:
+                report.problems.append(
+                    Problem(str(directory), "holds no model tensors (merge refuses it)")
+                )
         except ShardstreamError as exc:
             report.problems.append(_problem_in(directory, exc))
 
@@ -703,6 +713,8 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(
                 Problem(str(index_path), f"total_size {total} but tensors hold {total_bytes} bytes")
             )
+    if not seen and not report.problems:
+        report.problems.append(Problem(str(directory), "holds no model tensors (merge refuses it)"))
 
 
 def _cannot_read(exc: OSError) -> str:

@@ -361,8 +361,7 @@ def check_index_matches(index: Path, file: Path, listed: list[str], held) -> Non
     for name in listed:
         if name not in held:
             raise CheckpointFormatError(
-                f"{index}: lists tensor {name!r} in {file.name}, but {file.name} has no such "
-                "tensor"
+                f"{index}: lists tensor {name!r} in {file.name}, but {file.name} has no such tensor"
             )
     for name in set(held) - set(listed):
         raise CheckpointFormatError(

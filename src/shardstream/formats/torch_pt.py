@@ -44,7 +44,7 @@ from .dcp_pickles import (
     check_pickle,
     check_unpickled,
 )
-from .regular_file import open_regular
+from .regular_file import open_regular, present
 
 
 @dataclass(frozen=True)
@@ -98,13 +98,29 @@ class DistributedTensor:
     local: torch.Tensor  # a meta tensor; ``local_layout`` locates it in the file
 
 
+# The pickled magic number the legacy (pre-zip) torch.save format starts with.
+LEGACY_MAGIC = b"\x8a\nl\xfc\x9cF\xf9 j\xa8P\x19"
+LEGACY_FORMAT = (
+    "not a torch zip archive (the legacy format of "
+    "torch.save(_use_new_zipfile_serialization=False) is not read)"
+)
+
+
+def is_legacy(path: str) -> bool:
+    """Whether ``path`` starts as the legacy (pre-zip) ``torch.save`` format does."""
+    with open_regular(path) as f:
+        return LEGACY_MAGIC in f.read(32)
+
+
 def load_layout(path: str):
     """Unpickle ``path`` safely onto the meta device; raise shardstream errors only.
 
     DTensors anywhere in the result (dicts, lists, tuples) are ``DistributedTensor`` records.
     """
-    if not os.path.isfile(path):
+    if not present(path):  # a FIFO, a directory, a broken link: named as what it is
         raise CheckpointNotFoundError(f"{path}: no such file")
+    if is_legacy(path):  # before the zip checks, which would call it corrupt
+        raise CheckpointFormatError(f"{path}: {LEGACY_FORMAT}")
     damage = _zip_damage(path)
     if damage:
         raise CheckpointFormatError(
@@ -190,6 +206,11 @@ def _check_archive(f) -> None:
         raise UnsafeCheckpointError("refused to unpickle: a TorchScript archive, not a checkpoint")
     if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
         raise CheckpointFormatError("expected one data.pkl record in the archive")
+    # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
+    # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
+    order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
+    if order and zipfile.ZipFile(f).read(order[0]).strip() != b"little":
+        raise CheckpointFormatError("saved on a big-endian machine; only little-endian is read")
     f.seek(0)
 
 
@@ -561,6 +582,8 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
     except CheckpointFormatError:
         raise
     except (zipfile.BadZipFile, OSError, ValueError) as exc:
+        if isinstance(exc, zipfile.BadZipFile) and is_legacy(path):
+            raise CheckpointFormatError(f"{path}: {LEGACY_FORMAT}") from None
         raise CheckpointFormatError(f"{path}: corrupt torch checkpoint: {exc}") from None
     records.sort(key=lambda r: r.start)
     for before, after in zip(records, records[1:]):
@@ -665,6 +688,12 @@ def local_layout(
     sizes the pickle claims, and grows it to fit any view of it, so neither is trusted: the
     storage must be a stored zip record, and the tensor must lie inside that record.
     """
+    if tensor.is_conj() or tensor.is_neg():  # the stored bytes are not the tensor's values
+        raise CheckpointFormatError(
+            f"{path}: tensor {name!r} is a lazily {'conjugated' if tensor.is_conj() else 'negated'}"
+            " view (its stored bytes are not its values); save it resolved (.resolve_conj(), "
+            ".resolve_neg())"
+        )
     storage = tensor.untyped_storage()
     base = getattr(storage, "_checkpoint_offset", None)
     if base is None:
