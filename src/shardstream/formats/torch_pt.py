@@ -161,6 +161,11 @@ def load_restricted(
                 "shardstream does not read; save FSDP1 with device_mesh=init_device_mesh(...) "
                 "(DTensor state) or use FSDP2"
             ) from None
+        if module_name == "torch.storage.UntypedStorage":  # no typed storage class for them
+            raise CheckpointFormatError(
+                f"{name}: holds tensors of a dtype torch saves as untyped storage (float8, "
+                "uint16, uint32, uint64), which shardstream does not read from .pt files"
+            ) from None
         raise UnsafeCheckpointError(
             f"{name}: refused to unpickle: the file asks for code or types outside the safe "
             f"allowlist: GLOBAL {module_name}"
