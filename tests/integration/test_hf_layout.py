@@ -20,6 +20,13 @@ from shardstream.testing.distributed import run
 from . import hf_layout_workers as w
 
 WORLDS = (2, 4)
+# What merge's summary says of each model's layout.
+LAYOUT_SAID = {
+    "qwen2_5_vl": "renamed",
+    "qwen3_moe": "4 fused tensors split into 18",
+    "compiled_qwen2": "wrapper prefixes stripped",
+    "qwen2_critic": "nothing renamed or split",
+}
 
 
 @pytest.fixture(scope="module")
@@ -86,13 +93,7 @@ def assert_same_model_files(ours: Path, theirs: Path) -> None:
 def test_merge_writes_what_save_pretrained_writes(merged, reference, case, world):
     target, summary = merged[case, world]
     assert_same_model_files(target, reference[case])
-    expected = {
-        "qwen2_5_vl": "renamed",
-        "qwen3_moe": "4 fused tensors split into 18",
-        "compiled_qwen2": "wrapper prefixes stripped",
-        "qwen2_critic": "nothing renamed or split",
-    }[case]
-    assert expected in summary.layout and not summary.kept_names
+    assert LAYOUT_SAID[case] in summary.layout and not summary.kept_names
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -231,13 +232,7 @@ def test_a_state_dict_saved_as_safetensors_merges_to_the_save_pretrained_layout(
     summary = merge(source, tmp_path / "merged", dtype="bfloat16")
     assert summary.format == "huggingface" and not summary.kept_names
     assert_same_model_files(tmp_path / "merged", reference[case])
-    expected = {
-        "qwen2_5_vl": "renamed",
-        "qwen3_moe": "4 fused tensors split into 18",
-        "compiled_qwen2": "wrapper prefixes stripped",
-        "qwen2_critic": "nothing renamed or split",
-    }[case]
-    assert expected in summary.layout
+    assert LAYOUT_SAID[case] in summary.layout
     from shardstream.commands.inspect import describe
 
     assert describe(source)["merge"]["layout"]["rule"] == summary.layout  # inspect says it

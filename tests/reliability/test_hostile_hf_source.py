@@ -83,18 +83,26 @@ def _sharded(directory: Path) -> Path:
     """Two shard files and their index, as save_pretrained splits a model."""
     from safetensors.torch import save_file
 
-    directory.mkdir(parents=True)
-    state = _state()
-    names = sorted(state)
-    weight_map = {}
-    for file, part in ((FIRST, names[: len(names) // 2]), (SECOND, names[len(names) // 2 :])):
-        save_file({n: state[n] for n in part}, str(directory / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.nbytes for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index))
+    def write(part: dict, path: Path) -> None:
+        save_file(part, str(path), metadata={"format": "pt"})
+
+    write_halves(directory, _state(), (FIRST, SECOND), INDEX, write)
     (directory / "config.json").write_text(json.dumps(CONFIG))
     return directory
+
+
+def write_halves(directory: Path, state: dict, files: tuple[str, str], index: str, write) -> None:
+    """``state`` split in two files by sorted name, ``write(part, path)`` each, and the index
+    (``weight_map`` and ``total_size``) as transformers writes it."""
+    directory.mkdir(parents=True)
+    names = sorted(state)
+    weight_map = {}
+    for file, part in zip(files, (names[: len(names) // 2], names[len(names) // 2 :])):
+        write({n: state[n] for n in part}, directory / file)
+        weight_map.update(dict.fromkeys(part, file))
+    total = sum(t.nbytes for t in state.values())
+    doc = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (directory / index).write_text(json.dumps(doc))
 
 
 def _checksummed(tmp_path: Path, *extra: str) -> Path:

@@ -27,7 +27,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_hostile_hf_source import _refused, _run, _tree
+from .test_hostile_hf_source import _refused, _run, _tree, write_halves
 
 transformers = pytest.importorskip("transformers")
 
@@ -68,16 +68,7 @@ def _single(directory: Path, state: object = None) -> Path:
 
 def _sharded(directory: Path) -> Path:
     """Two shard files and their index, as transformers 4 writes them."""
-    directory.mkdir(parents=True)
-    state = _state()
-    names = sorted(state)
-    weight_map = {}
-    for file, part in ((FIRST, names[: len(names) // 2]), (SECOND, names[len(names) // 2 :])):
-        torch.save({n: state[n] for n in part}, directory / file)
-        weight_map.update(dict.fromkeys(part, file))
-    total = sum(t.nbytes for t in state.values())
-    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
-    (directory / INDEX).write_text(json.dumps(index))
+    write_halves(directory, _state(), (FIRST, SECOND), INDEX, torch.save)
     _config(directory)
     return directory
 
