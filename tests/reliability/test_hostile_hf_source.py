@@ -780,3 +780,10 @@ def test_index_that_lists_no_tensor(tmp_path, capsys, command):
     source = _sharded(tmp_path / "hf")
     _edit_index(source, lambda index: index["weight_map"].clear())
     _refused(capsys, source, tmp_path, str(source / INDEX), "lists no tensor", command=command)
+
+
+@pytest.mark.parametrize("replace", [_fifo, _broken_link], ids=["fifo", "broken_link"])
+def test_verify_reports_a_tokenizer_file_merge_refuses(tmp_path, capsys, replace):
+    source = _single(tmp_path / "hf")
+    replace(source / "tokenizer.json")
+    _refused(capsys, source, tmp_path, str(source / "tokenizer.json"), command="verify")

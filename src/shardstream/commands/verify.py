@@ -353,6 +353,7 @@ def _verify_hf_torch(directory: Path, report: VerifyReport, progress) -> None:
     try:
         hf.check_no_links_out(directory, link_root(directory))
         hf.read_config(directory)
+        hf.config_files(directory)
         files = torch_weights_files(directory)[0]
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
@@ -648,8 +649,9 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         return
     if both:
         report.problems.append(Problem(str(directory), both))
-    try:
-        hf.read_config(directory)  # merge and inspect read it too: refused there, named here
+    try:  # merge reads config.json and copies the tokenizer files: refused there, named here
+        hf.read_config(directory)
+        hf.config_files(directory)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
     if index_path.is_file():

@@ -363,9 +363,10 @@ def check_index_matches(index: Path, file: Path, listed: list[str], held) -> Non
             raise CheckpointFormatError(
                 f"{index}: lists tensor {name!r} in {file.name}, but {file.name} has no such tensor"
             )
-    for name in set(held) - set(listed):
+    unlisted = sorted(set(held) - set(listed))
+    if unlisted:
         raise CheckpointFormatError(
-            f"{file}: holds tensor {name!r}, which {index.name} does not list for it"
+            f"{file}: holds tensor {unlisted[0]!r}, which {index.name} does not list for it"
         )
 
 
