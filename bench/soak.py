@@ -104,6 +104,10 @@ def run_pytest(soak: bool, workdir: Path, extra: list[str]) -> dict:
     if soak:
         env["SHARDSTREAM_SOAK"] = "1"
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p", "no:logging"]
+    # Each run's temporary directories under its own workdir, a passing test's removed as it
+    # ends: kept all session long they took 71 GB and filled the disk mid-run.
+    basetemp = workdir / f"tmp-{'soak' if soak else 'test'}"
+    cmd += [f"--basetemp={basetemp}", "-o", "tmp_path_retention_policy=failed"]
     cmd += [f"--junitxml={junit}", "tests/reliability", *extra]
     print(f"$ {'SHARDSTREAM_SOAK=1 ' if soak else ''}python {' '.join(cmd[1:])}", flush=True)
     started = time.time()
@@ -120,10 +124,12 @@ def run_pytest(soak: bool, workdir: Path, extra: list[str]) -> dict:
 
 
 def _junit(path: Path) -> list[dict]:
-    if not path.exists():
+    try:
+        root = ET.parse(path).getroot()
+    except (OSError, ET.ParseError):  # none, or cut short: the run's exit code says it failed
         return []
     tests = []
-    for case in ET.parse(path).getroot().iter("testcase"):
+    for case in root.iter("testcase"):
         outcome = "passed"
         message = ""
         for child in case:
