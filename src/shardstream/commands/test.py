@@ -141,7 +141,7 @@ def compare_with_reference(
     adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run
     ref_endpoint = FileEndpoint  # safetensors references carry no checksums
     if adapter_dir is not None:
-        reference = _whole(hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE)))
+        reference = hf.whole_tensors(hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE)))
         ref_config = hf.read_config(ref_dir)
     elif ref_dir.is_dir() and detect(ref_dir) is Kind.HF_TORCH:  # pytorch_model.bin
         from ..formats.torch_state_dict import open_torch_weights
@@ -150,7 +150,7 @@ def compare_with_reference(
         reference, ref_config, ref_endpoint = saved.tensors, hf.read_config(ref_dir), saved.endpoint
     else:
         hf_tensors, ref_config = hf.read_hf_model(test_hf_dir)
-        reference = _whole(hf_tensors)
+        reference = hf.whole_tensors(hf_tensors)
     checkpoint = open_checkpoint(local_dir, model_only=True, prefix=prefix)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
     if hf_model_path and not (config_dir / "config.json").is_file():
@@ -165,7 +165,7 @@ def compare_with_reference(
         unreferenced = [t.name for t in tensors]
         tensors, adapter = factors, adapter_dir / lora.ADAPTER_FILE
     elif factors and adapter.is_file():  # the adapter merge writes beside the model
-        reference = reference + _whole(hf.tensors_of(read_header(adapter)))
+        reference = reference + hf.whole_tensors(hf.tensors_of(read_header(adapter)))
         tensors = tensors + factors
     drop = tied_duplicates(tensors, config, force_tie)
 
@@ -241,14 +241,6 @@ def compare_with_reference(
         endpoints.close()
     report.wall_s = time.perf_counter() - start
     return report
-
-
-def _whole(tensors: list[hf.HfTensor]) -> list[GlobalTensor]:
-    """A safetensors file's tensors as global tensors of one dense block each."""
-    return [
-        GlobalTensor(t.name, t.dtype, t.shape, (dense_block(t.path, t.offset, t.dtype, t.shape),))
-        for t in tensors
-    ]
 
 
 def _adapter_only(directory: Path) -> Path | None:

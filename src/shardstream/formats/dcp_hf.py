@@ -138,13 +138,7 @@ def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
 
 
 def _open_consolidated(directory: Path, label: str = "dcp") -> DcpHfCheckpoint:
-    tensors = []
-    for t in hf.read_hf_model(directory)[0]:
-        tensors.append(
-            GlobalTensor(
-                t.name, t.dtype, t.shape, (dense_block(t.path, t.offset, t.dtype, t.shape),)
-            )
-        )
+    tensors = hf.whole_tensors(hf.read_hf_model(directory)[0])
     files = sorted({b.location for t in tensors for b in t.blocks})
     placements = {t.name: "whole (consolidated)" for t in tensors}
     ranks = _ranks(shard_files(directory / SHARDED_SUBDIR))

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..engine.dtypes import TORCH_NAME, is_floating, itemsize, parse_dtype
-from ..engine.plan import split_into_files
+from ..engine.plan import GlobalTensor, dense_block, split_into_files
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
@@ -259,6 +259,14 @@ class HfTensor:
     dtype: str
     shape: tuple[int, ...]
     offset: int  # file offset of the first byte
+
+
+def whole_tensors(tensors: Sequence[HfTensor]) -> list[GlobalTensor]:
+    """Each tensor of a safetensors file as a global tensor of one dense block."""
+    return [
+        GlobalTensor(t.name, t.dtype, t.shape, (dense_block(t.path, t.offset, t.dtype, t.shape),))
+        for t in tensors
+    ]
 
 
 def both_weights_files(directory: Path) -> str | None:
