@@ -15,6 +15,7 @@ from pathlib import Path
 from ..engine.checksum import digest, new_hasher
 from ..errors import CheckpointFormatError, ShardstreamError, permission_denied
 from ..formats import hf, jsondoc, native
+from ..formats.regular_file import check_inside, present
 from ..formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -264,7 +265,6 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
     register_for_checkpointing objects, stateful dataloaders) record by record against their
     CRC-32s and through the restricted unpickler (which refuses code); a pickled sampler object
     by its records only (never unpickled)."""
-    from ..formats.regular_file import present
     from ..formats.source import (
         ACCELERATE_FULL_MODEL_FILE,
         ACCELERATE_FULL_OPTIMIZER_FILE,
@@ -347,7 +347,6 @@ def _verify_hf_torch(directory: Path, report: VerifyReport, progress) -> None:
     dict (``_verify_full_state``), then the index against what the files hold, and
     config.json, as merge reads them."""
     from ..formats.dcp_hf import link_root
-    from ..formats.regular_file import present
     from ..formats.torch_state_dict import open_torch_weights, torch_weights_files
 
     try:
@@ -403,7 +402,7 @@ def _verl_optimizer_layout(directory: Path, report: VerifyReport) -> None:
         }
 
     try:
-        files = [str(verl.check_inside(Path(ranks[r]), directory)) for r in range(world)]
+        files = [str(check_inside(Path(ranks[r]), directory)) for r in range(world)]
         _, plain = verl.saved_param_groups(directory, world)
         if plain:  # FSDP1: each rank's runs of elements; a rank holding none of a parameter
             for path in files:  # has no state for it, so only each file's layout is checked

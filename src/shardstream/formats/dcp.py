@@ -57,7 +57,7 @@ from .dcp_pickles import (
     short_repr,
 )
 from .native import is_safe_name
-from .regular_file import present
+from .regular_file import check_inside, present
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
 
@@ -496,8 +496,7 @@ def read_metadata(directory: Path) -> tuple[Metadata, Path]:
     meta_path = directory / METADATA_FILE
     if os.path.lexists(meta_path):
         present(meta_path)  # a directory, FIFO, device or broken link: named, not "missing"
-        if not meta_path.resolve().is_relative_to(directory.resolve()):
-            raise UnsafeCheckpointError(f"{meta_path}: symlink points outside the checkpoint")
+        check_inside(meta_path, directory)
         return load_metadata(meta_path), meta_path
     per_rank = sorted(
         (int(m[1]), p) for p in directory.iterdir() if (m := RANK_METADATA_FILE.match(p.name))

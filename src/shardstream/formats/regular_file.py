@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import os
 import stat
+from pathlib import Path
 from typing import BinaryIO
 
-from ..errors import CheckpointFormatError
+from ..errors import CheckpointFormatError, UnsafeCheckpointError
 
 _KINDS = {
     stat.S_IFDIR: "a directory",
@@ -60,3 +61,14 @@ def _check_regular(path: str | os.PathLike, mode: int) -> None:
     if not stat.S_ISREG(mode):
         kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
         raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
+
+
+def check_inside(path: Path, directory: Path) -> Path:
+    """A checkpoint file that is a symlink must lead to a file inside the checkpoint
+    ``directory`` (as shardstream's own format requires of its files): a link out is refused,
+    named."""
+    if path.is_symlink():
+        real = Path(os.path.realpath(path))
+        if Path(os.path.realpath(directory)) not in real.parents:
+            raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
+    return path

@@ -18,7 +18,8 @@ from pathlib import Path
 
 from ..engine.plan import GlobalTensor
 from ..errors import CheckpointFormatError, UsageError
-from .verl import VerlCheckpoint, _model_state, check_inside, read_rank_layouts
+from .regular_file import check_inside
+from .verl import VerlCheckpoint, _model_state, read_rank_layouts
 
 ACCELERATE_FULL_FORMAT = "accelerate (FULL_STATE_DICT)"
 WHOLE = "whole (full state dict)"

@@ -30,11 +30,11 @@ from ..engine.plan import (
     row_major_strides,
     tensors_touching,
 )
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from ..storage import collectives as coll
 from .jsondoc import read_object
 from .layout_names import describe_mesh, describe_placements
-from .regular_file import present
+from .regular_file import check_inside, present
 from .source import VERL_FILE_PATTERN as FILE_PATTERN
 from .source import VERL_MODEL_FILE as MODEL_FILE
 from .torch_pt import (
@@ -214,16 +214,6 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
     for file in files:
         check_inside(Path(file), directory)
     return world_size, files
-
-
-def check_inside(path: Path, directory: Path) -> Path:
-    """A rank file that is a symlink must lead to a file inside the checkpoint ``directory``
-    (as shardstream's own format requires of its files): a link out is refused, named."""
-    if path.is_symlink():
-        real = Path(os.path.realpath(path))
-        if Path(os.path.realpath(directory)) not in real.parents:
-            raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
-    return path
 
 
 def _mesh_coordinate(mesh: MeshLayout, rank: int, path: str) -> tuple[int, ...]:
