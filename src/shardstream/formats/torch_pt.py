@@ -119,9 +119,9 @@ def load_layout(path: str):
     """
     if not present(path):  # a FIFO, a directory, a broken link: named as what it is
         raise CheckpointNotFoundError(f"{path}: no such file")
-    if is_legacy(path):  # before the zip checks, which would call it corrupt
-        raise CheckpointFormatError(f"{path}: {LEGACY_FORMAT}")
     damage = _zip_damage(path)
+    if damage and is_legacy(path):  # not a zip at all: said as what it is, not as corrupt
+        raise CheckpointFormatError(f"{path}: {LEGACY_FORMAT}")
     if damage:
         raise CheckpointFormatError(
             f"{path}: corrupt or truncated torch checkpoint ({os.path.getsize(path)} bytes): "
@@ -204,7 +204,8 @@ def _check_archive(f) -> None:
         raise CheckpointFormatError("not a torch zip archive (the legacy format is not read)")
     f.seek(0)
     try:
-        names = zipfile.ZipFile(f).namelist()
+        archive = zipfile.ZipFile(f)
+        names = archive.namelist()
     except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
         raise CheckpointFormatError(str(exc) or type(exc).__name__) from None
     if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
@@ -214,7 +215,7 @@ def _check_archive(f) -> None:
     # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
     # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
     order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
-    if order and zipfile.ZipFile(f).read(order[0]).strip() != b"little":
+    if order and archive.read(order[0]).strip() != b"little":
         raise CheckpointFormatError("saved on a big-endian machine; only little-endian is read")
     f.seek(0)
 
