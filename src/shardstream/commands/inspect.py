@@ -31,14 +31,16 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     run = _run(Path(path)) if kind is Kind.RUN else None
     if run is not None:
         return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
-    if kind is Kind.HF_MODEL:  # merge re-lays an HF model out too: what it would write
-        info = _describe_hf_model(Path(path))
-        checkpoint = open_checkpoint(path)
-        info["merge"] = _merge_estimate(checkpoint, read_config(checkpoint.config_dir()))
-        return info
-    checkpoint = open_checkpoint(path, prefix=prefix)  # or its error, naming one inside
+    hf_model = kind is Kind.HF_MODEL  # --prefix is DCP's; an HF model's inspect ignores it
+    checkpoint = open_checkpoint(path, prefix=None if hf_model else prefix)  # or its error
     config_dir = checkpoint.config_dir()
     config = read_config(config_dir)
+    if hf_model:  # merge re-lays an HF model out too: what it would write
+        own = config if config_dir == Path(path) else read_config(Path(path))
+        return {
+            **_describe_hf_model(Path(path), checkpoint, own),
+            "merge": _merge_estimate(checkpoint, config, config_dir),
+        }
     placements, replicas = checkpoint.placements, checkpoint.replicas
     tensors = [
         {
@@ -83,16 +85,16 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         "num_tensors": len(tensors),
         "total_bytes": sum(t.nbytes for t in checkpoint.tensors),
         "tensors": tensors,
-        "merge": _merge_estimate(checkpoint, config),
+        "merge": _merge_estimate(checkpoint, config, config_dir),
     }
 
 
-def _merge_estimate(checkpoint, config: dict) -> dict:
+def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     """What merge would write for ``checkpoint``: dtype, tied head dropped, layout, bytes read
     and written, and time and memory estimates."""
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
 
-    out_dtype = output_dtype(None, config, checkpoint.format, checkpoint.config_dir())
+    out_dtype = output_dtype(None, config, checkpoint.format, config_dir)
     dropped = tied_duplicates(checkpoint.tensors, config, False)
     stored = sum(t.nbytes for t in checkpoint.tensors)
     written = sum(
@@ -107,7 +109,7 @@ def _merge_estimate(checkpoint, config: dict) -> dict:
     return {
         "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
         "dropped_tied": sorted(dropped),
-        "layout": _layout(checkpoint.tensors, config, dropped, checkpoint.config_dir()),
+        "layout": _layout(checkpoint.tensors, config, dropped, config_dir),
         "bytes_read": read,
         "bytes_written": written,
         "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
@@ -144,14 +146,9 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
     return {"rule": plan.describe(), "refused": None, "renamed": renamed, "split": parts}
 
 
-def _describe_hf_model(path: Path) -> dict:
-    """A HF model directory from its safetensors headers: what merge wrote, or any HF model."""
-    from ..formats.hf import read_hf_model
-    from ..formats.safetensors import tensor_nbytes
-
-    tensors, config = read_hf_model(path)
-    files = sorted({t.path for t in tensors})
-    sizes = [tensor_nbytes(t.dtype, t.shape) for t in tensors]
+def _describe_hf_model(path: Path, checkpoint, config: dict) -> dict:
+    """A HF model directory (what merge wrote, or any HF model) from the headers its reader
+    read: each tensor one dense block of a safetensors file; ``config``: its config.json."""
     dtype = config.get("dtype", config.get("torch_dtype"))
     architectures = config.get("architectures")
     return {
@@ -159,23 +156,22 @@ def _describe_hf_model(path: Path) -> dict:
         "format": "huggingface",
         "config_dtype": dtype if isinstance(dtype, str) else None,
         "architectures": [str(a) for a in architectures] if isinstance(architectures, list) else [],
-        "num_files": len(files),
-        "files_bytes": sum(os.path.getsize(f) for f in files),
-        "files": files,
-        "num_tensors": len(tensors),
-        "total_bytes": sum(sizes),
+        "num_files": len(checkpoint.files),
+        "files_bytes": sum(os.path.getsize(f) for f in checkpoint.files),
+        "files": checkpoint.files,
+        "num_tensors": len(checkpoint.tensors),
+        "total_bytes": sum(t.nbytes for t in checkpoint.tensors),
         "tensors": [
             {
                 "name": t.name,
                 "shape": list(t.shape),
                 "dtype": _dtype_name(t.dtype),
                 "placement": "",
-                "bytes": size,
-                "file": os.path.basename(t.path),
+                "bytes": t.nbytes,
+                "file": os.path.basename(t.blocks[0].location),
             }
-            for t, size in zip(tensors, sizes)
+            for t in checkpoint.tensors
         ],
-        "merge": None,
     }
 
 
