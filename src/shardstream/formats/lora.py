@@ -3,7 +3,8 @@
 A verl LoRA run saves keys like ``base_model.model.<path>.base_layer.weight`` and
 ``base_model.model.<path>.lora_A.default.weight``. merge writes the base model under HF names
 and the adapter as a PEFT ``adapter_model.safetensors`` beside it, or with ``--fuse-lora`` folds
-``W + (alpha / r) * B @ A`` into the base weights, row block by row block.
+``W + scale * B @ A`` into the base weights, row block by row block (``scale``: lora_alpha / r,
+or lora_alpha / sqrt(r) with ``use_rslora``; ``LoraSettings``).
 
 Splitting and checking import no torch (verify runs them); fusing does.
 """

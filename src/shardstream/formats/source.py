@@ -264,13 +264,18 @@ def is_dcp_hf(directory: Path) -> bool:
 
 def is_hf_torch_model(directory: Path) -> bool:
     """A Hugging Face model saved with ``torch.save``: ``pytorch_model.bin`` or its index."""
-    return os.path.lexists(directory / HF_TORCH_FILE) or os.path.lexists(directory / HF_TORCH_INDEX)
+    return _any_named(directory, HF_TORCH_FILE, HF_TORCH_INDEX)
 
 
 def is_hf_model(directory: Path) -> bool:
-    """``model.safetensors`` or its index under its name (a FIFO or broken link too: the
-    reader names it)."""
-    return os.path.lexists(directory / hf.SINGLE_FILE) or os.path.lexists(directory / hf.INDEX_FILE)
+    """``model.safetensors`` or its index."""
+    return _any_named(directory, hf.SINGLE_FILE, hf.INDEX_FILE)
+
+
+def _any_named(directory: Path, *names: str) -> bool:
+    """Whether anything is under one of ``names`` (a FIFO or broken link too: the reader then
+    names it as what it is, rather than the directory being taken for another kind)."""
+    return any(os.path.lexists(directory / name) for name in names)
 
 
 def verl_roles(directory: Path) -> list[Path]:
