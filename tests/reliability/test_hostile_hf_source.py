@@ -787,3 +787,21 @@ def test_verify_reports_a_tokenizer_file_merge_refuses(tmp_path, capsys, replace
     source = _single(tmp_path / "hf")
     replace(source / "tokenizer.json")
     _refused(capsys, source, tmp_path, str(source / "tokenizer.json"), command="verify")
+
+
+def test_model_without_config_takes_none_from_the_directory_above(tmp_path, capsys):
+    """A model directory with no config.json inside a run directory that has one: merge must
+    not take the run's (another model's) config; the output has no config, and says so."""
+    run = tmp_path / "run"
+    source = _single(run / "exported")
+    (source / "config.json").unlink()
+    other = {**CONFIG, "model_type": "qwen3_moe", "num_hidden_layers": 7}
+    (run / "config.json").write_text(json.dumps(other))
+    target = tmp_path / "out"
+    assert cli.main(["merge", "--local_dir", str(source), "--target_dir", str(target)]) == 0
+    assert not (target / "config.json").exists()
+    assert "qwen3_moe" not in capsys.readouterr().out
+    with open(target / SINGLE, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        names = set(json.loads(f.read(length))) - {"__metadata__"}
+    assert names == set(SHAPES)

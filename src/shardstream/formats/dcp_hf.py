@@ -97,7 +97,14 @@ class DcpHfCheckpoint:
         """Nothing to check ahead of a merge: no checksums."""
 
     def config_dir(self) -> Path | None:
-        for candidate in (self.directory, self.directory.parent):
+        """The directory whose config.json describes the model: its own, or for the rank files
+        in ``sharded/`` of a consolidated save, the model directory above. Never another
+        parent: a model directory without config.json inside a run directory would take the
+        run's."""
+        candidates = [self.directory]
+        if self.label != HF_MODEL_FORMAT and self.directory.name == SHARDED_SUBDIR:
+            candidates.append(self.directory.parent)
+        for candidate in candidates:
             if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
                 # merge copies these files: none may lead out of the directory that holds them
                 return hf.check_no_links_out(candidate, link_root(candidate))

@@ -196,7 +196,9 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
     back = {v: k for k, v in stripped.items()}
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
-        return _identity(plain, back, _join(rule, "no model type in config.json: no mapping"))
+        return _identity(
+            plain, back, _join(rule, "no config.json, or no model type in it: no mapping")
+        )
     if not isinstance(model_type, str):
         raise CheckpointFormatError(
             f"config.json: 'model_type' is {str(model_type)[:200]}, not a model type's name"
