@@ -200,6 +200,15 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{format_size(summary.peak_rss_bytes)}"
         )
         print(f"layout: {summary.layout}")
+    if not args.quiet and summary.not_tensors:
+        shown = ", ".join(repr(k) for k in summary.not_tensors[:3])
+        more = len(summary.not_tensors) - 3
+        print(
+            f"note: left out {len(summary.not_tensors)} non-tensor entr"
+            f"{'y' if len(summary.not_tensors) == 1 else 'ies'} of the model's state ({shown}"
+            f"{f' and {more} more' if more > 0 else ''}): safetensors holds tensors only",
+            file=sys.stderr,
+        )
     if not args.quiet and not args.dtype and summary.format == "verl" and summary.dtype != "BF16":
         from .engine.dtypes import TORCH_NAME
 

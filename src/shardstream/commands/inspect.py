@@ -86,6 +86,7 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         "total_bytes": sum(t.nbytes for t in checkpoint.tensors),
         "tensors": tensors,
         "merge": _merge_estimate(checkpoint, config, config_dir),
+        "model_objects": list(getattr(checkpoint, "model_objects", ())),
     }
 
 
@@ -249,9 +250,17 @@ def render(info: dict) -> str:
         f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
         f"config: {info['config_dir'] or 'none found (pass --hf_model_path to merge)'}",
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
+        *_objects_line(info.get("model_objects") or []),
         "",
     ]
     return "\n".join(lines + _tensor_table(info["tensors"]) + _merge_lines(m))
+
+
+def _objects_line(objects: list[str], shown: int = 5) -> list[str]:
+    if not objects:
+        return []
+    more = f" and {len(objects) - shown} more" if len(objects) > shown else ""
+    return [f"non-tensor model entries, left out by merge: {', '.join(objects[:shown])}{more}"]
 
 
 def _merge_lines(m: dict) -> list[str]:

@@ -45,6 +45,7 @@ class MergeSummary:
     skipped: list[str] = field(default_factory=list)
     layout: str = ""  # the output names' rule (hf_names.NamePlan.describe)
     kept_names: bool = False  # --keep-names: in-memory names written on purpose
+    not_tensors: list[str] = field(default_factory=list)  # model entries safetensors can't hold
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -263,6 +264,7 @@ def merge(
         skipped=sorted(drop),
         layout=names.describe(),
         kept_names=names.kept_names,
+        not_tensors=list(getattr(checkpoint, "model_objects", ())),
     )
 
 

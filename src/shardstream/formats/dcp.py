@@ -67,6 +67,7 @@ MODEL_CONTAINER = "model"
 # the config and tokenizer next to it.
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_\d+$")
 # Top-level keys that are training state, never model weights (used without planner_data).
+EXTRA_STATE = "_extra_state"  # nn.Module's key for get_extra_state() (DCP flattens a dict)
 NON_MODEL_PREFIXES = (
     "optim.",
     "optimizer.",
@@ -97,6 +98,9 @@ class DcpCheckpoint:
     skipped: dict[str, str] = field(default_factory=dict)
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     metadata: Metadata | None = field(default=None, repr=False)  # the unpickled .metadata
+    # Non-tensor entries of the model's own state (a module's ``get_extra_state``, pickled by
+    # DCP): safetensors holds tensors only, so merge leaves them out and says so.
+    model_objects: tuple[str, ...] = ()
     prefix: str = ""  # what the model's keys start with: "model." (accelerate), "app.model."
 
     @property
@@ -436,6 +440,12 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
         for fd in fds.values():
             os.close(fd)
     _check_storage_apart(by_chunk, meta_path)
+    objects = [k for k, v in entries.items() if isinstance(v, BytesStorageMetadata)]
+    model_objects = tuple(
+        k
+        for k in objects
+        if (k.startswith(found_prefix) if found_prefix else EXTRA_STATE in k.split("."))
+    )
 
     ranks = {int(DATA_FILE.match(n)[1]) for n in on_disk}
     ranks |= {int(m[1]) for p in sizes if (m := DATA_FILE.match(p.name))}
@@ -452,6 +462,7 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
         skipped=skipped,
         metadata=meta,
         prefix=found_prefix,
+        model_objects=model_objects,
     )
 
 
