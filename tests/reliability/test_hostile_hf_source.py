@@ -805,3 +805,17 @@ def test_model_without_config_takes_none_from_the_directory_above(tmp_path, caps
         (length,) = struct.unpack("<Q", f.read(8))
         names = set(json.loads(f.read(length))) - {"__metadata__"}
     assert names == set(SHAPES)
+
+
+@pytest.mark.parametrize("layers", [2, 0], ids=["deeper", "shallower"])
+def test_config_of_another_depth_than_the_layers_stored(tmp_path, capsys, layers):
+    """config.json's num_hidden_layers must count the layers stored: merge would otherwise
+    copy it beside weights its model does not load (random layers, or ignored ones)."""
+    source = _single(tmp_path / "model")
+    (source / "config.json").write_text(json.dumps({**CONFIG, "num_hidden_layers": layers}))
+    needles = (str(source / "config.json"), f"num_hidden_layers is {layers}", "N in 0")
+    _refused(capsys, source, tmp_path, *needles)
+    _refused(capsys, source, tmp_path, *needles, command="merge", extra=("--keep-names",))
+    assert cli.main(["inspect", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert "merge would refuse" in out and f"num_hidden_layers is {layers}" in out

@@ -386,3 +386,48 @@ def test_a_view_of_a_tensor_without_elements_is_whole_or_no_box():
     stored = base[0:0].view(3, 0, 8)
     assert hf_names._as_box("out", "fused", (3, 0, 8), stored, 0).whole
     assert hf_names._as_box("out", "fused", (3, 0, 8), stored[1], 0) is None
+
+
+def _layers(prefix: str, indices) -> list[tuple[str, str, tuple[int, ...]]]:
+    return [(f"{prefix}{i}.mlp.up_proj.weight", "F32", (4, 2)) for i in indices]
+
+
+@pytest.mark.parametrize(
+    "indices, shown",
+    [((0, 1, 2), "0-2"), ((0,), "0"), ((0, 1, 3), "0-1, 3"), ((1, 2), "1-2")],
+    ids=["more", "fewer", "a_gap", "not_from_0"],
+)
+def test_stored_layers_other_than_the_config_s_are_refused(indices, shown):
+    config = {"model_type": "qwen2", "num_hidden_layers": 2}
+    names = [n for n, _, _ in _layers("model.layers.", indices)]
+    message = rf"^c\.json: num_hidden_layers is 2, .* model\.layers\.N for N in {shown}:"
+    with pytest.raises(CheckpointFormatError, match=message):
+        hf_names.check_stored_layers(names, config, "c.json")
+
+
+def test_stored_layers_of_the_config_s_depth_or_with_its_mtp_layers_pass():
+    hf_names.check_stored_layers(["model.layers.0.w", "model.layers.1.w"], {"num_hidden_layers": 2})
+    mtp = {"num_hidden_layers": 2, "num_nextn_predict_layers": 1}
+    for depth in (2, 3):  # the in-memory model has no MTP layer; a HF checkpoint stores it
+        hf_names.check_stored_layers([n for n, _, _ in _layers("model.layers.", range(depth))], mtp)
+    with pytest.raises(CheckpointFormatError, match="N in 0-3"):
+        hf_names.check_stored_layers([n for n, _, _ in _layers("model.layers.", range(4))], mtp)
+
+
+def test_a_vlm_s_language_layers_are_counted_by_its_text_config():
+    config = {"model_type": "x", "text_config": {"num_hidden_layers": 3}}
+    names = [n for n, _, _ in _layers("model.language_model.layers.", range(3))]
+    hf_names.check_stored_layers(names, config)
+    hf_names.check_stored_layers(names + ["model.visual.blocks.7.w"], config)  # not counted
+    with pytest.raises(
+        CheckpointFormatError, match=r"model\.language_model\.layers\.N for N in 0-1"
+    ):
+        hf_names.check_stored_layers(names[:2], config)
+
+
+def test_a_huge_layer_count_is_refused_without_counting_to_it():
+    names = [n for n, _, _ in _layers("model.layers.", range(2))]
+    with pytest.raises(
+        CheckpointFormatError, match="num_hidden_layers is 1,000,000,000,000|is 1000000000000"
+    ):
+        hf_names.check_stored_layers(names, {"num_hidden_layers": 10**12})

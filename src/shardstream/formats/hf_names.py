@@ -359,6 +359,70 @@ def _check_layer_counts(config: dict, limit: int, stored: int, where: str = "") 
             )
 
 
+# Decoder layers of a language model, in-memory or saved: (as messages show them, their name
+# pattern, the config sections their count is looked up in, first first). Vision towers and
+# other stacks are not checked.
+STORED_LAYERS = (
+    ("model.layers.N", re.compile(r"model\.layers\.(\d+)\."), ("", "text_config")),
+    (
+        "model.language_model.layers.N",
+        re.compile(r"model\.language_model\.layers\.(\d+)\."),
+        ("text_config", ""),
+    ),
+)
+EXTRA_LAYERS = re.compile(r"num_(nextn_predict|mtp)\w*layers")  # stored past the count
+
+
+def check_stored_layers(
+    names: Sequence[str], config: dict, config_path: str = "config.json"
+) -> None:
+    """The decoder layers among a whole checkpoint's tensor ``names`` are layers 0..N-1 for
+    config.json's ``num_hidden_layers`` N (or N plus its multi-token-prediction layers): a
+    config.json of another depth would be copied beside weights no model of it loads, or
+    that it drops."""
+    if not isinstance(config, dict):
+        return
+    for where, pattern, places in STORED_LAYERS:
+        stored = {int(m[1]) for n in names if (m := pattern.match(n))}
+        if not stored:
+            continue
+        sections = [config.get(p) if p else config for p in places]
+        sections = [s for s in sections if isinstance(s, dict)]
+        count = next(
+            (s["num_hidden_layers"] for s in sections if type(s.get("num_hidden_layers")) is int),
+            None,
+        )
+        if count is None:
+            continue
+        extra = {
+            v
+            for s in sections
+            for k, v in s.items()
+            if EXTRA_LAYERS.fullmatch(str(k)) and type(v) is int
+        }
+        if min(stored) == 0 and any(
+            max(stored) + 1 == len(stored) == count + e for e in {0, *extra}
+        ):
+            continue
+        raise CheckpointFormatError(
+            f"{config_path}: num_hidden_layers is {count}, but the checkpoint holds "
+            f"{where} for N in {_ranges(sorted(stored))}: the checkpoint and "
+            "config.json describe different models (--hf_model_path names the model's own)"
+        )
+
+
+def _ranges(values: list[int]) -> str:
+    """``[0, 1, 2, 5]`` as ``0-2, 5``."""
+    runs: list[list[int]] = []
+    for v in values:
+        if runs and v == runs[-1][1] + 1:
+            runs[-1][1] = v
+        else:
+            runs.append([v, v])
+    text = ", ".join(f"{a}-{b}" if b > a else f"{a}" for a, b in runs[:6])
+    return text + (", ..." if len(runs) > 6 else "")
+
+
 # Where a config.json names no architecture: the auto classes verl and trainers build from.
 _AUTO_CLASSES = (
     "AutoModelForCausalLM",

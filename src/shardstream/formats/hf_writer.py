@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..engine.plan import GlobalTensor, slice_tensor
 from . import hf
-from .hf_names import NamePlan, plan_names
+from .hf_names import NamePlan, check_stored_layers, plan_names
 from .writer import FileJob, OutputTensor, WrittenFile, create_file, plan_file, seal_file
 
 # (file index, first chunk) -> the digests of the chunks from there on, as one writer hashed
@@ -45,6 +45,9 @@ def output_layout(
     splitting a fused tensor stays a byte-range plan. ``source.name`` is the stored name."""
     kept = [t for t in tensors if t.name not in drop]
     plan = plan_names([(t.name, t.dtype, t.shape) for t in kept], config, keep_names, config_path)
+    check_stored_layers(
+        [(plan.stripped or {}).get(t.name, t.name) for t in kept], config, config_path
+    )
     by_name = {t.name: t for t in kept}
     outputs = []
     for piece in plan.pieces:
