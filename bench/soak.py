@@ -75,6 +75,7 @@ SECTIONS = [
             "test_hostile_other_tools",
             "test_hostile_hf_source",
             "test_hostile_hf_torch",
+            "test_hostile_layout_plan",
         ),
         ("hostile",),
     ),  # fmt: skip

@@ -270,6 +270,7 @@ def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):
     class Qwen2_5_VLOld(
         transformers.PreTrainedModel
     ):  # transformers 4.5x's Qwen2.5-VL mapping (checkpoint pattern -> in-memory)
+        config_class = transformers.Qwen2_5_VLConfig
         _checkpoint_conversion_mapping = {
             "^visual": "model.visual",
             r"^model(?!\.(language_model|visual))": "model.language_model",

@@ -305,9 +305,9 @@ def _meta_model(config: dict, stored: int) -> Any:
         ) from None
     except Exception as exc:  # noqa: BLE001  (any model code may fail on meta)
         raise CheckpointFormatError(
-            f"model type {model_type!r}: cannot build {cls.__name__} to learn the layout "
-            f"save_pretrained writes ({_one_line(exc)}); merge with --keep-names "
-            "to write the in-memory names"
+            f"config.json: cannot build {cls.__name__} (model type {model_type!r}) from it to "
+            f"learn the layout save_pretrained writes ({_one_line(exc)}); merge with "
+            "--keep-names to write the in-memory names"
         ) from None
     finally:
         handle.remove()
@@ -433,24 +433,38 @@ _AUTO_CLASSES = (
 
 
 def _model_class(config: dict, config_class: type | None = None) -> type | None:
-    """config.json's ``architectures[0]`` when transformers has a model class of that name,
-    else the first auto class that maps its config."""
+    """config.json's ``architectures[0]`` when transformers has a concrete model class of that
+    name (not a ``*PreTrainedModel`` base) for config.json's model type, else the first auto
+    class that maps its config. A class of another model type is refused: the weights are
+    one model's, and its rules and the type's would disagree."""
     import transformers
+    from transformers import CONFIG_MAPPING
 
     names = config.get("architectures") or []
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointFormatError(
             f"config.json: 'architectures' is {str(names)[:200]}, not a list of class names"
         )
+    if config_class is None and config.get("model_type") in CONFIG_MAPPING:
+        config_class = CONFIG_MAPPING[config["model_type"]]
     cls = getattr(transformers, names[0], None) if names else None
-    if isinstance(cls, type) and issubclass(cls, transformers.PreTrainedModel):
+    if (
+        isinstance(cls, type)
+        and issubclass(cls, transformers.PreTrainedModel)
+        and isinstance(own := getattr(cls, "config_class", None), type)
+        and not cls.__name__.endswith("PreTrainedModel")
+    ):
+        if config_class is not None and not (
+            issubclass(config_class, own) or issubclass(own, config_class)
+        ):
+            raise CheckpointFormatError(
+                f"config.json: architectures names {names[0]}, a model of type "
+                f"{getattr(own, 'model_type', '?')!r}, but model_type is "
+                f"{config.get('model_type')!r}: they describe different models"
+            )
         return cls
     if config_class is None:
-        from transformers import CONFIG_MAPPING
-
-        if config.get("model_type") not in CONFIG_MAPPING:
-            return None
-        config_class = CONFIG_MAPPING[config["model_type"]]
+        return None
     for auto in _AUTO_CLASSES:
         mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
         try:
@@ -599,6 +613,8 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
     from transformers import modeling_utils
 
     cls = _model_class(config)
+    if cls is None:
+        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
     mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
     # transformers 4.5x reverses it only for the vision-language classes it lists
     listed = getattr(modeling_utils, "VLMS", None)

@@ -13,10 +13,13 @@ least recently used beyond that (other processes may prune at the same time: a f
 gone is no error), and the temporary files of writes a crash cut off, once they are an hour old
 (a write takes milliseconds, so none is still being written).
 
-A file is read with the strict JSON reader (``jsondoc``) and checked against the request:
-every piece names a stored tensor of the request, its box lies inside that tensor, its output
-shape is the box's, output names are unique, every field has its type. Anything else (an
-unreadable or tampered file) is a miss: the plan is computed again and the file rewritten.
+A file is read with the strict JSON reader (``jsondoc``) and checked: its ``digest`` (sha256
+of its key, rule and pieces as canonical JSON) must match, so a damaged or hand-edited plan
+that is still well-formed JSON is not used; and against the request: every piece names a
+stored tensor of the request, its box lies inside that tensor, its output shape is the box's,
+output names are unique, every field has its type. Anything else is a miss: the plan is
+computed again and the file rewritten. (The directory is trusted as the user's own files are:
+whoever can write there can also write a matching digest.)
 Writes are atomic (``storage.commit.atomic_write_bytes``); a write that fails
 (a read-only home, a full disk) is skipped, logged at debug level.
 """
@@ -40,8 +43,9 @@ from .jsondoc import is_counts
 log = logging.getLogger(__name__)
 
 # Bump whenever what plan_names computes or refuses, or this file's layout, changes. 2: the
-# shape and size checks against config.json's model (a plan cached before them is not used).
-CACHE_FORMAT = 2
+# shape and size checks against config.json's model (a plan cached before them is not used);
+# 3: the digest.
+CACHE_FORMAT = 3
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -131,24 +135,26 @@ def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
     key = cache_key(tensors, config)
     if directory is None or key is None:
         return
+    listed = [
+        {
+            "name": p.name,
+            "stored": p.stored,
+            "start": list(p.start),
+            "extent": list(p.extent),
+            "dims": list(p.dims),
+            "shape": list(p.shape),
+            "storage": p.storage,
+            "storage_numel": p.storage_numel,
+        }
+        for p in pieces
+    ]
     doc = {
         "format": CACHE_FORMAT,
         "key": key,
         "transformers": transformers_version(),
         "rule": rule,
-        "pieces": [
-            {
-                "name": p.name,
-                "stored": p.stored,
-                "start": list(p.start),
-                "extent": list(p.extent),
-                "dims": list(p.dims),
-                "shape": list(p.shape),
-                "storage": p.storage,
-                "storage_numel": p.storage_numel,
-            }
-            for p in pieces
-        ],
+        "pieces": listed,
+        "digest": _digest(key, rule, listed),
     }
     try:
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -195,6 +201,11 @@ def prune(directory: Path, keep: int | None = None) -> None:
         log.debug("not pruning the cached layouts in %s: %s", directory, exc)
 
 
+def _digest(key: str, rule: object, pieces: object) -> str:
+    canonical = json.dumps([key, rule, pieces], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(canonical.encode()).hexdigest()
+
+
 def _is_int(value: object, low: int = 0) -> bool:
     return type(value) is int and value >= low
 
@@ -208,6 +219,8 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
         return None
     rule, pieces = doc.get("rule"), doc.get("pieces")
     if not isinstance(rule, str) or not isinstance(pieces, list):
+        return None
+    if doc.get("digest") != _digest(key, rule, pieces):
         return None
     shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
     names: set[str] = set()
