@@ -7,6 +7,7 @@ import json
 import os
 import select
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -363,3 +364,18 @@ def durable_step(side_run: Path) -> int | None:
         return None
     done = [int(x) for x in path.read_text().split() if x.isdigit()]
     return max(done) if done else None
+
+
+def tree_contents(root: Path) -> dict[str, object]:
+    """Every entry under ``root``: a file's bytes, a link's target, else its kind (a FIFO is
+    never opened). Equal before and after: nothing under ``root`` changed."""
+    out: dict[str, object] = {}
+    for path in sorted(root.rglob("*")):
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            out[str(path)] = ("link", os.readlink(path))
+        elif stat.S_ISREG(mode):
+            out[str(path)] = path.read_bytes()
+        else:
+            out[str(path)] = stat.S_IFMT(mode)
+    return out

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import stat
 import struct
 from pathlib import Path
 
@@ -22,6 +21,7 @@ import torch
 
 from shardstream import cli
 
+from .harness import tree_contents
 from .test_hostile import HOSTILE_FILES
 
 SINGLE = "model.safetensors"
@@ -148,21 +148,6 @@ def _flip(path: Path, at: int) -> None:
     path.write_bytes(bytes(raw))
 
 
-def _tree(root: Path) -> dict[str, object]:
-    """Every entry under ``root``: a file's bytes, a link's target, else its kind (a FIFO is
-    never opened)."""
-    out: dict[str, object] = {}
-    for path in sorted(root.rglob("*")):
-        mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
-            out[str(path)] = ("link", os.readlink(path))
-        elif stat.S_ISREG(mode):
-            out[str(path)] = path.read_bytes()
-        else:
-            out[str(path)] = stat.S_IFMT(mode)
-    return out
-
-
 # --- running the CLI ----------------------------------------------------------------------------
 
 
@@ -190,7 +175,7 @@ def _refused(
     else under ``tmp_path``) is as it was."""
     target = target if target is not None else tmp_path / "merged"
     existed = target.exists()
-    before = _tree(tmp_path)
+    before = tree_contents(tmp_path)
     code, err = _run(capsys, command, source, target, *extra)
     assert code != 0, (command, err)
     assert "Traceback" not in err, err
@@ -202,7 +187,7 @@ def _refused(
     if not existed:
         assert not target.exists(), err
     assert not [p for p in target.parent.iterdir() if ".tmp-" in p.name]
-    assert _tree(tmp_path) == before
+    assert tree_contents(tmp_path) == before
     return err
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from collections.abc import Callable
 from pathlib import Path
 
@@ -31,6 +30,8 @@ import pytest
 import torch
 
 from shardstream import cli
+
+from .harness import tree_contents
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -174,19 +175,6 @@ def _source(directory: Path, state: dict, config: dict | str) -> Path:
     return directory
 
 
-def _tree(root: Path) -> dict[str, object]:
-    out: dict[str, object] = {}
-    for path in sorted(root.rglob("*")):
-        mode = path.lstat().st_mode
-        if stat.S_ISLNK(mode):
-            out[str(path)] = ("link", os.readlink(path))
-        elif stat.S_ISREG(mode):
-            out[str(path)] = path.read_bytes()
-        else:
-            out[str(path)] = stat.S_IFMT(mode)
-    return out
-
-
 def _cli(capsys, *argv) -> tuple[int, str]:
     capsys.readouterr()  # what building the references printed (save_pretrained's progress)
     code = cli.main([str(a) for a in argv])
@@ -227,7 +215,7 @@ def _check(
     ``refusal`` allows it, a clean refusal naming config.json or one of the tensors (stored,
     stripped or ``expected``'s, and ``names``). inspect never tracebacks."""
     target = tmp_path / "merged"
-    before = _tree(source)
+    before = tree_contents(source)
     code, err = _cli(capsys, "merge", "--local_dir", source, "--target_dir", target, "--quiet")
     assert "Traceback" not in err, err
     if code == 0:
@@ -244,7 +232,7 @@ def _check(
         )
         assert not target.exists()
         assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
-    assert _tree(source) == before
+    assert tree_contents(source) == before
     icode, ierr = _cli(capsys, "inspect", source)
     if icode != 0:
         _one_line(ierr, "inspect")
@@ -809,7 +797,7 @@ def test_a_hostile_cache_directory_never_changes_the_output(tmp_path, capsys, mo
     config, state = _base("qwen3_moe")
     source = _source(tmp_path / "hf", state, config)
     expected = _reference("qwen3_moe", state, tmp_path / "reference")
-    before = _tree(tmp_path / "reference")
+    before = tree_contents(tmp_path / "reference")
     for attempt in ("first", "second"):  # the second may read what the first cached
         from shardstream.formats import hf_names
 
@@ -819,6 +807,6 @@ def test_a_hostile_cache_directory_never_changes_the_output(tmp_path, capsys, mo
         )
         assert code == 0 and "Traceback" not in err, err
         _same_tensors(tmp_path / attempt, expected)
-    assert _tree(tmp_path / "reference") == before
+    assert tree_contents(tmp_path / "reference") == before
     if cache.is_dir() and os.access(cache, os.W_OK):
         assert len(list(cache.glob("*.json"))) <= 64  # pruned to MAX_ENTRIES, junk included
