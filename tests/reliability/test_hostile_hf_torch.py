@@ -27,7 +27,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from .test_hostile_hf_source import _refused, _run, _tree, write_halves
+from .harness import tree_contents
+from .test_hostile_hf_source import _refused, _run, write_halves
 
 transformers = pytest.importorskip("transformers")
 
@@ -282,7 +283,7 @@ def test_dtype_without_a_typed_storage_merges_exactly_or_is_refused(tmp_path, ca
     cleanly naming the file; never write other values."""
     value = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype)
     source = _single(tmp_path / "hf", {**_state(), "extra": value})
-    before = _tree(tmp_path)
+    before = tree_contents(tmp_path)
     code, err = _run(capsys, "merge", source, tmp_path / "merged", "--keep-names")
     if code == 0:
         got = _merged(tmp_path / "merged")["extra"]
@@ -290,7 +291,7 @@ def test_dtype_without_a_typed_storage_merges_exactly_or_is_refused(tmp_path, ca
     else:  # said as what it is, not as a pickle asking for code
         assert "Traceback" not in err and str(source / SINGLE) in err, err
         assert "untyped storage (float8, uint16" in err, err
-        assert not (tmp_path / "merged").exists() and _tree(tmp_path) == before
+        assert not (tmp_path / "merged").exists() and tree_contents(tmp_path) == before
 
 
 @pytest.mark.parametrize(
