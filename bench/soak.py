@@ -76,6 +76,7 @@ SECTIONS = [
             "test_hostile_hf_source",
             "test_hostile_hf_torch",
             "test_hostile_layout_plan",
+            "test_hostile_restore",
         ),
         ("hostile",),
     ),  # fmt: skip

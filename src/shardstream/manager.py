@@ -566,11 +566,15 @@ class CheckpointManager:
                     raise step
                 if step is None:
                     return None
-            elif step not in self.all_steps():
-                raise CheckpointNotFoundError(
-                    f"{self.root}: no committed checkpoint for step {step} "
-                    f"(committed: {self.all_steps() or 'none'})"
-                )
+            else:  # every rank learns of a rank asking for a step that is not there
+                committed = self.all_steps()
+                error = None
+                if step not in committed:
+                    error = CheckpointNotFoundError(
+                        f"{self.root}: no committed checkpoint for step {step} "
+                        f"(committed: {committed or 'none'})"
+                    )
+                coll.agree_or_raise(error, "restore")
             try:
                 result = self._load(self.step_dir(step))
             except ShardstreamError:

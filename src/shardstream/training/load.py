@@ -70,28 +70,52 @@ class _Source:
     precheck: Any = None
 
 
-def _verl_layout_everywhere(path: Path) -> tuple[bool, bool]:
-    """(a verl checkpoint, with optimizer files), the same on every rank or an error on all.
-
-    The ranks then read a verl checkpoint's rank files in turns, a share each, which only
-    works if every rank takes that path."""
+def _same_request_everywhere(
+    path: Path, want_model: bool, want_optimizer: bool, contents: Iterable[str]
+) -> tuple[bool, bool]:
+    """Every rank restores the same checkpoint (by directory name), the same parts, and sees
+    the same files there, or every rank raises: a rank that restored another step, or not
+    the optimizer, would leave the others waiting in a collective or mix two states.
+    Returns (a verl checkpoint, with optimizer files): the ranks then read a verl
+    checkpoint's rank files in turns, a share each, which only works if all take that path."""
     from ..formats.source import Kind, detect
 
     here, error = None, None
     try:
+        if not path.is_dir():
+            raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
         is_verl = detect(path) is Kind.VERL
-        here = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
+        layout = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
+        parts = tuple(sorted(contents)), want_model, want_optimizer
+        here = (path.name, parts, layout)
     except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
         error = exc
     seen = coll.gather_or_raise(here, error, "restore")
-    if any(other != here for other in seen):
-        odd = next(r for r, other in enumerate(seen) if other != seen[0])
+    odd = next((r for r, other in enumerate(seen) if other != seen[0]), None)
+    if odd is not None:
+        (name, parts, layout), (name0, parts0, layout0) = seen[odd], seen[0]
+        if name != name0:
+            why = f"rank {odd} restores {name!r}, rank 0 {name0!r}"
+        elif parts != parts0:
+            why = (
+                f"rank {odd} restores {_parts(parts)}, rank 0 {_parts(parts0)} (load_contents, "
+                "and whether a model and an optimizer are given, must agree)"
+            )
+        else:
+            why = (
+                f"rank {odd} sees other files there than rank 0 (verl model / optimizer "
+                f"files: {layout} against {layout0})"
+            )
         raise CheckpointFormatError(
-            f"{path}: rank {odd} sees other files there than rank 0 (verl model / optimizer "
-            f"files: {seen[odd]} against {seen[0]}); restore needs the same checkpoint on "
-            "every rank"
+            f"{path}: {why}; restore needs the same checkpoint and parts on every rank"
         )
-    return here
+    return here[2]
+
+
+def _parts(parts: tuple) -> str:
+    contents, model, optimizer = parts
+    given = [w for w, on in (("model", model), ("optimizer", optimizer)) if on]
+    return f"contents {list(contents)} into {' and '.join(given) or 'nothing'}"
 
 
 def _open_source(
@@ -112,7 +136,7 @@ def _open_source(
 
     ``regions`` (name -> the part of the tensor this rank restores) lets a native checkpoint
     open only what this rank reads. Every rank opens a verl checkpoint together, reading a
-    share of its rank files; ``verl_optimizer_files`` comes from ``_verl_layout_everywhere``,
+    share of its rank files; ``verl_optimizer_files`` comes from ``_same_request_everywhere``,
     so all of them agree on whether its optimizer files are read too. ``fsdp1``: the live
     model's FSDP1 layout, which places verl's flat-parameter optimizer state."""
     from ..formats.source import Kind, checkpoints_below, detect
@@ -553,10 +577,15 @@ def _accelerate_rng(state: Any) -> dict:
 
 
 def _checked_targets(
-    path: Path, source: _Source, model_tensors: dict | None, optim_tensors: dict | None
+    path: Path,
+    source: _Source,
+    model_tensors: dict | None,
+    optim_tensors: dict | None,
+    live_kinds: set[str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """The live tensors to fill (None: not restored), once the checkpoint is known to hold
-    them with their shapes."""
+    them with their shapes, and no kind of optimizer state the live optimizer lacks
+    (``live_kinds``: the kinds it keeps, on any rank)."""
     saved, available = source.saved, source.tensors
     for what, tensors in (("model", model_tensors), ("optimizer", optim_tensors)):
         if tensors is not None and what not in saved:
@@ -580,6 +609,16 @@ def _checked_targets(
             f"{path}: checkpoint has tensor {unexpected[0]!r}, which the model lacks "
             f"({len(unexpected)} such); was it saved from a different model?"
         )
+    saved_state = [k for k in everything if k.startswith(native.OPTIMIZER_PREFIX)]
+    unknown = [k for k in saved_state if _state_kind(k) not in (live_kinds or ())]
+    if optim_tensors is not None and live_kinds is not None and unknown:
+        kinds = ", ".join(sorted({_state_kind(k) for k in unknown}))
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has optimizer state the live optimizer lacks ({kinds}; "
+            f"{len(unknown)} tensors, e.g. {unknown[0]!r}): saved by another optimizer or "
+            "other settings (momentum, amsgrad). Restore the model alone (load_contents "
+            "without 'optimizer') to start the optimizer afresh"
+        )
     for name, tensor in targets.items():
         if tuple(tensor.shape) != available[name].shape:
             raise CheckpointFormatError(
@@ -587,6 +626,11 @@ def _checked_targets(
                 f"checkpoint but {list(tensor.shape)} in the model"
             )
     return targets
+
+
+def _state_kind(name: str) -> str:
+    """``optimizer.state.<fqn>.exp_avg`` -> ``exp_avg``."""
+    return name.rsplit(".", 1)[-1]
 
 
 def _local_region(tensor: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -694,7 +738,10 @@ def load(
     """Load ``path`` into live (possibly FSDP2-sharded) objects at any world size, in place.
 
     Every part asked for (model, optimizer, scheduler, RNG) is opened and checked against the
-    live objects first; if one cannot be restored, nothing is touched and the error names it.
+    live objects first, and every rank must ask for the same checkpoint and parts; if one
+    cannot be restored, nothing is touched and every rank raises an error naming it. A
+    checksum mismatch met while streaming stops the restore, naming the file; what was read
+    before it is in place by then.
     ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
     level), where detection finds several candidates. ``states``: other Stateful objects of
     a DCP train state by container name (torchtitan's ``{"dataloader": ..., "train_state":
@@ -708,10 +755,9 @@ def load(
     started = time.perf_counter()
     contents = native.check_contents(contents, "load_contents")
     path = Path(path)
-    if not path.is_dir():
-        raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
     want_model = "model" in contents and model is not None
     want_optimizer = "optimizer" in contents and optimizer is not None
+    _, verl_optimizer_files = _same_request_everywhere(path, want_model, want_optimizer, contents)
     # A model whose state_dict hooks present other keys (torchtitan's fused QKV): its live
     # tensors by attribute, the saved ones described in their terms (training/hooks.py).
     presented = None
@@ -733,7 +779,12 @@ def load(
             st.optimizer_state(model, optimizer) if want_optimizer else ({}, {})
         )
     regions = {n: _local_region(t) for n, t in {**model_tensors, **optim_tensors}.items()}
-    _, verl_optimizer_files = _verl_layout_everywhere(path)
+    # The kinds of state (exp_avg, momentum_buffer...) the live optimizer keeps, over all
+    # ranks: a rank of FSDP1 holds some parameters' state only.
+    live_kinds = None
+    if want_optimizer:
+        mine = sorted({_state_kind(k) for k in optim_tensors})
+        live_kinds = set().union(*coll.gather(mine))
     # Ranks open only the files they read, so one may fail where others do not: fail together,
     # before the collective load.
     error: Exception | None = None
@@ -763,6 +814,7 @@ def load(
             source,
             model_tensors if want_model else None,
             optim_tensors if want_optimizer else None,
+            live_kinds,
         )
         pending = _checked_parts(
             path,
@@ -820,7 +872,7 @@ def load(
             st.apply_model_copies(  # that may never exit
                 model, {k: v for k, v in model_tensors.items() if k in targets}
             )
-        if optim_tensors:
+        if want_optimizer:  # a stateless one (plain SGD) too: its param groups
             groups = objects["optimizer"]["param_groups"]
             if flat is not None:
                 flat.apply_optimizer(optimizer, pending.optimizer, groups)
@@ -892,7 +944,7 @@ def _checked_parts(
     pending = _Pending()
     part = "optimizer"
     try:
-        if optim_tensors:
+        if live_groups is not None:  # the optimizer is restored, with or without tensors
             optim = source.objects["optimizer"]
             values = {**optim.get("scalars", {}), **optim_tensors}
             pending.optimizer = st.nest_optimizer_state(model, values, param_names)

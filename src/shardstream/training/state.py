@@ -161,8 +161,18 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
                 f"param_groups[{i}]: not a group with a list of parameter names"
             )
         if frozenset(params) not in live:
+            # the live group sharing most parameters with it: say what differs
+            near = max(live, key=lambda g: len(g & frozenset(params)), default=frozenset())
+            extra, lacking = sorted(set(params) - near), sorted(near - set(params))
+            differs = "; ".join(
+                f"{what} {', '.join(repr(n) for n in names[:3])}"
+                + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+                for what, names in (("saved only", extra), ("live only", lacking))
+                if names
+            )
             raise CheckpointFormatError(
-                f"param_groups[{i}]: its parameters are not those of any of the optimizer's groups"
+                f"param_groups[{i}]: its parameters are not those of any of the optimizer's "
+                f"groups ({differs}): was it saved from a different model?"
             )
 
 
