@@ -15,6 +15,7 @@ from ..engine.dtypes import itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
 from ..engine.plan import TensorSlice, split_ranges
+from ..engine.readahead import reading_ahead
 from ..errors import CheckpointFormatError, ShardstreamError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
@@ -171,7 +172,11 @@ def merge(
         lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     where = str(config_dir / "config.json") if config_dir else "config.json"
-    names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
+    # A layout transformers must plan takes seconds (its import, the model on meta): the disk
+    # reads the first source bytes meanwhile. Ranks of a distributed merge read their own.
+    budget = 0 if coll.world() > 1 else None
+    with reading_ahead((b for t in tensors for b in t.blocks), budget):
+        names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
