@@ -43,6 +43,7 @@ bench: $(STAMP)
 	$(PY) -m pip install --quiet -e '.[bench]'
 	$(PY) bench/run.py
 	$(PY) bench/moe_merge.py  # issue #22: a 2.5 GB Qwen3-MoE merge against a dense one; its section of docs/benchmarks.md
+	$(PY) bench/moe_merge.py --source-cache evicted --no-reference  # the same, checkpoints read from disk
 	$(PY) bench/distributed_merge_bench.py --ckpt bench/results/ckpt/qwen2-4gb-ws4/global_step_1/actor --repeats 1
 	$(PY) bench/dcp_merge_bench.py
 	$(PY) bench/wide_merge_bench.py

@@ -594,8 +594,61 @@ def _margin_lines(m: dict, goal: float) -> str | None:
     return line
 
 
-def render_moe(m: dict) -> str:
-    """The MoE merge section, from moe-merge.json only."""
+def render_moe_evicted(e: dict) -> list[str]:
+    """The MoE section's part on checkpoints read from disk (moe-merge-evicted.json)."""
+    s, goal = e["summary"], e["targets"]["ratio"]
+    rows = []
+    for kind, label in MOE_SHORT.items():
+        k = s.get(kind)
+        if not k or kind == "moe_fused":
+            continue
+        ckpt = e["checkpoints"][MOE_CHECKPOINT[kind]]
+        if not k.get("n_ok"):
+            rows.append([label, f"{ckpt['bytes']:,}", f"FAILED ({k['n']} runs)", "", "", "", ""])
+            continue
+        ratio = k.get("ratio_to_dense")
+        call = k.get("call_ratio_to_dense")
+        rows.append(
+            [
+                label,
+                f"{ckpt['bytes']:,}",
+                f"{k['median_wall_s']:.2f}",
+                f"{k['s_per_gb']:.3f}",
+                "1 (reference)" if ratio is None else f"{ratio:.3f}",
+                "–" if call is None else f"{call:.3f}",
+                f"{k['max_peak_rss_mib']:.0f} ({k['median_peak_rss_mib']:.0f})",
+            ]
+        )
+    head = (
+        "merge | checkpoint bytes | median wall s | s/GB | ratio to dense (per byte) "
+        "| merge call alone, ratio | peak RSS MiB, max (median)"
+    )
+    lines = [
+        "### Checkpoints read from disk",
+        "",
+        generated_note(
+            "bench/moe_merge.py --source-cache evicted and bench/report.py",
+            "bench/results/moe-merge-evicted.json",
+        ),
+        "",
+        f"The same merges with the page cache {e['cache']}. Run {e['started']} → "
+        f"{e['finished']} ({e['duration_s'] / 60:.1f} min), `{' '.join(e['argv'])}`; "
+        f"shardstream @ {e['revision']}"
+        + (" (+uncommitted changes in src/)" if e.get("src_dirty") else "")
+        + f"; {e['repeats']} runs of each, interleaved; medians. While a cold merge plans its "
+        "layout, the disk already reads the first source bytes (`engine/readahead.py`).",
+        "",
+        *table(head, "lrrrrrr", rows),
+        "",
+    ]
+    margin = _margin_lines(e, goal)
+    if margin:
+        lines += [margin, ""]
+    return lines
+
+
+def render_moe(m: dict, evicted: dict | None = None) -> str:
+    """The MoE merge section, from moe-merge.json (and moe-merge-evicted.json, ``evicted``)."""
     s, mach, model = m["summary"], m["machine"], m["model"]
     rss_goal, ratio_goal = m["targets"]["peak_rss_mib"], m["targets"]["ratio"]
     rows = []
@@ -809,10 +862,11 @@ def render_moe(m: dict) -> str:
     else:
         extra.append("- Not compared with `save_pretrained` in this run (`--no-reference`).")
     lines += extra
+    lines += ["", *(render_moe_evicted(evicted) if evicted else [])]
     lines += [
-        "",
-        "Reproduce: `.venv/bin/python bench/moe_merge.py` (part of `make bench`; "
-        "`bench/report.py --moe` re-renders this section from the JSON).",
+        "Reproduce: `.venv/bin/python bench/moe_merge.py` and `bench/moe_merge.py "
+        "--source-cache evicted` (part of `make bench`; `bench/report.py --moe` re-renders "
+        "this section from the JSON).",
         "",
     ]
     return "\n".join(lines) + "\n"
@@ -839,10 +893,19 @@ def splice_moe(text: str, section: str) -> str:
     return text.rstrip("\n") + "\n\n" + section
 
 
+def _moe_results(src: Path) -> str:
+    """The MoE section from ``src`` and the evicted run's JSON beside it, where there is one."""
+    evicted = src.with_name(src.stem + "-evicted" + src.suffix)
+    return render_moe(
+        json.loads(src.read_text()),
+        json.loads(evicted.read_text()) if evicted.is_file() else None,
+    )
+
+
 def write_moe(src: Path, doc: Path) -> Path:
     """Re-render only the MoE section of ``doc`` from ``src``."""
     text = doc.read_text() if doc.is_file() else ""
-    return write_doc(doc, splice_moe(text, render_moe(json.loads(src.read_text()))))
+    return write_doc(doc, splice_moe(text, _moe_results(src)))
 
 
 def write_report(r: dict, doc: Path, img_dir: Path) -> Path:
@@ -852,7 +915,7 @@ def write_report(r: dict, doc: Path, img_dir: Path) -> Path:
     # Keep the MoE section: fresh from its JSON where there is one, else as the page had it.
     moe_json = BENCH / "results" / "moe-merge.json"
     if moe_json.is_file():
-        text = splice_moe(text, render_moe(json.loads(moe_json.read_text())))
+        text = splice_moe(text, _moe_results(moe_json))
     elif doc.is_file() and (old := moe_section(doc.read_text())) is not None:
         text = splice_moe(text, old + "\n")
     return write_doc(doc, text)
