@@ -18,6 +18,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 from transformers import get_cosine_schedule_with_warmup
 
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.testing.compare import clone_nested
 
 from . import workers
 
@@ -256,7 +257,7 @@ def _fused_state(model, optimizer) -> dict:
         fqn: {k: full(v) if isinstance(v, torch.Tensor) else v for k, v in entries.items()}
         for fqn, entries in optim["state"].items()
     }
-    return {"model": params, "optim": state, "groups": workers._clone(optim["param_groups"])}
+    return {"model": params, "optim": state, "groups": clone_nested(optim["param_groups"])}
 
 
 def _presented(name: str, value, sizes) -> dict:

@@ -16,7 +16,10 @@ from torch.distributed.checkpoint.state_dict import (
 
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.formats import verl
-from shardstream.testing.compare import assert_nested_equal  # noqa: F401  (tests use it here)
+from shardstream.testing.compare import (
+    assert_nested_equal,  # noqa: F401  (tests use it here)
+    clone_nested,
+)
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -62,19 +65,9 @@ def full_state(model, optimizer, scheduler) -> dict:
     # Clone: full state dicts may alias live tensors, which later training steps would change.
     return {
         "model": {k: v.clone() for k, v in model_sd.items()},
-        "optim": _clone(optim_sd),
-        "scheduler": _clone(scheduler.state_dict()),
+        "optim": clone_nested(optim_sd),
+        "scheduler": clone_nested(scheduler.state_dict()),
     }
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
 
 
 def _world_mesh(world: int, layout: str) -> tuple[int, ...] | None:

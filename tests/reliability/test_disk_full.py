@@ -13,13 +13,13 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
-import torch
 
 from shardstream import cli
 from shardstream.commands.verify import verify
 from shardstream.errors import OutOfSpaceError, ShardstreamError
 from shardstream.manager import CheckpointConfig, CheckpointManager, committed_steps, read_latest
 from shardstream.storage.commit import TMP_MARK
+from shardstream.testing.compare import clone_nested
 from shardstream.training import load as loading
 
 from .forkserver import build_model, build_optimizer, train_step
@@ -29,16 +29,6 @@ from .mounts import fill, small_filesystem, snapshot
 
 def _leftovers(directory: Path) -> list[str]:
     return sorted(p.name for p in directory.iterdir() if TMP_MARK in p.name)
-
-
-def _clone(value):
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
 
 
 def _restored_state(step_dir: Path) -> dict:
@@ -58,7 +48,7 @@ def test_save_on_a_full_disk(tmp_path):
         with CheckpointManager(config, model=model, optimizer=optimizer) as manager:
             train_step(model, optimizer, 0, 1)
             manager.save(1)
-            good = {1: _clone(full_state(model, optimizer))}
+            good = {1: clone_nested(full_state(model, optimizer))}
             size = sum(p.stat().st_size for p in (root / "global_step_1").iterdir())
             step_bytes = trials(4096, 512)
             levels = list(range(0, size + 4 * 4096, step_bytes))
@@ -79,10 +69,10 @@ def test_save_on_a_full_disk(tmp_path):
                     if (root / f"global_step_{step}").is_dir():
                         # Committed, but the latest pointer could not be replaced: complete.
                         stats["  step committed, pointer not moved (complete, verified)"] += 1
-                        good[step] = _clone(full_state(model, optimizer))
+                        good[step] = clone_nested(full_state(model, optimizer))
                 else:
                     stats["save succeeded"] += 1
-                    good[step] = _clone(full_state(model, optimizer))
+                    good[step] = clone_nested(full_state(model, optimizer))
                 finally:
                     (disk / "ballast").unlink()
                 manager.wait()  # retention's background deletion too

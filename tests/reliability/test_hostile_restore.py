@@ -31,6 +31,7 @@ from torch import nn
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.errors import ShardstreamError, UsageError
 from shardstream.formats import native
+from shardstream.testing.compare import clone_nested
 from shardstream.testing.distributed import preload, run
 
 # What every rank imports, imported once by the fork server the ranks start from (a rank then
@@ -136,20 +137,6 @@ def _build(rank: int, world: int, spec: dict):
     return spec, kind, model, optimizer, scheduler
 
 
-def _clone(value):
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(value, DTensor):
-        value = value.to_local()
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _clone(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_clone(v) for v in value)
-    return value
-
-
 def _full_state(model, optimizer, scheduler) -> dict:
     """The whole model, optimizer and scheduler state, gathered (a collective)."""
     from torch.distributed.checkpoint.state_dict import (
@@ -159,12 +146,13 @@ def _full_state(model, optimizer, scheduler) -> dict:
     )
 
     full = StateDictOptions(full_state_dict=True)
-    return _clone(
+    return clone_nested(
         {
             "model": get_model_state_dict(model, options=full),
             "optim": get_optimizer_state_dict(model, optimizer, options=full),
             "scheduler": scheduler.state_dict(),
-        }
+        },
+        local=True,
     )
 
 
@@ -172,10 +160,13 @@ def _local_state(model, optimizer) -> dict:
     """This rank's shards of the parameters and optimizer state (no collective)."""
     names = {id(p): n for n, p in model.named_parameters()}
     return {
-        "params": {n: _clone(p) for n, p in model.named_parameters()},
-        "state": {names[id(p)]: _clone(dict(s)) for p, s in optimizer.state.items()},
+        "params": {n: clone_nested(p, local=True) for n, p in model.named_parameters()},
+        "state": {
+            names[id(p)]: clone_nested(dict(s), local=True) for p, s in optimizer.state.items()
+        },
         "groups": [
-            _clone({k: v for k, v in g.items() if k != "params"}) for g in optimizer.param_groups
+            clone_nested({k: v for k, v in g.items() if k != "params"}, local=True)
+            for g in optimizer.param_groups
         ],
     }
 

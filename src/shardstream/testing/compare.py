@@ -13,6 +13,23 @@ def bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.contiguous().reshape(-1).view(torch.uint8)
 
 
+def clone_nested(value: Any, local: bool = False) -> Any:
+    """A copy of nested state (dicts, lists, tuples) with every tensor detached and cloned;
+    ``local``: a DTensor becomes a clone of this rank's shard."""
+    if local:
+        from torch.distributed.tensor import DTensor
+
+        if isinstance(value, DTensor):
+            value = value.to_local()
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, dict):
+        return {k: clone_nested(v, local) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(clone_nested(v, local) for v in value)
+    return value
+
+
 def assert_bit_identical(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]):
     """The same names, and each tensor the same dtype, shape and bytes."""
     assert sorted(got) == sorted(want)
