@@ -487,13 +487,6 @@ def _collide(prefix: str):
     return edit
 
 
-ZERO_EXPERT_WIDTH = (
-    "refused ('tensor ...experts.0.down_proj.weight: ... computes it from the stored tensors, "
-    "not a rename or a slice'), though save_pretrained writes the per-expert tensors of width "
-    "0 ([0, 16], [16, 0]): hf_names._as_box returns None for a zero-element view that is not "
-    "the whole stored tensor, and _trace_v5 then refuses it; any box of no elements would do"
-)
-
 # (id, families, config edit or None, state edit, expectation)
 STATE_CASES = [
     ("gate_up_2d", ("qwen3_moe", "mixtral", "deepseek_v3", "gpt_oss"), None,
@@ -533,7 +526,7 @@ STATE_CASES = [
     ("collide_fsdp_under_module", ("qwen3_moe",), None, _compose(
         _collide("_fsdp_wrapped_module."), _wrap("module.")), "refuse"),
 ]  # fmt: skip
-XFAIL_STATE = {("zero_expert_width", "qwen3_moe"): ZERO_EXPERT_WIDTH}
+XFAIL_STATE: dict[tuple[str, str], str] = {}  # none left
 
 
 def _state_params():

@@ -381,12 +381,21 @@ def test_files_split_like_huggingface_hub_with_shared_storage():
     ]
 
 
-def test_a_view_of_a_tensor_without_elements_is_whole_or_no_box():
-    """No element tells where such a view lies (a stride of 0 divided the offset before)."""
+def test_a_view_of_a_tensor_without_elements_is_whole_or_an_empty_box():
+    """No element tells where such a view lies, and none is copied: an expert of a fused
+    tensor of width 0 is a box of no elements, its dims matched by size (save_pretrained
+    writes such [0, H] tensors)."""
     base = torch.empty(0, device="meta")
     stored = base[0:0].view(3, 0, 8)
     assert hf_names._as_box("out", "fused", (3, 0, 8), stored, 0).whole
-    assert hf_names._as_box("out", "fused", (3, 0, 8), stored[1], 0) is None
+    piece = hf_names._as_box("out", "fused", (3, 0, 8), stored[1], 0)
+    assert (piece.shape, piece.extent, piece.dims, piece.whole) == (
+        (0, 8),
+        (1, 0, 8),
+        (1, 2),
+        False,
+    )
+    assert hf_names._as_box("out", "fused", (3, 0, 8), base[0:0].view(0, 9), 0) is None  # no fit
 
 
 def _layers(prefix: str, indices) -> list[tuple[str, str, tuple[int, ...]]]:

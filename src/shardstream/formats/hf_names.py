@@ -500,7 +500,9 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
             return func(*args, **(kwargs or {}))
 
     starts, fakes, offset = [], {}, 0
-    total = sum(max(math.prod(s), 1) for _, _, s in plain)
+    # Each stored tensor gets the slots its contiguous strides span (a zero-size dim counts
+    # as 1, as torch strides it), so that even a view of no element points into its own.
+    total = sum(_span(s) for _, _, s in plain)
     bases = {}
     for name, dtype, shape in plain:
         code = TORCH_BY_CODE[dtype]
@@ -508,7 +510,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
             bases[code] = torch.empty(total, dtype=code, device="meta")
         fakes[name] = bases[code][offset : offset + math.prod(shape)].view(shape)
         starts.append(offset)
-        offset += math.prod(shape) or 1
+        offset += _span(shape)
     base_ids = {id(b) for b in bases.values()}
     try:
         with KeepViews():
@@ -561,15 +563,23 @@ def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
     return shared
 
 
+def _span(shape: Sequence[int]) -> int:
+    return math.prod(max(n, 1) for n in shape)
+
+
 def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | None:
     """The box of stored tensor ``stored`` (``shape``) that meta ``view`` is, or None."""
-    if math.prod(view.shape) == 0 or math.prod(shape) == 0:  # no element tells where it lies
-        return _whole(name, stored, shape) if tuple(view.shape) == tuple(shape) else None
+    if tuple(view.shape) == tuple(shape) and math.prod(shape) == 0:
+        return _whole(name, stored, shape)
     strides = [1] * len(shape)
     for d in range(len(shape) - 2, -1, -1):
         strides[d] = strides[d + 1] * shape[d + 1]
-    flat = view.storage_offset() - base_offset
-    start = [flat // stride % size for size, stride in zip(shape, strides)]
+    empty = math.prod(view.shape) == 0  # no element tells where it lies, and none is copied
+    if empty:
+        start = [0] * len(shape)
+    else:
+        flat = view.storage_offset() - base_offset
+        start = [flat // stride % size for size, stride in zip(shape, strides)]
     extent = [1] * len(shape)
     dims: list[int | None] = []
     nxt = 0
@@ -577,14 +587,11 @@ def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | No
         if size == 1:
             dims.append(None)
             continue
-        j = next(
-            (
-                j
-                for j in range(nxt, len(shape))
-                if strides[j] == stride and start[j] + size <= shape[j]
-            ),
-            None,
-        )
+        fits = [j for j in range(nxt, len(shape)) if start[j] + size <= shape[j]]
+        if empty:  # strides say nothing then: the first stored dim of that size, in order
+            j = next((j for j in fits if shape[j] == size), None)
+        else:
+            j = next((j for j in fits if strides[j] == stride), None)
         if j is None:
             return None
         dims.append(j)
