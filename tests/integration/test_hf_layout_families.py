@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from shardstream import merge
+from shardstream.testing.tiny_models import randomized
 
 from .test_hf_layout import assert_same_model_files
 
@@ -92,11 +93,7 @@ def _model(family: str) -> torch.nn.Module:
     config_name, class_name, fields = FAMILIES[family]
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)(config).eval()
-    with torch.no_grad():  # every weight random: a zero-initialised one would hide a swap
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter))
-    return model
+    return randomized(getattr(transformers, class_name)(config), seed=None)
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 from shardstream import cli
+from shardstream.testing.tiny_models import randomized
 
 from .harness import tree_contents
 
@@ -106,11 +107,7 @@ def _build(family: str, config: dict | None = None) -> torch.nn.Module:
     else:
         hf_config = getattr(transformers, config_name).from_dict(config)
     torch.manual_seed(0)
-    model = getattr(transformers, class_name)(hf_config).eval()
-    with torch.no_grad():  # every weight random: a zero-initialised one would hide a swap
-        for parameter in model.parameters():
-            parameter.copy_(torch.randn_like(parameter))
-    return model
+    return randomized(getattr(transformers, class_name)(hf_config), seed=None)
 
 
 _BASES: dict[str, tuple[dict, dict[str, torch.Tensor]]] = {}
