@@ -796,7 +796,8 @@ def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -
             raise CheckpointFormatError(f"{where}: saved on a big-endian machine; unsupported")
         pickled = archive.read(pkl)
     except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
-            struct.error, NotImplementedError) as exc:  # fmt: skip
+            struct.error, NotImplementedError, RuntimeError) as exc:  # fmt: skip
+        # RuntimeError: zipfile's answer to a record flagged as encrypted (one flipped bit)
         if isinstance(exc, CheckpointFormatError):
             raise
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive: {exc}") from None

@@ -206,17 +206,22 @@ def _check_archive(f) -> None:
     try:
         archive = zipfile.ZipFile(f)
         names = archive.namelist()
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+        if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
+            raise UnsafeCheckpointError(
+                "refused to unpickle: a TorchScript archive, not a checkpoint"
+            )
+        if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
+            raise CheckpointFormatError("expected one data.pkl record in the archive")
+        # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
+        # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
+        order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
+        if order and archive.read(order[0]).strip() != b"little":
+            raise CheckpointFormatError("saved on a big-endian machine; only little-endian is read")
+    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as exc:
+        # RuntimeError: zipfile's answer to a record flagged as encrypted (one flipped bit)
+        if isinstance(exc, CheckpointFormatError):
+            raise
         raise CheckpointFormatError(str(exc) or type(exc).__name__) from None
-    if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
-        raise UnsafeCheckpointError("refused to unpickle: a TorchScript archive, not a checkpoint")
-    if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
-        raise CheckpointFormatError("expected one data.pkl record in the archive")
-    # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
-    # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
-    order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
-    if order and archive.read(order[0]).strip() != b"little":
-        raise CheckpointFormatError("saved on a big-endian machine; only little-endian is read")
     f.seek(0)
 
 
@@ -536,7 +541,7 @@ def _zip_damage(path: str) -> str | None:
                     pass
     except zipfile.BadZipFile as exc:
         return str(exc)
-    except (OSError, EOFError, ValueError, NotImplementedError) as exc:
+    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return None
 
