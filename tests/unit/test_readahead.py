@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from shardstream.engine.plan import Block, dense_block
-from shardstream.engine.readahead import block_span, ranges_in_order, reading_ahead
+from shardstream.engine.plan import Block, block_span, dense_block
+from shardstream.engine.readahead import ranges_in_order, reading_ahead
 
 
 def test_span_of_a_dense_and_a_strided_block():

@@ -388,6 +388,14 @@ class GlobalTensor:
         return math.prod(self.shape) * itemsize(self.dtype)
 
 
+def block_span(block: Block) -> tuple[int, int]:
+    """The bytes ``[start, stop)`` of its file that ``block`` lies in (empty: no element)."""
+    if not block.numel:
+        return block.offset, block.offset
+    last = sum((n - 1) * s for n, s in zip(block.shape, block.strides))
+    return block.offset, block.offset + (last + 1) * itemsize(block.dtype)
+
+
 def tensors_touching(
     named_blocks: Iterable[tuple[str, Sequence[Block]]], location: str, lo: int, hi: int
 ) -> list[str]:
@@ -397,8 +405,8 @@ def tensors_touching(
         for block in blocks:
             if block.location != location or not block.numel:
                 continue
-            last = sum((n - 1) * s for n, s in zip(block.shape, block.strides))
-            if block.offset < hi and block.offset + (last + 1) * itemsize(block.dtype) > lo:
+            start, stop = block_span(block)
+            if start < hi and stop > lo:
                 names.append(name)
                 break
     return names

@@ -17,8 +17,7 @@ import threading
 from collections.abc import Iterable, Iterator, Sequence
 
 from ..units import available_memory
-from .dtypes import itemsize
-from .plan import Block
+from .plan import Block, block_span
 
 log = logging.getLogger(__name__)
 
@@ -26,14 +25,6 @@ STEP_BYTES = 32 << 20  # one advice call at most: stopping waits for one
 MAX_BYTES = 8 << 30  # more than a plan takes to make at any disk's speed
 GAP_BYTES = 1 << 20  # ranges of one file closer than this are advised as one
 BATCH_BLOCKS = 4096  # blocks walked between looks at whether to stop
-
-
-def block_span(block: Block) -> tuple[int, int]:
-    """The bytes ``[start, stop)`` of its file that ``block`` lies in."""
-    if not block.shape or 0 in block.shape:
-        return block.offset, block.offset
-    last = sum((n - 1) * s for n, s in zip(block.shape, block.strides))
-    return block.offset, block.offset + (last + 1) * itemsize(block.dtype)
 
 
 def ranges_in_order(
