@@ -86,7 +86,7 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         "total_bytes": sum(t.nbytes for t in checkpoint.tensors),
         "tensors": tensors,
         "merge": _merge_estimate(checkpoint, config, config_dir),
-        "model_objects": list(getattr(checkpoint, "model_objects", ())),
+        "model_objects": list(checkpoint.model_objects),
     }
 
 
@@ -125,7 +125,7 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
     """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
     tensors it splits; or why merge would refuse the layout."""
     from ..errors import ShardstreamError
-    from ..formats.hf_names import check_stored_layers, plan_names
+    from ..formats.hf_names import plan_checkpoint_names
 
     if any(".lora_" in t.name for t in tensors):  # lora imports torch: only when needed
         from ..formats import lora
@@ -136,8 +136,7 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
     try:
         stored = [(t.name, t.dtype, t.shape) for t in base]
         where = str(config_dir / "config.json") if config_dir else "config.json"
-        plan = plan_names(stored, config, config_path=where)
-        check_stored_layers([(plan.stripped or {}).get(n, n) for n, _, _ in stored], config, where)
+        plan = plan_checkpoint_names(stored, config, config_path=where)
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}

@@ -269,7 +269,7 @@ def merge(
         skipped=sorted(drop),
         layout=names.describe(),
         kept_names=names.kept_names,
-        not_tensors=list(getattr(checkpoint, "model_objects", ())),
+        not_tensors=list(checkpoint.model_objects),
     )
 
 

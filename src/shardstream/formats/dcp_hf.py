@@ -77,6 +77,10 @@ class DcpHfCheckpoint:
     def lora_settings(self) -> dict | None:
         return None
 
+    @property
+    def model_objects(self) -> tuple[str, ...]:
+        return ()  # safetensors holds tensors only
+
     def endpoint(self, location: str) -> FileEndpoint:
         """A reader of one file that checks every chunk it reads against the checksums
         shardstream wrote into its header (a model it merged or exported); a plain reader

@@ -173,6 +173,21 @@ def plan_names(
 _PLANS: dict[tuple, NamePlan] = {}
 
 
+def plan_checkpoint_names(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    config: dict,
+    keep_names: bool = False,
+    config_path: str = "config.json",
+) -> NamePlan:
+    """``plan_names`` for a whole checkpoint's tensors, whose decoder layers must also be
+    those config.json counts (``check_stored_layers``): what merge, shardstream test, the
+    export and inspect plan by."""
+    plan = plan_names(tensors, config, keep_names, config_path)
+    plain = plan.stripped or {}
+    check_stored_layers([plain.get(n, n) for n, _, _ in tensors], config, config_path)
+    return plan
+
+
 def _table_decides(model_type: str) -> bool:
     """Whether ``NO_MAPPING_MODEL_TYPES`` answers for ``model_type`` with the transformers
     installed: none, or a version no newer than the newest the table was checked against.

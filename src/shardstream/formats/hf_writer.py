@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..engine.plan import GlobalTensor, slice_tensor
 from . import hf
-from .hf_names import NamePlan, check_stored_layers, plan_names
+from .hf_names import NamePlan, plan_checkpoint_names
 from .writer import FileJob, OutputTensor, WrittenFile, create_file, plan_file, seal_file
 
 # (file index, first chunk) -> the digests of the chunks from there on, as one writer hashed
@@ -40,14 +40,13 @@ def output_layout(
     config_path: str = "config.json",
 ) -> tuple[NamePlan, list[OutputTensor]]:
     """Every tensor but those in ``drop``, under the names, shapes and order ``save_pretrained``
-    gives them (``hf_names.plan_names``) and in its output dtype (``hf.cast_dtype``). A renamed
-    tensor keeps its source; a slice of a stored tensor reads its box (``TensorSlice``), so
-    splitting a fused tensor stays a byte-range plan. ``source.name`` is the stored name."""
+    gives them (``hf_names.plan_checkpoint_names``) and in its output dtype
+    (``hf.cast_dtype``). A renamed tensor keeps its source; a slice of a stored tensor reads
+    its box (``TensorSlice``), so splitting a fused tensor stays a byte-range plan.
+    ``source.name`` is the stored name."""
     kept = [t for t in tensors if t.name not in drop]
-    plan = plan_names([(t.name, t.dtype, t.shape) for t in kept], config, keep_names, config_path)
-    check_stored_layers(
-        [(plan.stripped or {}).get(t.name, t.name) for t in kept], config, config_path
-    )
+    stored = [(t.name, t.dtype, t.shape) for t in kept]
+    plan = plan_checkpoint_names(stored, config, keep_names, config_path)
     by_name = {t.name: t for t in kept}
     outputs = []
     for piece in plan.pieces:

@@ -434,6 +434,10 @@ class NativeCheckpoint:
         """``{"r", "lora_alpha", ...}`` of a model saved with LoRA adapters, else None."""
         return self.manifest.get("objects", {}).get("lora")
 
+    @property
+    def model_objects(self) -> tuple[str, ...]:
+        return ()  # every model entry is a tensor
+
     def config_dir(self) -> Path | None:
         hf = self.directory / "huggingface"
         if not (hf / "config.json").is_file():

@@ -118,6 +118,9 @@ class CheckpointSource(Protocol):
     @property
     def lora_settings(self) -> dict | None: ...  # r, lora_alpha, ... as saved; None: unknown
 
+    @property
+    def model_objects(self) -> tuple[str, ...]: ...  # non-tensor model entries merge leaves out
+
     def config_dir(self) -> Path | None:
         """Where config.json (and the tokenizer) lie; None when the checkpoint has none."""
         ...

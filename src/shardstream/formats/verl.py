@@ -83,6 +83,10 @@ class VerlCheckpoint:
     def lora_settings(self) -> dict | None:
         return None  # not recorded apart: lora.lora_settings reads verl's adapter files
 
+    @property
+    def model_objects(self) -> tuple[str, ...]:
+        return ()  # every model entry is a tensor
+
     def config_dir(self) -> Path | None:
         """Where config.json and tokenizer files live (``huggingface/``, or the dir itself)."""
         from .hf import check_no_links_out
