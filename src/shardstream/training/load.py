@@ -585,7 +585,7 @@ def _checked_targets(
 ) -> dict[str, torch.Tensor]:
     """The live tensors to fill (None: not restored), once the checkpoint is known to hold
     them with their shapes, and no kind of optimizer state the live optimizer lacks
-    (``live_kinds``: the kinds it keeps, on any rank)."""
+    (``live_kinds``: the kinds it keeps, on any rank; None when it is not restored)."""
     saved, available = source.saved, source.tensors
     for what, tensors in (("model", model_tensors), ("optimizer", optim_tensors)):
         if tensors is not None and what not in saved:
@@ -609,16 +609,20 @@ def _checked_targets(
             f"{path}: checkpoint has tensor {unexpected[0]!r}, which the model lacks "
             f"({len(unexpected)} such); was it saved from a different model?"
         )
-    saved_state = [k for k in everything if k.startswith(native.OPTIMIZER_PREFIX)]
-    unknown = [k for k in saved_state if _state_kind(k) not in (live_kinds or ())]
-    if optim_tensors is not None and live_kinds is not None and unknown:
-        kinds = ", ".join(sorted({_state_kind(k) for k in unknown}))
-        raise CheckpointFormatError(
-            f"{path}: checkpoint has optimizer state the live optimizer lacks ({kinds}; "
-            f"{len(unknown)} tensors, e.g. {unknown[0]!r}): saved by another optimizer or "
-            "other settings (momentum, amsgrad). Restore the model alone (load_contents "
-            "without 'optimizer') to start the optimizer afresh"
-        )
+    if live_kinds is not None:
+        lacking = [
+            k
+            for k in everything
+            if k.startswith(native.OPTIMIZER_PREFIX) and _state_kind(k) not in live_kinds
+        ]
+        if lacking:
+            kinds = ", ".join(sorted({_state_kind(k) for k in lacking}))
+            raise CheckpointFormatError(
+                f"{path}: checkpoint has optimizer state the live optimizer lacks ({kinds}; "
+                f"{len(lacking)} tensors, e.g. {lacking[0]!r}): saved by another optimizer or "
+                "other settings (momentum, amsgrad). Restore the model alone (load_contents "
+                "without 'optimizer') to start the optimizer afresh"
+            )
     for name, tensor in targets.items():
         if tuple(tensor.shape) != available[name].shape:
             raise CheckpointFormatError(
