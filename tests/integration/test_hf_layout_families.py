@@ -93,7 +93,7 @@ def _model(family: str) -> torch.nn.Module:
     config_name, class_name, fields = FAMILIES[family]
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(0)
-    return randomized(getattr(transformers, class_name)(config), seed=None)
+    return randomized(getattr(transformers, class_name)(config))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))

@@ -107,7 +107,7 @@ def _build(family: str, config: dict | None = None) -> torch.nn.Module:
     else:
         hf_config = getattr(transformers, config_name).from_dict(config)
     torch.manual_seed(0)
-    return randomized(getattr(transformers, class_name)(hf_config), seed=None)
+    return randomized(getattr(transformers, class_name)(hf_config))
 
 
 _BASES: dict[str, tuple[dict, dict[str, torch.Tensor]]] = {}

@@ -154,12 +154,10 @@ def tiny_moe_config() -> dict:
     return {**config, "architectures": ["Qwen3MoeForCausalLM"]}
 
 
-def randomized(model: nn.Module, seed: int | None = 0, scale: float = 1.0) -> nn.Module:
-    """``model`` in eval mode with every parameter drawn from a normal distribution (times
-    ``scale``, from ``seed``): none left at a constant init, so a swapped or dropped tensor
-    shows in every byte."""
-    if seed is not None:
-        torch.manual_seed(seed)
+def randomized(model: nn.Module, scale: float = 1.0) -> nn.Module:
+    """``model`` in eval mode with every parameter drawn anew from a normal distribution
+    (times ``scale``; the caller seeds torch before building it): none left at a constant
+    init, so a swapped or dropped tensor shows in every byte."""
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * scale)
@@ -173,7 +171,7 @@ def build_layout_model(case: str, seed: int = 0) -> nn.Module:
     config = layout_config(case)
     torch.manual_seed(seed)
     model = getattr(transformers, config.architectures[0])(config).float()
-    return randomized(model, None, 0.05)
+    return randomized(model, 0.05)
 
 
 def build_tiny_model(config, *, seed: int | None = 0, dtype: torch.dtype = torch.float32):
