@@ -78,6 +78,7 @@ BIG_VARIANTS = tuple(
     for kind, checkpoint, flags, cache in VARIANTS
     if kind != "moe_fused"
 )
+CHECKPOINT_OF = {kind: checkpoint for kind, checkpoint, _, _ in VARIANTS + BIG_VARIANTS}
 # inspect after each repeat: (name, checkpoint, layout cache), as above
 INSPECTS = (("dense", "dense", "cold"), ("moe", "moe", "cold"), ("moe_warm", "moe", "warm"))
 TIMED = ("dense", "moe", "moe_warm")  # the runs the RSS goal is checked on (and their _big)
@@ -189,6 +190,30 @@ import moe_merge
 args = argparse.Namespace(**json.loads({args!r}))
 moe_merge.build(args, "moe").to(torch.bfloat16).save_pretrained({target!r})
 """
+
+
+# The transformers modules a cold layout plan imports (hf_names: the package, its save-time
+# conversion, the config mapping, the model class), timed after torch in a fresh interpreter:
+# the part of a cold plan that any tool using transformers' own rules pays.
+IMPORT_PROBE = """
+import time, torch
+t = time.perf_counter()
+import transformers
+from transformers.core_model_loading import revert_weight_conversion
+from transformers import CONFIG_MAPPING
+CONFIG_MAPPING["qwen3_moe"]
+transformers.Qwen3MoeForCausalLM
+print(time.perf_counter() - t)
+"""
+
+
+def import_probe(env: dict) -> dict:
+    m = run_measured([sys.executable, "-c", IMPORT_PROBE], env=env, capture_stdout=True)
+    try:
+        seconds = float(m.stdout.strip().splitlines()[-1])
+    except (ValueError, IndexError):
+        seconds = None
+    return {"import_s": seconds, "wall_s": m.wall_s, "rc": m.returncode}
 
 
 def _tensors(directory: Path) -> dict[str, tuple[Path, str]]:
@@ -304,6 +329,7 @@ def merge_once(
         "bytes_written": me.get("bytes_written"),
         "tensors": me.get("tensors"),
         "layout": me.get("layout"),
+        "layout_s": me.get("layout_s"),
     }
 
 
@@ -320,12 +346,17 @@ def summarize(result: dict) -> dict:
             continue
         wall = statistics.median(r["wall_s"] for r in runs)
         calls = [r["merge_call_s"] for r in runs if r["merge_call_s"]]
+        layouts = [r["layout_s"] for r in runs if r.get("layout_s") is not None]
+        copies = [r["merge_call_s"] - r["layout_s"] for r in runs if r.get("layout_s") is not None]
         s[kind] = {
             "n_ok": len(runs),
             "n": sum(r["kind"] == kind for r in result["runs"]),
             "median_wall_s": wall,
             "s_per_gb": wall / (ckpt / 1e9),
             "median_merge_call_s": statistics.median(calls) if calls else None,
+            # the call's planning of the output names, and the rest of it (the copy)
+            "median_layout_s": statistics.median(layouts) if layouts else None,
+            "median_copy_s": statistics.median(copies) if copies else None,
             "call_s_per_gb": statistics.median(calls) / (ckpt / 1e9) if calls else None,
             "median_peak_rss_mib": statistics.median(r["peak_rss_mib"] for r in runs),
             "max_peak_rss_mib": max(r["peak_rss_mib"] for r in runs),
@@ -336,12 +367,19 @@ def summarize(result: dict) -> dict:
         }
     for kind in s.copy():
         k = s[kind]
-        dense = s.get("dense" + BIG if kind.endswith(BIG) else "dense", {})
+        dense_kind = "dense" + BIG if kind.endswith(BIG) else "dense"
+        dense = s.get(dense_kind, {})
         if kind.startswith("dense") or not (k.get("n_ok") and dense.get("n_ok")):
             continue
         k["ratio_to_dense"] = k["s_per_gb"] / dense["s_per_gb"]
         if k["call_s_per_gb"] and dense["call_s_per_gb"]:
             k["call_ratio_to_dense"] = k["call_s_per_gb"] / dense["call_s_per_gb"]
+        if k.get("median_copy_s") and dense.get("median_copy_s"):
+            ckpt = result["checkpoints"][CHECKPOINT_OF[kind]]["bytes"]
+            dense_ckpt = result["checkpoints"][CHECKPOINT_OF[dense_kind]]["bytes"]
+            k["copy_ratio_to_dense"] = (k["median_copy_s"] / ckpt) / (
+                dense["median_copy_s"] / dense_ckpt
+            )
     dense = s["dense"]
     margin = _margins(s, result["checkpoints"])
     if margin:
@@ -364,6 +402,9 @@ def summarize(result: dict) -> dict:
         s["ratio_without_planning"] = (
             (s["moe"]["median_wall_s"] - planning) / (ckpt / 1e9) / dense["s_per_gb"]
         )
+    probes = [r["import_s"] for r in result.get("import_runs", []) if r["import_s"]]
+    if probes:
+        s["transformers_import_s"] = statistics.median(probes)
     if {"dense", "moe_warm"} <= set(inspect):
         s["planning_warm_s"] = inspect["moe_warm"] - inspect["dense"]  # read from the cache
     # cold: the first merge of a layout on a machine (an empty layout cache); warm: every later
@@ -517,6 +558,7 @@ def main() -> int:
         "checkpoints": {},
         "runs": [],
         "inspect_runs": [],
+        "import_runs": [],
     }
     try:
         big = argparse.Namespace(**{**vars(args), "layers": args.layers * args.scale})
@@ -590,6 +632,9 @@ def main() -> int:
                 )
                 log(f"  inspect {kind}: {m.wall_s:.2f} s")
             shutil.rmtree(work / "layout-cache", ignore_errors=True)
+            probe = import_probe(env)
+            result["import_runs"].append({"repeat": i, **probe})
+            log(f"  transformers' import (the modules a cold plan uses): {probe['import_s']} s")
         merged = work / "moe" / "merged-moe"
         merged_warm = work / "moe" / "merged-moe_warm"
         result["output_bytes"] = {r["kind"]: r["bytes_written"] for r in result["runs"]}

@@ -766,6 +766,9 @@ def render_moe(m: dict, evicted: dict | None = None) -> str:
             )
             + "."
         )
+    planned = [k for k in calls if s[k].get("median_layout_s") is not None]
+    if "dense" in planned and len(planned) > 1:
+        extra.append(_layout_time_line(s, planned, short))
     if "moe" in kinds and "moe_fused" in kinds:
         extra.append(
             f"- Where the MoE merge's extra time goes: {short['moe']} − MoE `--keep-names` = "
@@ -870,6 +873,38 @@ def render_moe(m: dict, evicted: dict | None = None) -> str:
         "",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _layout_time_line(s: dict, kinds: list[str], short: dict) -> str:
+    """Inside the merge call: planning the output names, the copy after it, and how much of
+    the cold plan is transformers' own import (the probe)."""
+    line = (
+        "- Inside the merge call (`layout_s` of `--json`, the planning of the output names; "
+        "the rest of the call is the copy), median: "
+        + "; ".join(
+            f"{short[k]} plan {s[k]['median_layout_s']:.2f} s, copy {s[k]['median_copy_s']:.2f} s"
+            + (
+                f" ({s[k]['copy_ratio_to_dense']:.3f}× dense per byte)"
+                if s[k].get("copy_ratio_to_dense") is not None
+                else ""
+            )
+            for k in kinds
+        )
+        + "."
+    )
+    floor = s.get("transformers_import_s")
+    if floor is not None and s.get("moe", {}).get("median_layout_s") is not None:
+        cold = s["moe"]["median_layout_s"]
+        line += (
+            " Of the cold plan's "
+            f"{cold:.2f} s, **{floor:.2f} s** is importing the transformers modules it uses "
+            "(measured after each repeat in a fresh interpreter after `import torch`: "
+            "`transformers`, `transformers.core_model_loading`, the config mapping and the "
+            "model class), a cost any tool that follows transformers' own conversion rules "
+            f"pays; the other {cold - floor:.2f} s build the config and the model on the meta "
+            "device, trace the conversion and write the layout cache."
+        )
+    return line
 
 
 def moe_section(text: str) -> str | None:

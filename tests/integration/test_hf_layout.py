@@ -94,6 +94,7 @@ def test_merge_writes_what_save_pretrained_writes(merged, reference, case, world
     target, summary = merged[case, world]
     assert_same_model_files(target, reference[case])
     assert LAYOUT_SAID[case] in summary.layout and not summary.kept_names
+    assert 0 < summary.layout_s < summary.wall_s
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -156,6 +157,7 @@ def test_keep_names_writes_the_in_memory_names(saved, tmp_path, capsys):
     assert code == 0
     summary = json.loads(capsys.readouterr().out)
     assert summary["kept_names"] and "--keep-names" in summary["layout"]
+    assert 0 < summary["layout_s"] < summary["wall_s"]
     (tensors,) = _files(tmp_path / "kept").values()
     assert "model.layers.0.mlp.experts.gate_up_proj" in tensors
     assert tensors["model.layers.0.mlp.experts.gate_up_proj"].shape == (3, 32, 32)

@@ -47,6 +47,7 @@ class MergeSummary:
     layout: str = ""  # the output names' rule (hf_names.NamePlan.describe)
     kept_names: bool = False  # --keep-names: in-memory names written on purpose
     not_tensors: list[str] = field(default_factory=list)  # model entries safetensors can't hold
+    layout_s: float = 0.0  # of wall_s: planning the output names (transformers, if it is asked)
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -175,8 +176,10 @@ def merge(
     # A layout transformers must plan takes seconds (its import, the model on meta): the disk
     # reads the first source bytes meanwhile. Ranks of a distributed merge read their own.
     budget = 0 if coll.world() > 1 else None
+    planning = time.perf_counter()
     with reading_ahead((b for t in tensors for b in t.blocks), budget):
         names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
+    layout_s = time.perf_counter() - planning
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
@@ -270,6 +273,7 @@ def merge(
         layout=names.describe(),
         kept_names=names.kept_names,
         not_tensors=list(checkpoint.model_objects),
+        layout_s=layout_s,
     )
 
 
