@@ -275,23 +275,40 @@ def test_dtype_merges_exactly(tmp_path, capsys, dtype):
     assert got["extra"].dtype == dtype and torch.equal(got["extra"], value)
 
 
-@pytest.mark.parametrize(
-    "dtype", [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32], ids=str
-)
-def test_dtype_without_a_typed_storage_merges_exactly_or_is_refused(tmp_path, capsys, dtype):
-    """torch pickles these dtypes' storages as UntypedStorage: read them right, or refuse
-    cleanly naming the file; never write other values."""
-    value = torch.arange(12, dtype=torch.float32).reshape(3, 4).to(dtype)
-    source = _single(tmp_path / "hf", {**_state(), "extra": value})
-    before = tree_contents(tmp_path)
+UNTYPED = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+
+
+@pytest.mark.parametrize("dtype", UNTYPED, ids=str)
+def test_dtype_without_a_typed_storage_merges_exactly(tmp_path, capsys, dtype):
+    """torch pickles these dtypes' storages as UntypedStorage (bytes), the dtype coming with
+    ``_rebuild_tensor_v3``: merged in their own dtype, bit for bit, and verified."""
+    value = (torch.arange(12, dtype=torch.float32).reshape(3, 4) * 7 + 3).to(dtype)
+    source = _single(tmp_path / "hf", {**_state(), "extra": value, "view": value[1:, ::2]})
     code, err = _run(capsys, "merge", source, tmp_path / "merged", "--keep-names")
-    if code == 0:
-        got = _merged(tmp_path / "merged")["extra"]
-        assert got.dtype == dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8))
-    else:  # said as what it is, not as a pickle asking for code
-        assert "Traceback" not in err and str(source / SINGLE) in err, err
-        assert "untyped storage (float8, uint16" in err, err
-        assert not (tmp_path / "merged").exists() and tree_contents(tmp_path) == before
+    assert code == 0, err
+    got = _merged(tmp_path / "merged")
+    for name, want in (("extra", value), ("view", value[1:, ::2].contiguous())):
+        assert got[name].dtype == dtype and got[name].shape == want.shape
+        assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
+    assert _run(capsys, "verify", source, tmp_path / "unused")[0] == 0
+
+
+def test_building_onto_the_untyped_storage_type_is_refused(tmp_path, capsys):
+    """The storage type a pickle names is a token: BUILD cannot set attributes on it (nor on
+    torch's class), and the file is refused in one line naming it."""
+    source = _single(tmp_path / "hf")
+    pickled = (
+        b"\x80\x02ctorch.storage\nUntypedStorage\n"  # GLOBAL
+        b"N}X\x05\x00\x00\x00dtypeK\x01s\x86b."  # (None, {"dtype": 1}) BUILD STOP
+    )
+    _set_pickle(source / SINGLE, pickled)
+    before = tree_contents(tmp_path)
+    for command in COMMANDS:
+        code, err = _run(capsys, command, source, tmp_path / "merged")
+        assert code != 0 and "Traceback" not in err and str(source / SINGLE) in err, err
+        assert "refused to unpickle: it tries to modify a storage type" in err, err
+    assert torch.UntypedStorage.__dict__.get("dtype") is None
+    assert tree_contents(tmp_path) == before
 
 
 @pytest.mark.parametrize(

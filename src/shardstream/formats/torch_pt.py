@@ -161,11 +161,6 @@ def load_restricted(
                 "shardstream does not read; save FSDP1 with device_mesh=init_device_mesh(...) "
                 "(DTensor state) or use FSDP2"
             ) from None
-        if module_name == "torch.storage.UntypedStorage":  # no typed storage class for them
-            raise CheckpointFormatError(
-                f"{name}: holds tensors of a dtype torch saves as untyped storage (float8, "
-                "uint16, uint32, uint64), which shardstream does not read from .pt files"
-            ) from None
         raise UnsafeCheckpointError(
             f"{name}: refused to unpickle: the file asks for code or types outside the safe "
             f"allowlist: GLOBAL {module_name}"
@@ -278,6 +273,22 @@ class _Type:
         raise TypeError("not picklable")
 
 
+class _UntypedStorage:
+    """The storage type torch pickles for dtypes without a typed storage class (float8,
+    uint16/32/64): torch's loader reads it as bytes (``dtype`` uint8, its numel counting bytes),
+    and ``_rebuild_tensor_v3`` then gives the tensor its own dtype. A token, not the class, so
+    the pickle cannot modify ``torch.UntypedStorage``."""
+
+    __slots__ = ()
+    dtype = torch.uint8
+
+    def __setattr__(self, name, value):
+        raise UnsafeCheckpointError("refused to unpickle: it tries to modify a storage type")
+
+    def __reduce__(self):
+        raise TypeError("not picklable")
+
+
 class _Fn(_Call):
     """An allowed function (or class, called); ``_Type`` arguments are passed as their class."""
 
@@ -309,6 +320,8 @@ def _allowed_globals() -> dict[tuple[str, str], object]:
         ("_codecs", "encode"): _Fn(_latin1),
         ("builtins", "set"): _Fn(set),
         ("builtins", "complex"): _Fn(complex),
+        ("torch.storage", "UntypedStorage"): _UntypedStorage(),
+        ("torch", "UntypedStorage"): _UntypedStorage(),
     }
     for fn in ("_rebuild_tensor_v2", "_rebuild_tensor_v3", "_rebuild_parameter",
                "_rebuild_parameter_with_state", "_rebuild_wrapper_subclass"):  # fmt: skip
