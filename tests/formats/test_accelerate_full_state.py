@@ -134,3 +134,24 @@ def test_restore_at_another_world_size(saved):
     restored = run(workers.restore_full_state, 3, str(root))[0]
     for part in ("model", "optimizer", "scheduler"):
         assert_nested_equal(restored[part], state[part], part)
+
+
+def test_restore_of_dtypes_without_a_typed_storage(tmp_path):
+    """float8 and uint16 tensors of a whole saved state dict (their storages pickle as
+    UntypedStorage) restore into a live module bit for bit."""
+    import shardstream
+
+    def module(fill) -> torch.nn.Module:
+        m = torch.nn.Module()
+        m.scale = torch.nn.Parameter(fill(4, 4).to(torch.float8_e4m3fn), requires_grad=False)
+        m.register_buffer("codes", fill(2, 3).mul(100).abs().to(torch.uint16))
+        m.weight = torch.nn.Parameter(fill(3, 3))
+        return m
+
+    torch.manual_seed(0)
+    saved = module(torch.randn)
+    (tmp_path / "ckpt").mkdir()
+    torch.save(saved.state_dict(), tmp_path / "ckpt" / MODEL_FILE)
+    live = module(torch.zeros)
+    shardstream.load(tmp_path / "ckpt", model=live, contents=["model"])
+    assert_bit_identical(live.state_dict(), saved.state_dict())
