@@ -632,6 +632,29 @@ def _checked_targets(
     return targets
 
 
+def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
+    """The live optimizer's entries for the parameters the checkpoint keeps state for. One
+    that never had a gradient (a tower trained on other data, an expert never routed to)
+    has none there: it gets none here either, as torch's ``Optimizer.load_state_dict`` does.
+    A parameter with some kinds of state but not others is still missing state, and so is
+    every parameter of a checkpoint with no state at all (a stateless optimizer's, such as
+    plain SGD's, is not restored into one that keeps state)."""
+    prefix = native.OPTIMIZER_PREFIX + st.STATE
+    scalars = source.objects.get("optimizer", {}).get("scalars", {})
+    saved = {
+        name[len(prefix) :].rpartition(".")[0]
+        for name in (*(source.all_names or source.tensors), *scalars)
+        if name.startswith(prefix)
+    }
+    if not saved:
+        return optim_tensors
+    return {
+        k: v
+        for k, v in optim_tensors.items()
+        if not k.startswith(prefix) or k[len(prefix) :].rpartition(".")[0] in saved
+    }
+
+
 def _state_kind(name: str) -> str:
     """``optimizer.state.<fqn>.exp_avg`` -> ``exp_avg``."""
     return name.rsplit(".", 1)[-1]
@@ -813,6 +836,8 @@ def load(
                 optimizer_objects["scalars"] = hooks.translate_names(
                     optimizer_objects.get("scalars", {}), presented
                 )
+        if want_optimizer and flat is None:
+            optim_tensors = _with_saved_state(optim_tensors, source)
         targets = _checked_targets(
             path,
             source,

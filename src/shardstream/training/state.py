@@ -27,6 +27,9 @@ from ..formats.lora import UNSUPPORTED
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
+# Loading: a parameter without saved state (never had a gradient) is left without, as
+# Optimizer.load_state_dict does; restore has checked every other entry by then.
+_LOAD_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=False)
 STATE = "state."
 TENSOR_TAG, TUPLE_TAG, FLOAT_TAG = "__tensor__", "__tuple__", "__float__"
 
@@ -185,7 +188,7 @@ def apply_optimizer_state(
     """Hand the optimizer state back: ``nested`` as ``nest_optimizer_state`` returns it (its
     tensors filled by now) and the saved param groups."""
     state = {"state": dict(nested), "param_groups": param_groups}
-    set_optimizer_state_dict(model, optimizer, state, options=_OPTIONS)
+    set_optimizer_state_dict(model, optimizer, state, options=_LOAD_OPTIONS)
 
 
 def nest_optimizer_state(

@@ -1,0 +1,148 @@
+"""Optimizer state for some parameters only, restored at another world size.
+
+Parameters that never had a gradient (a vision tower trained on text alone, an expert never
+routed to, an unused branch) have no AdamW state, and torch's ``Optimizer.load_state_dict``
+leaves them without. A restore from shardstream's own checkpoint, DCP's or verl's does the
+same: the state that was saved comes back bit for bit, those parameters get none, and training
+goes on. Real FSDP2 over gloo.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from shardstream.testing.compare import assert_nested_equal, clone_nested
+from shardstream.testing.distributed import preload, run
+
+preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
+
+SAVED_AT, RESTORED_AT = 2, 3
+NO_GRADIENT = ["tower.bias", "tower.weight"]
+
+
+class Towered(nn.Module):
+    """A body trained on every step and a tower that the forward pass never uses."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.body = nn.Sequential(nn.Linear(8, 13), nn.ReLU(), nn.Linear(13, 5))
+        self.tower = nn.Linear(6, 11)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.body(x)
+
+
+def _build(world: int):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = Towered()
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for unit in (model.body[0], model.body[2], model.tower):
+        fully_shard(unit, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+
+
+def _step(model, optimizer, seed: int) -> None:
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).mean().backward()
+    optimizer.step()
+    optimizer.zero_grad()
+
+
+def _full(model, optimizer) -> dict:
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    return clone_nested(
+        {
+            "model": get_model_state_dict(model, options=full),
+            "optim": get_optimizer_state_dict(model, optimizer, options=full),
+        },
+        local=True,
+    )
+
+
+def _stateless(model, optimizer) -> list[str]:
+    return sorted(n for n, p in model.named_parameters() if not optimizer.state.get(p))
+
+
+def save(rank: int, world: int, root: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from shardstream import CheckpointConfig, CheckpointManager
+
+    model, optimizer = _build(world)
+    for seed in (1, 2):
+        _step(model, optimizer, seed)
+    manager = CheckpointManager(
+        CheckpointConfig(f"{root}/native"), model=model, optimizer=optimizer
+    )
+    manager.save(2)
+    manager.close()
+    state = {
+        "model": get_model_state_dict(model),
+        "optim": get_optimizer_state_dict(model, optimizer),
+    }
+    dcp.save(state, checkpoint_id=f"{root}/dcp")
+    actor = Path(root, "verl", "global_step_2", "actor")  # as verl's FSDPCheckpointManager
+    actor.mkdir(parents=True, exist_ok=True)
+    tag = f"world_size_{world}_rank_{rank}"
+    torch.save(model.state_dict(), actor / f"model_{tag}.pt")
+    torch.save(optimizer.state_dict(), actor / f"optim_{tag}.pt")
+    torch.save({"lr_scheduler": None, "rng": {}}, actor / f"extra_state_{tag}.pt")
+    if rank == 0:
+        (actor / "fsdp_config.json").write_text(f'{{"FSDP_version": 2, "world_size": {world}}}')
+    return {"full": _full(model, optimizer), "stateless": _stateless(model, optimizer)}
+
+
+def restore(rank: int, world: int, path: str, api: str) -> dict:
+    import shardstream
+    from shardstream import CheckpointConfig, CheckpointManager
+
+    model, optimizer = _build(world)
+    if api == "manager":
+        manager = CheckpointManager(CheckpointConfig(path), model=model, optimizer=optimizer)
+        manager.restore()
+        manager.close()
+    else:
+        shardstream.load(path, model=model, optimizer=optimizer, contents=("model", "optimizer"))
+    out = {"full": _full(model, optimizer), "stateless": _stateless(model, optimizer)}
+    _step(model, optimizer, 3)  # training goes on; the tower still gets no gradient
+    out["stateless_after_a_step"] = _stateless(model, optimizer)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> tuple[Path, dict]:
+    root = tmp_path_factory.mktemp("partial-optimizer-state")
+    states = run(save, SAVED_AT, str(root))
+    return root, states[0]
+
+
+SOURCES = {"native": "native", "dcp": "dcp", "verl": "verl/global_step_2/actor"}
+
+
+@pytest.mark.parametrize("source, api", [("native", "manager"), ("dcp", "load"), ("verl", "load")])
+def test_parameters_without_saved_state_get_none(saved, source, api):
+    root, want = saved
+    assert want["stateless"] == NO_GRADIENT  # what the saving run kept: state for the body only
+    path = root / SOURCES[source]
+    for got in run(restore, RESTORED_AT, str(path), api):
+        assert got["stateless"] == NO_GRADIENT
+        assert_nested_equal(got["full"], want["full"], unordered=("params",))
+        assert got["stateless_after_a_step"] == NO_GRADIENT
