@@ -37,15 +37,32 @@ class Towered(nn.Module):
         return self.body(x)
 
 
-def _build(world: int):
+def _build(world: int, wrap: str = "fsdp2"):
+    """FSDP2, or FSDP1 with (``fsdp1-orig``) or without (``fsdp1-flat``) use_orig_params;
+    each linear layer a unit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     model = Towered()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    for unit in (model.body[0], model.body[2], model.tower):
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    if wrap == "fsdp2":
+        for unit in (model.body[0], model.body[2], model.tower):
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    else:
+
+        def fsdp1(module: nn.Module) -> nn.Module:
+            return FullyShardedDataParallel(
+                module,
+                device_mesh=mesh,
+                device_id=torch.device("cpu"),
+                use_orig_params=wrap == "fsdp1-orig",
+            )
+
+        model.body[0], model.body[2], model.tower = map(
+            fsdp1, (model.body[0], model.body[2], model.tower)
+        )
+        model = fsdp1(model)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 
@@ -73,8 +90,9 @@ def _full(model, optimizer) -> dict:
     )
 
 
-def _stateless(model, optimizer) -> list[str]:
-    return sorted(n for n, p in model.named_parameters() if not optimizer.state.get(p))
+def _stateless(full: dict) -> list[str]:
+    """The parameters of a ``_full`` state without optimizer state."""
+    return sorted(set(full["model"]) - set(full["optim"]["state"]))
 
 
 def save(rank: int, world: int, root: str) -> dict:
@@ -107,24 +125,28 @@ def save(rank: int, world: int, root: str) -> dict:
     torch.save({"lr_scheduler": None, "rng": {}}, actor / f"extra_state_{tag}.pt")
     if rank == 0:
         (actor / "fsdp_config.json").write_text(f'{{"FSDP_version": 2, "world_size": {world}}}')
-    return {"full": _full(model, optimizer), "stateless": _stateless(model, optimizer)}
+    full = _full(model, optimizer)
+    return {"full": full, "stateless": _stateless(full)}
 
 
-def restore(rank: int, world: int, path: str, api: str) -> dict:
+def restore(rank: int, world: int, path: str, api: str, wrap: str) -> dict:
     import shardstream
     from shardstream import CheckpointConfig, CheckpointManager
 
-    model, optimizer = _build(world)
+    model, optimizer = _build(world, wrap)
     if api == "manager":
         manager = CheckpointManager(CheckpointConfig(path), model=model, optimizer=optimizer)
         manager.restore()
         manager.close()
     else:
         shardstream.load(path, model=model, optimizer=optimizer, contents=("model", "optimizer"))
-    out = {"full": _full(model, optimizer), "stateless": _stateless(model, optimizer)}
+    full = _full(model, optimizer)
     _step(model, optimizer, 3)  # training goes on; the tower still gets no gradient
-    out["stateless_after_a_step"] = _stateless(model, optimizer)
-    return out
+    return {
+        "full": full,
+        "stateless": _stateless(full),
+        "stateless_after_a_step": _stateless(_full(model, optimizer)),
+    }
 
 
 @pytest.fixture(scope="module")
@@ -134,15 +156,25 @@ def saved(tmp_path_factory) -> tuple[Path, dict]:
     return root, states[0]
 
 
+# (the manager restores the newest step under its root; load() takes the step's directory)
 SOURCES = {"native": "native", "dcp": "dcp", "verl": "verl/global_step_2/actor"}
 
 
-@pytest.mark.parametrize("source, api", [("native", "manager"), ("dcp", "load"), ("verl", "load")])
-def test_parameters_without_saved_state_get_none(saved, source, api):
+@pytest.mark.parametrize(
+    "source, api, wrap",
+    [
+        ("native", "manager", "fsdp2"),
+        ("dcp", "load", "fsdp2"),
+        ("verl", "load", "fsdp2"),
+        ("native", "manager", "fsdp1-orig"),
+        ("verl", "load", "fsdp1-flat"),
+    ],
+)
+def test_parameters_without_saved_state_get_none(saved, source, api, wrap):
     root, want = saved
     assert want["stateless"] == NO_GRADIENT  # what the saving run kept: state for the body only
     path = root / SOURCES[source]
-    for got in run(restore, RESTORED_AT, str(path), api):
+    for got in run(restore, RESTORED_AT, str(path), api, wrap):
         assert got["stateless"] == NO_GRADIENT
         assert_nested_equal(got["full"], want["full"], unordered=("params",))
         assert got["stateless_after_a_step"] == NO_GRADIENT

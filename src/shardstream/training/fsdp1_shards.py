@@ -358,10 +358,20 @@ class RestoreTargets:
         return {k[len(MODEL_PREFIX) :] for k in self.model}
 
     def apply_optimizer(
-        self, optimizer: torch.optim.Optimizer, nested: dict[str, dict[str, Any]], groups: list
+        self,
+        optimizer: torch.optim.Optimizer,
+        nested: dict[str, dict[str, Any]],
+        groups: list,
+        stateful: set[str],
     ) -> None:
         """After the tensors are filled: the saved hyperparameters of each group (matched by
-        its parameter names) and the non-tensor state values."""
+        its parameter names) and the non-tensor state values. A parameter outside
+        ``stateful`` (FQNs the checkpoint keeps state for) is left without state, where no
+        parameter sharing its optimizer entry has any."""
+        kept = {id(self.params[fqn]) for fqn in stateful if fqn in self.params}
+        for owner in {id(o): o for o in self.params.values()}.values():
+            if id(owner) not in kept:
+                optimizer.state.pop(owner, None)
         live = [frozenset(g["params"]) for g in self.objects["param_groups"]]
         for group, names in zip(optimizer.param_groups, live):
             saved = next(g for g in groups if frozenset(g["params"]) == names)

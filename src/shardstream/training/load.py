@@ -651,8 +651,14 @@ def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     return {
         k: v
         for k, v in optim_tensors.items()
-        if not k.startswith(prefix) or k[len(prefix) :].rpartition(".")[0] in saved
+        if not k.startswith(prefix) or _stateful({k: v}) <= saved
     }
+
+
+def _stateful(optim_tensors: dict) -> set[str]:
+    """The parameters (FQNs) that ``optimizer.state.<fqn>.<kind>`` names give state."""
+    prefix = native.OPTIMIZER_PREFIX + st.STATE
+    return {k[len(prefix) :].rpartition(".")[0] for k in optim_tensors if k.startswith(prefix)}
 
 
 def _state_kind(name: str) -> str:
@@ -836,7 +842,7 @@ def load(
                 optimizer_objects["scalars"] = hooks.translate_names(
                     optimizer_objects.get("scalars", {}), presented
                 )
-        if want_optimizer and flat is None:
+        if want_optimizer:
             optim_tensors = _with_saved_state(optim_tensors, source)
         targets = _checked_targets(
             path,
@@ -904,7 +910,7 @@ def load(
         if want_optimizer:  # a stateless one (plain SGD) too: its param groups
             groups = objects["optimizer"]["param_groups"]
             if flat is not None:
-                flat.apply_optimizer(optimizer, pending.optimizer, groups)
+                flat.apply_optimizer(optimizer, pending.optimizer, groups, _stateful(optim_tensors))
             else:
                 st.apply_optimizer_state(model, optimizer, pending.optimizer, groups)
         if pending.scheduler is not None:
