@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from shardstream.testing.compare import assert_nested_equal, clone_nested
+from shardstream.testing.compare import assert_nested_equal, gathered_state
 from shardstream.testing.distributed import preload, run
 
 preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
@@ -73,25 +73,8 @@ def _step(model, optimizer, seed: int) -> None:
     optimizer.zero_grad()
 
 
-def _full(model, optimizer) -> dict:
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    full = StateDictOptions(full_state_dict=True)
-    return clone_nested(
-        {
-            "model": get_model_state_dict(model, options=full),
-            "optim": get_optimizer_state_dict(model, optimizer, options=full),
-        },
-        local=True,
-    )
-
-
 def _stateless(full: dict) -> list[str]:
-    """The parameters of a ``_full`` state without optimizer state."""
+    """The parameters of a ``gathered_state`` without optimizer state."""
     return sorted(set(full["model"]) - set(full["optim"]["state"]))
 
 
@@ -125,7 +108,7 @@ def save(rank: int, world: int, root: str) -> dict:
     torch.save({"lr_scheduler": None, "rng": {}}, actor / f"extra_state_{tag}.pt")
     if rank == 0:
         (actor / "fsdp_config.json").write_text(f'{{"FSDP_version": 2, "world_size": {world}}}')
-    full = _full(model, optimizer)
+    full = gathered_state(model, optimizer)
     return {"full": full, "stateless": _stateless(full)}
 
 
@@ -140,12 +123,12 @@ def restore(rank: int, world: int, path: str, api: str, wrap: str) -> dict:
         manager.close()
     else:
         shardstream.load(path, model=model, optimizer=optimizer, contents=("model", "optimizer"))
-    full = _full(model, optimizer)
+    full = gathered_state(model, optimizer)
     _step(model, optimizer, 3)  # training goes on; the tower still gets no gradient
     return {
         "full": full,
         "stateless": _stateless(full),
-        "stateless_after_a_step": _stateless(_full(model, optimizer)),
+        "stateless_after_a_step": _stateless(gathered_state(model, optimizer)),
     }
 
 

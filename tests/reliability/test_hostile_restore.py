@@ -31,7 +31,7 @@ from torch import nn
 from shardstream import CheckpointConfig, CheckpointManager
 from shardstream.errors import ShardstreamError, UsageError
 from shardstream.formats import native
-from shardstream.testing.compare import clone_nested
+from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run
 
 # What every rank imports, imported once by the fork server the ranks start from (a rank then
@@ -139,21 +139,7 @@ def _build(rank: int, world: int, spec: dict):
 
 def _full_state(model, optimizer, scheduler) -> dict:
     """The whole model, optimizer and scheduler state, gathered (a collective)."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    full = StateDictOptions(full_state_dict=True)
-    return clone_nested(
-        {
-            "model": get_model_state_dict(model, options=full),
-            "optim": get_optimizer_state_dict(model, optimizer, options=full),
-            "scheduler": scheduler.state_dict(),
-        },
-        local=True,
-    )
+    return {**gathered_state(model, optimizer), "scheduler": clone_nested(scheduler.state_dict())}
 
 
 def _local_state(model, optimizer) -> dict:

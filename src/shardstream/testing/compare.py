@@ -30,6 +30,25 @@ def clone_nested(value: Any, local: bool = False) -> Any:
     return value
 
 
+def gathered_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The whole model and optimizer state (``{"model", "optim"}``), gathered from every rank
+    as torch's state-dict API presents it and cloned (a collective where they are sharded)."""
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    full = StateDictOptions(full_state_dict=True)
+    return clone_nested(
+        {
+            "model": get_model_state_dict(model, options=full),
+            "optim": get_optimizer_state_dict(model, optimizer, options=full),
+        },
+        local=True,
+    )
+
+
 def assert_bit_identical(got: Mapping[str, torch.Tensor], want: Mapping[str, torch.Tensor]):
     """The same names, and each tensor the same dtype, shape and bytes."""
     assert sorted(got) == sorted(want)
