@@ -192,28 +192,40 @@ moe_merge.build(args, "moe").to(torch.bfloat16).save_pretrained({target!r})
 """
 
 
-# The transformers modules a cold layout plan imports (hf_names: the package, its save-time
-# conversion, the config mapping, the model class), timed after torch in a fresh interpreter:
-# the part of a cold plan that any tool using transformers' own rules pays.
+# A cold layout plan taken apart, in a fresh interpreter that has imported what merge has by
+# then (torch, shardstream's merge and layout modules) and opened the MoE checkpoint: first
+# the transformers modules the plan imports (the package, its save-time conversion, the config
+# mapping, the model class), a cost any tool using transformers' own rules pays, then the plan
+# itself (config, meta model, trace; the layout cache off). Prints both, in seconds.
 IMPORT_PROBE = """
-import time, torch
+import os, time, torch
+os.environ["SHARDSTREAM_CACHE_DIR"] = ""
+import shardstream.commands.merge
+from shardstream.formats import hf
+from shardstream.formats.hf_writer import output_layout
+from shardstream.formats.source import open_checkpoint
+checkpoint = open_checkpoint({actor!r}, model_only=True)
+config = hf.read_config(checkpoint.config_dir())
 t = time.perf_counter()
 import transformers
 from transformers.core_model_loading import revert_weight_conversion
 from transformers import CONFIG_MAPPING
-CONFIG_MAPPING["qwen3_moe"]
-transformers.Qwen3MoeForCausalLM
-print(time.perf_counter() - t)
+CONFIG_MAPPING[config["model_type"]]
+getattr(transformers, config["architectures"][0])
+imported = time.perf_counter()
+output_layout(checkpoint.tensors, "BF16", set(), config)
+print(imported - t, time.perf_counter() - imported)
 """
 
 
-def import_probe(env: dict) -> dict:
-    m = run_measured([sys.executable, "-c", IMPORT_PROBE], env=env, capture_stdout=True)
+def import_probe(actor: Path, env: dict) -> dict:
+    code = IMPORT_PROBE.format(actor=str(actor))
+    m = run_measured([sys.executable, "-c", code], env=env, capture_stdout=True)
     try:
-        seconds = float(m.stdout.strip().splitlines()[-1])
+        seconds = [float(x) for x in m.stdout.strip().splitlines()[-1].split()]
     except (ValueError, IndexError):
-        seconds = None
-    return {"import_s": seconds, "wall_s": m.wall_s, "rc": m.returncode}
+        seconds = [None, None]
+    return {"import_s": seconds[0], "plan_s": seconds[-1], "wall_s": m.wall_s, "rc": m.returncode}
 
 
 def _tensors(directory: Path) -> dict[str, tuple[Path, str]]:
@@ -402,9 +414,17 @@ def summarize(result: dict) -> dict:
         s["ratio_without_planning"] = (
             (s["moe"]["median_wall_s"] - planning) / (ckpt / 1e9) / dense["s_per_gb"]
         )
-    probes = [r["import_s"] for r in result.get("import_runs", []) if r["import_s"]]
+    probes = [r for r in result.get("import_runs", []) if r["import_s"] and r["plan_s"]]
     if probes:
-        s["transformers_import_s"] = statistics.median(probes)
+        s["transformers_import_s"] = statistics.median(r["import_s"] for r in probes)
+        s["transformers_import_range_s"] = [
+            min(r["import_s"] for r in probes),
+            max(r["import_s"] for r in probes),
+        ]
+        s["plan_after_import_s"] = statistics.median(r["plan_s"] for r in probes)
+    plans = [r["layout_s"] for r in result["runs"] if r["kind"] == "moe" and r.get("layout_s")]
+    if plans:
+        s["cold_layout_range_s"] = [min(plans), max(plans)]
     if {"dense", "moe_warm"} <= set(inspect):
         s["planning_warm_s"] = inspect["moe_warm"] - inspect["dense"]  # read from the cache
     # cold: the first merge of a layout on a machine (an empty layout cache); warm: every later
@@ -632,9 +652,10 @@ def main() -> int:
                 )
                 log(f"  inspect {kind}: {m.wall_s:.2f} s")
             shutil.rmtree(work / "layout-cache", ignore_errors=True)
-            probe = import_probe(env)
+            probe = import_probe(work / "moe" / "actor", env)
             result["import_runs"].append({"repeat": i, **probe})
-            log(f"  transformers' import (the modules a cold plan uses): {probe['import_s']} s")
+            log(f"  cold plan alone: transformers' imports {probe['import_s']} s, then the plan "
+                f"{probe['plan_s']} s")  # fmt: skip
         merged = work / "moe" / "merged-moe"
         merged_warm = work / "moe" / "merged-moe_warm"
         result["output_bytes"] = {r["kind"]: r["bytes_written"] for r in result["runs"]}

@@ -893,16 +893,18 @@ def _layout_time_line(s: dict, kinds: list[str], short: dict) -> str:
         + "."
     )
     floor = s.get("transformers_import_s")
-    if floor is not None and s.get("moe", {}).get("median_layout_s") is not None:
-        cold = s["moe"]["median_layout_s"]
+    if None not in (floor, s.get("plan_after_import_s"), s.get("cold_layout_range_s")):
+        cold, (lo, hi) = s["moe"]["median_layout_s"], s["cold_layout_range_s"]
+        f_lo, f_hi = s["transformers_import_range_s"]
         line += (
-            " Of the cold plan's "
-            f"{cold:.2f} s, **{floor:.2f} s** is importing the transformers modules it uses "
-            "(measured after each repeat in a fresh interpreter after `import torch`: "
-            "`transformers`, `transformers.core_model_loading`, the config mapping and the "
-            "model class), a cost any tool that follows transformers' own conversion rules "
-            f"pays; the other {cold - floor:.2f} s build the config and the model on the meta "
-            "device, trace the conversion and write the layout cache."
+            f" The cold plan (median {cold:.2f} s, {lo:.2f}–{hi:.2f} s over the runs) is mostly "
+            "importing the transformers modules it uses: timed alone after each repeat, in a "
+            "fresh interpreter that has imported what merge has by then (torch, shardstream's "
+            "merge), `transformers`, `transformers.core_model_loading`, the config mapping and "
+            f"the model class take a median **{floor:.2f} s** ({f_lo:.2f}–{f_hi:.2f} s), a "
+            "cost any tool that follows transformers' own conversion rules pays; the plan "
+            "after them, in the same process (the config, the model on the meta device, the "
+            f"trace), a median {s['plan_after_import_s']:.2f} s."
         )
     return line
 
