@@ -639,26 +639,23 @@ def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     A parameter with some kinds of state but not others is still missing state, and so is
     every parameter of a checkpoint with no state at all (a stateless optimizer's, such as
     plain SGD's, is not restored into one that keeps state)."""
-    prefix = native.OPTIMIZER_PREFIX + st.STATE
     scalars = source.objects.get("optimizer", {}).get("scalars", {})
-    saved = {
-        name[len(prefix) :].rpartition(".")[0]
-        for name in (*(source.all_names or source.tensors), *scalars)
-        if name.startswith(prefix)
-    }
+    saved = _stateful((*(source.all_names or source.tensors), *scalars))
     if not saved:
         return optim_tensors
-    return {
-        k: v
-        for k, v in optim_tensors.items()
-        if not k.startswith(prefix) or _stateful({k: v}) <= saved
-    }
+    return {k: v for k, v in optim_tensors.items() if (p := _param_of(k)) is None or p in saved}
 
 
-def _stateful(optim_tensors: dict) -> set[str]:
-    """The parameters (FQNs) that ``optimizer.state.<fqn>.<kind>`` names give state."""
+def _stateful(names: Iterable[str]) -> set[str]:
+    """The parameters (FQNs) that ``optimizer.state.<fqn>.<kind>`` names among ``names``
+    give state."""
+    return {p for p in map(_param_of, names) if p is not None}
+
+
+def _param_of(name: str) -> str | None:
+    """``optimizer.state.<fqn>.<kind>`` -> ``<fqn>``; None for any other name."""
     prefix = native.OPTIMIZER_PREFIX + st.STATE
-    return {k[len(prefix) :].rpartition(".")[0] for k in optim_tensors if k.startswith(prefix)}
+    return name[len(prefix) :].rpartition(".")[0] if name.startswith(prefix) else None
 
 
 def _state_kind(name: str) -> str:
