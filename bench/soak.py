@@ -77,6 +77,7 @@ SECTIONS = [
             "test_hostile_hf_torch",
             "test_hostile_layout_plan",
             "test_hostile_restore",
+            "test_hostile_optimizer_state",
         ),
         ("hostile",),
     ),  # fmt: skip

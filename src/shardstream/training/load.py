@@ -712,18 +712,42 @@ def _dcp_optimizer_objects(path: Path, saved: Any, live: list[dict]) -> dict:
                 f"({len(groups)} saved, {len(live)} live); build the optimizer as the run did"
             )
         restored = [{**g, "params": h["params"]} for g, h in zip(groups, live)]
-    else:  # flattened: param_groups.<fqn>.<key>, read through each live group's first param
+    else:  # flattened: param_groups.<fqn>.<key>, the same for every parameter of a group
         restored = []
         for group in live:
-            first = group["params"][0] if group["params"] else None
-            head = f"param_groups.{first}."
-            values = {k[len(head) :]: v for k, v in saved.items() if str(k).startswith(head)}
-            if first is not None and not values:
-                raise CheckpointFormatError(
-                    f"{path}: no saved param group holds parameter {first!r}"
-                )
-            restored.append({**group, **values, "params": group["params"]})
+            values = None
+            for fqn in group["params"]:
+                head = f"param_groups.{fqn}."
+                mine = {k[len(head) :]: v for k, v in saved.items() if str(k).startswith(head)}
+                if not mine:
+                    raise CheckpointFormatError(
+                        f"{path}: no saved param group holds parameter {fqn!r}"
+                    )
+                if values is None:
+                    values, first = mine, fqn
+                elif not _same_settings(mine, values):
+                    raise CheckpointFormatError(
+                        f"{path}: parameters {first!r} and {fqn!r} share a param group in the "
+                        "live optimizer but were saved with different settings (another "
+                        "grouping); build the optimizer's param groups as the run did"
+                    )
+            restored.append({**group, **(values or {}), "params": group["params"]})
     return {"param_groups": restored, "scalars": scalars}
+
+
+def _same_settings(a: dict, b: dict) -> bool:
+    """Two param groups' saved hyperparameters (tensors compared by value)."""
+    if a.keys() != b.keys():
+        return False
+    for key, x in a.items():
+        y = b[key]
+        if isinstance(x, torch.Tensor) or isinstance(y, torch.Tensor):
+            x, y = torch.as_tensor(x), torch.as_tensor(y)
+            if x.shape != y.shape or not torch.equal(x, y.to(x.dtype)):
+                return False
+        elif x != y:
+            return False
+    return True
 
 
 def _verl_parameter_names(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:
@@ -796,6 +820,9 @@ def load(
     # FSDP1: fill the flat parameters' shards and the optimizer state in place, not torch's
     # gathered copies (training/fsdp1_shards.py).
     fsdp1 = fsdp1_shards.layout(model) if (want_model or want_optimizer) and not presented else None
+    # torch's state-dict API creates a never-stepped optimizer's state (a step at lr 0) to
+    # name the targets; a restore refused before any tensor is read takes it away again.
+    fresh = optimizer.state if want_optimizer and not optimizer.state else None
     flat = fsdp1.restore_targets(model, optimizer if want_optimizer else None) if fsdp1 else None
     if flat is not None:
         model_tensors = flat.model if want_model else {}
@@ -862,9 +889,14 @@ def load(
         pending.states = _checked_states(path, source, states or {})
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
         error = exc
-    coll.agree_or_raise(error, "restore")
-    if source.precheck is not None:
-        source.precheck()
+    try:
+        coll.agree_or_raise(error, "restore")
+        if source.precheck is not None:
+            source.precheck()
+    except BaseException:
+        if fresh is not None:
+            fresh.clear()
+        raise
     available, endpoint = source.tensors, source.endpoint
     reader = native_storage.StreamingReader(
         {k: available[k] for k in targets}, endpoint, parse_size(buffer_size)
