@@ -516,3 +516,23 @@ def test_no_space_left(capsys, fsdp_root, small_disk, tmp_path, stage):
     rc, err = merge(capsys, fsdp_root / "base", disk / "merged")
     assert_clean_failure(rc, err, "no space left on device")
     assert_nothing_written(disk)
+
+
+def test_a_source_file_removed_while_merging(tmp_path, out):
+    """A step deleted (by the saving run's retention) after merge opened it: a
+    CheckpointNotFoundError naming the file, not a traceback, and no target left. Found by
+    make soak, merging while a run saves."""
+    import shardstream
+    from shardstream.commands.merge import merge
+    from shardstream.errors import CheckpointNotFoundError
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    shardstream.save(tmp_path / "step", model=model, contents=["model"])
+    (rank_file,) = (tmp_path / "step").glob("*.safetensors")
+
+    def retention(_nbytes: int) -> None:  # after the plan, before the first byte is read
+        rank_file.unlink()
+
+    with pytest.raises(CheckpointNotFoundError, match=re.escape(str(rank_file))):
+        merge(tmp_path / "step", out / "merged", on_plan=retention)
+    assert list(out.iterdir()) == []

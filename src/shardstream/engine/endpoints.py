@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointFormatError, ChecksumMismatchError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, ChecksumMismatchError
 from ..units import DEFAULT_CHUNK_BYTES
 from .checksum import crc32, crc32_combine, new_hasher
 from .dtypes import code_of
@@ -93,7 +93,12 @@ class FileEndpoint(Endpoint):
         hasher: Callable[[], Any] = new_hasher,
     ):
         self.name = path
-        self.fd = os.open(path, os.O_RDONLY)
+        try:
+            self.fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError:  # listed when the checkpoint was opened: removed since
+            raise CheckpointNotFoundError(
+                f"{path}: no such file (removed while the checkpoint was being read?)"
+            ) from None
         self.size = os.fstat(self.fd).st_size
         self.digests = list(digests) if digests is not None else None
         self.data_start = data_start
