@@ -651,6 +651,26 @@ def test_fuzz_manifest_fields_through_every_entry_point(forkserver, corpus, data
     run_entry_points(forkserver, "native", step, corpus, f"manifest.json: {described}")
 
 
+@pytest.mark.parametrize(
+    "where, value",
+    [(("objects", "optimizer"), 0), (("objects", "optimizer", "scalars"), [1]), (("objects",), [])],
+    ids=["optimizer-int", "scalars-list", "objects-list"],
+)
+def test_manifest_optimizer_objects_of_another_type(forkserver, corpus, where, value):
+    """Found by make soak: restore read the optimizer's scalar names before the optimizer
+    entry was checked (AttributeError on an int). Every entry point says what is wrong."""
+    step = _clone(corpus["native"], corpus["scratch"])
+    doc = json.loads((step / native.MANIFEST).read_bytes())
+    doc.pop("checksum")
+    parent = doc
+    for key in where[:-1]:
+        parent = parent[key]
+    parent[where[-1]] = value
+    body = native.canonical({**doc, "checksum": digest(native.canonical(doc))})
+    (step / native.MANIFEST).write_bytes(body)
+    run_entry_points(forkserver, "native", step, corpus, f"manifest.json: {'/'.join(where)}")
+
+
 def _reframe(path: Path, data) -> str:
     """A safetensors header with one field wrong, framed with its correct length."""
     raw = path.read_bytes()

@@ -639,8 +639,10 @@ def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     A parameter with some kinds of state but not others is still missing state, and so is
     every parameter of a checkpoint with no state at all (a stateless optimizer's, such as
     plain SGD's, is not restored into one that keeps state)."""
-    scalars = source.objects.get("optimizer", {}).get("scalars", {})
-    saved = _stateful((*(source.all_names or source.tensors), *scalars))
+    optimizer = source.objects.get("optimizer")  # checked by _checked_parts, named there
+    scalars = optimizer.get("scalars") if isinstance(optimizer, dict) else None
+    names = (*(source.all_names or source.tensors), *(scalars if isinstance(scalars, dict) else ()))
+    saved = _stateful(names)
     if not saved:
         return optim_tensors
     return {k: v for k, v in optim_tensors.items() if (p := _param_of(k)) is None or p in saved}
@@ -655,7 +657,9 @@ def _stateful(names: Iterable[str]) -> set[str]:
 def _param_of(name: str) -> str | None:
     """``optimizer.state.<fqn>.<kind>`` -> ``<fqn>``; None for any other name."""
     prefix = native.OPTIMIZER_PREFIX + st.STATE
-    return name[len(prefix) :].rpartition(".")[0] if name.startswith(prefix) else None
+    if not isinstance(name, str) or not name.startswith(prefix):
+        return None
+    return name[len(prefix) :].rpartition(".")[0]
 
 
 def _state_kind(name: str) -> str:
