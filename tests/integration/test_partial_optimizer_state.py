@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from shardstream.testing.compare import assert_nested_equal, gathered_state
-from shardstream.testing.distributed import preload, run
+from shardstream.testing.distributed import preload, run, shard_units
 
 preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
 
@@ -41,28 +41,10 @@ def _build(world: int, wrap: str = "fsdp2"):
     """FSDP2, or FSDP1 with (``fsdp1-orig``) or without (``fsdp1-flat``) use_orig_params;
     each linear layer a unit."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import FullyShardedDataParallel, fully_shard
 
     model = Towered()
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
-    if wrap == "fsdp2":
-        for unit in (model.body[0], model.body[2], model.tower):
-            fully_shard(unit, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    else:
-
-        def fsdp1(module: nn.Module) -> nn.Module:
-            return FullyShardedDataParallel(
-                module,
-                device_mesh=mesh,
-                device_id=torch.device("cpu"),
-                use_orig_params=wrap == "fsdp1-orig",
-            )
-
-        model.body[0], model.body[2], model.tower = map(
-            fsdp1, (model.body[0], model.body[2], model.tower)
-        )
-        model = fsdp1(model)
+    model = shard_units(model, [model.body[0], model.body[2], model.tower], mesh, wrap)
     return model, torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
 
 

@@ -379,3 +379,64 @@ def tree_contents(root: Path) -> dict[str, object]:
         else:
             out[str(path)] = stat.S_IFMT(mode)
     return out
+
+
+def local_state(model, optimizer) -> dict:
+    """This rank's shards of the parameters, optimizer state and hyperparameters, cloned (no
+    collective): what a refused restore must leave as it was."""
+    from shardstream.testing.compare import clone_nested
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "params": {n: clone_nested(p, local=True) for n, p in model.named_parameters()},
+        "state": {
+            names[id(p)]: clone_nested(dict(s), local=True) for p, s in optimizer.state.items()
+        },
+        "groups": [
+            clone_nested({k: v for k, v in g.items() if k != "params"}, local=True)
+            for g in optimizer.param_groups
+        ],
+    }
+
+
+def same_nested(a, b) -> bool:
+    """``a`` and ``b`` equal all the way down, tensors by dtype, shape and value."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        a, b = torch.as_tensor(a), torch.as_tensor(b)
+        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(same_nested(a[k], b[k]) for k in a)
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def error_report(exc: BaseException) -> dict:
+    """What a rank reports of the exception it caught (call inside the ``except``)."""
+    import traceback
+
+    from shardstream.errors import ShardstreamError
+
+    return {
+        "type": type(exc).__name__,
+        "shardstream": isinstance(exc, ShardstreamError),
+        "message": str(exc),
+        "traceback": traceback.format_exc(),
+    }
+
+
+def assert_refused_everywhere(reports: list[dict], *needles: str, untouched: bool = True) -> None:
+    """Every rank's report (``ok``, ``error`` from ``error_report``, ``unchanged``) says it
+    raised a one-line ShardstreamError naming every needle; ``untouched``: with its live
+    model and optimizer as they were."""
+    for report in reports:
+        assert not report["ok"], f"rank {report['rank']} restored: {report.get('restored')}"
+        error = report["error"]
+        where = f"rank {report['rank']}: {error['type']}: {error['message']}"
+        assert error["shardstream"], where + "\n" + error["traceback"]
+        message = error["message"]
+        assert "Traceback" not in message and "\n" not in message.strip(), where
+        for needle in needles:
+            assert needle in message, f"{needle!r} not named; {where}"
+        if untouched:
+            assert report["unchanged"], f"rank {report['rank']}: failed restore changed live state"

@@ -29,17 +29,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from shardstream.errors import ShardstreamError
 from shardstream.formats import native
 from shardstream.testing.compare import clone_nested, gathered_state
-from shardstream.testing.distributed import preload, run
+from shardstream.testing.distributed import preload, run, shard_units
+
+from .harness import assert_refused_everywhere, error_report, local_state, same_nested
 
 preload(
     "torch._dynamo",  # FSDP2 imports it on its first fully_shard: a second per rank otherwise
@@ -127,36 +127,8 @@ def _build(world: int, wrap: str = "fsdp2", optim: str = "adamw", unfreeze: bool
         units = _units(model, wrap)
         if wrap != "fsdp1-flat-moe":
             units += [model.frozen, model.tower]
-        if wrap == "fsdp2":
-            from torch.distributed.fsdp import fully_shard
-
-            for unit in units:
-                fully_shard(unit, mesh=mesh)
-            fully_shard(model, mesh=mesh)
-        else:
-            from torch.distributed.fsdp import FullyShardedDataParallel
-
-            def fsdp1(module: nn.Module) -> nn.Module:
-                return FullyShardedDataParallel(
-                    module,
-                    device_mesh=mesh,
-                    device_id=torch.device("cpu"),
-                    use_orig_params=wrap == "fsdp1-orig",
-                )
-
-            for unit in units:
-                parent, _, attr = _owner(model, unit)
-                setattr(parent, attr, fsdp1(unit))
-            model = fsdp1(model)
+        model = shard_units(model, units, mesh, wrap)
     return model, _optimizer(model, optim)
-
-
-def _owner(model: nn.Module, unit: nn.Module):
-    for name, module in model.named_modules():
-        if module is unit:
-            head, _, attr = name.rpartition(".")
-            return model.get_submodule(head), head, attr
-    raise LookupError(unit)
 
 
 def _clean(name: str) -> str:
@@ -391,32 +363,6 @@ def _kinds(model, optimizer) -> dict:
     return {"kinds": kinds, "held": held}
 
 
-def _local_state(model, optimizer) -> dict:
-    """This rank's shards of the parameters, optimizer state and hyperparameters."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "params": {n: clone_nested(p, local=True) for n, p in model.named_parameters()},
-        "state": {
-            names[id(p)]: clone_nested(dict(s), local=True) for p, s in optimizer.state.items()
-        },
-        "groups": [
-            clone_nested({k: v for k, v in g.items() if k != "params"}, local=True)
-            for g in optimizer.param_groups
-        ],
-    }
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        a, b = torch.as_tensor(a), torch.as_tensor(b)
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def restore_case(rank: int, world: int, spec: dict) -> dict:
     """Build the live objects, step them ``pre`` times (``every``: with every parameter
     trained, so the optimizer holds state the restore must replace or drop), restore, report
@@ -430,7 +376,7 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     model, optimizer = _build(world, spec["wrap"], spec["optim"])
     for seed in range(spec["pre"]):
         _step(model, optimizer, 50 + seed, every=spec.get("every", True))
-    before = _local_state(model, optimizer)
+    before = local_state(model, optimizer)
     report: dict = {"rank": rank, "ok": False}
     try:
         if spec["api"] == "manager":
@@ -451,13 +397,8 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        report["error"] = {
-            "type": type(exc).__name__,
-            "shardstream": isinstance(exc, ShardstreamError),
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-        report["unchanged"] = _same(before, _local_state(model, optimizer))
+        report["error"] = error_report(exc)
+        report["unchanged"] = same_nested(before, local_state(model, optimizer))
     outcomes = [None] * world
     dist.all_gather_object(outcomes, report["ok"], group=mine)
     if all(outcomes):
@@ -537,7 +478,7 @@ def _assert_restored(reports: list[dict], want: dict, saved_full: dict, step: in
         assert report["restored"] == step
     got = reports[0]["full"]
     for name, tensor in saved_full["model"].items():
-        assert _same(got["model"][name], tensor), name
+        assert same_nested(got["model"][name], tensor), name
     state = got["optim"]["state"]
     extra, lacking = (
         sorted(set(state) - set(want["state"])),
@@ -547,7 +488,7 @@ def _assert_restored(reports: list[dict], want: dict, saved_full: dict, step: in
     for fqn, entries in want["state"].items():
         assert sorted(state[fqn]) == sorted(entries), fqn
         for kind, value in entries.items():
-            assert _same(state[fqn][kind], value), f"{fqn}.{kind}"
+            assert same_nested(state[fqn][kind], value), f"{fqn}.{kind}"
     got_groups = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": sorted(g["params"])}
         for g in got["optim"]["param_groups"]
@@ -566,21 +507,6 @@ def _assert_restored(reports: list[dict], want: dict, saved_full: dict, step: in
         # after a step: the state it had, and state for the trained parameters it holds
         trained = held - set(NO_GRADIENT)
         assert set(report["after"]) & held == (set(wanted) & held) | trained, where
-
-
-def _assert_refused(reports: list[dict], *needles: str) -> None:
-    """Every rank raised a one-line ShardstreamError naming every needle, with its live model
-    and optimizer as they were."""
-    for report in reports:
-        assert not report["ok"], f"rank {report['rank']} restored step {report.get('restored')}"
-        error = report["error"]
-        where = f"rank {report['rank']}: {error['type']}: {error['message']}"
-        assert error["shardstream"], where + "\n" + error["traceback"]
-        message = error["message"]
-        assert "Traceback" not in message and "\n" not in message.strip(), where
-        for needle in needles:
-            assert needle in message, f"{needle!r} not named; {where}"
-        assert report["unchanged"], f"rank {report['rank']}: failed restore changed live state"
 
 
 # --- what was saved -----------------------------------------------------------------------------
@@ -642,7 +568,7 @@ def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved):
     live optimizer's stale moments (it stepped every expert) must not survive."""
     reports = _restore(_where(saved["root"], "adamw", "native"), 3, "fsdp1-flat-moe", "adamw", 2)
     if not all(r["ok"] for r in reports):
-        _assert_refused(reports, "moe.experts.")
+        assert_refused_everywhere(reports, "moe.experts.")
         return
     want = torch_reference(saved["states"]["adamw"], "adamw")
     step = want["state"]["moe.router.weight"]["step"]
@@ -656,7 +582,7 @@ def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved):
     assert sorted(state) == sorted(want["state"])
     for fqn, entries in want["state"].items():
         for kind, value in entries.items():
-            assert _same(state[fqn][kind], value), f"{fqn}.{kind}"
+            assert same_nested(state[fqn][kind], value), f"{fqn}.{kind}"
     assert all(r["stepped"] is True for r in reports), [r["stepped"] for r in reports]
 
 
@@ -742,7 +668,7 @@ def test_step_counts_that_differ_within_one_fsdp1_flat_parameter(saved):
     of one flat parameter with different scalar state. Taking one of them silently would
     give the others another bias correction."""
     path = _where(saved["root"], "late", "native")
-    _assert_refused(_restore(path, 3, "fsdp1-flat-moe", "adamw", 2), "step")
+    assert_refused_everywhere(_restore(path, 3, "fsdp1-flat-moe", "adamw", 2), "step")
 
 
 def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(saved):
@@ -752,7 +678,7 @@ def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(saved):
     cannot hold both, so the restore is refused (as torch's load_state_dict refuses it), not
     done with the first parameter's values for all."""
     reports = _restore(_where(saved["root"], "groups", "dcp-flat"), 3, "fsdp2", "adamw", 2)
-    _assert_refused(reports, "param group", "saved with different settings")
+    assert_refused_everywhere(reports, "param group", "saved with different settings")
 
 
 def test_checkpoint_saved_before_any_step(saved):
@@ -792,7 +718,7 @@ def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(saved, s
 def test_one_kind_of_state_missing_for_one_parameter(saved, path, world, wrap, needles):
     optim = path.split("/")[0]
     reports = _restore(_where(saved["root"], *path.split("/")), world, wrap, optim, 2)
-    _assert_refused(reports, *needles)
+    assert_refused_everywhere(reports, *needles)
 
 
 @pytest.mark.parametrize(
@@ -805,23 +731,23 @@ def test_one_kind_of_state_missing_for_one_parameter(saved, path, world, wrap, n
 def test_state_missing_in_one_saved_rank_file_only(saved, edit, world, needles):
     """verl's rank 1 file lacks what rank 0's has: no rank may restore it."""
     reports = _restore(_where(saved["root"], "adamw", f"verl-{edit}"), world, "fsdp2", "adamw", 2)
-    _assert_refused(reports, *needles)
+    assert_refused_everywhere(reports, *needles)
 
 
 def test_parameter_with_state_left_out_of_verl_param_groups(saved):
     """torch's load_state_dict refuses groups of another size; verl's ids give no FQN."""
     reports = _restore(_where(saved["root"], "adamw", "verl-ungrouped"), 3, "fsdp2", "adamw", 2)
-    _assert_refused(reports, "param groups")
+    assert_refused_everywhere(reports, "param groups")
 
 
 def test_verl_checkpoint_without_any_state_into_adamw(saved):
     reports = _restore(_where(saved["root"], "fresh", "verl-empty"), 3, "fsdp2", "adamw", 2)
-    _assert_refused(reports, "optimizer.state.")
+    assert_refused_everywhere(reports, "optimizer.state.")
 
 
 def test_frozen_layer_in_the_saved_groups_but_not_in_the_live_optimizer(saved):
     reports = _restore(_where(saved["root"], "adamw", "native"), 3, "fsdp2", "adamw-trainable", 2)
-    _assert_refused(reports, "frozen.weight")
+    assert_refused_everywhere(reports, "frozen.weight")
 
 
 def _copy_native(saved, tmp_path: Path, variant: str = "adamw") -> Path:
@@ -840,7 +766,7 @@ def test_native_manifest_resealed_without_one_kind_of_state(saved, tmp_path):
     step = _copy_native(saved, tmp_path)
     _reseal(step, lambda doc: doc["tensors"].pop("optimizer.state.moe.experts.1.weight.exp_avg"))
     reports = _restore(step, 4, "fsdp2", "adamw", 2)
-    _assert_refused(reports, "moe.experts.1.weight.exp_avg")
+    assert_refused_everywhere(reports, "moe.experts.1.weight.exp_avg")
 
 
 def test_native_manifest_resealed_with_a_parameter_left_out_of_the_groups(saved, tmp_path):
@@ -850,7 +776,7 @@ def test_native_manifest_resealed_with_a_parameter_left_out_of_the_groups(saved,
 
     step = _copy_native(saved, tmp_path)
     _reseal(step, edit)
-    _assert_refused(_restore(step, 3, "fsdp2", "adamw", 2), "body.0.bias")
+    assert_refused_everywhere(_restore(step, 3, "fsdp2", "adamw", 2), "body.0.bias")
 
 
 def test_native_manifest_resealed_without_a_parameters_state(saved, tmp_path):
@@ -869,11 +795,11 @@ def test_native_manifest_resealed_without_a_parameters_state(saved, tmp_path):
         want = torch_reference(saved["states"]["adamw"], "adamw", drop=("body.2.bias",))
         _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
     else:
-        _assert_refused(reports, prefix)
+        assert_refused_everywhere(reports, prefix)
 
 
 def test_refused_restore_leaves_a_fresh_optimizer_fresh(saved):
     """A live optimizer never stepped, the restore refused: it must still have no state (an
     AdamW step counter of 1 would change the next update's bias correction)."""
     reports = _restore(_where(saved["root"], "adamw", "verl-drop-kind"), 3, "fsdp2", "adamw", 0)
-    _assert_refused(reports, "exp_avg_sq")
+    assert_refused_everywhere(reports, "exp_avg_sq")

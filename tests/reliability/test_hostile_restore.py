@@ -21,7 +21,6 @@ import hashlib
 import json
 import os
 import shutil
-import traceback
 from pathlib import Path
 
 import pytest
@@ -29,10 +28,12 @@ import torch
 from torch import nn
 
 from shardstream import CheckpointConfig, CheckpointManager
-from shardstream.errors import ShardstreamError, UsageError
+from shardstream.errors import UsageError
 from shardstream.formats import native
 from shardstream.testing.compare import clone_nested, gathered_state
-from shardstream.testing.distributed import preload, run
+from shardstream.testing.distributed import preload, run, shard_units
+
+from .harness import assert_refused_everywhere, error_report, local_state, same_nested
 
 # What every rank imports, imported once by the fork server the ranks start from (a rank then
 # starts in a fraction of a second instead of importing FSDP and a transformers model).
@@ -75,14 +76,11 @@ def _shard(model: nn.Module, world: int, layout: str) -> None:
     if layout == "plain":
         return
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
     inner = getattr(getattr(model, "model", None), "layers", None)
     units = list(inner) if inner is not None else [m for m in model if isinstance(m, nn.Linear)]
-    for unit in units:
-        fully_shard(unit, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard_units(model, units, mesh)
 
 
 def _optimizer(model: nn.Module, name: str) -> torch.optim.Optimizer:
@@ -142,40 +140,14 @@ def _full_state(model, optimizer, scheduler) -> dict:
     return {**gathered_state(model, optimizer), "scheduler": clone_nested(scheduler.state_dict())}
 
 
-def _local_state(model, optimizer) -> dict:
-    """This rank's shards of the parameters and optimizer state (no collective)."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "params": {n: clone_nested(p, local=True) for n, p in model.named_parameters()},
-        "state": {
-            names[id(p)]: clone_nested(dict(s), local=True) for p, s in optimizer.state.items()
-        },
-        "groups": [
-            clone_nested({k: v for k, v in g.items() if k != "params"}, local=True)
-            for g in optimizer.param_groups
-        ],
-    }
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        a, b = torch.as_tensor(a), torch.as_tensor(b)
-        return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
-    if isinstance(a, dict) and isinstance(b, dict):
-        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
-    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
-        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
-    return a == b
-
-
 def _unchanged(before: dict, after: dict) -> bool:
     """Parameters and hyperparameters as they were; optimizer state that existed too (an
     optimizer never stepped may have had its state initialised, as torch's state-dict API
     does)."""
     return (
-        _same(before["params"], after["params"])
-        and _same(before["groups"], after["groups"])
-        and all(_same(v, after["state"].get(k)) for k, v in before["state"].items())
+        same_nested(before["params"], after["params"])
+        and same_nested(before["groups"], after["groups"])
+        and all(same_nested(v, after["state"].get(k)) for k, v in before["state"].items())
     )
 
 
@@ -226,7 +198,7 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     spec, kind, model, optimizer, scheduler = _build(rank, world, spec)
     for step in range(spec.get("pre_steps", 0)):
         _train_step(model, optimizer, scheduler, 50 + step, kind)
-    before = _local_state(model, optimizer)
+    before = local_state(model, optimizer)
     config = CheckpointConfig(spec["root"], **spec.get("config", {}))
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     report: dict = {"rank": rank, "ok": False}
@@ -236,13 +208,8 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
         if isinstance(exc, (KeyboardInterrupt, SystemExit)):
             raise
-        report["error"] = {
-            "type": type(exc).__name__,
-            "shardstream": isinstance(exc, ShardstreamError),
-            "message": str(exc),
-            "traceback": traceback.format_exc(),
-        }
-        report["unchanged"] = _unchanged(before, _local_state(model, optimizer))
+        report["error"] = error_report(exc)
+        report["unchanged"] = _unchanged(before, local_state(model, optimizer))
     finally:
         manager.close()
     outcomes = [None] * world
@@ -294,23 +261,6 @@ def untouched(saved):
 
 def _restore(root, spec: dict | None = None, world: int = WORLD, timeout: float = HANG_S):
     return run(restore_case, world, {"root": str(root), **(spec or {})}, timeout=timeout)
-
-
-def _assert_refused(reports: list[dict], *needles: str, untouched: bool = True) -> None:
-    """Every rank raised a one-line ShardstreamError naming every needle; ``untouched``: with
-    its live model and optimizer as they were (README: every part is checked against the
-    live objects first, and if one cannot be restored nothing is touched)."""
-    for report in reports:
-        assert not report["ok"], f"rank {report['rank']} restored: {report.get('restored')}"
-        error = report["error"]
-        where = f"rank {report['rank']}: {error['type']}: {error['message']}"
-        assert error["shardstream"], where + "\n" + error["traceback"]
-        message = error["message"]
-        assert "Traceback" not in message and "\n" not in message.strip(), where
-        for needle in needles:
-            assert needle in message, f"{needle!r} not named; {where}"
-        if untouched:
-            assert report["unchanged"], f"rank {report['rank']}: failed restore changed live state"
 
 
 def _assert_restored(reports: list[dict], want: dict, step: int, seen: int | None = None) -> None:
@@ -416,12 +366,14 @@ def test_fp32_checkpoint_into_a_bf16_model_is_cast(saved, untouched):
     ids=["wider-layer", "added-layer", "removed-layer", "wider-input"],
 )
 def test_changed_architecture_is_refused_naming_the_tensor(saved, untouched, spec, needles):
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), *needles)
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), *needles)
 
 
 def test_changed_vocabulary_is_refused_naming_the_embedding(saved, untouched):
     spec = {"kind": "qwen", "seed": 3, "pre_steps": 1, "qwen": {"vocab_size": 103}}
-    _assert_refused(_restore(saved["roots"]["qwen"], spec), "embed_tokens.weight", "[101, 48]")
+    assert_refused_everywhere(
+        _restore(saved["roots"]["qwen"], spec), "embed_tokens.weight", "[101, 48]"
+    )
 
 
 @pytest.mark.parametrize(
@@ -451,7 +403,7 @@ def test_untied_checkpoint_into_a_tied_model(saved, untouched, contents):
         "qwen": {"tie_word_embeddings": True},
         "config": {"load_contents": contents},
     }
-    _assert_refused(_restore(saved["roots"]["qwen"], spec), "lm_head.weight")
+    assert_refused_everywhere(_restore(saved["roots"]["qwen"], spec), "lm_head.weight")
 
 
 def test_qwen_round_trip(saved, untouched):
@@ -485,7 +437,7 @@ def test_other_optimizer_is_refused_naming_what_is_missing(
     saved, untouched, variant, optim, needles
 ):
     spec = {"optim": optim, "pre_steps": 1}
-    _assert_refused(_restore(saved["roots"][variant], spec), *needles)
+    assert_refused_everywhere(_restore(saved["roots"][variant], spec), *needles)
 
 
 @pytest.mark.parametrize(
@@ -508,7 +460,7 @@ def test_saved_optimizer_state_the_live_optimizer_lacks_is_not_dropped(
     saved, untouched, variant, optim, needle
 ):
     spec = {"optim": optim, "pre_steps": 1}
-    _assert_refused(_restore(saved["roots"][variant], spec), needle)
+    assert_refused_everywhere(_restore(saved["roots"][variant], spec), needle)
 
 
 def test_amsgrad_checkpoint_into_plain_adamw(saved, untouched):
@@ -521,7 +473,7 @@ def test_amsgrad_checkpoint_into_plain_adamw(saved, untouched):
         _assert_restored(reports, saved["states"]["amsgrad"][2], 2)
         assert all(r["stepped"] is True for r in reports), [r["stepped"] for r in reports]
     else:
-        _assert_refused(reports, "max_exp_avg_sq")
+        assert_refused_everywhere(reports, "max_exp_avg_sq")
 
 
 # --- the checkpoint was damaged between save and restore ----------------------------------------
@@ -574,7 +526,7 @@ def test_damaged_rank_file_fails_every_rank_naming_it(saved, tmp_path, damage, r
     reports = _restore(root, {"pre_steps": 1})
     # A flipped data byte is found as the chunk is read into the live tensors, so the failed
     # restore may have written some of them: it says so by raising (not asserted untouched).
-    _assert_refused(reports, victim.name, untouched=damage is not _flip)
+    assert_refused_everywhere(reports, victim.name, untouched=damage is not _flip)
     assert _tree(root) == tree
 
 
@@ -586,7 +538,7 @@ def test_damaged_extra_state_of_rank_1_fails_every_rank(saved, tmp_path, which):
     victim = next(step / n for n in names if n.endswith(".json") == (which == "json"))
     _flip_bytes_anywhere(victim)
     tree = _tree(root)
-    _assert_refused(_restore(root, {"pre_steps": 1}), victim.name)
+    assert_refused_everywhere(_restore(root, {"pre_steps": 1}), victim.name)
     assert _tree(root) == tree
 
 
@@ -602,7 +554,7 @@ def test_hand_edited_manifest_is_refused_naming_it(saved, tmp_path):
     manifest.write_text(manifest.read_text().replace('"step":2', '"step":3', 1))
     assert '"step":3' in manifest.read_text()
     tree = _tree(root)
-    _assert_refused(_restore(root, {"pre_steps": 1}), "manifest.json")
+    assert_refused_everywhere(_restore(root, {"pre_steps": 1}), "manifest.json")
     assert _tree(root) == tree
 
 
@@ -627,7 +579,7 @@ def test_resealed_manifest_that_lies_is_refused(saved, tmp_path, edit):
         needles = ("model.2.weight",)
     native.write_manifest(step, doc)
     tree = _tree(root)
-    _assert_refused(_restore(root, {"pre_steps": 1}), *needles)
+    assert_refused_everywhere(_restore(root, {"pre_steps": 1}), *needles)
     assert _tree(root) == tree
 
 
@@ -636,7 +588,7 @@ def test_rank_file_of_another_step_swapped_in(saved, tmp_path):
     name = native.rank_file(1)
     shutil.copy(root / "global_step_1" / name, root / "global_step_2" / name)
     tree = _tree(root)
-    _assert_refused(_restore(root, {"pre_steps": 1}), name)
+    assert_refused_everywhere(_restore(root, {"pre_steps": 1}), name)
     assert _tree(root) == tree
 
 
@@ -654,7 +606,7 @@ def test_manifest_removed_from_the_newest_step_falls_back_to_the_older(saved, tm
 
 
 def test_step_that_does_not_exist(saved, untouched):
-    _assert_refused(_restore(saved["roots"]["mlp"], {"restore": {"step": 7}}), "step 7")
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], {"restore": {"step": 7}}), "step 7")
 
 
 @pytest.mark.parametrize("made", ["empty", "uncommitted"])
@@ -671,13 +623,13 @@ def test_run_directory_without_a_committed_step(tmp_path, made):
         assert report["ok"] and report["restored"] is None, report.get("error")
     assert _tree(tmp_path) == tree
     # Asking for a step there is an error on every rank.
-    _assert_refused(_restore(root, {"pre_steps": 1, "restore": {"step": 4}}), "step 4")
+    assert_refused_everywhere(_restore(root, {"pre_steps": 1, "restore": {"step": 4}}), "step 4")
 
 
 def test_resume_path_that_does_not_exist(saved, untouched, tmp_path):
     bad = tmp_path / "global_step_9"
     spec = {"config": {"resume_mode": "resume_path", "resume_from_path": str(bad)}}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), str(bad))
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), str(bad))
 
 
 def test_resume_path_that_is_the_run_directory_restores_its_newest_step(saved, untouched):
@@ -690,14 +642,14 @@ def test_resume_path_that_is_the_run_directory_restores_its_newest_step(saved, u
 def test_resume_path_that_is_a_file(saved, untouched):
     manifest = str(Path(saved["roots"]["mlp"]) / "global_step_2" / "manifest.json")
     spec = {"config": {"resume_mode": "resume_path", "resume_from_path": manifest}}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), manifest)
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), manifest)
 
 
 def test_resume_path_that_is_an_empty_directory(saved, untouched, tmp_path):
     empty = tmp_path / "global_step_3"
     empty.mkdir()
     spec = {"config": {"resume_mode": "resume_path", "resume_from_path": str(empty)}}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), str(empty))
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), str(empty))
 
 
 def test_resume_path_to_an_older_step_restores_it(saved, untouched):
@@ -749,7 +701,7 @@ def test_bad_resume_settings_are_refused_at_once(tmp_path, values, needle):
 )
 def test_one_rank_with_another_model_fails_every_rank(saved, untouched, odd, needles):
     spec = {"per_rank": {1: odd}, "gather": False}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), *needles)
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), *needles)
 
 
 def test_one_rank_with_a_bad_resume_path_fails_every_rank(saved, untouched, tmp_path):
@@ -759,14 +711,14 @@ def test_one_rank_with_a_bad_resume_path_fails_every_rank(saved, untouched, tmp_
         "config": {"resume_mode": "resume_path", "resume_from_path": good},
         "per_rank": {1: {"config": {"resume_mode": "resume_path", "resume_from_path": bad}}},
     }
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), "global_step_2")
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), "global_step_2")
 
 
 def test_ranks_asking_for_different_steps_fail_every_rank(saved, untouched):
     spec = {"restore": {"step": 2}, "per_rank": {1: {"restore": {"step": 1}}}}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), "step")
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), "step")
 
 
 def test_ranks_loading_different_contents_fail_every_rank(saved, untouched):
     spec = {"pre_steps": 1, "per_rank": {1: {"config": {"load_contents": ("model",)}}}}
-    _assert_refused(_restore(saved["roots"]["mlp"], spec), "optimizer")
+    assert_refused_everywhere(_restore(saved["roots"]["mlp"], spec), "optimizer")

@@ -107,3 +107,34 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
             status, value = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
             results.append(value)
         return results
+
+
+def shard_units(model: Any, units: list, mesh: Any, wrap: str = "fsdp2") -> Any:
+    """``model`` sharded over ``mesh``, each of ``units`` (disjoint submodules) a unit of its
+    own and the root the rest: FSDP2 (``"fsdp2"``, ``fully_shard``), or FSDP1 on CPU with
+    ``use_orig_params`` (``"fsdp1-orig"``) or without (any other ``"fsdp1..."``). Returns the
+    root: the model itself under FSDP2, its FSDP1 wrapper otherwise."""
+    import torch
+
+    if wrap == "fsdp2":
+        from torch.distributed.fsdp import fully_shard
+
+        for unit in units:
+            fully_shard(unit, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        return model
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    def fsdp1(module: Any) -> Any:
+        return FullyShardedDataParallel(
+            module,
+            device_mesh=mesh,
+            device_id=torch.device("cpu"),
+            use_orig_params=wrap == "fsdp1-orig",
+        )
+
+    for unit in units:
+        name = next(n for n, m in model.named_modules() if m is unit)
+        head, _, attr = name.rpartition(".")
+        setattr(model.get_submodule(head), attr, fsdp1(unit))
+    return fsdp1(model)
