@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import time
 from collections import Counter
@@ -177,6 +178,12 @@ def test_readers_during_saves_see_committed_checkpoints(forkserver, tmp_path):
                     try:
                         got, extra = reader.restore()
                     except ShardstreamError as exc:
+                        # Every retry may lose the race on a starved machine: then the step it
+                        # read last is gone, and the error says so cleanly.
+                        last = re.search(r"global_step_(\d+)", str(exc))
+                        if last and not (root / f"global_step_{last.group(1)}").exists():
+                            stats["manager latest: retention won every retry (clean error)"] += 1
+                            continue
                         raise AssertionError(f"restore() of the latest step failed: {exc}") from exc
                     assert extra.get("step") == got, (got, extra)
                     expected = torch.load(side / "writer" / f"step_{got}.pt", weights_only=True)
