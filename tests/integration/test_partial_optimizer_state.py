@@ -17,6 +17,7 @@ from torch import nn
 
 from shardstream.testing.compare import assert_nested_equal, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
+from shardstream.testing.verl_checkpoint import save_rank_files, write_fsdp_config
 
 preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
 
@@ -84,12 +85,9 @@ def save(rank: int, world: int, root: str) -> dict:
     dcp.save(state, checkpoint_id=f"{root}/dcp")
     actor = Path(root, "verl", "global_step_2", "actor")  # as verl's FSDPCheckpointManager
     actor.mkdir(parents=True, exist_ok=True)
-    tag = f"world_size_{world}_rank_{rank}"
-    torch.save(model.state_dict(), actor / f"model_{tag}.pt")
-    torch.save(optimizer.state_dict(), actor / f"optim_{tag}.pt")
-    torch.save({"lr_scheduler": None, "rng": {}}, actor / f"extra_state_{tag}.pt")
+    save_rank_files(actor, rank, world, model.state_dict(), optimizer.state_dict())
     if rank == 0:
-        (actor / "fsdp_config.json").write_text(f'{{"FSDP_version": 2, "world_size": {world}}}')
+        write_fsdp_config(actor, world)
     full = gathered_state(model, optimizer)
     return {"full": full, "stateless": _stateless(full)}
 

@@ -38,6 +38,7 @@ from torch import nn
 from shardstream.formats import native
 from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
+from shardstream.testing.verl_checkpoint import save_rank_files, write_fsdp_config
 
 from .harness import assert_refused_everywhere, error_report, local_state, same_nested
 
@@ -182,12 +183,9 @@ def _optimizer_ids(model, optimizer) -> dict[str, int]:
 def _write_verl(actor: Path, rank: int, world: int, model, optim_state: dict) -> None:
     """verl's FSDPCheckpointManager layout: per-rank model, optimizer and extra state."""
     actor.mkdir(parents=True, exist_ok=True)
-    tag = f"world_size_{world}_rank_{rank}"
-    torch.save(model.state_dict(), actor / f"model_{tag}.pt")
-    torch.save(optim_state, actor / f"optim_{tag}.pt")
-    torch.save({"lr_scheduler": None, "rng": {}}, actor / f"extra_state_{tag}.pt")
+    save_rank_files(actor, rank, world, model.state_dict(), optim_state)
     if rank == 0:
-        (actor / "fsdp_config.json").write_text(f'{{"FSDP_version": 2, "world_size": {world}}}')
+        write_fsdp_config(actor, world)
 
 
 def _edited(state: dict, ids: dict[str, int], rank: int, edit: str) -> dict:

@@ -561,14 +561,14 @@ def _run_job(root: Path, fx: VerlFixture, step: int, rank: int, world_size: int)
     if rank == 0:
         actor.mkdir(parents=True, exist_ok=True)
     dist.barrier()
-    tag = f"world_size_{world_size}_rank_{rank}"
     state = model.state_dict()
-    torch.save(state, actor / f"model_{tag}.pt")
-    if fx.write_optimizer:
-        torch.save(optimizer.state_dict(), actor / f"optim_{tag}.pt")
-    torch.save(
+    save_rank_files(
+        actor,
+        rank,
+        world_size,
+        state,
+        optimizer.state_dict() if fx.write_optimizer else None,
         {"lr_scheduler": scheduler.state_dict(), "rng": _rng_state()},
-        actor / f"extra_state_{tag}.pt",
     )
     if rank == 0:
         _write_rank0_files(root, actor, fx, step, world_size, config)
@@ -582,6 +582,31 @@ def _run_job(root: Path, fx: VerlFixture, step: int, rank: int, world_size: int)
             _write_reference(root / "reference", fx, config, full, world_size)
     _log(rank, "reference written")
     dist.barrier()
+
+
+def save_rank_files(
+    actor: Path,
+    rank: int,
+    world_size: int,
+    model_state: dict,
+    optim_state: dict | None = None,
+    extra_state: dict | None = None,
+) -> None:
+    """One rank's files as ``FSDPCheckpointManager.save_checkpoint`` writes them:
+    ``model_``, ``optim_`` (when given) and ``extra_state_world_size_W_rank_R.pt`` (default:
+    no scheduler, no RNG)."""
+    tag = f"world_size_{world_size}_rank_{rank}"
+    torch.save(model_state, actor / f"model_{tag}.pt")
+    if optim_state is not None:
+        torch.save(optim_state, actor / f"optim_{tag}.pt")
+    extra = {"lr_scheduler": None, "rng": {}} if extra_state is None else extra_state
+    torch.save(extra, actor / f"extra_state_{tag}.pt")
+
+
+def write_fsdp_config(actor: Path, world_size: int) -> None:
+    """verl's ``fsdp_config.json`` (rank 0 writes it)."""
+    with open(actor / "fsdp_config.json", "w") as f:
+        json.dump({"FSDP_version": 2, "world_size": world_size}, f, indent=4)
 
 
 def _wants_adapter(fx: VerlFixture) -> bool:
@@ -610,8 +635,7 @@ def _write_rank0_files(
         hf_dir = actor / "huggingface" if fx.hf_in_subdir else actor
         tm.write_hf_files(hf_dir, config, config_dtype=fx.config_dtype)
     if fx.write_fsdp_config:
-        with open(actor / "fsdp_config.json", "w") as f:
-            json.dump({"FSDP_version": 2, "world_size": world_size}, f, indent=4)
+        write_fsdp_config(actor, world_size)
     if fx.lora and fx.lora_layout in ("meta", "both"):
         meta = {"r": fx.lora_rank, "lora_alpha": fx.lora_alpha, "task_type": "CAUSAL_LM"}
         with open(actor / "lora_train_meta.json", "w", encoding="utf-8") as f:
