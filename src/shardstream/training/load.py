@@ -639,8 +639,8 @@ def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     A parameter with some kinds of state but not others is still missing state, and so is
     every parameter of a checkpoint with no state at all (a stateless optimizer's, such as
     plain SGD's, is not restored into one that keeps state)."""
-    optimizer = source.objects.get("optimizer")  # checked by _checked_parts, named there
-    scalars = optimizer.get("scalars") if isinstance(optimizer, dict) else None
+    saved_optimizer = source.objects.get("optimizer")  # checked by _checked_parts, named there
+    scalars = saved_optimizer.get("scalars") if isinstance(saved_optimizer, dict) else None
     names = (*(source.all_names or source.tensors), *(scalars if isinstance(scalars, dict) else ()))
     saved = _stateful(names)
     if not saved:
