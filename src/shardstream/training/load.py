@@ -632,6 +632,50 @@ def _checked_targets(
     return targets
 
 
+def _one_per_storage(
+    path: Path,
+    source: _Source,
+    targets: dict[str, torch.Tensor],
+    regions: dict,
+    buffer_bytes: int,
+) -> dict[str, torch.Tensor]:
+    """``targets`` with one name per live storage: names the live model ties (an embedding
+    and its head) hold one tensor, which can take the checkpoint's only if the checkpoint
+    holds the same bytes under each (each rank compares its own part). Refused otherwise,
+    naming both: whichever was read last would silently win."""
+    from torch.distributed.tensor import DTensor
+
+    first: dict[tuple, str] = {}
+    kept = {}
+    for name, tensor in targets.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if not isinstance(local, torch.Tensor) or local.numel() == 0:
+            kept[name] = tensor
+            continue
+        storage = local.untyped_storage()
+        key = (storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
+        if key not in first:
+            first[key] = name
+            kept[name] = tensor
+            continue
+        other = first[key]
+        start, shape = regions[name]
+        if not native_storage.saved_boxes_equal(
+            other, name, start, shape, local.dtype, source.tensors, source.endpoint, buffer_bytes
+        ):
+            raise CheckpointFormatError(
+                f"{path}: the live model ties {_fqn(other)!r} and {_fqn(name)!r} (one "
+                "parameter), but the checkpoint holds different values for them: saved "
+                "from an untied model? Untie them in the live model (tie_word_embeddings="
+                "False) to restore both"
+            )
+    return kept
+
+
+def _fqn(name: str) -> str:
+    return name.removeprefix(native.MODEL_PREFIX)
+
+
 def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     """The live optimizer's entries for the parameters the checkpoint keeps state for. One
     that never had a gradient (a tower trained on other data, an expert never routed to)
@@ -897,6 +941,11 @@ def load(
         coll.agree_or_raise(error, "restore")
         if source.precheck is not None:
             source.precheck()
+        try:  # after the precheck: compares verified bytes
+            targets = _one_per_storage(path, source, targets, regions, parse_size(buffer_size))
+        except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
+            error = exc
+        coll.agree_or_raise(error, "restore")
     except BaseException:
         if fresh is not None:
             fresh.clear()

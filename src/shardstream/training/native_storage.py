@@ -9,6 +9,7 @@ these classes move their bytes with the copy engine. See docs/format.md.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -298,7 +299,7 @@ def read_into_boxes(
     for name, start, target in boxes:
         end = [s + n for s, n in zip(start, target.shape)]
         for src in blocks_in_box(tensors[name].blocks, start, target.shape):  # grids: a few
-            if all(s < b + n and b < e for s, e, b, n in zip(start, end, src.start, src.shape)):
+            if _overlaps(start, end, src):
                 work.append((src.location, src.offset, name, start, target, src))
     work.sort(key=lambda w: (w[0], w[1]))
     endpoints = OpenEndpoints(endpoint)
@@ -312,6 +313,78 @@ def read_into_boxes(
     finally:
         endpoints.close()
     return read
+
+
+def _overlaps(start, end, block: Block) -> bool:
+    """Whether the box [``start``, ``end``) and ``block`` share an element."""
+    return all(s < b + n and b < e for s, e, b, n in zip(start, end, block.start, block.shape))
+
+
+def saved_boxes_equal(
+    a: str,
+    b: str,
+    start: tuple[int, ...],
+    shape: tuple[int, ...],
+    dtype: torch.dtype,
+    tensors: dict[str, GlobalTensor],
+    endpoint: Any = FileEndpoint,
+    buffer_bytes: int = DEFAULT_BUFFER_BYTES,
+) -> bool:
+    """Whether saved tensors ``a`` and ``b``, cast to ``dtype``, hold the same bytes in the
+    box (``start``, ``shape``): read a window of each at a time, through separate endpoints so
+    that each tensor is read in its own order; every byte read is verified."""
+    item = torch.empty((), dtype=dtype).element_size()
+    limit = max(1, buffer_bytes // (2 * item))
+    per_tensor = {name: OpenEndpoints(endpoint) for name in (a, b)}
+    buffers = Buffers.sized(buffer_bytes, 2.0)  # used by one read at a time
+    streamers = {n: Streamer(e, buffers) for n, e in per_tensor.items()}
+    try:
+        for w_start, w_shape in box_windows(start, shape, limit):
+            end = [s + n for s, n in zip(w_start, w_shape)]
+            held = []
+            for name in (a, b):
+                window = torch.empty(w_shape, dtype=dtype)
+                for src in blocks_in_box(tensors[name].blocks, w_start, w_shape):
+                    if _overlaps(w_start, end, src):
+                        _read_block(
+                            per_tensor[name],
+                            streamers[name],
+                            name,
+                            tensors[name].shape,
+                            src,
+                            w_start,
+                            window,
+                        )
+                held.append(window.reshape(-1).view(torch.uint8))
+            if not torch.equal(*held):
+                return False
+        for endpoints in per_tensor.values():
+            endpoints.finish()
+    finally:
+        for endpoints in per_tensor.values():
+            endpoints.close()
+    return True
+
+
+def box_windows(
+    start: tuple[int, ...], shape: tuple[int, ...], limit: int
+) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
+    """The box (``start``, ``shape``) as sub-boxes of at most ``limit`` elements (>= 1) that
+    follow one another in row-major order."""
+    if not shape or math.prod(shape) <= limit:
+        return [(tuple(start), tuple(shape))]
+    inner = math.prod(shape[1:])
+    if inner <= limit:
+        rows = limit // inner
+        return [
+            ((start[0] + r, *start[1:]), (min(rows, shape[0] - r), *shape[1:]))
+            for r in range(0, shape[0], rows)
+        ]
+    return [
+        ((start[0] + r, *s), (1, *n))
+        for r in range(shape[0])
+        for s, n in box_windows(start[1:], shape[1:], limit)
+    ]
 
 
 class StreamingReader(StorageReader):
