@@ -273,7 +273,8 @@ JOBS = {
 def _child(command: dict, rank: int) -> None:
     code = 1
     try:
-        log = Path(command["log"]) / f"{command['job']}-{rank}-{os.getpid()}.log"
+        # The spawn's number too: a later process given a dead one's pid gets a log of its own.
+        log = Path(command["log"]) / f"{command['job']}-{rank}-{os.getpid()}-{command['seq']}.log"
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)

@@ -134,6 +134,8 @@ class ForkServer:
         self._read(timeout=120)
         self.live: set[int] = set()
         self.last: list[int] = []
+        self.spawns = 0
+        self.log_names: dict[int, str] = {}  # pid -> its log (pids are reused over a run)
 
     def _read(self, timeout: float) -> dict:
         deadline = time.monotonic() + timeout
@@ -156,12 +158,19 @@ class ForkServer:
         return self._read(timeout + 30)
 
     def spawn(self, job: str, spec: dict, nprocs: int = 1) -> list[int]:
-        pids = self._ask(
-            {"op": "spawn", "job": job, "spec": spec, "nprocs": nprocs, "log": str(self.log_dir)}
-        )["pids"]
+        self.spawns += 1
+        command = {"op": "spawn", "job": job, "spec": spec, "nprocs": nprocs}
+        command.update(log=str(self.log_dir), seq=self.spawns)
+        pids = self._ask(command)["pids"]
         self.live.update(pids)
         self.last = pids
+        for rank, pid in enumerate(pids):
+            self.log_names[pid] = f"{job}-{rank}-{pid}-{self.spawns}.log"
         return pids
+
+    def log_path(self, pid: int) -> Path:
+        """The output of process ``pid`` of the latest spawn that had it."""
+        return self.log_dir / self.log_names[pid]
 
     def wait(self, pids, timeout: float) -> tuple[dict[int, int | None], list[int]]:
         answer = self._ask({"op": "wait", "pids": list(pids), "timeout": timeout}, timeout)
@@ -199,7 +208,8 @@ class ForkServer:
         """The tail of each process's output (default: the last ones spawned)."""
         out = []
         for pid in self.last if pids is None else pids:
-            for path in self.log_dir.glob(f"*-{pid}.log"):
+            path = self.log_path(pid)
+            if path.exists():
                 text = path.read_text(errors="replace")
                 out.append(f"--- {path.name} ---\n{text[-4000:]}")
         return "\n".join(out)

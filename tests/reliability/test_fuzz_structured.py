@@ -173,7 +173,7 @@ def run_entry_points(forkserver, kind: str, path: Path, corpus: dict, described:
         kill(running)
         forkserver.wait(running, 30)
     for pid, command in pids.items():
-        logs = list(forkserver.log_dir.glob(f"guarded-0-{pid}.log"))
+        logs = [log for log in [forkserver.log_path(pid)] if log.exists()]
         output = logs[0].read_text(errors="replace") if logs else ""
         for log in logs:
             log.unlink()
