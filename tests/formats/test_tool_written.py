@@ -62,7 +62,9 @@ def test_hf_writer_with_index_mapping_names_the_saving_ranks(written, tmp_path):
     assert len(list((path / "sharded").glob("shard-*.safetensors"))) == 4
     for where in (path, path / "sharded"):
         assert open_checkpoint(where).world_size == 2, where
-        assert verify(where).ok
+        report = verify(where)
+        assert report.ok
+        assert describe(where)["format"] == report.kind == "dcp_hf", where  # one name
         want = load_file(written / "hf_mapped.reference.safetensors")
         assert_bit_identical(_merged(where, tmp_path / where.name), want)
 

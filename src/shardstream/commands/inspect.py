@@ -58,7 +58,7 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     contents = manifest.get("contents")
     step = manifest.get("step")
     key_prefix = None
-    if checkpoint.format == "dcp":  # no manifest: the step its directory is named for
+    if checkpoint.format in ("dcp", "dcp_hf"):  # no manifest: the step its directory is named for
         from ..formats.dcp import step_of_name
 
         step = step_of_name(Path(path).name)

@@ -53,7 +53,7 @@ class DcpHfCheckpoint:
     consolidated: bool
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     prefix: str = ""  # keys are the state dict's own
-    label: str = "dcp"  # HF_MODEL_FORMAT: a Hugging Face model directory
+    label: str = "dcp_hf"  # HF_MODEL_FORMAT: a Hugging Face model directory
 
     @property
     def format(self) -> str:
@@ -148,7 +148,7 @@ def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
     return _open_consolidated(directory, HF_MODEL_FORMAT)
 
 
-def _open_consolidated(directory: Path, label: str = "dcp") -> DcpHfCheckpoint:
+def _open_consolidated(directory: Path, label: str = "dcp_hf") -> DcpHfCheckpoint:
     tensors = hf.whole_tensors(hf.read_hf_model(directory)[0])
     files = sorted({b.location for t in tensors for b in t.blocks})
     placements = {t.name: "whole (consolidated)" for t in tensors}
