@@ -356,15 +356,7 @@ CONFIG_CASES = [
 ]
 
 
-XFAIL_CONFIG = {
-    ("arch_backbone", "qwen2_5_vl"): (
-        "exit 0 writing the in-memory names model.language_model.*: architectures names "
-        "Qwen2_5_VLModel, whose names (language_model.*, visual.*) the stored tensors do not "
-        "have; the Qwen2_5_VLModel built in hf_names._meta_model is taken without checking "
-        "that it holds the stored tensors, so none of its rules apply. Either refuse naming "
-        "config.json or write the save_pretrained layout of the class the tensors fit"
-    ),
-}
+XFAIL_CONFIG: dict[tuple[str, str], str] = {}  # none left
 
 
 def _config_params():

@@ -151,14 +151,16 @@ def test_a_config_transformers_rejects_is_refused_naming_config_json(qwen3_moe_c
         plan_names([("model.norm.weight", "F32", (8,))], config)
 
 
-def test_qwen2_5_vl_is_renamed():
+# config.json naming the backbone of the checkpoint's model: the auto class that holds it
+@pytest.mark.parametrize("architecture", ["Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel"])
+def test_qwen2_5_vl_is_renamed(architecture):
     import transformers
 
     config = transformers.Qwen2_5_VLConfig(
         text_config={"hidden_size": 8, "num_attention_heads": 2, "num_key_value_heads": 1},
         vision_config={"depth": 1, "hidden_size": 8, "num_heads": 2, "out_hidden_size": 8},
     ).to_dict()
-    config["architectures"] = ["Qwen2_5_VLForConditionalGeneration"]
+    config["architectures"] = [architecture]
     with torch.device("meta"):
         held = transformers.Qwen2_5_VLForConditionalGeneration(
             transformers.Qwen2_5_VLConfig(**config)
@@ -177,6 +179,14 @@ def test_qwen2_5_vl_is_renamed():
         "model.visual.blocks.0.norm1.weight": "visual.blocks.0.norm1.weight",
         "lm_head.weight": "lm_head.weight",
     }
+
+
+@pytest.mark.parametrize("architectures", [["Qwen3MoeModel"], []])
+def test_a_model_holding_none_of_the_tensors_is_refused(qwen3_moe_config, architectures):
+    config = {**qwen3_moe_config, "architectures": architectures}
+    stored = [("decoder.blocks.0.ffn.experts.gate_up_proj", "F32", (4, 16, 8))]
+    with pytest.raises(CheckpointFormatError, match=r"config.json: Qwen3Moe\w+, the model it"):
+        plan_names(stored, config)
 
 
 def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
@@ -261,7 +271,13 @@ def test_a_computed_tensor_is_refused_naming_it(monkeypatch, qwen3_moe_config):
     monkeypatch.setattr(core_model_loading, "revert_weight_conversion", concatenating)
     config = qwen3_moe_config
     with pytest.raises(CheckpointFormatError, match=r"'fused\.weight'.*--keep-names"):
-        plan_names([("a", "F32", (2, 8)), ("b", "F32", (2, 8))], config)
+        plan_names(
+            [
+                ("model.norm.weight", "F32", (8,)),
+                ("model.layers.0.post_attention_layernorm.weight", "F32", (8,)),
+            ],
+            config,
+        )
 
 
 def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):

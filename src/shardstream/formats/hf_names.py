@@ -501,6 +501,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
     model = _meta_model(config, len(plain))
     if model is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
+    model = _holding_the_tensors(model, config, plain)
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -552,6 +553,27 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
             )
         pieces.append(piece)
     return _with_storage(pieces, model, plain, revert_weight_conversion), what
+
+
+def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
+    """``model``, or where it holds none of the stored tensors (config.json's architectures
+    names the backbone, ``Qwen2_5_VLModel``, of a checkpoint of the model around it), the
+    model transformers' auto classes build for config.json when that one holds some; else a
+    refusal: no rule of a model that holds none of the tensors can name them."""
+    held = model.state_dict().keys()
+    if not plain or any(name in held for name, _, _ in plain):
+        return model
+    named = type(model).__name__
+    if config.get("architectures"):
+        other = _meta_model({**config, "architectures": []}, len(plain))
+        if other is not None and any(name in other.state_dict() for name, _, _ in plain):
+            return other
+    raise CheckpointFormatError(
+        f"config.json: {named}, the model it describes, holds none of the checkpoint's tensors "
+        f"(e.g. {plain[0][0]!r}; it holds {next(iter(held), 'none')!r}): they describe "
+        "different models. Fix 'architectures' there, or merge with --keep-names to write "
+        "the in-memory names"
+    )
 
 
 def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
