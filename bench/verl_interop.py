@@ -668,6 +668,20 @@ OTHER_TRAINERS = [
     "accelerate turns FSDP on only from GPU-like distributed types, so the test sets its "
     "state to FSDP after `Accelerator()`; its FSDP2 preparation and checkpoint code then "
     "run unchanged.",
+    '- transformers 5.25 `Trainer` with FSDP2 (`fsdp_config={"fsdp_version": 2}`, '
+    "`SHARDED_STATE_DICT` and `FULL_STATE_DICT`, tied and untied embeddings; "
+    "`tests/integration/test_hf_trainer.py`): the `checkpoint-N` that `trainer.train()` "
+    'writes (`save_strategy="steps"`) is inspected (`accelerate (SHARDED_STATE_DICT)` / '
+    "`(FULL_STATE_DICT)`), verified (every DCP item, torch.save file and `save_pretrained` "
+    "model in it; `training_args.bin` by its zip records, never unpickled; the "
+    "`output_dir` verifies each `checkpoint-N`), merged (bit for bit the state at the "
+    "save; no `trainer_state.json` or other run state copied beside the model), tested "
+    "against `trainer.save_model`'s output with `--exact`, and restored into a plain model "
+    "at 1 process and into FSDP2 prepared by the Trainer's accelerator at 3 ranks with the "
+    "Trainer's own optimizer (two groups) and scheduler, each rank's RNG included. "
+    "accelerate enables FSDP only from GPU-like distributed types, so on CPU the test sets "
+    "the Trainer's accelerate state as accelerate sets it on GPUs; the training and "
+    "saving code is the Trainer's own.",
     '- PyTorch\'s DCP recipe, `dcp.save({"app": AppState})` (keys `app.model.*`, '
     "`app.optim.*`): the prefix is detected from DCP's planner data and shown by "
     "`inspect`; `--prefix` / `prefix=` picks one where several containers hold a model.",

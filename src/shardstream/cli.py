@@ -276,7 +276,7 @@ def run_verify(args: argparse.Namespace) -> int:
             print(problem.line(), file=sys.stderr)
         if not args.quiet:
             verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-            steps = f", steps {report.steps}" if report.kind == "root" else ""
+            steps = f", steps {report.steps}" if report.kind in ("root", "checkpoints") else ""
             checked = f"{format_size(report.bytes_checked)} checked"
             if report.kind == "dcp":
                 checked += " (every item's zip records against their CRC-32s)"

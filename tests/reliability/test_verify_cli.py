@@ -111,6 +111,26 @@ def test_verify_step_dir_names_file_tensor_and_bytes(saved_run, tmp_path, capsys
     assert int(match["lo"]) <= offset < int(match["hi"])
 
 
+def test_verify_directory_of_other_tools_checkpoints(saved_run, tmp_path, capsys):
+    """A directory holding checkpoints side by side (the Trainer's output_dir, checkpoint-N):
+    each is verified, a damaged one named; steps in the order of the names' numbers."""
+    out = tmp_path / "out"
+    for step in (10, 2):  # (directories of shardstream's or verl's checkpoints are verl roles)
+        shutil.copytree(saved_run.hf, out / f"checkpoint-{step}")
+    code, lines, text = _verify(capsys, out, "--json")
+    assert code == 0 and not lines
+    report = json.loads(text)
+    assert (report["kind"], report["steps"]) == ("checkpoints", [2, 10]), report
+    _, _, alone = _verify(capsys, out / "checkpoint-2", "--json")
+    assert report["files_checked"] == 2 * json.loads(alone)["files_checked"] > 0
+    offset, tensor = flip_data_byte(out / "checkpoint-10" / "model.safetensors", 0.9)
+    code, lines, _ = _verify(capsys, out)
+    assert code == 1 and len(lines) == 1, lines
+    match = LINE.match(lines[0])
+    assert match["path"] == str(out / "checkpoint-10" / "model.safetensors")
+    assert tensor in match["tensor"] and int(match["lo"]) <= offset < int(match["hi"])
+
+
 def test_verify_hf_dirs(saved_run, tmp_path, capsys):
     hf = tmp_path / "hf"
     shutil.copytree(saved_run.hf, hf)

@@ -58,15 +58,13 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     contents = manifest.get("contents")
     step = manifest.get("step")
     key_prefix = None
-    if checkpoint.format in ("dcp", "dcp_hf"):  # no manifest: the step its directory is named for
-        from ..formats.dcp import step_of_name
+    if kind in (Kind.DCP, Kind.DCP_HF, Kind.ACCELERATE):  # no manifest: the step its
+        from ..formats.dcp import step_of_name  # directory is named for
+        from ..formats.torch_state_dict import ACCELERATE_FULL_FORMAT
 
         step = step_of_name(Path(path).name)
-        key_prefix = checkpoint.prefix
-    elif kind is Kind.ACCELERATE:  # a whole state dict (FULL_STATE_DICT): likewise
-        from ..formats.dcp import step_of_name
-
-        step = step_of_name(Path(path).name)
+        if checkpoint.format != ACCELERATE_FULL_FORMAT:  # a whole state dict: no DCP keys
+            key_prefix = checkpoint.prefix
     files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
     return {

@@ -105,6 +105,19 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "dcp_hf")
         _verify_dcp_hf(root, report, progress)
         return report
+    if kind is not Kind.RUN and (found := _checkpoints_in(root)):
+        # checkpoints of other tools side by side: the Trainer's output_dir (checkpoint-N)
+        from ..formats.dcp import step_of_name
+
+        report = VerifyReport(str(root), "checkpoints")
+        for entry in found:
+            part = verify(entry, progress)
+            report.problems.extend(part.problems)
+            report.files_checked += part.files_checked
+            report.bytes_checked += part.bytes_checked
+            if (step := step_of_name(entry.name)) is not None:
+                report.steps.append(step)
+        return report
     if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")
         report.problems.append(
@@ -146,6 +159,21 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _checkpoints_in(directory: Path) -> list[Path]:
+    """The subdirectories of ``directory`` that verify knows (checkpoints of any format, HF
+    models, runs), by the step they are named for (``checkpoint-N``, ``step-N``), then by
+    name; none where it cannot be listed."""
+    from ..formats.dcp import step_of_name
+    from ..storage.commit import is_temporary
+
+    try:
+        entries = [d for d in directory.iterdir() if d.is_dir() and not is_temporary(d.name)]
+    except OSError:
+        return []
+    found = [d for d in entries if _kind(d) is not Kind.NONE]
+    return sorted(found, key=lambda d: (step_of_name(d.name) or 0, d.name))
 
 
 def _kind(directory: Path) -> Kind:
@@ -264,7 +292,8 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
     ``_verify_full_state``; its other torch.save files (scheduler, RNG, GradScaler,
     register_for_checkpointing objects, stateful dataloaders) record by record against their
     CRC-32s and through the restricted unpickler (which refuses code); a pickled sampler object
-    by its records only (never unpickled)."""
+    and the Trainer's ``training_args.bin`` by their records only (never unpickled); a model
+    ``save_pretrained`` wrote beside them as ``_verify_hf``."""
     from ..formats.source import (
         ACCELERATE_FULL_MODEL_FILE,
         ACCELERATE_FULL_OPTIMIZER_FILE,
@@ -274,7 +303,9 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
         ACCELERATE_SAMPLER_FILE,
         ACCELERATE_SCHEDULER_FILE,
         ACCELERATE_STATE_FILE,
+        TRAINER_ARGS_FILE,
         accelerate_state,
+        is_hf_model,
     )
     from ..formats.torch_pt import check_records, load_restricted, numpy_globals
 
@@ -285,6 +316,8 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
         report.problems.append(_problem_in(directory, exc))
         world_size = 1
     pickles = (ACCELERATE_SCHEDULER_FILE, ACCELERATE_RNG_FILE, ACCELERATE_STATE_FILE)
+    # pickled objects (a sampler, the Trainer's TrainingArguments): records only, never unpickled
+    objects = (ACCELERATE_SAMPLER_FILE, TRAINER_ARGS_FILE)
     for entry in sorted(directory.iterdir()):
         name = entry.name
         if entry.is_dir() and (
@@ -295,16 +328,18 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
             _verify_full_state(entry, report, progress, world_size)
         elif entry.is_file() and ACCELERATE_FULL_OPTIMIZER_FILE.match(name):
             _verify_full_state(entry, report, progress)
-        elif any(p.match(name) for p in pickles) or ACCELERATE_SAMPLER_FILE.match(name):
+        elif any(p.match(name) for p in (*pickles, *objects)):
             report.files_checked += 1
             try:
                 present(entry)  # a directory or FIFO in a state file's place: restore fails
                 check_records(str(entry))
-                if not ACCELERATE_SAMPLER_FILE.match(name):
+                if not any(p.match(name) for p in objects):
                     load_restricted(str(entry), str(entry), "cpu", numpy_globals())
                 report.bytes_checked += entry.stat().st_size
             except ShardstreamError as exc:
                 report.problems.append(Problem(str(entry), _strip(exc, entry)))
+    if is_hf_model(directory):  # the Trainer's checkpoint-N holds save_pretrained's output too
+        _verify_hf(directory, report, progress)
 
 
 def _verify_full_state(

@@ -102,10 +102,11 @@ class DcpCheckpoint:
     # DCP): safetensors holds tensors only, so merge leaves them out and says so.
     model_objects: tuple[str, ...] = ()
     prefix: str = ""  # what the model's keys start with: "model." (accelerate), "app.model."
+    label: str = "dcp"  # or ACCELERATE_SHARDED_FORMAT: the model of an accelerate save_state
 
     @property
     def format(self) -> str:
-        return "dcp"
+        return self.label
 
     @property
     def mesh(self) -> str:

@@ -39,6 +39,11 @@ SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".ckpt", ".h5", ".msgpack")
 _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", ".metadata"}
+# A training run's own files beside config.json (the Trainer's checkpoint-N, accelerate's
+# save_state, verl's and shardstream's runs): state of the run, not of the model.
+_NOT_CONFIG |= {"trainer_state.json", "latest", "latest_checkpointed_iteration.txt"}
+_NOT_CONFIG |= {"manifest.json"}
+_STATE_SUFFIXES = (".pkl", ".pickle")  # accelerate's random_states_N.pkl, custom objects
 
 
 def plan_hf_files(
@@ -128,7 +133,7 @@ def config_files(config_dir: Path) -> list[Path]:
     return sorted(
         p
         for p in config_dir.iterdir()
-        if not p.name.endswith(_WEIGHT_SUFFIXES)
+        if not p.name.endswith(_WEIGHT_SUFFIXES + _STATE_SUFFIXES)
         and p.name not in _NOT_CONFIG
         and not is_temporary(p.name)
         and not p.name.startswith(("model_world_size_", "optim_world_size_", "extra_state_"))

@@ -63,6 +63,7 @@ DCP_HF_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$
 DCP_HF_SHARDED_SUBDIR = "sharded"
 # accelerate's save_state with a sharded FSDP state dict (and the Trainer's checkpoint-N): the
 # model and optimizer as DCP directories, the scheduler and each rank's RNG as torch.save files.
+ACCELERATE_SHARDED_FORMAT = "accelerate (SHARDED_STATE_DICT)"  # its model dir is DCP's
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
@@ -78,6 +79,7 @@ ACCELERATE_STATE_FILE = re.compile(
 )
 # A pickled SeedableRandomSampler object (with its dataset): never unpickled, CRC-checked only.
 ACCELERATE_SAMPLER_FILE = re.compile(r"^sampler(?:_\d+)?\.bin$")
+TRAINER_ARGS_FILE = re.compile(r"^training_args\.bin$")  # the Trainer's TrainingArguments
 
 
 @runtime_checkable
@@ -336,7 +338,9 @@ def _open_accelerate(
         )
     from .dcp import open_dcp
 
-    return open_dcp(parts.model, prefix)
+    checkpoint = open_dcp(parts.model, prefix)
+    checkpoint.label = ACCELERATE_SHARDED_FORMAT
+    return checkpoint
 
 
 def _open_dcp_hf(
