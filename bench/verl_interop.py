@@ -682,6 +682,16 @@ OTHER_TRAINERS = [
     "accelerate enables FSDP only from GPU-like distributed types, so on CPU the test sets "
     "the Trainer's accelerate state as accelerate sets it on GPUs; the training and "
     "saving code is the Trainer's own.",
+    "- Saved without FSDP (`tests/integration/test_unsharded_saves.py`, "
+    "`test_layout_restore.py`): accelerate's `save_state` at 1 process and with DDP at 2 "
+    "(`model.safetensors` or `pytorch_model.bin`, `optimizer.bin` keyed by integer "
+    "parameter ids), and the Trainer's `checkpoint-N` at 1 and 2 processes (`optimizer.pt`, "
+    "`rng_state.pth` / `rng_state_N.pth`): restored at 1 process and into FSDP2 at 3 ranks, "
+    "model, optimizer (two param groups), scheduler and each rank's RNG bit for bit; an "
+    "optimizer of other param groups refused untouched. The Trainer's checkpoints of "
+    "Qwen2.5-VL, Qwen3-MoE (one tensor per expert on disk) and a tied Qwen2 restore into "
+    "the models' own names at 1 process and into FSDP2 at 2; the model directory "
+    "`save_model` writes loads alone into FSDP2.",
     '- PyTorch\'s DCP recipe, `dcp.save({"app": AppState})` (keys `app.model.*`, '
     "`app.optim.*`): the prefix is detected from DCP's planner data and shown by "
     "`inspect`; `--prefix` / `prefix=` picks one where several containers hold a model.",

@@ -16,7 +16,7 @@ import torch
 from shardstream.cli import main
 from shardstream.commands.inspect import describe
 from shardstream.commands.verify import verify
-from shardstream.formats.source import Kind, detect
+from shardstream.formats.source import ACCELERATE_PLAIN_FORMAT, Kind, detect
 
 accelerate = pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
@@ -66,13 +66,17 @@ def _merge(source: Path, target: Path, saved: dict[str, Path]) -> int:
 @pytest.mark.parametrize("which", ["state", "sharded"])
 def test_merge_writes_what_save_pretrained_writes(saved, tmp_path, which):
     source = saved[which]
-    assert detect(source) is Kind.HF_TORCH
+    # save_state's directory holds the run's state beside the model: a training checkpoint
+    kind, label = (
+        (Kind.ACCELERATE, ACCELERATE_PLAIN_FORMAT) if which == "state" else (Kind.HF_TORCH, FORMAT)
+    )
+    assert detect(source) is kind
     if which == "sharded":
         assert (source / "pytorch_model.bin.index.json").is_file()
         assert len(list(source.glob("pytorch_model-*.bin"))) > 1
     info = describe(source)
     weights = list(source.glob("pytorch_model*.bin"))  # not save_state's optimizer.bin
-    assert info["format"] == FORMAT and info["num_files"] == len(weights)
+    assert info["format"] == label and info["num_files"] == len(weights)
     assert _merge(source, tmp_path / "merged", saved) == 0
     got, want = _tensors(tmp_path / "merged"), _tensors(saved["reference"])
     assert got.keys() == want.keys()

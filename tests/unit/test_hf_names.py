@@ -79,6 +79,30 @@ def test_qwen3_moe_experts_are_boxes_of_the_fused_tensors(qwen3_moe_config):
     assert "3 experts" not in plan.describe() and "2 fused tensors split into 9" in plan.describe()
 
 
+def test_the_saved_per_expert_tensors_read_back_as_blocks_of_the_fused_ones(qwen3_moe_config):
+    """``stored_view``: each saved output's bytes placed in its box of the stored tensor, so
+    a restore reads the per-expert file tensors into the fused live one."""
+    e, i, h = 3, 6, 8
+    fused = "model.layers.0.mlp.experts.gate_up_proj"
+    stored = [(fused, "BF16", (e, 2 * i, h)), ("model.norm.weight", "BF16", (h,))]
+    plan = plan_names(stored, qwen3_moe_config)
+    saved, offset = {}, 0
+    for piece in plan.pieces:  # each output one block in a file, one after the other
+        shape = piece.shape
+        block = Block("f", offset, "BF16", (0,) * len(shape), shape, row_major_strides(shape))
+        saved[piece.name] = GlobalTensor(piece.name, "BF16", shape, (block,))
+        offset += 2 * math.prod(shape)
+    shapes = {name: shape for name, _, shape in stored}
+    view = hf_names.stored_view(plan, saved, shapes)
+    assert view.keys() == shapes.keys() and view[fused].shape == (e, 2 * i, h)
+    starts = {b.offset: (b.start, b.shape, b.strides) for b in view[fused].blocks}
+    up = saved["model.layers.0.mlp.experts.2.up_proj.weight"].blocks[0]
+    assert starts[up.offset] == ((2, i, 0), (1, i, h), (0, h, 1))
+    assert len(view[fused].blocks) == 2 * e  # a gate and an up half per expert
+    del saved["model.layers.0.mlp.experts.1.gate_proj.weight"]  # one expert's half missing
+    assert fused not in hf_names.stored_view(plan, saved, shapes)
+
+
 def test_architectures_that_name_no_model_class_fall_back_to_the_auto_classes(
     qwen3_moe_config, monkeypatch
 ):

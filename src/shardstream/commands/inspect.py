@@ -60,11 +60,11 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
     key_prefix = None
     if kind in (Kind.DCP, Kind.DCP_HF, Kind.ACCELERATE):  # no manifest: the step its
         from ..formats.dcp import step_of_name  # directory is named for
-        from ..formats.torch_state_dict import ACCELERATE_FULL_FORMAT
+        from ..formats.source import ACCELERATE_SHARDED_FORMAT
 
         step = step_of_name(Path(path).name)
-        if checkpoint.format != ACCELERATE_FULL_FORMAT:  # a whole state dict: no DCP keys
-            key_prefix = checkpoint.prefix
+        if kind is not Kind.ACCELERATE or checkpoint.format == ACCELERATE_SHARDED_FORMAT:
+            key_prefix = checkpoint.prefix  # DCP's keys (whole state dicts hold their own)
     files = [str(f) for f in checkpoint.files]
     file_bytes = sum(os.path.getsize(f) for f in files)
     return {

@@ -306,6 +306,7 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
         TRAINER_ARGS_FILE,
         accelerate_state,
         is_hf_model,
+        is_hf_torch_model,
     )
     from ..formats.torch_pt import check_records, load_restricted, numpy_globals
 
@@ -338,8 +339,12 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
                 report.bytes_checked += entry.stat().st_size
             except ShardstreamError as exc:
                 report.problems.append(Problem(str(entry), _strip(exc, entry)))
-    if is_hf_model(directory):  # the Trainer's checkpoint-N holds save_pretrained's output too
+    # save_pretrained's output beside: the Trainer's checkpoint-N (FULL_STATE_DICT), and the
+    # model itself of a save without FSDP
+    if is_hf_model(directory):
         _verify_hf(directory, report, progress)
+    elif is_hf_torch_model(directory):
+        _verify_hf_torch(directory, report, progress)
 
 
 def _verify_full_state(

@@ -61,7 +61,7 @@ class DcpHfCheckpoint:
 
     @property
     def mesh(self) -> str:
-        if self.label == HF_MODEL_FORMAT:
+        if self.label != "dcp_hf":  # a Hugging Face model, alone or in a save without FSDP
             return "none: whole tensors (a Hugging Face model)"
         return f"not recorded ({self.world_size} rank(s) wrote files, DCP HF storage writer)"
 

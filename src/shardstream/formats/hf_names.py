@@ -37,10 +37,11 @@ import logging
 import math
 import re
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..engine.plan import Block, GlobalTensor, check_blocks_tile
 from ..errors import CheckpointFormatError, UsageError
 
 WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
@@ -122,6 +123,48 @@ class NamePlan:
             stored = len({p.stored for p in self.pieces if not p.whole})
             changes.append(f"{stored} fused tensors split into {self.sliced}")
         return f"{self.rule} ({', '.join(changes) or 'nothing renamed or split'})"
+
+
+def stored_view(
+    plan: NamePlan,
+    saved: Mapping[str, GlobalTensor],
+    shapes: Mapping[str, tuple[int, ...]],
+) -> dict[str, GlobalTensor]:
+    """The stored (in-memory) tensors of ``shapes`` as blocks of the ``saved`` tensors that
+    ``plan`` names (a model saved in the layout save_pretrained writes, read back into the
+    model's own names): each output's blocks placed in its box of the stored tensor. A stored
+    tensor whose pieces are not all saved, or saved in different dtypes, is left out (the
+    restore then names it missing); one whose pieces do not tile it is refused."""
+    pieces: dict[str, list[Piece]] = {}
+    for piece in plan.pieces:
+        pieces.setdefault(piece.stored, []).append(piece)
+    out = {}
+    for stored, parts in pieces.items():
+        if stored not in shapes or any(p.name not in saved for p in parts):
+            continue
+        dtypes = {saved[p.name].dtype for p in parts}
+        if len(dtypes) != 1:
+            continue
+        blocks = [_placed(b, p) for p in parts for b in saved[p.name].blocks]
+        shape = tuple(shapes[stored])
+        check_blocks_tile(stored, shape, blocks)
+        out[stored] = GlobalTensor(stored, dtypes.pop(), shape, tuple(blocks))
+    return out
+
+
+def _placed(block: Block, piece: Piece) -> Block:
+    """``block`` of output ``piece.name`` as a block of the stored tensor: output dim k is
+    stored dim ``piece.dims[k]``; a stored dim the output lacks has extent 1 there."""
+    rank = len(piece.extent)
+    start, shape, strides = list(piece.start), [1] * rank, [0] * rank
+    for k, dim in enumerate(piece.dims):
+        if dim is None:
+            continue
+        start[dim] += block.start[k]
+        shape[dim] = block.shape[k]
+        strides[dim] = block.strides[k]
+    where = (block.location, block.offset, block.dtype)
+    return Block(*where, tuple(start), tuple(shape), tuple(strides))
 
 
 def strip_wrappers(names: Sequence[str]) -> dict[str, str]:

@@ -67,11 +67,17 @@ ACCELERATE_SHARDED_FORMAT = "accelerate (SHARDED_STATE_DICT)"  # its model dir i
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
-ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)_(\d+)\.(?:pkl|pth)$")
+# (the Trainer's single process writes rng_state.pth: rank 0's)
+ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)(?:_(\d+))?\.(?:pkl|pth)$")
 # accelerate's save_state with an FSDP FULL_STATE_DICT: the whole model state dict, and the
 # optimizer's, each one torch.save file by rank 0 (model 0: no _N; model N: _N).
 ACCELERATE_FULL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_([1-9]\d*))?\.bin$")
-ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.bin$")
+ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin|pt)$")
+# Without FSDP (DDP, one process) accelerate's save_state and the Trainer's checkpoint-N hold
+# the model as save_pretrained / save_model writes it (model.safetensors or pytorch_model.bin,
+# or an index) and the optimizer's own state_dict() (integer parameter ids) in optimizer.bin
+# (the Trainer's: optimizer.pt), beside the scheduler and RNG files above.
+ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
 # Its other torch.save files, each a state_dict() restored by name (load(states={stem: obj})):
 # the GradScaler's, register_for_checkpointing objects', stateful dataloaders'.
 ACCELERATE_STATE_FILE = re.compile(
@@ -170,7 +176,8 @@ class AccelerateState:
     """The parts of accelerate's ``save_state`` directory; ``model``, ``optimizer`` and
     ``scheduler`` are those of model ``index`` (0 unless chosen). ``model`` and ``optimizer``
     are DCP directories (``SHARDED_STATE_DICT``), or with ``full_state`` one ``torch.save``
-    file each (``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, ``optimizer.bin``)."""
+    file each (``FULL_STATE_DICT``: ``pytorch_model_fsdp.bin``, ``optimizer.bin``), or with
+    ``plain`` (saved without FSDP) the directory's HF model and ``optimizer.state_dict()``."""
 
     directory: Path
     model: Path
@@ -184,6 +191,7 @@ class AccelerateState:
     # dl_state_dict[_N], scheduler[_N]; samplers (pickled objects) apart
     states: dict[str, Path] = dataclasses.field(default_factory=dict)
     samplers: dict[str, Path] = dataclasses.field(default_factory=dict)
+    plain: bool = False  # saved without FSDP: ``model`` is the directory, a HF model
 
     @property
     def full_state(self) -> bool:
@@ -219,7 +227,7 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
             schedulers[int(m[1] or 0)] = entry
             states[entry.stem] = entry
         elif (m := ACCELERATE_RNG_FILE.match(name)) and entry.is_file():
-            rng[int(m[1])] = entry
+            rng[int(m[1] or 0)] = entry
         elif ACCELERATE_STATE_FILE.match(name) and entry.is_file():
             states[entry.stem] = entry
         elif ACCELERATE_SAMPLER_FILE.match(name) and entry.is_file():
@@ -232,6 +240,23 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
                 "meant"
             )
     indices = {*models, *full_models}
+    if (
+        not indices
+        and index == 0
+        and (full_optims or schedulers or rng)
+        and (is_hf_model(directory) or is_hf_torch_model(directory))
+    ):  # saved without FSDP: the model is the directory's HF model
+        return AccelerateState(
+            directory,
+            directory,
+            full_optims.get(0),
+            schedulers.get(0),
+            rng,
+            1,
+            plain=True,
+            states=states,
+            samplers=samplers,
+        )
     if 0 not in indices or index not in indices:
         return None
     return AccelerateState(
@@ -330,6 +355,19 @@ def _open_accelerate(
     path: Path, model_only: bool, shared: bool, prefix: str | None
 ) -> CheckpointSource:
     parts = accelerate_state(path)
+    if parts.plain:  # without FSDP: the HF model beside the training state
+        if prefix is not None:
+            from ..errors import UsageError
+
+            raise UsageError(
+                f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'); "
+                "this one holds its model as a Hugging Face model, under its own names"
+            )
+        opener = _open_hf_model if is_hf_model(path) else _open_hf_torch
+        checkpoint = opener(path, model_only, shared, prefix)
+        checkpoint.label = ACCELERATE_PLAIN_FORMAT
+        checkpoint.world_size = parts.world_size  # the saving run's (its RNG files)
+        return checkpoint
     if parts.full_state:  # FULL_STATE_DICT: pytorch_model_fsdp.bin
         from .torch_state_dict import open_torch_state_dict
 

@@ -13,6 +13,7 @@ way, file by file.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -83,12 +84,16 @@ def open_torch_state_dict(
 
 
 def open_torch_optimizer(
-    file: str | os.PathLike, prefix: str
+    file: str | os.PathLike,
+    prefix: str,
+    names_of: Callable[[list[dict]], dict[int, str]] | None = None,
 ) -> tuple[list[GlobalTensor], dict[str, object], list[dict]]:
     """A whole optimizer state dict keyed by parameter name, as ``get_optimizer_state_dict``
     (full) and FSDP1's ``FSDP.optim_state_dict`` give it (accelerate's ``optimizer.bin``):
     its tensors named ``<prefix><fqn>.<key>``, its other per-parameter values under the same
-    names, and its param groups (``params`` as names). Every process reads the pickle."""
+    names, and its param groups (``params`` as names). Every process reads the pickle.
+    ``names_of``: for an optimizer's own ``state_dict()`` (integer parameter ids, saved without
+    FSDP), the parameter names of the ids its param groups list."""
     file = Path(file)
     check_inside(file, file.parent)
     groups: list[dict] = []
@@ -102,6 +107,19 @@ def open_torch_optimizer(
             )
         if not all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in saved_groups):
             raise CheckpointFormatError(f"{path}: a param group without a params list")
+        ids = [p for g in saved_groups for p in g["params"]]
+        if names_of is not None and ids and all(type(p) is int for p in ids):
+            if len(set(ids)) != len(ids):
+                raise CheckpointFormatError(f"{path}: a parameter id listed in two param groups")
+            names = names_of(saved_groups)
+            unlisted = [k for k in entries if k not in names]
+            if unlisted:
+                raise CheckpointFormatError(
+                    f"{path}: optimizer state under parameter id {unlisted[0]!r}, which no "
+                    "param group lists"
+                )
+            entries = {names[k]: v for k, v in entries.items()}
+            saved_groups = [{**g, "params": [names[p] for p in g["params"]]} for g in saved_groups]
         out = {}
         for fqn, values in entries.items():
             if not isinstance(fqn, str) or not isinstance(values, dict):

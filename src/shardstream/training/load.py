@@ -188,6 +188,10 @@ def _open_source(
         return _accelerate_source(
             path, model, optimizer, want_optimizer, verify, prefix, presented, states
         )
+    if kind in (Kind.HF_MODEL, Kind.HF_TORCH):  # a model alone (save_pretrained's): the model
+        source = _plain_state_source(path, None, model, optimizer, False, verify, prefix)
+        source.step = _step_of(path)
+        return source
     if kind is not Kind.VERL:
         below = checkpoints_below(path)
         hint = (
@@ -228,7 +232,7 @@ def _open_source(
                 }
             else:
                 live = st.optimizer_param_groups(model, optimizer)
-                names = _verl_parameter_names(path, groups, live)
+                names = _parameter_names_by_position(path, groups, live)
                 shapes = {t.name: t.shape for t in ckpt.tensors}
                 if plain and world > 1 and all(fqn in shapes for fqn in names.values()):
                     # FSDP1 with use_orig_params: each rank holds a run of each parameter
@@ -410,7 +414,11 @@ def _accelerate_source(
             " and scheduler (scheduler.bin for 0, scheduler_<i>.bin), the RNG and the states"
             " asked for"
         )
-    if parts.full_state:  # FULL_STATE_DICT: pytorch_model_fsdp.bin, optimizer.bin
+    if parts.plain:  # without FSDP: a HF model and the optimizer's own state_dict()
+        source = _plain_state_source(
+            path, parts.optimizer, model, optimizer, want_optimizer, verify, prefix
+        )
+    elif parts.full_state:  # FULL_STATE_DICT: pytorch_model_fsdp.bin, optimizer.bin
         source = _full_state_source(parts, model, optimizer, want_optimizer, verify, prefix)
     else:
         source = _dcp_source(
@@ -489,6 +497,101 @@ def _full_state_source(
         work = [(file, record) for file in files for record in zip_records(file)]
         source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
     return source
+
+
+def _plain_state_source(
+    path: Path,
+    optimizer_file: Path | None,
+    model,
+    optimizer,
+    want_optimizer: bool,
+    verify: bool,
+    prefix,
+) -> _Source:
+    """Saved without FSDP (accelerate's ``save_state``, the Trainer's ``checkpoint-N``): the
+    model as its HF model files hold it (whole tensors under the model's own names), and the
+    optimizer's own ``state_dict()``, whose integer parameter ids are the live optimizer's
+    parameters position by position, param group by param group. ``verify``: the zip records
+    of its ``torch.save`` files are checked by the processes between them first (as
+    ``_full_state_source``), a safetensors model's chunks as they are read where shardstream
+    wrote checksums into it (save_pretrained writes none)."""
+    from ..formats import verl
+    from ..formats.source import open_checkpoint
+    from ..formats.torch_pt import zip_records
+    from ..formats.torch_state_dict import TorchStateDict, open_torch_optimizer
+
+    ckpt = open_checkpoint(path, shared=True, prefix=prefix)
+    model_tensors = _in_memory_names(ckpt, model) if model is not None else ckpt.tensors
+    tensors = {native.MODEL_PREFIX + t.name: t for t in model_tensors}
+    saved, objects = {"model"}, {}
+    pickled = list(ckpt.files) if isinstance(ckpt, TorchStateDict) else []
+    if optimizer_file is not None:
+        saved.add("optimizer")
+        if want_optimizer:
+            live = st.optimizer_param_groups(model, optimizer)
+
+            def names_of(groups: list[dict]) -> dict[int, str]:
+                return _parameter_names_by_position(optimizer_file, groups, live)
+
+            state_prefix = native.OPTIMIZER_PREFIX + st.STATE
+            optim, scalars, groups = open_torch_optimizer(optimizer_file, state_prefix, names_of)
+            tensors.update({t.name: t for t in optim})
+            objects["optimizer"] = {"param_groups": groups, "scalars": scalars}
+            pickled.append(str(optimizer_file))
+    checked = set(pickled)
+
+    def endpoint(location: str):
+        if location in checked or not verify:  # prechecked, or not to be checked
+            return FileEndpoint(location)
+        return ckpt.endpoint(location)
+
+    source = _Source(tensors, endpoint, saved, objects, 0, lambda rank: {})
+    if verify and pickled:
+        named = [(t.name, t.blocks) for t in tensors.values()]
+        work = [(file, record) for file in pickled for record in zip_records(file)]
+        source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
+    return source
+
+
+def _in_memory_names(ckpt, model: torch.nn.Module) -> list[GlobalTensor]:
+    """The model tensors of a HF model that ``save_pretrained`` wrote, under the live model's
+    own names: where they differ (Qwen2.5-VL's ``model.language_model.*``, a fused MoE
+    expert tensor saved as one tensor per expert), as blocks of the saved ones placed by the
+    layout plan merge writes by (``hf_names``), planned for the live model's tensors; a head
+    the live model ties to its embedding (save_pretrained leaves it out) is the embedding."""
+    from ..engine.dtypes import code_of
+    from ..formats import hf, hf_names
+
+    saved = {t.name: t for t in ckpt.tensors}
+    live = {k[len(native.MODEL_PREFIX) :]: v for k, v in st.model_tensors(model).items()}
+    if all(name in saved for name in live):
+        return list(ckpt.tensors)
+    view = dict(saved)
+    if ckpt.config_dir() is not None:  # no config.json (accelerate's): the names as saved
+        listed = [(name, code_of(t.dtype), tuple(t.shape)) for name, t in live.items()]
+        plan = hf_names.plan_names(listed, hf.read_config(ckpt.config_dir()))
+        shapes = {name: tuple(t.shape) for name, t in live.items()}
+        view = hf_names.stored_view(plan, saved, shapes)
+    storage = {}  # tied: one storage under two names
+    for name, tensor in live.items():
+        if (key := _storage_key(tensor)) is not None and name in view:
+            storage.setdefault(key, view[name])
+    for name, tensor in live.items():
+        if name not in view and (key := _storage_key(tensor)) in storage:
+            view[name] = dataclasses.replace(storage[key], name=name)
+    return list(view.values())
+
+
+def _storage_key(tensor: Any) -> tuple | None:
+    """Where a live tensor's elements lie on this rank (its storage, offset, shape, strides),
+    equal for names the model ties; None for one without elements, or no tensor."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if not isinstance(local, torch.Tensor) or local.numel() == 0:
+        return None
+    storage = local.untyped_storage().data_ptr()
+    return storage, local.storage_offset(), tuple(local.shape), local.stride()
 
 
 def _presented_optimizer(saved: dict, presented: dict) -> dict:
@@ -643,17 +746,13 @@ def _one_per_storage(
     and its head) hold one tensor, which can take the checkpoint's only if the checkpoint
     holds the same bytes under each (each rank compares its own part). Refused otherwise,
     naming both: whichever was read last would silently win."""
-    from torch.distributed.tensor import DTensor
-
     first: dict[tuple, str] = {}
     kept = {}
     for name, tensor in targets.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        if not isinstance(local, torch.Tensor) or local.numel() == 0:
+        key = _storage_key(tensor)
+        if key is None:
             kept[name] = tensor
             continue
-        storage = local.untyped_storage()
-        key = (storage.data_ptr(), local.storage_offset(), tuple(local.shape), local.stride())
         if key not in first:
             first[key] = name
             kept[name] = tensor
@@ -661,7 +760,7 @@ def _one_per_storage(
         other = first[key]
         start, shape = regions[name]
         if not native_storage.saved_boxes_equal(
-            other, name, start, shape, local.dtype, source.tensors, source.endpoint, buffer_bytes
+            other, name, start, shape, tensor.dtype, source.tensors, source.endpoint, buffer_bytes
         ):
             raise CheckpointFormatError(
                 f"{path}: the live model ties {_fqn(other)!r} and {_fqn(name)!r} (one "
@@ -798,8 +897,9 @@ def _same_settings(a: dict, b: dict) -> bool:
     return True
 
 
-def _verl_parameter_names(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:
-    """verl's integer parameter ids -> FQNs, matching param groups position by position."""
+def _parameter_names_by_position(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:
+    """An optimizer's own integer parameter ids (verl's files, a save without FSDP) -> FQNs,
+    matching param groups position by position."""
     if len(saved) != len(live) or any(
         len(s["params"]) != len(g["params"]) for s, g in zip(saved, live)
     ):

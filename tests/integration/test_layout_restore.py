@@ -1,0 +1,50 @@
+"""Restore from a model that save_pretrained wrote in its checkpoint layout (the Trainer's
+checkpoint-N without FSDP): Qwen2.5-VL's renamed towers, Qwen3-MoE's per-expert tensors into
+the fused ones, a tied head save_pretrained leaves out; model, optimizer and scheduler bit
+for bit, at 1 process and into FSDP2 at 2 ranks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from shardstream.testing.distributed import run
+
+from . import layout_restore_workers as lw
+from .workers import assert_nested_equal
+
+
+@pytest.fixture(scope="module", params=["qwen2_5_vl", "qwen3_moe", "qwen2-tied"])
+def trained(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(request.param)
+    run(lw.save_run, 1, str(root), request.param)
+    return request.param, root, torch.load(root / "reference.pt", weights_only=True)
+
+
+def test_the_saved_layout_differs_from_the_model_s_names(trained):
+    """The premise: the Trainer's model file holds save_pretrained's names, not the model's."""
+    case, root, reference = trained
+    with safe_open(root / "out" / lw.CHECKPOINT / "model.safetensors", "pt") as f:
+        saved = set(f.keys())
+    held = set(reference["model"])
+    assert saved != held
+    if case == "qwen3_moe":
+        assert any(".experts.0.gate_proj.weight" in k for k in saved)
+    if case == "qwen2-tied":
+        assert held - saved == {"lm_head.weight"}
+
+
+@pytest.mark.parametrize("world", [1, 2], ids=["plain", "fsdp2"])
+def test_restores_into_the_model_s_own_names(trained, world):
+    case, root, reference = trained
+    for rank, result in enumerate(run(lw.restore_run, world, str(root), case)):
+        assert result["step"] == lw.STEPS
+        assert_nested_equal(result["state"], reference, f"{case} rank {rank}")
+
+
+def test_a_model_alone_loads_into_fsdp2_in_the_model_s_own_names(trained):
+    """The directory ``save_model`` wrote (no training state): ``contents=("model",)``."""
+    case, root, reference = trained
+    for rank, state in enumerate(run(lw.load_model_run, 2, str(root), case)):
+        assert_nested_equal(state["model"], reference["model"], f"{case} rank {rank}")
