@@ -99,6 +99,11 @@ def test_the_saved_per_expert_tensors_read_back_as_blocks_of_the_fused_ones(qwen
     up = saved["model.layers.0.mlp.experts.2.up_proj.weight"].blocks[0]
     assert starts[up.offset] == ((2, i, 0), (1, i, h), (0, h, 1))
     assert len(view[fused].blocks) == 2 * e  # a gate and an up half per expert
+    gate = "model.layers.0.mlp.experts.0.gate_proj.weight"
+    wide = Block("f", 0, "BF16", (0, 0), (2 * i, h), row_major_strides((2 * i, h)))
+    wrong = dict(saved, **{gate: GlobalTensor(gate, "BF16", (2 * i, h), (wide,))})
+    with pytest.raises(CheckpointFormatError, match=rf"'{gate}': shape \[12, 8\] in the saved"):
+        hf_names.stored_view(plan, wrong, shapes)  # the gate half and the up half, in one
     del saved["model.layers.0.mlp.experts.1.gate_proj.weight"]  # one expert's half missing
     assert fused not in hf_names.stored_view(plan, saved, shapes)
 

@@ -134,7 +134,7 @@ def stored_view(
     ``plan`` names (a model saved in the layout save_pretrained writes, read back into the
     model's own names): each output's blocks placed in its box of the stored tensor. A stored
     tensor whose pieces are not all saved, or saved in different dtypes, is left out (the
-    restore then names it missing); one whose pieces do not tile it is refused."""
+    restore then names it missing); a piece saved in another shape is refused."""
     pieces: dict[str, list[Piece]] = {}
     for piece in plan.pieces:
         pieces.setdefault(piece.stored, []).append(piece)
@@ -142,6 +142,13 @@ def stored_view(
     for stored, parts in pieces.items():
         if stored not in shapes or any(p.name not in saved for p in parts):
             continue
+        for p in parts:
+            if tuple(saved[p.name].shape) != tuple(p.shape):
+                raise CheckpointFormatError(
+                    f"tensor {p.name!r}: shape {list(saved[p.name].shape)} in the saved "
+                    f"model, but {list(p.shape)} in the layout of the model's {stored!r}: "
+                    "saved from another model"
+                )
         dtypes = {saved[p.name].dtype for p in parts}
         if len(dtypes) != 1:
             continue
