@@ -48,3 +48,20 @@ def test_a_model_alone_loads_into_fsdp2_in_the_model_s_own_names(trained):
     case, root, reference = trained
     for rank, state in enumerate(run(lw.load_model_run, 2, str(root), case)):
         assert_nested_equal(state["model"], reference["model"], f"{case} rank {rank}")
+
+
+def test_a_model_alone_loads_into_a_compiled_model(tmp_path):
+    """torch.compile's wrapper names every tensor ``_orig_mod.*``: the saved names are found
+    without it (and without config.json, which says nothing of it)."""
+    import shardstream
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    saved = build_tiny_model(tiny_config("qwen2"), seed=0)
+    saved.save_pretrained(tmp_path / "model")
+    (tmp_path / "model" / "config.json").unlink()
+    live = torch.compile(build_tiny_model(tiny_config("qwen2"), seed=4))
+    assert next(iter(live.state_dict())).startswith("_orig_mod.")
+    shardstream.load(tmp_path / "model", model=live, contents=("model",))
+    want = saved.state_dict()
+    got = {k.removeprefix("_orig_mod."): v for k, v in live.state_dict().items()}
+    assert_nested_equal(got, want, "compiled")

@@ -566,12 +566,11 @@ def _in_memory_names(ckpt, model: torch.nn.Module) -> list[GlobalTensor]:
     live = {k[len(native.MODEL_PREFIX) :]: v for k, v in st.model_tensors(model).items()}
     if all(name in saved for name in live):
         return list(ckpt.tensors)
-    view = dict(saved)
-    if ckpt.config_dir() is not None:  # no config.json (accelerate's): the names as saved
-        listed = [(name, code_of(t.dtype), tuple(t.shape)) for name, t in live.items()]
-        plan = hf_names.plan_names(listed, hf.read_config(ckpt.config_dir()))
-        shapes = {name: tuple(t.shape) for name, t in live.items()}
-        view = hf_names.stored_view(plan, saved, shapes)
+    # Without config.json (accelerate's save) no layout is known: wrapper prefixes go only.
+    config = hf.read_config(ckpt.config_dir()) if ckpt.config_dir() is not None else {}
+    listed = [(name, code_of(t.dtype), tuple(t.shape)) for name, t in live.items()]
+    shapes = {name: tuple(t.shape) for name, t in live.items()}
+    view = hf_names.stored_view(hf_names.plan_names(listed, config), saved, shapes)
     storage = {}  # tied: one storage under two names
     for name, tensor in live.items():
         if (key := _storage_key(tensor)) is not None and name in view:
@@ -759,6 +758,8 @@ def _one_per_storage(
             continue
         other = first[key]
         start, shape = regions[name]
+        if source.tensors[other].blocks == source.tensors[name].blocks:
+            continue  # one saved tensor under both names (a head left out, read from its twin)
         if not native_storage.saved_boxes_equal(
             other, name, start, shape, tensor.dtype, source.tensors, source.endpoint, buffer_bytes
         ):
