@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import json
 import shutil
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardstream.testing.cli import cli_stdout, run_cli
 from shardstream.testing.distributed import run
 
 from . import hf_trainer_workers as hw
@@ -54,15 +53,6 @@ def trained(request, tmp_path_factory):
     }
 
 
-def _cli(*args: str) -> str:
-    """``shardstream ARGS`` in a process of its own, as a user runs it; its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, f"shardstream {args}: {done.stdout}{done.stderr}"
-    return done.stdout
-
-
 def _assert_rng(got, want, where: str) -> None:
     assert torch.equal(got[0], want[0]), f"{where}: torch"
     assert got[1] == want[1], f"{where}: random"
@@ -75,10 +65,10 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     assert set(trained["files"]) == FILES[trained["type"]], trained["files"]
     ckpt, model = trained["ckpt"], trained["reference"]["model"]
 
-    info = json.loads(_cli("inspect", "--json", str(ckpt)))
+    info = json.loads(cli_stdout("inspect", "--json", str(ckpt)))
     assert (info["world_size"], info["step"], info["num_tensors"]) == (2, hw.STEPS, len(model))
     assert info["format"] == f"accelerate ({trained['type']})", info["format"]
-    verified = json.loads(_cli("verify", "--json", str(ckpt)))
+    verified = json.loads(cli_stdout("verify", "--json", str(ckpt)))
     assert verified["kind"] == "accelerate", verified
     # model and optimizer (2 rank files and .metadata each, or one file each), scheduler, RNG;
     # FULL_STATE_DICT: also training_args.bin (records) and save_pretrained's model.safetensors
@@ -87,7 +77,7 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     assert verified["ok"] and verified["files_checked"] == files, verified
 
     merged = tmp_path / "merged"
-    _cli("merge", "--local_dir", str(ckpt), "--target_dir", str(merged), "--quiet")
+    cli_stdout("merge", "--local_dir", str(ckpt), "--target_dir", str(merged), "--quiet")
     # config.json (FULL_STATE_DICT only) says the embeddings are tied: lm_head left out
     expected = {k: v for k, v in model.items() if not (trained["tie"] and k == "lm_head.weight")}
     _assert_same(load_file(merged / "model.safetensors"), expected, "merged")
@@ -98,7 +88,7 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     )
 
     ref = trained["root"] / "ref"
-    out = _cli("test", "--local_dir", str(ckpt), "--test_hf_dir", str(ref), "--exact")
+    out = cli_stdout("test", "--local_dir", str(ckpt), "--test_hf_dir", str(ref), "--exact")
     assert f"compared {len(model)} tensors" in out and "max abs diff 0" in out, out
 
 
@@ -126,10 +116,10 @@ def test_restore_three_ranks_fsdp2(trained):
 def test_verify_trainer_output_dir(trained):
     """The Trainer's output_dir: every checkpoint-N in it verified."""
     out = trained["root"] / "out"
-    verified = json.loads(_cli("verify", "--json", str(out)))
+    verified = json.loads(cli_stdout("verify", "--json", str(out)))
     assert verified["ok"] and verified["kind"] == "checkpoints", verified
     assert verified["steps"] == [hw.STEPS], verified
-    alone = json.loads(_cli("verify", "--json", str(trained["ckpt"])))
+    alone = json.loads(cli_stdout("verify", "--json", str(trained["ckpt"])))
     assert verified["files_checked"] == alone["files_checked"] > 0, (verified, alone)
 
 
@@ -148,11 +138,6 @@ def test_verify_names_a_damaged_file_of_a_full_checkpoint(trained, tmp_path, dam
     else:
         data[len(data) * 3 // 4] ^= 0x5A
     (ckpt / damaged).write_bytes(bytes(data))
-    done = subprocess.run(
-        [sys.executable, "-m", "shardstream", "verify", "--quiet", str(ckpt)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    done = run_cli("verify", "--quiet", ckpt)
     assert done.returncode == 1, done.stdout + done.stderr
     assert str(ckpt / damaged) in done.stderr, done.stderr

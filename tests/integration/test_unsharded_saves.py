@@ -13,8 +13,6 @@ scheduler's, one RNG file per rank, and for the Trainer its config and arguments
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import NamedTuple
 
@@ -23,6 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from shardstream.testing.cli import cli_stdout
 from shardstream.testing.compare import assert_bit_identical
 from shardstream.testing.distributed import run
 
@@ -94,15 +93,6 @@ def saved(request, tmp_path_factory):
         "model_file": _read_model_file(ckpt / _model_file(case)),
         "reference": torch.load(root / "reference.pt", weights_only=True),
     }
-
-
-def _cli(*args: str) -> str:
-    """``shardstream ARGS`` in a process of its own, as a user runs it; its stdout."""
-    done = subprocess.run(
-        [sys.executable, "-m", "shardstream", *args], capture_output=True, text=True, timeout=120
-    )
-    assert done.returncode == 0, f"shardstream {args}: {done.stdout}{done.stderr}"
-    return done.stdout
 
 
 def _assert_rng(got, want, where: str) -> None:
@@ -185,11 +175,11 @@ def test_inspect_and_verify(saved):
     counted, and every file of the training state checked: the model, the optimizer, the
     scheduler, each rank's RNG, and the Trainer's training_args.bin."""
     case, ckpt = saved["case"], saved["ckpt"]
-    info = json.loads(_cli("inspect", "--json", str(ckpt)))
+    info = json.loads(cli_stdout("inspect", "--json", str(ckpt)))
     assert info["format"] != "huggingface", info["format"]
     assert info["num_tensors"] == len(saved["model_file"]), info["num_tensors"]
 
-    verified = json.loads(_cli("verify", "--json", str(ckpt)))
+    verified = json.loads(cli_stdout("verify", "--json", str(ckpt)))
     files = 3 + case.world + (1 if case.tool == "trainer" else 0)
     assert verified["ok"] and verified["files_checked"] == files, verified
 
@@ -200,7 +190,7 @@ def test_merge_writes_the_model(saved, tmp_path):
     Trainer's config files go with it (accelerate's save has none)."""
     case, model = saved["case"], saved["reference"]["model"]
     merged = tmp_path / "merged"
-    _cli("merge", "--local_dir", str(saved["ckpt"]), "--target_dir", str(merged), "--quiet")
+    cli_stdout("merge", "--local_dir", str(saved["ckpt"]), "--target_dir", str(merged), "--quiet")
     got = load_file(merged / "model.safetensors")
     expected = dict(model)
     if case.tie and "lm_head.weight" not in got:

@@ -16,3 +16,12 @@ def run_cli(*argv: object, timeout: float = 300) -> subprocess.CompletedProcess:
         errors="backslashreplace",
         timeout=timeout,
     )
+
+
+def cli_stdout(*argv: object, timeout: float = 300) -> str:
+    """``run_cli``'s stdout, once it exited 0 (else an AssertionError with its output)."""
+    done = run_cli(*argv, timeout=timeout)
+    assert done.returncode == 0, (
+        f"shardstream {argv}: exit {done.returncode}\n{done.stdout}{done.stderr}"
+    )
+    return done.stdout
