@@ -78,6 +78,7 @@ SECTIONS = [
             "test_hostile_layout_plan",
             "test_hostile_restore",
             "test_hostile_optimizer_state",
+            "test_hostile_plain_restore",
         ),
         ("hostile",),
     ),  # fmt: skip

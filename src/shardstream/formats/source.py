@@ -273,6 +273,17 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
     )
 
 
+def training_state_files(directory: Path) -> list[str]:
+    """The names of accelerate's or the Trainer's training-state files in ``directory``
+    (optimizer, scheduler, RNG): what a save holds beside its model."""
+    patterns = (ACCELERATE_FULL_OPTIMIZER_FILE, ACCELERATE_SCHEDULER_FILE, ACCELERATE_RNG_FILE)
+    try:
+        names = sorted(entry.name for entry in directory.iterdir())
+    except OSError:
+        return []
+    return [n for n in names if any(p.match(n) for p in patterns)]
+
+
 def is_accelerate_state(directory: Path) -> bool:
     try:
         return accelerate_state(directory) is not None

@@ -68,6 +68,9 @@ class _Source:
     # Run by every rank together once all have opened the source, before anything is read
     # into the live objects: DCP's items checked against their zip records' CRC-32s.
     precheck: Any = None
+    # The file each part this rank restores comes from, where it is one ("lr_scheduler",
+    # "optimizer", "extra state (RNG)"): a refusal names it rather than the directory.
+    origins: dict[str, str] = dataclasses.field(default_factory=dict)
 
 
 def _same_request_everywhere(
@@ -193,6 +196,14 @@ def _open_source(
         source.step = _step_of(path)
         return source
     if kind is not Kind.VERL:
+        from ..formats.source import training_state_files
+
+        if state_files := training_state_files(path):
+            raise CheckpointFormatError(
+                f"{path}: holds a run's training state ({', '.join(state_files[:3])}) but no "
+                "model: no model.safetensors, pytorch_model.bin, pytorch_model_fsdp_0/ or "
+                "pytorch_model_fsdp.bin"
+            )
         below = checkpoints_below(path)
         hint = (
             f"; {' and '.join(map(str, below))} "
@@ -434,8 +445,11 @@ def _accelerate_source(
     source.step = _step_of(path)
     if parts.optimizer is None:
         source.saved.discard("optimizer")
+    if parts.optimizer is not None:
+        source.origins["optimizer"] = str(parts.optimizer)
     if parts.scheduler is not None:
         source.objects["lr_scheduler"] = _read_pickle(parts.scheduler, verify, "the scheduler")
+        source.origins["lr_scheduler"] = str(parts.scheduler)
     else:
         source.objects.pop("lr_scheduler", None)
     for name in states:
@@ -456,6 +470,7 @@ def _accelerate_source(
     if parts.rng:
         source.saved.add("extra")
         rng = parts.rng
+        source.origins["extra state (RNG)"] = str(rng.get(coll.rank(), rng[min(rng)]))
 
         def read_extra(rank: int) -> dict:
             state = _read_pickle(rng.get(rank, rng[min(rng)]), verify, "the RNG state")
@@ -521,7 +536,14 @@ def _plain_state_source(
     from ..formats.torch_state_dict import TorchStateDict, open_torch_optimizer
 
     ckpt = open_checkpoint(path, shared=True, prefix=prefix)
-    model_tensors = _in_memory_names(ckpt, model) if model is not None else ckpt.tensors
+    model_tensors, unused = ckpt.tensors, []
+    if model is not None:
+        model_tensors, unused = _in_memory_names(ckpt, model)
+    if unused and optimizer_file is not None:  # a run's own save: all of it is the model's
+        raise CheckpointFormatError(
+            f"{path}: holds tensor {unused[0]!r}, which the live model has no place for "
+            f"({len(unused)} such); was it saved from a different model?"
+        )  # (a model alone may hold more: DeepSeek's multi-token-prediction layers)
     tensors = {native.MODEL_PREFIX + t.name: t for t in model_tensors}
     saved, objects = {"model"}, {}
     pickled = list(ckpt.files) if isinstance(ckpt, TorchStateDict) else []
@@ -546,6 +568,8 @@ def _plain_state_source(
         return ckpt.endpoint(location)
 
     source = _Source(tensors, endpoint, saved, objects, 0, lambda rank: {})
+    # the optimizer's names: kinds of state the live optimizer lacks are refused
+    source.all_names = frozenset(k for k in tensors if k.startswith(native.OPTIMIZER_PREFIX))
     if verify and pickled:
         named = [(t.name, t.blocks) for t in tensors.values()]
         work = [(file, record) for file in pickled for record in zip_records(file)]
@@ -553,24 +577,28 @@ def _plain_state_source(
     return source
 
 
-def _in_memory_names(ckpt, model: torch.nn.Module) -> list[GlobalTensor]:
+def _in_memory_names(ckpt, model: torch.nn.Module) -> tuple[list[GlobalTensor], list[str]]:
     """The model tensors of a HF model that ``save_pretrained`` wrote, under the live model's
     own names: where they differ (Qwen2.5-VL's ``model.language_model.*``, a fused MoE
     expert tensor saved as one tensor per expert), as blocks of the saved ones placed by the
     layout plan merge writes by (``hf_names``), planned for the live model's tensors; a head
-    the live model ties to its embedding (save_pretrained leaves it out) is the embedding."""
+    the live model ties to its embedding (save_pretrained leaves it out) is the embedding.
+    Also returns the saved tensors none of the live ones is read from."""
     from ..engine.dtypes import code_of
     from ..formats import hf, hf_names
 
-    saved = {t.name: t for t in ckpt.tensors}
+    stripped = hf_names.strip_wrappers([t.name for t in ckpt.tensors])  # DDP's module. too
+    saved = {stripped[t.name]: t for t in ckpt.tensors}
     live = {k[len(native.MODEL_PREFIX) :]: v for k, v in st.model_tensors(model).items()}
     if all(name in saved for name in live):
-        return list(ckpt.tensors)
+        named = [dataclasses.replace(t, name=n) for n, t in saved.items()]
+        return named, sorted(saved.keys() - live.keys())
     # Without config.json (accelerate's save) no layout is known: wrapper prefixes go only.
     config = hf.read_config(ckpt.config_dir()) if ckpt.config_dir() is not None else {}
     listed = [(name, code_of(t.dtype), tuple(t.shape)) for name, t in live.items()]
     shapes = {name: tuple(t.shape) for name, t in live.items()}
-    view = hf_names.stored_view(hf_names.plan_names(listed, config), saved, shapes)
+    plan = hf_names.plan_names(listed, config)
+    view = hf_names.stored_view(plan, saved, shapes)
     storage = {}  # tied: one storage under two names
     for name, tensor in live.items():
         if (key := _storage_key(tensor)) is not None and name in view:
@@ -578,7 +606,8 @@ def _in_memory_names(ckpt, model: torch.nn.Module) -> list[GlobalTensor]:
     for name, tensor in live.items():
         if name not in view and (key := _storage_key(tensor)) in storage:
             view[name] = dataclasses.replace(storage[key], name=name)
-    return list(view.values())
+    used = {p.name for p in plan.pieces if p.stored in view}
+    return list(view.values()), sorted(saved.keys() - used)
 
 
 def _storage_key(tensor: Any) -> tuple | None:
@@ -1181,7 +1210,8 @@ def _checked_parts(
                 st.check_rng_state(payload["rng"])
                 pending.rng = payload["rng"]
     except Exception as exc:  # noqa: BLE001 - named and re-raised
-        text = f"{path}: cannot restore the {part}, so nothing was restored: {exc}"
+        where = source.origins.get(part, path)
+        text = f"{where}: cannot restore the {part}, so nothing was restored: {exc}"
         kind = type(exc) if isinstance(exc, ShardstreamError) else CheckpointFormatError
         raise kind(text) from None
     return pending

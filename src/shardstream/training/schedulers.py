@@ -59,13 +59,65 @@ def _merge(live: Any, saved: Any, where: str) -> Any:
             return saved
         merged = [_merge(a, b, f"{where}[{i}]") for i, (a, b) in enumerate(zip(live, saved))]
         return type(saved)(merged) if isinstance(saved, tuple) else merged
+    if not same_kind(live, saved):
+        raise CheckpointFormatError(
+            f"{where}: saved as {type(saved).__name__} {_shown(saved)}, but the live value is "
+            f"a {type(live).__name__}"
+        )
     return saved
+
+
+def same_kind(live: Any, saved: Any) -> bool:
+    """Whether a saved scalar may stand where the live one does: numbers (and 0-dim tensors)
+    for numbers, a bool for a bool, a string for a string; None and other objects either way
+    (optional settings, objects a state keeps)."""
+    import numbers
+
+    import torch
+
+    def number(x: Any) -> bool:
+        if isinstance(x, torch.Tensor):
+            return x.numel() == 1 and not x.dtype.is_complex
+        return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+    if live is None or saved is None:
+        return True
+    if isinstance(live, bool):
+        return isinstance(saved, bool)
+    if number(live):
+        return number(saved)
+    if isinstance(live, str):
+        return isinstance(saved, str)
+    return True
+
+
+def _plain_data(value: Any) -> bool:
+    """Numbers, strings, containers, tensors, None: what a state may replace."""
+    import numbers
+
+    import torch
+
+    return value is None or isinstance(
+        value, (numbers.Number, str, bytes, list, tuple, dict, set, torch.Tensor)
+    )
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def load(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
     """Load ``saved`` into ``scheduler`` (or any Stateful, named ``where``), merged over its
     current state."""
-    state = merged_state(scheduler.state_dict(), saved, where)
+    live = scheduler.state_dict()
+    state = merged_state(live, saved, where)
+    for key in state.keys() - live.keys():  # a scheduler's load_state_dict sets attributes
+        if not _plain_data(getattr(scheduler, str(key), None)):  # (its optimizer, a model)
+            raise CheckpointFormatError(
+                f"{where}: saved key {key!r} would replace the live {type(scheduler).__name__}'s "
+                f"own {key} (not part of its state): saved by another kind of object?"
+            )
     scheduler.load_state_dict(state)
 
 

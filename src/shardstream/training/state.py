@@ -25,6 +25,7 @@ from ..errors import CheckpointFormatError, UsageError
 from ..formats.layout_names import describe_placements, mesh_dim_names
 from ..formats.lora import UNSUPPORTED
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
+from .schedulers import same_kind
 
 _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 # Loading: a parameter without saved state (never had a gradient) is left without, as
@@ -163,6 +164,13 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
             raise CheckpointFormatError(
                 f"param_groups[{i}]: not a group with a list of parameter names"
             )
+        mine = next((g for g in live_groups if frozenset(g["params"]) == frozenset(params)), {})
+        for key, value in group.items():  # a hyperparameter of another type fails later on
+            if key != "params" and key in mine and not same_kind(mine[key], value):
+                raise CheckpointFormatError(
+                    f"param_groups[{i}]: {key} is saved as {type(value).__name__} "
+                    f"{str(value)[:60]!r}, but the optimizer's is a {type(mine[key]).__name__}"
+                )
         if frozenset(params) not in live:
             # the live group sharing most parameters with it: say what differs
             near = max(live, key=lambda g: len(g & frozenset(params)), default=frozenset())
