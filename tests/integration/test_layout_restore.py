@@ -65,3 +65,23 @@ def test_a_model_alone_loads_into_a_compiled_model(tmp_path):
     want = saved.state_dict()
     got = {k.removeprefix("_orig_mod."): v for k, v in live.state_dict().items()}
     assert_nested_equal(got, want, "compiled")
+
+
+def test_a_model_alone_with_more_tensors_loads_and_says_what_it_left(tmp_path, caplog):
+    """A model alone may hold tensors the in-memory model drops (DeepSeek's multi-token-
+    prediction layers): the others load, and a warning names what was not read."""
+    from safetensors.torch import load_file, save_file
+
+    import shardstream
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    saved = build_tiny_model(tiny_config("qwen2"), seed=0)
+    saved.save_pretrained(tmp_path / "model")
+    weights = load_file(tmp_path / "model" / "model.safetensors")
+    weights["model.layers.9.mlp.up_proj.weight"] = torch.ones(4, 4)
+    save_file(weights, tmp_path / "model" / "model.safetensors", metadata={"format": "pt"})
+    live = build_tiny_model(tiny_config("qwen2"), seed=4)
+    with caplog.at_level("WARNING", logger="shardstream"):
+        shardstream.load(tmp_path / "model", model=live, contents=("model",))
+    assert_nested_equal(dict(live.state_dict()), dict(saved.state_dict()), "loaded")
+    assert "'model.layers.9.mlp.up_proj.weight'" in caplog.text, caplog.text

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,8 @@ from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, hooks, native_storage, schedulers
 from . import state as st
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -543,7 +546,14 @@ def _plain_state_source(
         raise CheckpointFormatError(
             f"{path}: holds tensor {unused[0]!r}, which the live model has no place for "
             f"({len(unused)} such); was it saved from a different model?"
-        )  # (a model alone may hold more: DeepSeek's multi-token-prediction layers)
+        )
+    if unused:  # a model alone may hold more (DeepSeek's multi-token-prediction layers)
+        log.warning(
+            "%s: %d saved tensor(s) the live model has no place for were not read (%s)",
+            path,
+            len(unused),
+            ", ".join(repr(n) for n in unused[:3]) + (", ..." if len(unused) > 3 else ""),
+        )
     tensors = {native.MODEL_PREFIX + t.name: t for t in model_tensors}
     saved, objects = {"model"}, {}
     pickled = list(ckpt.files) if isinstance(ckpt, TorchStateDict) else []
