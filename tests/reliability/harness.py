@@ -12,7 +12,9 @@ import subprocess
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -419,6 +421,19 @@ def same_nested(a, b) -> bool:
     if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
         return len(a) == len(b) and all(same_nested(x, y) for x, y in zip(a, b))
     return a == b
+
+
+def attempt_restore(report: dict, restore: Callable[[], Any]) -> None:
+    """Run ``restore`` for a rank's ``report``: ``restored`` (what it returned) and ``ok``, or
+    ``error`` (``error_report``). DCP's CheckpointException is a BaseException: any failure
+    but an interrupt is reported, not raised."""
+    try:
+        report["restored"] = restore()
+        report["ok"] = True
+    except BaseException as exc:  # noqa: BLE001
+        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
+            raise
+        report["error"] = error_report(exc)
 
 
 def error_report(exc: BaseException) -> dict:

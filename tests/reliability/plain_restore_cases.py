@@ -11,7 +11,7 @@ built as the saving run built them (differently seeded, one training step taken,
 tensor and the optimizer state differ from the saved ones), the full state gathered before,
 the restore (``CheckpointManager(...).restore(path=...)`` into FSDP2 at several ranks,
 ``shardstream.load`` into a plain model at one), the full state gathered after. A case's
-report says whether it restored, the error (``harness.error_report``), whether the live state
+report says whether it restored, the error (``harness.attempt_restore``), whether the live state
 (model, optimizer, scheduler, torch's RNG) is as it was, and for a restore that worked the
 gathered state and whether one more training step works.
 """
@@ -20,11 +20,12 @@ from __future__ import annotations
 
 import os
 import random
+from functools import partial
 
 import numpy as np
 import torch
 
-from .harness import error_report, same_nested
+from .harness import attempt_restore, same_nested
 
 LIVE_SEED = 5  # the restoring run's models: every tensor differs from the saved ones
 
@@ -161,15 +162,8 @@ def restore_batch(rank: int, world: int, cases: list[dict], mode: str, scratch: 
         np.random.seed(79)
         rng_before = torch.get_rng_state()
         report: dict = {"rank": rank, "case": case["name"], "ok": False}
-        try:
-            report["restored"] = _restore(
-                case, mode, model, optimizer, scheduler, f"{scratch}/{mode}-{number}"
-            )
-            report["ok"] = True
-        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is one
-            if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-                raise
-            report["error"] = error_report(exc)
+        where = f"{scratch}/{mode}-{number}"
+        attempt_restore(report, partial(_restore, case, mode, model, optimizer, scheduler, where))
         rng_same = torch.equal(torch.get_rng_state(), rng_before)
         outcomes = [None] * world
         dist.all_gather_object(outcomes, report["ok"], group=mine)

@@ -40,7 +40,7 @@ from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
 from shardstream.testing.verl_checkpoint import save_rank_files, write_fsdp_config
 
-from .harness import assert_refused_everywhere, error_report, local_state, same_nested
+from .harness import assert_refused_everywhere, attempt_restore, local_state, same_nested
 
 preload(
     "torch._dynamo",  # FSDP2 imports it on its first fully_shard: a second per rank otherwise
@@ -376,26 +376,23 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
         _step(model, optimizer, 50 + seed, every=spec.get("every", True))
     before = local_state(model, optimizer)
     report: dict = {"rank": rank, "ok": False}
-    try:
+
+    def restore() -> int:
         if spec["api"] == "manager":
             manager = CheckpointManager(
                 CheckpointConfig(spec["path"]), model=model, optimizer=optimizer
             )
             try:
-                report["restored"] = manager.restore()[0]
+                return manager.restore()[0]
             finally:
                 manager.close()
-        else:
-            contents = ("model", "optimizer")
-            result = shardstream.load(
-                spec["path"], model=model, optimizer=optimizer, contents=contents
-            )
-            report["restored"] = result.step
-        report["ok"] = True
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        report["error"] = error_report(exc)
+        contents = ("model", "optimizer")
+        return shardstream.load(
+            spec["path"], model=model, optimizer=optimizer, contents=contents
+        ).step
+
+    attempt_restore(report, restore)
+    if not report["ok"]:
         report["unchanged"] = same_nested(before, local_state(model, optimizer))
     outcomes = [None] * world
     dist.all_gather_object(outcomes, report["ok"], group=mine)

@@ -33,7 +33,7 @@ from shardstream.formats import native
 from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
 
-from .harness import assert_refused_everywhere, error_report, local_state, same_nested
+from .harness import assert_refused_everywhere, attempt_restore, local_state, same_nested
 
 # What every rank imports, imported once by the fork server the ranks start from (a rank then
 # starts in a fraction of a second instead of importing FSDP and a transformers model).
@@ -203,13 +203,9 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     manager = CheckpointManager(config, model=model, optimizer=optimizer, lr_scheduler=scheduler)
     report: dict = {"rank": rank, "ok": False}
     try:
-        report["restored"] = manager.restore(**spec.get("restore", {}))
-        report["ok"] = True
-    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException is a BaseException
-        if isinstance(exc, (KeyboardInterrupt, SystemExit)):
-            raise
-        report["error"] = error_report(exc)
-        report["unchanged"] = _unchanged(before, local_state(model, optimizer))
+        attempt_restore(report, lambda: manager.restore(**spec.get("restore", {})))
+        if not report["ok"]:
+            report["unchanged"] = _unchanged(before, local_state(model, optimizer))
     finally:
         manager.close()
     outcomes = [None] * world
