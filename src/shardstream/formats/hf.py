@@ -41,8 +41,12 @@ _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".ckpt", "
 _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", ".metadata"}
 # A training run's own files beside config.json (the Trainer's checkpoint-N, accelerate's
 # save_state, verl's and shardstream's runs): state of the run, not of the model.
-_NOT_CONFIG |= {"trainer_state.json", "latest", "latest_checkpointed_iteration.txt"}
-_NOT_CONFIG |= {"manifest.json"}
+_NOT_CONFIG |= {
+    "trainer_state.json",
+    "latest",
+    "latest_checkpointed_iteration.txt",
+    "manifest.json",
+}
 _STATE_SUFFIXES = (".pkl", ".pickle")  # accelerate's random_states_N.pkl, custom objects
 
 

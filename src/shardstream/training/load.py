@@ -448,7 +448,7 @@ def _accelerate_source(
     source.step = _step_of(path)
     if parts.optimizer is None:
         source.saved.discard("optimizer")
-    if parts.optimizer is not None:
+    else:
         source.origins["optimizer"] = str(parts.optimizer)
     if parts.scheduler is not None:
         source.objects["lr_scheduler"] = _read_pickle(parts.scheduler, verify, "the scheduler")
@@ -490,8 +490,6 @@ def _full_state_source(
     one ``torch.save`` file each, read as a verl rank file of world size 1. ``verify``: the
     processes check the records they read against their CRC-32s between them first (each
     record once; every process reads part of each whole tensor), then read unchecked."""
-    from ..formats import verl
-    from ..formats.torch_pt import zip_records
     from ..formats.torch_state_dict import open_torch_optimizer, open_torch_state_dict
 
     ckpt = open_torch_state_dict(
@@ -511,10 +509,20 @@ def _full_state_source(
             files.append(str(parts.optimizer))
     source = _Source(tensors, FileEndpoint, saved, objects, 0, lambda rank: {})
     if verify:
-        named = [(t.name, t.blocks) for t in tensors.values()]
-        work = [(file, record) for file in files for record in zip_records(file)]
-        source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
+        _check_records_first(source, files)
     return source
+
+
+def _check_records_first(source: _Source, files: list[str]) -> None:
+    """The zip records of the ``torch.save`` ``files`` are checked against their CRC-32s by
+    the processes between them (each record once) before anything is read; a damaged one
+    names the tensors of ``source`` it holds."""
+    from ..formats import verl
+    from ..formats.torch_pt import zip_records
+
+    named = [(t.name, t.blocks) for t in source.tensors.values()]
+    work = [(file, record) for file in files for record in zip_records(file)]
+    source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
 
 
 def _plain_state_source(
@@ -533,9 +541,7 @@ def _plain_state_source(
     of its ``torch.save`` files are checked by the processes between them first (as
     ``_full_state_source``), a safetensors model's chunks as they are read where shardstream
     wrote checksums into it (save_pretrained writes none)."""
-    from ..formats import verl
     from ..formats.source import open_checkpoint
-    from ..formats.torch_pt import zip_records
     from ..formats.torch_state_dict import TorchStateDict, open_torch_optimizer
 
     ckpt = open_checkpoint(path, shared=True, prefix=prefix)
@@ -578,12 +584,8 @@ def _plain_state_source(
         return ckpt.endpoint(location)
 
     source = _Source(tensors, endpoint, saved, objects, 0, lambda rank: {})
-    # the optimizer's names: kinds of state the live optimizer lacks are refused
-    source.all_names = frozenset(k for k in tensors if k.startswith(native.OPTIMIZER_PREFIX))
     if verify and pickled:
-        named = [(t.name, t.blocks) for t in tensors.values()]
-        work = [(file, record) for file in pickled for record in zip_records(file)]
-        source.precheck = lambda: verl.check_dealt_out(work, named, "restore")
+        _check_records_first(source, pickled)
     return source
 
 
@@ -750,10 +752,10 @@ def _checked_targets(
             f"{path}: checkpoint has tensor {unexpected[0]!r}, which the model lacks "
             f"({len(unexpected)} such); was it saved from a different model?"
         )
-    if live_kinds is not None:
+    if live_kinds is not None:  # every format: the names saved, else those the source holds
         lacking = [
             k
-            for k in everything
+            for k in (source.all_names or available)
             if k.startswith(native.OPTIMIZER_PREFIX) and _state_kind(k) not in live_kinds
         ]
         if lacking:
