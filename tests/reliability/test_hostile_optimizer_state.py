@@ -609,15 +609,6 @@ def test_other_optimizers_and_groups_restore_as_torch_does(
     _assert_restored(reports, want, saved["states"][variant], STEPS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="saved state of parameters the live optimizer keeps none for (the frozen layer: "
-    "torch's _init_optim_state skips requires_grad=False; the tower and unrouted experts of a "
-    "live run that stepped without them) is silently not restored, the restore succeeds: "
-    "load.load takes its targets from the live optimizer's state dict (state.optimizer_state, "
-    "fsdp1_shards.Layout.restore_targets), _with_saved_state only filters those, and "
-    "_checked_targets never checks the saved parameters with state against them",
-)
 @pytest.mark.parametrize(
     ("source", "world", "wrap", "pre"),
     [("native", 3, "fsdp2", 0), ("verl", 4, "fsdp2", 2), ("dcp", 3, "fsdp1-orig", 2)],

@@ -74,6 +74,9 @@ class _Source:
     # The file each part this rank restores comes from, where it is one ("lr_scheduler",
     # "optimizer", "extra state (RNG)"): a refusal names it rather than the directory.
     origins: dict[str, str] = dataclasses.field(default_factory=dict)
+    # Describes only the tensors of the regions it was opened for (shardstream's format):
+    # opened again when the targets grow.
+    regional: bool = False
 
 
 def _same_request_everywhere(
@@ -171,6 +174,7 @@ def _open_source(
             int(manifest.get("step", 0)),
             lambda rank: _read_extra(ckpt, rank),
             all_names=frozenset(manifest.get("tensors", ())),
+            regional=regions is not None,
         )
     if kind is Kind.DCP:
         chosen = _accelerate_model_part(path, want_optimizer or bool(states))
@@ -817,6 +821,27 @@ def _fqn(name: str) -> str:
     return name.removeprefix(native.MODEL_PREFIX)
 
 
+def _lacking_state(model, optimizer, source: _Source, flat) -> list[torch.Tensor]:
+    """The live optimizer's parameters (``flat``: FSDP1's, as its optimizer keys them) that
+    the checkpoint keeps state for and the live optimizer does not."""
+    owners = flat.params if flat is not None else st.parameters_by_fqn(model)
+    grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    lacking: dict[int, torch.Tensor] = {}
+    for fqn in sorted(_saved_stateful(source)):
+        param = owners.get(fqn)
+        if param is not None and id(param) in grouped and not optimizer.state.get(param):
+            lacking[id(param)] = param
+    return list(lacking.values())
+
+
+def _saved_stateful(source: _Source) -> set[str]:
+    """The parameters (FQNs) the checkpoint keeps optimizer state for."""
+    saved_optimizer = source.objects.get("optimizer")  # checked by _checked_parts, named there
+    scalars = saved_optimizer.get("scalars") if isinstance(saved_optimizer, dict) else None
+    names = (*(source.all_names or source.tensors), *(scalars if isinstance(scalars, dict) else ()))
+    return _stateful(names)
+
+
 def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     """The live optimizer's entries for the parameters the checkpoint keeps state for. One
     that never had a gradient (a tower trained on other data, an expert never routed to)
@@ -824,10 +849,7 @@ def _with_saved_state(optim_tensors: dict, source: _Source) -> dict:
     A parameter with some kinds of state but not others is still missing state, and so is
     every parameter of a checkpoint with no state at all (a stateless optimizer's, such as
     plain SGD's, is not restored into one that keeps state)."""
-    saved_optimizer = source.objects.get("optimizer")  # checked by _checked_parts, named there
-    scalars = saved_optimizer.get("scalars") if isinstance(saved_optimizer, dict) else None
-    names = (*(source.all_names or source.tensors), *(scalars if isinstance(scalars, dict) else ()))
-    saved = _stateful(names)
+    saved = _saved_stateful(source)
     if not saved:
         return optim_tensors
     return {k: v for k, v in optim_tensors.items() if (p := _param_of(k)) is None or p in saved}
@@ -1032,10 +1054,8 @@ def load(
     if want_optimizer:
         mine = sorted({_state_kind(k) for k in optim_tensors})
         live_kinds = set().union(*coll.gather(mine))
-    # Ranks open only the files they read, so one may fail where others do not: fail together,
-    # before the collective load.
-    error: Exception | None = None
-    try:
+
+    def opened() -> _Source:
         source = _open_source(
             path,
             verify,
@@ -1056,6 +1076,29 @@ def load(
                 optimizer_objects["scalars"] = hooks.translate_names(
                     optimizer_objects.get("scalars", {}), presented
                 )
+        return source
+
+    # Ranks open only the files they read, so one may fail where others do not: fail together,
+    # before the collective load.
+    error: Exception | None = None
+    created: list[torch.Tensor] = []  # parameters given state here, for the saved state
+    try:
+        source = opened()
+        if want_optimizer and (created := _lacking_state(model, optimizer, source, flat)):
+            # Saved state for parameters the live optimizer keeps none for (frozen, or never
+            # given a gradient in this run): torch's load_state_dict gives it to them, and so
+            # does this, into state their first step creates.
+            st.create_optimizer_state(optimizer, created)
+            if flat is not None:
+                flat = fsdp1.restore_targets(model, optimizer)
+                optim_tensors, live_optimizer = flat.optimizer, flat.objects
+            else:
+                optim_tensors, live_optimizer = st.optimizer_state(model, optimizer)
+            live_kinds = live_kinds | {_state_kind(k) for k in optim_tensors}
+            for name, tensor in optim_tensors.items():
+                regions.setdefault(name, _local_region(tensor))
+            if source.regional:
+                source = opened()
         if want_optimizer:
             optim_tensors = _with_saved_state(optim_tensors, source)
         targets = _checked_targets(
@@ -1091,6 +1134,8 @@ def load(
     except BaseException:
         if fresh is not None:
             fresh.clear()
+        for param in created:
+            optimizer.state.pop(param, None)
         raise
     available, endpoint = source.tensors, source.endpoint
     reader = native_storage.StreamingReader(

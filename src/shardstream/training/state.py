@@ -148,6 +148,41 @@ def optimizer_param_groups(model: torch.nn.Module, optimizer: torch.optim.Optimi
     return get_optimizer_state_dict(model, optimizer, options=_OPTIONS)["param_groups"]
 
 
+def parameters_by_fqn(model: torch.nn.Module) -> dict[str, torch.nn.Parameter]:
+    """Each parameter under the names torch's state-dict API gives it (wrapper prefixes
+    such as DDP's ``module.`` and ``_orig_mod.`` left out; a tied parameter under each)."""
+    from torch.distributed.checkpoint.state_dict import _get_fqns
+
+    found: dict[str, torch.nn.Parameter] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        for fqn in _get_fqns(model, name):
+            found[fqn] = param
+    return found
+
+
+def create_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> None:
+    """Give ``params`` (the optimizer's, without state) the state its first step creates, as
+    torch's ``_init_optim_state`` does for a never-stepped optimizer: one step of zero
+    gradients at lr 0, taken by them alone (the other parameters' gradients are set aside
+    meanwhile). A frozen parameter gets state too, as ``Optimizer.load_state_dict`` gives it."""
+    chosen = {id(p) for p in params}
+    grads = [(p, p.grad) for group in optimizer.param_groups for p in group["params"]]
+    lrs = [group.get("lr") for group in optimizer.param_groups]
+    try:
+        for p, _ in grads:
+            p.grad = torch.zeros_like(p) if id(p) in chosen else None
+        for group in optimizer.param_groups:
+            if "lr" in group:
+                group["lr"] = torch.tensor(0.0) if isinstance(group["lr"], torch.Tensor) else 0.0
+        optimizer.step()
+    finally:
+        for group, lr in zip(optimizer.param_groups, lrs):
+            if "lr" in group:
+                group["lr"] = lr
+        for p, grad in grads:
+            p.grad = grad
+
+
 def check_param_groups(live_groups: list, saved: Any) -> None:
     """Saved param groups must fit the live optimizer's (``optimizer_state``'s, FQNs as
     ``params``): as many groups, each naming exactly the parameters of one live group (else
@@ -197,6 +232,12 @@ def apply_optimizer_state(
     tensors filled by now) and the saved param groups."""
     state = {"state": dict(nested), "param_groups": param_groups}
     set_optimizer_state_dict(model, optimizer, state, options=_LOAD_OPTIONS)
+    # torch's state-dict API leaves out the state of parameters that do not require
+    # gradients (a frozen layer); Optimizer.load_state_dict keeps it, and so does this.
+    grouped = {id(p) for group in optimizer.param_groups for p in group["params"]}
+    for fqn, param in parameters_by_fqn(model).items():
+        if not param.requires_grad and id(param) in grouped and fqn in nested:
+            optimizer.state[param] = dict(nested[fqn])
 
 
 def nest_optimizer_state(
