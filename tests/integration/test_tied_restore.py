@@ -7,7 +7,8 @@ import pytest
 import torch
 
 import shardstream
-from shardstream.errors import CheckpointFormatError
+from shardstream.errors import CheckpointFormatError, ShardstreamError
+from shardstream.testing.distributed import run
 from shardstream.training.native_storage import box_windows
 
 VOCAB, WIDTH = 300, 64  # 75 KiB a weight: a 64 KiB buffer compares it in windows
@@ -65,6 +66,53 @@ def test_untied_checkpoint_with_other_values_is_refused_untouched(tmp_path, row)
     assert "'embed.weight'" in message and "'head.weight'" in message, message
     assert "different values" in message
     assert torch.equal(live.embed.weight, before)
+
+
+def fsdp1_tied_restore(rank: int, world: int, path: str) -> dict:
+    """Restore ``path`` into the tied model wrapped by FSDP1 (one flat parameter holding the
+    tied weight once); what the rank then sees of the whole weight."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    live = Lm(tied=True, seed=2)
+    before = live.embed.weight.detach().clone()
+    model = FullyShardedDataParallel(
+        live,
+        device_mesh=init_device_mesh("cpu", (world,)),
+        device_id=torch.device("cpu"),
+        use_orig_params=False,
+    )
+    refused = None
+    try:
+        _load(path, model)
+    except ShardstreamError as exc:  # the rank holding the difference, or told of it
+        refused = str(exc)
+    with FullyShardedDataParallel.summon_full_params(model):
+        weight = model.module.embed.weight.detach().clone()
+        tied = model.module.head.weight is model.module.embed.weight
+    return {"refused": refused, "weight": weight, "before": before, "tied": tied}
+
+
+@pytest.mark.parametrize("differ", [False, True], ids=["equal", "different"])
+def test_fsdp1_flat_parameter_holding_a_tied_weight(tmp_path, differ):
+    """FSDP1 keeps the tied weight once in its flat parameter: an untied checkpoint restores
+    into it when both names hold the same values, and is refused on every rank, untouched,
+    when they differ."""
+    saved = Lm(tied=False, seed=1)
+    with torch.no_grad():
+        saved.head.weight.copy_(saved.embed.weight)
+        if differ:
+            saved.head.weight[VOCAB // 2, 7] -= 0.5
+    _save(tmp_path / "ckpt", saved)
+    for report in run(fsdp1_tied_restore, 2, str(tmp_path / "ckpt")):
+        assert report["tied"]
+        if differ:
+            message = report["refused"]
+            assert message and "'embed.weight'" in message and "'head.weight'" in message
+            assert torch.equal(report["weight"], report["before"])
+        else:
+            assert report["refused"] is None
+            assert torch.equal(report["weight"], saved.embed.weight)
 
 
 def test_box_windows_cover_the_box_in_row_major_order():

@@ -546,15 +546,6 @@ def test_parameters_without_saved_state_get_none(saved, source, api, world, wrap
     _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="FSDP1 use_orig_params=False, a flat parameter mixing parameters with and without "
-    "saved state: the restore fills only the stateful parameters' ranges of the flat exp_avg / "
-    "exp_avg_sq and leaves the live optimizer's stale moments in the unrouted experts' ranges, "
-    "no error (torch's FSDP1 loading zero-fills them): load._with_saved_state drops their "
-    "targets and fsdp1_shards.RestoreTargets.apply_optimizer keeps the flat entry because a "
-    "sibling has state",
-)
 def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved):
     """FSDP1 with use_orig_params=False, the MoE block one flat parameter: routed and unrouted
     experts share one optimizer entry, so the unrouted ones cannot be left without state.
@@ -641,14 +632,6 @@ def test_step_counts_that_differ_between_parameters(saved):
     _assert_restored(reports, torch_reference(full, "adamw"), full, STEPS)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="restored without error, the whole MoE flat parameter at step 1: every parameter's "
-    "saved 'step' is read into the flat parameter's one 0-dim step tensor (fsdp1_shards._add "
-    "gives each the same box), the last read wins, so the router and experts 0/1 lose their "
-    "step 2; nothing in load._checked_targets / _checked_parts compares the scalar state of "
-    "the parameters of one flat parameter",
-)
 def test_step_counts_that_differ_within_one_fsdp1_flat_parameter(saved):
     """One flat parameter keeps one step count; torch's own FSDP1 loading refuses parameters
     of one flat parameter with different scalar state. Taking one of them silently would

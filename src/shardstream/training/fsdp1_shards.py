@@ -372,6 +372,17 @@ class RestoreTargets:
         for owner in {id(o): o for o in self.params.values()}.values():
             if id(owner) not in kept:
                 optimizer.state.pop(owner, None)
+        # A flat parameter (use_orig_params=False) has one state for all of its parameters:
+        # those the checkpoint keeps none for get zeros in their ranges, as torch's FSDP1
+        # loading gives them (no AdamW moments), not what the live optimizer held there.
+        prefix = OPTIMIZER_PREFIX + STATE
+        for name, target in self.optimizer.items():
+            fqn = name[len(prefix) :].rpartition(".")[0]
+            if fqn in stateful or id(self.params.get(fqn)) not in kept:
+                continue
+            if isinstance(target, FlatShard) and len(target.shape) > 0:  # not a shared step
+                for _, view in target.pieces:
+                    view.zero_()
         live = [frozenset(g["params"]) for g in self.objects["param_groups"]]
         for group, names in zip(optimizer.param_groups, live):
             saved = next(g for g in groups if frozenset(g["params"]) == names)

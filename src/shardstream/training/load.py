@@ -631,6 +631,9 @@ def _storage_key(tensor: Any) -> tuple | None:
     equal for names the model ties; None for one without elements, or no tensor."""
     from torch.distributed.tensor import DTensor
 
+    if isinstance(tensor, fsdp1_shards.FlatShard):  # FSDP1: its boxes of the flat storage
+        keys = tuple(_storage_key(view) for _, view in tensor.pieces)
+        return keys if keys and None not in keys else None
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if not isinstance(local, torch.Tensor) or local.numel() == 0:
         return None
@@ -808,6 +811,13 @@ def _one_per_storage(
         if not native_storage.saved_boxes_equal(
             other, name, start, shape, tensor.dtype, source.tensors, source.endpoint, buffer_bytes
         ):
+            if name.startswith(native.OPTIMIZER_PREFIX):
+                raise CheckpointFormatError(
+                    f"{path}: {other!r} and {name!r} are one value in the live optimizer (the "
+                    "state of one FSDP1 flat parameter, use_orig_params=False), but the "
+                    "checkpoint holds different values for them. Wrap the model with "
+                    "use_orig_params=True to restore each"
+                )
             raise CheckpointFormatError(
                 f"{path}: the live model ties {_fqn(other)!r} and {_fqn(name)!r} (one "
                 "parameter), but the checkpoint holds different values for them: saved "
@@ -1038,7 +1048,9 @@ def load(
     flat = fsdp1.restore_targets(model, optimizer if want_optimizer else None) if fsdp1 else None
     if flat is not None:
         model_tensors = flat.model if want_model else {}
-        optim_tensors, live_optimizer = flat.optimizer, flat.objects
+        optim_tensors, live_optimizer = (
+            (flat.optimizer, flat.objects) if want_optimizer else ({}, {})
+        )
     else:
         if want_model:
             model_tensors = hooks.live_tensors(model) if presented else st.model_tensors(model)
