@@ -11,7 +11,8 @@ the small parameters) into FSDP2, FSDP1 (``use_orig_params`` True and False) or 
 with a live optimizer that is fresh or has already stepped every parameter. Other saves keep
 state for every parameter (the frozen layer trained then), step counts that differ between
 parameters (experts first routed to at the second step), two param groups in torchtitan's
-flattened DCP form. The outcome must be one of:
+flattened DCP form. Restores of the model alone or the optimizer alone leave the other part
+as the live run had it. The outcome must be one of:
 
 * success: the restored optimizer equals, bit for bit, what torch's own single-process
   ``Optimizer.load_state_dict`` gives for the saved state (computed here, in this process):
@@ -386,14 +387,20 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
                 return manager.restore()[0]
             finally:
                 manager.close()
-        contents = ("model", "optimizer")
+        contents = spec.get("contents", ("model", "optimizer"))
         return shardstream.load(
             spec["path"], model=model, optimizer=optimizer, contents=contents
         ).step
 
     attempt_restore(report, restore)
+    now = local_state(model, optimizer)
     if not report["ok"]:
-        report["unchanged"] = same_nested(before, local_state(model, optimizer))
+        report["unchanged"] = same_nested(before, now)
+    report["kept"] = {  # this rank's part of each, as before the restore
+        "model": same_nested(before["params"], now["params"]),
+        "optimizer": same_nested(before["state"], now["state"])
+        and same_nested(before["groups"], now["groups"]),
+    }
     outcomes = [None] * world
     dist.all_gather_object(outcomes, report["ok"], group=mine)
     if all(outcomes):
@@ -620,6 +627,45 @@ def test_saved_state_for_parameters_the_live_optimizer_has_none_for(
     want = torch_reference(full, "adamw")
     assert sorted(want["state"]) == sorted(full["model"])
     _assert_restored(reports, want, full, STEPS)
+
+
+@pytest.mark.parametrize(
+    ("source", "world", "wrap", "part"),
+    [
+        ("native", 3, "fsdp2", "model"),
+        ("native", 3, "fsdp2", "optimizer"),
+        ("verl", 3, "fsdp1-flat", "model"),
+        ("verl", 3, "fsdp1-orig", "optimizer"),
+        ("dcp", 3, "fsdp1-flat", "optimizer"),
+        ("dcp", 1, "plain", "model"),
+        ("native", 3, "fsdp1-orig", "model"),
+        ("native", 4, "fsdp1-flat", "optimizer"),
+    ],
+    ids=lambda v: str(v),
+)
+def test_one_part_restored_the_other_left_as_it_was(saved, source, world, wrap, part):
+    """``contents`` naming the model alone, or the optimizer alone, into a live run that has
+    stepped: that part as saved (the optimizer as torch's load_state_dict gives it), the
+    other exactly as the live run had it, on every rank."""
+    full = saved["states"]["adamw"]
+    spec = {"path": str(_where(saved["root"], "adamw", source)), "wrap": wrap, "optim": "adamw"}
+    spec.update(pre=2, api="load", contents=(part,))
+    reports = run(restore_case, world, spec, timeout=HANG_S)
+    for report in reports:
+        assert report["ok"], f"rank {report['rank']}: {report['error']['traceback']}"
+        other = "optimizer" if part == "model" else "model"
+        assert report["kept"][other], f"rank {report['rank']}: the {other} changed"
+    got = reports[0]["full"]
+    if part == "model":
+        for name, tensor in full["model"].items():
+            assert same_nested(got["model"][name], tensor), name
+        return
+    want = torch_reference(full, "adamw")
+    state = got["optim"]["state"]
+    assert sorted(state) == sorted(want["state"])
+    for fqn, entries in want["state"].items():
+        for kind, value in entries.items():
+            assert same_nested(state[fqn][kind], value), f"{fqn}.{kind}"
 
 
 def test_step_counts_that_differ_between_parameters(saved):
