@@ -141,3 +141,36 @@ def test_parameters_without_saved_state_get_none(saved, source, api, wrap):
         assert got["stateless"] == NO_GRADIENT
         assert_nested_equal(got["full"], want["full"], unordered=("params",))
         assert got["stateless_after_a_step"] == NO_GRADIENT
+
+
+def _plain(seed: int = 0) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1, weight_decay=0.1)
+
+
+def test_fresh_optimizer_with_gradients_pending_gets_the_saved_state(tmp_path):
+    """A script that runs a forward and backward pass before restoring: the never-stepped
+    optimizer has no state and torch's state-dict API creates none while gradients exist.
+    The saved state is restored as saved, the pending gradients are left as they were."""
+    import shardstream
+
+    model, optimizer = _plain()
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model(torch.randn(3, 4)).square().sum().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    shardstream.save(tmp_path / "ckpt", model=model, optimizer=optimizer)
+
+    live, live_optimizer = _plain(seed=5)
+    live(torch.randn(3, 4)).square().sum().backward()
+    pending = {n: p.grad.clone() for n, p in live.named_parameters()}
+    shardstream.load(tmp_path / "ckpt", model=live, optimizer=live_optimizer)
+
+    for (name, saved), restored in zip(model.named_parameters(), live.parameters()):
+        assert torch.equal(restored, saved), name
+        assert sorted(live_optimizer.state[restored]) == sorted(optimizer.state[saved])
+        for kind, value in optimizer.state[saved].items():
+            assert torch.equal(live_optimizer.state[restored][kind], value), f"{name}.{kind}"
+        assert torch.equal(restored.grad, pending[name]), name
