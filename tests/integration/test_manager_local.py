@@ -389,6 +389,17 @@ def test_model_only_save_cannot_restore_optimizer(tmp_path):
         assert optimizer2.state_dict()["state"] == {}
 
 
+def test_optimizer_without_its_model_is_refused_before_reading(tmp_path):
+    model, optimizer, scheduler = tiny()
+    step(model, optimizer, scheduler)
+    shardstream.save(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    before = snapshot(model, optimizer, scheduler)
+    for contents in (("model", "optimizer"), ("optimizer",)):
+        with pytest.raises(UsageError, match="'optimizer' but no model was given"):
+            shardstream.load(tmp_path / "ckpt", optimizer=optimizer, contents=contents)
+    assert_same(before, snapshot(model, optimizer, scheduler))
+
+
 def test_extra_round_trips_json_and_tensors(tmp_path):
     model, _, _ = tiny()
     extra = {

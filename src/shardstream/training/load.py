@@ -1030,6 +1030,11 @@ def load(
     """
     started = time.perf_counter()
     contents = native.check_contents(contents, "load_contents")
+    if "optimizer" in contents and optimizer is not None and model is None:
+        raise UsageError(
+            "load_contents includes 'optimizer' but no model was given: optimizer state is "
+            "restored by the names of the model's parameters"
+        )
     path = Path(path)
     want_model = "model" in contents and model is not None
     want_optimizer = "optimizer" in contents and optimizer is not None
