@@ -41,6 +41,7 @@ from .storage.run_layout import (
 )
 from .training import load as loading
 from .training import save as saving
+from .training.arguments import check_live_objects, checked_step
 from .units import DEFAULT_BUFFER_BYTES, WHOLE_STATE, staging_limit
 
 log = logging.getLogger(__name__)
@@ -296,6 +297,7 @@ class CheckpointManager:
         hf_source_dir: str | os.PathLike | None = None,
         hf_dtype: str | None = None,
     ):
+        check_live_objects(model, optimizer, lr_scheduler)
         self.config = config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.hf_config, self.tokenizer = hf_config, tokenizer
@@ -398,8 +400,7 @@ class CheckpointManager:
         waited for first (saves never overlap), and its error, if any, is raised here.
         """
         self._guard()
-        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
-            raise UsageError(f"step must be a non-negative integer, got {step!r}")
+        step = checked_step(step)
         self.acquire_lock()
         self._refuse_foreign_step(step)
         if self._async is not None:

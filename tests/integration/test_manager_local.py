@@ -400,6 +400,44 @@ def test_optimizer_without_its_model_is_refused_before_reading(tmp_path):
     assert_same(before, snapshot(model, optimizer, scheduler))
 
 
+@pytest.mark.parametrize(
+    ("call", "words"),
+    [
+        (lambda p, m, o: shardstream.save(p / "s", model=[m], contents=("model",)), "model="),
+        (lambda p, m, o: shardstream.save(p / "s", model=m, optimizer=[o]), "optimizer="),
+        (lambda p, m, o: shardstream.save(p / "s", model=m, step=-1), "step must be"),
+        (lambda p, m, o: shardstream.save(p / "s", model=m, step="2"), "step must be"),
+        (lambda p, m, o: shardstream.save(p / "s", model=m, contents="model"), "not a list"),
+        (lambda p, m, o: shardstream.load(p / "ckpt", model={"w": 1}), "model="),
+        (lambda p, m, o: shardstream.load(p / "ckpt", model=m, optimizer=o.state), "optimizer="),
+        (lambda p, m, o: shardstream.load(p / "ckpt", model=m, lr_scheduler=1), "lr_scheduler="),
+        (lambda p, m, o: shardstream.load(p / "ckpt", model=m, contents=None), "not a list"),
+        (
+            lambda p, m, o: CheckpointManager(CheckpointConfig(str(p)), model=m, optimizer=[o]),
+            "optimizer=",
+        ),
+    ],
+)
+def test_arguments_of_the_wrong_kind_are_named(tmp_path, call, words):
+    """A UsageError naming the argument, before anything is read or written (not an
+    AttributeError from inside torch)."""
+    model, optimizer, scheduler = tiny()
+    step(model, optimizer, scheduler)
+    shardstream.save(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    before = snapshot(model, optimizer, scheduler)
+    with pytest.raises(UsageError, match=words):
+        call(tmp_path, model, optimizer)
+    assert_same(before, snapshot(model, optimizer, scheduler))
+    assert not (tmp_path / "s").exists()
+
+
+def test_a_file_is_not_a_checkpoint(tmp_path):
+    model, _, _ = tiny()
+    (tmp_path / "weights.pt").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="weights.pt: a file, not a checkpoint"):
+        shardstream.load(tmp_path / "weights.pt", model=model)
+
+
 def test_extra_round_trips_json_and_tensors(tmp_path):
     model, _, _ = tiny()
     extra = {

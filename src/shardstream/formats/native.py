@@ -79,6 +79,10 @@ def rank_file(rank: int) -> str:
 
 def check_contents(contents: Iterable[str], what: str) -> tuple[str, ...]:
     """``contents`` as a tuple, each item one of ``CONTENTS``."""
+    if isinstance(contents, (str, bytes)) or not isinstance(contents, Iterable):
+        raise UsageError(
+            f"{what}: {contents!r} is not a list of items; pass one such as ['model', 'optimizer']"
+        )
     contents = tuple(contents)
     unknown = [c for c in contents if c not in CONTENTS]
     if unknown:

@@ -42,6 +42,7 @@ from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, hooks, native_storage, schedulers
 from . import state as st
+from .arguments import check_live_objects
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +93,8 @@ def _same_request_everywhere(
     here, error = None, None
     try:
         if not path.is_dir():
-            raise CheckpointNotFoundError(f"{path}: no such checkpoint directory")
+            what = "a file, not a checkpoint directory" if path.exists() else "no such directory"
+            raise CheckpointNotFoundError(f"{path}: {what}")
         is_verl = detect(path) is Kind.VERL
         layout = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
         parts = tuple(sorted(contents)), want_model, want_optimizer
@@ -1029,6 +1031,7 @@ def load(
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
     started = time.perf_counter()
+    check_live_objects(model, optimizer, lr_scheduler)
     contents = native.check_contents(contents, "load_contents")
     if "optimizer" in contents and optimizer is not None and model is None:
         raise UsageError(

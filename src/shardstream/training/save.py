@@ -36,6 +36,7 @@ from ..storage.commit import fsync_tree
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, local_save, native_storage
 from . import state as st
+from .arguments import check_live_objects, checked_step
 
 
 @dataclass
@@ -128,6 +129,8 @@ def prepare_save(
     ``save_lora_only``). ``share_hf_weights``: with "model" and "hf_model", a model tensor
     exported in its own dtype is stored once, in ``huggingface/``, and the manifest points
     there."""
+    check_live_objects(model, optimizer, lr_scheduler)
+    step = checked_step(step)
     contents = native.check_contents(contents, "save_contents")
     if "model" in contents and model is None:
         raise UsageError("save_contents includes 'model' but no model was given")
@@ -181,7 +184,7 @@ def prepare_save(
             objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
     return PreparedSave(
         target=Path(path).absolute(),
-        step=int(step),
+        step=step,
         contents=contents,
         tensors=tensors,
         objects=objects,
@@ -221,6 +224,7 @@ def save(
 
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
+    check_live_objects(model, optimizer, lr_scheduler)
     contents = native.check_contents(contents, "contents")
     exporter = None
     if "hf_model" in contents:
