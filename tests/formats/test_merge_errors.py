@@ -434,6 +434,22 @@ def test_target_that_is_or_holds_an_input_is_refused_even_with_overwrite(
     assert (ckpt / "merged" / "model.safetensors").is_file()
 
 
+def test_target_inside_a_shardstream_step_is_refused(capsys, tmp_path):
+    """A step's manifest names every file in it: merged files written inside would make the
+    step fail verify (files added after the save), so the target must lie outside it."""
+    import shardstream
+
+    model = torch.nn.Linear(4, 3)
+    step = tmp_path / "run" / "global_step_1"
+    shardstream.save(step, model=model, contents=("model",))
+    before = tree_state(step)
+    rc, err = merge(capsys, step, step / "merged")
+    assert_clean_failure(rc, err, f"target {step / 'merged'} is inside the checkpoint", code=2)
+    assert tree_state(step) == before
+    rc, err = merge(capsys, step, tmp_path / "merged")
+    assert rc == 0, err
+
+
 def test_failed_overwrite_keeps_the_old_target(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)

@@ -151,6 +151,16 @@ def merge(
     elif config_dir is not None:
         inputs["the checkpoint's config directory"] = config_dir
     check_target_apart(target, inputs)
+    from ..formats.native import NativeCheckpoint
+
+    real = Path(os.path.realpath(local_dir))
+    if isinstance(checkpoint, NativeCheckpoint) and real in Path(os.path.realpath(target)).parents:
+        # Its manifest names every file it holds: one written into it is foreign there.
+        raise UsageError(
+            f"target {target} is inside the checkpoint {local_dir}, whose manifest names "
+            "every file it holds (verify would report the merged files as added); choose a "
+            "target outside it"
+        )
     try:
         check_target(target.absolute(), overwrite)
     except ShardstreamError:
