@@ -57,7 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     merge = sub.add_parser("merge", help="merge a sharded checkpoint into a HF safetensors model")
     _add_source_flags(merge)
-    _flag(merge, "--target_dir", required=True, help="output HF model directory")
+    _flag(
+        merge,
+        "--target_dir",
+        default="tmp",
+        help="output HF model directory (default: tmp, as verl's merger)",
+    )
     _flag(merge, "--dtype", default=None, help="bfloat16, float16 or float32 (default: config)")
     _flag(
         merge,
@@ -87,8 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="under torchrun: every rank writes its share of the output",
     )
-    _flag(merge, "--hf_upload_path", default=None, help=argparse.SUPPRESS)
-    _flag(merge, "--private", action="store_true", help=argparse.SUPPRESS)
+    _flag(
+        merge,
+        "--hf_upload_path",
+        default=None,
+        help="then upload the merged directory to this Hugging Face Hub repository",
+    )
+    _flag(merge, "--private", action="store_true", help="with --hf_upload_path: a private repo")
 
     test = sub.add_parser("test", help="compare a checkpoint's merged tensors with a HF model")
     _add_source_flags(test)
@@ -126,7 +136,9 @@ def _check_backend(args: argparse.Namespace) -> None:
             "(use --backend fsdp)"
         )
     if getattr(args, "hf_upload_path", None):
-        raise UsageError("--hf_upload_path is not supported; upload the merged directory yourself")
+        from .commands.upload import check_upload
+
+        check_upload(args.hf_upload_path)
 
 
 class _Progress:
@@ -189,8 +201,13 @@ def run_merge(args: argparse.Namespace) -> int:
 
     if collectives.rank() != 0:
         return 0
+    uploaded = None
+    if args.hf_upload_path:  # as verl's merger: once the directory is complete
+        from .commands.upload import upload_to_hub
+
+        uploaded = upload_to_hub(summary.target, args.hf_upload_path, args.private)
     if args.json:
-        print(json.dumps(summary.to_json()))
+        print(json.dumps({**summary.to_json(), **({"uploaded": uploaded} if uploaded else {})}))
     elif not args.quiet:
         print(
             f"merged {summary.tensors} tensors into {summary.target} ({len(summary.files)} "
@@ -200,6 +217,8 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{format_size(summary.peak_rss_bytes)}"
         )
         print(f"layout: {summary.layout}")
+        if uploaded:
+            print(f"uploaded to {args.hf_upload_path}: {uploaded}")
     if not args.quiet and summary.not_tensors:
         shown = ", ".join(repr(k) for k in summary.not_tensors[:3])
         more = len(summary.not_tensors) - 3
