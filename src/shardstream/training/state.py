@@ -72,15 +72,21 @@ def placement_of(tensor: torch.Tensor) -> str:
 
 
 def mesh_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, Any] | None:
-    """Shape and dim names of the device mesh of the first DTensor, or None."""
+    """Shape and dim names of the largest device mesh a DTensor lies on (most devices, then
+    most dims; the first of equals), or None. Not the first DTensor's: with tensor
+    parallelism an embedding left to FSDP lies on the data-parallel submesh alone."""
     from torch.distributed.tensor import DTensor
 
+    best = None
     for tensor in tensors.values():
         if isinstance(tensor, DTensor):
             mesh = tensor.device_mesh
-            names = mesh_dim_names(mesh.mesh_dim_names, mesh.ndim)
-            return {"shape": list(mesh.shape), "dim_names": list(names)}
-    return None
+            if best is None or (mesh.size(), mesh.ndim) > (best.size(), best.ndim):
+                best = mesh
+    if best is None:
+        return None
+    names = mesh_dim_names(best.mesh_dim_names, best.ndim)
+    return {"shape": list(best.shape), "dim_names": list(names)}
 
 
 def is_lora_name(name: str) -> bool:
