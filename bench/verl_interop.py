@@ -707,6 +707,12 @@ OTHER_TRAINERS = [
     "rank's data position. torchtitan's own `CheckpointManager`: the section below.",
     "- DCP's `HuggingFaceStorageWriter(save_distributed=True)`, with and without "
     "consolidation: merge, inspect, verify, `test --exact` and restore of the model.",
+    "- Tensor parallelism with FSDP2, as torchtitan lays it out "
+    "(`tests/integration/test_tensor_parallel.py`): `parallelize_module` (Colwise / Rowwise) "
+    "on the tp dimension of a (dp=2, tp=2) mesh, `fully_shard` on dp, 4 ranks; saved by "
+    "shardstream's manager and by `dcp.save`, merged, verified and restored into TP x FSDP, "
+    "FSDP alone at 2 and 3 ranks, TP alone and a plain model, bit for bit; an FSDP-only "
+    "checkpoint restores into TP x FSDP.",
     "- A restore that cannot finish (a scheduler or Stateful that does not take the "
     "saved state, a missing part) raises before any tensor is written, naming the part.",
     "",
