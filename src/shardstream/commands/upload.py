@@ -15,7 +15,10 @@ def check_upload(repo_id: str) -> None:
     """Before anything is merged: huggingface_hub is installed and ``repo_id`` is a valid
     repository id, so a long merge does not end in an error that was known at the start."""
     if importlib.util.find_spec("huggingface_hub") is None:
-        raise UsageError("--hf_upload_path needs huggingface_hub: pip install huggingface_hub")
+        raise UsageError(
+            "--hf_upload_path needs huggingface_hub: pip install huggingface_hub "
+            "(or shardstream[hub])"
+        )
     from huggingface_hub.utils import validate_repo_id
 
     try:
