@@ -713,6 +713,12 @@ OTHER_TRAINERS = [
     "shardstream's manager and by `dcp.save`, merged, verified and restored into TP x FSDP, "
     "FSDP alone at 2 and 3 ranks, TP alone and a plain model, bit for bit; an FSDP-only "
     "checkpoint restores into TP x FSDP.",
+    "- PyTorch's FSDP2 example (pytorch/examples `distributed/FSDP2/checkpoint.py`; "
+    "`tests/formats/test_pytorch_fsdp2_example.py`): `model_state_dict.pt` and "
+    "`optim_state_dict.pt` as rank 0 writes them with `torch.save` after gathering them "
+    "either way it shows (the state-dict API with `full_state_dict=True`, or each DTensor's "
+    "`full_tensor()` with the optimizer's integer ids), from FSDP2 at 2 ranks: inspected, "
+    "verified, merged, and restored at 1 process and into FSDP2 at 3 ranks bit for bit.",
     "- A restore that cannot finish (a scheduler or Stateful that does not take the "
     "saved state, a missing part) raises before any tensor is written, naming the part.",
     "",

@@ -101,6 +101,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "accelerate")
         _verify_accelerate(root, report, progress)
         return report
+    if kind is Kind.TORCH_SAVE:
+        report = VerifyReport(str(root), "torch.save")
+        _verify_torch_save(root, report, progress)
+        return report
     if kind is Kind.DCP_HF:
         report = VerifyReport(str(root), "dcp_hf")
         _verify_dcp_hf(root, report, progress)
@@ -345,6 +349,17 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
         _verify_hf(directory, report, progress)
     elif is_hf_torch_model(directory):
         _verify_hf_torch(directory, report, progress)
+
+
+def _verify_torch_save(directory: Path, report: VerifyReport, progress=None) -> None:
+    """PyTorch's FSDP2 example: the model's and the optimizer's whole state dicts, each as
+    ``_verify_full_state``."""
+    from ..formats.source import TORCH_SAVE_MODEL_FILE, TORCH_SAVE_OPTIMIZER_FILE
+
+    _verify_full_state(directory / TORCH_SAVE_MODEL_FILE, report, progress, world_size=1)
+    optimizer_file = directory / TORCH_SAVE_OPTIMIZER_FILE
+    if os.path.lexists(optimizer_file):
+        _verify_full_state(optimizer_file, report, progress)
 
 
 def _verify_full_state(

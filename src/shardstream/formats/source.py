@@ -10,6 +10,8 @@
                    ``pytorch_model_fsdp_N/`` (DCP) beside ``optimizer_N/``, the scheduler's and
                    RNG files; with ``FULL_STATE_DICT``, ``pytorch_model_fsdp.bin`` (one
                    ``torch.save`` state dict) beside ``optimizer.bin`` instead
+   ``TORCH_SAVE``  PyTorch's FSDP2 example: ``model_state_dict.pt`` (a whole state dict
+                   saved with ``torch.save``) beside ``optim_state_dict.pt``
    ``DCP_HF``      DCP's ``HuggingFaceStorageWriter``: per-rank ``shard-N-model-I-of-K
                    .safetensors`` files, or a model consolidated beside them in ``sharded/``
 4. ``HF_MODEL``    a Hugging Face model: ``model.safetensors`` or its index (a merge's output;
@@ -78,6 +80,12 @@ ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin
 # or an index) and the optimizer's own state_dict() (integer parameter ids) in optimizer.bin
 # (the Trainer's: optimizer.pt), beside the scheduler and RNG files above.
 ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
+# PyTorch's FSDP2 example (pytorch/examples, distributed/FSDP2/checkpoint.py): rank 0 writes the
+# whole model state dict and the optimizer's (by name, or the optimizer's own state_dict()
+# with integer ids) with torch.save into checkpoints/<api>/<time>/.
+TORCH_SAVE_MODEL_FILE = "model_state_dict.pt"
+TORCH_SAVE_OPTIMIZER_FILE = "optim_state_dict.pt"
+TORCH_SAVE_FORMAT = "torch.save (PyTorch FSDP2 example)"
 # Its other torch.save files, each a state_dict() restored by name (load(states={stem: obj})):
 # the GradScaler's, register_for_checkpointing objects', stateful dataloaders'.
 ACCELERATE_STATE_FILE = re.compile(
@@ -150,6 +158,7 @@ class Kind(enum.Enum):
     VERL = "verl"
     DCP = "dcp"
     ACCELERATE = "accelerate"
+    TORCH_SAVE = "torch_save"
     DCP_HF = "dcp_hf"
     HF_MODEL = "huggingface"
     HF_TORCH = "huggingface_torch"
@@ -281,7 +290,7 @@ def training_state_files(directory: Path) -> list[str]:
         names = sorted(entry.name for entry in directory.iterdir())
     except OSError:
         return []
-    return [n for n in names if any(p.match(n) for p in patterns)]
+    return [n for n in names if any(p.match(n) for p in patterns) or n == TORCH_SAVE_OPTIMIZER_FILE]
 
 
 def is_accelerate_state(directory: Path) -> bool:
@@ -306,6 +315,11 @@ def is_dcp_hf(directory: Path) -> bool:
 def is_hf_torch_model(directory: Path) -> bool:
     """A Hugging Face model saved with ``torch.save``: ``pytorch_model.bin`` or its index."""
     return _any_named(directory, HF_TORCH_FILE, HF_TORCH_INDEX)
+
+
+def is_torch_save_state(directory: Path) -> bool:
+    """PyTorch's FSDP2 example: ``model_state_dict.pt`` (and ``optim_state_dict.pt``)."""
+    return _any_named(directory, TORCH_SAVE_MODEL_FILE)
 
 
 def is_hf_model(directory: Path) -> bool:
@@ -392,6 +406,16 @@ def _open_accelerate(
     return checkpoint
 
 
+def _open_torch_save(
+    path: Path, model_only: bool, shared: bool, prefix: str | None
+) -> CheckpointSource:
+    from .torch_state_dict import open_torch_state_dict
+
+    return open_torch_state_dict(
+        path / TORCH_SAVE_MODEL_FILE, label=TORCH_SAVE_FORMAT, shared=shared, prefix=prefix
+    )
+
+
 def _open_dcp_hf(
     path: Path, model_only: bool, shared: bool, prefix: str | None
 ) -> CheckpointSource:
@@ -406,6 +430,7 @@ _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.VERL, is_verl_checkpoint, _open_verl),
     (Kind.DCP, is_dcp_checkpoint, _open_dcp),
     (Kind.ACCELERATE, is_accelerate_state, _open_accelerate),
+    (Kind.TORCH_SAVE, is_torch_save_state, _open_torch_save),
     (Kind.DCP_HF, is_dcp_hf, _open_dcp_hf),
     (Kind.HF_MODEL, is_hf_model, None),
     (Kind.HF_TORCH, is_hf_torch_model, None),

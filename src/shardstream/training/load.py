@@ -190,6 +190,19 @@ def _open_source(
         return _dcp_source(
             path, path, model, optimizer, want_optimizer, prefix, presented, states, verify
         )
+    if kind is Kind.TORCH_SAVE:  # PyTorch's FSDP2 example: whole state dicts, torch.save
+        from ..formats.source import TORCH_SAVE_OPTIMIZER_FILE
+
+        optimizer_file = path / TORCH_SAVE_OPTIMIZER_FILE
+        return _plain_state_source(
+            path,
+            optimizer_file if os.path.lexists(optimizer_file) else None,
+            model,
+            optimizer,
+            want_optimizer,
+            verify,
+            prefix,
+        )
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
 
@@ -540,8 +553,9 @@ def _plain_state_source(
     verify: bool,
     prefix,
 ) -> _Source:
-    """Saved without FSDP (accelerate's ``save_state``, the Trainer's ``checkpoint-N``): the
-    model as its HF model files hold it (whole tensors under the model's own names), and the
+    """Saved whole (accelerate's ``save_state`` and the Trainer's ``checkpoint-N`` without
+    FSDP, PyTorch's FSDP2 example): the model as its files hold it (whole tensors under the
+    model's own names, or save_pretrained's), and the
     optimizer's own ``state_dict()``, whose integer parameter ids are the live optimizer's
     parameters position by position, param group by param group. ``verify``: the zip records
     of its ``torch.save`` files are checked by the processes between them first (as
