@@ -719,6 +719,11 @@ OTHER_TRAINERS = [
     "either way it shows (the state-dict API with `full_state_dict=True`, or each DTensor's "
     "`full_tensor()` with the optimizer's integer ids), from FSDP2 at 2 ranks: inspected, "
     "verified, merged, and restored at 1 process and into FSDP2 at 3 ranks bit for bit.",
+    "- One `torch.save` file as PyTorch's save/load recipes write it "
+    "(`tests/formats/test_torch_save_file.py`): `torch.save(model.state_dict(), 'model.pt')`, "
+    "a general checkpoint `{'epoch', 'model_state_dict', 'optimizer_state_dict', 'loss'}`, "
+    "and `{'model', 'optimizer'}`: the file's path is the checkpoint; inspected, verified, "
+    "merged, and restored at 1 process and into FSDP2 at 3 ranks bit for bit.",
     "- A restore that cannot finish (a scheduler or Stateful that does not take the "
     "saved state, a missing part) raises before any tensor is written, naming the part.",
     "",

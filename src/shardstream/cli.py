@@ -305,7 +305,8 @@ def run_verify(args: argparse.Namespace) -> int:
                 checked += " (the zip records of every DCP item and torch.save file against "
                 checked += "their CRC-32s)"
             print(
-                f"{verdict}: {report.kind} {report.path}: {report.files_checked} files, "
+                f"{verdict}: {report.kind} {report.path}: {report.files_checked} "
+                f"file{'' if report.files_checked == 1 else 's'}, "
                 f"{checked}{steps}"
             )
     return 0 if report.ok else EXIT_ERROR

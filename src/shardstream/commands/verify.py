@@ -71,6 +71,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
     from ..storage.run_layout import LATEST_FILE, STEP_DIR, committed_steps, read_latest
 
     root = Path(path)
+    if _kind(root) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
+        report = VerifyReport(str(root), "torch.save file")
+        _verify_torch_file(root, report, progress)
+        return report
     if not root.is_dir():
         report = VerifyReport(str(root), "missing")
         report.problems.append(Problem(str(root), "no such directory"))
@@ -360,6 +364,37 @@ def _verify_torch_save(directory: Path, report: VerifyReport, progress=None) -> 
     optimizer_file = directory / TORCH_SAVE_OPTIMIZER_FILE
     if os.path.lexists(optimizer_file):
         _verify_full_state(optimizer_file, report, progress)
+
+
+def _verify_torch_file(file: Path, report: VerifyReport, progress=None) -> None:
+    """One torch.save file: every zip record against its CRC-32, then its layout through the
+    restricted unpickler: the model's state dict (at the top level or under a general
+    checkpoint's key) as merge reads it, and an optimizer state dict beside it if one is."""
+    from ..formats.torch_pt import load_layout
+    from ..formats.torch_state_dict import open_torch_file, torch_file_parts
+
+    report.files_checked += 1
+    try:
+        bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
+        return
+    named = []
+    try:
+        named = [(t.name, t.blocks) for t in open_torch_file(file).tensors]
+        _, optimizer = torch_file_parts(file)
+        if optimizer is not None:
+            saved = load_layout(str(file))[optimizer]
+            if not {"state", "param_groups"} <= set(saved):
+                raise CheckpointFormatError(
+                    f"{file}: {optimizer!r} is not an optimizer state dict (no state and "
+                    "param_groups)"
+                )
+    except (ShardstreamError, OSError) as exc:
+        if not bad:  # a damaged record explains it, and is said below
+            report.problems.append(Problem(str(file), _strip(exc, file)))
+    for record in bad:
+        report.problems.append(_crc_mismatch(file, record, named))
 
 
 def _verify_full_state(

@@ -22,6 +22,10 @@
 6. ``RUN``         a run: ``global_step_N`` entries or the latest pointer
 7. ``NONE``        none of these
 
+A path that is a regular file named ``*.pt``, ``*.pth``, ``*.bin``, ``*.tar`` or ``*.ckpt`` is
+``TORCH_FILE``: one ``torch.save`` file, a model's state dict or a general checkpoint dict
+(``torch_state_dict.open_torch_file``).
+
 What a directory holds itself comes before what its subdirectories hold: a model directory
 that sits beside step directories is a model. Every kind but the last three has a reader
 (``open_checkpoint``); every reader offers ``CheckpointSource``. A new format is a module with
@@ -86,6 +90,8 @@ ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
 TORCH_SAVE_MODEL_FILE = "model_state_dict.pt"
 TORCH_SAVE_OPTIMIZER_FILE = "optim_state_dict.pt"
 TORCH_SAVE_FORMAT = "torch.save (PyTorch FSDP2 example)"
+# A checkpoint that is one torch.save file (PyTorch's save/load recipes): named so.
+TORCH_FILE_SUFFIXES = (".pt", ".pth", ".bin", ".tar", ".ckpt")
 # Its other torch.save files, each a state_dict() restored by name (load(states={stem: obj})):
 # the GradScaler's, register_for_checkpointing objects', stateful dataloaders'.
 ACCELERATE_STATE_FILE = re.compile(
@@ -159,6 +165,7 @@ class Kind(enum.Enum):
     DCP = "dcp"
     ACCELERATE = "accelerate"
     TORCH_SAVE = "torch_save"
+    TORCH_FILE = "torch_file"  # a file, not a directory
     DCP_HF = "dcp_hf"
     HF_MODEL = "huggingface"
     HF_TORCH = "huggingface_torch"
@@ -463,10 +470,14 @@ _READERS[Kind.HF_TORCH] = _open_hf_torch
 
 
 def detect(path: str | os.PathLike) -> Kind:
-    """The kind of directory ``path`` is (``Kind.NONE`` for anything not a directory); from
-    file names only, reading no file. Raises ``OSError`` if it cannot be listed."""
+    """The kind of directory ``path`` is (a regular file named ``*.pt``, ``*.pth``, ``*.bin``,
+    ``*.tar`` or ``*.ckpt``: ``Kind.TORCH_FILE``; ``Kind.NONE`` for anything else not a
+    directory); from file names only, reading no file. Raises ``OSError`` if it cannot be
+    listed."""
     path = Path(path)
     if not path.is_dir():
+        if path.suffix in TORCH_FILE_SUFFIXES and path.is_file():
+            return Kind.TORCH_FILE
         return Kind.NONE
     for kind, test, _ in _KINDS:
         if test(path):
@@ -497,8 +508,19 @@ def open_checkpoint(
     path = Path(path)
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such directory")
+    if detect(path) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
+        if prefix is not None:
+            from ..errors import UsageError
+
+            raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
+        from .torch_state_dict import open_torch_file
+
+        return open_torch_file(path, shared=shared)
     if not path.is_dir():
-        raise CheckpointFormatError(f"{path}: is a file; expected a checkpoint directory")
+        raise CheckpointFormatError(
+            f"{path}: is a file; expected a checkpoint directory or a torch.save file "
+            f"({', '.join(TORCH_FILE_SUFFIXES)})"
+        )
     kind = detect(path)
     opener = _READERS.get(kind)
     if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):

@@ -55,11 +55,14 @@ def open_torch_state_dict(
     label: str = ACCELERATE_FULL_FORMAT,
     shared: bool = False,
     prefix: str | None = None,
+    part: str | None = None,
 ) -> TorchStateDict:
     """The layout of the state dict in ``file`` (its tensors located, none loaded).
 
     ``world_size``: how many processes the saving run had (the file says nothing of it).
     ``shared``: every process of the current group opens it together (one unpickles it).
+    ``part``: the key of the top-level dict that holds the state dict (a general checkpoint's
+    ``model_state_dict``); None: the file holds it at the top level.
     """
     file = Path(file)
     directory = file.parent
@@ -69,7 +72,7 @@ def open_torch_state_dict(
             "file holds the model's state dict at the top level"
         )
     check_inside(file, directory)
-    layout = read_rank_layouts([str(file)], _model_state, shared)
+    layout = read_rank_layouts([str(file)], _part_of(part, _model_state), shared)
     return TorchStateDict(
         directory,
         world_size,
@@ -87,13 +90,15 @@ def open_torch_optimizer(
     file: str | os.PathLike,
     prefix: str,
     names_of: Callable[[list[dict]], dict[int, str]] | None = None,
+    part: str | None = None,
 ) -> tuple[list[GlobalTensor], dict[str, object], list[dict]]:
     """A whole optimizer state dict keyed by parameter name, as ``get_optimizer_state_dict``
     (full) and FSDP1's ``FSDP.optim_state_dict`` give it (accelerate's ``optimizer.bin``):
     its tensors named ``<prefix><fqn>.<key>``, its other per-parameter values under the same
     names, and its param groups (``params`` as names). Every process reads the pickle.
     ``names_of``: for an optimizer's own ``state_dict()`` (integer parameter ids, saved without
-    FSDP), the parameter names of the ids its param groups list."""
+    FSDP), the parameter names of the ids its param groups list. ``part``: as for
+    ``open_torch_state_dict``."""
     file = Path(file)
     check_inside(file, file.parent)
     groups: list[dict] = []
@@ -131,8 +136,56 @@ def open_torch_optimizer(
         groups[:] = saved_groups
         return out
 
-    layout = read_rank_layouts([str(file)], flatten, keep_scalars=True)
+    layout = read_rank_layouts([str(file)], _part_of(part, flatten), keep_scalars=True)
     return layout.tensors, layout.scalars, groups
+
+
+def _part_of(part: str | None, read: Callable[[object, str], dict]) -> Callable:
+    """``read`` applied to ``state[part]`` (``part`` None: to ``state`` itself)."""
+    if part is None:
+        return read
+
+    def read_part(state, path: str) -> dict:
+        if not isinstance(state, dict) or not isinstance(state.get(part), dict):
+            raise CheckpointFormatError(f"{path}: no {part!r} dict at the top level")
+        return read(state[part], f"{path} [{part!r}]")
+
+    return read_part
+
+
+# One torch.save file as PyTorch's recipes write it: ``torch.save(model.state_dict(), PATH)``,
+# or a general checkpoint ``{"model_state_dict": ..., "optimizer_state_dict": ..., "epoch": ..}``
+# (also under the keys other scripts use); the first key present of each list wins.
+TORCH_FILE_FORMAT = "torch.save file"
+MODEL_PARTS = ("model_state_dict", "model", "state_dict")
+OPTIMIZER_PARTS = ("optimizer_state_dict", "optimizer", "optim")
+
+
+def torch_file_parts(file: str | os.PathLike) -> tuple[str | None, str | None]:
+    """(the key holding the model's state dict, or None for one at the top level; the key
+    holding the optimizer's, or None for none), from the file's layout (restricted unpickler,
+    meta device, no tensor read)."""
+    from .torch_pt import load_layout
+
+    state = load_layout(str(file))
+    if not isinstance(state, dict):
+        raise CheckpointFormatError(
+            f"{file}: holds a {type(state).__name__}, not a state dict or a checkpoint dict"
+        )
+    model = next((k for k in MODEL_PARTS if isinstance(state.get(k), dict)), None)
+    optimizer = next((k for k in OPTIMIZER_PARTS if isinstance(state.get(k), dict)), None)
+    if model is None and optimizer is not None:
+        raise CheckpointFormatError(
+            f"{file}: holds {optimizer!r} but no model state dict (under any of "
+            f"{', '.join(repr(k) for k in MODEL_PARTS)})"
+        )
+    return model, optimizer
+
+
+def open_torch_file(file: str | os.PathLike, shared: bool = False) -> TorchStateDict:
+    """The model in one ``torch.save`` file (``torch_file_parts``), read as a whole state dict."""
+    model, _ = torch_file_parts(file)
+    return open_torch_state_dict(file, label=TORCH_FILE_FORMAT, shared=shared, part=model)
 
 
 HF_TORCH_FORMAT = "huggingface (pytorch_model.bin)"

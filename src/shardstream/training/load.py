@@ -92,7 +92,7 @@ def _same_request_everywhere(
 
     here, error = None, None
     try:
-        if not path.is_dir():
+        if not path.is_dir() and detect(path) is not Kind.TORCH_FILE:
             what = "a file, not a checkpoint directory" if path.exists() else "no such directory"
             raise CheckpointNotFoundError(f"{path}: {what}")
         is_verl = detect(path) is Kind.VERL
@@ -202,6 +202,20 @@ def _open_source(
             want_optimizer,
             verify,
             prefix,
+        )
+    if kind is Kind.TORCH_FILE:  # one torch.save file: a state dict, or a general checkpoint
+        from ..formats.torch_state_dict import torch_file_parts
+
+        _, optimizer_part = torch_file_parts(path)
+        return _plain_state_source(
+            path,
+            path if optimizer_part is not None else None,
+            model,
+            optimizer,
+            want_optimizer,
+            verify,
+            prefix,
+            optimizer_part=optimizer_part,
         )
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
@@ -552,6 +566,7 @@ def _plain_state_source(
     want_optimizer: bool,
     verify: bool,
     prefix,
+    optimizer_part: str | None = None,
 ) -> _Source:
     """Saved whole (accelerate's ``save_state`` and the Trainer's ``checkpoint-N`` without
     FSDP, PyTorch's FSDP2 example): the model as its files hold it (whole tensors under the
@@ -592,10 +607,13 @@ def _plain_state_source(
                 return _parameter_names_by_position(optimizer_file, groups, live)
 
             state_prefix = native.OPTIMIZER_PREFIX + st.STATE
-            optim, scalars, groups = open_torch_optimizer(optimizer_file, state_prefix, names_of)
+            optim, scalars, groups = open_torch_optimizer(
+                optimizer_file, state_prefix, names_of, optimizer_part
+            )
             tensors.update({t.name: t for t in optim})
             objects["optimizer"] = {"param_groups": groups, "scalars": scalars}
             pickled.append(str(optimizer_file))
+    pickled = list(dict.fromkeys(pickled))  # one file may hold both (a general checkpoint)
     checked = set(pickled)
 
     def endpoint(location: str):

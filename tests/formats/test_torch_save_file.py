@@ -1,0 +1,171 @@
+"""A checkpoint that is one ``torch.save`` file, as PyTorch's save/load recipes write it: the
+model's ``state_dict()`` alone (``model.pt``), or a general checkpoint dict
+(``{"epoch", "model_state_dict", "optimizer_state_dict", "loss"}``, and the shorter
+``{"model", "optimizer"}`` other scripts use). Saved by one process, as the recipes do; each is
+inspected, verified, merged, and restored at 1 process and into FSDP2 at 3 ranks, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import shardstream
+from shardstream.errors import ShardstreamError
+from shardstream.testing.cli import cli_stdout
+from shardstream.testing.compare import assert_nested_equal
+from shardstream.testing.distributed import preload, run
+
+preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
+
+
+def _model(seed: int) -> torch.nn.Module:
+    torch.manual_seed(seed)
+    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
+
+
+def _live(seed: int, world: int):
+    model = _model(seed)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in (model[0], model[2]):
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
+
+
+def _whole(model, optimizer) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    def whole(value):
+        return value.full_tensor() if isinstance(value, DTensor) else value
+
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {
+        "model": {n: whole(p).detach().clone() for n, p in model.named_parameters()},
+        "optim": {
+            f"{names[id(p)]}.{kind}": whole(v).clone()
+            for p, entries in optimizer.state.items()
+            for kind, v in entries.items()
+        },
+    }
+
+
+def restore(rank: int, world: int, path: str, contents: tuple[str, ...]) -> dict:
+    model, optimizer = _live(7, world)
+    shardstream.load(path, model=model, optimizer=optimizer, contents=contents)
+    return _whole(model, optimizer)
+
+
+# name -> (what the file holds, the contents it restores)
+FILES = {
+    "model.pt": ("state_dict", ("model",)),
+    "checkpoint.tar": ("general", ("model", "optimizer")),
+    "ckpt.pth": ("short", ("model", "optimizer")),
+}
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> dict:
+    root = tmp_path_factory.mktemp("torch-save-file")
+    model, optimizer = _live(0, 1)
+    for seed in range(2):
+        torch.manual_seed(seed)
+        model(torch.randn(6, 8)).square().mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    torch.save(model.state_dict(), root / "model.pt")
+    torch.save(
+        {
+            "epoch": 2,
+            "model_state_dict": model.state_dict(),
+            "optimizer_state_dict": optimizer.state_dict(),
+            "loss": 0.25,
+        },
+        root / "checkpoint.tar",
+    )
+    torch.save(
+        {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "ckpt.pth"
+    )
+    return {"root": root, "state": _whole(model, optimizer)}
+
+
+@pytest.mark.parametrize("name", list(FILES))
+def test_inspect_verify_and_merge(saved, name, tmp_path):
+    file = saved["root"] / name
+    assert "torch.save file" in cli_stdout("inspect", file)
+    assert cli_stdout("verify", file).startswith("OK: torch.save file")
+    cli_stdout("merge", "--local_dir", file, "--target_dir", tmp_path / "merged", "--quiet")
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert_nested_equal(merged, saved["state"]["model"], "merged")
+
+
+@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("name", list(FILES))
+def test_restore_into_one_process_and_fsdp2(saved, name, world):
+    path, contents = str(saved["root"] / name), FILES[name][1]
+    reports = [restore(0, 1, path, contents)] if world == 1 else run(restore, world, path, contents)
+    for report in reports:
+        assert_nested_equal(report["model"], saved["state"]["model"], "model")
+        if "optimizer" in contents:
+            assert_nested_equal(report["optim"], saved["state"]["optim"], "optimizer")
+
+
+def test_model_alone_has_no_optimizer_to_restore(saved):
+    model, optimizer = _live(7, 1)
+    with pytest.raises(ShardstreamError, match="holds no optimizer state"):
+        shardstream.load(saved["root"] / "model.pt", model=model, optimizer=optimizer)
+
+
+def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
+    from shardstream.commands.verify import verify
+    from shardstream.formats.torch_pt import zip_records
+
+    file = tmp_path / "checkpoint.tar"
+    data = bytearray((saved["root"] / "checkpoint.tar").read_bytes())
+    record = next(
+        r for r in zip_records(str(saved["root"] / "checkpoint.tar")) if "/data/" in r.name
+    )
+    data[record.start] ^= 0x40
+    file.write_bytes(bytes(data))
+    report = verify(file)
+    assert not report.ok and report.problems[0].path == str(file), report.problems
+    model, optimizer = _live(7, 1)
+    before = _whole(model, optimizer)
+    with pytest.raises(ShardstreamError, match="checkpoint.tar"):
+        shardstream.load(file, model=model, optimizer=optimizer, contents=("model", "optimizer"))
+    assert_nested_equal(_whole(model, optimizer), before, "live state")
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ([torch.ones(2)], "holds a list, not a state dict"),
+        ({"optimizer_state_dict": {"state": {}, "param_groups": []}}, "but no model state dict"),
+    ],
+    ids=["a list", "an optimizer alone"],
+)
+def test_files_that_hold_no_model_are_named(tmp_path, content, words):
+    file = tmp_path / "odd.pt"
+    torch.save(content, file)
+    model, _ = _live(7, 1)
+    for attempt in (
+        lambda: shardstream.load(file, model=model, contents=("model",)),
+        lambda: shardstream.formats.source.open_checkpoint(file),
+    ):
+        with pytest.raises(ShardstreamError, match=words) as caught:
+            attempt()
+        assert str(file) in str(caught.value)
+
+
+def test_a_file_of_another_kind_is_not_taken_for_one(tmp_path):
+    file = tmp_path / "notes.txt"
+    file.write_text("not a checkpoint")
+    with pytest.raises(ShardstreamError, match="expected a checkpoint directory or a torch.save"):
+        shardstream.formats.source.open_checkpoint(file)
+    assert Path(file).is_file()
