@@ -169,3 +169,32 @@ def test_a_file_of_another_kind_is_not_taken_for_one(tmp_path):
     with pytest.raises(ShardstreamError, match="expected a checkpoint directory or a torch.save"):
         shardstream.formats.source.open_checkpoint(file)
     assert Path(file).is_file()
+
+
+class _RunsCode:
+    """Unpickling this would run a command (it must never be)."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return (os.system, (f"touch {self.marker}",))
+
+
+def test_a_file_asking_for_code_is_refused_everywhere(tmp_path):
+    from shardstream.cli import main
+
+    marker = tmp_path / "ran"
+    file = tmp_path / "evil.pt"
+    torch.save({"model_state_dict": {"w": torch.ones(2)}, "extra": _RunsCode(marker)}, file)
+    with pytest.raises(ShardstreamError, match="refused to unpickle"):
+        shardstream.load(file, model=torch.nn.Linear(2, 1), contents=("model",))
+    for argv in (
+        ["inspect", str(file)],
+        ["verify", str(file)],
+        ["merge", "--local_dir", str(file), "--target_dir", str(tmp_path / "out"), "--quiet"],
+    ):
+        assert main(argv) == 1, argv
+    assert not marker.exists() and not (tmp_path / "out").exists()
