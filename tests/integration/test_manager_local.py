@@ -433,9 +433,12 @@ def test_arguments_of_the_wrong_kind_are_named(tmp_path, call, words):
 
 def test_a_file_is_not_a_checkpoint(tmp_path):
     model, _, _ = tiny()
-    (tmp_path / "weights.pt").write_bytes(b"x")
-    with pytest.raises(CheckpointNotFoundError, match="weights.pt: a file, not a checkpoint"):
-        shardstream.load(tmp_path / "weights.pt", model=model)
+    (tmp_path / "weights.txt").write_bytes(b"x")
+    with pytest.raises(CheckpointNotFoundError, match="weights.txt: a file, not a checkpoint"):
+        shardstream.load(tmp_path / "weights.txt", model=model)
+    (tmp_path / "weights.pt").write_bytes(b"x")  # read as one torch.save file, which it is not
+    with pytest.raises(CheckpointFormatError, match="weights.pt: corrupt or truncated torch"):
+        shardstream.load(tmp_path / "weights.pt", model=model, contents=("model",))
 
 
 def test_extra_round_trips_json_and_tensors(tmp_path):
