@@ -15,11 +15,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from whole_state import assert_read_by_every_command, live_objects, whole_state
 
 import shardstream
 from shardstream.errors import ShardstreamError
-from shardstream.testing.cli import cli_stdout
 from shardstream.testing.compare import assert_nested_equal
 from shardstream.testing.distributed import preload, run
 
@@ -30,47 +29,11 @@ APIS = ("dcp_api", "dtensor_api")  # the example's folder names for its two ways
 TIME = "1764979200000"  # the example names each save's folder by its time in ms
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
-
-
-def _sharded(seed: int, world: int):
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
-    model = _model(seed)
-    if world > 1:
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-
-
 def _step(model, optimizer, seed: int) -> None:
     torch.manual_seed(100 + seed)
     model(torch.randn(6, 8)).square().mean().backward()
     optimizer.step()
     optimizer.zero_grad()
-
-
-def _whole(model, optimizer) -> dict:
-    """The model's and optimizer's state as whole tensors by name (every rank takes part)."""
-    from torch.distributed.tensor import DTensor
-
-    def whole(value):
-        return value.full_tensor() if isinstance(value, DTensor) else value
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "model": {n: whole(p).detach().clone() for n, p in model.named_parameters()},
-        "optim": {
-            f"{names[id(p)]}.{kind}": whole(v).clone()
-            for p, entries in optimizer.state.items()
-            for kind, v in entries.items()
-        },
-    }
 
 
 def save_as_the_example(rank: int, world: int, root: str) -> dict:
@@ -83,7 +46,7 @@ def save_as_the_example(rank: int, world: int, root: str) -> dict:
     )
     from torch.distributed.tensor import DTensor
 
-    model, optimizer = _sharded(0, world)
+    model, optimizer = live_objects(0, world)
     for seed in range(2):
         _step(model, optimizer, seed)
     whole_options = StateDictOptions(full_state_dict=True, cpu_offload=True)
@@ -109,19 +72,19 @@ def save_as_the_example(rank: int, world: int, root: str) -> dict:
             folder.mkdir(parents=True)
             torch.save(model_state, folder / "model_state_dict.pt")
             torch.save(optimizer_state, folder / "optim_state_dict.pt")
-    saved = _whole(model, optimizer)
+    saved = whole_state(model, optimizer)
     dist.barrier()
     return saved
 
 
 def restore(rank: int, world: int, path: str) -> dict:
     """Restore into fresh FSDP2 objects (a plain model at 1 process), then step once."""
-    model, optimizer = _sharded(7, world)
+    model, optimizer = live_objects(7, world)
     try:
         shardstream.load(path, model=model, optimizer=optimizer)
     except ShardstreamError as exc:
         return {"error": str(exc)}
-    restored = _whole(model, optimizer)
+    restored = whole_state(model, optimizer)
     _step(model, optimizer, 9)  # training goes on
     return {"restored": restored}
 
@@ -139,12 +102,8 @@ def _folder(saved, api: str) -> Path:
 
 @pytest.mark.parametrize("api", APIS)
 def test_inspect_verify_and_merge(saved, api, tmp_path):
-    folder = _folder(saved, api)
-    assert "torch.save (PyTorch FSDP2 example)" in cli_stdout("inspect", folder)
-    assert cli_stdout("verify", folder).startswith("OK: torch.save")
-    cli_stdout("merge", "--local_dir", folder, "--target_dir", tmp_path / "merged", "--quiet")
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
-    assert_nested_equal(merged, saved["state"]["model"], "merged")
+    label = "torch.save (PyTorch FSDP2 example)"
+    assert_read_by_every_command(_folder(saved, api), label, saved["state"]["model"], tmp_path)
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -174,17 +133,17 @@ def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
     report = verify(folder)
     assert not report.ok
     assert any("model_state_dict.pt" in p.path for p in report.problems), report.problems
-    model, optimizer = _sharded(7, 1)
-    before = _whole(model, optimizer)
+    model, optimizer = live_objects(7, 1)
+    before = whole_state(model, optimizer)
     with pytest.raises(ShardstreamError, match="model_state_dict.pt"):
         shardstream.load(folder, model=model, optimizer=optimizer)
-    assert_nested_equal(_whole(model, optimizer), before, "live state")
+    assert_nested_equal(whole_state(model, optimizer), before, "live state")
 
 
 def test_optimizer_file_alone_is_named(saved, tmp_path):
     folder = tmp_path / "no-model"
     folder.mkdir()
     os.link(_folder(saved, "dcp_api") / "optim_state_dict.pt", folder / "optim_state_dict.pt")
-    model, optimizer = _sharded(7, 1)
+    model, optimizer = live_objects(7, 1)
     with pytest.raises(ShardstreamError, match="optim_state_dict.pt"):
         shardstream.load(folder, model=model, optimizer=optimizer)

@@ -10,56 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
+from whole_state import assert_read_by_every_command, live_objects, whole_state
 
 import shardstream
 from shardstream.errors import ShardstreamError
-from shardstream.testing.cli import cli_stdout
 from shardstream.testing.compare import assert_nested_equal
 from shardstream.testing.distributed import preload, run
 
 preload("torch.distributed.fsdp", "torch.distributed.checkpoint.state_dict", "pytest")
 
 
-def _model(seed: int) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(8, 12), torch.nn.ReLU(), torch.nn.Linear(12, 5))
-
-
-def _live(seed: int, world: int):
-    model = _model(seed)
-    if world > 1:
-        from torch.distributed.device_mesh import init_device_mesh
-        from torch.distributed.fsdp import fully_shard
-
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in (model[0], model[2]):
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-    return model, torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1)
-
-
-def _whole(model, optimizer) -> dict:
-    from torch.distributed.tensor import DTensor
-
-    def whole(value):
-        return value.full_tensor() if isinstance(value, DTensor) else value
-
-    names = {id(p): n for n, p in model.named_parameters()}
-    return {
-        "model": {n: whole(p).detach().clone() for n, p in model.named_parameters()},
-        "optim": {
-            f"{names[id(p)]}.{kind}": whole(v).clone()
-            for p, entries in optimizer.state.items()
-            for kind, v in entries.items()
-        },
-    }
-
-
 def restore(rank: int, world: int, path: str, contents: tuple[str, ...]) -> dict:
-    model, optimizer = _live(7, world)
+    model, optimizer = live_objects(7, world)
     shardstream.load(path, model=model, optimizer=optimizer, contents=contents)
-    return _whole(model, optimizer)
+    return whole_state(model, optimizer)
 
 
 # name -> (what the file holds, the contents it restores)
@@ -73,7 +37,7 @@ FILES = {
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory) -> dict:
     root = tmp_path_factory.mktemp("torch-save-file")
-    model, optimizer = _live(0, 1)
+    model, optimizer = live_objects(0, 1)
     for seed in range(2):
         torch.manual_seed(seed)
         model(torch.randn(6, 8)).square().mean().backward()
@@ -92,17 +56,13 @@ def saved(tmp_path_factory) -> dict:
     torch.save(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "ckpt.pth"
     )
-    return {"root": root, "state": _whole(model, optimizer)}
+    return {"root": root, "state": whole_state(model, optimizer)}
 
 
 @pytest.mark.parametrize("name", list(FILES))
 def test_inspect_verify_and_merge(saved, name, tmp_path):
     file = saved["root"] / name
-    assert "torch.save file" in cli_stdout("inspect", file)
-    assert cli_stdout("verify", file).startswith("OK: torch.save file")
-    cli_stdout("merge", "--local_dir", file, "--target_dir", tmp_path / "merged", "--quiet")
-    merged = load_file(tmp_path / "merged" / "model.safetensors")
-    assert_nested_equal(merged, saved["state"]["model"], "merged")
+    assert_read_by_every_command(file, "torch.save file", saved["state"]["model"], tmp_path)
 
 
 @pytest.mark.parametrize("world", [1, 3])
@@ -117,7 +77,7 @@ def test_restore_into_one_process_and_fsdp2(saved, name, world):
 
 
 def test_model_alone_has_no_optimizer_to_restore(saved):
-    model, optimizer = _live(7, 1)
+    model, optimizer = live_objects(7, 1)
     with pytest.raises(ShardstreamError, match="holds no optimizer state"):
         shardstream.load(saved["root"] / "model.pt", model=model, optimizer=optimizer)
 
@@ -135,11 +95,11 @@ def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
     file.write_bytes(bytes(data))
     report = verify(file)
     assert not report.ok and report.problems[0].path == str(file), report.problems
-    model, optimizer = _live(7, 1)
-    before = _whole(model, optimizer)
+    model, optimizer = live_objects(7, 1)
+    before = whole_state(model, optimizer)
     with pytest.raises(ShardstreamError, match="checkpoint.tar"):
         shardstream.load(file, model=model, optimizer=optimizer, contents=("model", "optimizer"))
-    assert_nested_equal(_whole(model, optimizer), before, "live state")
+    assert_nested_equal(whole_state(model, optimizer), before, "live state")
 
 
 @pytest.mark.parametrize(
@@ -153,7 +113,7 @@ def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
 def test_files_that_hold_no_model_are_named(tmp_path, content, words):
     file = tmp_path / "odd.pt"
     torch.save(content, file)
-    model, _ = _live(7, 1)
+    model, _ = live_objects(7, 1)
     for attempt in (
         lambda: shardstream.load(file, model=model, contents=("model",)),
         lambda: shardstream.formats.source.open_checkpoint(file),

@@ -367,47 +367,53 @@ def _verify_torch_save(directory: Path, report: VerifyReport, progress=None) -> 
 
 
 def _verify_torch_file(file: Path, report: VerifyReport, progress=None) -> None:
-    """One torch.save file: every zip record against its CRC-32, then its layout through the
-    restricted unpickler: the model's state dict (at the top level or under a general
-    checkpoint's key) as merge reads it, and an optimizer state dict beside it if one is."""
+    """One torch.save file (PyTorch's recipes): as ``_verify_pickled``, its layout the model's
+    state dict (at the top level or under a general checkpoint's key) as merge reads it, and
+    an optimizer state dict beside it if one is."""
     from ..formats.torch_pt import load_layout
     from ..formats.torch_state_dict import open_torch_file, torch_file_parts
 
-    report.files_checked += 1
-    try:
-        bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
-    except (ShardstreamError, OSError) as exc:
-        report.problems.append(Problem(str(file), _strip(exc, file)))
-        return
-    named = []
-    try:
+    def layout() -> list:
         named = [(t.name, t.blocks) for t in open_torch_file(file).tensors]
         _, optimizer = torch_file_parts(file)
         if optimizer is not None:
-            saved = load_layout(str(file))[optimizer]
-            if not {"state", "param_groups"} <= set(saved):
-                raise CheckpointFormatError(
-                    f"{file}: {optimizer!r} is not an optimizer state dict (no state and "
-                    "param_groups)"
-                )
-    except (ShardstreamError, OSError) as exc:
-        if not bad:  # a damaged record explains it, and is said below
-            report.problems.append(Problem(str(file), _strip(exc, file)))
-    for record in bad:
-        report.problems.append(_crc_mismatch(file, record, named))
+            _check_optimizer_state(load_layout(str(file))[optimizer], f"{file} [{optimizer!r}]")
+        return named
+
+    _verify_pickled(file, report, progress, layout)
 
 
 def _verify_full_state(
     file: Path, report: VerifyReport, progress, world_size: int | None = None
 ) -> None:
-    """One whole state dict saved with ``torch.save`` (accelerate's ``FULL_STATE_DICT``):
-    every zip record against its CRC-32, a damaged one named with the tensors it holds, and
-    the pickle through the restricted unpickler (layout only, onto the meta device): a
-    model's as merge reads it (``world_size`` given: tensors under their names, each inside
-    its record), an optimizer's as an optimizer state dict (``state``, ``param_groups``)."""
+    """One whole state dict saved with ``torch.save`` (accelerate's ``FULL_STATE_DICT``), as
+    ``_verify_pickled``: a model's layout as merge reads it (``world_size`` given: tensors
+    under their names, each inside its record), an optimizer's as an optimizer state dict
+    (``state``, ``param_groups``)."""
     from ..formats.torch_pt import load_layout
     from ..formats.torch_state_dict import open_torch_state_dict
 
+    def layout() -> list:
+        if world_size is None:
+            _check_optimizer_state(load_layout(str(file)), str(file))
+            return []
+        checkpoint = open_torch_state_dict(file, world_size=world_size)
+        return [(t.name, t.blocks) for t in checkpoint.tensors]
+
+    _verify_pickled(file, report, progress, layout)
+
+
+def _check_optimizer_state(state: object, where: str) -> None:
+    if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
+        raise CheckpointFormatError(
+            f"{where}: not an optimizer state dict (no state and param_groups)"
+        )
+
+
+def _verify_pickled(file: Path, report: VerifyReport, progress, layout: Callable[[], list]) -> None:
+    """Every zip record of the torch.save ``file`` against its CRC-32, then its pickle through
+    the restricted unpickler (layout only, onto the meta device) by ``layout``, which returns
+    the (name, blocks) of the tensors it holds: a damaged record is named with its tensors."""
     report.files_checked += 1
     try:
         bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
@@ -416,15 +422,7 @@ def _verify_full_state(
         return
     named = []
     try:
-        if world_size is not None:
-            checkpoint = open_torch_state_dict(file, world_size=world_size)
-            named = [(t.name, t.blocks) for t in checkpoint.tensors]
-        else:
-            state = load_layout(str(file))
-            if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
-                raise CheckpointFormatError(
-                    f"{file}: not an optimizer state dict (no state and param_groups)"
-                )
+        named = layout()
     except (ShardstreamError, OSError) as exc:
         if not bad:  # a damaged record explains it, and is said below
             report.problems.append(Problem(str(file), _strip(exc, file)))
