@@ -165,6 +165,12 @@ class _Progress:
         if self.bar is not None:
             self.bar.update(n)
 
+    def finish(self) -> None:
+        """The work is done: the bar at its total (verify estimates it from whole files, and
+        checks some of their bytes only: a torch archive's record data, not its zip headers)."""
+        if self.bar is not None and self.bar.total:
+            self.bar.update(max(0, self.bar.total - self.bar.n))
+
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
@@ -286,6 +292,7 @@ def run_verify(args: argparse.Namespace) -> int:
     progress.start(_tree_bytes(args.path))
     try:
         report = verify(args.path, progress=progress.update)
+        progress.finish()
     finally:
         progress.close()
     if args.json:
@@ -315,6 +322,8 @@ def run_verify(args: argparse.Namespace) -> int:
 def _tree_bytes(path: str) -> int:
     import os
 
+    if os.path.isfile(path):  # one torch.save file
+        return os.path.getsize(path)
     total = 0
     for dirpath, _, files in os.walk(path):
         for name in files:
