@@ -76,6 +76,16 @@ def test_restore_into_one_process_and_fsdp2(saved, name, world):
             assert_nested_equal(report["optim"], saved["state"]["optim"], "optimizer")
 
 
+def test_general_checkpoint_gives_its_other_values_back(saved):
+    """The general checkpoint's epoch and loss (plain numbers) come back in
+    ``LoadResult.extra``; a state dict alone has nothing else."""
+    model, optimizer = live_objects(7, 1)
+    result = shardstream.load(saved["root"] / "checkpoint.tar", model=model, optimizer=optimizer)
+    assert result.extra == {"epoch": 2, "loss": 0.25}
+    result = shardstream.load(saved["root"] / "model.pt", model=model, contents=("model",))
+    assert result.extra == {}
+
+
 def test_model_alone_has_no_optimizer_to_restore(saved):
     model, optimizer = live_objects(7, 1)
     with pytest.raises(ShardstreamError, match="holds no optimizer state"):

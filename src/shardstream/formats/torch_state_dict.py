@@ -182,6 +182,22 @@ def torch_file_parts(file: str | os.PathLike) -> tuple[str | None, str | None]:
     return model, optimizer
 
 
+def torch_file_values(file: str | os.PathLike) -> dict[str, object]:
+    """A general checkpoint's other top-level values that are plain numbers, strings or
+    booleans (the recipe's ``epoch``), from its layout; a tensor (its ``loss``) is left out."""
+    from .torch_pt import load_layout
+
+    state = load_layout(str(file))
+    parts = set(torch_file_parts(file))
+    if not isinstance(state, dict) or parts == {None}:  # a state dict alone: nothing else
+        return {}
+    return {
+        k: v
+        for k, v in state.items()
+        if isinstance(k, str) and k not in parts and isinstance(v, (bool, int, float, str))
+    }
+
+
 def open_torch_file(file: str | os.PathLike, shared: bool = False) -> TorchStateDict:
     """The model in one ``torch.save`` file (``torch_file_parts``), read as a whole state dict."""
     model, _ = torch_file_parts(file)

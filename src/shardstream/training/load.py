@@ -204,10 +204,10 @@ def _open_source(
             prefix,
         )
     if kind is Kind.TORCH_FILE:  # one torch.save file: a state dict, or a general checkpoint
-        from ..formats.torch_state_dict import torch_file_parts
+        from ..formats.torch_state_dict import torch_file_parts, torch_file_values
 
         _, optimizer_part = torch_file_parts(path)
-        return _plain_state_source(
+        source = _plain_state_source(
             path,
             path if optimizer_part is not None else None,
             model,
@@ -217,6 +217,11 @@ def _open_source(
             prefix,
             optimizer_part=optimizer_part,
         )
+        values = torch_file_values(path)  # the recipe's epoch: LoadResult.extra
+        if values:
+            source.saved.add("extra")
+            source.read_extra = lambda rank: {"user": values}
+        return source
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
 
