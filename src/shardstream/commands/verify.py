@@ -371,13 +371,14 @@ def _verify_torch_file(file: Path, report: VerifyReport, progress=None) -> None:
     state dict (at the top level or under a general checkpoint's key) as merge reads it, and
     an optimizer state dict beside it if one is."""
     from ..formats.torch_pt import load_layout
-    from ..formats.torch_state_dict import open_torch_file, torch_file_parts
+    from ..formats.torch_state_dict import open_torch_file, torch_file_layout
 
     def layout() -> list:
-        named = [(t.name, t.blocks) for t in open_torch_file(file).tensors]
-        _, optimizer = torch_file_parts(file)
-        if optimizer is not None:
-            _check_optimizer_state(load_layout(str(file))[optimizer], f"{file} [{optimizer!r}]")
+        state = load_layout(str(file))
+        found = torch_file_layout(state, file)
+        named = [(t.name, t.blocks) for t in open_torch_file(file, layout=found).tensors]
+        if found.optimizer is not None:
+            _check_optimizer_state(state[found.optimizer], f"{file} [{found.optimizer!r}]")
         return named
 
     _verify_pickled(file, report, progress, layout)

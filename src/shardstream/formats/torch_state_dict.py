@@ -161,13 +161,19 @@ MODEL_PARTS = ("model_state_dict", "model", "state_dict")
 OPTIMIZER_PARTS = ("optimizer_state_dict", "optimizer", "optim")
 
 
-def torch_file_parts(file: str | os.PathLike) -> tuple[str | None, str | None]:
-    """(the key holding the model's state dict, or None for one at the top level; the key
-    holding the optimizer's, or None for none), from the file's layout (restricted unpickler,
-    meta device, no tensor read)."""
-    from .torch_pt import load_layout
+@dataclass(frozen=True)
+class TorchFileLayout:
+    """What one ``torch.save`` file holds, from its unpickled layout."""
 
-    state = load_layout(str(file))
+    model: str | None  # the key holding the model's state dict; None: it is at the top level
+    optimizer: str | None  # the key holding the optimizer's, or None for none
+    values: dict[str, object]  # a general checkpoint's other plain values (the recipe's epoch)
+
+
+def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout:
+    """``TorchFileLayout`` of ``file`` from ``state``, its layout as ``torch_pt.load_layout``
+    unpickles it (restricted, meta device, no tensor read). Values are plain numbers,
+    strings and booleans; a tensor (the recipe's ``loss``) is left out."""
     if not isinstance(state, dict):
         raise CheckpointFormatError(
             f"{file}: holds a {type(state).__name__}, not a state dict or a checkpoint dict"
@@ -179,29 +185,27 @@ def torch_file_parts(file: str | os.PathLike) -> tuple[str | None, str | None]:
             f"{file}: holds {optimizer!r} but no model state dict (under any of "
             f"{', '.join(repr(k) for k in MODEL_PARTS)})"
         )
-    return model, optimizer
+    values = {}
+    if model is not None:  # a state dict alone holds nothing else
+        values = {
+            k: v
+            for k, v in state.items()
+            if isinstance(k, str)
+            and k not in (model, optimizer)
+            and isinstance(v, (bool, int, float, str))
+        }
+    return TorchFileLayout(model, optimizer, values)
 
 
-def torch_file_values(file: str | os.PathLike) -> dict[str, object]:
-    """A general checkpoint's other top-level values that are plain numbers, strings or
-    booleans (the recipe's ``epoch``), from its layout; a tensor (its ``loss``) is left out."""
+def open_torch_file(
+    file: str | os.PathLike, shared: bool = False, layout: TorchFileLayout | None = None
+) -> TorchStateDict:
+    """The model in one ``torch.save`` file, read as a whole state dict (``layout``: the
+    file's, when the caller has it already)."""
     from .torch_pt import load_layout
 
-    state = load_layout(str(file))
-    parts = set(torch_file_parts(file))
-    if not isinstance(state, dict) or parts == {None}:  # a state dict alone: nothing else
-        return {}
-    return {
-        k: v
-        for k, v in state.items()
-        if isinstance(k, str) and k not in parts and isinstance(v, (bool, int, float, str))
-    }
-
-
-def open_torch_file(file: str | os.PathLike, shared: bool = False) -> TorchStateDict:
-    """The model in one ``torch.save`` file (``torch_file_parts``), read as a whole state dict."""
-    model, _ = torch_file_parts(file)
-    return open_torch_state_dict(file, label=TORCH_FILE_FORMAT, shared=shared, part=model)
+    layout = layout or torch_file_layout(load_layout(str(file)), file)
+    return open_torch_state_dict(file, label=TORCH_FILE_FORMAT, shared=shared, part=layout.model)
 
 
 HF_TORCH_FORMAT = "huggingface (pytorch_model.bin)"

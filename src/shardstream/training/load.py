@@ -92,10 +92,11 @@ def _same_request_everywhere(
 
     here, error = None, None
     try:
-        if not path.is_dir() and detect(path) is not Kind.TORCH_FILE:
+        kind = detect(path)
+        if not path.is_dir() and kind is not Kind.TORCH_FILE:
             what = "a file, not a checkpoint directory" if path.exists() else "no such directory"
             raise CheckpointNotFoundError(f"{path}: {what}")
-        is_verl = detect(path) is Kind.VERL
+        is_verl = kind is Kind.VERL
         layout = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
         parts = tuple(sorted(contents)), want_model, want_optimizer
         here = (path.name, parts, layout)
@@ -204,23 +205,23 @@ def _open_source(
             prefix,
         )
     if kind is Kind.TORCH_FILE:  # one torch.save file: a state dict, or a general checkpoint
-        from ..formats.torch_state_dict import torch_file_parts, torch_file_values
+        from ..formats.torch_pt import load_layout
+        from ..formats.torch_state_dict import torch_file_layout
 
-        _, optimizer_part = torch_file_parts(path)
+        layout = torch_file_layout(load_layout(str(path)), path)
         source = _plain_state_source(
             path,
-            path if optimizer_part is not None else None,
+            path if layout.optimizer is not None else None,
             model,
             optimizer,
             want_optimizer,
             verify,
             prefix,
-            optimizer_part=optimizer_part,
+            optimizer_part=layout.optimizer,
         )
-        values = torch_file_values(path)  # the recipe's epoch: LoadResult.extra
-        if values:
+        if layout.values:  # the recipe's epoch: LoadResult.extra
             source.saved.add("extra")
-            source.read_extra = lambda rank: {"user": values}
+            source.read_extra = lambda rank: {"user": layout.values}
         return source
     if kind is Kind.DCP_HF:  # DCP's HuggingFaceStorageWriter: model tensors only
         from ..formats.dcp_hf import open_dcp_hf
