@@ -23,9 +23,14 @@ import torch.multiprocessing as mp
 
 
 def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args: tuple) -> None:
+    import faulthandler
+
     import torch
     import torch.distributed as dist
 
+    # A native crash (SIGSEGV, abort) leaves every thread's Python stack here for run() to show.
+    crash_log = open(Path(out, f"{rank}.crash"), "w")  # noqa: SIM115 - open until os._exit
+    faulthandler.enable(crash_log, all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -71,6 +76,17 @@ def exit_finished_rank() -> NoReturn:
     os._exit(0)
 
 
+def _crash_stacks(tmp: str, world_size: int) -> list[str]:
+    """What faulthandler wrote for each rank that crashed natively (its threads' stacks)."""
+    out = []
+    for rank in range(world_size):
+        path = Path(tmp, f"{rank}.crash")
+        text = path.read_text(errors="replace").strip() if path.exists() else ""
+        if text:
+            out.append(f"--- rank {rank} crashed ---\n{text[-6000:]}")
+    return out
+
+
 def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` on ``world_size`` processes; return their results."""
     with tempfile.TemporaryDirectory(prefix="shardstream-dist-") as tmp:
@@ -101,6 +117,7 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
             if not details:  # say how far the ranks got: a crash in fn, or after it
                 done = [r for r in range(world_size) if Path(tmp, f"{r}.pkl").exists()]
                 details.append(f"{exc} (ranks that had returned their result: {done})")
+                details += _crash_stacks(tmp, world_size)
             raise RuntimeError("\n".join(details)) from None
         results = []
         for rank in range(world_size):
