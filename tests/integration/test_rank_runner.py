@@ -1,0 +1,43 @@
+"""The test ranks' runner (``shardstream.testing.distributed.run``): what every multi-process
+test stands on. Its fork server must hold a single thread when it forks ranks (a thread a
+preloaded library leaves running, such as pyarrow's jemalloc background thread, makes the
+forked ranks crash at random), and a rank that crashes natively must leave its stack."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+
+import pytest
+
+from shardstream.testing.distributed import PRELOADED, run
+
+
+def _parent_threads(rank: int, world: int) -> list[str]:
+    """The names of the threads of this rank's parent, the fork server."""
+    tasks = f"/proc/{os.getppid()}/task"
+    return [open(f"{tasks}/{t}/comm").read().strip() for t in sorted(os.listdir(tasks))]
+
+
+def _crash_in_native_code(rank: int, world: int) -> None:
+    if rank == 1:
+        ctypes.string_at(0)  # reads address 0: SIGSEGV
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
+def test_fork_server_forks_ranks_from_a_single_thread():
+    threads = run(_parent_threads, 2)
+    assert threads[0] == threads[1]
+    assert len(threads[0]) == 1, (
+        f"the fork server runs threads {threads[0]} after importing {PRELOADED}: "
+        "a preloaded module started one; import it in the ranks instead"
+    )
+
+
+def test_a_rank_that_crashes_natively_leaves_its_stack():
+    with pytest.raises(RuntimeError) as raised:
+        run(_crash_in_native_code, 2, timeout=120)
+    text = str(raised.value)
+    assert "process 1 terminated with signal SIGSEGV" in text, text
+    assert "--- rank 1 crashed ---" in text and "Fatal Python error" in text, text
+    assert "in _crash_in_native_code" in text, text
