@@ -385,6 +385,7 @@ def _rank_run(jobs: list[dict], init_file: Path, rank: int, world_size: int) -> 
     import torch.distributed as dist
 
     _T0 = time.monotonic()
+    faulthandler.enable(all_threads=True)  # a native crash leaves its stacks in the log
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     torch.set_num_threads(1)
     dist.init_process_group(
