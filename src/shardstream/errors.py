@@ -54,6 +54,10 @@ class CheckpointLockedError(ShardstreamError, RuntimeError):
     """Another live process holds the checkpoint directory's lock."""
 
 
+class ReferenceMismatchError(ShardstreamError, AssertionError):
+    """A checkpoint's tensors differ from the reference model they were compared with."""
+
+
 def causes(exc: BaseException):
     """``exc`` and every exception behind it, including those DCP wraps per rank."""
     seen = set()
