@@ -22,9 +22,17 @@ from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoi
 
 
 @pytest.fixture(scope="module")
-def actor(tmp_path_factory) -> Path:
+def actors(tmp_path_factory) -> dict[str, Path]:
+    """verl-layout checkpoints whose config.json names bfloat16 and float32."""
     root = tmp_path_factory.mktemp("verl-merger")
-    return write_verl_checkpoints([(root, VerlFixture(world_size=2), 1)])[0]
+    dtypes = ("bfloat16", "float32")
+    jobs = [(root / d, VerlFixture(world_size=2, config_dtype=d), 1) for d in dtypes]
+    return dict(zip(dtypes, write_verl_checkpoints(jobs)))
+
+
+@pytest.fixture
+def actor(actors) -> Path:
+    return actors["bfloat16"]
 
 
 def _config(actor: Path, **fields) -> ModelMergerConfig:
@@ -50,7 +58,7 @@ def test_config_has_verls_fields_order_and_defaults():
     theirs = [(f.name, f.default, f.init) for f in dataclasses.fields(verl_config)]
     ours = [(f.name, f.default, f.init) for f in dataclasses.fields(ModelMergerConfig)]
     assert ours[: len(theirs)] == theirs
-    assert [name for name, *_ in ours[len(theirs) :]] == ["overwrite"]
+    assert [name for name, *_ in ours[len(theirs) :]] == ["overwrite", "dtype"]
 
 
 def test_config_post_init_as_verls():
@@ -62,7 +70,9 @@ def test_config_post_init_as_verls():
     )  # fmt: skip
 
 
-def test_merge_writes_what_verls_own_classes_write(actor, tmp_path):
+@pytest.mark.parametrize("config_dtype", ["bfloat16", "float32"])
+def test_merge_writes_what_verls_own_classes_write(actors, config_dtype, tmp_path):
+    actor = actors[config_dtype]
     verl_merger = pytest.importorskip("verl.model_merger.fsdp_model_merger")
     verl_base = pytest.importorskip("verl.model_merger.base_model_merger")
     fields = {"operation": "merge", "backend": "fsdp", "local_dir": str(actor)}
@@ -79,20 +89,26 @@ def test_merge_writes_what_verls_own_classes_write(actor, tmp_path):
     want, got = _tensors(tmp_path / "verl"), _tensors(tmp_path / "ours")
     assert got.keys() == want.keys()
     for name, tensor in want.items():
+        assert tensor.dtype == torch.bfloat16, name  # verl's merger always casts
         assert got[name].dtype == tensor.dtype and torch.equal(got[name], tensor), name
     assert {p.name for p in (tmp_path / "ours").iterdir()} == {
         p.name for p in (tmp_path / "verl").iterdir()
     }
 
 
-def test_merge_writes_the_files_the_command_writes(actor, tmp_path, capsys):
-    FSDPModelMerger(
-        _config(actor, operation="merge", target_dir=str(tmp_path / "cls"))
-    ).merge_and_save()
-    argv = ["merge", "--backend", "fsdp", "--local_dir", str(actor), "--quiet"]
+@pytest.mark.parametrize(("dtype", "flags"), [("bfloat16", ["--dtype", "bfloat16"]), (None, [])])
+def test_merge_writes_the_files_the_command_writes(actors, dtype, flags, tmp_path, capsys):
+    """The default (bfloat16, as verl) is the command with --dtype bfloat16; dtype=None is
+    the command without it: the dtype config.json names (float32 here)."""
+    actor = actors["float32"]
+    config = _config(actor, operation="merge", target_dir=str(tmp_path / "cls"), dtype=dtype)
+    FSDPModelMerger(config).merge_and_save()
+    argv = ["merge", "--backend", "fsdp", "--local_dir", str(actor), "--quiet", *flags]
     argv += ["--target_dir", str(tmp_path / "cli"), "--hf_model_path", str(actor / "huggingface")]
     assert main(argv) == 0, capsys.readouterr().err
     assert _files(tmp_path / "cls") == _files(tmp_path / "cli")
+    want = torch.bfloat16 if dtype else torch.float32
+    assert {t.dtype for t in _tensors(tmp_path / "cls").values()} == {want}
 
 
 def test_test_operation_passes_against_the_merge_and_fails_naming_the_tensor(actor, tmp_path):

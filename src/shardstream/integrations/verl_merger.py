@@ -31,9 +31,11 @@ OPERATIONS = ("merge", "test")
 
 @dataclass
 class ModelMergerConfig:
-    """verl's ``ModelMergerConfig``: its fields in its order with its defaults. ``overwrite``
-    (ours, last): replace a non-empty ``target_dir`` once the new merge is complete (verl's
-    merger writes over whatever is there; without it a non-empty target is refused)."""
+    """verl's ``ModelMergerConfig``: its fields in its order with its defaults. Ours, last:
+    ``overwrite`` replaces a non-empty ``target_dir`` once the new merge is complete (verl's
+    merger writes over whatever is there; without it a non-empty target is refused);
+    ``dtype`` is what the tensors are written as: bfloat16, as verl's merger always writes,
+    or None for the dtype config.json names (``shardstream merge`` without ``--dtype``)."""
 
     operation: str  # "merge" or "test"
     backend: str
@@ -49,6 +51,7 @@ class ModelMergerConfig:
     hf_upload: bool = field(init=False)
     use_cpu_initialization: bool = False  # accepted: no model is built
     overwrite: bool = False
+    dtype: str | None = "bfloat16"
 
     def __post_init__(self) -> None:
         self.hf_upload = self.operation == "merge" and bool(self.hf_upload_path)
@@ -122,6 +125,7 @@ class FSDPModelMerger:
             return merge(
                 config.local_dir,
                 config.target_dir,
+                dtype=config.dtype,
                 overwrite=config.overwrite,
                 hf_model_path=self.hf_model_config_path,
                 tie_word_embedding=config.tie_word_embedding,
@@ -141,6 +145,7 @@ class FSDPModelMerger:
         report = compare_with_reference(
             config.local_dir,
             config.test_hf_dir,
+            dtype=config.dtype,
             hf_model_path=self.hf_model_config_path,
             tie_word_embedding=config.tie_word_embedding,
         )
