@@ -889,7 +889,7 @@ def outcomes(saved, cases, tmp_path_factory) -> dict:
 def _reports(outcomes: dict, name: str, mode: str) -> list[dict]:
     reports = outcomes[(name, mode)]
     if isinstance(reports, str):
-        pytest.fail(f"the batch of restores failed (a crash or a hang): {reports[-3000:]}")
+        pytest.fail(f"the batch of restores failed (a crash or a hang): {reports[-12000:]}")
     return reports
 
 
