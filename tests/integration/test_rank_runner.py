@@ -39,5 +39,5 @@ def test_a_rank_that_crashes_natively_leaves_its_stack():
         run(_crash_in_native_code, 2, timeout=120)
     text = str(raised.value)
     assert "process 1 terminated with signal SIGSEGV" in text, text
-    assert "--- rank 1 crashed ---" in text and "Fatal Python error" in text, text
+    assert "--- rank 1: its threads' stacks ---" in text and "Fatal Python error" in text, text
     assert "in _crash_in_native_code" in text, text

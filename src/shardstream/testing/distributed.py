@@ -9,8 +9,10 @@ A failing rank raises in the caller with its traceback.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -28,9 +30,11 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
     import torch
     import torch.distributed as dist
 
-    # A native crash (SIGSEGV, abort) leaves every thread's Python stack here for run() to show.
+    # A native crash (SIGSEGV, abort), or SIGUSR1 from run() at its timeout, leaves every
+    # thread's Python stack here for run() to show.
     crash_log = open(Path(out, f"{rank}.crash"), "w")  # noqa: SIM115 - open until os._exit
     faulthandler.enable(crash_log, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, crash_log, all_threads=True)
     torch.set_num_threads(1)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world_size)
@@ -76,14 +80,24 @@ def exit_finished_rank() -> NoReturn:
     os._exit(0)
 
 
+def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
+    """Ask each live rank for its threads' stacks (faulthandler, SIGUSR1) before a kill."""
+    for process in processes:
+        if process.is_alive():
+            with contextlib.suppress(OSError):
+                os.kill(process.pid, signal.SIGUSR1)
+    time.sleep(wait_s)
+
+
 def _crash_stacks(tmp: str, world_size: int) -> list[str]:
-    """What faulthandler wrote for each rank that crashed natively (its threads' stacks)."""
+    """What faulthandler wrote for each rank that crashed natively or hung (its threads'
+    stacks)."""
     out = []
     for rank in range(world_size):
         path = Path(tmp, f"{rank}.crash")
         text = path.read_text(errors="replace").strip() if path.exists() else ""
         if text:
-            out.append(f"--- rank {rank} crashed ---\n{text[-6000:]}")
+            out.append(f"--- rank {rank}: its threads' stacks ---\n{text[-6000:]}")
     return out
 
 
@@ -103,6 +117,7 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
         try:
             while not context.join(timeout=1):
                 if time.monotonic() > deadline:
+                    _dump_stacks(context.processes)
                     for process in context.processes:
                         process.kill()
                     raise TimeoutError(f"{world_size} ranks did not finish in {timeout:.0f} s")
