@@ -156,7 +156,9 @@ def compare_with_reference(
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
-    force_tie = tie_word_embedding or bool(ref_config.get("tie_word_embeddings", False))
+    force_tie = tie_word_embedding or (
+        "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
+    )
     tensors, factors = _merged_names(checkpoint.tensors)
     tensors = _saved_layout(tensors, config, config_dir)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE

@@ -249,14 +249,62 @@ def cast_dtype(stored: str, out_dtype: str | None) -> str:
     return out_dtype if out_dtype and is_floating(stored) else stored
 
 
-def tied_duplicates(tensors: Sequence[GlobalTensor], config: dict, force_tie: bool) -> set[str]:
+def tied_duplicates(
+    tensors: Sequence[GlobalTensor], config: dict, force_tie: bool, config_object: Any = None
+) -> set[str]:
     """``lm_head.weight`` (its stored name, wrapper prefixes aside) when the model ties it to
-    the input embedding: not written."""
+    the input embedding: not written. ``config_object``: the live model's config, where the
+    caller has it (the ``hf_model`` export), else ``config`` (config.json) decides."""
     names = strip_wrappers([t.name for t in tensors])
-    tied = force_tie or bool(config.get("tie_word_embeddings", False))
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names.values())
     heads = {stored for stored, name in names.items() if name == TIED_HEAD}
-    return heads if tied and has_embedding else set()
+    if not (heads and has_embedding):
+        return set()
+    tied = force_tie or ties_word_embeddings(config, config_object)
+    return heads if tied else set()
+
+
+def ties_word_embeddings(config: dict, config_object: Any = None) -> bool:
+    """Whether the model ties its output head to its input embedding, as the installed
+    transformers decides when it builds the model (so ``save_pretrained`` writes one tensor).
+
+    transformers 5 reads the top-level ``tie_word_embeddings`` (default False); 4.x reads it
+    from the decoder's text config (``get_text_config(decoder=True)``, default True). Their
+    ``save_pretrained`` leaves a value out of config.json when it is the class default, so a
+    missing key means the class's default: a text model's explicit key is taken as written,
+    anything else is resolved through the config class. Without transformers, or for a model
+    type it does not know, a missing key keeps the head: written when tied, it holds the
+    embedding's values; left out of an untied model, it would be lost."""
+    explicit = config.get("tie_word_embeddings")
+    composite = any(isinstance(v, dict) and "model_type" in v for v in config.values())
+    if config_object is None and isinstance(explicit, bool) and not composite:
+        return explicit
+    if config_object is None:
+        config_object = _config_object(config)
+    if config_object is not None:
+        import transformers
+
+        if int(transformers.__version__.split(".")[0]) >= 5:
+            return bool(getattr(config_object, "tie_word_embeddings", False))
+        text = getattr(config_object, "get_text_config", None)
+        decoder = text(decoder=True) if callable(text) else config_object
+        return bool(getattr(decoder, "tie_word_embeddings", True))
+    return explicit if isinstance(explicit, bool) else False
+
+
+def _config_object(config: dict) -> Any:
+    """config.json as the installed transformers' config class builds it; None without
+    transformers, for a model type it does not know, or for a config it refuses."""
+    from .hf_names_cache import transformers_version
+
+    if transformers_version() is None or not isinstance(config.get("model_type"), str):
+        return None
+    try:
+        from transformers import CONFIG_MAPPING
+
+        return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+    except Exception:  # noqa: BLE001 - an unknown or malformed config: config.json decides
+        return None
 
 
 @dataclass(frozen=True)

@@ -219,7 +219,7 @@ def _plan_files(
     config = _config(hf_config, source)
     out_dtype = hf.output_dtype(dtype, config)
     tensors = [GlobalTensor(n, code_of(t.dtype), tuple(t.shape), ()) for n, t in live.items()]
-    drop = hf.tied_duplicates(tensors, config, False)
+    drop = hf.tied_duplicates(tensors, config, False, hf_config)
     names, outputs = output_layout(tensors, out_dtype, drop, config)
     return out_dtype, hf.plan_hf_files(outputs, storage=names.storage())
 

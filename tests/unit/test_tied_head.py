@@ -1,0 +1,108 @@
+"""Whether ``lm_head.weight`` is left out, as ``save_pretrained`` leaves it out: decided as the
+installed transformers ties the head when it builds the model from the same config.json,
+including a config.json that leaves ``tie_word_embeddings`` out because it is the class's
+default (transformers 4.x writes no key for a tied Gemma) and vision-language configs whose
+text config decides (4.x)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from shardstream import merge
+from shardstream.formats import hf, hf_names_cache
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(
+    hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=64, head_dim=8,
+)  # fmt: skip
+VISION = {"depth": 1, "hidden_size": 16, "intermediate_size": 24, "num_heads": 2}
+VISION.update(out_hidden_size=32, fullatt_block_indexes=[0])
+
+
+def _vl(tie: bool | None):
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "mrope_section": [1, 1, 2]})
+    text["rope_scaling"] = {"type": "mrope", "mrope_section": [1, 1, 2]}
+    kwargs = {} if tie is None else {"tie_word_embeddings": tie}
+    if tie is not None:
+        text["tie_word_embeddings"] = tie
+    return transformers.Qwen2_5_VLConfig(text_config=text, vision_config=VISION, **kwargs)
+
+
+CONFIGS = {
+    "gemma-default": lambda: transformers.GemmaConfig(**TEXT),
+    "gemma-untied": lambda: transformers.GemmaConfig(**TEXT, tie_word_embeddings=False),
+    "qwen2-default": lambda: transformers.Qwen2Config(**TEXT),
+    "qwen2-tied": lambda: transformers.Qwen2Config(**TEXT, tie_word_embeddings=True),
+    "llama-tied": lambda: transformers.LlamaConfig(**TEXT, tie_word_embeddings=True),
+    "qwen2_5_vl-default": lambda: _vl(None),
+    "qwen2_5_vl-tied": lambda: _vl(True),
+}
+
+
+def _built_tied(config) -> bool:
+    """Whether the model transformers builds from ``config`` shares one head and embedding."""
+    auto = transformers.AutoModelForImageTextToText
+    if not hasattr(config, "text_config"):
+        auto = transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    return model.get_output_embeddings().weight is model.get_input_embeddings().weight
+
+
+def _saved_config(config, tmp_path) -> dict:
+    config.save_pretrained(tmp_path)
+    return json.loads((tmp_path / "config.json").read_text())
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_config_json_ties_as_the_built_model(case, tmp_path):
+    config = CONFIGS[case]()
+    saved = _saved_config(config, tmp_path)
+    assert hf.ties_word_embeddings(saved) is _built_tied(config)
+
+
+@pytest.mark.parametrize("case", sorted(CONFIGS))
+def test_live_config_ties_as_the_built_model(case):
+    config = CONFIGS[case]()
+    assert hf.ties_word_embeddings(config.to_dict(), config) is _built_tied(config)
+
+
+def test_without_transformers_an_explicit_key_decides_and_a_missing_one_keeps_the_head(
+    monkeypatch,
+):
+    monkeypatch.setattr(hf_names_cache, "transformers_version", lambda: None)
+    assert hf.ties_word_embeddings({"model_type": "gemma"}) is False
+    assert hf.ties_word_embeddings({"model_type": "a-model-transformers-lacks"}) is False
+    assert hf.ties_word_embeddings({"model_type": "qwen2", "tie_word_embeddings": False}) is False
+    assert hf.ties_word_embeddings({"model_type": "llama", "tie_word_embeddings": True}) is True
+
+
+def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
+    """A Gemma config.json without ``tie_word_embeddings`` (as transformers 4.x writes it):
+    the built model is tied, so save_pretrained writes the embedding alone; so must merge."""
+    config = transformers.GemmaConfig(**TEXT)
+    torch.manual_seed(0)
+    model = transformers.GemmaForCausalLM(config)
+    reference = tmp_path / "reference"
+    model.save_pretrained(reference)
+    source = tmp_path / "state"
+    source.mkdir()
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}  # both names
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    saved = json.loads((reference / "config.json").read_text())
+    saved.pop("tie_word_embeddings", None)
+    (source / "config.json").write_text(json.dumps(saved))
+    merge(source, tmp_path / "merged")
+    got, want = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(reference / "model.safetensors"),
+    )
+    assert "lm_head.weight" in state and "lm_head.weight" not in want
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
