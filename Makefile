@@ -9,7 +9,7 @@ STAMP := $(VENV)/.shardstream-installed
 TITAN_DEPS := torchtitan==0.3.0 spmd_types==0.2.3 torchdata==0.11.0 tyro==1.0.17 \
 	docstring-parser==0.18.0 typeguard==4.6.0 tensorboard==2.21.0 absl-py==2.5.1
 
-.PHONY: demo test lint format bench interop soak clean
+.PHONY: demo test test-transformers4 lint format bench interop soak clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,22 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m ruff check src tests bench
 	$(PY) -m pytest -q -n 2 --dist loadfile tests
+
+# The save_pretrained-layout tests under transformers 4.57 (the suite runs 5.x), in a venv of
+# their own: make test-transformers4 (about 2 minutes once installed).
+TF4_VENV := .venv-transformers4
+TF4_STAMP := $(TF4_VENV)/.shardstream-installed
+
+$(TF4_STAMP): pyproject.toml
+	$(PYTHON) -m venv $(TF4_VENV)
+	$(TF4_VENV)/bin/python -m pip install --quiet --upgrade pip
+	$(TF4_VENV)/bin/python -c "import torch" 2>/dev/null || $(TF4_VENV)/bin/python -m pip install --quiet torch==2.13.0
+	$(TF4_VENV)/bin/python -m pip install --quiet -e '.[test]' transformers==4.57.6
+	touch $(TF4_STAMP)
+
+test-transformers4: $(TF4_STAMP)
+	$(TF4_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests/unit/test_tied_head.py \
+		tests/integration/test_hf_layout.py tests/integration/test_hf_layout_families.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
@@ -66,4 +82,4 @@ soak: $(STAMP)
 	$(PY) bench/soak.py
 
 clean:
-	rm -rf $(VENV) .bench-venv build dist src/*.egg-info .pytest_cache
+	rm -rf $(VENV) $(TF4_VENV) .bench-venv build dist src/*.egg-info .pytest_cache

@@ -100,7 +100,11 @@ def layout_config(case: str):
 
     if case == "qwen2_5_vl":
         config = transformers.Qwen2_5_VLConfig(
-            text_config=dict(LAYOUT_DIMS, rope_parameters={"rope_type": "default", **MROPE}),
+            text_config=dict(
+                LAYOUT_DIMS,
+                rope_parameters={"rope_type": "default", **MROPE},  # transformers 5
+                rope_scaling={"type": "mrope", **MROPE},  # transformers 4.x
+            ),
             vision_config={
                 "depth": 1,
                 "hidden_size": 16,
