@@ -7,6 +7,7 @@ text config decides (4.x)."""
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -106,3 +107,20 @@ def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
     assert "lm_head.weight" in state and "lm_head.weight" not in want
     assert got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_resolving_through_transformers_prints_nothing(tmp_path):
+    """transformers' own warnings about the config (a token id beyond the tiny vocabulary)
+    are not the merge's to print."""
+    saved = _saved_config(_vl(None), tmp_path)
+    saved["text_config"]["eos_token_id"] = TEXT["vocab_size"] + 4321  # a message not seen yet
+    records: list[logging.LogRecord] = []
+    keep = logging.Handler(logging.WARNING)
+    keep.emit = records.append
+    logger = logging.getLogger("transformers")
+    logger.addHandler(keep)
+    try:
+        hf.ties_word_embeddings(saved)
+    finally:
+        logger.removeHandler(keep)
+    assert [r.getMessage() for r in records] == []

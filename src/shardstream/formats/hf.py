@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
-from .hf_names import strip_wrappers
+from .hf_names import strip_wrappers, transformers_quiet
 from .jsondoc import read_object
 from .native import is_safe_name
 from .regular_file import present
@@ -302,7 +302,8 @@ def _config_object(config: dict) -> Any:
     try:
         from transformers import CONFIG_MAPPING
 
-        return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        with transformers_quiet():  # its warnings about the config are not ours
+            return CONFIG_MAPPING[config["model_type"]].from_dict(config)
     except Exception:  # noqa: BLE001 - an unknown or malformed config: config.json decides
         return None
 

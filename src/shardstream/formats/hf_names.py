@@ -339,7 +339,7 @@ def _meta_model(config: dict, stored: int) -> Any:
     limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
     _check_layer_counts(config, limit, stored)
     try:
-        with _transformers_quiet():  # its warnings about the config are not ours
+        with transformers_quiet():  # its warnings about the config are not ours
             hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
         raise CheckpointFormatError(
@@ -359,7 +359,7 @@ def _meta_model(config: dict, stored: int) -> Any:
 
     handle = register_module_parameter_registration_hook(count)
     try:
-        with _transformers_quiet(), torch.device("meta"):
+        with transformers_quiet(), torch.device("meta"):
             return cls(hf_config)
     except _LargerThanStored:
         raise CheckpointFormatError(
@@ -379,7 +379,7 @@ def _meta_model(config: dict, stored: int) -> Any:
 
 
 @contextlib.contextmanager
-def _transformers_quiet() -> Iterator[None]:
+def transformers_quiet() -> Iterator[None]:
     """transformers' logger at ERROR for the block, then as it was."""
     logger = logging.getLogger("transformers")
     level = logger.level
