@@ -94,7 +94,8 @@ class FSDPModelMerger:
     def merge_and_save(self) -> MergeSummary | CompareReport:
         """Merge ``local_dir`` into ``target_dir`` (then upload it when ``hf_upload_path`` is
         set), or compare it with ``test_hf_dir``: a mismatch raises ReferenceMismatchError (an
-        AssertionError, as verl's check raises) naming each differing tensor."""
+        AssertionError, as verl's check raises) naming the first differing tensors and how
+        many more differ."""
         if self.config.operation == "test":
             return self._test()
         summary = self._merge()
