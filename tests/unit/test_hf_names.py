@@ -321,7 +321,7 @@ def test_transformers_4_reverses_the_checkpoint_conversion_mapping(monkeypatch):
             r"^model(?!\.(language_model|visual))": "model.language_model",
         }
 
-    monkeypatch.setattr(hf_names, "_has_weight_conversions", lambda: False)
+    monkeypatch.setattr(hf_names, "has_weight_conversions", lambda: False)
     monkeypatch.setattr(transformers, "Qwen2_5_VLOld", Qwen2_5_VLOld, raising=False)
     config = {"model_type": "qwen2_5_vl", "architectures": ["Qwen2_5_VLOld"]}
     stored = [

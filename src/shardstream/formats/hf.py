@@ -25,7 +25,7 @@ from ..errors import (
 )
 from ..storage.commit import is_temporary
 from ..units import DEFAULT_MAX_SHARD_BYTES
-from .hf_names import strip_wrappers, transformers_quiet
+from .hf_names import config_object, has_weight_conversions, strip_wrappers
 from .jsondoc import read_object
 from .native import is_safe_name
 from .regular_file import present
@@ -250,21 +250,21 @@ def cast_dtype(stored: str, out_dtype: str | None) -> str:
 
 
 def tied_duplicates(
-    tensors: Sequence[GlobalTensor], config: dict, force_tie: bool, config_object: Any = None
+    tensors: Sequence[GlobalTensor], config: dict, force_tie: bool, live_config: Any = None
 ) -> set[str]:
     """``lm_head.weight`` (its stored name, wrapper prefixes aside) when the model ties it to
-    the input embedding: not written. ``config_object``: the live model's config, where the
+    the input embedding: not written. ``live_config``: the live model's config, where the
     caller has it (the ``hf_model`` export), else ``config`` (config.json) decides."""
     names = strip_wrappers([t.name for t in tensors])
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names.values())
     heads = {stored for stored, name in names.items() if name == TIED_HEAD}
     if not (heads and has_embedding):
         return set()
-    tied = force_tie or ties_word_embeddings(config, config_object)
+    tied = force_tie or ties_word_embeddings(config, live_config)
     return heads if tied else set()
 
 
-def ties_word_embeddings(config: dict, config_object: Any = None) -> bool:
+def ties_word_embeddings(config: dict, live_config: Any = None) -> bool:
     """Whether the model ties its output head to its input embedding, as the installed
     transformers decides when it builds the model (so ``save_pretrained`` writes one tensor).
 
@@ -277,22 +277,19 @@ def ties_word_embeddings(config: dict, config_object: Any = None) -> bool:
     embedding's values; left out of an untied model, it would be lost."""
     explicit = config.get("tie_word_embeddings")
     composite = any(isinstance(v, dict) and "model_type" in v for v in config.values())
-    if config_object is None and isinstance(explicit, bool) and not composite:
+    if live_config is None and isinstance(explicit, bool) and not composite:
         return explicit
-    if config_object is None:
-        config_object = _config_object(config)
-    if config_object is not None:
-        import transformers
-
-        if int(transformers.__version__.split(".")[0]) >= 5:
-            return bool(getattr(config_object, "tie_word_embeddings", False))
-        text = getattr(config_object, "get_text_config", None)
-        decoder = text(decoder=True) if callable(text) else config_object
-        return bool(getattr(decoder, "tie_word_embeddings", True))
-    return explicit if isinstance(explicit, bool) else False
+    built = live_config if live_config is not None else _built_config(config)
+    if built is None:
+        return explicit if isinstance(explicit, bool) else False
+    if has_weight_conversions():  # transformers 5
+        return bool(getattr(built, "tie_word_embeddings", False))
+    text = getattr(built, "get_text_config", None)
+    decoder = text(decoder=True) if callable(text) else built
+    return bool(getattr(decoder, "tie_word_embeddings", True))
 
 
-def _config_object(config: dict) -> Any:
+def _built_config(config: dict) -> Any:
     """config.json as the installed transformers' config class builds it; None without
     transformers, for a model type it does not know, or for a config it refuses."""
     from .hf_names_cache import transformers_version
@@ -300,10 +297,7 @@ def _config_object(config: dict) -> Any:
     if transformers_version() is None or not isinstance(config.get("model_type"), str):
         return None
     try:
-        from transformers import CONFIG_MAPPING
-
-        with transformers_quiet():  # its warnings about the config are not ours
-            return CONFIG_MAPPING[config["model_type"]].from_dict(config)
+        return config_object(config)
     except Exception:  # noqa: BLE001 - an unknown or malformed config: config.json decides
         return None
 

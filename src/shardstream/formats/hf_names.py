@@ -288,7 +288,7 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
                 "transformers (or merge with --keep-names to write the in-memory names)"
             ) from None
         version = transformers.__version__
-        if _has_weight_conversions():
+        if has_weight_conversions():
             pieces, what = _trace_v5(plain, config)
         else:
             pieces, what = _renames_v4(plain, config)
@@ -312,12 +312,24 @@ def _identity(plain, back: dict[str, str], rule: str) -> NamePlan:
     return NamePlan(pieces, rule, False, {v: k for k, v in back.items()})
 
 
-def _has_weight_conversions() -> bool:
+def has_weight_conversions() -> bool:
+    """Whether the installed transformers has transformers 5's save-time rules (weight
+    conversions, the tied head read from the top-level config), not 4.x's."""
     try:
         from transformers.core_model_loading import revert_weight_conversion  # noqa: F401
     except ImportError:
         return False
     return True
+
+
+def config_object(config: dict) -> Any:
+    """config.json as the installed transformers' config class for its ``model_type`` builds
+    it, quietly (its warnings about the config are not ours). Raises what transformers
+    raises for a type it does not know or a config it rejects."""
+    from transformers import CONFIG_MAPPING
+
+    with transformers_quiet():
+        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
 
 
 class _LargerThanStored(Exception):
@@ -339,8 +351,7 @@ def _meta_model(config: dict, stored: int) -> Any:
     limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
     _check_layer_counts(config, limit, stored)
     try:
-        with transformers_quiet():  # its warnings about the config are not ours
-            hf_config = CONFIG_MAPPING[model_type].from_dict(dict(config))
+        hf_config = config_object(config)
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
         raise CheckpointFormatError(
             f"config.json: transformers' {model_type!r} config rejects it ({_one_line(exc)})"
