@@ -15,7 +15,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from whole_state import assert_read_by_every_command, live_objects, whole_state
+from whole_state import (
+    assert_read_by_every_command,
+    flip_a_tensor_bit,
+    live_objects,
+    whole_state,
+)
 
 import shardstream
 from shardstream.errors import ShardstreamError
@@ -122,12 +127,7 @@ def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
     folder.mkdir()
     for name in ("model_state_dict.pt", "optim_state_dict.pt"):
         (folder / name).write_bytes((_folder(saved, "dcp_api") / name).read_bytes())
-    data = bytearray((folder / "model_state_dict.pt").read_bytes())
-    from shardstream.formats.torch_pt import zip_records
-
-    record = next(r for r in zip_records(str(folder / "model_state_dict.pt")) if "/data/" in r.name)
-    data[record.start] ^= 0x40  # one bit of a tensor's bytes
-    (folder / "model_state_dict.pt").write_bytes(bytes(data))
+    flip_a_tensor_bit(folder / "model_state_dict.pt")
     from shardstream.commands.verify import verify
 
     report = verify(folder)

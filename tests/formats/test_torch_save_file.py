@@ -10,7 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from whole_state import assert_read_by_every_command, live_objects, whole_state
+from whole_state import (
+    assert_read_by_every_command,
+    flip_a_tensor_bit,
+    live_objects,
+    whole_state,
+)
 
 import shardstream
 from shardstream.errors import ShardstreamError
@@ -94,15 +99,10 @@ def test_model_alone_has_no_optimizer_to_restore(saved):
 
 def test_damaged_file_is_named_and_nothing_restored(saved, tmp_path):
     from shardstream.commands.verify import verify
-    from shardstream.formats.torch_pt import zip_records
 
     file = tmp_path / "checkpoint.tar"
-    data = bytearray((saved["root"] / "checkpoint.tar").read_bytes())
-    record = next(
-        r for r in zip_records(str(saved["root"] / "checkpoint.tar")) if "/data/" in r.name
-    )
-    data[record.start] ^= 0x40
-    file.write_bytes(bytes(data))
+    file.write_bytes((saved["root"] / "checkpoint.tar").read_bytes())
+    flip_a_tensor_bit(file)
     report = verify(file)
     assert not report.ok and report.problems[0].path == str(file), report.problems
     model, optimizer = live_objects(7, 1)

@@ -6,7 +6,6 @@ writes for the same flags."""
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 import huggingface_hub
@@ -14,6 +13,7 @@ import pytest
 import torch
 from recording_hub import RecordingHub
 from safetensors.torch import load_file, save_file
+from test_merge_verl import merged_tensors
 
 from shardstream.cli import main
 from shardstream.errors import ReferenceMismatchError, TargetExistsError, UsageError
@@ -38,15 +38,6 @@ def actor(actors) -> Path:
 def _config(actor: Path, **fields) -> ModelMergerConfig:
     fields.setdefault("hf_model_config_path", str(actor / "huggingface"))
     return ModelMergerConfig(backend="fsdp", local_dir=str(actor), **fields)
-
-
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    index = directory / "model.safetensors.index.json"
-    files = set(json.loads(index.read_text())["weight_map"].values()) if index.exists() else None
-    out = {}
-    for name in sorted(files or ["model.safetensors"]):
-        out.update(load_file(directory / name))
-    return out
 
 
 def _files(directory: Path) -> dict[str, bytes]:
@@ -86,7 +77,7 @@ def test_merge_writes_what_verls_own_classes_write(actors, config_dtype, tmp_pat
     summary = ours.merge_and_save()
     ours.cleanup()
     assert summary.tensors > 0
-    want, got = _tensors(tmp_path / "verl"), _tensors(tmp_path / "ours")
+    want, got = merged_tensors(tmp_path / "verl"), merged_tensors(tmp_path / "ours")
     assert got.keys() == want.keys()
     for name, tensor in want.items():
         assert tensor.dtype == torch.bfloat16, name  # verl's merger always casts
@@ -108,7 +99,7 @@ def test_merge_writes_the_files_the_command_writes(actors, dtype, flags, tmp_pat
     assert main(argv) == 0, capsys.readouterr().err
     assert _files(tmp_path / "cls") == _files(tmp_path / "cli")
     want = torch.bfloat16 if dtype else torch.float32
-    assert {t.dtype for t in _tensors(tmp_path / "cls").values()} == {want}
+    assert {t.dtype for t in merged_tensors(tmp_path / "cls").values()} == {want}
 
 
 def test_test_operation_passes_against_the_merge_and_fails_naming_the_tensor(actor, tmp_path):

@@ -3,6 +3,8 @@ by the tests of checkpoints that hold whole state dicts saved with ``torch.save`
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 
@@ -55,3 +57,13 @@ def assert_read_by_every_command(path, label: str, model: dict, out) -> None:
     assert cli_stdout("verify", path).startswith("OK: ")
     cli_stdout("merge", "--local_dir", path, "--target_dir", out, "--quiet")
     assert_nested_equal(load_file(out / "model.safetensors"), model, "merged")
+
+
+def flip_a_tensor_bit(file: Path) -> None:
+    """One bit of the first tensor data record of the torch.save ``file``, flipped in place."""
+    from shardstream.formats.torch_pt import zip_records
+
+    record = next(r for r in zip_records(str(file)) if "/data/" in r.name)
+    data = bytearray(file.read_bytes())
+    data[record.start] ^= 0x40
+    file.write_bytes(bytes(data))
