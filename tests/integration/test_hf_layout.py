@@ -10,12 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
-import transformers
 from safetensors import safe_open
 
 from shardstream import merge
 from shardstream.cli import main
 from shardstream.commands.test import compare_with_reference
+from shardstream.formats.hf_names import has_weight_conversions
 from shardstream.testing.distributed import run
 
 from . import hf_layout_workers as w
@@ -23,7 +23,7 @@ from . import hf_layout_workers as w
 WORLDS = (2, 4)
 # transformers 5 holds Qwen3-MoE's experts fused (one tensor per projection) and saves them
 # per expert; 4.x holds and saves them per expert.
-FUSED_EXPERTS = int(transformers.__version__.split(".")[0]) >= 5
+FUSED_EXPERTS = has_weight_conversions()
 # What merge's summary says of each model's layout.
 LAYOUT_SAID = {
     "qwen2_5_vl": "renamed",
