@@ -19,9 +19,15 @@ def _parent_threads(rank: int, world: int) -> list[str]:
     return [open(f"{tasks}/{t}/comm").read().strip() for t in sorted(os.listdir(tasks))]
 
 
-def _crash_in_native_code(rank: int, world: int) -> None:
+def _crash_in_native_code(rank: int, world: int, peer_waits: bool) -> None:
+    """Rank 1 crashes; rank 0 returns, or waits for it in a collective (then fails too, its
+    peer gone, and may report that before the runner sees the crash)."""
+    import torch.distributed as dist
+
     if rank == 1:
         ctypes.string_at(0)  # reads address 0: SIGSEGV
+    elif peer_waits:
+        dist.barrier()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
@@ -34,9 +40,10 @@ def test_fork_server_forks_ranks_from_a_single_thread():
     )
 
 
-def test_a_rank_that_crashes_natively_leaves_its_stack():
+@pytest.mark.parametrize("peer_waits", [False, True])
+def test_a_rank_that_crashes_natively_leaves_its_stack(peer_waits):
     with pytest.raises(RuntimeError) as raised:
-        run(_crash_in_native_code, 2, timeout=120)
+        run(_crash_in_native_code, 2, peer_waits, timeout=120)
     text = str(raised.value)
     assert "process 1 terminated with signal SIGSEGV" in text, text
     assert "--- rank 1: its threads' stacks ---" in text and "Fatal Python error" in text, text

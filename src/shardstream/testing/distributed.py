@@ -89,6 +89,17 @@ def _dump_stacks(processes: list, wait_s: float = 2.0) -> None:
     time.sleep(wait_s)
 
 
+def _signal_deaths(processes: list) -> list[str]:
+    """A line "process R terminated with signal NAME" for each rank a signal ended, other than
+    the SIGTERM and SIGKILL that stop the remaining ranks after a failure."""
+    out = []
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code is not None and code < 0 and -code not in (signal.SIGTERM, signal.SIGKILL):
+            out.append(f"process {rank} terminated with signal {signal.Signals(-code).name}")
+    return out
+
+
 def _crash_stacks(tmp: str, world_size: int) -> list[str]:
     """What faulthandler wrote for each rank that crashed natively or hung (its threads'
     stacks)."""
@@ -132,7 +143,9 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
             if not details:  # say how far the ranks got: a crash in fn, or after it
                 done = [r for r in range(world_size) if Path(tmp, f"{r}.pkl").exists()]
                 details.append(f"{exc} (ranks that had returned their result: {done})")
-                details += _crash_stacks(tmp, world_size)
+            # A rank that died of a signal, though another's error (its peer gone) came first
+            details += [d for d in _signal_deaths(context.processes) if d not in details[-1]]
+            details += _crash_stacks(tmp, world_size)
             raise RuntimeError("\n".join(details)) from None
         results = []
         for rank in range(world_size):
