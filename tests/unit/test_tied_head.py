@@ -14,6 +14,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardstream import merge
+from shardstream.commands.inspect import describe
+from shardstream.errors import UsageError
 from shardstream.formats import hf, hf_names_cache
 
 transformers = pytest.importorskip("transformers")
@@ -74,19 +76,25 @@ def test_live_config_ties_as_the_built_model(case):
     assert hf.ties_word_embeddings(config.to_dict(), config) is _built_tied(config)
 
 
-def test_without_transformers_an_explicit_key_decides_and_a_missing_one_keeps_the_head(
+def test_without_transformers_an_explicit_key_decides_and_a_missing_one_is_refused(
     monkeypatch,
 ):
     monkeypatch.setattr(hf_names_cache, "transformers_version", lambda: None)
-    assert hf.ties_word_embeddings({"model_type": "gemma"}) is False
-    assert hf.ties_word_embeddings({"model_type": "a-model-transformers-lacks"}) is False
     assert hf.ties_word_embeddings({"model_type": "qwen2", "tie_word_embeddings": False}) is False
     assert hf.ties_word_embeddings({"model_type": "llama", "tie_word_embeddings": True}) is True
+    for model_type in ("gemma", "a-model-transformers-lacks"):
+        with pytest.raises(UsageError, match=f"'{model_type}'.*pip install transformers"):
+            hf.ties_word_embeddings({"model_type": model_type})
 
 
-def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
-    """A Gemma config.json without ``tie_word_embeddings`` (as transformers 4.x writes it):
-    the built model is tied, so save_pretrained writes the embedding alone; so must merge."""
+def test_a_model_type_transformers_lacks_keeps_the_head():
+    """Remote code: the class is not installed, and leaving out an untied head loses it."""
+    assert hf.ties_word_embeddings({"model_type": "a-model-transformers-lacks"}) is False
+
+
+def _gemma_state_dir(tmp_path, drop_key: bool = True):
+    """A Gemma's full state (head and embedding both named) and its config.json, the key
+    left out as transformers 4.x leaves it out; and the save_pretrained reference."""
     config = transformers.GemmaConfig(**TEXT)
     torch.manual_seed(0)
     model = transformers.GemmaForCausalLM(config)
@@ -94,11 +102,38 @@ def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
     model.save_pretrained(reference)
     source = tmp_path / "state"
     source.mkdir()
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}  # both names
+    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
     save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
     saved = json.loads((reference / "config.json").read_text())
-    saved.pop("tie_word_embeddings", None)
+    if drop_key:
+        saved.pop("tie_word_embeddings", None)
     (source / "config.json").write_text(json.dumps(saved))
+    return source, reference, state
+
+
+def test_without_transformers_merge_refuses_an_undecided_head_and_writes_nothing(
+    tmp_path, monkeypatch
+):
+    source, reference, _ = _gemma_state_dir(tmp_path)
+    monkeypatch.setattr(hf_names_cache, "transformers_version", lambda: None)
+    with pytest.raises(UsageError, match="config.json: no 'tie_word_embeddings'.*'gemma'"):
+        merge(source, tmp_path / "merged")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["reference", "state"]
+    info = describe(source)
+    assert "tie_word_embeddings" in info["merge"]["layout"]["refused"]
+    merge(source, tmp_path / "forced", tie_word_embedding=True)  # the user decides
+    got, want = (
+        load_file(tmp_path / "forced" / "model.safetensors"),
+        load_file(reference / "model.safetensors"),
+    )
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
+    """A Gemma config.json without ``tie_word_embeddings`` (as transformers 4.x writes it):
+    the built model is tied, so save_pretrained writes the embedding alone; so must merge."""
+    source, reference, state = _gemma_state_dir(tmp_path)
     merge(source, tmp_path / "merged")
     got, want = (
         load_file(tmp_path / "merged" / "model.safetensors"),

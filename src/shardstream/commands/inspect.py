@@ -91,10 +91,14 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
 def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     """What merge would write for ``checkpoint``: dtype, tied head dropped, layout, bytes read
     and written, and time and memory estimates."""
+    from ..errors import ShardstreamError
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
 
     out_dtype = output_dtype(None, config, checkpoint.format, config_dir)
-    dropped = tied_duplicates(checkpoint.tensors, config, False)
+    try:
+        dropped, refused = tied_duplicates(checkpoint.tensors, config, False), None
+    except ShardstreamError as exc:  # merge would refuse: say why, describe the rest
+        dropped, refused = set(), str(exc)
     stored = sum(t.nbytes for t in checkpoint.tensors)
     written = sum(
         t.nbytes // itemsize(t.dtype) * itemsize(cast_dtype(t.dtype, out_dtype))
@@ -108,7 +112,11 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     return {
         "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
         "dropped_tied": sorted(dropped),
-        "layout": _layout(checkpoint.tensors, config, dropped, config_dir),
+        "layout": (
+            {"rule": None, "refused": refused, "renamed": {}, "split": {}}
+            if refused
+            else _layout(checkpoint.tensors, config, dropped, config_dir)
+        ),
         "bytes_read": read,
         "bytes_written": written,
         "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,

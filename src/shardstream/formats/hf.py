@@ -272,21 +272,43 @@ def ties_word_embeddings(config: dict, live_config: Any = None) -> bool:
     from the decoder's text config (``get_text_config(decoder=True)``, default True). Their
     ``save_pretrained`` leaves a value out of config.json when it is the class default, so a
     missing key means the class's default: a text model's explicit key is taken as written,
-    anything else is resolved through the config class. Without transformers, or for a model
-    type it does not know, a missing key keeps the head: written when tied, it holds the
-    embedding's values; left out of an untied model, it would be lost."""
+    anything else is resolved through the config class. Without transformers a missing key
+    is refused (``UsageError``): only the class knows its default. For a model type the
+    installed transformers does not know (remote code), a missing key keeps the head:
+    written when tied, it holds the embedding's values; left out of an untied model, it
+    would be lost."""
     explicit = config.get("tie_word_embeddings")
     composite = any(isinstance(v, dict) and "model_type" in v for v in config.values())
     if live_config is None and isinstance(explicit, bool) and not composite:
         return explicit
     built = live_config if live_config is not None else _built_config(config)
     if built is None:
-        return explicit if isinstance(explicit, bool) else False
+        if isinstance(explicit, bool):
+            return explicit
+        _refuse_undecided_tie(config)
+        return False
     if has_weight_conversions():  # transformers 5
         return bool(getattr(built, "tie_word_embeddings", False))
     text = getattr(built, "get_text_config", None)
     decoder = text(decoder=True) if callable(text) else built
     return bool(getattr(decoder, "tie_word_embeddings", True))
+
+
+def _refuse_undecided_tie(config: dict) -> None:
+    """Without transformers, a config.json of a model type that leaves
+    ``tie_word_embeddings`` out leaves the head's fate to the class default, which only
+    transformers knows (4.x leaves the key out of a tied Gemma's config.json)."""
+    from .hf_names_cache import transformers_version
+
+    model_type = config.get("model_type")
+    if transformers_version() is not None or not isinstance(model_type, str):
+        return
+    raise UsageError(
+        f"config.json: no 'tie_word_embeddings', so whether save_pretrained writes "
+        f"lm_head.weight is the {model_type!r} config class's default, which only transformers "
+        'knows: pip install transformers, or add "tie_word_embeddings": true or false to '
+        "config.json (--tie-word-embedding also leaves the head out)"
+    )
 
 
 def _built_config(config: dict) -> Any:
