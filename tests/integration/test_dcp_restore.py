@@ -19,9 +19,16 @@ def test_dcp_checkpoint_restores_at_another_world_size(tmp_path):
             assert torch.equal(state[name], tensor), name
 
 
-@pytest.mark.parametrize("flatten", [True, False], ids=["torchtitan-flat", "nested"])
-def test_dcp_train_state_restores_optimizer_and_scheduler(tmp_path, flatten):
-    saved = run(workers.dcp_train_state_run, 2, str(tmp_path), "save", flatten)[0]
+@pytest.mark.parametrize(
+    ("flatten", "model_keys"),
+    [(True, "api"), (False, "api"), (True, "compiled"), (False, "ddp")],
+    ids=["torchtitan-flat", "nested", "compiled-model-keys", "ddp-model-keys"],
+)
+def test_dcp_train_state_restores_optimizer_and_scheduler(tmp_path, flatten, model_keys):
+    """Model keys saved with wrapper prefixes (a compiled model's own state_dict(), DDP's)
+    restore under the live names, which torch's state-dict API gives without them."""
+    args = (str(tmp_path), "save", flatten, model_keys)
+    saved = run(workers.dcp_train_state_run, 2, *args)[0]
     restored = run(workers.dcp_train_state_run, 3, str(tmp_path), "restore", flatten)
     for result in restored:
         assert result["step"][0] == 2  # (step, extra), step from the directory name

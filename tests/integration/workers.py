@@ -379,10 +379,15 @@ def shared_hf_save_run(
     return {"after": after, "warnings": [str(w.message) for w in caught]}
 
 
-def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: bool) -> dict:
+def dcp_train_state_run(
+    rank: int, world: int, root: str, stage: str, flatten: bool, model_keys: str = "api"
+) -> dict:
     """stage "save": two steps, then ``dcp.save`` of a torchtitan-style train state (model,
     optimizer, scheduler, train_state) to ``root/step-2``; stage "restore": restore all of it
-    through the manager at this world size. Both return the full state and the next loss."""
+    through the manager at this world size. Both return the full state and the next loss.
+    ``model_keys``: the model's state as torch's state-dict API names it ("api"), as a
+    ``torch.compile``d model's own ``state_dict()`` does ("compiled": ``_orig_mod.*``), or as
+    DDP's does ("ddp": ``module.*``)."""
     import torch.distributed.checkpoint as dcp
 
     model, optimizer, scheduler, _ = build((world,), seed=0 if stage == "save" else 5)
@@ -392,8 +397,14 @@ def dcp_train_state_run(rank: int, world: int, root: str, stage: str, flatten: b
         for step in (1, 2):
             train_step(model, optimizer, scheduler, step)
         options = StateDictOptions(flatten_optimizer_state_dict=flatten)
+        model_state = get_model_state_dict(model)
+        if model_keys == "compiled":
+            model_state = torch.compile(model, backend="eager").state_dict()
+            assert all(k.startswith("_orig_mod.") for k in model_state)
+        elif model_keys == "ddp":
+            model_state = {f"module.{k}": v for k, v in model_state.items()}
         state = {
-            "model": get_model_state_dict(model),
+            "model": model_state,
             "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
             "lr_scheduler": scheduler.state_dict(),
             "train_state": {"step": 2},

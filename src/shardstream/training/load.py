@@ -12,7 +12,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +35,7 @@ from ..errors import (
     causes,
     shardstream_cause,
 )
-from ..formats import native
+from ..formats import hf_names, native
 from ..formats.safetensors import read_header
 from ..storage import collectives as coll
 from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
@@ -361,7 +361,11 @@ def _dcp_source(
     from ..formats import dcp as dcp_format
 
     ckpt = dcp_format.open_dcp(path, prefix)
-    tensors = {native.MODEL_PREFIX + t.name: t for t in ckpt.tensors}
+    unwrap = _unwrapper([t.name for t in ckpt.tensors], model)
+    tensors = {
+        native.MODEL_PREFIX + unwrap(t.name): dataclasses.replace(t, name=unwrap(t.name))
+        for t in ckpt.tensors
+    }
     saved, objects = {"model"}, {}
     step = _step_of(path)
     unread: list[GlobalTensor] = []  # optimizer tensors not restored: not checked either
@@ -382,11 +386,16 @@ def _dcp_source(
         if train.optimizer_tensors or "optimizer" in train.objects:
             saved.add("optimizer")
             if want_optimizer:
-                tensors.update({t.name: t for t in train.optimizer_tensors})
+                state_head = native.OPTIMIZER_PREFIX + st.STATE
+                for t in train.optimizer_tensors:
+                    name = state_head + unwrap(t.name[len(state_head) :])
+                    tensors[name] = dataclasses.replace(t, name=name)
                 live = st.optimizer_param_groups(model, optimizer)
                 saved_optimizer = train.objects.get("optimizer", {})
                 if presented and isinstance(saved_optimizer, dict):
                     saved_optimizer = _presented_optimizer(saved_optimizer, presented)
+                elif isinstance(saved_optimizer, dict):
+                    saved_optimizer = _renamed_optimizer(saved_optimizer, unwrap, unwrap)
                 objects["optimizer"] = _dcp_optimizer_objects(optimizer_dir, saved_optimizer, live)
             else:
                 unread = train.optimizer_tensors
@@ -681,11 +690,54 @@ def _storage_key(tensor: Any) -> tuple | None:
     return storage, local.storage_offset(), tuple(local.shape), local.stride()
 
 
+def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str], str]:
+    """Saved FQN -> live FQN for a model state saved under wrapper prefixes (a compiled
+    model's own ``state_dict()``: ``_orig_mod.``; FSDP1's and activation checkpointing's
+    modules; DDP's leading ``module.`` on every key), which torch's state-dict API, and so
+    the live names, leave out. Two saved names that become one are refused."""
+    stripped = hf_names.strip_wrappers(saved)  # raises on a collision
+    if all(k == v for k, v in stripped.items()):
+        return lambda fqn: fqn
+    live = [] if model is None else st.model_tensors(model)
+    live = [n[len(native.MODEL_PREFIX) :] for n in live]
+    drop_module = all(n.startswith(hf_names.DDP_PREFIX) for n in saved) and not any(
+        n.startswith(hf_names.DDP_PREFIX) for n in live
+    )
+
+    def unwrap(fqn: str) -> str:
+        if drop_module and fqn.startswith(hf_names.DDP_PREFIX):
+            fqn = fqn[len(hf_names.DDP_PREFIX) :]
+        for part in hf_names.WRAPPER_PARTS:
+            fqn = fqn.replace(part, "")
+        return fqn
+
+    return unwrap
+
+
+def _renamed_optimizer(
+    saved: dict, rename: Callable[[str], str], rename_flat: Callable[[str], str]
+) -> dict:
+    """A DCP optimizer entry with its parameter names renamed: ``rename`` for the nested
+    state's keys and param groups' ``params``, ``rename_flat`` for the FQN in flattened
+    ``state.<fqn>.<key>`` / ``param_groups.<fqn>.<key>`` keys."""
+    out: dict = {}
+    for key, value in saved.items():
+        for head in (st.STATE, "param_groups."):
+            if isinstance(key, str) and key.startswith(head):
+                key = head + rename_flat(key[len(head) :])
+                break
+        out.setdefault(key, value)
+    return _renamed_nested(out, rename)
+
+
 def _presented_optimizer(saved: dict, presented: dict) -> dict:
     """A DCP optimizer entry saved under a hooked model's presented names, in live FQNs:
     nested state and param groups' ``params``, or flattened ``state.``/``param_groups.`` keys."""
-    rename = hooks.renamer(presented)
     out = hooks.translate_names(saved, presented, (st.STATE, "param_groups."))
+    return _renamed_nested(out, hooks.renamer(presented))
+
+
+def _renamed_nested(out: dict, rename: Callable[[str], str]) -> dict:
     nested = out.get("state")
     if isinstance(nested, dict):
         out["state"] = {}

@@ -1,0 +1,49 @@
+"""Saved names with wrapper prefixes, renamed to the live FQNs a restore matches (pure)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardstream.errors import CheckpointFormatError
+from shardstream.training.load import _renamed_optimizer, _unwrapper
+
+
+def test_wrapper_parts_and_a_ddp_prefix_on_every_key_are_dropped():
+    saved = ["module._orig_mod.a.weight", "module.b._checkpoint_wrapped_module.w"]
+    unwrap = _unwrapper(saved, None)
+    assert unwrap("module._orig_mod.a.weight") == "a.weight"
+    assert unwrap("module.b._checkpoint_wrapped_module.w") == "b.w"
+
+
+def test_names_without_wrappers_are_kept():
+    unwrap = _unwrapper(["module.a", "b"], None)  # not every key: a module named "module"
+    assert unwrap("module.a") == "module.a"
+
+
+def test_a_live_model_whose_names_start_with_module_keeps_them():
+    class Outer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.module = torch.nn.Linear(2, 2)
+
+    unwrap = _unwrapper(["module._orig_mod.weight", "module._orig_mod.bias"], Outer())
+    assert unwrap("module._orig_mod.weight") == "module.weight"
+
+
+def test_two_names_that_become_one_are_refused():
+    with pytest.raises(CheckpointFormatError, match="'_orig_mod.a'.*'a'"):
+        _unwrapper(["a", "_orig_mod.a"], None)
+
+
+def test_an_optimizer_saved_under_wrapped_names_is_renamed():
+    unwrap = _unwrapper(["_orig_mod.a", "_orig_mod.b"], None)
+    flat = {"state._orig_mod.a.exp_avg": 1, "param_groups._orig_mod.a.lr": 0.1, "other": 2}
+    assert _renamed_optimizer(flat, unwrap, unwrap) == {
+        "state.a.exp_avg": 1, "param_groups.a.lr": 0.1, "other": 2,
+    }  # fmt: skip
+    nested = {"state": {"_orig_mod.a": {"step": 1}}}
+    nested["param_groups"] = [{"params": ["_orig_mod.a", 0]}]
+    assert _renamed_optimizer(nested, unwrap, unwrap) == {
+        "state": {"a": {"step": 1}}, "param_groups": [{"params": ["a", 0]}],
+    }  # fmt: skip
