@@ -199,11 +199,19 @@ def _check_archive(f) -> None:
         raise CheckpointFormatError("not a torch zip archive (the legacy format is not read)")
     f.seek(0)
     try:
-        archive = zipfile.ZipFile(f)
-        names = archive.namelist()
-        if any(n.rsplit("/", 1)[-1] == "constants.pkl" for n in names):
+        records = _torch_records(f)
+        if "constants.pkl" in records:  # torch.load hands such an archive to torch.jit.load
             raise UnsafeCheckpointError(
                 "refused to unpickle: a TorchScript archive, not a checkpoint"
+            )
+        f.seek(0)
+        archive = zipfile.ZipFile(f)
+        names = archive.namelist()
+        if _python_records(f, archive) != records:
+            raise UnsafeCheckpointError(
+                "refused to read: torch's zip reader and Python's list different records "
+                "(names or offsets) in this archive, so what is checked would not be what "
+                "torch loads; a crafted or damaged file"
             )
         if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
             raise CheckpointFormatError("expected one data.pkl record in the archive")
@@ -218,6 +226,27 @@ def _check_archive(f) -> None:
             raise
         raise CheckpointFormatError(str(exc) or type(exc).__name__) from None
     f.seek(0)
+
+
+def _torch_records(f) -> dict[str, int]:
+    """Record name -> data offset, as the reader ``torch.load`` itself uses lists them."""
+    reader = torch._C.PyTorchFileReader(f)
+    return {name: reader.get_record_offset(name) for name in reader.get_all_records()}
+
+
+def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
+    """Record name (below the archive's top folder) -> data offset, as Python's zipfile
+    finds them (each local header's name and extra field lengths give the data's start)."""
+    found: dict[str, int] = {}
+    for info in archive.infolist():
+        f.seek(info.header_offset + 26)
+        lengths = f.read(4)
+        if len(lengths) != 4:
+            raise CheckpointFormatError(f"record {info.filename!r}: local header cut short")
+        name_length, extra_length = struct.unpack("<HH", lengths)
+        name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
+        found[name] = info.header_offset + 30 + name_length + extra_length
+    return found
 
 
 class _Refused(Exception):
