@@ -747,3 +747,17 @@ if __name__ == "__main__" and len(sys.argv) == 6 and sys.argv[1] == "worker":
 
     _worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     exit_finished_rank()
+
+
+def test_restore_refuses_model_tensors_the_live_model_lacks(tmp_path):
+    """A DCP model state of another model (one with biases the live one lacks): refused
+    before anything is written, naming a tensor, as torch's strict load_state_dict does."""
+    import shardstream
+
+    saved = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 2))
+    _save_plain(tmp_path / "ck", {"model": saved.state_dict()})
+    live = torch.nn.Sequential(torch.nn.Linear(3, 4, bias=False), torch.nn.Linear(4, 2))
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(CheckpointFormatError, match=r"has model tensor '0\.bias'.*the model lacks"):
+        shardstream.load(tmp_path / "ck", model=live, contents=("model",))
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())

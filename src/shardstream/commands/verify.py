@@ -301,12 +301,14 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
     register_for_checkpointing objects, stateful dataloaders) record by record against their
     CRC-32s and through the restricted unpickler (which refuses code); a pickled sampler object
     and the Trainer's ``training_args.bin`` by their records only (never unpickled); a model
-    ``save_pretrained`` wrote beside them as ``_verify_hf``."""
+    ``save_pretrained`` wrote beside them as ``_verify_hf``, and the other models of a save
+    without FSDP (``model_N.safetensors``, ``pytorch_model_N.bin``) file by file."""
     from ..formats.source import (
         ACCELERATE_FULL_MODEL_FILE,
         ACCELERATE_FULL_OPTIMIZER_FILE,
         ACCELERATE_MODEL_DIR,
         ACCELERATE_OPTIMIZER_DIR,
+        ACCELERATE_PLAIN_MODEL_FILE,
         ACCELERATE_RNG_FILE,
         ACCELERATE_SAMPLER_FILE,
         ACCELERATE_SCHEDULER_FILE,
@@ -337,6 +339,11 @@ def _verify_accelerate(directory: Path, report: VerifyReport, progress=None) -> 
             _verify_full_state(entry, report, progress, world_size)
         elif entry.is_file() and ACCELERATE_FULL_OPTIMIZER_FILE.match(name):
             _verify_full_state(entry, report, progress)
+        elif entry.is_file() and ACCELERATE_PLAIN_MODEL_FILE.match(name):  # model N >= 1
+            if name.endswith(".bin"):
+                _verify_full_state(entry, report, progress, world_size=1)
+            else:
+                _verify_safetensors(entry, report, progress)
         elif any(p.match(name) for p in (*pickles, *objects)):
             report.files_checked += 1
             try:

@@ -44,7 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError
+from ..errors import CheckpointFormatError, CheckpointNotFoundError, UsageError
 from ..storage.commit import TMP_MARK
 from ..storage.run_layout import LATEST_FILE, STEP_DIR, read_latest
 from . import hf, native
@@ -84,6 +84,10 @@ ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin
 # or an index) and the optimizer's own state_dict() (integer parameter ids) in optimizer.bin
 # (the Trainer's: optimizer.pt), beside the scheduler and RNG files above.
 ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
+# Its second and later models (prepared together): model_N.safetensors / pytorch_model_N.bin.
+ACCELERATE_PLAIN_MODEL_FILE = re.compile(
+    r"^(?:model|pytorch_model)_([1-9]\d*)\.(?:safetensors|bin)$"
+)
 # PyTorch's FSDP2 example (pytorch/examples, distributed/FSDP2/checkpoint.py): rank 0 writes the
 # whole model state dict and the optimizer's (by name, or the optimizer's own state_dict()
 # with integer ids) with torch.save into checkpoints/<api>/<time>/.
@@ -208,6 +212,7 @@ class AccelerateState:
     states: dict[str, Path] = dataclasses.field(default_factory=dict)
     samplers: dict[str, Path] = dataclasses.field(default_factory=dict)
     plain: bool = False  # saved without FSDP: ``model`` is the directory, a HF model
+    plain_models: dict[int, Path] = dataclasses.field(default_factory=dict)  # N >= 1: its file
 
     @property
     def full_state(self) -> bool:
@@ -227,7 +232,7 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
     as a DCP directory and as a ``.bin`` file: two saves, and which one is meant is unknown."""
     if not directory.is_dir():
         return None
-    models, optims, schedulers, rng, states, samplers = {}, {}, {}, {}, {}, {}
+    models, optims, schedulers, rng, states, samplers, plain_models = {}, {}, {}, {}, {}, {}, {}
     full_models, full_optims = {}, {}
     for entry in directory.iterdir():
         name = entry.name
@@ -248,6 +253,8 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
             states[entry.stem] = entry
         elif ACCELERATE_SAMPLER_FILE.match(name) and entry.is_file():
             samplers[entry.stem] = entry
+        elif (m := ACCELERATE_PLAIN_MODEL_FILE.match(name)) and entry.is_file():
+            plain_models[int(m[1])] = entry
     for sharded, full in ((models, full_models), (optims, full_optims)):
         if index in sharded and index in full:
             raise CheckpointFormatError(
@@ -268,10 +275,12 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
             full_optims.get(0),
             schedulers.get(0),
             rng,
-            1,
+            1 + len(plain_models),
+            indices=(0, *sorted(plain_models)),
             plain=True,
             states=states,
             samplers=samplers,
+            plain_models=plain_models,
         )
     if 0 not in indices or index not in indices:
         return None
@@ -287,6 +296,32 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
         states,
         samplers,
     )
+
+
+def several_models(parts: AccelerateState) -> str:
+    """What an accelerate directory holding several models holds, for messages."""
+    if parts.plain:
+        files = ["the HF model", *(parts.plain_models[i].name for i in sorted(parts.plain_models))]
+        return f"holds {parts.models} models saved without FSDP ({', '.join(files)})"
+    if parts.full_state:
+        names = [f"pytorch_model_fsdp{'' if i == 0 else f'_{i}'}.bin" for i in parts.indices]
+        return f"holds {parts.models} models saved whole (FULL_STATE_DICT: {', '.join(names)})"
+    names = [f"pytorch_model_fsdp_{i}" for i in parts.indices]
+    return f"holds {parts.models} models ({', '.join(names)})"
+
+
+def one_model_hint(parts: AccelerateState) -> str:
+    """How to merge or inspect one of several models of an accelerate directory."""
+    where = parts.directory
+    if parts.plain:
+        return (
+            "pass one model: a model N's file is a whole state dict (pytorch_model_N.bin: pass "
+            f"{where}/pytorch_model_N.bin); model_N.safetensors: put it in a directory of its "
+            "own as model.safetensors, with config.json"
+        )
+    if parts.full_state:
+        return f"pass one model's file, {where}/pytorch_model_fsdp_<i>.bin"
+    return f"pass one model's directory, {where}/pytorch_model_fsdp_<i>"
 
 
 def training_state_files(directory: Path) -> list[str]:
@@ -387,10 +422,10 @@ def _open_accelerate(
     path: Path, model_only: bool, shared: bool, prefix: str | None
 ) -> CheckpointSource:
     parts = accelerate_state(path)
+    if parts.models > 1:
+        raise UsageError(f"{path}: {several_models(parts)}; {one_model_hint(parts)}")
     if parts.plain:  # without FSDP: the HF model beside the training state
         if prefix is not None:
-            from ..errors import UsageError
-
             raise UsageError(
                 f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'); "
                 "this one holds its model as a Hugging Face model, under its own names"
@@ -510,8 +545,6 @@ def open_checkpoint(
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if detect(path) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
         if prefix is not None:
-            from ..errors import UsageError
-
             raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
         from .torch_state_dict import open_torch_file
 
@@ -524,8 +557,6 @@ def open_checkpoint(
     kind = detect(path)
     opener = _READERS.get(kind)
     if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):
-        from ..errors import UsageError
-
         raise UsageError(
             f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'), not to "
             f"this one ({kind.value})"

@@ -454,19 +454,17 @@ def _accelerate_source(
     scheduler, the RNG and the ``states`` asked for (``torch.save`` files by stem: scaler,
     custom_checkpoint_N, dl_state_dict[_N], scheduler_N), all read by the restricted
     unpickler. ``index`` None: the directory itself was passed, which must hold one model."""
-    from ..formats.source import accelerate_state
+    from ..formats.source import accelerate_state, several_models
 
     parts = accelerate_state(path, index or 0)
-    if index is None and parts.models > 1 and parts.full_state:
+    if index is None and parts.models > 1 and (parts.full_state or parts.plain):
+        model = "pytorch_model_fsdp.bin"
+        if parts.plain:
+            model = "model.safetensors or pytorch_model.bin"
         raise UsageError(
-            f"{path}: holds {parts.models} models saved whole (FULL_STATE_DICT: "
-            + ", ".join(
-                "pytorch_model_fsdp.bin" if i == 0 else f"pytorch_model_fsdp_{i}.bin"
-                for i in parts.indices
-            )
-            + "); restoring one of several models saved whole is not supported: put the "
-            "files of the one meant in a directory of their own as model 0's "
-            "(pytorch_model_fsdp.bin, optimizer.bin, scheduler.bin) with the RNG files"
+            f"{path}: {several_models(parts)}; restoring one of several models saved whole "
+            "is not supported: put the files of the one meant in a directory of their own as "
+            f"model 0's ({model}, optimizer.bin, scheduler.bin) with the RNG files"
         )
     if index is None and parts.models > 1:
         raise UsageError(
@@ -610,7 +608,8 @@ def _plain_state_source(
             len(unused),
             ", ".join(repr(n) for n in unused[:3]) + (", ..." if len(unused) > 3 else ""),
         )
-    tensors = {native.MODEL_PREFIX + t.name: t for t in model_tensors}
+    left = set(unused)  # not read, said above: not the restore's to refuse
+    tensors = {native.MODEL_PREFIX + t.name: t for t in model_tensors if t.name not in left}
     saved, objects = {"model"}, {}
     pickled = list(ckpt.files) if isinstance(ckpt, TorchStateDict) else []
     if optimizer_file is not None:
@@ -818,6 +817,14 @@ def _accelerate_rng(state: Any) -> dict:
     return out
 
 
+def _shown(name: str) -> str:
+    """A restore's internal tensor name as a message shows it: the part and its own name."""
+    for prefix, part in ((native.MODEL_PREFIX, "model"), (native.OPTIMIZER_PREFIX, "optimizer")):
+        if name.startswith(prefix):
+            return f"{part} tensor {name[len(prefix) :]!r}"
+    return f"tensor {name!r}"
+
+
 def _checked_targets(
     path: Path,
     source: _Source,
@@ -840,15 +847,15 @@ def _checked_targets(
     missing = [k for k in targets if k not in available]
     if missing:
         raise CheckpointFormatError(
-            f"{path}: checkpoint has no tensor {missing[0]!r} ({len(missing)} missing); "
+            f"{path}: checkpoint has no {_shown(missing[0])} ({len(missing)} missing); "
             "was it saved from a different model?"
         )
-    everything = source.all_names or ()
+    everything = source.all_names if source.all_names is not None else available
     saved_names = sorted(k for k in everything if k.startswith(native.MODEL_PREFIX))
     unexpected = [k for k in saved_names if k not in model_tensors] if model_tensors else []
     if unexpected:
         raise CheckpointFormatError(
-            f"{path}: checkpoint has tensor {unexpected[0]!r}, which the model lacks "
+            f"{path}: checkpoint has {_shown(unexpected[0])}, which the model lacks "
             f"({len(unexpected)} such); was it saved from a different model?"
         )
     if live_kinds is not None:  # every format: the names saved, else those the source holds
