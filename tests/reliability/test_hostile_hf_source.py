@@ -744,6 +744,25 @@ def test_a_huggingface_hub_cache_snapshot_merges(tmp_path):
     assert all(torch.equal(merged[k], want[k].to(merged[k].dtype)) for k in want)
 
 
+@pytest.mark.parametrize("target", ["blobs", "repo"])
+def test_a_target_holding_what_the_snapshot_links_to_is_refused(tmp_path, capsys, target):
+    """--target_dir the cache's blobs/ (or the repository above it) with --overwrite: the
+    swap would delete the files the snapshot's links lead to, the model itself."""
+    repo = tmp_path / "hub" / "models--org--tiny"
+    plain = _sharded(tmp_path / "plain")
+    (plain / "config.json").write_text(json.dumps(CONFIG))
+    snapshot = repo / "snapshots" / "0123abc"
+    (repo / "blobs").mkdir(parents=True)
+    snapshot.mkdir(parents=True)
+    for i, file in enumerate(sorted(plain.iterdir())):
+        blob = repo / "blobs" / f"{i:040x}"
+        file.rename(blob)
+        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    where = repo / "blobs" if target == "blobs" else repo
+    needle = "links to: replacing the target would delete" if target == "blobs" else "contains"
+    _refused(capsys, snapshot, tmp_path, needle, extra=("--overwrite",), target=where)
+
+
 def _not_json(path: Path) -> None:
     path.write_text("{not json")
 

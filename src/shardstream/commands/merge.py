@@ -139,7 +139,7 @@ def merge(
     if buffer_bytes < 1 << 16:
         raise UsageError("--buffer-size must be at least 64KiB")
     target = Path(target_dir)
-    from ..storage.commit import check_target, check_target_apart
+    from ..storage.commit import check_links_apart, check_target, check_target_apart
 
     checkpoint = open_checkpoint(local_dir, model_only=True, shared=distributed, prefix=prefix)
     config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
@@ -151,6 +151,7 @@ def merge(
     elif config_dir is not None:
         inputs["the checkpoint's config directory"] = config_dir
     check_target_apart(target, inputs)
+    check_links_apart(target, [*checkpoint.files, *_entries(*inputs.values())])
     from ..formats.native import NativeCheckpoint
 
     real = Path(os.path.realpath(local_dir))
@@ -339,3 +340,14 @@ def check_replicas(checkpoint, streamer: Streamer) -> None:
                     f"{block.location}: replica of tensor {name!r} differs from "
                     f"{tensor.blocks[0].location}; the ranks disagree"
                 )
+
+
+def _entries(*directories: str | os.PathLike) -> list[str]:
+    """What ``directories`` hold, one level down (an unlistable one: nothing)."""
+    found: list[str] = []
+    for directory in directories:
+        try:
+            found += [entry.path for entry in os.scandir(directory)]
+        except OSError:
+            continue
+    return found

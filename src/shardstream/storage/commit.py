@@ -28,7 +28,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 from ..errors import ShardstreamError, TargetExistsError, UsageError, out_of_space
@@ -125,6 +125,22 @@ def check_target_apart(target: Path, inputs: Mapping[str, str | os.PathLike]) ->
             raise UsageError(
                 f"target {target} {relation} {what} {path}, which replacing the target would "
                 "delete; choose a target outside it"
+            )
+
+
+def check_links_apart(target: Path, paths: Iterable[str | os.PathLike]) -> None:
+    """Refuse a target that is, or contains, where any of ``paths`` (the files a command
+    reads, and what its directories hold) leads through a symbolic link: a Hugging Face
+    cache snapshot's files link into its ``blobs/``, which replacing the target would delete."""
+    real_target = Path(os.path.realpath(target))
+    for path in paths:
+        if not os.path.islink(path):
+            continue
+        real = Path(os.path.realpath(path))
+        if real == real_target or real_target in real.parents:
+            raise UsageError(
+                f"target {target} holds {real}, which {path} links to: replacing the target "
+                "would delete what the command reads; choose a target outside it"
             )
 
 
