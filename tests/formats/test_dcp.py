@@ -605,6 +605,10 @@ WRONG_FIELDS = {
         lambda meta: _set(meta.state_dict_metadata["w"], "size", 5),
         "'w' shape is 5",
     ),
+    "tensor size beyond torch's": (
+        lambda meta: _set(meta.state_dict_metadata["w"], "size", (0, 2**64)),
+        "'w' has an invalid shape [0, 18446744073709551616]",
+    ),
     "tensor dtype a long string": (
         lambda meta: _set(meta.state_dict_metadata["w"].properties, "dtype", "x" * 10_000),
         "unsupported dtype",

@@ -221,6 +221,13 @@ HOSTILE_FILES: dict[str, Callable[[], bytes]] = {
         b"\0" * 8,
     ),
     "negative shape": lambda: _file(_header_bytes({"a": {**F32, "shape": [-2]}}), b"\0" * 8),
+    # no bytes, but a dimension no torch size holds: written out, no reader could load it
+    "empty with a dimension of 2**63": lambda: _file(
+        _header_bytes({"a": {"dtype": "F32", "shape": [0, 2**63], "data_offsets": [0, 0]}}), b""
+    ),
+    "empty with a dimension of 2**64": lambda: _file(
+        _header_bytes({"a": {"dtype": "F32", "shape": [0, 2**64], "data_offsets": [0, 0]}}), b""
+    ),
     "duplicate tensor names": lambda: _file(
         _header_bytes(
             b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'

@@ -58,6 +58,7 @@ from .dcp_pickles import (
 )
 from .native import is_safe_name
 from .regular_file import check_inside, present
+from .safetensors import MAX_DIMENSION
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
 
@@ -673,8 +674,11 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
     if isinstance(shape, list):
         shape = tuple(shape)
     shape = ints(shape, f"{meta_path}: tensor {key!r} shape")
-    if any(n < 0 for n in shape) or not isinstance(md.chunks, list):
-        raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has an invalid shape or chunks")
+    if any(not 0 <= n <= MAX_DIMENSION for n in shape) or not isinstance(md.chunks, list):
+        raise CheckpointFormatError(
+            f"{meta_path}: tensor {key!r} has an invalid shape {short_repr(list(shape))} or "
+            f"chunks (each dimension from 0 to {MAX_DIMENSION}, torch's largest)"
+        )
     blocks = []
     for chunk in md.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):

@@ -55,6 +55,9 @@ class SafetensorsHeader:
         return self.data_start + self.tensors[name].begin
 
 
+MAX_DIMENSION = 2**63 - 1  # torch's sizes are int64; safetensors' readers refuse more too
+
+
 def tensor_nbytes(dtype: str, shape: Iterable[int]) -> int:
     return math.prod(shape) * ITEMSIZE[dtype]
 
@@ -84,6 +87,11 @@ def layout_entries(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[
         if name == METADATA_KEY:
             raise CheckpointFormatError(f"tensor name {name!r} is the safetensors metadata key")
         seen.add(name)
+        if any(not 0 <= d <= MAX_DIMENSION for d in shape):  # no reader could load it
+            raise CheckpointFormatError(
+                f"tensor {name!r}: shape {str(list(shape))[:200]} has a dimension beyond "
+                f"{MAX_DIMENSION}, torch's largest"
+            )
         nbytes = tensor_nbytes(dtype, shape)
         entries.append(TensorEntry(name, dtype, tuple(shape), offset, offset + nbytes))
         offset += nbytes
@@ -205,9 +213,12 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise CheckpointFormatError(f"{path}: tensor {name!r} has unknown dtype {dtype!r}")
     if not isinstance(shape, list) or not all(
-        isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in shape
+        isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIMENSION for d in shape
     ):
-        raise CheckpointFormatError(f"{path}: tensor {name!r} has invalid shape {shape!r}")
+        raise CheckpointFormatError(
+            f"{path}: tensor {name!r} has invalid shape {str(shape)[:200]} (each dimension "
+            f"an integer from 0 to {MAX_DIMENSION}, torch's largest)"
+        )
     if (
         not isinstance(offsets, list)
         or len(offsets) != 2
