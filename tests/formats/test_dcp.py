@@ -765,3 +765,15 @@ def test_restore_refuses_model_tensors_the_live_model_lacks(tmp_path):
     with pytest.raises(CheckpointFormatError, match=r"has model tensor '0\.bias'.*the model lacks"):
         shardstream.load(tmp_path / "ck", model=live, contents=("model",))
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+
+
+def test_metadata_over_the_size_limit_is_refused_unread(tmp_path):
+    """A .metadata claiming more than MAX_METADATA_BYTES (a sparse file here) is refused in
+    one line before any of it is read, not a MemoryError."""
+    from shardstream.formats.dcp_pickles import MAX_METADATA_BYTES
+
+    ckpt = tmp_path / "ck"
+    _save_plain(ckpt, {"w": torch.ones(2)})
+    with open(ckpt / ".metadata", "r+b") as f:
+        f.truncate(MAX_METADATA_BYTES + 1)
+    _refused_in_one_line(ckpt, tmp_path, f"over the {MAX_METADATA_BYTES} bytes")

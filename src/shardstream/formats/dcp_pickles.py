@@ -600,14 +600,33 @@ def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
         ) from None
 
 
+# DCP's .metadata lists every chunk of every tensor, some 150 bytes each: a 70B model's train
+# state (~2,200 tensors) saved by 1,024 ranks holds ~2.3M chunks, ~0.35 GB. Held whole, as
+# torch holds it; a larger claim is refused rather than read.
+MAX_METADATA_BYTES = 4 << 30
+
+
 def load_metadata(path: str | os.PathLike) -> Metadata:
-    """Unpickle DCP's ``.metadata`` with the restricted unpickler."""
+    """Unpickle DCP's ``.metadata`` with the restricted unpickler (at most
+    ``MAX_METADATA_BYTES`` of it: the unpickled object is held whole)."""
     path = str(path)
     try:
         with open(path, "rb") as f:
-            data = f.read()
+            size = os.fstat(f.fileno()).st_size
+            if size > MAX_METADATA_BYTES:
+                raise UnsafeCheckpointError(
+                    f"{path}: {size} bytes, over the {MAX_METADATA_BYTES} bytes a DCP .metadata "
+                    "is read up to (one chunk entry takes about 150 bytes)"
+                )
+            data = f.read(MAX_METADATA_BYTES + 1)
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file") from None
+    except MemoryError:
+        raise CheckpointFormatError(
+            f"{path}: too large to hold in memory ({size} bytes of DCP metadata)"
+        ) from None
+    if len(data) > MAX_METADATA_BYTES:  # grew while read
+        raise UnsafeCheckpointError(f"{path}: over {MAX_METADATA_BYTES} bytes")
     meta = _safe_loads(_MetadataUnpickler, data, path, "the DCP metadata")
     if not isinstance(meta, Metadata):
         raise CheckpointFormatError(
