@@ -113,6 +113,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "dcp_hf")
         _verify_dcp_hf(root, report, progress)
         return report
+    if kind is Kind.NONE and (unread := _unread_local_state(root)) is not None:
+        report = VerifyReport(str(root), "accelerate (LOCAL_STATE_DICT)")
+        report.problems.append(unread)
+        return report
     if kind is not Kind.RUN and (found := _checkpoints_in(root)):
         # checkpoints of other tools side by side: the Trainer's output_dir (checkpoint-N)
         from ..formats.dcp import step_of_name
@@ -167,6 +171,18 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _unread_local_state(directory: Path) -> Problem | None:
+    """accelerate's FSDP1 LOCAL_STATE_DICT model files, which nothing here reads: a problem
+    (not checked is not OK), else None."""
+    from ..formats.source import refuse_local_state_dict
+
+    try:
+        refuse_local_state_dict(directory)
+    except ShardstreamError as exc:
+        return _problem_in(directory, exc)
+    return None
 
 
 def _checkpoints_in(directory: Path) -> list[Path]:

@@ -84,6 +84,8 @@ ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin
 # or an index) and the optimizer's own state_dict() (integer parameter ids) in optimizer.bin
 # (the Trainer's: optimizer.pt), beside the scheduler and RNG files above.
 ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
+# accelerate's FSDP1 LOCAL_STATE_DICT: each rank's flat-parameter shard, torch.save'd (not read).
+ACCELERATE_LOCAL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank\d+\.bin$")
 # Its second and later models (prepared together): model_N.safetensors / pytorch_model_N.bin.
 ACCELERATE_PLAIN_MODEL_FILE = re.compile(
     r"^(?:model|pytorch_model)_([1-9]\d*)\.(?:safetensors|bin)$"
@@ -296,6 +298,25 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
         states,
         samplers,
     )
+
+
+def refuse_local_state_dict(directory: Path) -> None:
+    """``CheckpointFormatError`` when ``directory`` holds accelerate's FSDP1 LOCAL_STATE_DICT
+    model files, which no reader here reads (each rank's flat-parameter shard, whose layout
+    only the saving run's FSDP1 wrapping knows)."""
+    try:
+        found = sorted(
+            e.name for e in os.scandir(directory) if ACCELERATE_LOCAL_MODEL_FILE.match(e.name)
+        )
+    except OSError:
+        return
+    if found:
+        raise CheckpointFormatError(
+            f"{directory}: holds accelerate's FSDP1 LOCAL_STATE_DICT model files "
+            f"({', '.join(found[:3])}{', ...' if len(found) > 3 else ''}): each rank's "
+            "flat-parameter shard, which shardstream does not read; save with "
+            "fsdp_state_dict_type SHARDED_STATE_DICT (or FULL_STATE_DICT) instead"
+        )
 
 
 def several_models(parts: AccelerateState) -> str:
@@ -569,6 +590,7 @@ def open_checkpoint(
                 "merge or compare"
             )
         return source
+    refuse_local_state_dict(path)
     hint = checkpoints_below(path)
     if hint:
         raise CheckpointNotFoundError(

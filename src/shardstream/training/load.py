@@ -238,8 +238,9 @@ def _open_source(
         source.step = _step_of(path)
         return source
     if kind is not Kind.VERL:
-        from ..formats.source import training_state_files
+        from ..formats.source import refuse_local_state_dict, training_state_files
 
+        refuse_local_state_dict(path)
         if state_files := training_state_files(path):
             raise CheckpointFormatError(
                 f"{path}: holds a run's training state ({', '.join(state_files[:3])}) but no "

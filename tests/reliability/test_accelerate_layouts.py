@@ -1,7 +1,9 @@
-"""accelerate's ``save_state`` without FSDP of two models prepared together (model 0 as
-save_pretrained writes it, model 1 as ``model_1.safetensors`` or ``pytorch_model_1.bin``):
-merge and inspect name both and ask for one, restore refuses before touching the model,
-verify checks model 1's file too."""
+"""accelerate layouts no reader takes whole, said plainly. ``save_state`` without FSDP of two
+models prepared together (model 0 as save_pretrained writes it, model 1 as
+``model_1.safetensors`` or ``pytorch_model_1.bin``): merge and inspect name both and ask for
+one, restore refuses before touching the model, verify checks model 1's file too. FSDP1's
+LOCAL_STATE_DICT (``pytorch_model_fsdp_rankR.bin``): refused by name everywhere, and verify
+does not call it OK."""
 
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ import torch
 
 import shardstream
 from shardstream.commands.verify import verify
-from shardstream.errors import UsageError
+from shardstream.errors import ShardstreamError, UsageError
 from shardstream.formats.torch_pt import zip_records
 
 from .test_hostile_hf_source import _refused
@@ -77,3 +79,25 @@ def test_verify_checks_the_second_model(saved, tmp_path):
     report = verify(source)
     assert not report.ok
     assert any("pytorch_model_1.bin" in p.line() for p in report.problems), report.problems
+
+
+def test_local_state_dict_is_named_not_mistaken_for_its_optimizer(tmp_path, capsys):
+    """Beside its rank files, the directory's optimizer_0/ is a DCP checkpoint: merge pointed
+    there and verify checked it alone and said OK."""
+    import torch.distributed.checkpoint as dcp
+
+    source = tmp_path / "state"
+    source.mkdir()
+    for rank in (0, 1):
+        torch.save({"flat": torch.zeros(8)}, source / f"pytorch_model_fsdp_rank{rank}.bin")
+        torch.save({"torch": torch.get_rng_state()}, source / f"random_states_{rank}.pkl")
+    dcp.save({"optimizer": {"state": {"w": torch.ones(2)}}}, checkpoint_id=source / "optimizer_0",
+             no_dist=True)  # fmt: skip
+    for command in ("merge", "inspect"):
+        _refused(capsys, source, tmp_path, "LOCAL_STATE_DICT", "pytorch_model_fsdp_rank0.bin",
+                 command=command)  # fmt: skip
+    report = verify(source)
+    assert not report.ok and "LOCAL_STATE_DICT" in report.problems[0].line()
+    model = torch.nn.Linear(2, 2)
+    with pytest.raises(ShardstreamError, match="LOCAL_STATE_DICT"):
+        shardstream.load(source, model=model, contents=("model",))
