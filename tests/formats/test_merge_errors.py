@@ -338,6 +338,12 @@ def test_plain_replicas_that_differ(capsys, tmp_path, out):
     b["a.weight"][1, 2] = 7.0
     ckpt = plain_checkpoint(tmp_path / "plain", [a, b])
     merge_fails(capsys, ckpt, out, RANK1, "replica of tensor 'a.weight' differs", RANK0)
+    from shardstream.commands.verify import verify
+
+    report = verify(ckpt)  # every record sound, but not a checkpoint merge takes: not OK
+    assert not report.ok
+    (problem,) = report.problems
+    assert problem.path == str(ckpt / RANK1) and "'a.weight' differs" in problem.line()
 
 
 def test_plain_replicas_with_different_shapes(capsys, tmp_path, out):

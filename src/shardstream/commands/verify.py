@@ -227,6 +227,24 @@ def _verify_role(directory: Path, report: VerifyReport, progress) -> None:
         _verify_verl(directory, report, progress)
 
 
+def _verl_replicas_agree(checkpoint, report: VerifyReport) -> None:
+    """Plain tensors every rank stored must hold the same bytes, as merge requires: digests
+    compared a buffer at a time, as merge compares them."""
+    from ..engine.copy import Buffers, Streamer
+    from ..engine.endpoints import OpenEndpoints
+    from ..units import DEFAULT_BUFFER_BYTES
+    from .merge import check_replicas
+
+    endpoints = OpenEndpoints(checkpoint.endpoint)
+    try:
+        check_replicas(checkpoint, Streamer(endpoints, Buffers.sized(DEFAULT_BUFFER_BYTES)))
+    except ShardstreamError as exc:
+        head, _, rest = str(exc).partition(": ")
+        report.problems.append(Problem(head, rest))
+    finally:
+        endpoints.close()
+
+
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
@@ -256,6 +274,8 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(_problem_in(directory, exc))
     for file, record in bad:
         report.problems.append(_crc_mismatch(file, record, named))
+    if named and not bad and checkpoint.replicas:  # sound records: do the ranks agree?
+        _verl_replicas_agree(checkpoint, report)
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
