@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
         default="tmp",
         help="output HF model directory (default: tmp, as verl's merger)",
     )
-    _flag(merge, "--dtype", default=None, help="bfloat16, float16 or float32 (default: config)")
+    _flag(merge, "--dtype", default=None, help="a floating dtype, bfloat16... (default: config)")
     _flag(
         merge,
         "--max-shard-size",

@@ -336,7 +336,7 @@ def test_merge_dtype_that_is_not_floating(tmp_path, capsys, dtype):
     code, lines = _cli(capsys, *argv)
     assert code == 2 and lines == [
         f"shardstream merge: error: --dtype {dtype}: expected a floating dtype "
-        "(bfloat16, float16, float32)"
+        "(bfloat16, float16, float32, float64)"
     ]
     assert not (tmp_path / "merged").exists() and _snapshot(source) == before
 

@@ -135,7 +135,9 @@ def compare_with_reference(
         raise UsageError(f"tolerances must be non-negative numbers (atol={atol}, rtol={rtol})")
     wanted_dtype = parse_dtype(dtype) if dtype else None
     if wanted_dtype is not None and not is_floating(wanted_dtype):
-        raise UsageError(f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32)")
+        raise UsageError(
+            f"--dtype {dtype}: expected a floating dtype (bfloat16, float16, float32, float64)"
+        )
 
     ref_dir = Path(test_hf_dir)
     adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run

@@ -85,7 +85,9 @@ def code_of(dtype: torch.dtype) -> str:
     try:
         return (globals().get("CODE_BY_TORCH") or __getattr__("CODE_BY_TORCH"))[dtype]
     except KeyError:
-        raise CheckpointFormatError(f"unsupported tensor dtype {dtype}") from None
+        raise CheckpointFormatError(
+            f"unsupported tensor dtype {dtype} (safetensors holds no such type)"
+        ) from None
 
 
 def itemsize(code: str) -> int:
@@ -109,5 +111,5 @@ def parse_dtype(name: str) -> str:
     try:
         return _ALIASES[key.lower()]
     except KeyError:
-        choices = "bfloat16, float16, float32"
+        choices = "bfloat16, float16, float32, float64"
         raise UsageError(f"unknown dtype {name!r}: expected one of {choices}") from None

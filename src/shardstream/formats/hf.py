@@ -224,7 +224,8 @@ def output_dtype(
         code = parse_dtype(requested)
         if not is_floating(code):
             raise UsageError(
-                f"--dtype {requested}: expected a floating dtype (bfloat16, float16, float32)"
+                f"--dtype {requested}: expected a floating dtype "
+                "(bfloat16, float16, float32, float64)"
             )
         return code
     named = config.get("dtype") or config.get("torch_dtype")
@@ -237,7 +238,7 @@ def output_dtype(
             where = config_dir / "config.json" if config_dir is not None else "config.json"
             raise CheckpointFormatError(
                 f"{where}: dtype {named!r} is not a floating dtype to write the weights in "
-                "(bfloat16, float16, float32); pass --dtype"
+                "(bfloat16, float16, float32, float64); pass --dtype"
             )
         return code
     return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None

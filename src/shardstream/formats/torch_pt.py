@@ -751,7 +751,10 @@ def local_layout(
     base = getattr(storage, "_checkpoint_offset", None)
     if base is None:
         raise CheckpointFormatError(f"{path}: tensor {name!r} has no storage offset")
-    dtype = code_of(tensor.dtype)
+    try:
+        dtype = code_of(tensor.dtype)
+    except CheckpointFormatError as exc:
+        raise CheckpointFormatError(f"{path}: tensor {name!r}: {exc}") from None
     isz = tensor.element_size()
     shape, strides = tuple(tensor.shape), tuple(tensor.stride())
     record_size = records.get(base)
