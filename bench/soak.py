@@ -79,6 +79,8 @@ SECTIONS = [
             "test_hostile_restore",
             "test_hostile_optimizer_state",
             "test_hostile_plain_restore",
+            "test_hostile_zip_views",
+            "test_accelerate_layouts",
         ),
         ("hostile",),
     ),  # fmt: skip

@@ -355,8 +355,8 @@ def test_fp32_checkpoint_into_a_bf16_model_is_cast(saved, untouched):
     ("spec", "needles"),
     [
         ({"widths": (8, 14, 11, 5)}, ("model.0.weight", "[13, 8]", "[14, 8]")),
-        ({"widths": (8, 13, 11, 5, 5)}, ("model.6.weight",)),
-        ({"widths": (8, 13, 11)}, ("model.4.",)),
+        ({"widths": (8, 13, 11, 5, 5)}, ("model tensor '6.weight'",)),
+        ({"widths": (8, 13, 11)}, ("model tensor '4.",)),
         ({"widths": (9, 13, 11, 5)}, ("model.0.weight",)),
     ],
     ids=["wider-layer", "added-layer", "removed-layer", "wider-input"],
@@ -561,7 +561,7 @@ def test_resealed_manifest_that_lies_is_refused(saved, tmp_path, edit):
         needles = ("model.2.weight",)
     else:
         del doc["tensors"]["model.2.weight"]
-        needles = ("model.2.weight",)
+        needles = ("model tensor '2.weight'",)
     native.write_manifest(step, doc)
     tree = _tree(root)
     assert_refused_everywhere(_restore(root, {"pre_steps": 1}), *needles)
@@ -677,8 +677,8 @@ def test_bad_resume_settings_are_refused_at_once(tmp_path, values, needle):
     ("odd", "needles"),
     [
         ({"widths": (8, 14, 11, 5)}, ("model.0.weight",)),
-        ({"widths": (8, 13, 11, 5, 5)}, ("model.6.weight",)),
-        ({"widths": (8, 13, 11)}, ("model.4.",)),
+        ({"widths": (8, 13, 11, 5, 5)}, ("model tensor '6.weight'",)),
+        ({"widths": (8, 13, 11)}, ("model tensor '4.",)),
         ({"optim": "sgdm"}, ("momentum_buffer",)),
         ({"optim": "adamw2g"}, ("param_groups",)),
     ],

@@ -618,7 +618,7 @@ def load_metadata(path: str | os.PathLike) -> Metadata:
                     f"{path}: {size} bytes, over the {MAX_METADATA_BYTES} bytes a DCP .metadata "
                     "is read up to (one chunk entry takes about 150 bytes)"
                 )
-            data = f.read(MAX_METADATA_BYTES + 1)
+            data = f.read(size + 1)  # not the limit: read(n) allocates n bytes first
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file") from None
     except MemoryError:

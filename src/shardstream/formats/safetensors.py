@@ -216,7 +216,7 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
         isinstance(d, int) and not isinstance(d, bool) and 0 <= d <= MAX_DIMENSION for d in shape
     ):
         raise CheckpointFormatError(
-            f"{path}: tensor {name!r} has invalid shape {str(shape)[:200]} (each dimension "
+            f"{path}: tensor {name!r} has invalid shape {repr(shape)[:200]} (each dimension "
             f"an integer from 0 to {MAX_DIMENSION}, torch's largest)"
         )
     if (

@@ -238,7 +238,11 @@ def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
     """Record name (below the archive's top folder) -> data offset, as Python's zipfile
     finds them (each local header's name and extra field lengths give the data's start)."""
     found: dict[str, int] = {}
-    for info in archive.infolist():
+    infos = archive.infolist()
+    twice = [n for n, c in collections.Counter(i.filename for i in infos).items() if c > 1]
+    if twice:
+        raise CheckpointFormatError(f"the zip archive holds record {twice[0]!r} twice")
+    for info in infos:
         f.seek(info.header_offset + 26)
         lengths = f.read(4)
         if len(lengths) != 4:
