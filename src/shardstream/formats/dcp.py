@@ -816,11 +816,13 @@ def open_dcp_train_state(
                     tensors.append(
                         _global_tensor(directory, meta_path, key, flat, md, by_chunk, sizes, fds)
                     )
-                elif path[0] != "optimizer":
-                    small[flat] = _global_tensor(
-                        directory, meta_path, key, flat, md, by_chunk, sizes, fds
-                    )
-                    # a Stateful's tensors (a TrainState's step, a counter) are its values
+                else:
+                    if path[0] != "optimizer":
+                        small[flat] = _global_tensor(
+                            directory, meta_path, key, flat, md, by_chunk, sizes, fds
+                        )
+                    # a Stateful's tensors (a TrainState's step, a counter) are its values, and
+                    # so are a param group's (a tensor learning rate)
                     value = _read_small_tensor(directory, meta_path, key, md, by_chunk,
                                                sizes, fds)  # fmt: skip
                     _place(objects, path, value, meta_path, key)

@@ -137,7 +137,49 @@ def open_torch_optimizer(
         return out
 
     layout = read_rank_layouts([str(file)], _part_of(part, flatten), keep_scalars=True)
-    return layout.tensors, layout.scalars, groups
+    return layout.tensors, layout.scalars, _group_values_read(file, groups)
+
+
+def _group_values_read(file: Path, groups: list[dict]) -> list[dict]:
+    """Param groups whose tensor values (a tensor learning rate), loaded for their layout on
+    the meta device, are read from ``file``: small, each at most ``MAX_INLINE_BYTES``."""
+    import torch
+
+    from ..training.state import MAX_INLINE_BYTES
+    from .torch_pt import local_layout, storage_records
+
+    if not any(isinstance(v, torch.Tensor) for g in groups for v in g.values()):
+        return groups
+    path, records, out = str(file), storage_records(str(file)), []
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        for i, group in enumerate(groups):
+            group = dict(group)
+            for key, value in group.items():
+                if not isinstance(value, torch.Tensor):
+                    continue
+                name = f"param_groups[{i}][{key!r}]"
+                local = local_layout(path, name, value, size, records)
+                span = (
+                    sum((n - 1) * s for n, s in zip(local.shape, local.strides)) + 1
+                    if value.numel()
+                    else 0
+                ) * value.element_size()
+                if span > MAX_INLINE_BYTES:
+                    raise CheckpointFormatError(
+                        f"{path}: {name} is a tensor of {value.numel()} elements; a param "
+                        f"group's values are settings (at most {MAX_INLINE_BYTES} bytes)"
+                    )
+                f.seek(local.offset)
+                data = bytearray(f.read(span))
+                flat = torch.frombuffer(data, dtype=value.dtype) if span else None
+                group[key] = (
+                    torch.as_strided(flat, local.shape, local.strides).clone()
+                    if flat is not None
+                    else torch.empty(local.shape, dtype=value.dtype)
+                )
+            out.append(group)
+    return out
 
 
 def _part_of(part: str | None, read: Callable[[object, str], dict]) -> Callable:

@@ -173,7 +173,7 @@ def _open_source(
             dict(ckpt.all_tensors),
             ckpt.endpoint if verify else FileEndpoint,
             set(manifest.get("contents", ())),
-            {k: st.decode(v, {}) for k, v in manifest.get("objects", {}).items()},
+            _decoded_objects(path, manifest.get("objects", {})),
             int(manifest.get("step", 0)),
             lambda rank: _read_extra(ckpt, rank),
             all_names=frozenset(manifest.get("tensors", ())),
@@ -342,6 +342,23 @@ def _open_source(
         run_step or 0,
         lambda rank: _verl_extra(verl.read_extra_state(path, world, rank, verify)),
     )
+
+
+def _decoded_objects(path: Path, objects: Any) -> dict[str, Any]:
+    """A native manifest's ``objects`` (optimizer param groups, scheduler state) decoded;
+    an entry ``state.encode`` could not have written is a ``CheckpointFormatError``."""
+    if not isinstance(objects, dict):
+        raise CheckpointFormatError(f"{path / native.MANIFEST}: 'objects' is not an object")
+    out = {}
+    for name, value in objects.items():
+        try:
+            out[name] = st.decode(value, {})
+        except (KeyError, ValueError, TypeError, AttributeError) as exc:
+            raise CheckpointFormatError(
+                f"{path / native.MANIFEST}: objects entry {name!r} is malformed "
+                f"({type(exc).__name__}: {str(exc)[:200]})"
+            ) from None
+    return out
 
 
 def _dcp_source(
@@ -819,10 +836,10 @@ def _accelerate_rng(state: Any) -> dict:
 
 
 def _shown(name: str) -> str:
-    """A restore's internal tensor name as a message shows it: the part and its own name."""
-    for prefix, part in ((native.MODEL_PREFIX, "model"), (native.OPTIMIZER_PREFIX, "optimizer")):
-        if name.startswith(prefix):
-            return f"{part} tensor {name[len(prefix) :]!r}"
+    """A restore's internal tensor name as a message shows it: a model tensor by its own
+    name, an optimizer's as ``optimizer.state.<fqn>.<kind>``."""
+    if name.startswith(native.MODEL_PREFIX):
+        return f"model tensor {name[len(native.MODEL_PREFIX) :]!r}"
     return f"tensor {name!r}"
 
 

@@ -179,9 +179,9 @@ def prepare_save(
         if coll.rank() == 0:
             placements.update({k: _placement(v) for k, v in optim_tensors.items()})
             mesh = mesh or st.mesh_of(optim_tensors)
-        objects["optimizer"] = st.encode(optim_objects, {})
+        objects["optimizer"] = st.encode(optim_objects, None)
         if lr_scheduler is not None:
-            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), {})
+            objects["lr_scheduler"] = st.encode(lr_scheduler.state_dict(), None)
     return PreparedSave(
         target=Path(path).absolute(),
         step=step,

@@ -33,6 +33,10 @@ _OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False)
 _LOAD_OPTIONS = StateDictOptions(full_state_dict=False, cpu_offload=False, strict=False)
 STATE = "state."
 TENSOR_TAG, TUPLE_TAG, FLOAT_TAG = "__tensor__", "__tuple__", "__float__"
+# A small tensor written into the JSON itself (a tensor learning rate in a param group, a
+# scheduler's tensors): dtype code, shape and its bytes in hex, bit for bit.
+INLINE_TAG = "__inline_tensor__"
+MAX_INLINE_BYTES = 1 << 16
 
 
 def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -292,8 +296,11 @@ def _prefixes(name: str):
 # --- JSON with tagged tensors and tuples --------------------------------------------------------
 
 
-def encode(value: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
-    """JSON-able form of ``value``; tensors are moved into ``tensors`` under their path."""
+def encode(value: Any, tensors: dict[str, torch.Tensor] | None, path: str = "") -> Any:
+    """JSON-able form of ``value``; tensors are moved into ``tensors`` under their path, or
+    with ``tensors`` None written inline (up to ``MAX_INLINE_BYTES`` each)."""
+    if isinstance(value, torch.Tensor) and tensors is None:
+        return _inline(value, path)
     if isinstance(value, torch.Tensor):
         key = path or "value"
         tensors[key] = value.detach().cpu().contiguous()
@@ -327,11 +334,51 @@ def encode(value: Any, tensors: dict[str, torch.Tensor], path: str = "") -> Any:
     )
 
 
+def _inline(tensor: torch.Tensor, path: str) -> dict:
+    from ..engine.dtypes import code_of
+
+    local = tensor.detach()
+    if type(local) is not torch.Tensor:  # a DTensor: its whole value (a replicated scalar)
+        local = local.full_tensor()
+    local = local.cpu().contiguous()
+    if local.numel() * local.element_size() > MAX_INLINE_BYTES:
+        raise UsageError(
+            f"{path or '<root>'}: a tensor of {local.numel()} elements among the optimizer's or "
+            f"scheduler's settings; at most {MAX_INLINE_BYTES} bytes are kept there"
+        )
+    data = local.reshape(-1).view(torch.uint8).numpy().tobytes() if local.numel() else b""
+    return {INLINE_TAG: {"dtype": code_of(local.dtype), "shape": list(local.shape),
+                         "hex": data.hex()}}  # fmt: skip
+
+
+def _from_inline(spec: Any) -> torch.Tensor:
+    from ..engine.dtypes import TORCH_BY_CODE, itemsize
+
+    if not isinstance(spec, dict) or set(spec) != {"dtype", "shape", "hex"}:
+        raise ValueError(f"{INLINE_TAG} is {str(spec)[:100]}, not dtype, shape and hex")
+    dtype, shape, hexed = spec["dtype"], spec["shape"], spec["hex"]
+    if dtype not in TORCH_BY_CODE or not isinstance(shape, list) or not isinstance(hexed, str):
+        raise ValueError(f"{INLINE_TAG}: bad dtype, shape or data")
+    if not all(type(n) is int and 0 <= n for n in shape) or len(hexed) > 2 * MAX_INLINE_BYTES:
+        raise ValueError(f"{INLINE_TAG}: bad shape or too much data")
+    data = bytes.fromhex(hexed)
+    if len(data) != math.prod(shape) * itemsize(dtype):
+        raise ValueError(f"{INLINE_TAG}: {len(data)} bytes for shape {shape} of {dtype}")
+    out = torch.empty(shape, dtype=TORCH_BY_CODE[dtype])
+    if data:
+        out.view(-1).view(torch.uint8)[:] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+    return out
+
+
 def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+    """``encode``'s value back. Raises ``KeyError``, ``ValueError`` or ``TypeError`` for one it
+    could not have written (callers name the file)."""
     if isinstance(value, list):
         return [decode(v, tensors) for v in value]
     if not isinstance(value, dict):
         return value
+    if INLINE_TAG in value:
+        return _from_inline(value[INLINE_TAG])
     if TENSOR_TAG in value:
         tensor = tensors[value[TENSOR_TAG]]
         return tensor.numpy() if value.get("numpy") else tensor

@@ -1,0 +1,78 @@
+"""Optimizer settings that are tensors (``AdamW(lr=torch.tensor(...))``, which torch allows)
+restore with their saved values from every layout that saves them: shardstream's own, DCP's
+``get_state_dict``, and the torch.save optimizer files of PyTorch's FSDP2 example. They had
+come back as meta tensors, been dropped from the param group, or made the checkpoint
+unreadable."""
+
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+import shardstream
+from shardstream.errors import CheckpointFormatError
+from shardstream.formats import native
+
+SAVED_LR, LIVE_LR = 0.0123, 0.5
+
+
+def _build(lr: float, seed: int):
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=torch.tensor(lr), betas=(0.8, 0.95))
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()
+    return model, optimizer
+
+
+def _save(layout: str, path, model, optimizer) -> None:
+    if layout == "shardstream":
+        shardstream.save(path, model=model, optimizer=optimizer, step=1)
+    elif layout == "dcp":
+        model_state, optim_state = get_state_dict(model, optimizer)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # DCP warns without a process group
+            dcp.save({"model": model_state, "optim": optim_state}, checkpoint_id=str(path))
+    else:  # PyTorch's FSDP2 example, written whole by torch.save
+        path.mkdir()
+        torch.save(model.state_dict(), path / "model_state_dict.pt")
+        torch.save(optimizer.state_dict(), path / "optim_state_dict.pt")
+
+
+@pytest.mark.parametrize("layout", ["shardstream", "dcp", "torch.save"])
+def test_a_tensor_learning_rate_restores_its_value(tmp_path, layout):
+    saved_model, saved_optimizer = _build(SAVED_LR, seed=0)
+    _save(layout, tmp_path / "ckpt", saved_model, saved_optimizer)
+    model, optimizer = _build(LIVE_LR, seed=1)
+    shardstream.load(tmp_path / "ckpt", model=model, optimizer=optimizer)
+    (group,) = optimizer.param_groups
+    assert isinstance(group["lr"], torch.Tensor) and group["lr"].device.type == "cpu"
+    assert torch.equal(group["lr"], torch.tensor(SAVED_LR))
+    assert group["betas"] == (0.8, 0.95)
+    for name, tensor in saved_model.state_dict().items():
+        assert torch.equal(model.state_dict()[name], tensor), name
+    model(torch.randn(5, 4)).pow(2).sum().backward()
+    optimizer.step()  # the restored optimizer steps
+
+
+@pytest.mark.parametrize(
+    "entry", [{"__tensor__": "nope"}, {"__float__": "abc"}, {"__int_keys__": 5},
+              {"__inline_tensor__": {"dtype": "F32", "shape": [2], "hex": "00"}}],
+)  # fmt: skip
+def test_a_malformed_objects_entry_names_the_manifest(tmp_path, entry):
+    model, optimizer = _build(SAVED_LR, seed=0)
+    shardstream.save(tmp_path / "ckpt", model=model, optimizer=optimizer, step=1)
+    doc = json.loads((tmp_path / "ckpt" / native.MANIFEST).read_text())
+    doc["objects"]["optimizer"]["param_groups"][0]["lr"] = entry
+    native.write_manifest(tmp_path / "ckpt", doc)
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(CheckpointFormatError, match="manifest.json: objects entry 'optimizer'"):
+        shardstream.load(tmp_path / "ckpt", model=live, optimizer=live_optimizer)
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+    assert torch.equal(live_optimizer.param_groups[0]["lr"], torch.tensor(LIVE_LR))
