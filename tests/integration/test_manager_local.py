@@ -610,3 +610,30 @@ def test_hf_model_config_and_tokenizer_files(tmp_path, given):
 def test_share_hf_weights_without_hf_model_warns(tmp_path):
     with pytest.warns(UserWarning, match="share_hf_weights does nothing"):
         CheckpointConfig(str(tmp_path), save_contents=("model",), share_hf_weights=True)
+
+
+class _Views(torch.nn.Module):
+    """A parameter with a buffer that is its transpose (``transposed``), or a buffer whose
+    rows are one row's memory (``expanded``); else (``saved``) three tensors of their own."""
+
+    def __init__(self, kind: str):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(12.0).view(3, 4))
+        other = torch.arange(12.0).view(3, 4).t() + 100
+        self.register_buffer("wt", self.w.data.t() if kind == "transposed" else other)
+        rows = torch.zeros(1, 4).expand(3, 4) if kind == "expanded" else torch.arange(12.0)
+        self.register_buffer("rows", rows.reshape(3, 4))
+
+
+@pytest.mark.parametrize(
+    ("kind", "needle"),
+    [("transposed", "'w' and 'wt' overlap in memory"), ("expanded", "'rows' has elements")],
+)
+def test_live_tensors_that_share_memory_are_refused(tmp_path, kind, needle):
+    """Whichever value was written last won, and the restore said nothing."""
+    shardstream.save(tmp_path / "c", model=_Views("saved"), contents=("model",))
+    live = _Views(kind)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(CheckpointFormatError, match=needle):
+        shardstream.load(tmp_path / "c", model=live, contents=("model",))
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())

@@ -910,6 +910,7 @@ def _one_per_storage(
     and its head) hold one tensor, which can take the checkpoint's only if the checkpoint
     holds the same bytes under each (each rank compares its own part). Refused otherwise,
     naming both: whichever was read last would silently win."""
+    _refuse_overlaps(path, targets)
     first: dict[tuple, str] = {}
     kept = {}
     for name, tensor in targets.items():
@@ -942,6 +943,41 @@ def _one_per_storage(
                 "False) to restore both"
             )
     return kept
+
+
+def _refuse_overlaps(path: Path, targets: dict[str, Any]) -> None:
+    """Live tensors that overlap in memory without being one tensor under two names (a buffer
+    that is another's transpose), or whose own elements share memory (an expanded tensor):
+    whichever value is written last would win, so the restore is refused, as torch's
+    ``load_state_dict`` refuses the second."""
+    from torch.distributed.tensor import DTensor
+
+    spans: dict[int, list[tuple[int, int, str, tuple | None]]] = {}
+    for name, tensor in targets.items():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.numel() == 0:
+            continue  # an FSDP1 flat shard: its own layout, placed by fsdp1_shards
+        if torch._debug_has_internal_overlap(local) == 1:
+            raise CheckpointFormatError(
+                f"{path}: the live tensor {_fqn(name)!r} has elements that share memory (an "
+                "expanded tensor), so restoring it would keep one saved value for many; "
+                "make it a tensor of its own (.clone()) to restore it"
+            )
+        size = local.element_size()
+        low = local.storage_offset() * size
+        high = low + (sum((n - 1) * st for n, st in zip(local.shape, local.stride())) + 1) * size
+        spans.setdefault(local.untyped_storage().data_ptr(), []).append(
+            (low, high, name, _storage_key(tensor))
+        )
+    for found in spans.values():
+        found.sort()
+        for (_, high, a, key_a), (low, _, b, key_b) in zip(found, found[1:]):
+            if low < high and key_a != key_b:
+                raise CheckpointFormatError(
+                    f"{path}: the live tensors {_fqn(a)!r} and {_fqn(b)!r} overlap in memory "
+                    "without being one tensor, so restoring both would leave whichever is "
+                    "written last"
+                )
 
 
 def _fqn(name: str) -> str:
