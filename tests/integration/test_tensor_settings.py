@@ -76,3 +76,43 @@ def test_a_malformed_objects_entry_names_the_manifest(tmp_path, entry):
         shardstream.load(tmp_path / "ckpt", model=live, optimizer=live_optimizer)
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
     assert torch.equal(live_optimizer.param_groups[0]["lr"], torch.tensor(LIVE_LR))
+
+
+def _edit_group(doc: dict, edit: str) -> None:
+    group = doc["objects"]["optimizer"]["param_groups"][0]
+    if edit == "no-lr":
+        del group["lr"]
+    elif edit == "betas-a-string":
+        group["betas"] = "ab"
+    elif edit == "three-betas":
+        group["betas"] = {"__tuple__": [0.9, 0.99, 0.5]}
+    else:  # one base learning rate more than the optimizer has groups
+        doc["objects"]["lr_scheduler"]["base_lrs"] *= 2
+
+
+@pytest.mark.parametrize(
+    ("edit", "needle"),
+    [
+        ("no-lr", r"param_groups\[0\]: no 'lr' saved"),
+        ("betas-a-string", r"param_groups\[0\]: betas is saved as str"),
+        ("three-betas", r"param_groups\[0\]: betas is saved as tuple '\(0.9, 0.99, 0.5\)'"),
+        ("two-base-lrs", r"lr_scheduler.base_lrs: 2 saved entries for the live scheduler's 1"),
+    ],
+)
+def test_settings_the_next_step_would_fail_on_are_refused(tmp_path, edit, needle):
+    """Each restored without a word before, and the next optimizer or scheduler step raised."""
+    model, optimizer = _build(SAVED_LR, seed=0)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer,
+                     lr_scheduler=scheduler, step=1)  # fmt: skip
+    doc = json.loads((tmp_path / "c" / native.MANIFEST).read_text())
+    _edit_group(doc, edit)
+    native.write_manifest(tmp_path / "c", doc)
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    live_scheduler = torch.optim.lr_scheduler.StepLR(live_optimizer, step_size=2)
+    before = {k: v.clone() for k, v in live.state_dict().items()}
+    with pytest.raises(CheckpointFormatError, match=needle):
+        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
+                         lr_scheduler=live_scheduler)  # fmt: skip
+    assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+    assert live_scheduler.base_lrs == [torch.tensor(LIVE_LR)]

@@ -51,7 +51,11 @@ def _merge(live: Any, saved: Any, where: str) -> Any:
         return type(live)(items) if isinstance(live, tuple) else items
     if isinstance(live, (list, tuple)) and isinstance(saved, (list, tuple)):
         if len(live) != len(saved):
-            if any(isinstance(v, Mapping) for v in live):
+            # one entry per param group (base_lrs), or per chained scheduler: their count is
+            # the live optimizer's and scheduler's, and a step zips them with the groups
+            if any(isinstance(v, Mapping) for v in live) or (
+                live and all(same_kind(0.0, v) and v is not None for v in live)
+            ):
                 raise CheckpointFormatError(
                     f"{where}: {len(saved)} saved entries for the live scheduler's {len(live)}; "
                     "build the scheduler as the run did"

@@ -211,11 +211,20 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
             )
         mine = next((g for g in live_groups if frozenset(g["params"]) == frozenset(params)), {})
         for key, value in group.items():  # a hyperparameter of another type fails later on
-            if key != "params" and key in mine and not same_kind(mine[key], value):
+            if key != "params" and key in mine and not _fits(mine[key], value):
                 raise CheckpointFormatError(
                     f"param_groups[{i}]: {key} is saved as {type(value).__name__} "
-                    f"{str(value)[:60]!r}, but the optimizer's is a {type(mine[key]).__name__}"
+                    f"{str(value)[:60]!r}, but the optimizer's is a {type(mine[key]).__name__} "
+                    f"{str(mine[key])[:60]!r}"
                 )
+        # a numeric setting (lr, betas, eps) left out fails at the next step; flags
+        # (foreach, maximize...) left out are set to their defaults by the optimizer
+        lacking = [k for k, v in mine.items() if k not in group and _numeric(v)]
+        if lacking:
+            raise CheckpointFormatError(
+                f"param_groups[{i}]: no {', '.join(repr(k) for k in lacking)} saved, which the "
+                "optimizer needs to step"
+            )
         if frozenset(params) not in live:
             # the live group sharing most parameters with it: say what differs
             near = max(live, key=lambda g: len(g & frozenset(params)), default=frozenset())
@@ -230,6 +239,26 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
                 f"param_groups[{i}]: its parameters are not those of any of the optimizer's "
                 f"groups ({differs}): was it saved from a different model?"
             )
+
+
+def _numeric(value: Any) -> bool:
+    """A number (not a bool), a 0-dim tensor, or a tuple of them (betas)."""
+    if isinstance(value, (tuple, list)):
+        return bool(value) and all(_numeric(v) for v in value)
+    if isinstance(value, torch.Tensor):
+        return value.numel() == 1
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _fits(live: Any, saved: Any) -> bool:
+    """``same_kind``, and a tuple of numbers (betas) saved as one of as many numbers."""
+    if _numeric(live) and isinstance(live, (tuple, list)):
+        return (
+            isinstance(saved, (tuple, list))
+            and len(saved) == len(live)
+            and all(same_kind(a, b) for a, b in zip(live, saved))
+        )
+    return same_kind(live, saved)
 
 
 def apply_optimizer_state(
