@@ -116,3 +116,17 @@ def test_settings_the_next_step_would_fail_on_are_refused(tmp_path, edit, needle
                          lr_scheduler=live_scheduler)  # fmt: skip
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
     assert live_scheduler.base_lrs == [torch.tensor(LIVE_LR)]
+
+
+def test_a_plain_number_of_a_kind_the_optimizer_lacks_is_refused(tmp_path):
+    """Tensors of a kind AdamW keeps none of were refused; the same as a plain number went
+    into its state."""
+    model, optimizer = _build(SAVED_LR, seed=0)
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer, step=1)
+    doc = json.loads((tmp_path / "c" / native.MANIFEST).read_text())
+    doc["objects"]["optimizer"]["scalars"]["optimizer.state.0.weight.momentum_buffer"] = 3
+    native.write_manifest(tmp_path / "c", doc)
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    with pytest.raises(CheckpointFormatError, match="the live optimizer lacks \\(momentum_buffer"):
+        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer)
+    assert all("momentum_buffer" not in s for s in live_optimizer.state.values())

@@ -877,16 +877,21 @@ def _checked_targets(
             f"({len(unexpected)} such); was it saved from a different model?"
         )
     if live_kinds is not None:  # every format: the names saved, else those the source holds
+        saved_optimizer = source.objects.get("optimizer")
+        scalars = saved_optimizer.get("scalars") if isinstance(saved_optimizer, dict) else None
+        names = [*(source.all_names or available), *(scalars if isinstance(scalars, dict) else ())]
         lacking = [
             k
-            for k in (source.all_names or available)
-            if k.startswith(native.OPTIMIZER_PREFIX) and _state_kind(k) not in live_kinds
+            for k in names
+            if isinstance(k, str)
+            and k.startswith(native.OPTIMIZER_PREFIX)
+            and _state_kind(k) not in live_kinds
         ]
         if lacking:
             kinds = ", ".join(sorted({_state_kind(k) for k in lacking}))
             raise CheckpointFormatError(
                 f"{path}: checkpoint has optimizer state the live optimizer lacks ({kinds}; "
-                f"{len(lacking)} tensors, e.g. {lacking[0]!r}): saved by another optimizer or "
+                f"{len(lacking)} values, e.g. {lacking[0]!r}): saved by another optimizer or "
                 "other settings (momentum, amsgrad). Restore the model alone (load_contents "
                 "without 'optimizer') to start the optimizer afresh"
             )
