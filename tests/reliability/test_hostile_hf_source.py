@@ -719,12 +719,9 @@ def test_weights_file_linked_out_of_the_model(tmp_path, capsys, name):
     _refused(capsys, source, tmp_path, str(source / name), "outside the checkpoint")
 
 
-def test_a_huggingface_hub_cache_snapshot_merges(tmp_path):
-    """huggingface_hub's cache keeps a revision as links into its repository's blobs/: they
-    lead out of the snapshot directory, but not out of the model."""
-    from safetensors.torch import load_file
-
-    repo = tmp_path / "hub" / "models--org--tiny"
+def _hub_snapshot(tmp_path: Path, repo: Path) -> Path:
+    """A sharded model as huggingface_hub caches a revision: files in ``repo/blobs``, the
+    snapshot directory of links to them."""
     plain = _sharded(tmp_path / "plain")
     (plain / "config.json").write_text(json.dumps(CONFIG))
     snapshot = repo / "snapshots" / "0123abc"
@@ -734,6 +731,16 @@ def test_a_huggingface_hub_cache_snapshot_merges(tmp_path):
         blob = repo / "blobs" / f"{i:040x}"
         file.rename(blob)
         (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    return snapshot
+
+
+def test_a_huggingface_hub_cache_snapshot_merges(tmp_path):
+    """huggingface_hub's cache keeps a revision as links into its repository's blobs/: they
+    lead out of the snapshot directory, but not out of the model."""
+    from safetensors.torch import load_file
+
+    repo = tmp_path / "hub" / "models--org--tiny"
+    snapshot = _hub_snapshot(tmp_path, repo)
     assert (
         cli.main(["merge", "--local_dir", str(snapshot), "--target_dir", str(tmp_path / "out")])
         == 0
@@ -749,15 +756,7 @@ def test_a_target_holding_what_the_snapshot_links_to_is_refused(tmp_path, capsys
     """--target_dir the cache's blobs/ (or the repository above it) with --overwrite: the
     swap would delete the files the snapshot's links lead to, the model itself."""
     repo = tmp_path / "hub" / "models--org--tiny"
-    plain = _sharded(tmp_path / "plain")
-    (plain / "config.json").write_text(json.dumps(CONFIG))
-    snapshot = repo / "snapshots" / "0123abc"
-    (repo / "blobs").mkdir(parents=True)
-    snapshot.mkdir(parents=True)
-    for i, file in enumerate(sorted(plain.iterdir())):
-        blob = repo / "blobs" / f"{i:040x}"
-        file.rename(blob)
-        (snapshot / file.name).symlink_to(os.path.relpath(blob, snapshot))
+    snapshot = _hub_snapshot(tmp_path, repo)
     where = repo / "blobs" if target == "blobs" else repo
     needle = "links to: replacing the target would delete" if target == "blobs" else "contains"
     _refused(capsys, snapshot, tmp_path, needle, extra=("--overwrite",), target=where)
