@@ -322,7 +322,12 @@ def refuse_local_state_dict(directory: Path) -> None:
 def several_models(parts: AccelerateState) -> str:
     """What an accelerate directory holding several models holds, for messages."""
     if parts.plain:
-        files = ["the HF model", *(parts.plain_models[i].name for i in sorted(parts.plain_models))]
+        first = next(
+            (n for n in (hf.SINGLE_FILE, hf.INDEX_FILE, HF_TORCH_FILE, HF_TORCH_INDEX)
+             if (parts.directory / n).is_file()),
+            "the HF model",
+        )  # fmt: skip
+        files = [first, *(parts.plain_models[i].name for i in sorted(parts.plain_models))]
         return f"holds {parts.models} models saved without FSDP ({', '.join(files)})"
     if parts.full_state:
         names = [f"pytorch_model_fsdp{'' if i == 0 else f'_{i}'}.bin" for i in parts.indices]
@@ -335,10 +340,12 @@ def one_model_hint(parts: AccelerateState) -> str:
     """How to merge or inspect one of several models of an accelerate directory."""
     where = parts.directory
     if parts.plain:
+        first = min(parts.plain_models)
+        if parts.plain_models[first].suffix == ".bin":  # a whole state dict: a checkpoint
+            return f"pass one model's file, such as {parts.plain_models[first]}"
         return (
-            "pass one model: a model N's file is a whole state dict (pytorch_model_N.bin: pass "
-            f"{where}/pytorch_model_N.bin); model_N.safetensors: put it in a directory of its "
-            "own as model.safetensors, with config.json"
+            "put one model's file in a directory of its own as model.safetensors, with its "
+            "config.json, and pass that"
         )
     if parts.full_state:
         return f"pass one model's file, {where}/pytorch_model_fsdp_<i>.bin"
