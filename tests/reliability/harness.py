@@ -133,7 +133,9 @@ class ForkServer:
             cwd=str(HERE),
         )
         self._buffer = b""
-        self._read(timeout=120)
+        # its imports (torch, transformers) take seconds alone, minutes on a crowded machine:
+        # the wait is for a server that is gone or stuck, not a measure of speed
+        self._read(timeout=900)
         self.live: set[int] = set()
         self.last: list[int] = []
         self.spawns = 0
@@ -143,8 +145,14 @@ class ForkServer:
         deadline = time.monotonic() + timeout
         while b"\n" not in self._buffer:
             left = deadline - time.monotonic()
-            if left <= 0 or self.proc.poll() is not None:
-                raise RuntimeError(f"fork server did not answer (see {self.log_dir})")
+            if self.proc.poll() is not None:
+                raise RuntimeError(
+                    f"fork server exited with {self.proc.returncode} (see {self.log_dir})"
+                )
+            if left <= 0:
+                raise RuntimeError(
+                    f"fork server did not answer in {timeout:.0f} s (see {self.log_dir})"
+                )
             ready, _, _ = select.select([self.proc.stdout], [], [], left)
             if ready:
                 chunk = os.read(self.proc.stdout.fileno(), 65536)
