@@ -567,7 +567,7 @@ def _config_replaced(replace):
     [
         (_config_text("{nope"), ("{config}", "not valid JSON")),
         (_config_text("[1]"), ("{config}", "holds a list")),
-        (_config_text('{"model_type": "qwen2", "rope_theta": Infinity}'), ("{config}", "Infinity")),
+        (_config_text('{"model_type": "qwen2", "rope_theta": 1e999}'), ("{config}", "1e999")),
         (_config_replaced(_fifo), ("{config}", "is a FIFO")),
         (_config_replaced(_directory), ("{config}", "is a directory")),
         (_config_replaced(_broken_link), ("{config}", "broken symbolic link")),

@@ -214,7 +214,9 @@ JSON_FILES = {
 }
 
 
-@pytest.mark.parametrize("case", sorted(JSON_FILES))
+# transformers itself writes Infinity into config.json (4.x: Mamba2's time_step_limit) and
+# reads it back: a config may hold one (tests/unit/test_config_nonfinite.py)
+@pytest.mark.parametrize("case", sorted(set(JSON_FILES) - {"Infinity"}))
 def test_config_json_that_is_no_config(saved_run, tmp_path, capsys, case):
     config = tmp_path / "config"
     config.mkdir()

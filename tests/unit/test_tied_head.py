@@ -95,9 +95,14 @@ def test_a_model_type_transformers_lacks_keeps_the_head():
 def _gemma_state_dir(tmp_path, drop_key: bool = True):
     """A Gemma's full state (head and embedding both named) and its config.json, the key
     left out as transformers 4.x leaves it out; and the save_pretrained reference."""
-    config = transformers.GemmaConfig(**TEXT)
     torch.manual_seed(0)
-    model = transformers.GemmaForCausalLM(config)
+    return _state_dir(tmp_path, transformers.GemmaForCausalLM(transformers.GemmaConfig(**TEXT)),
+                      drop_key)  # fmt: skip
+
+
+def _state_dir(tmp_path, model, drop_key: bool = False):
+    """``model``'s full state (every name its state_dict() gives) beside its config.json;
+    and what save_pretrained writes for it."""
     reference = tmp_path / "reference"
     model.save_pretrained(reference)
     source = tmp_path / "state"
@@ -159,3 +164,40 @@ def test_resolving_through_transformers_prints_nothing(tmp_path):
     finally:
         logger.removeHandler(keep)
     assert [r.getMessage() for r in records] == []
+
+
+SMALL = {"vocab_size": 64, "hidden_size": 32}
+OTHER_EMBEDDINGS = {  # tied heads whose embedding is not named *embed_tokens.weight
+    "gpt2": lambda: transformers.GPT2LMHeadModel(
+        transformers.GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=64)
+    ),
+    "gpt_neox": lambda: transformers.GPTNeoXForCausalLM(
+        transformers.GPTNeoXConfig(
+            **SMALL,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            intermediate_size=64,
+            tie_word_embeddings=True,
+        )
+    ),  # fmt: skip
+    "mamba": lambda: transformers.MambaForCausalLM(
+        transformers.MambaConfig(**SMALL, num_hidden_layers=1, state_size=4)
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(OTHER_EMBEDDINGS))
+def test_a_head_tied_to_another_embedding_is_left_out(tmp_path, family):
+    """GPT-2's transformer.wte, GPT-NeoX's gpt_neox.embed_in, Mamba's backbone.embeddings:
+    the model class names the pair it ties, and save_pretrained writes the embedding alone."""
+    torch.manual_seed(0)
+    model = OTHER_EMBEDDINGS[family]()
+    assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    source, reference, _ = _state_dir(tmp_path, model)
+    merge(source, tmp_path / "merged")
+    got, want = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(reference / "model.safetensors"),
+    )
+    assert got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)

@@ -20,6 +20,7 @@ from ..engine.plan import GlobalTensor, dense_block, split_into_files
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
+    ShardstreamError,
     UnsafeCheckpointError,
     UsageError,
 )
@@ -182,7 +183,7 @@ def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[
 
 def _set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
-    config = read_object(source, "config")
+    config = read_object(source, "config", nonfinite=True)  # written back as it was spelled
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype_name
     target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
@@ -201,7 +202,7 @@ def _write_generation_config(target: Path, hf_config: Any) -> None:
 def read_config(config_dir: Path | None) -> dict:
     if config_dir is None or not present(config_dir / "config.json"):
         return {}
-    return read_object(config_dir / "config.json", "config (JSON object)")
+    return read_object(config_dir / "config.json", "config (JSON object)", nonfinite=True)
 
 
 TIED_HEAD = "lm_head.weight"
@@ -259,10 +260,38 @@ def tied_duplicates(
     names = strip_wrappers([t.name for t in tensors])
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names.values())
     heads = {stored for stored, name in names.items() if name == TIED_HEAD}
-    if not (heads and has_embedding):
+    if heads and has_embedding:
+        tied = force_tie or ties_word_embeddings(config, live_config)
+        return heads if tied else set()
+    # Other embeddings (GPT-2's transformer.wte, Mamba's backbone.embeddings): the pairs the
+    # model class ties, where transformers is installed to say
+    from .hf_names_cache import transformers_version
+
+    if transformers_version() is None or not isinstance(config.get("model_type"), str):
         return set()
-    tied = force_tie or ties_word_embeddings(config, live_config)
-    return heads if tied else set()
+    if not (force_tie or ties_word_embeddings(config, live_config)):
+        return set()
+    plain = {name: stored for stored, name in names.items()}
+    pairs = _class_tied_pairs(config)
+    return {plain[t] for t, s in pairs.items() if t in plain and (s is None or s in plain)}
+
+
+def _class_tied_pairs(config: dict) -> dict[str, str | None]:
+    """The model class's tied names (its ``_tied_weights_keys``): transformers 5's
+    ``{head: embedding}``, 4.x's list of heads (embedding None); empty for a class it does
+    not know."""
+    from .hf_names import _model_class
+
+    try:
+        cls = _model_class(config)
+    except ShardstreamError:  # architectures and model_type disagree: the names plan says so
+        return {}
+    keys = getattr(cls, "_tied_weights_keys", None) if cls is not None else None
+    if isinstance(keys, dict):
+        return {k: v for k, v in keys.items() if isinstance(k, str) and isinstance(v, str)}
+    if isinstance(keys, (list, tuple)):
+        return {k: None for k in keys if isinstance(k, str)}
+    return {}
 
 
 def ties_word_embeddings(config: dict, live_config: Any = None) -> bool:

@@ -329,7 +329,23 @@ def config_object(config: dict) -> Any:
     from transformers import CONFIG_MAPPING
 
     with transformers_quiet():
-        return CONFIG_MAPPING[config["model_type"]].from_dict(dict(config))
+        return CONFIG_MAPPING[config["model_type"]].from_dict(_special_floats(dict(config)))
+
+
+_FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
+
+
+def _special_floats(value: Any) -> Any:
+    """transformers 5 writes a non-finite float into config.json as ``{"__float__":
+    "Infinity"}`` (Mamba2's ``time_step_limit``) and reads it back as the float: so here."""
+    if isinstance(value, dict):
+        tag = value.get("__float__") if len(value) == 1 else None
+        if isinstance(tag, str) and tag in _FLOAT_TAGS:
+            return _FLOAT_TAGS[tag]
+        return {k: _special_floats(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_special_floats(v) for v in value]
+    return value
 
 
 class _LargerThanStored(Exception):

@@ -48,7 +48,8 @@ def strict(raw: bytes | str | None = None, **kwargs) -> dict:
     than ``MAX_INT_DIGITS`` (a scan in C; a hook per integer costs more than the parse)."""
     if raw is None or _long_digit_run(raw):
         kwargs["parse_int"] = _bounded_int
-    return dict(parse_constant=_no_constant, parse_float=_finite_float, **kwargs)
+    kwargs.setdefault("parse_constant", _no_constant)
+    return dict(parse_float=_finite_float, **kwargs)
 
 
 def _long_digit_run(raw: bytes | str) -> bool:
@@ -66,19 +67,24 @@ def is_counts(value: object) -> bool:
     return type(value) is list and all(type(v) is int and v >= 0 for v in value)
 
 
-def loads(raw: bytes | str, where: str | os.PathLike) -> object:
-    """``json.loads`` without ``Infinity``/``NaN`` or integers over ``MAX_INT_DIGITS`` digits."""
+def loads(raw: bytes | str, where: str | os.PathLike, nonfinite: bool = False) -> object:
+    """``json.loads`` without ``Infinity``/``NaN`` (unless ``nonfinite``) or integers over
+    ``MAX_INT_DIGITS`` digits."""
     try:
-        return json.loads(raw, **strict(raw))
+        return json.loads(raw, **strict(raw, **({"parse_constant": float} if nonfinite else {})))
     except Refused as exc:
         raise CheckpointFormatError(f"{where}: {exc}") from None
     except (ValueError, UnicodeDecodeError, RecursionError) as exc:
         raise CheckpointFormatError(f"{where}: not valid JSON ({exc})") from None
 
 
-def read_object(path: str | os.PathLike, what: str = "JSON object") -> dict:
+def read_object(
+    path: str | os.PathLike, what: str = "JSON object", nonfinite: bool = False
+) -> dict:
     """The JSON object in ``path``; anything else (a list, a number, bad JSON, a file over
-    ``MAX_DOCUMENT_BYTES``, an unreadable file) is one shardstream error naming it."""
+    ``MAX_DOCUMENT_BYTES``, an unreadable file) is one shardstream error naming it.
+    ``nonfinite``: ``Infinity`` and ``NaN`` are read as floats (a config.json transformers 4.x
+    wrote: Mamba2's ``time_step_limit``)."""
     path = Path(path)
     try:
         with open(path, "rb") as f:
@@ -90,7 +96,7 @@ def read_object(path: str | os.PathLike, what: str = "JSON object") -> dict:
         raise mapped from None
     if len(raw) > MAX_DOCUMENT_BYTES:
         raise UnsafeCheckpointError(f"{path}: over the {MAX_DOCUMENT_BYTES}-byte limit")
-    doc = loads(raw, path)
+    doc = loads(raw, path, nonfinite)
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: not a {what} (holds a {type(doc).__name__})")
     return doc
