@@ -557,7 +557,10 @@ def _model_class(config: dict, config_class: type | None = None) -> type | None:
         return cls
     if config_class is None:
         return None
-    for auto in _AUTO_CLASSES:
+    autos = _AUTO_CLASSES
+    if isinstance(config.get("vision_config"), dict):  # a VLM: its image-text class first
+        autos = (_AUTO_CLASSES[1], _AUTO_CLASSES[2], _AUTO_CLASSES[0], *_AUTO_CLASSES[3:])
+    for auto in autos:
         mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
         try:
             return mapping[config_class]
