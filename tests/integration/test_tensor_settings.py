@@ -130,3 +130,17 @@ def test_a_plain_number_of_a_kind_the_optimizer_lacks_is_refused(tmp_path):
     with pytest.raises(CheckpointFormatError, match="the live optimizer lacks \\(momentum_buffer"):
         shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer)
     assert all("momentum_buffer" not in s for s in live_optimizer.state.values())
+
+
+def test_a_checkpoint_without_scheduler_state_says_so(tmp_path, caplog):
+    """A live scheduler given, a train state saved without one: restored as before, and a
+    warning says the scheduler starts afresh (it said nothing)."""
+    model, optimizer = _build(SAVED_LR, seed=0)
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer, step=1)
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(live_optimizer, step_size=2)
+    with caplog.at_level("WARNING", logger="shardstream"):
+        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
+                         lr_scheduler=scheduler)  # fmt: skip
+    assert "holds no LR scheduler state" in caplog.text
+    assert scheduler.last_epoch == 0

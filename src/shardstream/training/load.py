@@ -1294,6 +1294,7 @@ def load(
             contents,
             restore_rng,
             flat.names if flat is not None else None,
+            frozenset(optimizer.defaults) if want_optimizer else frozenset(),
         )
         pending.states = _checked_states(path, source, states or {})
     except Exception as exc:  # noqa: BLE001 - re-raised below, after the others hear of it
@@ -1418,9 +1419,11 @@ def _checked_parts(
     contents: tuple[str, ...],
     restore_rng: bool,
     param_names: set[str] | None = None,
+    settings: frozenset[str] = frozenset(),
 ) -> _Pending:
     """Open and check every part but the tensors (already checked by ``_checked_targets``)
-    against the live objects, so that a restore that cannot finish touches nothing."""
+    against the live objects, so that a restore that cannot finish touches nothing.
+    ``settings``: the live optimizer's own hyperparameters (its ``defaults``)."""
     pending = _Pending()
     part = "optimizer"
     try:
@@ -1428,13 +1431,19 @@ def _checked_parts(
             optim = source.objects["optimizer"]
             values = {**optim.get("scalars", {}), **optim_tensors}
             pending.optimizer = st.nest_optimizer_state(model, values, param_names)
-            st.check_param_groups(live_groups, optim.get("param_groups"))
+            st.check_param_groups(live_groups, optim.get("param_groups"), settings)
         part = "lr_scheduler"
         if lr_scheduler is not None and "optimizer" in contents:
             saved = source.objects.get("lr_scheduler")
             if saved is not None:
                 schedulers.check(lr_scheduler, saved)
                 pending.scheduler = saved
+            elif "optimizer" in source.saved and coll.rank() == 0:
+                log.warning(
+                    "%s: holds no LR scheduler state; the live scheduler keeps its own "
+                    "(its step count and learning rates start afresh)",
+                    path,
+                )
         part = "extra state (RNG)"
         if "extra" in contents and "extra" in source.saved:
             payload = source.read_extra(coll.rank())

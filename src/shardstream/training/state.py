@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -193,10 +193,14 @@ def create_optimizer_state(optimizer: torch.optim.Optimizer, params: list[torch.
             p.grad = grad
 
 
-def check_param_groups(live_groups: list, saved: Any) -> None:
+def check_param_groups(
+    live_groups: list, saved: Any, settings: Collection[str] = frozenset()
+) -> None:
     """Saved param groups must fit the live optimizer's (``optimizer_state``'s, FQNs as
     ``params``): as many groups, each naming exactly the parameters of one live group (else
-    torch's ``set_optimizer_state_dict`` fails after the model was already written)."""
+    torch's ``set_optimizer_state_dict`` fails after the model was already written), and each
+    holding the numeric ones of ``settings`` (the optimizer's own hyperparameters, not what a
+    scheduler adds: ``initial_lr``) that the live group has."""
     live = [frozenset(g["params"]) for g in live_groups]
     if not isinstance(saved, list) or len(saved) != len(live):
         count = f"{len(saved)} groups" if isinstance(saved, list) else type(saved).__name__
@@ -219,7 +223,7 @@ def check_param_groups(live_groups: list, saved: Any) -> None:
                 )
         # a numeric setting (lr, betas, eps) left out fails at the next step; flags
         # (foreach, maximize...) left out are set to their defaults by the optimizer
-        lacking = [k for k, v in mine.items() if k not in group and _numeric(v)]
+        lacking = [k for k, v in mine.items() if k in settings and k not in group and _numeric(v)]
         if lacking:
             raise CheckpointFormatError(
                 f"param_groups[{i}]: no {', '.join(repr(k) for k in lacking)} saved, which the "
