@@ -11,9 +11,8 @@ import math
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from pretrained_pair import assert_merges_as_saved, state_and_reference
 
-from shardstream import merge
 from shardstream.formats import hf
 
 transformers = pytest.importorskip("transformers")
@@ -28,27 +27,17 @@ def test_a_mamba2_config_with_infinity_merges_as_save_pretrained(tmp_path, spell
     assert math.isinf(config.time_step_limit[1])
     torch.manual_seed(0)
     model = transformers.Mamba2ForCausalLM(config)
-    reference = tmp_path / "reference"
-    model.save_pretrained(reference)
-    text = (reference / "config.json").read_text()
-    assert '{"__float__": "Infinity"}' in text.replace("\n", "").replace("  ", "")
-    source = tmp_path / "state"
-    source.mkdir()
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
-    saved = json.loads(text)
-    if spelling == "bare":
-        saved["time_step_limit"] = [0.0, math.inf]  # json.dumps writes Infinity
-    (source / "config.json").write_text(json.dumps(saved))
+    text = json.dumps(json.loads(config.to_json_string()))  # as save_pretrained spells it
+    assert '{"__float__": "Infinity"}' in text
+
+    def spelled(saved: dict) -> None:
+        if spelling == "bare":
+            saved["time_step_limit"] = [0.0, math.inf]  # json.dumps writes Infinity
+
+    source, reference, _ = state_and_reference(tmp_path, model, spelled)
     if spelling == "bare":
         assert math.isinf(hf.read_config(source)["time_step_limit"][1])
-    merge(source, tmp_path / "merged")
-    got, want = (
-        load_file(tmp_path / "merged" / "model.safetensors"),
-        load_file(reference / "model.safetensors"),
-    )
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_merges_as_saved(source, reference, tmp_path / "merged")
 
 
 def test_a_vlm_config_without_architectures_merges_as_save_pretrained(tmp_path):
@@ -67,20 +56,8 @@ def test_a_vlm_config_without_architectures_merges_as_save_pretrained(tmp_path):
     config = transformers.Qwen3_5Config(text_config=text, vision_config=vision)
     torch.manual_seed(0)
     model = transformers.Qwen3_5ForConditionalGeneration(config)
-    reference = tmp_path / "reference"
-    model.save_pretrained(reference)
-    source = tmp_path / "state"
-    source.mkdir()
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
-    saved = json.loads((reference / "config.json").read_text())
-    del saved["architectures"]
-    (source / "config.json").write_text(json.dumps(saved))
-    merge(source, tmp_path / "merged")
-    got, want = (
-        load_file(tmp_path / "merged" / "model.safetensors"),
-        load_file(reference / "model.safetensors"),
+    source, reference, state = state_and_reference(
+        tmp_path, model, lambda saved: saved.pop("architectures")
     )
     assert any(k.startswith("model.language_model.") for k in state)  # in-memory names
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_merges_as_saved(source, reference, tmp_path / "merged")

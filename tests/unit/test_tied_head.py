@@ -11,7 +11,8 @@ import logging
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from pretrained_pair import assert_merges_as_saved, state_and_reference
+from safetensors.torch import load_file
 
 from shardstream import merge
 from shardstream.commands.inspect import describe
@@ -101,19 +102,11 @@ def _gemma_state_dir(tmp_path, drop_key: bool = True):
 
 
 def _state_dir(tmp_path, model, drop_key: bool = False):
-    """``model``'s full state (every name its state_dict() gives) beside its config.json;
-    and what save_pretrained writes for it."""
-    reference = tmp_path / "reference"
-    model.save_pretrained(reference)
-    source = tmp_path / "state"
-    source.mkdir()
-    state = {k: v.contiguous().clone() for k, v in model.state_dict().items()}
-    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
-    saved = json.loads((reference / "config.json").read_text())
-    if drop_key:
-        saved.pop("tie_word_embeddings", None)
-    (source / "config.json").write_text(json.dumps(saved))
-    return source, reference, state
+    """``pretrained_pair.state_and_reference``, config.json without ``tie_word_embeddings``
+    when ``drop_key``."""
+    return state_and_reference(
+        tmp_path, model, (lambda c: c.pop("tie_word_embeddings", None)) if drop_key else None
+    )
 
 
 def test_without_transformers_merge_refuses_an_undecided_head_and_writes_nothing(
@@ -139,14 +132,9 @@ def test_merge_leaves_out_a_head_tied_by_the_class_default(tmp_path):
     """A Gemma config.json without ``tie_word_embeddings`` (as transformers 4.x writes it):
     the built model is tied, so save_pretrained writes the embedding alone; so must merge."""
     source, reference, state = _gemma_state_dir(tmp_path)
-    merge(source, tmp_path / "merged")
-    got, want = (
-        load_file(tmp_path / "merged" / "model.safetensors"),
-        load_file(reference / "model.safetensors"),
-    )
-    assert "lm_head.weight" in state and "lm_head.weight" not in want
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert "lm_head.weight" in state
+    assert "lm_head.weight" not in load_file(reference / "model.safetensors")
+    assert_merges_as_saved(source, reference, tmp_path / "merged")
 
 
 def test_resolving_through_transformers_prints_nothing(tmp_path):
@@ -194,10 +182,4 @@ def test_a_head_tied_to_another_embedding_is_left_out(tmp_path, family):
     model = OTHER_EMBEDDINGS[family]()
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     source, reference, _ = _state_dir(tmp_path, model)
-    merge(source, tmp_path / "merged")
-    got, want = (
-        load_file(tmp_path / "merged" / "model.safetensors"),
-        load_file(reference / "model.safetensors"),
-    )
-    assert got.keys() == want.keys()
-    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert_merges_as_saved(source, reference, tmp_path / "merged")
