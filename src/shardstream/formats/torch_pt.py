@@ -239,18 +239,32 @@ def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
     finds them (each local header's name and extra field lengths give the data's start)."""
     found: dict[str, int] = {}
     infos = archive.infolist()
-    twice = [n for n, c in collections.Counter(i.filename for i in infos).items() if c > 1]
-    if twice:
-        raise CheckpointFormatError(f"the zip archive holds record {twice[0]!r} twice")
+    if (twice := _named_twice(infos)) is not None:
+        raise CheckpointFormatError(f"the zip archive holds record {twice!r} twice")
     for info in infos:
-        f.seek(info.header_offset + 26)
-        lengths = f.read(4)
-        if len(lengths) != 4:
-            raise CheckpointFormatError(f"record {info.filename!r}: local header cut short")
-        name_length, extra_length = struct.unpack("<HH", lengths)
+        f.seek(info.header_offset)
+        start = _data_start(f.read(30), info.header_offset)
+        if start is None:
+            raise CheckpointFormatError(f"record {info.filename!r} has no local header")
         name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
-        found[name] = info.header_offset + 30 + name_length + extra_length
+        found[name] = start
     return found
+
+
+def _named_twice(infos: list[zipfile.ZipInfo]) -> str | None:
+    """A record name the zip directory lists more than once (readers disagree on which
+    counts), or None."""
+    counts = collections.Counter(info.filename for info in infos)
+    return next((name for name, count in counts.items() if count > 1), None)
+
+
+def _data_start(local: bytes, header_offset: int) -> int | None:
+    """Where a record's data starts, from the 30 bytes read at its ``header_offset`` (the
+    local header: its name's and extra field's lengths); None when they are no local header."""
+    if len(local) < 30 or local[:4] != b"PK\x03\x04":
+        return None
+    name_length, extra_length = struct.unpack("<HH", local[26:30])
+    return header_offset + 30 + name_length + extra_length
 
 
 class _Refused(Exception):
@@ -614,12 +628,10 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
     try:
         with open_regular(path) as f, zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
-            counts = collections.Counter(info.filename for info in infos)
-            twice = [name for name, count in counts.items() if count > 1]
-            if twice:
+            if (twice := _named_twice(infos)) is not None:
                 raise CheckpointFormatError(
                     f"{path}: corrupt torch checkpoint: the zip archive holds record "
-                    f"{twice[0]!r} twice"
+                    f"{twice!r} twice"
                 )
             for info in infos:
                 if info.compress_type != zipfile.ZIP_STORED:
@@ -627,13 +639,12 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
                 if info.CRC == 0 and info.file_size and not unchecked:
                     continue
                 local = os.pread(f.fileno(), 30, info.header_offset)
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                start = _data_start(local, info.header_offset)
+                if start is None:
                     raise CheckpointFormatError(
                         f"{path}: corrupt torch checkpoint: zip record {info.filename!r} has no "
                         f"local header at byte {info.header_offset}"
                     )
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                start = info.header_offset + 30 + name_len + extra_len
                 crc = f"{info.CRC:08x}"
                 records.append(ZipRecord(info.filename, start, start + info.file_size, crc))
     except CheckpointFormatError:
@@ -665,14 +676,14 @@ def zip_records_in(path: str, start: int, length: int, fd: int | None = None) ->
             for info in archive.infolist():
                 if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
                     continue
-                local = os.pread(fd, 30, start + info.header_offset)
-                if len(local) < 30 or local[:4] != b"PK\x03\x04":
+                lo = _data_start(
+                    os.pread(fd, 30, start + info.header_offset), start + info.header_offset
+                )
+                if lo is None:
                     raise CheckpointFormatError(
                         f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
                         f"{info.filename!r} has no local header"
                     )
-                name_len, extra_len = struct.unpack("<HH", local[26:30])
-                lo = start + info.header_offset + 30 + name_len + extra_len
                 if lo + info.file_size > start + length:
                     raise CheckpointFormatError(
                         f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
