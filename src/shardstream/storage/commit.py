@@ -120,7 +120,7 @@ def check_target_apart(target: Path, inputs: Mapping[str, str | os.PathLike]) ->
     real_target = Path(os.path.realpath(target))
     for what, path in inputs.items():
         real = Path(os.path.realpath(path))
-        if real == real_target or real_target in real.parents:
+        if _holds(real_target, real):
             relation = "is" if real == real_target else "contains"
             raise UsageError(
                 f"target {target} {relation} {what} {path}, which replacing the target would "
@@ -137,11 +137,16 @@ def check_links_apart(target: Path, paths: Iterable[str | os.PathLike]) -> None:
         if not os.path.islink(path):
             continue
         real = Path(os.path.realpath(path))
-        if real == real_target or real_target in real.parents:
+        if _holds(real_target, real):
             raise UsageError(
                 f"target {target} holds {real}, which {path} links to: replacing the target "
                 "would delete what the command reads; choose a target outside it"
             )
+
+
+def _holds(real_target: Path, real: Path) -> bool:
+    """Whether replacing ``real_target`` would delete ``real`` (both resolved)."""
+    return real == real_target or real_target in real.parents
 
 
 # --- stage, swap -----------------------------------------------------------------------------
