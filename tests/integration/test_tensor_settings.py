@@ -17,6 +17,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict
 import shardstream
 from shardstream.errors import CheckpointFormatError
 from shardstream.formats import native
+from shardstream.training import schedulers
 
 SAVED_LR, LIVE_LR = 0.0123, 0.5
 
@@ -144,3 +145,43 @@ def test_a_checkpoint_without_scheduler_state_says_so(tmp_path, caplog):
                          lr_scheduler=scheduler)  # fmt: skip
     assert "holds no LR scheduler state" in caplog.text
     assert scheduler.last_epoch == 0
+
+
+def test_a_scheduler_state_of_another_kind_says_so(tmp_path, caplog):
+    """A StepLR's state restored into an ExponentialLR: its step count is restored, and a warning
+    names the saved settings the live scheduler does not follow (it said nothing)."""
+    model, optimizer = _build(SAVED_LR, seed=0)
+    saved_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    optimizer.step()
+    saved_scheduler.step()
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer,
+                     lr_scheduler=saved_scheduler, step=1)  # fmt: skip
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(live_optimizer, gamma=0.5)
+    with caplog.at_level("WARNING", logger="shardstream"):
+        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
+                         lr_scheduler=scheduler)  # fmt: skip
+    assert "holds step_size, which the live ExponentialLR does not keep" in caplog.text
+    assert scheduler.last_epoch == 1
+
+
+def test_a_scheduler_state_of_the_same_kind_restores_quietly(tmp_path, caplog):
+    model, optimizer = _build(SAVED_LR, seed=0)
+    saved_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer,
+                     lr_scheduler=saved_scheduler, step=1)  # fmt: skip
+    live, live_optimizer = _build(LIVE_LR, seed=1)
+    scheduler = torch.optim.lr_scheduler.StepLR(live_optimizer, step_size=2)
+    with caplog.at_level("WARNING", logger="shardstream"):
+        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
+                         lr_scheduler=scheduler)  # fmt: skip
+    assert "LR scheduler" not in caplog.text
+
+
+def test_checking_a_scheduler_state_leaves_the_scheduler_as_it_was():
+    """The trial load of ``check`` set attributes from saved keys the scheduler lacked."""
+    _, optimizer = _build(LIVE_LR, seed=1)
+    scheduler = torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+    before = dict(vars(scheduler))
+    schedulers.check(scheduler, {"step_size": 2, "last_epoch": 3})
+    assert vars(scheduler) == before

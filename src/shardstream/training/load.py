@@ -1436,8 +1436,18 @@ def _checked_parts(
         if lr_scheduler is not None and "optimizer" in contents:
             saved = source.objects.get("lr_scheduler")
             if saved is not None:
+                foreign = schedulers.foreign_keys(lr_scheduler, saved)
                 schedulers.check(lr_scheduler, saved)
                 pending.scheduler = saved
+                if foreign and coll.rank() == 0:
+                    log.warning(
+                        "%s: the saved LR scheduler state holds %s, which the live %s does not "
+                        "keep: saved by another kind of scheduler? The live one keeps its own "
+                        "schedule",
+                        source.origins.get(part, path),
+                        ", ".join(foreign),
+                        type(lr_scheduler).__name__,
+                    )
             elif "optimizer" in source.saved and coll.rank() == 0:
                 log.warning(
                     "%s: holds no LR scheduler state; the live scheduler keeps its own "

@@ -125,9 +125,20 @@ def load(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
     scheduler.load_state_dict(state)
 
 
+def foreign_keys(scheduler: Any, saved: Any) -> list[str]:
+    """The saved top-level keys the live scheduler's own state lacks: a state saved by another
+    kind of scheduler (a ``CosineAnnealingLR``'s ``T_max`` restored into a ``LambdaLR``),
+    whose schedule the live one will not follow."""
+    if not isinstance(saved, Mapping):
+        return []
+    live = {str(k) for k in scheduler.state_dict()}
+    return sorted(str(k) for k in saved if str(k) not in live)
+
+
 def check(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
     """Raise what ``load`` would raise, leaving ``scheduler`` as it was."""
     before = copy.deepcopy(scheduler.state_dict())
+    attributes = set(getattr(scheduler, "__dict__", ()))
     try:
         load(scheduler, copy.deepcopy(saved), where)
     except CheckpointFormatError:
@@ -139,3 +150,5 @@ def check(scheduler: Any, saved: Any, where: str = "lr_scheduler") -> None:
         ) from None
     finally:
         scheduler.load_state_dict(copy.deepcopy(before))
+        for name in set(getattr(scheduler, "__dict__", ())) - attributes:
+            delattr(scheduler, name)  # set by the trial load from keys it did not have
