@@ -7,6 +7,7 @@ AdamW step), one launcher for all cases.
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -430,3 +431,52 @@ def test_sharded_tensors_keep_one_offset_per_rank(checkpoints, monkeypatch):
         t.blocks.dim for o in opened.values() for t in o.tensors if isinstance(t.blocks, GridBlocks)
     }
     assert dims == {0, 1}  # Shard(1) checkpoints keep grids too
+
+
+def _replica_diverged(path, offset: int) -> None:
+    """The float32 at ``offset`` of the rank file ``path`` changed and its zip record's CRC-32
+    made to match: replicas that drifted apart in training, not a corrupt file."""
+    import struct
+    import zipfile
+    import zlib
+
+    from shardstream.formats.torch_pt import zip_records
+
+    raw = bytearray(path.read_bytes())
+    (record,) = [r for r in zip_records(str(path)) if r.start <= offset < r.end]
+    struct.pack_into("<f", raw, offset, struct.unpack_from("<f", raw, offset)[0] + 1.0)
+    crc = zlib.crc32(bytes(raw[record.start : record.end]))
+    with zipfile.ZipFile(path) as archive:
+        struct.pack_into("<I", raw, archive.getinfo(record.name).header_offset + 14, crc)
+    at = raw.find(b"PK\x01\x02")
+    while at >= 0:  # the central directory's entry of the record
+        length = struct.unpack_from("<H", raw, at + 28)[0]
+        if raw[at + 46 : at + 46 + length].decode() == record.name:
+            struct.pack_into("<I", raw, at + 16, crc)
+        at = raw.find(b"PK\x01\x02", at + 46)
+    path.write_bytes(bytes(raw))
+
+
+def test_verify_compares_hsdp_replicas(checkpoints, tmp_path):
+    """The pieces an HSDP checkpoint's second data-parallel row stores again were checked
+    against their CRC-32s only: rows that drifted apart verified OK (merge reads the first)."""
+    import shutil
+
+    from shardstream.commands.verify import verify
+    from shardstream.formats.verl import open_verl
+
+    _, actor = checkpoints["hsdp2x2"]
+    copy = tmp_path / "actor"
+    shutil.copytree(actor, copy)
+    assert verify(copy).ok
+    pairs = open_verl(copy, keep_shard_replicas=True).shard_replicas
+    name = "model.layers.0.mlp.up_proj.weight"
+    assert len(pairs[name]) == 2  # ddp row 1's two pieces, each beside row 0's
+    replica, first = pairs[name][1]
+    assert replica.dtype == "F32" and replica.start == first.start
+    _replica_diverged(Path(replica.location), replica.offset + 4)
+    report = verify(copy)
+    assert not report.ok
+    (problem,) = report.problems
+    assert problem.path == replica.location
+    assert f"tensor {name!r}" in problem.line() and "HSDP" in problem.line()

@@ -245,6 +245,57 @@ def _verl_replicas_agree(checkpoint, report: VerifyReport) -> None:
         endpoints.close()
 
 
+def _verl_shard_replicas_agree(checkpoint, report: VerifyReport) -> None:
+    """HSDP: each DTensor piece a replicated mesh dimension (``ddp``) stores again must hold
+    the bytes of the piece merge reads. A piece that fills its zip record compares by the
+    records' CRC-32s (already checked against the bytes); any other, or records that differ, by
+    digests of the elements, a buffer at a time. One problem per tensor."""
+    from ..engine.copy import Buffers, Streamer, hash_block
+    from ..engine.dtypes import itemsize
+    from ..engine.endpoints import OpenEndpoints
+    from ..engine.plan import row_major_strides
+    from ..formats.torch_pt import zip_records
+    from ..units import DEFAULT_BUFFER_BYTES
+
+    records: dict[str, dict[int, object]] = {}
+
+    def crc(block) -> str | None:
+        if block.location not in records:
+            records[block.location] = {r.start: r for r in zip_records(block.location)}
+        record = records[block.location].get(block.offset)
+        whole = block.numel * itemsize(block.dtype)
+        dense = block.strides == row_major_strides(block.shape)
+        if record is None or not dense or record.end - record.start != whole:
+            return None
+        return record.crc
+
+    by_name = {t.name: t for t in checkpoint.tensors}
+    endpoints = OpenEndpoints(checkpoint.endpoint)
+    streamer = Streamer(endpoints, Buffers.sized(DEFAULT_BUFFER_BYTES))
+    try:
+        for name, pairs in checkpoint.shard_replicas.items():
+            shape = by_name[name].shape
+            for replica, first in pairs:
+                if crc(replica) is not None and crc(replica) == crc(first):
+                    continue
+                if hash_block(name, shape, replica, streamer) != hash_block(
+                    name, shape, first, streamer
+                ):
+                    report.problems.append(
+                        Problem(
+                            replica.location,
+                            f"tensor {name!r}: its piece at {list(replica.start)} differs from "
+                            f"the replica in {first.location}, which merge reads; the "
+                            "data-parallel (HSDP) replicas disagree",
+                        )
+                    )
+                    break
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(_problem_in(checkpoint.directory, exc))
+    finally:
+        endpoints.close()
+
+
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
@@ -264,7 +315,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         _verl_ranks_complete(directory, kind, report)
     _verl_optimizer_layout(directory, report)
     try:
-        checkpoint = verl.open_verl(directory)
+        checkpoint = verl.open_verl(directory, keep_shard_replicas=True)
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
         named += list(checkpoint.replicas.items())
         _verify_lora(directory, checkpoint.tensors, None, report)
@@ -276,6 +327,8 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         report.problems.append(_crc_mismatch(file, record, named))
     if named and not bad and checkpoint.replicas:  # sound records: do the ranks agree?
         _verl_replicas_agree(checkpoint, report)
+    if named and not bad and checkpoint.shard_replicas:
+        _verl_shard_replicas_agree(checkpoint, report)
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)

@@ -67,6 +67,9 @@ class VerlCheckpoint:
     mesh: str
     files: list[str]
     replicas: dict[str, list[Block]] = field(default_factory=dict)
+    # with open_verl(keep_shard_replicas=True): each DTensor piece a replicated mesh dimension
+    # stores again, beside the piece merge reads: (replica, first) per tensor
+    shard_replicas: dict[str, list[tuple[Block, Block]]] = field(default_factory=dict)
     # file -> starts of zip records checked before the merge read them (check_split_records)
     checked_records: dict[str, set[int]] = field(default_factory=dict)
     mesh_layout: MeshLayout | None = None  # the saving device mesh, where DTensors record one
@@ -239,11 +242,15 @@ def _mesh_coordinate(mesh: MeshLayout, rank: int, path: str) -> tuple[int, ...]:
     return tuple(int(c) for c in coordinate)
 
 
-def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlCheckpoint:
+def open_verl(
+    directory: str | os.PathLike, *, shared: bool = False, keep_shard_replicas: bool = False
+) -> VerlCheckpoint:
     """Read the layout of every rank file and describe each tensor as blocks of byte ranges.
 
     ``shared``: every process of the current group calls this together and each unpickles
-    a share of the rank files (a ``--distributed`` merge, a restore).
+    a share of the rank files (a ``--distributed`` merge, a restore). ``keep_shard_replicas``:
+    also note the pieces of DTensors that replicated mesh dimensions (HSDP's ``ddp``) store
+    again, which merge does not read (verify compares them).
     """
     directory = Path(directory)
     world_size, files = _rank_files(directory)
@@ -251,7 +258,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
     config = directory / FSDP_CONFIG
     if present(config):
         fsdp_version = read_object(config, "FSDP config (JSON object)").get("FSDP_version")
-    layout = read_rank_layouts(files, _model_state, shared)
+    layout = read_rank_layouts(files, _model_state, shared, keep_shard_replicas=keep_shard_replicas)
     return VerlCheckpoint(
         directory,
         world_size,
@@ -261,6 +268,7 @@ def open_verl(directory: str | os.PathLike, *, shared: bool = False) -> VerlChec
         layout.mesh,
         files,
         layout.replicas,
+        layout.shard_replicas,
         mesh_layout=layout.mesh_layout,
     )
 
@@ -282,6 +290,7 @@ class RankLayouts:
     mesh: str
     replicas: dict[str, list[Block]]
     scalars: dict[str, object] = field(default_factory=dict)  # with keep_scalars
+    shard_replicas: dict[str, list[tuple[Block, Block]]] = field(default_factory=dict)
     mesh_layout: MeshLayout | None = None
 
 
@@ -342,7 +351,11 @@ def read_entries(
 
 
 def read_rank_layouts(
-    files: list[str], flatten, shared: bool = False, keep_scalars: bool = False
+    files: list[str],
+    flatten,
+    shared: bool = False,
+    keep_scalars: bool = False,
+    keep_shard_replicas: bool = False,
 ) -> RankLayouts:
     """Blocks of every tensor over all rank files; ``flatten(obj, path)`` gives name -> value.
 
@@ -350,6 +363,8 @@ def read_rank_layouts(
     piece is dense; any other layout keeps a ``Block`` per piece. ``shared``: the processes
     of the current group (a ``--distributed`` merge, a restore) split the unpickling of the files
     (``collectives.in_turns``).
+    ``keep_shard_replicas``: ``shard_replicas`` pairs each DTensor
+    piece stored at a replicated mesh coordinate other than 0 with the piece read in its place.
     """
     order: list[str] = []
     meta: dict[str, tuple] = {}
@@ -360,6 +375,8 @@ def read_rank_layouts(
     placements: dict[str, str] = {}
     last_mesh: MeshLayout | None = None
     scalars: dict[str, object] = {}
+    firsts: dict[tuple[str, tuple[int, ...]], Block] = {}
+    shard_replicas: dict[str, list[tuple[Block, Block]]] = {}
 
     def read(_: int, path: str):
         return read_entries(path, flatten, keep_scalars)
@@ -405,6 +422,13 @@ def read_rank_layouts(
                 if keep:
                     part = _grid_part(entry, local, coordinate, path, part_paths)
                     _add_piece(name, entry.shape, local, tuple(start), path, part, blocks, grids)
+                if keep_shard_replicas and "Replicate" in {p.kind for p in entry.placements}:
+                    piece = local.block(path, tuple(start))
+                    if keep:
+                        firsts[(name, piece.start)] = piece
+                    elif (name, piece.start) in firsts:
+                        first = firsts[(name, piece.start)]
+                        shard_replicas.setdefault(name, []).append((piece, first))
             else:
                 key = (local.dtype, local.shape, "replicated")
                 desc = "replicated (plain tensor)"
@@ -432,7 +456,15 @@ def read_rank_layouts(
         if last_mesh is not None
         else "none (plain tensors)"
     )
-    return RankLayouts(tensors, placements, mesh_desc, replicas, scalars, last_mesh)
+    return RankLayouts(
+        tensors,
+        placements,
+        mesh_desc,
+        replicas,
+        scalars,
+        mesh_layout=last_mesh,
+        shard_replicas=shard_replicas,
+    )
 
 
 def _add_piece(name, shape, local, start, path, part, blocks: dict, grids: dict) -> None:
