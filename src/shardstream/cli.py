@@ -322,10 +322,12 @@ def run_verify(args: argparse.Namespace) -> int:
 def _tree_bytes(path: str) -> int:
     import os
 
+    from .storage.tree import walk
+
     if os.path.isfile(path):  # one torch.save file
         return os.path.getsize(path)
     total = 0
-    for dirpath, _, files in os.walk(path):
+    for dirpath, _, files in walk(path):
         for name in files:
             try:
                 total += os.path.getsize(os.path.join(dirpath, name))

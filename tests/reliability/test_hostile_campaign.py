@@ -15,6 +15,7 @@ import json
 import os
 import pickle
 import signal
+import stat
 import warnings
 import zipfile
 from collections.abc import Callable, Iterator
@@ -598,3 +599,88 @@ def test_lora_factors_must_fit_a_base_weight():
     with pytest.raises(CheckpointFormatError, match=r"do not fit its base weight \[8, 6\]"):
         lora.check_factors(split(q=(8, 6), k=(8, 4)), 2)
     lora.check_factors(split(q=(8, 4), k=(8, 4)), 2)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "directory"])
+def test_latest_pointer_that_is_no_regular_file(saved_run, tmp_path, capsys, kind):
+    """A FIFO as the run's latest pointer blocked verify, inspect and every rank's restore
+    forever; a directory there ended in an IsADirectoryError. Both are a damaged
+    pointer now: readers fall back to the highest committed step."""
+    import shutil
+
+    from shardstream.manager import CheckpointConfig, CheckpointManager
+    from shardstream.storage.run_layout import LATEST_FILE, read_latest
+
+    from .forkserver import build_model, build_optimizer
+
+    root = tmp_path / "root"
+    shutil.copytree(saved_run.root, root)
+    pointer = root / LATEST_FILE
+    pointer.unlink()
+    os.mkfifo(pointer) if kind == "FIFO" else pointer.mkdir()
+    with _deadline():
+        assert read_latest(root) is None
+        model = build_model()
+        config = CheckpointConfig(directory=str(root))
+        with CheckpointManager(config, model=model, optimizer=build_optimizer(model)) as manager:
+            assert manager.restore()[0] == 3  # the highest committed step
+    code, lines = _cli(capsys, "verify", "--quiet", root)
+    assert code == 1 and len(lines) == 1 and lines[0].startswith(f"{pointer}: damaged"), lines
+    assert _cli(capsys, "inspect", root)[0] == 0
+
+
+def test_folder_nested_past_the_recursion_limit(saved_run, tmp_path, capsys):
+    """verify walked a checkpoint with os.walk, which recurses once per level: a file 1,500
+    folders down (its path under PATH_MAX) ended in a RecursionError traceback."""
+    import shutil
+
+    from shardstream.storage.tree import remove_tree
+
+    step = tmp_path / "step"
+    shutil.copytree(saved_run.step, step)
+    deep = step
+    for _ in range(1500):
+        deep = deep / "a"
+        os.mkdir(deep)
+    (deep / "x").write_bytes(b"added")
+    try:
+        code, lines = _cli(capsys, "verify", "--quiet", step)
+    finally:  # pytest's rmtree of its temporary folders recurses too
+        remove_tree(step / "a")
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{deep / 'x'}: not in the manifest"), lines
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "device"])
+@pytest.mark.parametrize("name", ["config.json", "tokenizer.json"])
+def test_verify_verl_config_file_that_is_no_regular_file(tmp_path, capsys, kind, name):
+    """merge refuses a FIFO or device under huggingface/'s config or tokenizer file; verify
+    checked the rank files only and said OK."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    hf_dir = source / "huggingface"
+    assert (hf_dir / "config.json").is_file()
+    (hf_dir / name).unlink(missing_ok=True)
+    if kind == "FIFO":
+        os.mkfifo(hf_dir / name)
+    else:
+        try:  # a device node of its own (a link to /dev/zero leads out of the checkpoint)
+            os.mknod(hf_dir / name, stat.S_IFCHR | 0o600, os.stat("/dev/zero").st_rdev)
+        except PermissionError:
+            pytest.skip("making a device node needs root")
+    what = "is a FIFO" if kind == "FIFO" else "is a character device"
+    _fails_naming(capsys, ["verify", "--quiet", source], source, f"{hf_dir / name}: {what}")
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, f"{hf_dir / name}: {what}")
+
+
+def test_native_data_file_that_is_a_fifo_is_named_so(saved_run, tmp_path, capsys):
+    """A native step's data file replaced by a FIFO was refused as "missing"."""
+    import shutil
+
+    step = tmp_path / "step"
+    shutil.copytree(saved_run.step, step)
+    data = step / "rank-00001.safetensors"
+    data.unlink()
+    os.mkfifo(data)
+    _fails_naming(capsys, ["verify", "--quiet", step], step, f"{data}: is a FIFO")
+    _fails_naming(capsys, ["inspect", step], step, f"{data}: is a FIFO")
+    _fails_naming(capsys, _merge_argv(step, tmp_path), step, f"{data}: is a FIFO")

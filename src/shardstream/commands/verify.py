@@ -15,7 +15,7 @@ from pathlib import Path
 from ..engine.checksum import digest, new_hasher
 from ..errors import CheckpointFormatError, ShardstreamError, permission_denied
 from ..formats import hf, jsondoc, native
-from ..formats.regular_file import check_inside, present
+from ..formats.regular_file import check_inside, open_regular, present
 from ..formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -296,6 +296,20 @@ def _verl_shard_replicas_agree(checkpoint, report: VerifyReport) -> None:
         endpoints.close()
 
 
+def _config_files_sound(checkpoint, report: VerifyReport) -> None:
+    """The config and tokenizer files merge copies into its output are regular files inside
+    the checkpoint, and config.json a JSON object: merge refuses anything else."""
+    from ..formats.hf import config_files, read_config
+
+    try:
+        config_dir = checkpoint.config_dir()
+        if config_dir is not None:
+            config_files(config_dir)
+            read_config(config_dir)
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(_problem_in(checkpoint.directory, exc))
+
+
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
@@ -319,6 +333,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
         named += list(checkpoint.replicas.items())
         _verify_lora(directory, checkpoint.tensors, None, report)
+        _config_files_sound(checkpoint, report)
     except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
@@ -342,7 +357,7 @@ def _bad_zip_records(file: Path, report: VerifyReport, progress, buffer) -> list
 
     bad = []
     records = zip_records(str(file))
-    with open(file, "rb", buffering=0) as f:
+    with open_regular(file, buffering=0) as f:
         for record in records:
             f.seek(record.start)
             hasher = Crc32()
@@ -613,7 +628,7 @@ def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None
     buffer = memoryview(bytearray(READ_BYTES))
     for key, path, start, length in items:
         try:
-            with open(path, "rb", buffering=0) as f:
+            with open_regular(path, buffering=0) as f:
                 for record in zip_records_in(str(path), start, length, f.fileno()):
                     f.seek(record.start)
                     hasher = Crc32()
@@ -681,7 +696,12 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
         except ShardstreamError as exc:
             report.problems.append(Problem(str(directory / native.MANIFEST), str(exc)))
             continue
-        if not file.is_file():
+        try:
+            found = present(file)
+        except ShardstreamError as exc:  # a FIFO, a device, a folder, a broken link
+            report.problems.append(Problem(str(file), _strip(exc, file)))
+            continue
+        if not found:
             note = native.missing_note(manifest, name)
             report.problems.append(Problem(str(file), f"missing (named in the manifest){note}"))
             continue
@@ -726,9 +746,12 @@ def _verify_lora(directory: Path, tensors, recorded: dict | None, report: Verify
 def _verify_whole(file: Path, expected: str | None, report: VerifyReport, progress) -> None:
     hasher = new_hasher()
     try:
-        f = open(file, "rb", buffering=0)
+        f = open_regular(file, buffering=0)
     except OSError as exc:
         report.problems.append(Problem(str(file), _cannot_read(exc)))
+        return
+    except ShardstreamError as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
         return
     with f:
         _hash_span(f, os.fstat(f.fileno()).st_size, hasher, report, progress)
@@ -760,7 +783,7 @@ def _verify_safetensors(
     except ShardstreamError as exc:
         report.problems.append(Problem(str(file), _strip(exc, file)))
         return None
-    with open(file, "rb") as f:
+    with open_regular(file) as f:
         raw = f.read(header.data_start)
     if header_digest is not None and digest(raw) != header_digest:
         report.problems.append(
@@ -797,7 +820,7 @@ def _verify_safetensors(
                 byte_range=(0, header.data_start),
             )
         )
-    with open(file, "rb", buffering=0) as f:
+    with open_regular(file, buffering=0) as f:
         f.seek(header.data_start)
         buffer = memoryview(bytearray(min(READ_BYTES, sums.chunk_bytes)))
         for index, expected in enumerate(sums.chunks):

@@ -24,6 +24,7 @@ import torch
 
 from ..engine.dtypes import code_of, itemsize
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
+from .regular_file import open_regular
 
 # A chunk record's data.pkl and central directory are a few hundred bytes; refuse absurd sizes.
 MAX_RECORD_PICKLE_BYTES = 1 << 20
@@ -611,7 +612,7 @@ def load_metadata(path: str | os.PathLike) -> Metadata:
     ``MAX_METADATA_BYTES`` of it: the unpickled object is held whole)."""
     path = str(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             size = os.fstat(f.fileno()).st_size
             if size > MAX_METADATA_BYTES:
                 raise UnsafeCheckpointError(

@@ -12,6 +12,7 @@ import re
 from pathlib import Path
 
 from ..errors import CheckpointFormatError, UnsafeCheckpointError, os_error
+from .regular_file import open_regular
 
 MAX_DOCUMENT_BYTES = 64 * 2**20  # config, index, generation config: kilobytes to megabytes
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits; nothing in these files counts higher
@@ -87,7 +88,7 @@ def read_object(
     wrote: Mamba2's ``time_step_limit``)."""
     path = Path(path)
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(MAX_DOCUMENT_BYTES + 1)
     except OSError as exc:
         mapped = os_error(exc, path)

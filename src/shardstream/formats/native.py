@@ -37,8 +37,10 @@ from ..errors import (
 )
 from ..storage.commit import atomic_write_bytes, is_temporary
 from ..storage.run_layout import MANIFEST
+from ..storage.tree import walk
 from . import jsondoc
 from .layout_names import describe_mesh
+from .regular_file import open_regular, present
 from .safetensors import read_header, stored_checksums, tensors_in_range
 
 if TYPE_CHECKING:
@@ -230,13 +232,13 @@ def side_file_records(directory: Path, listed: dict) -> dict[str, dict]:
 def _regular_files(directory: Path) -> Iterator[tuple[str, Path]]:
     """(name relative to ``directory``, path) of every file below ``directory`` that is not
     a folder, symlinks included, in sorted order; debris and linked folders are not entered."""
-    for dirpath, dirnames, filenames in os.walk(directory):
+    for dirpath, dirnames, filenames in walk(directory):
         base = Path(dirpath)
         prefix = os.path.relpath(dirpath, directory)
         prefix = "" if prefix == "." else prefix.replace(os.sep, "/") + "/"
         dirnames[:] = sorted(d for d in dirnames if not is_debris(d))
         for d in dirnames:
-            if (base / d).is_symlink():  # os.walk does not enter it; a link is named as one
+            if (base / d).is_symlink():  # walk does not enter it; a link is named as one
                 yield prefix + d, base / d
         for f in sorted(filenames):
             if not is_debris(f):
@@ -279,7 +281,7 @@ def unlisted_files(directory: Path, manifest: dict) -> list[tuple[Path, str]]:
 def file_digest(path: Path) -> str:
     """xxh3-64 of a whole file, read in bounded pieces."""
     hasher = new_hasher()
-    with open(path, "rb", buffering=0) as f:
+    with open_regular(path, buffering=0) as f:
         while block := f.read(8 * 2**20):
             hasher.update(block)
     return hasher.hexdigest()
@@ -301,7 +303,7 @@ def check_side_files(directory: Path, manifest: dict, names: list[str]) -> None:
                 f"{path}: checksum mismatch (differs from the manifest's record)"
             )
     for name, info in files.items():
-        if isinstance(info, dict) and "xxh3" in info and not (directory / name).is_file():
+        if isinstance(info, dict) and "xxh3" in info and not present(directory / name):
             raise CheckpointNotFoundError(f"{directory / name}: named in the manifest but missing")
 
 
@@ -314,14 +316,15 @@ def write_manifest(directory: Path, doc: dict) -> None:
 def read_manifest(directory: str | os.PathLike) -> dict:
     directory = Path(directory)
     path = directory / MANIFEST
-    if not path.is_file():
+    if not present(path):
         raise CheckpointNotFoundError(
             f"{directory}: no {MANIFEST}; not a committed shardstream checkpoint"
         )
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise UnsafeCheckpointError(f"{path}: {size} bytes exceeds the manifest size limit")
-    raw = path.read_bytes()
+    with open_regular(path) as f:
+        raw = f.read(size + 1)  # read(n) allocates n bytes first
     try:
         doc = json.loads(raw, **jsondoc.strict(raw))
     except jsondoc.Refused as exc:  # Infinity, NaN, 1e999, an integer of 5000 digits
@@ -532,7 +535,7 @@ def _open_native(
     for name in data_first:
         info = files[name]
         path = check_name(directory, name, "files")
-        if not path.is_file():
+        if not present(path):
             what = "data file" if is_data(name) else "file"
             raise CheckpointNotFoundError(
                 f"{path}: {what} named in the manifest is missing{missing_note(manifest, name)}"
@@ -600,7 +603,7 @@ class _Headers(dict):
         if expected is None:
             return default
         header = read_header(path)
-        with open(path, "rb") as f:
+        with open_regular(path) as f:
             raw = f.read(header.data_start)
         if digest(raw) != expected:
             raise ChecksumMismatchError(

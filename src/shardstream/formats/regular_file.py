@@ -23,8 +23,8 @@ _KINDS = {
 }
 
 
-def open_regular(path: str | os.PathLike) -> BinaryIO:
-    """``open(path, "rb")``, links followed, for a regular file; anything else is a
+def open_regular(path: str | os.PathLike, buffering: int = -1) -> BinaryIO:
+    """``open(path, "rb", buffering)``, links followed, for a regular file; anything else is a
     ``CheckpointFormatError`` naming ``path``. OSErrors of the open itself (no such file, a
     refused permission, a symlink loop) are raised as they are."""
     # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one.
@@ -32,7 +32,7 @@ def open_regular(path: str | os.PathLike) -> BinaryIO:
     try:
         _check_regular(path, os.fstat(fd).st_mode)
         os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
+        return os.fdopen(fd, "rb", buffering=buffering)
     except BaseException:
         os.close(fd)
         raise

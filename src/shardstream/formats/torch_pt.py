@@ -142,7 +142,7 @@ def load_restricted(
     allowed = {**_allowed_globals(), **(extra_globals or {})}
     checked: list[int] = []
     try:
-        with open(source, "rb") if isinstance(source, str) else io.BytesIO(source) as f:
+        with open_regular(source) if isinstance(source, str) else io.BytesIO(source) as f:
             _check_archive(f)
             module = _pickle_module(allowed, checked)
             with warnings.catch_warnings():

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from ..engine.plan import GlobalTensor
 from ..errors import CheckpointFormatError, UsageError
-from .regular_file import check_inside
+from .regular_file import check_inside, open_regular
 from .verl import VerlCheckpoint, _model_state, read_rank_layouts
 
 ACCELERATE_FULL_FORMAT = "accelerate (FULL_STATE_DICT)"
@@ -151,7 +151,7 @@ def _group_values_read(file: Path, groups: list[dict]) -> list[dict]:
     if not any(isinstance(v, torch.Tensor) for g in groups for v in g.values()):
         return groups
     path, records, out = str(file), storage_records(str(file)), []
-    with open(path, "rb") as f:
+    with open_regular(path) as f:
         size = os.fstat(f.fileno()).st_size
         for i, group in enumerate(groups):
             group = dict(group)

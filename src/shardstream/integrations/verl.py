@@ -29,7 +29,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from ..engine.checksum import digest
 from ..errors import ChecksumMismatchError, UsageError
 from ..formats import native
 from ..manager import CheckpointConfig, CheckpointManager
@@ -412,7 +411,7 @@ def _check_native_file(checkpoint: native.NativeCheckpoint, name: str) -> None:
             endpoint.check_all()
         finally:
             endpoint.close()
-    elif digest(path.read_bytes()) != (info.get("xxh3") if isinstance(info, dict) else None):
+    elif native.file_digest(path) != (info.get("xxh3") if isinstance(info, dict) else None):
         raise ChecksumMismatchError(f"{path}: checksum mismatch")
 
 

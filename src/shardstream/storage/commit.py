@@ -25,7 +25,6 @@ import errno
 import logging
 import os
 import re
-import shutil
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -33,6 +32,7 @@ from pathlib import Path
 
 from ..errors import ShardstreamError, TargetExistsError, UsageError, out_of_space
 from . import locks
+from .tree import remove_tree
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,7 @@ class Deleter:
             try:
                 try:
                     if grave.is_dir() and not grave.is_symlink():
-                        shutil.rmtree(grave)
+                        remove_tree(grave)
                     else:
                         grave.unlink()
                 except OSError as exc:
@@ -372,7 +372,7 @@ def _libc() -> ctypes.CDLL:
 
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path, ignore_errors=True)
+        remove_tree(path, ignore_errors=True)
     else:
         with contextlib.suppress(OSError):
             path.unlink()

@@ -14,7 +14,8 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import permission_denied
+from ..errors import CheckpointFormatError, permission_denied
+from ..formats.regular_file import open_regular
 from .commit import atomic_write_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -65,14 +66,14 @@ MAX_LATEST_DIGITS = 19
 
 
 def read_latest(directory: str | os.PathLike) -> int | None:
-    """The step ``LATEST_FILE`` names, or None when it is missing or damaged (not ASCII
-    digits, or more than ``MAX_LATEST_DIGITS`` of them): a reader then falls back to the
-    highest committed step (format.md section 1)."""
+    """The step ``LATEST_FILE`` names, or None when it is missing or damaged (not a regular
+    file, not ASCII digits, or more than ``MAX_LATEST_DIGITS`` of them): a reader then falls
+    back to the highest committed step (format.md section 1)."""
     path = Path(directory) / LATEST_FILE
     try:
-        with open(path, "rb") as f:
+        with open_regular(path) as f:  # a FIFO blocked every reader of the run
             raw = f.read(MAX_LATEST_DIGITS + 64)  # a pointer is a number and a newline
-    except FileNotFoundError:
+    except (FileNotFoundError, CheckpointFormatError):
         return None
     except PermissionError as exc:
         raise permission_denied(exc, path) from None

@@ -36,6 +36,7 @@ from ..errors import (
     shardstream_cause,
 )
 from ..formats import hf_names, native
+from ..formats.regular_file import open_regular
 from ..formats.safetensors import read_header
 from ..storage import collectives as coll
 from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
@@ -1479,7 +1480,8 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
         return {}
     json_path = native.check_name(ckpt.directory, json_name, "extra")
     try:
-        body = json_path.read_bytes()
+        with open_regular(json_path) as f:
+            body = f.read()
     except PermissionError:
         raise UsageError(f"{json_path}: cannot read: permission denied") from None
     except FileNotFoundError:  # listed in the manifest: removed since (retention, by hand)
