@@ -48,12 +48,26 @@ def using_group(process_group: Any) -> Iterator[None]:
         _local.group = previous
 
 
+def _grouped() -> bool:
+    """Whether collectives run on a process group. A background save's group gone (the
+    default group destroyed while the save ran) is an error, not a world of one."""
+    if initialized():
+        return True
+    if group() is not None:
+        raise ShardstreamError(
+            "the process group was destroyed while a background save was using it, so the "
+            "save was not committed: call CheckpointManager.wait() or close() before "
+            "torch.distributed.destroy_process_group()"
+        )
+    return False
+
+
 def rank() -> int:
-    return dist.get_rank(group()) if initialized() else 0
+    return dist.get_rank(group()) if _grouped() else 0
 
 
 def world() -> int:
-    return dist.get_world_size(group()) if initialized() else 1
+    return dist.get_world_size(group()) if _grouped() else 1
 
 
 def global_rank(group_rank: int) -> int:

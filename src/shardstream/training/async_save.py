@@ -16,10 +16,13 @@ its collectives never interleave with training's.
 from __future__ import annotations
 
 import atexit
+import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import logging
 import os
+import sys
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -453,7 +456,7 @@ class AsyncSaver:
                 staging_limit(config.staging_budget),
                 twice_model="hf_model" in config.save_contents,
             )
-        atexit.register(self._at_exit)
+        _SAVERS.add(self)
 
     def submit(self, step: int, extra: Any) -> None:
         """Wait for the previous save (raising its error), then start this one."""
@@ -514,11 +517,34 @@ class AsyncSaver:
             if self.hook is not None:
                 self.hook.remove()
                 self.hook = None
-            atexit.unregister(self._at_exit)
+            _SAVERS.discard(self)
 
-    def _at_exit(self) -> None:
+
+_SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # not shut down yet
+
+
+def _finish_saves_at_exit() -> None:
+    """A script that ends with a save in flight (no ``wait()`` or ``close()``): finish it.
+    Runs before the interpreter's thread pools stop taking work (the save's writers are
+    pools), which an ``atexit`` function would run after. A save that fails here makes the
+    process exit 1: a run's last checkpoint is not lost behind an exit status of 0."""
+    failed = False
+    for saver in list(_SAVERS):
         try:
-            self.wait()
-        except BaseException as exc:  # noqa: BLE001
+            saver.wait()
+        except BaseException as exc:  # noqa: BLE001 - said, then the exit status says it
             log.error("shardstream: background checkpoint save failed: %s", exc)
-            raise
+            failed = True
+    if failed:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError, AttributeError):
+                pass
+        os._exit(1)
+
+
+# threading's exit functions run in reverse order of registration, and before the
+# interpreter joins its threads: this one before concurrent.futures' (imported above).
+getattr(threading, "_register_atexit", atexit.register)(_finish_saves_at_exit)
