@@ -684,3 +684,27 @@ def test_native_data_file_that_is_a_fifo_is_named_so(saved_run, tmp_path, capsys
     _fails_naming(capsys, ["verify", "--quiet", step], step, f"{data}: is a FIFO")
     _fails_naming(capsys, ["inspect", step], step, f"{data}: is a FIFO")
     _fails_naming(capsys, _merge_argv(step, tmp_path), step, f"{data}: is a FIFO")
+
+
+@pytest.mark.parametrize("command", ["merge", "inspect", "verify"])
+def test_native_header_altered_into_another_valid_shape_is_a_checksum_mismatch(
+    saved_run, tmp_path, capsys, command
+):
+    """A byte flipped in a rank file's header was parsed before its digest was compared:
+    "tensor '__metadata^_' has unknown dtype None" instead of the checksum mismatch."""
+    import shutil
+
+    step = tmp_path / "step"
+    shutil.copytree(saved_run.step, step)
+    data = step / "rank-00001.safetensors"
+    raw = data.read_bytes()
+    assert raw.count(b'"__metadata__"') == 1
+    data.write_bytes(raw.replace(b'"__metadata__"', b'"__metadata^_"'))
+    argv = {
+        "merge": _merge_argv(step, tmp_path),
+        "inspect": ["inspect", step],
+        "verify": ["verify", "--quiet", step],
+    }[command]
+    _fails_naming(capsys, argv, step, str(data), "header")
+    if command != "verify":
+        _fails_naming(capsys, argv, step, f"{data}: header checksum mismatch")

@@ -41,7 +41,13 @@ from ..storage.tree import walk
 from . import jsondoc
 from .layout_names import describe_mesh
 from .regular_file import open_regular, present
-from .safetensors import read_header, stored_checksums, tensors_in_range
+from .safetensors import (
+    parse_header,
+    read_header,
+    read_header_bytes,
+    stored_checksums,
+    tensors_in_range,
+)
 
 if TYPE_CHECKING:
     from ..engine.endpoints import FileEndpoint
@@ -602,13 +608,12 @@ class _Headers(dict):
         expected = self.pending.pop(path, None)
         if expected is None:
             return default
-        header = read_header(path)
-        with open_regular(path) as f:
-            raw = f.read(header.data_start)
+        raw, file_size = read_header_bytes(path)  # checked before a word of it is believed
         if digest(raw) != expected:
             raise ChecksumMismatchError(
                 f"{path}: header checksum mismatch (header altered, or file swapped)"
             )
+        header = parse_header(path, raw[8:], file_size)
         sums = stored_checksums(header)
         if sums is None:
             raise CheckpointFormatError(f"{path}: no shardstream checksums in the header")

@@ -137,6 +137,13 @@ def _no_duplicate_keys(pairs: list[tuple[str, object]]) -> dict:
 
 def read_header(path: str | os.PathLike) -> SafetensorsHeader:
     """Read and validate a header against the safetensors rules and the file's real size."""
+    raw, file_size = read_header_bytes(path)
+    return parse_header(os.fspath(path), raw[8:], file_size)
+
+
+def read_header_bytes(path: str | os.PathLike) -> tuple[bytes, int]:
+    """A safetensors file's first ``8 + header length`` bytes, unparsed (for a digest checked
+    before the header is believed), and the file's size."""
     path = os.fspath(path)
     try:
         with open_regular(path) as f:
@@ -165,7 +172,7 @@ def read_header(path: str | os.PathLike) -> SafetensorsHeader:
         raise UsageError(f"{path}: cannot read: permission denied") from None
     except OSError as exc:  # a symlink loop, an I/O error
         raise CheckpointFormatError(f"{path}: cannot read: {exc.strerror or exc}") from None
-    return parse_header(path, raw, file_size)
+    return prefix + raw, file_size
 
 
 def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
