@@ -183,3 +183,20 @@ def test_a_head_tied_to_another_embedding_is_left_out(tmp_path, family):
     assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
     source, reference, _ = _state_dir(tmp_path, model)
     assert_merges_as_saved(source, reference, tmp_path / "merged")
+
+
+def test_the_flag_does_not_drop_a_head_the_config_unties(tmp_path, caplog):
+    """--tie-word-embedding dropped lm_head.weight though config.json said
+    tie_word_embeddings false: transformers then loaded a newly initialised head. verl's FSDP
+    merger ignores the flag (it is for Megatron checkpoints)."""
+    config = transformers.Qwen2Config(**TEXT, tie_word_embeddings=False)
+    source, reference, _ = _state_dir(tmp_path, transformers.Qwen2ForCausalLM(config))
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        merge(source, tmp_path / "merged", tie_word_embedding=True)
+    got, want = (
+        load_file(tmp_path / "merged" / "model.safetensors"),
+        load_file(reference / "model.safetensors"),
+    )
+    assert "lm_head.weight" in want and got.keys() == want.keys()
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert "--tie-word-embedding ignored" in caplog.text

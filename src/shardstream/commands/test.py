@@ -158,9 +158,7 @@ def compare_with_reference(
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
-    force_tie = tie_word_embedding or (
-        "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
-    )
+    reference_ties = "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
     tensors, factors = _merged_names(checkpoint.tensors)
     tensors = _saved_layout(tensors, config, config_dir)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
@@ -171,7 +169,7 @@ def compare_with_reference(
     elif factors and adapter.is_file():  # the adapter merge writes beside the model
         reference = reference + hf.whole_tensors(hf.tensors_of(read_header(adapter)))
         tensors = tensors + factors
-    drop = tied_duplicates(tensors, config, force_tie)
+    drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
 
     report = CompareReport(
         reference=str(test_hf_dir),

@@ -7,6 +7,7 @@ the files this module plans."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
@@ -31,6 +32,8 @@ from .jsondoc import read_object
 from .native import is_safe_name
 from .regular_file import present
 from .safetensors import SafetensorsHeader, read_header
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from ..engine.plan import GlobalTensor
@@ -252,28 +255,52 @@ def cast_dtype(stored: str, out_dtype: str | None) -> str:
 
 
 def tied_duplicates(
-    tensors: Sequence[GlobalTensor], config: dict, force_tie: bool, live_config: Any = None
+    tensors: Sequence[GlobalTensor],
+    config: dict,
+    force_tie: bool,
+    live_config: Any = None,
+    reference_ties: bool = False,
 ) -> set[str]:
     """``lm_head.weight`` (its stored name, wrapper prefixes aside) when the model ties it to
     the input embedding: not written. ``live_config``: the live model's config, where the
-    caller has it (the ``hf_model`` export), else ``config`` (config.json) decides."""
+    caller has it (the ``hf_model`` export), else ``config`` (config.json) decides.
+    ``force_tie`` (``--tie-word-embedding``) answers only where the config cannot: verl's FSDP
+    merger ignores the flag, and a head the config unties, dropped, is lost.
+    ``reference_ties``: ``shardstream test``'s reference model ties it, so it holds none."""
     names = strip_wrappers([t.name for t in tensors])
     has_embedding = any(n.endswith(TIED_EMBEDDING_SUFFIX) for n in names.values())
     heads = {stored for stored, name in names.items() if name == TIED_HEAD}
     if heads and has_embedding:
-        tied = force_tie or ties_word_embeddings(config, live_config)
-        return heads if tied else set()
+        return heads if _tied(config, live_config, force_tie, reference_ties) else set()
     # Other embeddings (GPT-2's transformer.wte, Mamba's backbone.embeddings): the pairs the
     # model class ties, where transformers is installed to say
     from .hf_names_cache import transformers_version
 
     if transformers_version() is None or not isinstance(config.get("model_type"), str):
         return set()
-    if not (force_tie or ties_word_embeddings(config, live_config)):
+    if not _tied(config, live_config, force_tie, reference_ties):
         return set()
     plain = {name: stored for stored, name in names.items()}
     pairs = _class_tied_pairs(config)
     return {plain[t] for t, s in pairs.items() if t in plain and (s is None or s in plain)}
+
+
+def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool = False) -> bool:
+    if reference_ties:
+        return True
+    try:
+        tied = ties_word_embeddings(config, live_config)
+    except UsageError:  # undecided without transformers: the flag decides
+        if force_tie:
+            return True
+        raise
+    if force_tie and not tied:
+        log.warning(
+            "--tie-word-embedding ignored: the model's config unties its output head "
+            "(tie_word_embeddings false), so lm_head.weight is written, as verl's FSDP merger "
+            "(which takes the flag for Megatron checkpoints only) writes it"
+        )
+    return tied
 
 
 def _class_tied_pairs(config: dict) -> dict[str, str | None]:
