@@ -7,10 +7,12 @@ import codecs
 import contextlib
 import json
 import os
+import signal
 import sys
+import threading
 from collections.abc import Callable, Iterator, Sequence
 
-from .errors import ShardstreamError, UsageError, os_error
+from .errors import COMMITTED_ATTR, ShardstreamError, Terminated, UsageError, os_error
 from .units import DEFAULT_MAX_SHARD_BYTES, check_buffer_size, format_size
 
 EXIT_ERROR = 1
@@ -344,8 +346,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inspect": run_inspect,
         "verify": run_verify,
     }
-    with _escaping_unprintable():
+    with _escaping_unprintable(), _terminated_as_interrupt():
         return _run(handlers[args.command], args)
+
+
+@contextlib.contextmanager
+def _terminated_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises ``Terminated`` for the block (in the main thread), so that a merge told
+    to stop removes its staged output as Ctrl-C does: the default action left it behind."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def terminated(signum, frame):
+        raise Terminated()
+
+    previous = signal.signal(signal.SIGTERM, terminated)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
@@ -360,9 +380,15 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
     except ShardstreamError as exc:
         print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
         return EXIT_ERROR
-    except KeyboardInterrupt:
-        print(f"shardstream {args.command}: interrupted; nothing was committed", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:
+        what = "terminated" if isinstance(exc, Terminated) else "interrupted"
+        committed = getattr(exc, COMMITTED_ATTR, None)
+        if committed:
+            said = f"{what} after {committed} was put in place, while its old output was deleted"
+        else:
+            said = f"{what}; nothing was committed"
+        print(f"shardstream {args.command}: {said}", file=sys.stderr)
+        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         import os
 

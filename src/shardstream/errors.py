@@ -58,6 +58,16 @@ class ReferenceMismatchError(ShardstreamError, AssertionError):
     """A checkpoint's tensors differ from the reference model they were compared with."""
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (what a scheduler, torchrun or ``timeout`` sends), raised by the command's
+    handler where the process is, so that the cleanup an interrupt runs runs for it too."""
+
+
+# Set on an interrupt that came once the output was already in place (while the old one was
+# being deleted): the target named there holds the new output.
+COMMITTED_ATTR = "shardstream_committed"
+
+
 def causes(exc: BaseException):
     """``exc`` and every exception behind it, including those DCP wraps per rank."""
     seen = set()

@@ -45,15 +45,15 @@ INJECT = textwrap.dedent(
             commit._exchange = exchange_then_die
             return
         if die_at == "mid-delete":  # retention's background deletion, cut half way
-            real_rmtree = commit.shutil.rmtree
+            real_remove_tree = commit.remove_tree
 
             def delete_one_file_then_die(path, *args, **kwargs):
                 if not os.path.basename(path).startswith(os.path.basename(victim) + ".tmp-"):
-                    return real_rmtree(path, *args, **kwargs)
+                    return real_remove_tree(path, *args, **kwargs)
                 os.unlink(min(os.path.join(d, f) for d, _, fs in os.walk(path) for f in fs))
                 die()
 
-            commit.shutil.rmtree = delete_one_file_then_die
+            commit.remove_tree = delete_one_file_then_die
             return
         real_rename = os.rename
 

@@ -30,7 +30,13 @@ import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 
-from ..errors import ShardstreamError, TargetExistsError, UsageError, out_of_space
+from ..errors import (
+    COMMITTED_ATTR,
+    ShardstreamError,
+    TargetExistsError,
+    UsageError,
+    out_of_space,
+)
 from . import locks
 from .tree import remove_tree
 
@@ -160,11 +166,27 @@ class Staged:
         self.target, self.path, self._owner = target, path, owner
 
     def commit(self) -> None:
-        """Swap the (already fsynced) directory in as the target, replacing any old one."""
+        """Swap the (already fsynced) directory in as the target, replacing any old one, then
+        delete the old one. An interrupt while it is deleted is raised marked committed
+        (``errors.COMMITTED_ATTR``); an old output that cannot be deleted is named."""
         try:
-            swap_in(self.path, self.target)
+            aside = swap_in(self.path, self.target)
         finally:
             self._release()
+        if aside is None:
+            return
+        try:
+            _remove(aside)
+        except BaseException as exc:
+            setattr(exc, COMMITTED_ATTR, str(self.target))
+            raise
+        if os.path.lexists(aside):
+            log.warning(
+                "shardstream: %s is in place, but its old output, now %s, could not be "
+                "deleted entirely: delete it by hand",
+                self.target,
+                aside,
+            )
 
     def abandon(self) -> None:
         """Remove the directory; an existing target stays untouched."""
@@ -203,8 +225,9 @@ def stage(target: str | os.PathLike) -> Staged:
     return staged
 
 
-def swap_in(tmp: Path, target: Path) -> None:
-    """Make the complete directory ``tmp`` the ``target``, atomically, and remove the old one.
+def swap_in(tmp: Path, target: Path) -> Path | None:
+    """Make the complete directory ``tmp`` the ``target``, atomically; returns where the old
+    one now is (for the caller to delete), or None when there was none.
 
     A crash at any point leaves ``target`` old or new, or, cut between the two renames of the
     fallback, the old one under ``.old`` for ``remove_stale_staging`` to put back.
@@ -212,7 +235,7 @@ def swap_in(tmp: Path, target: Path) -> None:
     if not os.path.lexists(target):
         os.rename(tmp, target)
         fsync_dir(target.parent)
-        return
+        return None
     if _exchange(tmp, target):
         aside = tmp  # the old directory, now under the temporary name
     else:
@@ -225,7 +248,7 @@ def swap_in(tmp: Path, target: Path) -> None:
                 os.rename(aside, target)
             raise
     fsync_dir(target.parent)
-    _remove(aside)
+    return aside
 
 
 def discard(path: Path) -> None:
@@ -325,6 +348,8 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
         check_target(target, overwrite)  # another run may have taken it meanwhile
         staged.commit()
     except BaseException as exc:
+        if hasattr(exc, COMMITTED_ATTR):  # in place; the old output's deletion was cut short
+            raise
         staged.abandon()
         if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
             message = "no space left on device while writing {path}; partial output removed"

@@ -1,0 +1,86 @@
+"""A merge told to stop (SIGTERM, Ctrl-C) leaves the target as it was and nothing staged; one
+stopped after its output is in place says so; an old output it cannot delete is named."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from shardstream import cli
+from shardstream.formats import hf
+from shardstream.storage import commit
+
+from .test_hostile import _plain_state, _verl_dir
+
+MODEL = "model_world_size_1_rank_0.pt"
+
+
+def _merge(source: Path, target: Path, *flags: str) -> int:
+    return cli.main(["merge", "--local_dir", str(source), "--target_dir", str(target), *flags])
+
+
+def _staged(parent: Path) -> list[str]:
+    return [p.name for p in parent.iterdir() if ".tmp-" in p.name]
+
+
+def test_sigterm_mid_merge_removes_what_was_staged(tmp_path, capsys, monkeypatch):
+    """SIGTERM's default action ended the process where it was: the staged output (as large
+    as the model) stayed until a later merge into the same target."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+    write_configs = hf.write_configs
+
+    def terminated_while_writing(*args, **kwargs):
+        write_configs(*args, **kwargs)
+        os.kill(os.getpid(), signal.SIGTERM)  # delivered to the main thread, here
+
+    monkeypatch.setattr(hf, "write_configs", terminated_while_writing)
+    assert _merge(source, target, "--quiet") == 128 + signal.SIGTERM
+    assert "terminated; nothing was committed" in capsys.readouterr().err
+    assert not target.exists() and _staged(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back
+
+
+def test_an_interrupt_once_the_output_is_in_place_says_so(tmp_path, capsys, monkeypatch):
+    """Ctrl-C while --overwrite deleted the old output said "nothing was committed", though
+    the target already held the new output."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+    assert _merge(source, target, "--quiet", "--dtype", "float32") == 0
+
+    def interrupted(path):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commit, "_remove", interrupted)
+    assert _merge(source, target, "--quiet", "--overwrite", "--dtype", "bfloat16") == 130
+    err = capsys.readouterr().err
+    assert f"interrupted after {target} was put in place" in err, err
+    assert "nothing was committed" not in err
+    assert {str(t.dtype) for t in load_file(target / "model.safetensors").values()} == {
+        "torch.bfloat16"
+    }
+
+
+def test_an_old_output_that_cannot_be_deleted_is_named(tmp_path, caplog, monkeypatch):
+    """--overwrite left the old output under a temporary name, with no owner to sweep it,
+    without a word."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+    assert _merge(source, target, "--quiet") == 0
+    monkeypatch.setattr(commit, "_remove", lambda path: None)  # as a refused deletion leaves it
+    with caplog.at_level(logging.WARNING, logger="shardstream"):
+        assert _merge(source, target, "--quiet", "--overwrite") == 0
+    (left,) = _staged(tmp_path)
+    assert f"its old output, now {tmp_path / left}, could not be deleted" in caplog.text
+
+
+@pytest.fixture(autouse=True)
+def _default_sigterm():
+    previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    yield
+    signal.signal(signal.SIGTERM, previous)
