@@ -19,6 +19,20 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a prefix that matches only the spellings of one option is that option:
+    ``--local`` is ``--local_dir`` (as verl's parser takes it), not ambiguous between
+    ``--local_dir`` and ``--local-dir``."""
+
+    def _get_option_tuples(self, option_string):
+        matches, actions = [], set()
+        for match in super()._get_option_tuples(option_string):
+            if id(match[0]) not in actions:
+                actions.add(id(match[0]))
+                matches.append(match)
+        return matches
+
+
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:
     """Add an option under its verl spelling and its dashed/underscored twin."""
     spellings: list[str] = []
@@ -51,7 +65,7 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="shardstream",
         description="Streaming, crash-safe FSDP checkpoint tools in bounded memory.",
     )
