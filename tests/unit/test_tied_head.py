@@ -200,3 +200,15 @@ def test_the_flag_does_not_drop_a_head_the_config_unties(tmp_path, caplog):
     assert "lm_head.weight" in want and got.keys() == want.keys()
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert "--tie-word-embedding ignored" in caplog.text
+
+
+@pytest.mark.parametrize(
+    "architecture, written", [("Qwen2ForCausalLM", True), ("Qwen2ForTokenClassification", False)]
+)
+def test_generation_config_only_for_a_model_that_generates(tmp_path, architecture, written):
+    """The hf_model export wrote generation_config.json for a critic, whose class cannot
+    generate; save_pretrained (and verl) write none for it."""
+    config = transformers.Qwen2Config(**TEXT, architectures=[architecture], num_labels=1)
+    hf.write_configs(tmp_path, "F32", hf_config=config)
+    assert (tmp_path / "config.json").is_file()
+    assert (tmp_path / "generation_config.json").is_file() == written

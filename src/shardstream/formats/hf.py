@@ -193,13 +193,29 @@ def _set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
 
 
 def _write_generation_config(target: Path, hf_config: Any) -> None:
+    """generation_config.json from the model's config, as ``save_pretrained`` writes it: only
+    for a model class that can generate (a critic's ``*ForTokenClassification`` cannot)."""
     if (target / "generation_config.json").exists():
         return
     try:
         from transformers import GenerationConfig
     except ImportError:  # pragma: no cover
         return
+    if not _can_generate(hf_config):
+        return
     GenerationConfig.from_model_config(hf_config).save_pretrained(target)
+
+
+def _can_generate(hf_config: Any) -> bool:
+    """Whether the class the config names generates; True for one transformers cannot name."""
+    from .hf_names import _model_class
+
+    try:
+        cls = _model_class(hf_config.to_dict())
+    except (ShardstreamError, AttributeError):
+        return True
+    can = getattr(cls, "can_generate", None)
+    return bool(can()) if callable(can) else True
 
 
 def read_config(config_dir: Path | None) -> dict:
