@@ -33,9 +33,11 @@ from .storage import collectives as coll
 from .storage import commit, locks
 from .storage.run_layout import (
     LATEST_FILE,  # noqa: F401  (importable from here, as before)
+    MANIFEST,
     committed_steps,
     is_run_entry,
     read_latest,
+    step_dirs,
     step_name,
     write_latest,
 )
@@ -608,6 +610,8 @@ class CheckpointManager:
         error naming them for one that holds only another tool's (verl's
         ``global_step_N/actor``), which restore() does not silently start over beside."""
         step = self.latest_step()
+        if step is not None:
+            self._say_skipped_above(step)
         if step is not None or not self.root.is_dir():
             return step
         from .formats.source import checkpoints_below
@@ -622,6 +626,24 @@ class CheckpointManager:
             f"restore(path=...) resumes from {'it' if len(found) == 1 else 'one'} (at any world "
             "size); to start afresh, use another directory"
         )
+
+    def _say_skipped_above(self, step: int) -> None:
+        """Warn of step directories newer than ``step`` that hold no manifest (not committed:
+        written by hand or by another tool), and of a pointer naming a step not committed:
+        restore falls back past them, and a user should hear of it."""
+        skipped = {s for s, p in step_dirs(self.root).items() if s > step}
+        skipped = {s for s in skipped if not (self.step_dir(s) / MANIFEST).is_file()}
+        pointer = read_latest(self.root)
+        if pointer is not None and pointer > step:  # a committed one would be ``step``
+            skipped.add(pointer)
+        if skipped:
+            log.warning(
+                "%s: %s not committed (no %s): restoring step %d, the newest committed one",
+                self.root,
+                ", ".join(step_name(s) for s in sorted(skipped)),
+                MANIFEST,
+                step,
+            )
 
     def _load(self, path: str | os.PathLike, prefix: str | None = None, states=None):
         return loading.load(

@@ -1476,6 +1476,14 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
     json_name, tensor_name = native.extra_files(rank)
     if json_name not in files:
         json_name, tensor_name = native.extra_files(0)
+        if rank > 0 and json_name in files and native.extra_files(rank - 1)[0] in files:
+            log.warning(  # said once: by the first rank the save did not have
+                "%s: saved at world size %d; ranks from %d on restore rank 0's extra state and "
+                "random number generators (they draw rank 0's numbers until reseeded)",
+                ckpt.directory,
+                rank,
+                rank,
+            )
     if json_name not in files:
         return {}
     json_path = native.check_name(ckpt.directory, json_name, "extra")

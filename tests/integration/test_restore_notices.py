@@ -1,0 +1,53 @@
+"""What a restore says when it does something a user may not expect: falls back past step
+directories that were never committed, or gives ranks the save did not have rank 0's extra
+state and random number generators."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.formats import native
+from shardstream.storage.run_layout import write_latest
+from shardstream.training import load as loading
+
+
+def _manager(root) -> CheckpointManager:
+    model = torch.nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    return CheckpointManager(CheckpointConfig(str(root)), model=model, optimizer=optimizer)
+
+
+def test_a_newer_step_directory_without_a_manifest_is_named(tmp_path, caplog):
+    """The pointer named step 4, whose directory holds no manifest: restore took step 2
+    without a word."""
+    with _manager(tmp_path / "run") as manager:
+        manager.save(1)
+        manager.save(2)
+    (tmp_path / "run" / "global_step_4").mkdir()
+    write_latest(tmp_path / "run", 4)
+    with _manager(tmp_path / "run") as manager, caplog.at_level(logging.WARNING, "shardstream"):
+        assert manager.restore()[0] == 2
+    assert "global_step_4 not committed (no manifest.json): restoring step 2" in caplog.text
+
+
+def test_a_restore_of_the_newest_committed_step_is_quiet(tmp_path, caplog):
+    with _manager(tmp_path / "run") as manager:
+        manager.save(1)
+    with _manager(tmp_path / "run") as manager, caplog.at_level(logging.WARNING, "shardstream"):
+        assert manager.restore()[0] == 1
+    assert "not committed" not in caplog.text
+
+
+def test_ranks_the_save_did_not_have_are_told_they_share_rank_0s_state(tmp_path, caplog):
+    """Restored at more ranks than saved, ranks 1.. took rank 0's extra state and RNG
+    streams silently (documented in format.md; now said once, by the first such rank)."""
+    with _manager(tmp_path / "run") as manager:
+        manager.save(1, extra={"epoch": 3})
+    ckpt = native.open_native(tmp_path / "run" / "global_step_1")
+    with caplog.at_level(logging.WARNING, "shardstream"):
+        assert loading._read_extra(ckpt, 1)["user"] == {"epoch": 3}
+        assert loading._read_extra(ckpt, 2)["user"] == {"epoch": 3}
+    assert caplog.text.count("saved at world size 1; ranks from 1 on restore rank 0's") == 1
