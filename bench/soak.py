@@ -52,8 +52,8 @@ SECTIONS = [
     ),  # fmt: skip
     (
         "kill",
-        "2. kill -9 during save, merge and the commit swap",
-        ("test_kill", "test_swap_crash"),
+        "2. kill -9, SIGTERM and Ctrl-C during save, merge and the commit swap",
+        ("test_kill", "test_swap_crash", "test_interrupts"),
         ("kill -9",),
     ),  # fmt: skip
     ("disk", "3. Disk full", "test_disk_full", ("disk full",)),

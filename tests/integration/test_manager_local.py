@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import shutil
 import threading
 
 import pytest
@@ -175,14 +174,14 @@ def test_retention_drops_the_step_at_once_and_deletes_it_in_the_background(tmp_p
     """save() returns with the old step gone from every listing (renamed aside); the files go
     on a background thread, which wait() joins."""
     release = threading.Event()
-    real_rmtree = shutil.rmtree
+    real_remove_tree = commit.remove_tree
 
-    def held_rmtree(path, *args, **kwargs):  # retention's deletion waits for the test
+    def held_remove_tree(path, *args, **kwargs):  # retention's deletion waits for the test
         if threading.current_thread().name == "shardstream-delete":
             assert release.wait(timeout=120)
-        return real_rmtree(path, *args, **kwargs)
+        return real_remove_tree(path, *args, **kwargs)
 
-    monkeypatch.setattr(commit.shutil, "rmtree", held_rmtree)
+    monkeypatch.setattr(commit, "remove_tree", held_remove_tree)
     model, optimizer, _ = tiny()
     cfg = CheckpointConfig(str(tmp_path), keep_last=1)
     with CheckpointManager(cfg, model=model, optimizer=optimizer) as mgr:
@@ -215,15 +214,15 @@ def test_async_save_retention_is_deleted_by_close(tmp_path):
 def test_retention_deletion_failure_is_a_warning_and_its_debris_is_swept(
     tmp_path, monkeypatch, caplog
 ):
-    real_rmtree = shutil.rmtree
+    real_remove_tree = commit.remove_tree
 
-    def failing_rmtree(path, *args, **kwargs):
+    def failing_remove_tree(path, *args, **kwargs):
         if threading.current_thread().name != "shardstream-delete":
-            return real_rmtree(path, *args, **kwargs)
+            return real_remove_tree(path, *args, **kwargs)
         if not kwargs.get("ignore_errors"):
             raise PermissionError(13, "Permission denied", str(path))
 
-    monkeypatch.setattr(commit.shutil, "rmtree", failing_rmtree)
+    monkeypatch.setattr(commit, "remove_tree", failing_remove_tree)
     model, optimizer, _ = tiny()
     cfg = CheckpointConfig(str(tmp_path), keep_last=1)
     with caplog.at_level(logging.WARNING, logger="shardstream"):

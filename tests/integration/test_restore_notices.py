@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import logging
 
+import pytest
 import torch
 
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.errors import CheckpointFormatError
 from shardstream.formats import native
 from shardstream.storage.run_layout import write_latest
 from shardstream.training import load as loading
@@ -51,3 +53,48 @@ def test_ranks_the_save_did_not_have_are_told_they_share_rank_0s_state(tmp_path,
         assert loading._read_extra(ckpt, 1)["user"] == {"epoch": 3}
         assert loading._read_extra(ckpt, 2)["user"] == {"epoch": 3}
     assert caplog.text.count("saved at world size 1; ranks from 1 on restore rank 0's") == 1
+
+
+def _qwen2(tie: bool):
+    import transformers
+
+    config = transformers.Qwen2Config(
+        vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
+        num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=tie,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    return transformers.Qwen2ForCausalLM(config)
+
+
+def _saved_adamw(root):
+    model = _qwen2(tie=False)
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 2, 3]])).logits.sum().backward()
+    optimizer.step()
+    with CheckpointManager(CheckpointConfig(str(root)), model=model, optimizer=optimizer) as m:
+        m.save(1)
+
+
+def test_another_optimizer_is_named_as_such(tmp_path):
+    """An AdamW checkpoint restored into SGD with momentum asked "was it saved from a
+    different model?"."""
+    _saved_adamw(tmp_path / "run")
+    model = _qwen2(tie=False)
+    sgd = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    config = CheckpointConfig(str(tmp_path / "run"))
+    with CheckpointManager(config, model=model, optimizer=sgd) as m:
+        with pytest.raises(CheckpointFormatError) as exc:
+            m.restore()
+    text = str(exc.value)
+    assert "the live optimizer keeps momentum_buffer, the checkpoint exp_avg, exp_avg_sq" in text
+    assert "different model" not in text
+
+
+def test_a_head_tied_on_one_side_only_is_named_as_such(tmp_path):
+    _saved_adamw(tmp_path / "run")
+    model = _qwen2(tie=True)
+    optimizer = torch.optim.AdamW(model.parameters())
+    config = CheckpointConfig(str(tmp_path / "run"))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as m:
+        with pytest.raises(CheckpointFormatError, match="untied output head, restored into a "):
+            m.restore()

@@ -864,6 +864,17 @@ def _checked_targets(
         model_tensors = {k: v for k, v in model_tensors.items() if st.is_lora_name(k)}
     targets = {**(model_tensors or {}), **(optim_tensors or {})}
     missing = [k for k in targets if k not in available]
+    if missing and all(k.startswith(native.OPTIMIZER_PREFIX) for k in missing):
+        wanted = ", ".join(sorted({_state_kind(k) for k in missing}))
+        everything = source.all_names or available
+        kept = {_state_kind(k) for k in everything if k.startswith(native.OPTIMIZER_PREFIX)}
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has no {_shown(missing[0])} ({len(missing)} missing): the "
+            f"live optimizer keeps {wanted}, the checkpoint "
+            f"{', '.join(sorted(kept)) if kept else 'no optimizer tensors'}; saved by another "
+            "optimizer or other settings (momentum, amsgrad)? Restore the model alone "
+            "(load_contents without 'optimizer') to start the optimizer afresh"
+        )
     if missing:
         raise CheckpointFormatError(
             f"{path}: checkpoint has no {_shown(missing[0])} ({len(missing)} missing); "

@@ -239,9 +239,20 @@ def check_param_groups(
                 for what, names in (("saved only", extra), ("live only", lacking))
                 if names
             )
+            heads = [n for n in extra + lacking if n.rsplit(".", 1)[0].endswith("lm_head")]
+            if heads and len(heads) == len(extra) + len(lacking):  # the head alone differs
+                hint = (
+                    "saved with an untied output head, restored into a model that ties it "
+                    "(tie_word_embeddings)?"
+                    if extra
+                    else "saved with a tied output head, restored into a model that unties it "
+                    "(tie_word_embeddings)?"
+                )
+            else:
+                hint = "was it saved from a different model?"
             raise CheckpointFormatError(
                 f"param_groups[{i}]: its parameters are not those of any of the optimizer's "
-                f"groups ({differs}): was it saved from a different model?"
+                f"groups ({differs}): {hint}"
             )
 
 
