@@ -409,7 +409,7 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return EXIT_ERROR
     except Exception as exc:  # an OSError: named as errors.os_error names it, else as it says
-        mapped = os_error(exc) or _system_error(exc)
+        mapped = os_error(exc) or _system_error(exc) or _lost_peer(exc, args)
         if mapped is None:
             raise
         print(f"shardstream {args.command}: error: {mapped}", file=sys.stderr)
@@ -449,6 +449,15 @@ def _escaping_unprintable() -> Iterator[None]:
     finally:
         for stream, errors in changed:
             stream.reconfigure(errors=errors)
+
+
+def _lost_peer(exc: BaseException, args: argparse.Namespace) -> str | None:
+    """A distributed merge's collective broken by another process that stopped: one line."""
+    if not getattr(args, "distributed", False):
+        return None
+    from .storage.collectives import lost_peer
+
+    return lost_peer(exc)
 
 
 def _system_error(exc: BaseException) -> str | None:

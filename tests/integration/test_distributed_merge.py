@@ -200,3 +200,37 @@ def test_split_tensors_records_are_checked_once(tmp_path):
         assert result["error"] and "checksum mismatch" in result["error"], results
         assert victim.name in result["error"], results
     assert not (tmp_path / "bad").exists()
+
+
+DIES = """
+import os, sys
+import shardstream.commands.merge as merge
+if os.environ["RANK"] == "1":  # gone once the output is staged, as a killed or crashed rank
+    merge.HfModelFiles.plan = lambda *args, **kwargs: os._exit(3)
+from shardstream.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_process_that_dies_leaves_the_others_a_line_not_a_traceback(actor, tmp_path):
+    """The survivors printed gloo's "Connection closed by peer" as chained tracebacks (from the
+    collective, then from the barrier of leaving the group); under torchrun they are also
+    sent SIGTERM. Either way: one line each, no output, nothing staged left behind."""
+    script = tmp_path / "dies.py"
+    script.write_text(DIES)
+    target = tmp_path / "merged"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    cmd += [str(script), "merge", "--local_dir", str(actor), "--target_dir", str(target)]
+    cmd += ["--distributed", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode != 0
+    frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
+    ours = [f for f in frames if any(s in f for s in ("/shardstream/", "distributed_c10d"))]
+    ours = [f for f in ours if "/torch/distributed/run.py" not in f and "elastic" not in f]
+    assert ours == [], output[-3000:]  # torchrun's own ChildFailedError may follow
+    said = [line for line in output.splitlines() if line.startswith("shardstream merge:")]
+    assert said and all("lost contact" in s or "terminated" in s for s in said), output[-3000:]
+    assert not target.exists()
+    assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []

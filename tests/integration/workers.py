@@ -501,7 +501,7 @@ def shared_open_run(rank: int, world: int, path: str) -> dict:
     from shardstream.formats import source as sources
 
     is_native = Path(path, "manifest.json").exists()
-    target = (native, "read_header") if is_native else (verl, "load_layout")
+    target = (native, "read_header_bytes") if is_native else (verl, "load_layout")
     with counting_calls(*target) as parsed:
         try:
             checkpoint = sources.open_checkpoint(path, model_only=True, shared=True)

@@ -112,8 +112,9 @@ def merge(
     start = time.perf_counter()
     if distributed and coll.init_from_environment():
         # Our own group: leave it cleanly, or gloo's threads can abort the process at exit.
+        # After a failure, without the barrier: the others may be gone.
         try:
-            return merge(
+            summary = merge(
                 local_dir,
                 target_dir,
                 dtype=dtype,
@@ -130,8 +131,11 @@ def merge(
                 on_plan=on_plan,
                 prefix=prefix,
             )
-        finally:
-            coll.leave()
+        except BaseException:
+            coll.leave(failed=True)
+            raise
+        coll.leave()
+        return summary
     max_file_bytes = parse_size(max_shard_size)
     buffer_bytes = parse_size(buffer_size)
     if max_file_bytes <= 0:
@@ -259,16 +263,19 @@ def merge(
             gathered = coll.gather(mine if error is None else None)
             coll.agree_or_raise(error)
             if rank == 0:
-                written += sum(file.size for file in output.seal(gathered))
-                if split and not fuse_lora:
-                    adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
-                    written += write_adapter(
-                        adapter_dir, split, settings, out_dtype, streamer, config
-                    )
-                    endpoints.finish()
-                if config_dir is not None:
-                    hf.write_configs(tmp, out_dtype, config_dir)
-        coll.barrier()
+                try:
+                    written += sum(file.size for file in output.seal(gathered))
+                    if split and not fuse_lora:
+                        adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
+                        written += write_adapter(
+                            adapter_dir, split, settings, out_dtype, streamer, config
+                        )
+                        endpoints.finish()
+                    if config_dir is not None:
+                        hf.write_configs(tmp, out_dtype, config_dir)
+                except BaseException as exc:  # noqa: BLE001  (the others wait to hear of it)
+                    error = exc
+            coll.agree_or_raise(error)
     finally:
         endpoints.close()
     return MergeSummary(

@@ -176,8 +176,32 @@ def init_from_environment() -> bool:
     return True
 
 
-def leave() -> None:
-    """Leave a process group this process created, after everyone is done with it."""
-    if initialized():
-        dist.barrier()
-        dist.destroy_process_group()
+def leave(failed: bool = False) -> None:
+    """Leave a process group this process created, after everyone is done with it; ``failed``:
+    at once (the others may be gone, and the failure is what the caller says)."""
+    if not initialized():
+        return
+    if failed:
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+        return
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def lost_peer(exc: BaseException) -> str | None:
+    """One line for a collective that failed because another process of the group stopped
+    (gloo: "Connection closed by peer", a reset, a timeout); None for any other error."""
+    error_types = tuple(
+        t for t in (getattr(dist, "DistError", None), RuntimeError) if isinstance(t, type)
+    )
+    if not isinstance(exc, error_types):
+        return None
+    text = str(exc)
+    if not any(s in text for s in ("gloo", "Connection", "connection", "Timed out", "timeout")):
+        return None
+    first = next((line.strip() for line in text.splitlines() if line.strip()), text)
+    return (
+        "lost contact with another process of the group, which stopped (its own error says "
+        f"why): {first[:200]}"
+    )
