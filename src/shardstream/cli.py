@@ -250,7 +250,12 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{f' and {more} more' if more > 0 else ''}): safetensors holds tensors only",
             file=sys.stderr,
         )
-    if not args.quiet and not args.dtype and summary.format == "verl" and summary.dtype != "BF16":
+    if (
+        not args.quiet
+        and not args.dtype
+        and summary.dtype not in (None, "BF16")
+        and _verl_step(args, summary)
+    ):
         from .engine.dtypes import TORCH_NAME
 
         written = TORCH_NAME[summary.dtype]
@@ -260,6 +265,19 @@ def run_merge(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
     return 0
+
+
+def _verl_step(args: argparse.Namespace, summary) -> bool:
+    """A checkpoint verl's merger would merge too: verl's own files, or the verl plug-in's
+    (shardstream's format in a ``global_step_N/<role>`` directory of a verl run)."""
+    if summary.format == "verl":
+        return True
+    from pathlib import Path
+
+    from .formats.source import STEP_DIR
+
+    local = Path(args.local_dir).absolute()
+    return summary.format == "shardstream" and bool(STEP_DIR.match(local.parent.name))
 
 
 def run_test(args: argparse.Namespace) -> int:

@@ -3,6 +3,8 @@ prefix of an option, and verl's parser has one spelling of each."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from shardstream.cli import build_parser
@@ -24,3 +26,25 @@ def test_a_prefix_of_two_options_stays_ambiguous(capsys):
         build_parser().parse_args(["merge", "--local_dir", "D", "--t", "T"])
     assert exc.value.code == 2
     assert "ambiguous option: --t could match" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("layout", ["global_step_1/actor", "run/global_step_1"])
+def test_the_bf16_note_for_a_checkpoint_the_verl_plugin_wrote(tmp_path, capsys, layout):
+    """verl's merge command on a checkpoint the verl plug-in saved (shardstream's format in
+    global_step_N/actor) wrote float32 without the note a verl checkpoint gets: verl's merger
+    writes bfloat16."""
+    import torch
+
+    import shardstream
+    from shardstream.cli import main
+
+    model = torch.nn.Linear(4, 4)
+    shardstream.save(tmp_path / layout, model=model, step=1, contents=("model",))
+    (tmp_path / "config").mkdir()
+    config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
+    (tmp_path / "config" / "config.json").write_text(json.dumps(config))
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(tmp_path / layout)]
+    args += ["--hf_model_path", str(tmp_path / "config")]
+    assert main([*args, "--target_dir", str(tmp_path / "merged")]) == 0
+    noted = "note: wrote float32" in capsys.readouterr().err
+    assert noted == (layout == "global_step_1/actor")
