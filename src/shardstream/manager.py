@@ -432,6 +432,17 @@ class CheckpointManager:
                         f"step {step} would delete it: move it away or save into another "
                         "directory"
                     )
+            newer = [s for s in self.all_steps() if s > step]
+            if error is None and newer:
+                log.warning(
+                    "%s: saving step %d while newer steps are committed (%s): a run resumed "
+                    "from an older step? They are kept, not counted by keep_last, and the "
+                    "latest pointer names step %d once it is saved",
+                    self.root,
+                    step,
+                    ", ".join(map(str, newer)),
+                    step,
+                )
         error = coll.broadcast(error)  # every rank raises rank 0's finding
         if error is not None:
             raise error

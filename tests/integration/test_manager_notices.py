@@ -1,6 +1,7 @@
-"""What a restore says when it does something a user may not expect: falls back past step
-directories that were never committed, or gives ranks the save did not have rank 0's extra
-state and random number generators."""
+"""What the manager says when it does something a user may not expect, and how it names what
+it refuses: a restore falling back past step directories that were never committed, ranks the
+save did not have taking rank 0's extra state, another optimizer, a head tied on one side only,
+a save below newer committed steps."""
 
 from __future__ import annotations
 
@@ -98,3 +99,15 @@ def test_a_head_tied_on_one_side_only_is_named_as_such(tmp_path):
     with CheckpointManager(config, model=model, optimizer=optimizer) as m:
         with pytest.raises(CheckpointFormatError, match="untied output head, restored into a "):
             m.restore()
+
+
+def test_saving_below_newer_committed_steps_says_so(tmp_path, caplog):
+    """After a rollback (restore an older step, train, save), the newer steps stayed beside
+    the new one, uncounted by keep_last, without a word."""
+    with _manager(tmp_path / "run") as manager:
+        manager.save(2)
+        manager.save(4)
+        with caplog.at_level(logging.WARNING, "shardstream"):
+            manager.save(3)
+        assert manager.all_steps() == [2, 3, 4] and manager.latest_step() == 3
+    assert "saving step 3 while newer steps are committed (4)" in caplog.text
