@@ -401,17 +401,16 @@ def _terminated_as_interrupt() -> Iterator[None]:
 
 
 def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace) -> int:
-    """The command's exit code; its errors as one line on stderr."""
+    """The command's exit code; its errors as one line on stderr (and with ``--json`` as a
+    JSON object on stdout, so that a script reading it gets an answer either way)."""
     try:
         code = handler(args)
         sys.stdout.flush()  # a closed pipe raises here, not at interpreter exit
         return code
     except UsageError as exc:
-        print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+        return _failed(args, f"error: {exc}", EXIT_USAGE)
     except ShardstreamError as exc:
-        print(f"shardstream {args.command}: error: {exc}", file=sys.stderr)
-        return EXIT_ERROR
+        return _failed(args, f"error: {exc}", EXIT_ERROR)
     except KeyboardInterrupt as exc:
         what = "terminated" if isinstance(exc, Terminated) else "interrupted"
         committed = getattr(exc, COMMITTED_ATTR, None)
@@ -419,8 +418,8 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
             said = f"{what} after {committed} was put in place, while its old output was deleted"
         else:
             said = f"{what}; nothing was committed"
-        print(f"shardstream {args.command}: {said}", file=sys.stderr)
-        return 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        code = 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)
+        return _failed(args, said, code)
     except BrokenPipeError:  # the reader went away (`| head`): stop quietly
         import os
 
@@ -430,8 +429,15 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
         mapped = os_error(exc) or _system_error(exc) or _lost_peer(exc, args)
         if mapped is None:
             raise
-        print(f"shardstream {args.command}: error: {mapped}", file=sys.stderr)
-        return EXIT_ERROR
+        return _failed(args, f"error: {mapped}", EXIT_ERROR)
+
+
+def _failed(args: argparse.Namespace, said: str, code: int) -> int:
+    print(f"shardstream {args.command}: {said}", file=sys.stderr)
+    if getattr(args, "json", False):
+        message = said.removeprefix("error: ")
+        print(json.dumps({"ok": False, "error": message, "exit_code": code}), flush=True)
+    return code
 
 
 ESCAPING = "shardstream-escape"

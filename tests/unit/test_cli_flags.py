@@ -48,3 +48,25 @@ def test_the_bf16_note_for_a_checkpoint_the_verl_plugin_wrote(tmp_path, capsys, 
     assert main([*args, "--target_dir", str(tmp_path / "merged")]) == 0
     noted = "note: wrote float32" in capsys.readouterr().err
     assert noted == (layout == "global_step_1/actor")
+
+
+@pytest.mark.parametrize("command", ["inspect", "merge"])
+def test_json_failure_is_json_too(tmp_path, capsys, command):
+    """inspect --json and merge --json printed nothing on stdout when they failed: a script
+    parsing their answer got an empty string."""
+    from shardstream.cli import main
+
+    missing = tmp_path / "missing"
+    argv = {
+        "inspect": ["inspect", "--json", str(missing)],
+        "merge": ["merge", "--json", "--local_dir", str(missing), "--target_dir", str(tmp_path)],
+    }[command]
+    code = main(argv)
+    out = capsys.readouterr()
+    answer = json.loads(out.out)
+    assert code == 1 and answer == {
+        "ok": False,
+        "error": f"{missing}: no such directory",
+        "exit_code": 1,
+    }
+    assert f"shardstream {command}: error: {missing}: no such directory" in out.err
