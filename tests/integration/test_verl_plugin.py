@@ -236,12 +236,21 @@ def test_hf_model_equals_merge_and_commands_read_it(saved, tmp_path, capsys):
     root, _, _ = saved
     actor = root / "global_step_3/actor"
     target = tmp_path / "merged"
-    assert main(["merge", "--local_dir", str(actor), "--target_dir", str(target)]) == 0
+    args = ["merge", "--local_dir", str(actor), "--target_dir", str(target)]
+    assert main([*args, "--dtype", "float32"]) == 0
     merged = load_file(target / "model.safetensors")
     exported = load_file(actor / "huggingface/model.safetensors")
     assert merged.keys() == exported.keys()
     for name, tensor in merged.items():
         assert torch.equal(tensor, exported[name]), name
+    # verl's hf_model: the tensors as trained, config.json naming bfloat16 (verl builds the
+    # model it saves with torch_dtype=bfloat16), so verl's merge command writes bfloat16
+    config = json.loads((actor / "huggingface/config.json").read_text())
+    assert config["dtype"] == "bfloat16"
+    assert {t.dtype for t in exported.values()} == {torch.float32}
+    assert main([*args[:-1], str(tmp_path / "default")]) == 0
+    default = load_file(tmp_path / "default" / "model.safetensors")
+    assert all(torch.equal(default[k], exported[k].to(torch.bfloat16)) for k in exported)
     assert verify(actor).ok
     assert main(["verify", str(actor)]) == 0
     assert main(["inspect", str(actor)]) == 0

@@ -167,7 +167,7 @@ def write_configs(
         hf_config.save_pretrained(target)
         _write_generation_config(target, hf_config)
         if dtype_name:
-            _set_config_dtype(target / "config.json", target / "config.json", dtype_name)
+            set_config_dtype(target / "config.json", target / "config.json", dtype_name)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
 
@@ -177,14 +177,14 @@ def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[
     copied = []
     for path in config_files(config_dir):
         if path.name == "config.json" and dtype_name:
-            _set_config_dtype(path, target / path.name, dtype_name)
+            set_config_dtype(path, target / path.name, dtype_name)
         else:
             shutil.copyfile(path, target / path.name)
         copied.append(path.name)
     return copied
 
 
-def _set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
+def set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
     config = read_object(source, "config", nonfinite=True)  # written back as it was spelled
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:

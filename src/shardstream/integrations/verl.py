@@ -31,6 +31,7 @@ import torch.distributed as dist
 
 from ..errors import ChecksumMismatchError, UsageError
 from ..formats import native
+from ..formats.hf import set_config_dtype
 from ..manager import CheckpointConfig, CheckpointManager
 from ..storage import collectives as coll
 from ..storage import commit
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from ..formats.source import Kind
 
 log = logging.getLogger(__name__)
+
+VERL_HF_MODEL_DTYPE = "bfloat16"  # what verl's FSDP manager's hf_model config.json names
 
 VERL_CONTENTS = ("model", "optimizer", "extra", "hf_model")
 DEFAULT_CONTENTS = ("model", "optimizer", "extra")  # verl's default for both lists
@@ -474,6 +477,11 @@ class _VerlFiles:
         hf_dir.mkdir(exist_ok=True)
         if self.export is None and self.config is not None:  # the export wrote it otherwise
             self.config.save_pretrained(hf_dir)
+        elif self.export is not None and (hf_dir / "config.json").is_file():
+            # verl's hf_model names bfloat16 whatever its tensors' dtype (it builds the model
+            # to save with torch_dtype=bfloat16): so do its files here, and a merge of them
+            path = hf_dir / "config.json"
+            set_config_dtype(path, path, VERL_HF_MODEL_DTYPE)
         if self.generation_config is not None:
             self.generation_config.save_pretrained(hf_dir)
         if self.processing_class is not None:
