@@ -501,7 +501,11 @@ def console_main() -> None:
     ``main`` returns every output is fsynced and renamed and every thread joined; only the
     standard streams are left to flush. An exception from ``main`` exits the usual way.
     """
-    code = main()
+    try:
+        code = main()
+    except KeyboardInterrupt:  # before main's own handling (start-up, imports): nothing begun
+        print("shardstream: interrupted; nothing was committed", file=sys.stderr)
+        code = 128 + signal.SIGINT
     try:
         sys.stdout.flush()
         sys.stderr.flush()

@@ -1,5 +1,6 @@
-"""A merge told to stop (SIGTERM, Ctrl-C) leaves the target as it was and nothing staged; one
-stopped after its output is in place says so; an old output it cannot delete is named."""
+"""A merge told to stop (SIGTERM, Ctrl-C), or beaten to its target, leaves the target as it was
+and nothing staged; one stopped after its output is in place says so; an old output it cannot
+delete is named."""
 
 from __future__ import annotations
 
@@ -84,3 +85,22 @@ def _default_sigterm():
     previous = signal.signal(signal.SIGTERM, signal.SIG_DFL)
     yield
     signal.signal(signal.SIGTERM, previous)
+
+
+def test_a_target_filled_by_another_merge_meanwhile_is_named_so(tmp_path, capsys, monkeypatch):
+    """Two merges into one target: the one that finished second was told the target "is not
+    empty; pass --overwrite", as if it had been when it started."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+    write_configs = hf.write_configs
+
+    def another_merge_finishes_first(*args, **kwargs):
+        write_configs(*args, **kwargs)
+        target.mkdir()
+        (target / "model.safetensors").write_bytes(b"the other merge's")
+
+    monkeypatch.setattr(hf, "write_configs", another_merge_finishes_first)
+    assert _merge(source, target, "--quiet") == 1
+    assert "was filled by another process while this one wrote" in capsys.readouterr().err
+    assert (target / "model.safetensors").read_bytes() == b"the other merge's"
+    assert _staged(tmp_path) == []

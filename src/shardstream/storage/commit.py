@@ -345,7 +345,14 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     try:
         yield staged.path
         fsync_tree(staged.path)
-        check_target(target, overwrite)  # another run may have taken it meanwhile
+        try:
+            check_target(target, overwrite)  # another run may have taken it meanwhile
+        except TargetExistsError:
+            raise TargetExistsError(
+                f"target {target} was filled by another process while this one wrote (two "
+                "merges into one target?); its output is kept, this one is discarded (pass "
+                "--overwrite to replace it)"
+            ) from None
         staged.commit()
     except BaseException as exc:
         if hasattr(exc, COMMITTED_ATTR):  # in place; the old output's deletion was cut short
