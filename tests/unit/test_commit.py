@@ -307,3 +307,23 @@ def test_a_full_disk_is_out_of_space_naming_the_path(code):
     assert isinstance(error, OutOfSpaceError)
     assert str(error) == "no space left on device while writing /x"
     assert out_of_space(OSError(errno.EIO, "I/O error"), "/x") is None
+
+
+def test_a_forbidden_target_directory_is_named_not_the_owner_file(tmp_path, monkeypatch):
+    """The message named shardstream's own ``<target>.tmp-<hex>.owner`` file."""
+    import os
+
+    from shardstream.errors import UsageError
+    from shardstream.storage import commit
+
+    real_open = os.open
+
+    def refused(path, *args, **kwargs):
+        if str(path).endswith(commit.OWNER_SUFFIX):
+            raise PermissionError(13, "Permission denied", str(path))
+        return real_open(path, *args, **kwargs)
+
+    monkeypatch.setattr(commit.os, "open", refused)
+    with pytest.raises(UsageError) as caught:
+        commit.stage(tmp_path / "merged")
+    assert str(caught.value) == f"cannot write the target merged in {tmp_path}: permission denied"

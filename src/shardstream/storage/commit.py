@@ -425,11 +425,17 @@ def _claim(tmp: Path) -> int | None:
     for _ in range(CLAIM_ATTEMPTS):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except PermissionError:
-            raise UsageError(f"cannot create {path}: permission denied") from None
+        except PermissionError:  # named by the directory the user chose, not our own file
+            raise UsageError(
+                f"cannot write the target {tmp.name.split(TMP_MARK)[0]} in {tmp.parent}: "
+                "permission denied"
+            ) from None
         except OSError as exc:
             full = out_of_space(exc, path, "cannot create {path}: no space left on device")
-            raise full or UsageError(f"cannot create {path}: {exc.strerror}") from None
+            raise full or UsageError(
+                f"cannot write the target {tmp.name.split(TMP_MARK)[0]} in {tmp.parent}: "
+                f"{exc.strerror}"
+            ) from None
         try:
             # Between the create and the lock a cleaner may take this still-empty file for a
             # dead writer's (one killed in that instant looks the same) and remove it: then the
