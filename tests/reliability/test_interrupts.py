@@ -68,16 +68,19 @@ def test_an_interrupt_once_the_output_is_in_place_says_so(tmp_path, capsys, monk
 
 
 def test_an_old_output_that_cannot_be_deleted_is_named(tmp_path, caplog, monkeypatch):
-    """--overwrite left the old output under a temporary name, with no owner to sweep it,
-    without a word."""
+    """--overwrite left the old output under a temporary name, with no owner file for a later
+    run to sweep it by, without a word."""
     source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
     target = tmp_path / "merged"
     assert _merge(source, target, "--quiet") == 0
     monkeypatch.setattr(commit, "_remove", lambda path: None)  # as a refused deletion leaves it
     with caplog.at_level(logging.WARNING, logger="shardstream"):
         assert _merge(source, target, "--quiet", "--overwrite") == 0
-    (left,) = _staged(tmp_path)
+    (left,) = [name for name in _staged(tmp_path) if (tmp_path / name).is_dir()]
     assert f"its old output, now {tmp_path / left}, could not be deleted" in caplog.text
+    monkeypatch.undo()  # its owner file stayed, unlocked: the next write sweeps it
+    assert _merge(source, target, "--quiet", "--overwrite") == 0
+    assert _staged(tmp_path) == []
 
 
 @pytest.fixture(autouse=True)
@@ -104,3 +107,23 @@ def test_a_target_filled_by_another_merge_meanwhile_is_named_so(tmp_path, capsys
     assert "was filled by another process while this one wrote" in capsys.readouterr().err
     assert (target / "model.safetensors").read_bytes() == b"the other merge's"
     assert _staged(tmp_path) == []
+
+
+def test_what_a_failed_merge_cannot_remove_is_swept_by_the_next(tmp_path, capsys, monkeypatch):
+    """A staged output its failed merge could not remove lost its owner file anyway, so no
+    later merge removed it (a model-sized directory left for good)."""
+    from shardstream.errors import CheckpointFormatError
+
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+
+    def fails(*args, **kwargs):
+        raise CheckpointFormatError("config.json: refused for the test")
+
+    monkeypatch.setattr(hf, "write_configs", fails)
+    monkeypatch.setattr(commit, "_remove", lambda path: None)
+    assert _merge(source, target, "--quiet") == 1
+    assert len([n for n in _staged(tmp_path) if (tmp_path / n).is_dir()]) == 1
+    monkeypatch.undo()
+    assert _merge(source, target, "--quiet") == 0
+    assert _staged(tmp_path) == [] and (target / "model.safetensors").is_file()

@@ -168,38 +168,42 @@ class Staged:
     def commit(self) -> None:
         """Swap the (already fsynced) directory in as the target, replacing any old one, then
         delete the old one. An interrupt while it is deleted is raised marked committed
-        (``errors.COMMITTED_ATTR``); an old output that cannot be deleted is named."""
-        try:
-            aside = swap_in(self.path, self.target)
-        finally:
-            self._release()
+        (``errors.COMMITTED_ATTR``); an old output that cannot be deleted is named, and its
+        owner file stays (unlocked), so that the next write of the target sweeps it."""
+        aside = swap_in(self.path, self.target)  # on failure the caller abandons
         if aside is None:
+            self._release()
             return
         try:
             _remove(aside)
         except BaseException as exc:
             setattr(exc, COMMITTED_ATTR, str(self.target))
             raise
+        finally:
+            self._release(keep_owner_file=os.path.lexists(aside))
         if os.path.lexists(aside):
             log.warning(
                 "shardstream: %s is in place, but its old output, now %s, could not be "
-                "deleted entirely: delete it by hand",
+                "deleted entirely: the next write of %s removes it, or delete it by hand",
                 self.target,
                 aside,
+                self.target.name,
             )
 
     def abandon(self) -> None:
-        """Remove the directory; an existing target stays untouched."""
+        """Remove the directory; an existing target stays untouched. What cannot be removed
+        keeps its owner file (unlocked): the next write of the target sweeps it."""
         try:
             _remove(self.path)
         finally:
-            self._release()
+            self._release(keep_owner_file=os.path.lexists(self.path))
 
-    def _release(self) -> None:
+    def _release(self, keep_owner_file: bool = False) -> None:
         if self._owner is None:
             return
-        with contextlib.suppress(OSError):
-            _owner_path(self.path).unlink()
+        if not keep_owner_file:
+            with contextlib.suppress(OSError):
+                _owner_path(self.path).unlink()
         os.close(self._owner)  # releases the lock, after the unlink: none sees a dead owner of ours
         self._owner = None
 
