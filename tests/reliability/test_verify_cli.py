@@ -250,3 +250,23 @@ def test_verify_dcp_checks_structure_and_crcs(tmp_path, capsys):
     data.write_bytes(data.read_bytes()[:100])
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1 and len(lines) == 1 and "truncated" in lines[0] and data.name in lines[0]
+
+
+def test_verify_dcp_checks_the_config_files_merge_copies(tmp_path, capsys):
+    """A FIFO as the tokenizer file beside a DCP checkpoint: merge refuses it, verify said
+    OK (it checked the DCP files only)."""
+    import os
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(ckpt))
+    (ckpt / "config.json").write_text('{"model_type": "tiny"}')
+    assert _verify(capsys, ckpt)[0] == 0
+    os.mkfifo(ckpt / "tokenizer.json")
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and lines == [f"{ckpt / 'tokenizer.json'}: is a FIFO, expected a regular file"]

@@ -296,18 +296,19 @@ def _verl_shard_replicas_agree(checkpoint, report: VerifyReport) -> None:
         endpoints.close()
 
 
-def _config_files_sound(checkpoint, report: VerifyReport) -> None:
-    """The config and tokenizer files merge copies into its output are regular files inside
-    the checkpoint, and config.json a JSON object: merge refuses anything else."""
+def _config_files_sound(directory: Path, config_dir: Callable[[], Path | None], report) -> None:
+    """The config and tokenizer files merge copies into its output (``config_dir()`` finds
+    them, as merge does) are regular files inside the checkpoint, and config.json a JSON
+    object: merge refuses anything else."""
     from ..formats.hf import config_files, read_config
 
     try:
-        config_dir = checkpoint.config_dir()
-        if config_dir is not None:
-            config_files(config_dir)
-            read_config(config_dir)
+        found = config_dir()
+        if found is not None:
+            config_files(found)
+            read_config(found)
     except (ShardstreamError, OSError) as exc:
-        report.problems.append(_problem_in(checkpoint.directory, exc))
+        report.problems.append(_problem_in(directory, exc))
 
 
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
@@ -333,7 +334,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         named = [(t.name, t.blocks) for t in checkpoint.tensors]
         named += list(checkpoint.replicas.items())
         _verify_lora(directory, checkpoint.tensors, None, report)
-        _config_files_sound(checkpoint, report)
+        _config_files_sound(directory, checkpoint.config_dir, report)
     except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
@@ -370,7 +371,7 @@ def _bad_zip_records(file: Path, report: VerifyReport, progress, buffer) -> list
 def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     """DCP's metadata is read (safely) and every byte range it names is checked to lie inside
     a data file that exists; then every item's zip records against their CRC-32s."""
-    from ..formats.dcp import check_dcp
+    from ..formats.dcp import check_dcp, config_dir_of
 
     try:
         check_dcp(directory)
@@ -380,6 +381,7 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
     if not any(p.path.startswith(str(directory)) for p in report.problems):
         _verify_dcp_records(directory, report, progress)  # its structure is sound
+    _config_files_sound(directory, lambda: config_dir_of(directory), report)
 
 
 def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:

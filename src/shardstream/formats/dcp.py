@@ -153,18 +153,22 @@ class DcpCheckpoint:
         """Nothing to check ahead of a merge: no checksums."""
 
     def config_dir(self) -> Path | None:
-        """config.json's directory: the checkpoint itself, or the Trainer checkpoint around
-        accelerate's ``pytorch_model_fsdp_N``; None when neither has one."""
-        candidates = [self.directory]
-        if ACCELERATE_MODEL_DIR.match(self.directory.name):
-            candidates.append(self.directory.parent)
-        from .hf import check_no_links_out
+        return config_dir_of(self.directory)
 
-        for candidate in candidates:
-            if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
-                # merge copies these files: none may lead out of the directory that holds them
-                return check_no_links_out(candidate, candidate)
-        return None
+
+def config_dir_of(directory: Path) -> Path | None:
+    """A DCP checkpoint's config.json directory: the checkpoint itself, or the Trainer
+    checkpoint around accelerate's ``pytorch_model_fsdp_N``; None when neither has one."""
+    candidates = [directory]
+    if ACCELERATE_MODEL_DIR.match(directory.name):
+        candidates.append(directory.parent)
+    from .hf import check_no_links_out
+
+    for candidate in candidates:
+        if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
+            # merge copies these files: none may lead out of the directory that holds them
+            return check_no_links_out(candidate, candidate)
+    return None
 
 
 # torchtitan's step-N, accelerate's checkpoint_N, the Trainer's checkpoint-N, verl's global_step_N
