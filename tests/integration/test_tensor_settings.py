@@ -133,49 +133,51 @@ def test_a_plain_number_of_a_kind_the_optimizer_lacks_is_refused(tmp_path):
     assert all("momentum_buffer" not in s for s in live_optimizer.state.values())
 
 
-def test_a_checkpoint_without_scheduler_state_says_so(tmp_path, caplog):
-    """A live scheduler given, a train state saved without one: restored as before, and a
-    warning says the scheduler starts afresh (it said nothing)."""
+def _restored_beside(tmp_path, caplog, saved_kind, live_kind, steps: int = 0):
+    """Save after ``steps`` steps with the scheduler ``saved_kind(optimizer)`` builds (None:
+    without one), restore beside ``live_kind(optimizer)``; the live scheduler, and the log."""
     model, optimizer = _build(SAVED_LR, seed=0)
-    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer, step=1)
+    saved = saved_kind(optimizer) if saved_kind is not None else None
+    for _ in range(steps):
+        optimizer.step()
+        saved.step()
+    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer, lr_scheduler=saved,
+                     step=1)  # fmt: skip
     live, live_optimizer = _build(LIVE_LR, seed=1)
-    scheduler = torch.optim.lr_scheduler.StepLR(live_optimizer, step_size=2)
+    scheduler = live_kind(live_optimizer)
     with caplog.at_level("WARNING", logger="shardstream"):
         shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
                          lr_scheduler=scheduler)  # fmt: skip
-    assert "holds no LR scheduler state" in caplog.text
+    return scheduler, caplog.text
+
+
+def _step_lr(optimizer):
+    return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+
+
+def test_a_checkpoint_without_scheduler_state_says_so(tmp_path, caplog):
+    """A live scheduler given, a train state saved without one: restored as before, and a
+    warning says the scheduler starts afresh (it said nothing)."""
+    scheduler, log = _restored_beside(tmp_path, caplog, None, _step_lr)
+    assert "holds no LR scheduler state" in log
     assert scheduler.last_epoch == 0
 
 
 def test_a_scheduler_state_of_another_kind_says_so(tmp_path, caplog):
     """A StepLR's state restored into an ExponentialLR: its step count is restored, and a warning
     names the saved settings the live scheduler does not follow (it said nothing)."""
-    model, optimizer = _build(SAVED_LR, seed=0)
-    saved_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    optimizer.step()
-    saved_scheduler.step()
-    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer,
-                     lr_scheduler=saved_scheduler, step=1)  # fmt: skip
-    live, live_optimizer = _build(LIVE_LR, seed=1)
-    scheduler = torch.optim.lr_scheduler.ExponentialLR(live_optimizer, gamma=0.5)
-    with caplog.at_level("WARNING", logger="shardstream"):
-        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
-                         lr_scheduler=scheduler)  # fmt: skip
-    assert "holds step_size, which the live ExponentialLR does not keep" in caplog.text
+
+    def exponential(optimizer):
+        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=0.5)
+
+    scheduler, log = _restored_beside(tmp_path, caplog, _step_lr, exponential, steps=1)
+    assert "holds step_size, which the live ExponentialLR does not keep" in log
     assert scheduler.last_epoch == 1
 
 
 def test_a_scheduler_state_of_the_same_kind_restores_quietly(tmp_path, caplog):
-    model, optimizer = _build(SAVED_LR, seed=0)
-    saved_scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
-    shardstream.save(tmp_path / "c", model=model, optimizer=optimizer,
-                     lr_scheduler=saved_scheduler, step=1)  # fmt: skip
-    live, live_optimizer = _build(LIVE_LR, seed=1)
-    scheduler = torch.optim.lr_scheduler.StepLR(live_optimizer, step_size=2)
-    with caplog.at_level("WARNING", logger="shardstream"):
-        shardstream.load(tmp_path / "c", model=live, optimizer=live_optimizer,
-                         lr_scheduler=scheduler)  # fmt: skip
-    assert "LR scheduler" not in caplog.text
+    _, log = _restored_beside(tmp_path, caplog, _step_lr, _step_lr)
+    assert "LR scheduler" not in log
 
 
 def test_checking_a_scheduler_state_leaves_the_scheduler_as_it_was():
