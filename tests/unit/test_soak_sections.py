@@ -15,3 +15,13 @@ def test_every_reliability_test_file_is_in_a_soak_section(monkeypatch):
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     assert soak.unsectioned_test_files() == []
+
+
+def test_no_reliability_test_asks_for_caplog():
+    """`make soak` runs pytest with ``-p no:logging``, which takes the caplog fixture away: a
+    reliability test that asked for it errored there, though it passed under `make test`."""
+    import re
+
+    tests = Path(__file__).resolve().parents[1] / "reliability"
+    asking = [p.name for p in sorted(tests.glob("*.py")) if re.search(r"\bcaplog\b", p.read_text())]
+    assert asking == []
