@@ -276,7 +276,8 @@ def _verl_shard_replicas_agree(checkpoint, report: VerifyReport) -> None:
         for name, pairs in checkpoint.shard_replicas.items():
             shape = by_name[name].shape
             for replica, first in pairs:
-                if crc(replica) is not None and crc(replica) == crc(first):
+                stored = crc(replica)
+                if stored is not None and stored == crc(first):
                     continue
                 if hash_block(name, shape, replica, streamer) != hash_block(
                     name, shape, first, streamer
