@@ -505,11 +505,18 @@ class CheckpointManager:
         graves = []
         for step in doomed:
             path = self.step_dir(step)
+            free, claim = locks.claim_unread(path / MANIFEST)
+            if not free:
+                log.info("shardstream: %s is being read; a later save drops it", path)
+                continue
             try:
                 graves.append(commit.bury(path))  # gone at once; a crash leaves debris to sweep
             except OSError as exc:
                 log.warning("shardstream: could not delete old checkpoint %s: %s", path, exc)
                 continue
+            finally:
+                if claim is not None:
+                    locks.release(claim)
             self._dropped(path)
         # The slow part, in the background; joined by wait(), close() and the next save.
         self._deleter.submit(graves, self._after_deleting())
@@ -589,19 +596,31 @@ class CheckpointManager:
                         f"(committed: {committed or 'none'})"
                     )
                 coll.agree_or_raise(error, "restore")
+            # A run saving here deletes old steps (retention) but not one a reader leases, so
+            # a step every rank leases is read whole; one deleted before that is retried.
+            lease = locks.lease(self.step_dir(step) / MANIFEST)
             try:
-                result = self._load(self.step_dir(step))
-            except ShardstreamError:
-                # The saving run's retention may delete the newest step but two while it is
-                # read; then the newest is another one, so read that.
-                gone = coll.broadcast(
-                    not self.step_dir(step).exists() if coll.rank() == 0 else None
+                if all(coll.gather(lease is not None)):
+                    try:
+                        return step, self._load(self.step_dir(step)).extra
+                    except ShardstreamError:
+                        # Deleted mid-read all the same: a filesystem without locks.
+                        gone = coll.broadcast(
+                            not self.step_dir(step).exists() if coll.rank() == 0 else None
+                        )
+                        if explicit or not gone or attempt + 1 == RESTORE_ATTEMPTS:
+                            raise
+                        log.info("shardstream: step %s was deleted while restoring it", step)
+                        continue
+            finally:
+                if lease is not None:
+                    locks.release(lease)
+            if explicit or attempt + 1 == RESTORE_ATTEMPTS:
+                raise CheckpointNotFoundError(
+                    f"{self.step_dir(step)}: deleted while it was being restored (the "
+                    f"retention of a run saving in {self.root}?)"
                 )
-                if explicit or not gone or attempt + 1 == RESTORE_ATTEMPTS:
-                    raise
-                log.info("shardstream: step %s was deleted while restoring it; retrying", step)
-                continue
-            return step, result.extra
+            log.info("shardstream: step %s was deleted before restoring it; retrying", step)
         raise AssertionError("unreachable")
 
     def _resume_path(self) -> Path:

@@ -636,3 +636,34 @@ def test_live_tensors_that_share_memory_are_refused(tmp_path, kind, needle):
     with pytest.raises(CheckpointFormatError, match=needle):
         shardstream.load(tmp_path / "c", model=live, contents=("model",))
     assert all(torch.equal(before[k], v) for k, v in live.state_dict().items())
+
+
+def test_retention_leaves_the_step_a_restore_is_reading(tmp_path, monkeypatch):
+    """A reader restoring beside a run that saves: the run's retention keeps the step being
+    read (past keep_last) and drops it at a save after the restore."""
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path), keep_last=1)
+    writer = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    step(model, optimizer, scheduler)
+    writer.save(1, extra={"s": 1})
+    want = snapshot(model, optimizer, scheduler)
+    model2, optimizer2, scheduler2 = tiny()
+    reader = CheckpointManager(cfg, model=model2, optimizer=optimizer2, lr_scheduler=scheduler2)
+    read = reader._load
+
+    def load_while_the_run_saves(path, *args, **kwargs):
+        for s in (2, 3):
+            step(model, optimizer, scheduler)
+            writer.save(s, extra={"s": s})
+        writer.wait()
+        assert writer.all_steps() == [1, 3]  # step 1 is being read
+        return read(path, *args, **kwargs)
+
+    monkeypatch.setattr(reader, "_load", load_while_the_run_saves)
+    assert reader.restore() == (1, {"s": 1})
+    assert_same(snapshot(model2, optimizer2, scheduler2), want)
+    writer.save(4)
+    writer.wait()
+    assert writer.all_steps() == [4]
+    writer.close()
+    reader.close()

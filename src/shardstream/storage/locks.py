@@ -99,3 +99,55 @@ def _dead_on_this_host(fd: int) -> bool:
     except OSError:
         return False
     return False
+
+
+# Readers and retention: a reader holds a shared lock on a committed checkpoint's manifest
+# while it reads; retention deletes a checkpoint only when it can take that lock exclusively.
+
+
+def lease(path: str | os.PathLike) -> int | None:
+    """A shared lock on ``path`` (a checkpoint's manifest) for a reader: the descriptor to
+    ``release`` when done, or None when the file is gone or being deleted.
+
+    Where the filesystem has no locks, the descriptor comes back unlocked: reading goes on
+    unprotected, as it would without leases.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # retention holds it: being deleted
+        os.close(fd)
+        return None
+    except OSError:
+        return fd
+    try:
+        here = os.stat(path)
+    except OSError:
+        here = None
+    mine = os.fstat(fd)
+    if here is None or (here.st_dev, here.st_ino) != (mine.st_dev, mine.st_ino):
+        release(fd)  # deleted (renamed away) between our open and our lock
+        return None
+    return fd
+
+
+def claim_unread(path: str | os.PathLike) -> tuple[bool, int | None]:
+    """For retention: ``(free, fd)``. ``free`` is False while a reader holds a ``lease`` on
+    ``path`` (a checkpoint's manifest); otherwise ``fd`` holds its exclusive lock, to
+    ``release`` after deleting, or is None where there is nothing to lock (no file, no
+    locks)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return True, None
+    try:
+        if take(fd):
+            return True, fd
+    except OSError:
+        os.close(fd)
+        return True, None
+    os.close(fd)
+    return False, None
