@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 
 from shardstream.storage.tree import remove_tree, walk
 
@@ -56,3 +57,21 @@ def test_remove_tree_removes_links_and_not_what_they_lead_to(tmp_path):
     remove_tree(tmp_path / "root")
     assert not (tmp_path / "root").exists()
     assert (outside / "kept").read_text() == "kept"
+
+
+def test_fsync_tree_reaches_any_depth_and_syncs_folders_after_their_contents(tmp_path, monkeypatch):
+    from shardstream.storage import commit
+
+    root = tmp_path / "root"
+    _tree(root)
+    deep = root
+    for _ in range(sys.getrecursionlimit() + 50):
+        deep = deep / "d"
+        os.mkdir(deep)
+    (deep / "last").write_text("x")
+    synced = []
+    monkeypatch.setattr(commit, "fsync_dir", lambda path: synced.append(os.fspath(path)))
+    commit.fsync_tree(root)
+    assert sorted(synced) == sorted(path for path, _, _ in walk(root))
+    for i, path in enumerate(synced):
+        assert not any(p.startswith(path + os.sep) for p in synced[i + 1 :]), path

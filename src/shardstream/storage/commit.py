@@ -38,7 +38,7 @@ from ..errors import (
     out_of_space,
 )
 from . import locks
-from .tree import remove_tree
+from .tree import remove_tree, walk
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +66,16 @@ def fsync_dir(path: str | os.PathLike) -> None:
 
 def fsync_tree(root: str | os.PathLike) -> None:
     """fsync every file and directory below ``root`` (files first, then their directories)."""
-    for dirpath, _, files in os.walk(root, topdown=False):
+    folders = []
+    for dirpath, _, files in walk(root):
+        folders.append(dirpath)
         for name in files:
             fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
             try:
                 os.fsync(fd)
             finally:
                 os.close(fd)
+    for dirpath in reversed(folders):  # each folder after everything below it
         fsync_dir(dirpath)
 
 
