@@ -69,9 +69,14 @@ def test_fsync_tree_reaches_any_depth_and_syncs_folders_after_their_contents(tmp
         deep = deep / "d"
         os.mkdir(deep)
     (deep / "last").write_text("x")
+    folders = sorted(path for path, _, _ in walk(root))
     synced = []
     monkeypatch.setattr(commit, "fsync_dir", lambda path: synced.append(os.fspath(path)))
-    commit.fsync_tree(root)
-    assert sorted(synced) == sorted(path for path, _, _ in walk(root))
+    try:
+        commit.fsync_tree(root)
+    finally:
+        monkeypatch.undo()
+        remove_tree(root)  # pytest's own clean-up of tmp_path recurses
+    assert sorted(synced) == folders
     for i, path in enumerate(synced):
         assert not any(p.startswith(path + os.sep) for p in synced[i + 1 :]), path
