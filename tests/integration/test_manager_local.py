@@ -667,3 +667,34 @@ def test_retention_leaves_the_step_a_restore_is_reading(tmp_path, monkeypatch):
     assert writer.all_steps() == [4]
     writer.close()
     reader.close()
+
+
+@pytest.mark.parametrize("command", ["merge", "verify"])
+def test_merge_and_verify_keep_the_step_they_read_from_retention(tmp_path, command):
+    from shardstream.commands.verify import verify
+
+    model, optimizer, scheduler = tiny()
+    cfg = CheckpointConfig(str(tmp_path / "run"), keep_last=1)
+    writer = CheckpointManager(cfg, model=model, optimizer=optimizer, lr_scheduler=scheduler)
+    writer.save(1)
+    saved_meanwhile = []
+
+    def the_run_saves(_):
+        if not saved_meanwhile:
+            for s in (2, 3):
+                step(model, optimizer, scheduler)
+                writer.save(s)
+            writer.wait()
+            saved_meanwhile.append(writer.all_steps())
+
+    if command == "merge":
+        summary = shardstream.merge(writer.step_dir(1), tmp_path / "out", progress=the_run_saves)
+        assert summary.tensors == 5
+    else:
+        report = verify(writer.step_dir(1), progress=the_run_saves)
+        assert report.ok, report.problems
+    assert saved_meanwhile == [[1, 3]]  # step 1 was being read
+    writer.save(4)
+    writer.wait()
+    assert writer.all_steps() == [4]
+    writer.close()

@@ -20,9 +20,11 @@ from ..errors import CheckpointFormatError, ShardstreamError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
+from ..formats.native import MANIFEST
 from ..formats.source import open_checkpoint
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
+from ..storage import locks
 from ..storage.commit import staged_directory
 from ..units import (
     DEFAULT_BUFFER_BYTES,
@@ -136,6 +138,47 @@ def merge(
             raise
         coll.leave()
         return summary
+    # A run saving beside us does not delete the checkpoint while we read it.
+    with locks.reading(Path(local_dir) / MANIFEST):
+        return _merge(
+            local_dir,
+            target_dir,
+            start,
+            dtype=dtype,
+            max_shard_size=max_shard_size,
+            buffer_size=buffer_size,
+            overwrite=overwrite,
+            hf_model_path=hf_model_path,
+            tie_word_embedding=tie_word_embedding,
+            fuse_lora=fuse_lora,
+            keep_names=keep_names,
+            distributed=distributed,
+            direct_io=direct_io,
+            progress=progress,
+            on_plan=on_plan,
+            prefix=prefix,
+        )
+
+
+def _merge(
+    local_dir: str | os.PathLike,
+    target_dir: str | os.PathLike,
+    start: float,
+    *,
+    dtype: str | None,
+    max_shard_size: int | str,
+    buffer_size: int | str,
+    overwrite: bool,
+    hf_model_path: str | os.PathLike | None,
+    tie_word_embedding: bool,
+    fuse_lora: bool,
+    keep_names: bool,
+    distributed: bool,
+    direct_io: bool,
+    progress: Callable[[int], None] | None,
+    on_plan: Callable[[int], None] | None,
+    prefix: str | None,
+) -> MergeSummary:
     max_file_bytes = parse_size(max_shard_size)
     buffer_bytes = parse_size(buffer_size)
     if max_file_bytes <= 0:

@@ -25,6 +25,7 @@ from ..formats.safetensors import (
     tensors_in_range,
 )
 from ..formats.source import Kind, detect, verl_roles
+from ..storage import locks
 from ..units import DIRECT_ALIGN
 
 READ_BYTES = 8 * 2**20
@@ -87,7 +88,8 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         return report
     if kind is Kind.NATIVE or (kind is Kind.NONE and STEP_DIR.match(root.name)):
         report = VerifyReport(str(root), "step")  # a step's directory without its manifest too
-        _verify_step_or_report(root, report, progress)
+        with locks.reading(root / native.MANIFEST):  # a live run's retention leaves it meanwhile
+            _verify_step_or_report(root, report, progress)
         return report
     if kind is Kind.HF_MODEL:
         report = VerifyReport(str(root), "huggingface")
@@ -153,7 +155,8 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         elif kind is not Kind.NATIVE:
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
         else:
-            _verify_step_or_report(entry, report, progress)
+            with locks.reading(entry / native.MANIFEST):
+                _verify_step_or_report(entry, report, progress)
         if len(report.problems) > before and not entry.exists():
             del report.problems[before:]  # a live run's retention removed it while we read it
     latest = read_latest(root)

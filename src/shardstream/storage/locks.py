@@ -151,3 +151,15 @@ def claim_unread(path: str | os.PathLike) -> tuple[bool, int | None]:
         return True, None
     os.close(fd)
     return False, None
+
+
+@contextlib.contextmanager
+def reading(manifest: str | os.PathLike) -> Iterator[None]:
+    """Hold a ``lease`` on a checkpoint's ``manifest`` for the block, where there is one
+    (a checkpoint of another format has nothing to lease)."""
+    fd = lease(manifest)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            release(fd)
