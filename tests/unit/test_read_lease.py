@@ -43,3 +43,19 @@ def test_no_lease_on_a_checkpoint_renamed_away_between_open_and_lock(tmp_path, m
 
     monkeypatch.setattr(locks.fcntl, "flock", retention_buries_it_first)
     assert locks.lease(step / "manifest.json") is None
+
+
+def test_without_locks_readers_read_unprotected_and_retention_deletes(tmp_path, monkeypatch):
+    import errno
+
+    manifest = tmp_path / "manifest.json"
+    manifest.write_text("{}")
+
+    def no_locks(fd, operation):
+        raise OSError(errno.ENOLCK, "No locks available")
+
+    monkeypatch.setattr(locks.fcntl, "flock", no_locks)
+    fd = locks.lease(manifest)
+    assert fd is not None
+    os.close(fd)
+    assert locks.claim_unread(manifest) == (True, None)
