@@ -13,7 +13,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 
 from .errors import COMMITTED_ATTR, ShardstreamError, Terminated, UsageError, os_error
-from .units import DEFAULT_MAX_SHARD_BYTES, check_buffer_size, format_size
+from .units import check_buffer_size, format_size
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
@@ -83,8 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
     _flag(
         merge,
         "--max-shard-size",
-        default=DEFAULT_MAX_SHARD_BYTES,
-        help=f"split output files (default {DEFAULT_MAX_SHARD_BYTES // 10**9}GB)",
+        default=None,
+        help="split output files (default: save_pretrained's, 50GB in transformers 5, 5GB in 4)",
     )
     _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")

@@ -11,7 +11,9 @@ from .errors import UsageError
 
 DEFAULT_BUFFER_BYTES = 64 * 2**20  # --buffer-size and staging_budget
 DEFAULT_CHUNK_BYTES = 4 * 2**20  # the span of one checksum in a data file
-DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # a HF model's file size limit, as save_pretrained's "5GB"
+# save_pretrained's default max_shard_size: "5GB" in transformers 4, "50GB" from 5.0
+SHARD_BYTES_TRANSFORMERS_4 = 5 * 10**9
+SHARD_BYTES_TRANSFORMERS_5 = 50 * 10**9
 DIRECT_ALIGN = 4096  # offset, length and address granularity of direct (O_DIRECT) writes
 WHOLE_STATE = "state"  # staging_budget: an async save may stage the rank's whole state
 

@@ -16,7 +16,7 @@ from shardstream.formats import hf
 from shardstream.formats.hf_writer import HfModelFiles, output_tensors
 from shardstream.formats.writer import fill_range, plan_file, read_chunk_digest
 from shardstream.training.hf_export import _plan_files
-from shardstream.units import DEFAULT_MAX_SHARD_BYTES, parse_size
+from shardstream.units import parse_size
 
 
 def test_floating_tensors_take_the_output_dtype_and_others_keep_theirs():
@@ -27,8 +27,23 @@ def test_floating_tensors_take_the_output_dtype_and_others_keep_theirs():
     assert hf.cast_dtype("F32", None) == "F32"
 
 
-def test_default_max_shard_size_is_save_pretrained_s():
-    assert DEFAULT_MAX_SHARD_BYTES == parse_size("5GB")
+def test_default_max_shard_size_is_the_installed_save_pretrained_s():
+    import inspect
+
+    from transformers import PreTrainedModel
+
+    default = inspect.signature(PreTrainedModel.save_pretrained).parameters["max_shard_size"]
+    assert hf.default_shard_bytes() == parse_size(default.default)
+
+
+@pytest.mark.parametrize(
+    "version, size", [("4.57.1", "5GB"), ("5.0.0", "50GB"), ("5.25.0", "50GB"), (None, "50GB")]
+)
+def test_default_max_shard_size_follows_the_transformers_version(monkeypatch, version, size):
+    from shardstream.formats import hf_names_cache
+
+    monkeypatch.setattr(hf_names_cache, "transformers_version", lambda: version)
+    assert hf.default_shard_bytes() == parse_size(size)
 
 
 def _global(name: str, dtype: str, shape: tuple[int, ...]) -> GlobalTensor:
@@ -127,7 +142,7 @@ def test_files_sealed_from_the_writers_parts_load_with_safetensors(tmp_path):
 
 
 def test_a_chunk_no_writer_hashed_is_refused(tmp_path):
-    _, model, streamer = _model(tmp_path, DEFAULT_MAX_SHARD_BYTES)
+    _, model, streamer = _model(tmp_path, hf.default_shard_bytes())
     model.create()
     job = model.jobs[0]
     digests = fill_range(job, streamer)

@@ -29,7 +29,6 @@ from ..storage.commit import staged_directory
 from ..units import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_CHUNK_BYTES,
-    DEFAULT_MAX_SHARD_BYTES,
     DIRECT_ALIGN,
     parse_size,
 )
@@ -87,7 +86,7 @@ def merge(
     target_dir: str | os.PathLike,
     *,
     dtype: str | None = None,
-    max_shard_size: int | str = DEFAULT_MAX_SHARD_BYTES,
+    max_shard_size: int | str | None = None,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
     hf_model_path: str | os.PathLike | None = None,
@@ -166,7 +165,7 @@ def _merge(
     start: float,
     *,
     dtype: str | None,
-    max_shard_size: int | str,
+    max_shard_size: int | str | None,
     buffer_size: int | str,
     overwrite: bool,
     hf_model_path: str | os.PathLike | None,
@@ -179,6 +178,8 @@ def _merge(
     on_plan: Callable[[int], None] | None,
     prefix: str | None,
 ) -> MergeSummary:
+    if max_shard_size is None:  # as save_pretrained of the installed transformers
+        max_shard_size = hf.default_shard_bytes()
     max_file_bytes = parse_size(max_shard_size)
     buffer_bytes = parse_size(buffer_size)
     if max_file_bytes <= 0:

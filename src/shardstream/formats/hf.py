@@ -10,6 +10,7 @@ import json
 import logging
 import math
 import os
+import re
 import shutil
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -26,7 +27,7 @@ from ..errors import (
     UsageError,
 )
 from ..storage.commit import is_temporary
-from ..units import DEFAULT_MAX_SHARD_BYTES
+from ..units import SHARD_BYTES_TRANSFORMERS_4, SHARD_BYTES_TRANSFORMERS_5
 from .hf_names import config_object, has_weight_conversions, strip_wrappers
 from .jsondoc import read_object
 from .native import is_safe_name
@@ -54,12 +55,25 @@ _NOT_CONFIG |= {
 _STATE_SUFFIXES = (".pkl", ".pickle")  # accelerate's random_states_N.pkl, custom objects
 
 
+def default_shard_bytes() -> int:
+    """``save_pretrained``'s default ``max_shard_size`` in the installed transformers (read
+    from its version, not imported): 50 GB from 5.0, 5 GB before; the newest's without it."""
+    from .hf_names_cache import transformers_version
+
+    version = transformers_version()
+    major = re.match(r"\d+", version or "")
+    if major is not None and int(major[0]) < 5:
+        return SHARD_BYTES_TRANSFORMERS_4
+    return SHARD_BYTES_TRANSFORMERS_5
+
+
 def plan_hf_files(
     tensors: Sequence[OutputTensor],
-    max_file_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    max_file_bytes: int | None = None,
     storage: Mapping[str, tuple[int, int]] | None = None,
 ) -> list[tuple[str, list[OutputTensor]]]:
-    """File names and contents, as ``save_pretrained`` would split them.
+    """File names and contents, as ``save_pretrained`` would split them (at
+    ``max_file_bytes``, by default its default).
 
     ``storage`` (``hf_names.NamePlan.storage``): the tensors that share a storage in
     ``save_pretrained`` (experts split from one fused tensor); huggingface_hub counts a
@@ -70,6 +84,8 @@ def plan_hf_files(
     any aligned byte range of the file (a direct write, a merging rank's share) starts and
     ends on element boundaries.
     """
+    if max_file_bytes is None:
+        max_file_bytes = default_shard_bytes()
     groups = _split_shared(tensors, max_file_bytes, storage or {})
     if len(groups) <= 1:
         return [(SINGLE_FILE, _by_element_size(tensors))]
