@@ -40,6 +40,8 @@ import traceback
 from pathlib import Path
 
 import torch
+import torch._dynamo  # noqa: F401  (fully_shard imports it on first use: once here, not per victim)
+import torch.distributed.fsdp  # noqa: F401
 from torch import nn
 
 IN, OUT = 24, 12

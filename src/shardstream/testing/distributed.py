@@ -54,7 +54,22 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
     exit_finished_rank()
 
 
-PRELOADED = ["torch", "torch.distributed.checkpoint", "transformers", "shardstream"]
+# What ranks would otherwise import each time: torch._dynamo (fully_shard imports it on
+# first use, ~0.6 s of CPU per rank), transformers' model code (~1.5 s) for the tiny models
+# of testing.tiny_models. One not installed is skipped.
+PRELOADED = [
+    "torch",
+    "torch._dynamo",
+    "torch.distributed.fsdp",
+    "torch.distributed.checkpoint",
+    "transformers",
+    "transformers.modeling_utils",
+    "transformers.models.qwen2.modeling_qwen2",
+    "transformers.models.llama.modeling_llama",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe",
+    "transformers.models.qwen2_5_vl.modeling_qwen2_5_vl",
+    "shardstream",
+]
 
 
 def preload(*modules: str) -> None:
