@@ -219,9 +219,7 @@ def run_merge(args: argparse.Namespace) -> int:
         )
     finally:
         progress.close()
-    from .storage import collectives
-
-    if collectives.rank() != 0:
+    if args.distributed and not first_rank:  # its group is gone by now: RANK says
         return 0
     uploaded = None
     if args.hf_upload_path:  # as verl's merger: once the directory is complete

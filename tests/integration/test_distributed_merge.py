@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import subprocess
 import sys
@@ -39,7 +40,7 @@ def actor(tmp_path_factory):
     return write_verl_checkpoint(root, fx)
 
 
-def run_merge(args: list[str], nproc: int | None) -> None:
+def run_merge(args: list[str], nproc: int | None) -> str:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     if nproc:
         cmd = [
@@ -58,6 +59,7 @@ def run_merge(args: list[str], nproc: int | None) -> None:
         cmd = [sys.executable, "-m", "shardstream", "merge", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
 
 
 def same_tree(a, b) -> bool:
@@ -71,10 +73,15 @@ def same_tree(a, b) -> bool:
 @pytest.mark.parametrize("max_shard", ["5GB", "9MB"], ids=["one-file", "split-files"])
 def test_distributed_merge_is_byte_identical(actor, tmp_path, max_shard):
     single, distributed = tmp_path / "single", tmp_path / "distributed"
-    common = ["--local_dir", str(actor), "--max-shard-size", max_shard, "--quiet"]
-    run_merge([*common, "--target_dir", str(single)], None)
-    run_merge([*common, "--target_dir", str(distributed)], 3)
+    common = ["--local_dir", str(actor), "--max-shard-size", max_shard]
+    said = json.loads(run_merge([*common, "--target_dir", str(single), "--json"], None))
+    out = run_merge([*common, "--target_dir", str(distributed), "--json"], 3)
     assert same_tree(single, distributed)
+    # One answer, from the process that wrote the index, naming every byte written.
+    (line,) = out.splitlines()
+    answer = json.loads(line)
+    assert answer["files"] == said["files"] and answer["tensors"] == said["tensors"]
+    assert answer["bytes_written"] == said["bytes_written"] > 0
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
 
