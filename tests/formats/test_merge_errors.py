@@ -385,6 +385,22 @@ def test_target_is_a_file(capsys, fsdp_root, out):
     assert_nothing_written(out, {"merged"})
 
 
+def test_missing_parents_of_the_target_are_made_as_verls_merger_makes_them(capsys, fsdp_root, out):
+    target = out / "run1" / "hf" / "merged"
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert rc == 0, err
+    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert_nothing_written(target.parent, {"merged"})
+
+
+def test_a_file_in_the_way_of_the_targets_parents_is_named(capsys, fsdp_root, out):
+    (out / "run1").write_text("keep me")
+    rc, err = merge(capsys, fsdp_root / "base", out / "run1" / "hf" / "merged")
+    assert_clean_failure(rc, err, str(out / "run1"), "Not a directory", code=2)
+    assert (out / "run1").read_text() == "keep me"
+    assert_nothing_written(out, {"run1"})
+
+
 def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
     target = out / "merged"
     target.mkdir()
@@ -486,13 +502,6 @@ def test_backend_megatron(capsys, fsdp_root, out):
         code=2,
         extra=("--backend", "megatron"),
     )
-
-
-def test_missing_target_parent(capsys, fsdp_root, tmp_path):
-    target = tmp_path / "no" / "such" / "merged"
-    rc, err = merge(capsys, fsdp_root / "base", target)
-    assert_clean_failure(rc, err, "parent directory", code=2)
-    assert not (tmp_path / "no").exists()
 
 
 # ---------------------------------------------------------------------------- a full disk

@@ -334,6 +334,28 @@ class Deleter:
                 log.warning("shardstream: could not delete %s: %s", grave, exc)
 
 
+def make_parents(target: Path) -> None:
+    """Create the missing folders above ``target`` (as verl's merger does with
+    ``os.makedirs``), each fsynced into its parent; one in the way is a usage error."""
+    missing = []
+    parent = target.parent
+    while not os.path.lexists(parent):
+        missing.append(parent)
+        parent = parent.parent
+    try:
+        for folder in reversed(missing):
+            with contextlib.suppress(FileExistsError):  # another process made it meanwhile
+                folder.mkdir()
+            fsync_dir(folder.parent)
+        if not target.parent.is_dir():
+            raise NotADirectoryError(errno.ENOTDIR, "Not a directory", str(target.parent))
+    except OSError as exc:
+        where = exc.filename or target.parent
+        raise UsageError(
+            f"cannot make the parent directory of target {target}: {where}: {exc.strerror or exc}"
+        ) from None
+
+
 @contextlib.contextmanager
 def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling of ``target``; on success it is fsynced and swapped in.
@@ -346,8 +368,7 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     if target.parent.is_dir():
         remove_stale_staging(target)
     check_target(target, overwrite)
-    if not target.parent.is_dir():
-        raise UsageError(f"parent directory of target {target} does not exist")
+    make_parents(target)
     staged = stage(target)
     try:
         yield staged.path
