@@ -43,7 +43,7 @@ from .storage.run_layout import (
 )
 from .training import load as loading
 from .training import save as saving
-from .training.arguments import check_live_objects, checked_step
+from .training.arguments import check_live_objects, checked_step, one_optimizer
 from .units import DEFAULT_BUFFER_BYTES, WHOLE_STATE, staging_limit
 
 log = logging.getLogger(__name__)
@@ -300,6 +300,7 @@ class CheckpointManager:
         hf_dtype: str | None = None,
     ):
         check_live_objects(model, optimizer, lr_scheduler)
+        optimizer = one_optimizer(optimizer)
         self.config = config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.hf_config, self.tokenizer = hf_config, tokenizer

@@ -161,3 +161,93 @@ def _save_with_loader(path, model, loader) -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         dcp.save({"model": model.state_dict(), "dataloader": loader}, checkpoint_id=str(path))
+
+
+class OptimizersContainer(torch.optim.Optimizer):
+    """Shaped like torchtitan's: a torch Optimizer over every parameter whose own state stays
+    empty; the optimizers it holds (here AdamW for the first layer, Adam with amsgrad for the
+    second) do the work, and its state_dict is their states flattened under parameter names."""
+
+    def __init__(self, model: torch.nn.Module, kinds: int = 2):
+        params = list(model.parameters())
+        if kinds == 1:
+            self.optimizers = [torch.optim.AdamW(params, lr=1e-2)]
+        else:
+            self.optimizers = [
+                torch.optim.AdamW(model[0].parameters(), lr=1e-2, weight_decay=0.1),
+                torch.optim.Adam(model[1].parameters(), lr=1e-3, amsgrad=True),
+            ]
+        self.model = model
+        torch.optim.Optimizer.__init__(self, params, {})
+
+    def step(self, closure=None):
+        for optimizer in self.optimizers:
+            optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        for optimizer in self.optimizers:
+            optimizer.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self):
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        flat = StateDictOptions(flatten_optimizer_state_dict=True)
+        out = {}
+        for optimizer in self.optimizers:
+            out.update(get_optimizer_state_dict(self.model, optimizer, options=flat))
+        return out
+
+
+def _trained(seed: int, kinds: int = 2):
+    model = _model(seed)
+    container = OptimizersContainer(model, kinds)
+    for _ in range(3):
+        model(torch.randn(4, 6)).pow(2).sum().backward()
+        container.step()
+        container.zero_grad()
+    return model, container
+
+
+def test_torchtitans_container_of_optimizers_restores_each_bit_for_bit(tmp_path):
+    model, container = _trained(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": model.state_dict(), "optimizer": container.state_dict()},
+                 checkpoint_id=str(tmp_path / "step-3"))  # fmt: skip
+    fresh = _model(1)
+    live = OptimizersContainer(fresh)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        shardstream.load(tmp_path / "step-3", model=fresh, optimizer=live)
+    for name, value in model.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], value), name
+    for want, got in zip(container.optimizers, live.optimizers):
+        want, got = want.state_dict(), got.state_dict()
+        assert want["param_groups"] == got["param_groups"]
+        assert want["state"].keys() == got["state"].keys()
+        for pid, entries in want["state"].items():
+            assert entries.keys() == got["state"][pid].keys()
+            for kind, value in entries.items():
+                assert torch.equal(got["state"][pid][kind], value), (pid, kind)
+
+
+def test_a_container_of_one_optimizer_saves_and_one_of_several_is_refused(tmp_path):
+    from shardstream.errors import UsageError
+
+    model, single = _trained(0, kinds=1)
+    shardstream.save(tmp_path / "one", model=model, optimizer=single, step=3)
+    fresh = _model(1)
+    live = OptimizersContainer(fresh, kinds=1)
+    shardstream.load(tmp_path / "one", model=fresh, optimizer=live)
+    want, got = single.optimizers[0].state_dict(), live.optimizers[0].state_dict()
+    for pid, entries in want["state"].items():
+        for kind, value in entries.items():
+            assert torch.equal(got["state"][pid][kind], value), (pid, kind)
+
+    model, several = _trained(0)
+    with pytest.raises(UsageError, match="OptimizersContainer, holding 2 optimizers"):
+        shardstream.save(tmp_path / "two", model=model, optimizer=several, step=3)
+    assert not (tmp_path / "two").exists()

@@ -7,6 +7,7 @@ is a shardstream checkpoint (``saving.py``), or a verl or PyTorch DCP one read a
 
 from __future__ import annotations
 
+import contextvars
 import dataclasses
 import json
 import logging
@@ -43,7 +44,7 @@ from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, hooks, native_storage, schedulers
 from . import state as st
-from .arguments import check_live_objects
+from .arguments import check_live_objects, optimizer_parts
 
 log = logging.getLogger(__name__)
 
@@ -1201,6 +1202,22 @@ def load(
     started = time.perf_counter()
     check_live_objects(model, optimizer, lr_scheduler)
     contents = native.check_contents(contents, "load_contents")
+    parts = optimizer_parts(optimizer)
+    if parts is not None:  # torchtitan's OptimizersContainer: each optimizer in turn
+        kinds: set[str] = set()  # of state, over the container: what any of them keeps
+        for part in parts if "optimizer" in contents and model is not None else ():
+            fresh = not part.state
+            kinds |= {_state_kind(k) for k in st.optimizer_state(model, part)[0]}
+            if fresh:
+                part.state.clear()  # as it was: its own restore makes it again
+        token = _CONTAINER_KINDS.set(frozenset().union(*coll.gather(sorted(kinds))))
+        try:
+            return _load_parts(
+                path, model, parts, lr_scheduler, contents, verify, buffer_size,
+                restore_rng, prefix, states,
+            )  # fmt: skip
+        finally:
+            _CONTAINER_KINDS.reset(token)
     if "optimizer" in contents and optimizer is not None and model is None:
         raise UsageError(
             "load_contents includes 'optimizer' but no model was given: optimizer state is "
@@ -1241,7 +1258,7 @@ def load(
     live_kinds = None
     if want_optimizer:
         mine = sorted({_state_kind(k) for k in optim_tensors})
-        live_kinds = set().union(*coll.gather(mine))
+        live_kinds = set().union(*coll.gather(mine)) | _CONTAINER_KINDS.get()
 
     def opened() -> _Source:
         source = _open_source(
@@ -1527,3 +1544,40 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
         finally:
             endpoint.close()
     return st.decode(json.loads(body), tensors)
+
+
+# The kinds of optimizer state a container's optimizers keep together (load of a container).
+_CONTAINER_KINDS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar(
+    "shardstream_container_kinds", default=frozenset()
+)
+
+
+def _load_parts(
+    path, model, parts, lr_scheduler, contents, verify, buffer_size, restore_rng, prefix, states
+) -> LoadResult:
+    """``load`` with each of a container's optimizers in turn: the first with the rest of
+    what ``contents`` asks for, the others their optimizer state alone."""
+    result = load(
+        path,
+        model=model,
+        optimizer=parts[0],
+        lr_scheduler=lr_scheduler,
+        contents=contents,
+        verify=verify,
+        buffer_size=buffer_size,
+        restore_rng=restore_rng,
+        prefix=prefix,
+        states=states,
+    )
+    for part in parts[1:] if "optimizer" in contents else ():
+        load(
+            path,
+            model=model,
+            optimizer=part,
+            contents=("optimizer",),
+            verify=verify,
+            buffer_size=buffer_size,
+            restore_rng=False,
+            prefix=prefix,
+        )
+    return result

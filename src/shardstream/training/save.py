@@ -36,7 +36,7 @@ from ..storage.commit import fsync_tree
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, local_save, native_storage
 from . import state as st
-from .arguments import check_live_objects, checked_step
+from .arguments import check_live_objects, checked_step, one_optimizer
 
 
 @dataclass
@@ -129,7 +129,8 @@ def prepare_save(
     ``save_lora_only``). ``share_hf_weights``: with "model" and "hf_model", a model tensor
     exported in its own dtype is stored once, in ``huggingface/``, and the manifest points
     there."""
-    check_live_objects(model, optimizer, lr_scheduler)
+    check_live_objects(model, optimizer, lr_scheduler, saving=True)
+    optimizer = one_optimizer(optimizer)
     step = checked_step(step)
     contents = native.check_contents(contents, "save_contents")
     if "model" in contents and model is None:
@@ -224,7 +225,8 @@ def save(
 
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
-    check_live_objects(model, optimizer, lr_scheduler)
+    check_live_objects(model, optimizer, lr_scheduler, saving=True)
+    optimizer = one_optimizer(optimizer)
     contents = native.check_contents(contents, "contents")
     exporter = None
     if "hf_model" in contents:
