@@ -20,7 +20,7 @@ import os
 import socket
 import time
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -62,7 +62,6 @@ _IGNORED_VERL_KEYS = frozenset(
         "_target_",
         "incremental_save",
         "del_local_ckpt_after_load",
-        "max_critic_ckpt_to_keep",  # a critic's manager: pass it as max_ckpt_to_keep
         "checkpoint_engine",
         "mbridge_config",
         "save_hf_model",
@@ -74,7 +73,6 @@ _SYNONYMS = {
     "save_freq": "save_interval",
     "default_local_dir": "directory",
     "max_ckpt_to_keep": "keep_last",  # verl's checkpoint manager argument
-    "max_actor_ckpt_to_keep": "keep_last",  # verl's trainer key for the same
 }
 
 
@@ -179,24 +177,33 @@ class CheckpointConfig:
 
     @classmethod
     def from_dict(
-        cls, values: Mapping[str, Any], directory: str | os.PathLike | None = None
+        cls,
+        values: Mapping[str, Any],
+        directory: str | os.PathLike | None = None,
+        role: str = "actor",
     ) -> CheckpointConfig:
         """Build from a dict such as verl's ``checkpoint:`` section; verl's keys work verbatim.
         verl keeps the directory in ``trainer.default_local_dir``: pass it in the dict or as
-        ``directory``.
+        ``directory``. ``role``: whose retention verl's trainer keys set, ``"actor"``
+        (``max_actor_ckpt_to_keep``) or ``"critic"`` (``max_critic_ckpt_to_keep``).
 
         >>> CheckpointConfig.from_dict({"contents": ["model"], "save_freq": 100,
         ...                             "default_local_dir": "ckpts"}).save_interval
         100
         """
+        if role not in ("actor", "critic"):
+            raise UsageError(f"role must be 'actor' or 'critic', got {role!r}")
+        other_role = "critic" if role == "actor" else "actor"
         known = {f.name for f in fields(cls)}
         kwargs: dict[str, Any] = {} if directory is None else {"directory": str(directory)}
         legacy_contents = None
         for key, value in values.items():
-            if key in _IGNORED_VERL_KEYS:
+            if key in _IGNORED_VERL_KEYS or key == f"max_{other_role}_ckpt_to_keep":
                 continue
+            if key == f"max_{role}_ckpt_to_keep":
+                key = "max_ckpt_to_keep"
             if key == "contents":  # verl's legacy key: the default for both lists
-                legacy_contents = tuple(value)
+                legacy_contents = _listed(value)
                 continue
             name = _SYNONYMS.get(key, key)
             if name not in known:
@@ -205,7 +212,7 @@ class CheckpointConfig:
                 )
             if name in kwargs:
                 raise UsageError(f"config sets {name!r} twice (through {key!r})")
-            kwargs[name] = tuple(value) if name.endswith("_contents") else value
+            kwargs[name] = _listed(value) if name.endswith("_contents") else value
         if legacy_contents is not None:
             kwargs.setdefault("save_contents", legacy_contents)
             kwargs.setdefault("load_contents", legacy_contents)
@@ -219,6 +226,14 @@ class CheckpointConfig:
                 "trainer.default_local_dir) or pass from_dict(..., directory=...)"
             )
         return cls(**kwargs)
+
+
+def _listed(value: Any) -> Any:
+    """A list of contents from a config (a list, tuple or OmegaConf ListConfig) as a tuple; a
+    string or anything else as it is, for the config's own check to name."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Iterable):
+        return value
+    return tuple(value)
 
 
 @dataclass

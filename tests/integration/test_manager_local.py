@@ -89,6 +89,16 @@ def test_from_dict_accepts_verl_keys(tmp_path):
     trainer_keys = {"save_freq": 20, "max_actor_ckpt_to_keep": 2, "max_critic_ckpt_to_keep": 1}
     cfg = CheckpointConfig.from_dict({**verl_section, **trainer_keys}, directory=tmp_path)
     assert (cfg.save_interval, cfg.keep_last) == (20, 2)
+    critic = CheckpointConfig.from_dict(
+        {**verl_section, **trainer_keys}, directory=tmp_path, role="critic"
+    )
+    assert critic.keep_last == 1
+
+
+@pytest.mark.parametrize("key", ["contents", "save_contents", "load_contents"])
+def test_from_dict_refuses_contents_given_as_one_string_naming_it(tmp_path, key):
+    with pytest.raises(UsageError, match="'model'"):
+        CheckpointConfig.from_dict({key: "model"}, directory=tmp_path)
 
 
 @pytest.mark.parametrize("interval", [0, -3])
