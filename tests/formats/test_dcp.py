@@ -394,6 +394,20 @@ def test_single_process_plain_tensors(tmp_path):
     assert_bit_identical(_load_merged(tmp_path / "out"), state)
 
 
+def test_files_an_earlier_save_at_more_ranks_left_behind_are_not_the_checkpoints(tmp_path, capsys):
+    """dcp.save over an older save at 3 ranks leaves __2_0.distcp, which .metadata does not
+    name: the world size and files inspect reports are the new save's."""
+    state = _plain_state()
+    _save_plain(tmp_path / "ck", state)
+    shutil.copyfile(tmp_path / "ck" / "__0_0.distcp", tmp_path / "ck" / "__2_0.distcp")
+    ckpt = open_checkpoint(tmp_path / "ck")
+    assert ckpt.world_size == 1
+    assert [Path(f).name for f in ckpt.files] == ["__0_0.distcp"]
+    assert cli.main(["inspect", str(tmp_path / "ck"), "--json"]) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert (info["world_size"], info["num_files"]) == (1, 1)
+
+
 def test_single_process_dtype_cast_and_bytes_skipped(tmp_path):
     state = {"model": _plain_state(), "optim": {"step": 3, "lr": torch.tensor(0.1)}}
     _save_plain(tmp_path / "ck", state)

@@ -453,6 +453,10 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
         if (k.startswith(found_prefix) if found_prefix else EXTRA_STATE in k.split("."))
     )
 
+    # The files .metadata names: a save at fewer ranks into the same directory leaves the
+    # older save's __R_0.distcp behind, which is no part of this checkpoint.
+    named = {getattr(info, "relative_path", None) for info in storage.values()}
+    on_disk = [n for n in on_disk if n in named]
     ranks = {int(DATA_FILE.match(n)[1]) for n in on_disk}
     ranks |= {int(m[1]) for p in sizes if (m := DATA_FILE.match(p.name))}
     world_size = max(ranks) + 1 if ranks else 1
