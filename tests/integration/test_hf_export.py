@@ -64,3 +64,32 @@ def test_ranks_whose_configs_differ_are_refused_by_name(tmp_path):
     for result in results:
         assert result["error"] and "plans the export differently" in result["error"], results
     assert not (tmp_path / "run" / "global_step_1").exists()
+
+
+def test_a_step_saved_without_hf_model_keeps_the_config_merge_needs(tmp_path):
+    """hf_config= without "hf_model": the step holds huggingface/config.json (and the
+    tokenizer's files), as verl's steps do, so merge writes a model transformers loads."""
+    import json
+
+    import transformers
+
+    import shardstream
+    from shardstream import CheckpointConfig, CheckpointManager
+
+    config = tiny_config("qwen2")
+    model = build_tiny_model(config, seed=0)
+    cfg = CheckpointConfig(str(tmp_path / "run"), save_contents=("model",))
+    with CheckpointManager(cfg, model=model, hf_config=config) as mgr:
+        mgr.save(1)
+    step = tmp_path / "run" / "global_step_1"
+    assert json.loads((step / "huggingface" / "config.json").read_text())["model_type"] == "qwen2"
+    assert not list((step / "huggingface").glob("*.safetensors"))
+    assert verify(step).ok
+    shardstream.merge(step, tmp_path / "merged")
+    loaded, info = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "merged", output_loading_info=True
+    )
+    assert not any(info.values()), info  # every weight came from the files
+    want = model.state_dict()
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, want[name].to(value.dtype)), name

@@ -525,6 +525,9 @@ class _RoleRun(CheckpointManager):
             return []
         return sorted(s for s in step_dirs(self.root) if (self.step_dir(s) / MANIFEST).is_file())
 
+    def _config_files(self) -> bool:
+        return False  # _VerlFiles writes them, as verl does
+
     def _prepare(self, step, extra, buffer_bytes):
         prepared = super()._prepare(step, extra, buffer_bytes)
         files = self.owner._side_files()

@@ -189,6 +189,36 @@ def hf_exporter(
 
 
 @dataclass(frozen=True)
+class ConfigFiles:
+    """``huggingface/`` without weights: the config and tokenizer files a step saved without
+    "hf_model" still carries (as verl's steps do), so that merge finds the model's config.
+    Rank 0 writes them into the staged step (``saving.execute_save`` calls this in the
+    export's place)."""
+
+    hf_config: Any
+    tokenizer: Any
+    source: Path | None
+
+    def rank_file_keys(self, items) -> None:
+        return None
+
+    def live_reads(self) -> list:
+        return []
+
+    def __call__(self, tmp: Path, buffer_bytes: int, guard=None, rank_file=None) -> dict:
+        error = None
+        if coll.rank() == 0:
+            try:
+                target = tmp / HF_DIR
+                target.mkdir(exist_ok=True)
+                hf.write_configs(target, None, self.source, self.hf_config, self.tokenizer)
+            except Exception as exc:  # noqa: BLE001  (every rank must learn of it)
+                error = exc
+        coll.agree_or_raise(error)
+        return {}
+
+
+@dataclass(frozen=True)
 class RankFileRows:
     """Where this rank's exported rows lie in its rank file of the same save: an async save's
     export reads them there, so the next optimizer step need not wait for the export."""

@@ -152,7 +152,8 @@ def prepare_save(
     model_part = None
     if "model" in contents:
         model_part = fsdp1.model_tensors(model) if fsdp1 else st.model_tensors(model)
-    export_plan = hf_export.capture(model_part) if "hf_model" in contents else None
+    # Without "hf_model", an hf_export given writes config files only (hf_export.ConfigFiles).
+    export_plan = hf_export.capture(model_part) if "hf_model" in contents else hf_export
     placements: dict[str, str] = {}
     mesh = None
     if model_part is not None:
@@ -233,6 +234,11 @@ def save(
         from .hf_export import hf_exporter
 
         exporter = hf_exporter(model, hf_config, tokenizer, hf_source_dir, hf_dtype)
+    elif any(x is not None for x in (hf_config, tokenizer, hf_source_dir)):
+        from .hf_export import ConfigFiles  # config files without the weights
+
+        source = Path(hf_source_dir) if hf_source_dir is not None else None
+        exporter = ConfigFiles(hf_config, tokenizer, source)
     prepared = prepare_save(
         path,
         model=model,
