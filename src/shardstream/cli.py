@@ -24,6 +24,15 @@ class _Parser(argparse.ArgumentParser):
     ``--local`` is ``--local_dir`` (as verl's parser takes it), not ambiguous between
     ``--local_dir`` and ``--local-dir``."""
 
+    json_errors = False  # main() sets it when the command line asks for --json
+
+    def error(self, message):
+        """A bad command line: argparse's usage and message on stderr, exit 2; with --json also
+        the failure object on stdout, as every other failure gives it."""
+        if _Parser.json_errors:
+            print(json.dumps({"ok": False, "error": message, "exit_code": EXIT_USAGE}), flush=True)
+        super().error(message)
+
     def _get_option_tuples(self, option_string):
         matches, actions = [], set()
         for match in super()._get_option_tuples(option_string):
@@ -125,7 +134,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--atol",
         type=float,
         default=None,
-        help="absolute tolerance (default 1e-6 with --rtol 1e-6, verl's; a 1-ulp change passes)",
+        help="absolute tolerance (default 1e-6, verl's; a 1-ulp change passes)",
     )
     _flag(test, "--rtol", type=float, default=None, help="relative tolerance (default 1e-6)")
     _flag(test, "--exact", action="store_true", help="the same bits after the cast; no tolerance")
@@ -295,8 +304,10 @@ def run_test(args: argparse.Namespace) -> int:
         exact=args.exact,
         prefix=args.prefix,
     )
+    code = 0 if report.ok else EXIT_ERROR
     if args.json:
-        print(json.dumps(report.to_json()))
+        failure = {} if report.ok else {"error": f"MISMATCH: {'; '.join(report.problems[:3])}"}
+        print(json.dumps({**report.to_json(), **failure, "exit_code": code}))
     else:
         for line in report.problems:
             print(line, file=sys.stderr)
@@ -306,7 +317,7 @@ def run_test(args: argparse.Namespace) -> int:
                 f"{verdict}: compared {report.compared} tensors against {args.test_hf_dir}, "
                 f"max abs diff {report.max_abs_diff:.3g}"
             )
-    return 0 if report.ok else EXIT_ERROR
+    return code
 
 
 def run_inspect(args: argparse.Namespace) -> int:
@@ -327,8 +338,11 @@ def run_verify(args: argparse.Namespace) -> int:
         progress.finish()
     finally:
         progress.close()
+    code = 0 if report.ok else EXIT_ERROR
     if args.json:
-        print(json.dumps(report.to_json()))
+        lines = [problem.line() for problem in report.problems[:3]]
+        failure = {} if report.ok else {"error": f"FAILED: {'; '.join(lines)}"}
+        print(json.dumps({**report.to_json(), **failure, "exit_code": code}))
     else:
         for problem in report.problems:
             print(problem.line(), file=sys.stderr)
@@ -348,7 +362,7 @@ def run_verify(args: argparse.Namespace) -> int:
                 f"file{'' if report.files_checked == 1 else 's'}, "
                 f"{checked}{steps}"
             )
-    return 0 if report.ok else EXIT_ERROR
+    return code
 
 
 def _tree_bytes(path: str) -> int:
@@ -369,6 +383,8 @@ def _tree_bytes(path: str) -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    words = sys.argv[1:] if argv is None else list(argv)
+    _Parser.json_errors = "--json" in words
     args = build_parser().parse_args(argv)
     handlers = {
         "merge": run_merge,

@@ -95,8 +95,13 @@ def test_tolerances(fsdp_root, tmp_path):
     assert "1 of 48 elements differ" in report.problems[0]
     assert compare_with_reference(fsdp_root / "base", ref, atol=2e-3).ok
     assert compare_with_reference(fsdp_root / "base", ref, rtol=0.5).ok
-    # Only atol given: rtol is 0, so an exact comparison fails on the 5e-7 change.
-    exact = compare_with_reference(fsdp_root / "base", ref, atol=0.0)
+    # Only one given: the other keeps its default, as the help says.
+    no_atol = compare_with_reference(fsdp_root / "base", ref, atol=0.0)
+    assert (no_atol.atol, no_atol.rtol) == (0.0, DEFAULT_RTOL)
+    assert "rtol=1e-06" in no_atol.problems[0]
+    assert compare_with_reference(fsdp_root / "base", ref, rtol=0.0).atol == DEFAULT_ATOL
+    # Both zero: an exact comparison fails on the 5e-7 change too.
+    exact = compare_with_reference(fsdp_root / "base", ref, atol=0.0, rtol=0.0)
     assert "2 of 48 elements differ" in exact.problems[0]
 
 

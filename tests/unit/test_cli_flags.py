@@ -70,3 +70,30 @@ def test_json_failure_is_json_too(tmp_path, capsys, command):
         "exit_code": 1,
     }
     assert f"shardstream {command}: error: {missing}: no such directory" in out.err
+
+
+@pytest.mark.parametrize("command", ["verify", "test"])
+def test_json_reports_that_fail_carry_error_and_exit_code(tmp_path, capsys, command):
+    from shardstream.cli import main
+
+    missing = tmp_path / "missing"
+    argv = {
+        "verify": ["verify", "--json", str(missing)],
+        "test": ["test", "--json", "--local_dir", str(missing), "--test_hf_dir", str(tmp_path)],
+    }[command]
+    code = main(argv)
+    answer = json.loads(capsys.readouterr().out)
+    assert code == 1 and answer["ok"] is False and answer["exit_code"] == 1
+    assert str(tmp_path) in answer["error"]  # the path it failed on
+
+
+def test_a_bad_command_line_with_json_answers_json_too(capsys):
+    from shardstream.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["merge", "--json", "--local_dir", "x", "--no-such-flag"])
+    out = capsys.readouterr()
+    assert exit_.value.code == 2
+    answer = json.loads(out.out)
+    assert answer["ok"] is False and answer["exit_code"] == 2
+    assert "--no-such-flag" in answer["error"] and "--no-such-flag" in out.err

@@ -22,7 +22,7 @@ Choices, following verl (``FSDPModelMerger._test_state_dict``):
   so the defaults are ``atol=1e-6`` and ``rtol=1e-6``: an element passes when
   ``|ref - ckpt| <= atol + rtol * |ckpt|``, computed in float64 after both sides are cast to the
   comparison dtype (so an exact cast gives exact equality). If only one of ``atol``/``rtol`` is
-  given, the other is 0. Non-finite values must match exactly; unlike ``assert_close``'s
+  given, the other keeps its default. Non-finite values must match exactly; unlike ``assert_close``'s
   default, NaN at the same position on both sides counts as equal, since a faithful merge of a
   checkpoint holding NaN reproduces it. The default tolerance lets a 1-ulp float32 change
   pass; ``exact=True`` (``--exact``) asks for the same bits after the cast instead (a
@@ -128,9 +128,8 @@ def compare_with_reference(
         raise UsageError("--exact compares bits; it takes no --atol or --rtol")
     if exact:
         atol = rtol = 0.0
-    if atol is None and rtol is None:
-        atol, rtol = DEFAULT_ATOL, DEFAULT_RTOL
-    atol, rtol = float(atol or 0.0), float(rtol or 0.0)
+    atol = DEFAULT_ATOL if atol is None else float(atol)
+    rtol = DEFAULT_RTOL if rtol is None else float(rtol)
     if not (atol >= 0 and rtol >= 0):
         raise UsageError(f"tolerances must be non-negative numbers (atol={atol}, rtol={rtol})")
     wanted_dtype = parse_dtype(dtype) if dtype else None
