@@ -135,6 +135,9 @@ def test_staging_budget_variable_is_a_size_or_state(monkeypatch):
     monkeypatch.setenv("SHARDSTREAM_STAGING_BUDGET", "lots")
     with pytest.raises(UsageError, match="SHARDSTREAM_STAGING_BUDGET: invalid size 'lots'"):
         plugin._staging_budget()
+    # when verl builds its checkpoint manager, not at the first save a save interval later
+    with pytest.raises(UsageError, match="SHARDSTREAM_STAGING_BUDGET: invalid size 'lots'"):
+        plugin.FSDPCheckpointManager(model=None)
 
 
 def test_config_as_dataclass_dictconfig_or_dict():

@@ -141,6 +141,7 @@ class FSDPCheckpointManager:
             )
             processing_class = kwargs.pop("tokenizer")
         self.checkpoint_config = checkpoint_config
+        _staging_budget()  # a bad SHARDSTREAM_STAGING_BUDGET is refused now, not at the first save
         self.checkpoint_save_contents = _contents(checkpoint_config, "save_contents")
         self.checkpoint_load_contents = _contents(checkpoint_config, "load_contents")
         self.async_save = bool(_setting(checkpoint_config, "async_save", False))
