@@ -384,6 +384,29 @@ def test_inspect_run_directory_describes_the_newest_committed_step(tmp_path, cap
     assert capsys.readouterr().out.strip() == text
 
 
+def test_inspect_of_a_verl_run_describes_the_newest_steps_actor(fsdp_root, tmp_path, capsys):
+    """verl's run directory (global_step_N/actor, critic): verify read it; inspect said
+    'pass that directory'."""
+    run = tmp_path / "run"
+    for step, roles in ((3, ("actor",)), (5, ("actor", "critic")), (8, ())):
+        for role in roles:
+            shutil.copytree(fsdp_root / "base", run / f"global_step_{step}" / role)
+    (run / "global_step_8").mkdir()  # a step verl has not written yet
+    (run / "latest_checkpointed_iteration.txt").write_text("5")
+    info = describe(run)
+    assert {k: info["run"][k] for k in ("steps", "newest", "role", "roles")} == {
+        "steps": [3, 5],
+        "newest": 5,
+        "role": "actor",
+        "roles": ["actor", "critic"],
+    }
+    assert info["path"] == str(run / "global_step_5" / "actor") and info["format"] == "verl"
+    assert main(["inspect", str(run)]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith(f"{run}: run of global_step_N/actor, steps 3, 5; ")
+    assert "the newest committed step, 5 (roles actor, critic; this is actor):" in text
+
+
 def test_inspect_of_a_merged_model_reads_its_headers_without_torch(fsdp_root, tmp_path, capsys):
     """inspect of merge's output (a HF model directory): its files and tensors, as written,
     and what merging it again would write."""

@@ -29,8 +29,11 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
 
     kind = detect(path)
     run = _run(Path(path)) if kind is Kind.RUN else None
+    if run is None and kind in (Kind.RUN, Kind.NONE) and Path(path).is_dir():
+        run = _role_run(Path(path))  # verl's (or the plug-in's) global_step_N/actor
     if run is not None:
-        return {**describe(Path(path) / f"global_step_{run['newest']}"), "run": run}
+        newest = Path(path) / f"global_step_{run['newest']}"
+        return {**describe(newest / run["role"] if run.get("role") else newest), "run": run}
     hf_model = kind is Kind.HF_MODEL  # --prefix is DCP's; an HF model's inspect ignores it
     checkpoint = open_checkpoint(path, prefix=None if hf_model else prefix)  # or its error
     config_dir = checkpoint.config_dir()
@@ -201,6 +204,38 @@ def _run(path: Path) -> dict | None:
     }
 
 
+def _role_run(path: Path) -> dict | None:
+    """A run directory of verl's layout, ``global_step_N/<role>`` (verl's own checkpoints or
+    the plug-in's): its steps that hold a checkpoint, and the newest one's actor (else its
+    first role); None when it holds none."""
+    from ..formats.source import looks_like_checkpoint
+    from ..storage.commit import is_temporary
+    from ..storage.run_layout import read_latest, step_dirs
+
+    roles: dict[int, list[str]] = {}
+    for step, step_path in step_dirs(path).items():
+        if step_path.is_dir() and not is_temporary(step_path.name):
+            found = sorted(p.name for p in step_path.iterdir() if looks_like_checkpoint(p))
+            if found:
+                roles[step] = found
+    if not roles:
+        return None
+    newest = max(roles)
+    return {
+        "directory": str(path),
+        "steps": sorted(roles),
+        "latest_pointer": read_latest(path),
+        "newest": newest,
+        "role": "actor" if "actor" in roles[newest] else roles[newest][0],
+        "roles": roles[newest],
+        "uncommitted": sorted(p.name for p in path.iterdir() if is_temporary(p.name)),
+    }
+
+
+def _roles(run: dict) -> str:
+    return f" (roles {', '.join(run['roles'])}; this is {run['role']})" if run.get("role") else ""
+
+
 def _dtype_name(code: str) -> str:
     return TORCH_NAME.get(code, code)
 
@@ -211,8 +246,13 @@ def render(info: dict) -> str:
     lines = []
     run = info.get("run")
     if run:
+        layout = (
+            f"run of global_step_N/{run['role']}, steps"
+            if run.get("role")
+            else "shardstream run, committed steps"
+        )
         lines += [
-            f"{run['directory']}: shardstream run, committed steps "
+            f"{run['directory']}: {layout} "
             f"{', '.join(map(str, run['steps']))}; latest_checkpointed_iteration.txt: "
             f"{run['latest_pointer'] if run['latest_pointer'] is not None else 'missing'}"
             + (
@@ -220,7 +260,13 @@ def render(info: dict) -> str:
                 if run["uncommitted"]
                 else ""
             ),
-            f"the newest committed step, {run['newest']}:",
+            f"the newest committed step, {run['newest']}"
+            + (
+                f" (roles {', '.join(run['roles'])}; this is {run['role']})"
+                if run.get("role")
+                else ""
+            )
+            + ":",
             "",
         ]
     if info["format"] == "huggingface":
