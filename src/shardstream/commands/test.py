@@ -19,10 +19,10 @@ Choices, following verl (``FSDPModelMerger._test_state_dict``):
   in width; a floating tensor against an integer/bool one, or integer tensors of different
   dtypes, is a dtype mismatch. Integer and bool tensors keep their dtype and must match exactly.
 * Values: verl calls ``torch.testing.assert_close(reference, merged, atol=1e-6, rtol=1e-6)``,
-  so the defaults are ``atol=1e-6`` and ``rtol=1e-6``: an element passes when
-  ``|ref - ckpt| <= atol + rtol * |ckpt|``, computed in float64 after both sides are cast to the
-  comparison dtype (so an exact cast gives exact equality). If only one of ``atol``/``rtol`` is
-  given, the other keeps its default. Non-finite values must match exactly; unlike ``assert_close``'s
+  so the defaults are ``atol=1e-6`` and ``rtol=1e-6``: an element passes when ``|ref - ckpt|
+  <= atol + rtol * |ckpt|``, computed in float64 after both sides are cast to the comparison
+  dtype (so an exact cast gives exact equality). If only one of ``atol``/``rtol`` is given,
+  the other keeps its default. Non-finite values must match exactly; unlike ``assert_close``'s
   default, NaN at the same position on both sides counts as equal, since a faithful merge of a
   checkpoint holding NaN reproduces it. The default tolerance lets a 1-ulp float32 change
   pass; ``exact=True`` (``--exact``) asks for the same bits after the cast instead (a

@@ -24,7 +24,7 @@ from ..formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
-from ..formats.source import Kind, detect, verl_roles
+from ..formats.source import Kind, detect, unread_hint, verl_roles
 from ..storage import locks
 from ..units import DIRECT_ALIGN
 
@@ -138,7 +138,7 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
             Problem(
                 str(root),
                 "not a checkpoint: no manifest.json, step directories, HF model, verl .pt files "
-                "or DCP .metadata",
+                f"or DCP .metadata{unread_hint(root)}",
             )
         )
         return report

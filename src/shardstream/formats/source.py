@@ -604,11 +604,42 @@ def open_checkpoint(
             f"{path}: no model files here, but {' and '.join(map(str, hint))} "
             f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that directory"
         )
-    raise CheckpointNotFoundError(
-        f"{path}: no model files found (expected a shardstream manifest.json, verl's "
-        "model_world_size_W_rank_R.pt files, a DCP .metadata, or accelerate's "
-        "pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin)"
-    )
+    raise CheckpointNotFoundError(f"{path}: no model files found ({EXPECTED}){unread_hint(path)}")
+
+
+# What a reader opens, for messages that find none of it.
+EXPECTED = (
+    "expected a shardstream manifest.json, verl's model_world_size_W_rank_R.pt files, a DCP "
+    ".metadata, accelerate's pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin, a Hugging Face "
+    "model.safetensors or pytorch_model.bin (or its index), or a torch.save file"
+)
+_VARIANT = re.compile(
+    r"model\.safetensors\.index\.(.+)\.json|model\.([^.-]+)(-\d+-of-\d+)?\.safetensors"
+)
+
+
+def unread_hint(path: Path) -> str:
+    """What a directory no reader opens holds that a user may have meant: save_pretrained's
+    variant files (``variant="fp16"``), a PEFT adapter alone; "" when neither."""
+    try:
+        names = sorted(p.name for p in Path(path).iterdir())
+    except OSError:
+        return ""
+    variants = sorted({m[1] or m[2] for n in names if (m := _VARIANT.fullmatch(n))})
+    if variants:
+        return (
+            f"; it holds save_pretrained's variant {', '.join(map(repr, variants))} "
+            f"({next(n for n in names if _VARIANT.fullmatch(n))}...): shardstream reads the "
+            "files without a variant, model.safetensors or model.safetensors.index.json; "
+            "save without variant=, or load it with transformers (variant=...) and save again"
+        )
+    if "adapter_model.safetensors" in names or "adapter_model.bin" in names:
+        return (
+            "; it holds a PEFT adapter alone (adapter_model.*), not a model: merge the adapter "
+            "into its base model with PEFT (merge_and_unload) and save that, or merge the "
+            "training checkpoint it came from with --fuse-lora"
+        )
+    return ""
 
 
 def checkpoints_below(path: Path) -> list[Path]:

@@ -256,8 +256,10 @@ def _open_source(
             if below
             else ""
         )
+        from ..formats.source import EXPECTED, unread_hint
+
         raise CheckpointNotFoundError(
-            f"{path}: not a shardstream ({native.MANIFEST}), verl or PyTorch DCP checkpoint" + hint
+            f"{path}: not a checkpoint shardstream restores ({EXPECTED}){hint or unread_hint(path)}"
         )
     from ..formats import verl
 
