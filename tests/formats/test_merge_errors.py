@@ -570,3 +570,32 @@ def test_a_source_file_removed_while_merging(tmp_path, out):
     with pytest.raises(CheckpointNotFoundError, match=re.escape(str(rank_file))):
         merge(tmp_path / "step", out / "merged", on_plan=retention)
     assert list(out.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "files, words",
+    [
+        (["model.fp16.safetensors", "config.json"], "save_pretrained's variant 'fp16'"),
+        (
+            ["model.ema-00001-of-00002.safetensors", "model.safetensors.index.ema.json"],
+            "save_pretrained's variant 'ema'",
+        ),
+        (["adapter_model.safetensors", "adapter_config.json"], "a PEFT adapter alone"),
+    ],
+)
+def test_a_directory_of_what_no_reader_opens_says_what_it_holds(
+    capsys, tmp_path, out, files, words
+):
+    from shardstream import load
+    from shardstream.errors import CheckpointNotFoundError
+
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in files:
+        (source / name).write_text("{}")
+    line = merge_fails(capsys, source, out, str(source), "no model files found", words)
+    assert "a Hugging Face model.safetensors" in line
+    with pytest.raises(CheckpointNotFoundError, match=words):
+        load(source, model=torch.nn.Linear(2, 2))
+    assert main(["verify", str(source), "--quiet"]) == 1
+    assert words in capsys.readouterr().err
