@@ -299,7 +299,7 @@ def render(info: dict) -> str:
             if info.get("prefix") is not None
             else []
         ),
-        f"files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
+        f"model files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
         f"config: {info['config_dir'] or 'none found (pass --hf_model_path to merge)'}",
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
         *_objects_line(info.get("model_objects") or []),

@@ -329,8 +329,8 @@ def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool 
     if force_tie and not tied:
         log.warning(
             "--tie-word-embedding ignored: the model's config unties its output head "
-            "(tie_word_embeddings false), so lm_head.weight is written, as verl's FSDP merger "
-            "(which takes the flag for Megatron checkpoints only) writes it"
+            "(tie_word_embeddings false), so lm_head.weight is kept, as verl's FSDP merger "
+            "(which takes the flag for Megatron checkpoints only) keeps it"
         )
     return tied
 
