@@ -111,13 +111,16 @@ def merge(
     >>> merge("ckpt/global_step_100/actor", "merged", dtype="bfloat16")  # doctest: +SKIP
     """
     start = time.perf_counter()
-    if distributed and coll.init_from_environment():
-        # Our own group: leave it cleanly, or gloo's threads can abort the process at exit.
-        # After a failure, without the barrier: the others may be gone.
-        try:
-            summary = merge(
+    # Our own group (under torchrun): left cleanly at the end, or gloo's threads can abort the
+    # process at exit; after a failure without the barrier, since the others may be gone.
+    own_group = distributed and coll.init_from_environment()
+    try:
+        # A run saving beside us does not delete the checkpoint while we read it.
+        with locks.reading(Path(local_dir) / MANIFEST):
+            summary = _merge(
                 local_dir,
                 target_dir,
+                start,
                 dtype=dtype,
                 max_shard_size=max_shard_size,
                 buffer_size=buffer_size,
@@ -126,37 +129,19 @@ def merge(
                 tie_word_embedding=tie_word_embedding,
                 fuse_lora=fuse_lora,
                 keep_names=keep_names,
-                distributed=True,
+                distributed=distributed,
                 direct_io=direct_io,
                 progress=progress,
                 on_plan=on_plan,
                 prefix=prefix,
             )
-        except BaseException:
+    except BaseException:
+        if own_group:
             coll.leave(failed=True)
-            raise
+        raise
+    if own_group:
         coll.leave()
-        return summary
-    # A run saving beside us does not delete the checkpoint while we read it.
-    with locks.reading(Path(local_dir) / MANIFEST):
-        return _merge(
-            local_dir,
-            target_dir,
-            start,
-            dtype=dtype,
-            max_shard_size=max_shard_size,
-            buffer_size=buffer_size,
-            overwrite=overwrite,
-            hf_model_path=hf_model_path,
-            tie_word_embedding=tie_word_embedding,
-            fuse_lora=fuse_lora,
-            keep_names=keep_names,
-            distributed=distributed,
-            direct_io=direct_io,
-            progress=progress,
-            on_plan=on_plan,
-            prefix=prefix,
-        )
+    return summary
 
 
 def _merge(
