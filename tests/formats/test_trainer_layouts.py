@@ -176,3 +176,43 @@ def test_accelerate_parts_point_at_the_whole_directory(tmp_path):
     assert result.step == 4
     for name, tensor in _weights().items():
         assert torch.equal(model.state_dict()[name], tensor)
+
+
+# --------------------------------------------------------------------------- a Trainer's output_dir
+
+
+def _trainer_checkpoint(path, seed: int, finished: bool = True) -> None:
+    """checkpoint-N as the Trainer leaves it with SHARDED_STATE_DICT: the model through DCP,
+    training_args.bin, and trainer_state.json written last."""
+    _save({"model": _weights(seed)}, path / "pytorch_model_fsdp_0")
+    torch.save({"output_dir": str(path.parent)}, path / "training_args.bin")
+    if finished:
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": seed}))
+
+
+def test_an_output_dirs_final_model_does_not_hide_its_checkpoints(tmp_path, capsys):
+    """verify of a Trainer's output_dir holding the final model checked that model alone: a
+    damaged checkpoint-N beside it, or one whose save did not finish, passed."""
+    out = tmp_path / "out"
+    _trainer_checkpoint(out / "checkpoint-1", 1)
+    _trainer_checkpoint(out / "checkpoint-2", 2, finished=False)  # killed mid-save
+    save_file(_weights(2), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    report = verify(out)
+    assert report.kind == "huggingface" and report.steps == [1, 2]
+    assert [p.path for p in report.problems] == [str(out / "checkpoint-2")]
+    assert "trainer_state.json" in report.problems[0].message
+    # the same checkpoint on its own: training_args.bin without trainer_state.json
+    alone = verify(out / "checkpoint-2")
+    assert [p.path for p in alone.problems] == [str(out / "checkpoint-2")]
+
+    (out / "checkpoint-2" / "trainer_state.json").write_text("{}")
+    assert verify(out).ok
+    record = out / "checkpoint-1" / "pytorch_model_fsdp_0" / "__0_0.distcp"
+    data = bytearray(record.read_bytes())
+    at = data.find(_weights(1)["layer.weight"].numpy().tobytes())  # inside a tensor's record
+    assert at > 0
+    data[at + 5] ^= 0x40
+    record.write_bytes(bytes(data))
+    assert main(["verify", str(out), "--quiet"]) == 1
+    assert str(record) in capsys.readouterr().err

@@ -8,6 +8,7 @@ record). Problems are collected, not raised: one line each, naming file, tensor 
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -68,7 +69,61 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = None) -> VerifyReport:
-    """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out."""
+    """Check ``path``; ``report.ok`` is True only if every byte and every reference checks out.
+
+    A directory that is a checkpoint or model and also holds others (a Trainer's output_dir:
+    the final model beside its ``checkpoint-N``) has them checked too."""
+    from ..storage.run_layout import STEP_DIR
+
+    report = _verify_here(path, progress)
+    root = Path(path)
+    if report.kind in ("huggingface", "huggingface (pytorch_model.bin)", "root"):
+        skip = STEP_DIR.match if report.kind == "root" else None
+        _verify_inside(root, report, progress, skip)
+    unfinished = _unfinished_trainer_save(root)
+    if unfinished is not None:
+        report.problems.append(unfinished)
+    return report
+
+
+TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into each checkpoint-N
+TRAINER_STEP = re.compile(r"checkpoint-\d+")
+
+
+def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:
+    """A Trainer's ``checkpoint-N`` without the ``trainer_state.json`` it writes last: one whose
+    ``training_args.bin`` (written with the model) is there, or whose siblings have theirs."""
+    if not TRAINER_STEP.fullmatch(directory.name) or (directory / TRAINER_STATE).is_file():
+        return None
+    if not (siblings_finished or (directory / "training_args.bin").is_file()):
+        return None
+    return Problem(
+        str(directory),
+        f"no {TRAINER_STATE}, which the Trainer writes last into every checkpoint: an "
+        "unfinished save (the Trainer cannot resume from it)",
+    )
+
+
+def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> None:
+    """Verify the checkpoints below ``root`` (``_checkpoints_in``) into ``report``."""
+    from ..formats.dcp import step_of_name
+
+    found = [e for e in _checkpoints_in(root) if not (skip and skip(e.name))]
+    finished = any((e / TRAINER_STATE).is_file() for e in found if TRAINER_STEP.fullmatch(e.name))
+    for entry in found:
+        part = verify(entry, progress)
+        report.problems.extend(part.problems)
+        report.files_checked += part.files_checked
+        report.bytes_checked += part.bytes_checked
+        if (step := step_of_name(entry.name)) is not None and step not in report.steps:
+            report.steps.append(step)
+        if finished and not any(p.path == str(entry) for p in part.problems):
+            unfinished = _unfinished_trainer_save(entry, siblings_finished=True)
+            if unfinished is not None:
+                report.problems.append(unfinished)
+
+
+def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
     from ..storage.run_layout import LATEST_FILE, STEP_DIR, committed_steps, read_latest
 
     root = Path(path)
@@ -119,18 +174,10 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
         report = VerifyReport(str(root), "accelerate (LOCAL_STATE_DICT)")
         report.problems.append(unread)
         return report
-    if kind is not Kind.RUN and (found := _checkpoints_in(root)):
+    if kind is not Kind.RUN and _checkpoints_in(root):
         # checkpoints of other tools side by side: the Trainer's output_dir (checkpoint-N)
-        from ..formats.dcp import step_of_name
-
         report = VerifyReport(str(root), "checkpoints")
-        for entry in found:
-            part = verify(entry, progress)
-            report.problems.extend(part.problems)
-            report.files_checked += part.files_checked
-            report.bytes_checked += part.bytes_checked
-            if (step := step_of_name(entry.name)) is not None:
-                report.steps.append(step)
+        _verify_inside(root, report, progress)
         return report
     if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")

@@ -523,8 +523,10 @@ def read_metadata(directory: Path) -> tuple[Metadata, Path]:
         (int(m[1]), p) for p in directory.iterdir() if (m := RANK_METADATA_FILE.match(p.name))
     )
     if not per_rank:
+        data = any(DATA_FILE.match(p.name) for p in directory.iterdir())
+        held = "DCP data files" if data else "no DCP data files"
         raise CheckpointNotFoundError(
-            f"{directory}: DCP data files but no .metadata; DCP writes it last, so the save "
+            f"{directory}: {held} and no .metadata; DCP writes it last, so the save "
             "did not finish (or the file was not copied)"
         )
     return _joined([(path, load_metadata(path)) for _, path in per_rank]), per_rank[0][1]
