@@ -53,6 +53,8 @@ from harness.cache import evict, prepare, tree_bytes
 from harness.machine import git_revision, machine_facts, src_dirty
 from harness.process import run_measured
 
+from shardstream.formats.hf import default_shard_bytes
+
 sys.path.insert(0, str(REPO / "src"))
 
 TARGET_RSS_MIB = 512
@@ -563,7 +565,8 @@ def main() -> int:
         "scale": args.scale,
         "repeats": args.repeats,
         "targets": {"peak_rss_mib": TARGET_RSS_MIB, "ratio": TARGET_RATIO},
-        "options": "default 64 MiB buffer, O_DIRECT writes, 5 GB files",
+        "options": "default 64 MiB buffer, O_DIRECT writes, files split at "
+        f"{default_shard_bytes() / 10**9:g} GB (save_pretrained's default)",
         "source_cache": args.source_cache,
         "cache": EVICTED_NOTE
         if args.source_cache == "evicted"
