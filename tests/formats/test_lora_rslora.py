@@ -82,3 +82,30 @@ def test_adapter_files_that_disagree_on_rslora_are_refused(rslora_actor, tmp_pat
     err = capsys.readouterr().err
     assert "use_rslora=False" in err and "use_rslora=True" in err and str(meta) in err
     assert not (tmp_path / "out").exists()
+
+
+def test_settings_are_read_where_peft_and_the_trainer_keep_adapter_config(tmp_path):
+    """A Trainer's LoRA checkpoint holds no verl file: PEFT's adapter_config.json sits beside
+    the weights (FULL_STATE_DICT), or only in the output_dir above checkpoint-N, whose model
+    folder is accelerate's pytorch_model_fsdp_0 (SHARDED_STATE_DICT)."""
+    import json
+
+    from shardstream.errors import CheckpointFormatError
+    from shardstream.formats import lora
+
+    peft_config = {"r": 4, "lora_alpha": 8, "use_rslora": False, "peft_type": "LORA"}
+    beside = tmp_path / "full" / "checkpoint-2"
+    beside.mkdir(parents=True)
+    (beside / "adapter_config.json").write_text(json.dumps(peft_config))
+    assert lora.lora_settings(beside) == lora.LoraSettings(4, 8.0, False)
+
+    sharded = tmp_path / "out" / "checkpoint-2" / "pytorch_model_fsdp_0"
+    sharded.mkdir(parents=True)
+    (tmp_path / "out" / "adapter_config.json").write_text(json.dumps({**peft_config, "r": 2}))
+    assert lora.lora_settings(sharded).r == 2
+
+    elsewhere = tmp_path / "mine" / "pytorch_model_fsdp_0"  # no checkpoint-N: not looked above
+    elsewhere.mkdir(parents=True)
+    (tmp_path / "adapter_config.json").write_text(json.dumps(peft_config))
+    with pytest.raises(CheckpointFormatError, match="nothing says their r and lora_alpha"):
+        lora.lora_settings(elsewhere)

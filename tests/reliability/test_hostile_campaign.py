@@ -548,7 +548,7 @@ def test_recorded_lora_settings_that_are_no_object_are_refused(tmp_path, recorde
     from shardstream.formats import lora
 
     if recorded is None:  # null: no settings recorded, so verl's files are looked for
-        with pytest.raises(CheckpointFormatError, match="neither lora_train_meta.json"):
+        with pytest.raises(CheckpointFormatError, match="nothing says their r and lora_alpha"):
             lora.lora_settings(tmp_path, recorded)
         return
     with pytest.raises(CheckpointFormatError, match="recorded LoRA settings.*not a JSON object"):

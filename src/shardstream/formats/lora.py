@@ -96,22 +96,37 @@ UNSUPPORTED = {
 }
 
 
+TRAINER_STEP = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
+
+
 def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings:
     """The LoRA settings as the checkpoint ``recorded`` them (shardstream's manifest), else
-    from verl's lora_train_meta.json and lora_adapter/adapter_config.json, which must agree
+    from verl's lora_train_meta.json and lora_adapter/adapter_config.json or PEFT's
+    adapter_config.json beside the weights (or, for a Trainer's checkpoint-N, in its
+    output_dir), which must agree
     (``use_rslora`` where both state it: verl's meta file does not). ``r`` must be a positive
     integer, ``lora_alpha`` a positive finite number and ``use_rslora`` a boolean; a setting
     merge cannot apply (``UNSUPPORTED``) is refused, naming the file."""
     if recorded is not None:
         return _settings(recorded, f"{directory} (recorded LoRA settings)")[0]
     found = []
-    for path in (directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG):
+    places = [directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG]
+    # PEFT's, beside the weights: accelerate's model folder sits in the Trainer's
+    # checkpoint-N, and the Trainer's output_dir holds the adapter's config too.
+    beside = [directory]
+    if directory.name.startswith("pytorch_model_fsdp"):
+        beside.append(directory.parent)
+    if TRAINER_STEP.fullmatch(beside[-1].name):
+        beside.append(beside[-1].parent)
+    places += [folder / ADAPTER_CONFIG for folder in beside]
+    for path in places:
         if path.is_file():
             found.append((path, *_settings(jsondoc.read_object(path), str(path))))
     if not found:
+        looked = ", ".join(str(p) for p in places)
         raise CheckpointFormatError(
-            f"{directory}: LoRA weights found but neither {META_FILE} nor "
-            f"{ADAPTER_DIR}/{ADAPTER_CONFIG} says r and lora_alpha"
+            f"{directory}: LoRA weights found but nothing says their r and lora_alpha (looked "
+            f"for {looked}: verl's {META_FILE} and {ADAPTER_DIR}/, PEFT's {ADAPTER_CONFIG})"
         )
     (first, settings, stated), *rest = found
     for path, other, other_stated in rest:
