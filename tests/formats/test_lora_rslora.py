@@ -109,3 +109,37 @@ def test_settings_are_read_where_peft_and_the_trainer_keep_adapter_config(tmp_pa
     (tmp_path / "adapter_config.json").write_text(json.dumps(peft_config))
     with pytest.raises(CheckpointFormatError, match="nothing says their r and lora_alpha"):
         lora.lora_settings(elsewhere)
+
+
+def test_a_peft_adapter_saved_through_dcp_without_its_name_restores(tmp_path):
+    """accelerate's sharded save of a PeftModel holds PEFT's names (``lora_A.weight``, no
+    adapter name); the live model's are ``lora_A.default.weight``."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+    from peft import LoraConfig, get_peft_model, get_peft_model_state_dict
+
+    import shardstream
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    def peft_model(seed):
+        model = build_tiny_model(tiny_config("qwen2"), seed=0)
+        config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj"], init_lora_weights=False)
+        model = get_peft_model(model, config)
+        torch.manual_seed(seed)
+        for name, p in model.named_parameters():
+            if "lora_" in name:
+                torch.nn.init.normal_(p)
+        return model
+
+    saved = peft_model(1)
+    adapter = get_peft_model_state_dict(saved)
+    assert any(k.endswith("lora_A.weight") for k in adapter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"model": adapter}, checkpoint_id=str(tmp_path / "ckpt"))
+    live = peft_model(2)
+    shardstream.load(tmp_path / "ckpt", model=live)
+    want = saved.state_dict()
+    for name, value in live.state_dict().items():
+        assert torch.equal(value, want[name]), name

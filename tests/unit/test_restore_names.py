@@ -47,3 +47,21 @@ def test_an_optimizer_saved_under_wrapped_names_is_renamed():
     assert _renamed_optimizer(nested, unwrap, unwrap) == {
         "state": {"a": {"step": 1}}, "param_groups": [{"params": ["a", 0]}],
     }  # fmt: skip
+
+
+def test_peft_weights_saved_without_the_adapter_name_find_the_live_ones():
+    from shardstream.training.load import _adapter_names
+
+    live = ["m.q.base_layer.weight", "m.q.lora_A.default.weight", "m.q.lora_B.default.weight",
+            "m.e.lora_embedding_A.default", "m.q.lora_magnitude_vector.default.weight"]  # fmt: skip
+    saved = ["m.q.lora_A.weight", "m.q.lora_B.weight", "m.e.lora_embedding_A",
+             "m.q.lora_magnitude_vector.weight"]  # fmt: skip
+    assert _adapter_names(live, saved) == {
+        "m.q.lora_A.weight": "m.q.lora_A.default.weight",
+        "m.q.lora_B.weight": "m.q.lora_B.default.weight",
+        "m.e.lora_embedding_A": "m.e.lora_embedding_A.default",
+        "m.q.lora_magnitude_vector.weight": "m.q.lora_magnitude_vector.default.weight",
+    }
+    assert _adapter_names(live, ["m.q.lora_A.default.weight"]) == {}  # saved as live: as is
+    two = ["m.q.lora_A.first.weight", "m.q.lora_A.second.weight"]
+    assert _adapter_names(two, ["m.q.lora_A.weight"]) == {}  # which adapter: unknown

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
@@ -717,10 +718,11 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
     modules; DDP's leading ``module.`` on every key), which torch's state-dict API, and so
     the live names, leave out. Two saved names that become one are refused."""
     stripped = hf_names.strip_wrappers(saved)  # raises on a collision
-    if all(k == v for k, v in stripped.items()):
-        return lambda fqn: fqn
     live = [] if model is None else st.model_tensors(model)
     live = [n[len(native.MODEL_PREFIX) :] for n in live]
+    adapters = _adapter_names(live, saved)
+    if all(k == v for k, v in stripped.items()) and not adapters:
+        return lambda fqn: fqn
     drop_module = all(n.startswith(hf_names.DDP_PREFIX) for n in saved) and not any(
         n.startswith(hf_names.DDP_PREFIX) for n in live
     )
@@ -730,9 +732,35 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
             fqn = fqn[len(hf_names.DDP_PREFIX) :]
         for part in hf_names.WRAPPER_PARTS:
             fqn = fqn.replace(part, "")
-        return fqn
+        return adapters.get(fqn, fqn)
 
     return unwrap
+
+
+# A PEFT LoRA weight's live name: the adapter's name after the LoRA module's
+# (``q_proj.lora_A.default.weight``, ``lora_embedding_A.default``).
+_ADAPTER_NAME = re.compile(
+    r"(.*\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector))"
+    r"\.[^.]+((?:\.weight|\.bias)?)"
+)
+
+
+def _adapter_names(live: list[str], saved: list[str]) -> dict[str, str]:
+    """Saved name -> live name for LoRA weights PEFT saved without the adapter's name (its
+    ``get_peft_model_state_dict``: what accelerate's sharded save of a PeftModel holds), where
+    the live model names them with it and the saved names lack the live ones."""
+    names = set(saved)
+    out: dict[str, str] = {}
+    for name in live:
+        match = _ADAPTER_NAME.fullmatch(name)
+        if match is None or name in names:
+            continue
+        bare = match[1] + match[2]
+        if bare in names:
+            if bare in out:  # two adapters: which is meant is unknown
+                return {}
+            out[bare] = name
+    return out
 
 
 def _renamed_optimizer(
