@@ -718,10 +718,14 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
     modules; DDP's leading ``module.`` on every key), which torch's state-dict API, and so
     the live names, leave out. Two saved names that become one are refused."""
     stripped = hf_names.strip_wrappers(saved)  # raises on a collision
+    wrapped = any(k != v for k, v in stripped.items())
+    bare_lora = any(_BARE_LORA.search(n) for n in saved)
+    if not wrapped and not bare_lora:
+        return lambda fqn: fqn
     live = [] if model is None else st.model_tensors(model)
     live = [n[len(native.MODEL_PREFIX) :] for n in live]
-    adapters = _adapter_names(live, saved)
-    if all(k == v for k, v in stripped.items()) and not adapters:
+    adapters = _adapter_names(live, saved) if bare_lora else {}
+    if not wrapped and not adapters:
         return lambda fqn: fqn
     drop_module = all(n.startswith(hf_names.DDP_PREFIX) for n in saved) and not any(
         n.startswith(hf_names.DDP_PREFIX) for n in live
@@ -742,6 +746,12 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
 _ADAPTER_NAME = re.compile(
     r"(.*\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector))"
     r"\.[^.]+((?:\.weight|\.bias)?)"
+)
+
+
+_BARE_LORA = re.compile(
+    r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+    r"(?:\.weight|\.bias)?$"
 )
 
 
