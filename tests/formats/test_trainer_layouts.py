@@ -216,3 +216,20 @@ def test_an_output_dirs_final_model_does_not_hide_its_checkpoints(tmp_path, caps
     record.write_bytes(bytes(data))
     assert main(["verify", str(out), "--quiet"]) == 1
     assert str(record) in capsys.readouterr().err
+
+
+def test_a_sharded_trainer_checkpoint_takes_the_output_dirs_config(tmp_path):
+    """The Trainer writes no config.json into a SHARDED_STATE_DICT checkpoint-N; save_model
+    writes one into its output_dir, which merge then copies (it wrote weights alone)."""
+    from shardstream.commands.merge import merge
+    from shardstream.formats.dcp import config_dir_of
+
+    out = tmp_path / "out"
+    _trainer_checkpoint(out / "checkpoint-2", 2)
+    model_dir = out / "checkpoint-2" / "pytorch_model_fsdp_0"
+    assert config_dir_of(model_dir) is None
+    (out / "config.json").write_text(json.dumps({"model_type": "qwen2", "dtype": "float32"}))
+    assert config_dir_of(model_dir) == out
+    assert config_dir_of(tmp_path / "elsewhere" / "pytorch_model_fsdp_0") is None
+    merge(out / "checkpoint-2", tmp_path / "merged")
+    assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "qwen2"

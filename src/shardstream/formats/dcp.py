@@ -157,11 +157,15 @@ class DcpCheckpoint:
 
 
 def config_dir_of(directory: Path) -> Path | None:
-    """A DCP checkpoint's config.json directory: the checkpoint itself, or the Trainer
-    checkpoint around accelerate's ``pytorch_model_fsdp_N``; None when neither has one."""
+    """A DCP checkpoint's config.json directory: the checkpoint itself, the Trainer
+    checkpoint around accelerate's ``pytorch_model_fsdp_N``, or that ``checkpoint-N``'s
+    output_dir (the Trainer writes no config.json into a sharded FSDP checkpoint; save_model
+    writes one above it); None when none has one."""
     candidates = [directory]
     if ACCELERATE_MODEL_DIR.match(directory.name):
         candidates.append(directory.parent)
+    if TRAINER_CHECKPOINT.fullmatch(candidates[-1].name):
+        candidates.append(candidates[-1].parent)
     from .hf import check_no_links_out
 
     for candidate in candidates:
@@ -170,6 +174,8 @@ def config_dir_of(directory: Path) -> Path | None:
             return check_no_links_out(candidate, candidate)
     return None
 
+
+TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
 
 # torchtitan's step-N, accelerate's checkpoint_N, the Trainer's checkpoint-N, verl's global_step_N
 STEP_NAME = re.compile(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$")
