@@ -144,3 +144,28 @@ def test_what_a_failed_merge_cannot_remove_is_swept_by_the_next(tmp_path, capsys
     monkeypatch.undo()
     assert _merge(source, target, "--quiet") == 0
     assert _staged(tmp_path) == [] and (target / "model.safetensors").is_file()
+
+
+def test_a_sigterm_while_a_failed_merge_removes_its_staging_waits_for_the_removal(
+    tmp_path, capsys, monkeypatch
+):
+    """torchrun sends SIGTERM to the processes left when one dies, often while they remove
+    what they staged after losing it: the removal was cut short, its folder left behind."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: _plain_state()})
+    target = tmp_path / "merged"
+    write_configs, abandon = hf.write_configs, commit.Staged.abandon
+
+    def a_peer_is_lost(*args, **kwargs):
+        write_configs(*args, **kwargs)
+        raise ConnectionError("Connection closed by peer")
+
+    def terminated_while_removing(self):
+        os.kill(os.getpid(), signal.SIGTERM)  # arrives inside the removal
+        abandon(self)
+
+    monkeypatch.setattr(hf, "write_configs", a_peer_is_lost)
+    monkeypatch.setattr(commit.Staged, "abandon", terminated_while_removing)
+    assert _merge(source, target, "--quiet") == 128 + signal.SIGTERM
+    assert "terminated; nothing was committed" in capsys.readouterr().err
+    assert not target.exists() and _staged(tmp_path) == []
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # put back

@@ -25,6 +25,7 @@ import errno
 import logging
 import os
 import re
+import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -334,6 +335,28 @@ class Deleter:
                 log.warning("shardstream: could not delete %s: %s", grave, exc)
 
 
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """Hold SIGINT and SIGTERM for the block (in the main thread; elsewhere signals do not
+    arrive), then deliver what came to the handlers in place before it: removing what a
+    failed write staged is not cut short by a signal that asks for exactly that removal."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    kinds = (signal.SIGINT, signal.SIGTERM)
+    before = {
+        kind: signal.signal(kind, lambda number, frame: caught.append(number)) for kind in kinds
+    }
+    try:
+        yield
+    finally:
+        for kind, handler in before.items():
+            signal.signal(kind, handler)
+        for number in dict.fromkeys(caught):
+            signal.raise_signal(number)
+
+
 def make_parents(target: Path) -> None:
     """Create the missing folders above ``target`` (as verl's merger does with
     ``os.makedirs``), each fsynced into its parent; one in the way is a usage error."""
@@ -385,7 +408,8 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     except BaseException as exc:
         if hasattr(exc, COMMITTED_ATTR):  # in place; the old output's deletion was cut short
             raise
-        staged.abandon()
+        with signals_held():  # a SIGTERM now (torchrun stopping the others) waits for it
+            staged.abandon()
         if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
             message = "no space left on device while writing {path}; partial output removed"
             full = out_of_space(exc, target, message)
