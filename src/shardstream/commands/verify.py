@@ -8,7 +8,6 @@ record). Problems are collected, not raised: one line each, naming file, tensor 
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -25,7 +24,7 @@ from ..formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
-from ..formats.source import Kind, detect, unread_hint, verl_roles
+from ..formats.source import TRAINER_CHECKPOINT, Kind, detect, unread_hint, verl_roles
 from ..storage import locks
 from ..units import DIRECT_ALIGN
 
@@ -87,13 +86,12 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
 
 
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into each checkpoint-N
-TRAINER_STEP = re.compile(r"checkpoint-\d+")
 
 
 def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:
     """A Trainer's ``checkpoint-N`` without the ``trainer_state.json`` it writes last: one whose
     ``training_args.bin`` (written with the model) is there, or whose siblings have theirs."""
-    if not TRAINER_STEP.fullmatch(directory.name) or (directory / TRAINER_STATE).is_file():
+    if not TRAINER_CHECKPOINT.fullmatch(directory.name) or (directory / TRAINER_STATE).is_file():
         return None
     if not (siblings_finished or (directory / "training_args.bin").is_file()):
         return None
@@ -109,7 +107,8 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
     from ..formats.dcp import step_of_name
 
     found = [e for e in _checkpoints_in(root) if not (skip and skip(e.name))]
-    finished = any((e / TRAINER_STATE).is_file() for e in found if TRAINER_STEP.fullmatch(e.name))
+    trainer = [e for e in found if TRAINER_CHECKPOINT.fullmatch(e.name)]
+    finished = any((e / TRAINER_STATE).is_file() for e in trainer)
     for entry in found:
         part = verify(entry, progress)
         report.problems.extend(part.problems)

@@ -61,12 +61,12 @@ from .regular_file import check_inside, present
 from .safetensors import MAX_DIMENSION
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
+from .source import folders_around
 
 RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$")
 MODEL_CONTAINER = "model"
 # accelerate saves the model of a Trainer checkpoint in <checkpoint>/pytorch_model_fsdp_<i>/ and
 # the config and tokenizer next to it.
-ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_\d+$")
 # Top-level keys that are training state, never model weights (used without planner_data).
 EXTRA_STATE = "_extra_state"  # nn.Module's key for get_extra_state() (DCP flattens a dict)
 NON_MODEL_PREFIXES = (
@@ -161,21 +161,14 @@ def config_dir_of(directory: Path) -> Path | None:
     checkpoint around accelerate's ``pytorch_model_fsdp_N``, or that ``checkpoint-N``'s
     output_dir (the Trainer writes no config.json into a sharded FSDP checkpoint; save_model
     writes one above it); None when none has one."""
-    candidates = [directory]
-    if ACCELERATE_MODEL_DIR.match(directory.name):
-        candidates.append(directory.parent)
-    if TRAINER_CHECKPOINT.fullmatch(candidates[-1].name):
-        candidates.append(candidates[-1].parent)
     from .hf import check_no_links_out
 
-    for candidate in candidates:
+    for candidate in folders_around(directory):
         if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
             # merge copies these files: none may lead out of the directory that holds them
             return check_no_links_out(candidate, candidate)
     return None
 
-
-TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
 
 # torchtitan's step-N, accelerate's checkpoint_N, the Trainer's checkpoint-N, verl's global_step_N
 STEP_NAME = re.compile(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$")

@@ -96,9 +96,6 @@ UNSUPPORTED = {
 }
 
 
-TRAINER_STEP = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
-
-
 def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings:
     """The LoRA settings as the checkpoint ``recorded`` them (shardstream's manifest), else
     from verl's lora_train_meta.json and lora_adapter/adapter_config.json or PEFT's
@@ -110,15 +107,11 @@ def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings
     if recorded is not None:
         return _settings(recorded, f"{directory} (recorded LoRA settings)")[0]
     found = []
+    from .source import folders_around
+
     places = [directory / META_FILE, directory / ADAPTER_DIR / ADAPTER_CONFIG]
-    # PEFT's, beside the weights: accelerate's model folder sits in the Trainer's
-    # checkpoint-N, and the Trainer's output_dir holds the adapter's config too.
-    beside = [directory]
-    if directory.name.startswith("pytorch_model_fsdp"):
-        beside.append(directory.parent)
-    if TRAINER_STEP.fullmatch(beside[-1].name):
-        beside.append(beside[-1].parent)
-    places += [folder / ADAPTER_CONFIG for folder in beside]
+    # PEFT's, beside the weights, and where a Trainer run keeps it (its output_dir)
+    places += [folder / ADAPTER_CONFIG for folder in folders_around(directory)]
     for path in places:
         if path.is_file():
             found.append((path, *_settings(jsondoc.read_object(path), str(path))))

@@ -71,6 +71,21 @@ DCP_HF_SHARDED_SUBDIR = "sharded"
 # model and optimizer as DCP directories, the scheduler and each rank's RNG as torch.save files.
 ACCELERATE_SHARDED_FORMAT = "accelerate (SHARDED_STATE_DICT)"  # its model dir is DCP's
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
+TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
+
+
+def folders_around(directory: Path) -> list[Path]:
+    """A model folder, then those a Trainer run keeps its side files in (config.json,
+    adapter_config.json): the ``checkpoint-N`` around accelerate's ``pytorch_model_fsdp_N``,
+    and that ``checkpoint-N``'s output_dir."""
+    folders = [directory]
+    if ACCELERATE_MODEL_DIR.match(directory.name):
+        folders.append(directory.parent)
+    if TRAINER_CHECKPOINT.fullmatch(folders[-1].name):
+        folders.append(folders[-1].parent)
+    return folders
+
+
 ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$")
 ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$")
 # (the Trainer's single process writes rng_state.pth: rank 0's)
