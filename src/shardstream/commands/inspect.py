@@ -260,13 +260,7 @@ def render(info: dict) -> str:
                 if run["uncommitted"]
                 else ""
             ),
-            f"the newest committed step, {run['newest']}"
-            + (
-                f" (roles {', '.join(run['roles'])}; this is {run['role']})"
-                if run.get("role")
-                else ""
-            )
-            + ":",
+            f"the newest committed step, {run['newest']}{_roles(run)}:",
             "",
         ]
     if info["format"] == "huggingface":

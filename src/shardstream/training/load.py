@@ -741,18 +741,11 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
     return unwrap
 
 
-# A PEFT LoRA weight's live name: the adapter's name after the LoRA module's
-# (``q_proj.lora_A.default.weight``, ``lora_embedding_A.default``).
-_ADAPTER_NAME = re.compile(
-    r"(.*\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector))"
-    r"\.[^.]+((?:\.weight|\.bias)?)"
-)
-
-
-_BARE_LORA = re.compile(
-    r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
-    r"(?:\.weight|\.bias)?$"
-)
+# PEFT's LoRA modules. A weight's live name holds the adapter's name after the module's
+# (``q_proj.lora_A.default.weight``, ``lora_embedding_A.default``); PEFT saves it without.
+_LORA_MODULE = r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
+_ADAPTER_NAME = re.compile(rf"(.*{_LORA_MODULE})\.[^.]+((?:\.weight|\.bias)?)")
+_BARE_LORA = re.compile(rf"{_LORA_MODULE}(?:\.weight|\.bias)?$")
 
 
 def _adapter_names(live: list[str], saved: list[str]) -> dict[str, str]:
