@@ -302,6 +302,8 @@ class CheckpointManager:
     # The directory's lock file; a subclass whose writers share a directory with another's
     # (verl's actor and critic roles) names its own.
     lock_name: str = LOCK_FILE
+    # A step saved without "hf_model" carries huggingface/ config files when given any.
+    saves_config_files: bool = True
 
     def __init__(
         self,
@@ -468,7 +470,7 @@ class CheckpointManager:
 
     def _prepare(self, step: int, extra: Mapping[str, Any] | None, buffer_bytes: int):
         """Capture what to save (references, not copies); local to this rank."""
-        from .training.hf_export import ConfigFiles, hf_exporter
+        from .training.hf_export import config_files, hf_exporter
 
         # The last retention's deletions end first: disk use stays at keep_last steps, and a
         # step directory retention empties is not removed under a save of that same step.
@@ -485,9 +487,8 @@ class CheckpointManager:
                 self.hf_dtype,
                 self.config.shared_filesystem,
             )
-        elif self._config_files():  # the config without the weights, as verl's steps hold it
-            hf_dir = Path(self.hf_source_dir) if self.hf_source_dir is not None else None
-            exporter = ConfigFiles(self.hf_config, self.tokenizer, hf_dir)
+        elif self.saves_config_files:  # the config without the weights, as verl's steps hold it
+            exporter = config_files(self.hf_config, self.tokenizer, self.hf_source_dir)
         return saving.prepare_save(
             self.step_dir(step),
             model=self.model,
@@ -502,10 +503,6 @@ class CheckpointManager:
             lora_only=self.config.save_lora_only,
             share_hf_weights=self.config.share_hf_weights,
         )
-
-    def _config_files(self) -> bool:
-        """Whether a step saved without "hf_model" carries ``huggingface/`` config files."""
-        return any(x is not None for x in (self.hf_config, self.tokenizer, self.hf_source_dir))
 
     def _commit(self, prepared):
         """Write, commit, move ``latest``, apply retention (every rank, collectively)."""

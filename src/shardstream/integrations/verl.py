@@ -526,8 +526,7 @@ class _RoleRun(CheckpointManager):
             return []
         return sorted(s for s in step_dirs(self.root) if (self.step_dir(s) / MANIFEST).is_file())
 
-    def _config_files(self) -> bool:
-        return False  # _VerlFiles writes them, as verl does
+    saves_config_files = False  # _VerlFiles writes them, as verl does
 
     def _prepare(self, step, extra, buffer_bytes):
         prepared = super()._prepare(step, extra, buffer_bytes)

@@ -218,6 +218,15 @@ class ConfigFiles:
         return {}
 
 
+def config_files(
+    hf_config: Any, tokenizer: Any, source_dir: str | os.PathLike | None
+) -> ConfigFiles | None:
+    """The config-only writer for a save without "hf_model"; None when nothing is given."""
+    if hf_config is None and tokenizer is None and source_dir is None:
+        return None
+    return ConfigFiles(hf_config, tokenizer, Path(source_dir) if source_dir is not None else None)
+
+
 @dataclass(frozen=True)
 class RankFileRows:
     """Where this rank's exported rows lie in its rank file of the same save: an async save's

@@ -234,11 +234,10 @@ def save(
         from .hf_export import hf_exporter
 
         exporter = hf_exporter(model, hf_config, tokenizer, hf_source_dir, hf_dtype)
-    elif any(x is not None for x in (hf_config, tokenizer, hf_source_dir)):
-        from .hf_export import ConfigFiles  # config files without the weights
+    else:
+        from .hf_export import config_files
 
-        source = Path(hf_source_dir) if hf_source_dir is not None else None
-        exporter = ConfigFiles(hf_config, tokenizer, source)
+        exporter = config_files(hf_config, tokenizer, hf_source_dir)
     prepared = prepare_save(
         path,
         model=model,
