@@ -306,8 +306,7 @@ def run_test(args: argparse.Namespace) -> int:
     )
     code = 0 if report.ok else EXIT_ERROR
     if args.json:
-        failure = {} if report.ok else {"error": f"MISMATCH: {'; '.join(report.problems[:3])}"}
-        print(json.dumps({**report.to_json(), **failure, "exit_code": code}))
+        print(_json_report(report.to_json(), code, "MISMATCH", report.problems))
     else:
         for line in report.problems:
             print(line, file=sys.stderr)
@@ -340,9 +339,8 @@ def run_verify(args: argparse.Namespace) -> int:
         progress.close()
     code = 0 if report.ok else EXIT_ERROR
     if args.json:
-        lines = [problem.line() for problem in report.problems[:3]]
-        failure = {} if report.ok else {"error": f"FAILED: {'; '.join(lines)}"}
-        print(json.dumps({**report.to_json(), **failure, "exit_code": code}))
+        lines = [problem.line() for problem in report.problems]
+        print(_json_report(report.to_json(), code, "FAILED", lines))
     else:
         for problem in report.problems:
             print(problem.line(), file=sys.stderr)
@@ -363,6 +361,13 @@ def run_verify(args: argparse.Namespace) -> int:
                 f"{checked}{steps}"
             )
     return code
+
+
+def _json_report(doc: dict, code: int, verdict: str, problems: Sequence[str]) -> str:
+    """A check's JSON report with the keys every failure carries (``error``: the verdict and
+    the first problems; ``exit_code``)."""
+    failure = {"error": f"{verdict}: {'; '.join(problems[:3])}"} if code else {}
+    return json.dumps({**doc, **failure, "exit_code": code})
 
 
 def _tree_bytes(path: str) -> int:
