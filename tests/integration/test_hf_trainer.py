@@ -141,3 +141,23 @@ def test_verify_names_a_damaged_file_of_a_full_checkpoint(trained, tmp_path, dam
     done = run_cli("verify", "--quiet", ckpt)
     assert done.returncode == 1, done.stdout + done.stderr
     assert str(ckpt / damaged) in done.stderr, done.stderr
+
+
+def test_restore_names_an_optimizer_save_that_did_not_finish(trained, tmp_path):
+    """SHARDED_STATE_DICT: a checkpoint-N whose optimizer_0/ lacks its .metadata (the save was
+    cut short after the model's: its data files written, or none yet) is refused naming that
+    directory, not as a checkpoint that holds no optimizer state."""
+    if trained["type"] != "SHARDED_STATE_DICT":
+        pytest.skip("only SHARDED_STATE_DICT checkpoints hold optimizer_0/")
+    ckpt = tmp_path / "out" / hw.CHECKPOINT
+    shutil.copytree(trained["ckpt"], ckpt)
+    optimizer = ckpt / "optimizer_0"
+    for written in ("DCP data files", "no DCP data files"):
+        for path in optimizer.iterdir():
+            if path.name == ".metadata" or written.startswith("no"):
+                path.unlink()
+        with pytest.raises(RuntimeError) as failed:
+            run(hw.restore_plain_run, 1, str(tmp_path), trained["tie"])
+        message = str(failed.value)
+        assert f"{optimizer}: {written} and no .metadata" in message, message
+        assert "the save did not finish" in message, message

@@ -230,6 +230,8 @@ class AccelerateState:
     samplers: dict[str, Path] = dataclasses.field(default_factory=dict)
     plain: bool = False  # saved without FSDP: ``model`` is the directory, a HF model
     plain_models: dict[int, Path] = dataclasses.field(default_factory=dict)  # N >= 1: its file
+    # optimizer_N directories without a DCP .metadata: a save interrupted before it finished
+    unfinished_optimizers: dict[int, Path] = dataclasses.field(default_factory=dict)
 
     @property
     def full_state(self) -> bool:
@@ -250,13 +252,16 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
     if not directory.is_dir():
         return None
     models, optims, schedulers, rng, states, samplers, plain_models = {}, {}, {}, {}, {}, {}, {}
-    full_models, full_optims = {}, {}
+    full_models, full_optims, unfinished = {}, {}, {}
     for entry in directory.iterdir():
         name = entry.name
         if (m := ACCELERATE_MODEL_DIR.match(name)) and is_dcp_checkpoint(entry):
             models[int(m[1])] = entry
-        elif (m := ACCELERATE_OPTIMIZER_DIR.match(name)) and is_dcp_checkpoint(entry):
-            optims[int(m[1])] = entry
+        elif m := ACCELERATE_OPTIMIZER_DIR.match(name):
+            if is_dcp_checkpoint(entry):
+                optims[int(m[1])] = entry
+            elif entry.is_dir():
+                unfinished[int(m[1])] = entry
         elif (m := ACCELERATE_FULL_MODEL_FILE.match(name)) and entry.is_file():
             full_models[int(m[1] or 0)] = entry
         elif (m := ACCELERATE_FULL_OPTIMIZER_FILE.match(name)) and entry.is_file():
@@ -312,6 +317,7 @@ def accelerate_state(directory: Path, index: int = 0) -> AccelerateState | None:
         tuple(sorted(indices)),
         states,
         samplers,
+        unfinished_optimizers=unfinished,
     )
 
 

@@ -515,6 +515,11 @@ def _accelerate_source(
             verify=verify,
         )
     source.step = _step_of(path)
+    unfinished = parts.unfinished_optimizers.get(parts.index)
+    if parts.optimizer is None and want_optimizer and unfinished is not None:
+        from ..formats.dcp import read_metadata
+
+        read_metadata(unfinished)  # raises, naming the directory and the unfinished save
     if parts.optimizer is None:
         source.saved.discard("optimizer")
     else:
