@@ -646,12 +646,14 @@ class CheckpointManager:
     def _resume_path(self) -> Path:
         """``resume_from_path``, or the one checkpoint inside it (verl's ``resume_from_path``
         names a ``global_step_N`` directory, its ``actor/`` being the checkpoint)."""
-        from .formats.source import checkpoints_below, looks_like_checkpoint
+        from .formats.source import checkpoints_below, looks_like_checkpoint, unfinished_note
 
         path = Path(self.config.resume_from_path)
         if path.is_dir() and not looks_like_checkpoint(path):
             below = checkpoints_below(path)
             if len(below) == 1:
+                if unfinished := unfinished_note(path):
+                    log.warning("shardstream: resuming from %s%s", below[0], unfinished)
                 return below[0]
         return path
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 import warnings
 from pathlib import Path
 
@@ -132,6 +133,38 @@ def test_open_checkpoint_refuses_what_it_cannot_read(tmp_path):
     actor = verl_checkpoint(tmp_path / "step" / "actor")
     with pytest.raises(shardstream.CheckpointNotFoundError, match=f"but {actor} holds"):
         open_checkpoint(tmp_path / "step")
+
+
+def trainer_checkpoint(directory: Path, finished: str = "all") -> Path:
+    """A Trainer's SHARDED_STATE_DICT checkpoint-N: its model as DCP (real), training_args.bin,
+    trainer_state.json written last; ``finished``: "all", "model" (no trainer_state.json) or
+    "none" (the model's DCP save cut short before its .metadata)."""
+    dcp_checkpoint(directory / "pytorch_model_fsdp_0")
+    (directory / "training_args.bin").write_bytes(b"")
+    if finished == "all":
+        (directory / "trainer_state.json").write_text("{}")
+    if finished == "none":
+        (directory / "pytorch_model_fsdp_0" / ".metadata").unlink()
+    return directory
+
+
+def test_a_trainer_output_dir_names_its_finished_checkpoints_in_step_order(tmp_path):
+    out = tmp_path / "out"
+    done = [trainer_checkpoint(out / f"checkpoint-{n}") for n in (9, 10)]
+    cut = [trainer_checkpoint(out / "checkpoint-11", "model")]
+    cut.append(trainer_checkpoint(out / "checkpoint-12", "none"))
+    assert checkpoints_below(out) == done  # numerically: 9 before 10
+    with pytest.raises(shardstream.CheckpointNotFoundError) as refused:
+        open_checkpoint(out)
+    message = str(refused.value)
+    assert f"but {done[0]} and {done[1]} hold checkpoints; pass that directory" in message
+    assert f"; {cut[0]} and {cut[1]} are checkpoints whose saves did not finish" in message
+    for finished in done:
+        shutil.rmtree(finished)
+    with pytest.raises(shardstream.CheckpointNotFoundError) as refused:
+        open_checkpoint(out)
+    assert "no model files found" in str(refused.value)
+    assert f"; {cut[0]} and {cut[1]} are checkpoints" in str(refused.value)
 
 
 @pytest.mark.parametrize("build", [native_step, verl_checkpoint, dcp_checkpoint])

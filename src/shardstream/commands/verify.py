@@ -24,7 +24,14 @@ from ..formats.safetensors import (
     stored_checksums,
     tensors_in_range,
 )
-from ..formats.source import TRAINER_CHECKPOINT, Kind, detect, unread_hint, verl_roles
+from ..formats.source import (
+    TRAINER_CHECKPOINT,
+    TRAINER_STATE,
+    Kind,
+    detect,
+    unread_hint,
+    verl_roles,
+)
 from ..storage import locks
 from ..units import DIRECT_ALIGN
 
@@ -83,9 +90,6 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
     if unfinished is not None:
         report.problems.append(unfinished)
     return report
-
-
-TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into each checkpoint-N
 
 
 def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:

@@ -61,9 +61,9 @@ from .regular_file import check_inside, present
 from .safetensors import MAX_DIMENSION
 from .source import DCP_DATA_FILE as DATA_FILE
 from .source import DCP_METADATA_FILE as METADATA_FILE
+from .source import DCP_RANK_METADATA_FILE as RANK_METADATA_FILE
 from .source import folders_around
 
-RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$")
 MODEL_CONTAINER = "model"
 # accelerate saves the model of a Trainer checkpoint in <checkpoint>/pytorch_model_fsdp_<i>/ and
 # the config and tokenizer next to it.

@@ -59,6 +59,7 @@ VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
 DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$")
+DCP_RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$")  # dcp.save(use_collectives=False)
 # A Hugging Face model saved with torch.save (transformers' safe_serialization=False,
 # accelerate's save_state or save_model likewise): one file, or an index and its shards.
 HF_TORCH_FILE = "pytorch_model.bin"
@@ -72,6 +73,7 @@ DCP_HF_SHARDED_SUBDIR = "sharded"
 ACCELERATE_SHARDED_FORMAT = "accelerate (SHARDED_STATE_DICT)"  # its model dir is DCP's
 ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$")
 TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+")  # the Trainer's checkpoint folders
+TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into each checkpoint-N
 
 
 def folders_around(directory: Path) -> list[Path]:
@@ -623,9 +625,12 @@ def open_checkpoint(
     if hint:
         raise CheckpointNotFoundError(
             f"{path}: no model files here, but {' and '.join(map(str, hint))} "
-            f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that directory"
+            f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that "
+            f"directory{unfinished_note(path)}"
         )
-    raise CheckpointNotFoundError(f"{path}: no model files found ({EXPECTED}){unread_hint(path)}")
+    raise CheckpointNotFoundError(
+        f"{path}: no model files found ({EXPECTED}){unfinished_note(path) or unread_hint(path)}"
+    )
 
 
 # What a reader opens, for messages that find none of it.
@@ -685,8 +690,66 @@ def _checkpoints_below(path: Path) -> list[Path]:
         path = steps.get(read_latest(path)) or steps[max(steps)]
         if looks_like_checkpoint(path):
             return [path]
-    return sorted(
+    found = [
         d
         for d in path.iterdir()
         if not is_temporary(d.name) and d.is_dir() and looks_like_checkpoint(d)
+    ]
+    return sorted((d for d in found if not unfinished_save(d)), key=_step_order)
+
+
+def unfinished_below(path: Path) -> list[Path]:
+    """The checkpoints directly in ``path`` whose save did not finish (``unfinished_save``),
+    for messages naming what ``checkpoints_below`` leaves out."""
+    try:
+        found = [d for d in path.iterdir() if d.is_dir() and unfinished_save(d)]
+    except OSError:
+        return []
+    return sorted(found, key=_step_order)
+
+
+def unfinished_note(path: Path) -> str:
+    """ "; X is a checkpoint whose save did not finish" for each in ``path``, or ""."""
+    found = unfinished_below(path)
+    if not found:
+        return ""
+    what = "is a checkpoint whose save" if len(found) == 1 else "are checkpoints whose saves"
+    return (
+        f"; {' and '.join(map(str, found))} {what} did not finish (no DCP .metadata, or no "
+        f"{TRAINER_STATE}), left out"
     )
+
+
+def unfinished_save(directory: Path) -> bool:
+    """Whether ``directory`` is a checkpoint whose save did not finish: a DCP directory, or
+    accelerate's ``pytorch_model_fsdp_N``/``optimizer_N`` in it, without the ``.metadata``
+    DCP writes last; or a Trainer ``checkpoint-N`` holding ``training_args.bin`` (written with
+    the model) but not the ``trainer_state.json`` written after everything else."""
+
+    def dcp_unfinished(d: Path) -> bool:
+        return not (d / DCP_METADATA_FILE).is_file() and not any(
+            DCP_RANK_METADATA_FILE.match(p.name) for p in d.iterdir()
+        )
+
+    try:
+        if is_dcp_checkpoint(directory) and dcp_unfinished(directory):
+            return True
+        for entry in directory.iterdir():
+            accelerate = ACCELERATE_MODEL_DIR.match(entry.name) or ACCELERATE_OPTIMIZER_DIR.match(
+                entry.name
+            )
+            if accelerate and entry.is_dir() and dcp_unfinished(entry):
+                return True
+        return bool(
+            TRAINER_CHECKPOINT.fullmatch(directory.name)
+            and (directory / "training_args.bin").is_file()
+            and not (directory / TRAINER_STATE).is_file()
+        )
+    except OSError:
+        return False
+
+
+def _step_order(path: Path) -> tuple[int, str]:
+    """Step directories in step order (checkpoint-9 before checkpoint-10), the rest by name."""
+    match = re.search(r"(\d+)$", path.name)
+    return (int(match[1]) if match else -1, path.name)

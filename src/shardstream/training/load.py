@@ -257,10 +257,12 @@ def _open_source(
             if below
             else ""
         )
-        from ..formats.source import EXPECTED, unread_hint
+        from ..formats.source import EXPECTED, unfinished_note, unread_hint
 
+        unfinished = unfinished_note(path)
+        hint = hint + unfinished if hint else unfinished or unread_hint(path)
         raise CheckpointNotFoundError(
-            f"{path}: not a checkpoint shardstream restores ({EXPECTED}){hint or unread_hint(path)}"
+            f"{path}: not a checkpoint shardstream restores ({EXPECTED}){hint}"
         )
     from ..formats import verl
 
