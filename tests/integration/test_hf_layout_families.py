@@ -114,3 +114,44 @@ def test_in_memory_state_dict_merges_to_what_save_pretrained_writes(tmp_path, fa
     summary = merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
     assert "transformers" in summary.layout and not summary.kept_names
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+
+
+ENCODER_DECODER = {
+    "t5": ("T5Config", "T5ForConditionalGeneration",
+           {"vocab_size": 64, "d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 1,
+            "num_heads": 2}),
+    "t5-untied": ("T5Config", "T5ForConditionalGeneration",
+                  {"vocab_size": 64, "d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 1,
+                   "num_heads": 2, "tie_word_embeddings": False}),
+    "bart": ("BartConfig", "BartForConditionalGeneration",
+             {"vocab_size": 64, "d_model": 16, "encoder_layers": 1, "decoder_layers": 1,
+              "encoder_attention_heads": 2, "decoder_attention_heads": 2,
+              "encoder_ffn_dim": 32, "decoder_ffn_dim": 32}),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", sorted(ENCODER_DECODER))
+def test_aliases_of_one_parameter_are_written_once(tmp_path, family):
+    """T5 and BART hold one embedding under several names (``shared``, ``encoder.`` and
+    ``decoder.embed_tokens``, tied or not): a sharded save (DCP, verl) stores each name, and
+    the merge leaves out the ones ``save_pretrained`` leaves out; ``shardstream test``
+    against save_pretrained's output then compares the same tensors."""
+    from safetensors.torch import save_file
+
+    from shardstream.testing.cli import cli_stdout
+
+    config_name, class_name, fields = ENCODER_DECODER[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**fields)
+    model = randomized(getattr(transformers, class_name)(config))
+    model.save_pretrained(tmp_path / "reference")
+    state = {name: t.contiguous().clone() for name, t in model.state_dict().items()}
+    assert sum(name.endswith("embed_tokens.weight") for name in state) == 2, sorted(state)
+    (tmp_path / "state").mkdir()
+    save_file(state, str(tmp_path / "state" / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "state")
+
+    merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+    args = ("--local_dir", str(tmp_path / "state"), "--test_hf_dir", str(tmp_path / "reference"))
+    assert "max abs diff 0" in cli_stdout("test", *args, "--exact")

@@ -585,6 +585,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
+    ignored |= _aliases_left_out(model, [t[0] for t in plain])
     plain = [t for t in plain if t[0] not in ignored]  # save_pretrained leaves them out
 
     class KeepViews(TorchFunctionMode):
@@ -633,6 +634,32 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
             )
         pieces.append(piece)
     return _with_storage(pieces, model, plain, revert_weight_conversion), what
+
+
+def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
+    """The stored names ``save_pretrained`` leaves out as aliases: of each group of names one
+    parameter of the built model answers to (T5's ``encoder.embed_tokens.weight`` and
+    ``decoder.embed_tokens.weight`` are its ``shared.weight``), those the model's
+    ``_tied_weights_keys`` patterns match, in sorted order, but the last match of a group
+    that all match (transformers' ``remove_tied_weights_from_state_dict``).
+    ``lm_head.weight`` is left to ``hf.tied_duplicates``, which also follows
+    ``--tie-word-embedding`` and the live config."""
+    from .hf import TIED_HEAD
+
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    patterns = []
+    for prefix, module in model.named_modules():
+        keys = getattr(module, "_tied_weights_keys", None) or ()
+        patterns += [f"{prefix}.{k}" if prefix else k for k in keys if isinstance(k, str)]
+    stored = set(names)
+    dropped = set()
+    for group in groups.values():
+        held = sorted(n for n in group if n in stored)
+        matched = [n for n in held if any(re.search(p, n) for p in patterns)]
+        dropped |= {n for n in matched[: len(held) - 1] if n != TIED_HEAD}
+    return dropped
 
 
 def _holding_the_tensors(model: Any, config: dict, plain) -> Any:

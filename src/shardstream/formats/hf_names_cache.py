@@ -44,8 +44,9 @@ log = logging.getLogger(__name__)
 
 # Bump whenever what plan_names computes or refuses, or this file's layout, changes. 2: the
 # shape and size checks against config.json's model (a plan cached before them is not used);
-# 3: the digest; 4: a model holding none of the stored tensors is not planned by.
-CACHE_FORMAT = 4
+# 3: the digest; 4: a model holding none of the stored tensors is not planned by;
+# 5: the aliases save_pretrained leaves out (T5's encoder/decoder embed_tokens).
+CACHE_FORMAT = 5
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
