@@ -7,6 +7,7 @@ plans themselves (offsets, steps, counts, element indices) are what is under tes
 from __future__ import annotations
 
 import math
+from unittest import mock
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from shardstream.engine import plan
 from shardstream.engine.plan import (
     Block,
     CopyRun,
@@ -422,15 +424,21 @@ def test_tiling_rejects_overlap_along_dim_1():
     check_blocks_tile("w", (4, 7), [cols("a", 0, 2), cols("b", 2, 2), cols("c", 4, 3)])
 
 
+@pytest.mark.parametrize("sweep_budget", [16, 0])  # 0: every check goes to the grid
 @settings(max_examples=300, deadline=None)
 @given(
-    st.lists(
+    boxes=st.lists(
         st.tuples(st.integers(0, 4), st.integers(0, 3), st.integers(0, 4), st.integers(0, 3)),
         min_size=1,
         max_size=6,
     )
 )
-def test_tiling_agrees_with_brute_force(boxes):
+def test_tiling_agrees_with_brute_force(boxes, sweep_budget):
+    with mock.patch.object(plan, "SWEEP_PAIRS_PER_BLOCK", sweep_budget):
+        _tiling_agrees_with_brute_force(boxes)
+
+
+def _tiling_agrees_with_brute_force(boxes):
     shape = (4, 3)
     blocks = [
         dense_block(f"b{i}", 0, "F32", (h, w), (r, c)) for i, (r, c, h, w) in enumerate(boxes)
@@ -443,6 +451,51 @@ def test_tiling_agrees_with_brute_force(boxes):
     else:
         with pytest.raises(CheckpointFormatError):
             check_blocks_tile("t", shape, blocks)
+
+
+def staircase(n: int, overlap: bool = False) -> list[Block]:
+    """An exact tiling of an [n, n] tensor by 2n column chunks: column j as rows [0, j) and
+    rows [j, n) (a layout no save writes, but legal). ``overlap``: the last column's bottom
+    chunk one row taller, into its top chunk, and column 1's top chunk empty, so that the
+    element count still holds."""
+    blocks = []
+    for j in range(n):
+        blocks.append(dense_block(f"top{j}", 0, "U8", (j, 1), (0, j)))
+        blocks.append(dense_block(f"bottom{j}", 0, "U8", (n - j, 1), (j, j)))
+    if overlap:
+        blocks[-1] = dense_block(f"bottom{n - 1}", 0, "U8", (2, 1), (n - 2, n - 1))
+        blocks[2] = dense_block("top1", 0, "U8", (0, 1), (0, 1))
+    return blocks
+
+
+def test_a_staircase_of_chunks_is_checked_in_linear_work():
+    """The sweep would compare ~n^2 pairs of a staircase (its chunks all start at row 0 and
+    span far); past its budget it checks on the grid instead, comparing no more pairs."""
+    n = 600
+    compared = 0
+    overlap = plan._overlap
+
+    def counted(a, b):
+        nonlocal compared
+        compared += 1
+        return overlap(a, b)
+
+    with mock.patch.object(plan, "_overlap", counted):
+        check_blocks_tile("x", (n, n), staircase(n))
+        assert compared <= plan.SWEEP_PAIRS_PER_BLOCK * 2 * n, compared
+        with pytest.raises(
+            CheckpointFormatError, match=r"'x': shards in top599 and bottom599 overlap"
+        ):
+            check_blocks_tile("x", (n, n), staircase(n, overlap=True))
+
+
+def test_a_layout_cut_into_too_many_cells_is_refused_by_name():
+    with (
+        mock.patch.object(plan, "MAX_GRID_CELLS", 1000),
+        mock.patch.object(plan, "SWEEP_PAIRS_PER_BLOCK", 0),
+    ):
+        with pytest.raises(CheckpointFormatError, match=r"'x': 199 chunks .* 10,000 cells"):
+            check_blocks_tile("x", (100, 100), staircase(100))
 
 
 def test_global_tensor_nbytes():

@@ -352,26 +352,76 @@ def check_blocks_tile(tensor: str, shape: Sequence[int], blocks: Sequence[Block]
         )
     # Sweep along the dimension the blocks are split on: sorted by their start there, a block
     # can only overlap later blocks that start inside its extent, so the scan stops early.
-    # Linear (after the sort) for layouts sharded along one dimension, whichever it is.
+    # Linear (after the sort) for layouts sharded along one dimension, whichever it is; a
+    # layout that makes it compare many pairs (a staircase of chunks) goes to the grid.
     nonempty = [b for b in blocks if b.numel]
     if len(nonempty) < 2:
         return
     dim = max(range(len(shape)), key=lambda d: len({b.start[d] for b in nonempty}))
     nonempty.sort(key=lambda b: b.start[dim])
+    budget = SWEEP_PAIRS_PER_BLOCK * len(nonempty)
     for i, a in enumerate(nonempty):
         a_end = a.start[dim] + a.shape[dim]
         for j in range(i + 1, len(nonempty)):
             b = nonempty[j]
             if b.start[dim] >= a_end:
                 break
-            if all(
-                max(x, y) < min(x + n, y + m)
-                for x, n, y, m in zip(a.start, a.shape, b.start, b.shape)
-            ):
-                raise CheckpointFormatError(
-                    f"tensor {tensor!r}: shards in {a.location} and {b.location} overlap; "
-                    "placements disagree across ranks"
-                )
+            budget -= 1
+            if budget < 0:
+                _check_on_grid(tensor, shape, nonempty)
+                return
+            if _overlap(a, b):
+                _refuse_overlap(tensor, a, b)
+
+
+SWEEP_PAIRS_PER_BLOCK = 16  # pairs the sweep compares per block before it takes the grid
+MAX_GRID_CELLS = 1 << 24  # cells of the grid check (one byte each)
+
+
+def _overlap(a: Block, b: Block) -> bool:
+    return all(
+        max(x, y) < min(x + n, y + m) for x, n, y, m in zip(a.start, a.shape, b.start, b.shape)
+    )
+
+
+def _refuse_overlap(tensor: str, a: Block, b: Block) -> None:
+    raise CheckpointFormatError(
+        f"tensor {tensor!r}: shards in {a.location} and {b.location} overlap; "
+        "placements disagree across ranks"
+    )
+
+
+def _check_on_grid(tensor: str, shape: Sequence[int], blocks: Sequence[Block]) -> None:
+    """No two ``blocks`` overlap, checked on the grid their boundaries cut the tensor into:
+    each block marks its cells, which no earlier block may have marked (work and memory in
+    proportion to the cells). A layout cut into more than ``MAX_GRID_CELLS`` cells is
+    refused: no save writes one, and checking it pair by pair takes time quadratic in its
+    chunks."""
+    import numpy as np
+
+    cuts = [
+        sorted({0, size} | {b.start[d] for b in blocks} | {b.start[d] + b.shape[d] for b in blocks})
+        for d, size in enumerate(shape)
+    ]
+    cells = math.prod(len(c) - 1 for c in cuts)
+    if cells > MAX_GRID_CELLS:
+        raise CheckpointFormatError(
+            f"tensor {tensor!r}: {len(blocks)} chunks whose boundaries cut it into {cells:,} "
+            f"cells (more than {MAX_GRID_CELLS:,}); too fragmented to check that no two "
+            "overlap, so it is not read"
+        )
+    index = [{at: i for i, at in enumerate(c)} for c in cuts]
+    marked = np.zeros([len(c) - 1 for c in cuts], dtype=np.bool_)
+    for k, block in enumerate(blocks):
+        box = tuple(
+            slice(index[d][s], index[d][s + n])
+            for d, (s, n) in enumerate(zip(block.start, block.shape))
+        )
+        cells_of_block = marked[box]
+        if cells_of_block.any():
+            other = next(b for b in blocks[:k] if _overlap(b, block))
+            _refuse_overlap(tensor, other, block)
+        cells_of_block[...] = True
 
 
 @dataclass(frozen=True)
