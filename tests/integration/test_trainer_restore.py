@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import shutil
+
 import pytest
 import torch
 
+from shardstream.testing.cli import run_cli
 from shardstream.testing.distributed import run
 
 from . import trainer_workers
@@ -68,3 +71,22 @@ def test_hf_storage_writer_output_is_an_input(tmp_path, consolidate):
     assert main(["test", "--local_dir", str(path), "--test_hf_dir", str(merged), "--exact"]) == 0
     for state in run(trainer_workers.hf_writer_run, 3, str(tmp_path), "restore", consolidate):
         _assert_same(saved, state, "model")
+
+
+def test_hf_storage_writer_without_save_distributed_is_refused(tmp_path):
+    """Without save_distributed, every rank writes the same file names: a shared directory
+    keeps the files of the rank that wrote last. Rank 0's (its chunks start at 0, but the
+    index counts every rank's bytes) and rank 1's (chunks away from the start) are each
+    refused by merge, naming the file and the writer's option, not merged as a model of
+    partial tensors."""
+    run(trainer_workers.hf_writer_run, 2, str(tmp_path), "save-undistributed", False)
+    shared = tmp_path / "hf-rank0"
+    (name,) = [p.name for p in shared.glob("*.safetensors")]
+    for last in (0, 1):
+        if last:
+            shutil.copyfile(tmp_path / "hf-rank1" / name, shared / name)
+        done = run_cli("merge", "--local_dir", shared, "--target_dir", tmp_path / f"m{last}")
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert "save_distributed=True" in done.stderr, done.stderr
+        assert not (tmp_path / f"m{last}").exists()
+    assert "is the chunk at [" in done.stderr and str(shared / name) in done.stderr

@@ -362,19 +362,23 @@ def fused_run(rank: int, world: int, root: str, stage: str) -> dict:
 
 def hf_writer_run(rank: int, world: int, root: str, stage: str, consolidate: bool) -> dict:
     """stage "save": ``dcp.save`` of the model through DCP's HuggingFaceStorageWriter
-    (save_distributed=True, consolidated or not); stage "restore": the manager's
-    restore(path=...) of the model at this world size."""
+    (save_distributed=True, consolidated or not); "save-undistributed": the same without
+    save_distributed, each rank into hf-rank{rank}/ (the files a shared directory would hold,
+    whichever rank wrote last); stage "restore": the manager's restore(path=...) of the model
+    at this world size."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.state_dict import get_model_state_dict
 
     model, optimizer, scheduler = _build(world, seed=0 if stage == "save" else 5)
     path = f"{root}/hf"
-    if stage == "save":
+    if stage.startswith("save"):
         _train(model, optimizer, scheduler, steps=(1,))
         writer = HuggingFaceStorageWriter(
             path=path, save_distributed=True, enable_consolidation=consolidate
         )
+        if stage == "save-undistributed":
+            writer = HuggingFaceStorageWriter(path=f"{root}/hf-rank{rank}")
         dcp.save(get_model_state_dict(model), storage_writer=writer)
     else:
         cfg = CheckpointConfig(directory=f"{root}/run-{world}", load_contents=("model",))

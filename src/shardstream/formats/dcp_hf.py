@@ -151,9 +151,48 @@ def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
 def _open_consolidated(directory: Path, label: str = "dcp_hf") -> DcpHfCheckpoint:
     tensors = hf.whole_tensors(hf.read_hf_model(directory)[0])
     files = sorted({b.location for t in tensors for b in t.blocks})
+    _refuse_one_ranks_chunks(directory, files, sum(t.nbytes for t in tensors))
     placements = {t.name: "whole (consolidated)" for t in tensors}
     ranks = _ranks(shard_files(directory / SHARDED_SUBDIR))
     return DcpHfCheckpoint(directory, ranks, tensors, placements, files, True, label=label)
+
+
+def _refuse_one_ranks_chunks(directory: Path, files: list[str], nbytes: int) -> None:
+    """A model whose files DCP's HuggingFaceStorageWriter wrote without ``save_distributed``
+    on several ranks: every rank wrote the same file names, so each file holds the chunks of
+    the rank that wrote it last. Its ``DCP_SHARDING_INFO`` then places a chunk away from the
+    tensor's start, or the index's ``total_size`` (counted over every rank) exceeds the bytes
+    the files hold; either is a ``CheckpointFormatError``, never a model of partial tensors."""
+    written_by_dcp = False
+    for path in files:
+        raw = read_header(Path(path)).metadata.get(SHARDING_INFO)
+        if not isinstance(raw, str):
+            continue
+        written_by_dcp = True
+        info = jsondoc.loads(raw, f"{path}: {SHARDING_INFO}")
+        for name, entry in info.items() if isinstance(info, dict) else ():
+            offsets = entry.get("saved_offsets") if isinstance(entry, dict) else None
+            if isinstance(offsets, list) and any(o != 0 for o in offsets):
+                raise CheckpointFormatError(
+                    f"{path}: tensor {name!r} is the chunk at {offsets} of a larger tensor "
+                    f"({SHARDING_INFO}): {_ONE_RANKS_FILES}"
+                )
+    index = directory / hf.INDEX_FILE
+    if written_by_dcp and index.is_file():
+        metadata = jsondoc.read_object(index, "safetensors index (JSON object)").get("metadata")
+        total = metadata.get("total_size") if isinstance(metadata, dict) else None
+        if type(total) is int and total > nbytes:
+            raise CheckpointFormatError(
+                f"{index}: total_size {total} but the files hold {nbytes} bytes of tensors: "
+                f"{_ONE_RANKS_FILES}"
+            )
+
+
+_ONE_RANKS_FILES = (
+    "DCP's HuggingFaceStorageWriter without save_distributed=True, run on several ranks, has "
+    "every rank write the same files, so they hold one rank's chunks; save with "
+    "save_distributed=True"
+)
 
 
 def _check_shard_names(directory: Path) -> None:
