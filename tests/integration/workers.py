@@ -387,7 +387,8 @@ def dcp_train_state_run(
     through the manager at this world size. Both return the full state and the next loss.
     ``model_keys``: the model's state as torch's state-dict API names it ("api"), as a
     ``torch.compile``d model's own ``state_dict()`` does ("compiled": ``_orig_mod.*``), or as
-    DDP's does ("ddp": ``module.*``)."""
+    DDP's does ("ddp": ``module.*``), or at the top level beside the flattened optimizer's
+    ``state.*``/``param_groups.*`` keys ("beside": ``dcp.save({**model_sd, **optim_sd})``)."""
     import torch.distributed.checkpoint as dcp
 
     model, optimizer, scheduler, _ = build((world,), seed=0 if stage == "save" else 5)
@@ -403,12 +404,12 @@ def dcp_train_state_run(
             assert all(k.startswith("_orig_mod.") for k in model_state)
         elif model_keys == "ddp":
             model_state = {f"module.{k}": v for k, v in model_state.items()}
-        state = {
-            "model": model_state,
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=options),
-            "lr_scheduler": scheduler.state_dict(),
-            "train_state": {"step": 2},
-        }
+        optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+        state = {"model": model_state, "optimizer": optimizer_state}
+        if model_keys == "beside":
+            assert flatten
+            state = {**model_state, **optimizer_state}
+        state.update(lr_scheduler=scheduler.state_dict(), train_state={"step": 2})
         dcp.save(state, checkpoint_id=path)
     else:
         cfg = CheckpointConfig(directory=f"{root}/run-{world}")

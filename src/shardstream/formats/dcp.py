@@ -24,7 +24,10 @@ path starts with a ``model`` container (accelerate, older torchtitan, ``{"model"
 (optimizer, lr scheduler, dataloader, train state) is skipped. Otherwise (a plain model state
 dict, or torchtitan's train state whose model keys sit at the top level) the model is every
 top-level key and anything nested under a container (``optimizer.*``, ``train_state.*``) is
-skipped. Non-tensor entries (``BytesStorageMetadata``) are always skipped.
+skipped. An optimizer flattened beside the model at the top level (``dcp.save({**model_sd,
+**optim_sd})`` with ``flatten_optimizer_state_dict``: ``state.<fqn>.<key>``,
+``param_groups.<fqn>.<key>``) is the optimizer, not part of the model. Non-tensor entries
+(``BytesStorageMetadata``) are always skipped.
 """
 
 from __future__ import annotations
@@ -391,6 +394,10 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
         else:
             tensor_keys.append(key)
     paths = _object_paths(meta.planner_data, meta_path)
+    flat_optimizer = flat_optimizer_keys(list(entries), paths)
+    for key in flat_optimizer:
+        skipped[key] = "training state (optimizer, flattened beside the model)"
+    tensor_keys = [k for k in tensor_keys if k not in flat_optimizer]
     try:
         names, layout, found_prefix = _model_names(tensor_keys, paths, normalize_prefix(prefix))
     except CheckpointFormatError as exc:
@@ -764,6 +771,22 @@ class DcpTrainState:
     tensor_objects: dict[str, GlobalTensor] = field(default_factory=dict)
 
 
+FLAT_OPTIMIZER_HEADS = ("state.", "param_groups.")
+
+
+def flat_optimizer_keys(keys: list[str], paths: dict[str, tuple] | None) -> set[str]:
+    """The top-level keys of an optimizer state dict saved flattened beside the model's
+    (``dcp.save({**model_sd, **optim_sd})`` with ``flatten_optimizer_state_dict=True``):
+    ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<key>``, told by the ``param_groups.``
+    entries every such optimizer has; empty for any other checkpoint."""
+    top = {
+        k
+        for k in keys
+        if k.startswith(FLAT_OPTIMIZER_HEADS) and (paths is None or len(paths.get(k, (k,))) == 1)
+    }
+    return top if any(k.startswith("param_groups.") for k in top) else set()
+
+
 def _container_path(
     key: str, path: tuple | None, root: tuple, names: dict[str, str] = CONTAINER_NAMES
 ) -> tuple | None:
@@ -807,6 +830,7 @@ def open_dcp_train_state(
     paths = _object_paths(meta.planner_data, meta_path)
     root = tuple(prefix.split(".")[:-2]) if prefix else ()
     names = {**{c: c for c in containers}, **CONTAINER_NAMES}
+    flat_optimizer = flat_optimizer_keys(list(entries), paths) if not root else set()
     sizes: dict[Path, int] = {}
     fds: dict[Path, int] = {}
     tensors: list[GlobalTensor] = []
@@ -817,6 +841,8 @@ def open_dcp_train_state(
             if not isinstance(key, str):
                 raise CheckpointFormatError(f"{meta_path}: entry {key!r} is not named by a str")
             path = _container_path(key, paths.get(key) if paths else None, root, names)
+            if key in flat_optimizer:  # the optimizer's keys beside the model's
+                path = ("optimizer", key)
             if path is None or path[0] not in containers:
                 continue
             if isinstance(md, TensorStorageMetadata):
