@@ -290,6 +290,14 @@ class _Lock:
         self.fd = -1
 
 
+def _holds_entries(directory: Path) -> bool:
+    """Whether ``directory`` is a directory with anything in it (False where unreadable)."""
+    try:
+        return directory.is_dir() and any(directory.iterdir())
+    except OSError:
+        return False
+
+
 class CheckpointManager:
     """Saves and restores a training run's checkpoints.
 
@@ -669,6 +677,14 @@ class CheckpointManager:
         from .formats.source import checkpoints_below
 
         found = checkpoints_below(self.root)
+        pointer = read_latest(self.root)
+        pointed = self.step_dir(pointer) if pointer is not None else None
+        if not found and pointed is not None and _holds_entries(pointed):
+            return CheckpointNotFoundError(
+                f"{pointed}: the latest pointer names it, but it holds no {MANIFEST}, so it is "
+                "no committed checkpoint (damaged, or written by another tool); "
+                "restore(path=...) another checkpoint, or move it away to start afresh"
+            )
         if not found:
             return None
         names = " and ".join(map(str, found))

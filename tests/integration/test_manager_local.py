@@ -357,6 +357,26 @@ def test_restore_before_the_first_commit_ignores_a_save_in_progress(tmp_path):
         assert mgr.restore() is None
 
 
+def test_restore_refuses_the_pointed_step_that_lost_its_manifest(tmp_path):
+    """The only step, named by the latest pointer, without its manifest.json (deleted, or the
+    step damaged): restore() names it instead of returning None, which a training script reads
+    as "start from scratch"; nothing in it is touched."""
+    model, optimizer, _ = tiny()
+    config = CheckpointConfig(str(tmp_path))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as mgr:
+        mgr.save(1)
+    step = tmp_path / "global_step_1"
+    (step / native.MANIFEST).unlink()
+    kept = sorted(p.name for p in step.iterdir())
+    with CheckpointManager(config, model=model, optimizer=optimizer) as mgr:
+        with pytest.raises(CheckpointNotFoundError) as caught:
+            mgr.restore()
+    assert f"{step}: the latest pointer names it, but it holds no manifest.json" in str(
+        caught.value
+    )
+    assert sorted(p.name for p in step.iterdir()) == kept
+
+
 def test_second_manager_on_the_same_directory_is_refused(tmp_path):
     model, optimizer, _ = tiny()
     config = CheckpointConfig(str(tmp_path))
