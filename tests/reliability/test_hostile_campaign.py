@@ -384,6 +384,32 @@ def test_config_json_that_is_no_regular_file_is_no_missing_config(tmp_path, caps
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(config))
 
 
+@pytest.mark.parametrize(
+    "kind", ["file", "broken link", "symlink loop", "FIFO", "link out", "no config.json"]
+)
+def test_huggingface_folder_that_is_no_config_folder_is_refused(tmp_path, capsys, kind):
+    """verl's huggingface/ folder, where config.json lives, as anything but a folder of the
+    checkpoint holding config.json is an error naming it, not a merge without a config."""
+    source = _verl_dir(tmp_path / "ckpt", {MODEL: _plain_state()})
+    folder = source / "huggingface"
+    if kind == "no config.json":
+        (folder / "config.json").unlink()
+    else:
+        outside = tmp_path / "elsewhere"
+        folder.rename(outside)
+        if kind == "file":
+            folder.write_text("{}")
+        elif kind == "broken link":
+            os.symlink("gone", folder)
+        elif kind == "symlink loop":
+            os.symlink(folder.name, folder)
+        elif kind == "FIFO":
+            os.mkfifo(folder)
+        else:
+            os.symlink(outside, folder)
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(folder))
+
+
 # --- checkpoints with nothing in them ---------------------------------------------------------
 
 

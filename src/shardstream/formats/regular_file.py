@@ -56,6 +56,29 @@ def present(path: str | os.PathLike) -> bool:
     return True
 
 
+def present_directory(path: str | os.PathLike, what: str) -> bool:
+    """``present`` for an optional directory (``what`` it holds, for the message): True for a
+    directory (links followed), False when nothing has the name; a broken link, a loop, a
+    file or a FIFO under the name is a ``CheckpointFormatError`` naming it."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        if not os.path.lexists(path):
+            return False
+        raise CheckpointFormatError(
+            f"{os.fspath(path)}: is a broken symbolic link, expected the directory of {what}"
+        ) from None
+    except OSError as exc:
+        reason = exc.strerror or type(exc).__name__
+        raise CheckpointFormatError(f"{os.fspath(path)}: cannot be read ({reason})") from None
+    if not stat.S_ISDIR(mode):
+        kind = "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode))
+        raise CheckpointFormatError(
+            f"{os.fspath(path)}: is {kind or 'a special file'}, expected the directory of {what}"
+        )
+    return True
+
+
 def _check_regular(path: str | os.PathLike, mode: int) -> None:
     """A ``CheckpointFormatError`` naming ``path`` unless ``mode`` is a regular file's."""
     if not stat.S_ISREG(mode):

@@ -91,12 +91,25 @@ class VerlCheckpoint:
         return ()  # every model entry is a tensor
 
     def config_dir(self) -> Path | None:
-        """Where config.json and tokenizer files live (``huggingface/``, or the dir itself)."""
+        """Where config.json and tokenizer files live: ``huggingface/``, which verl writes
+        them into (anything else under that name, a link out of the checkpoint, or one without
+        config.json is refused, naming it: merged without it, the model would have no
+        config), or in older layouts the directory itself."""
         from .hf import check_no_links_out
+        from .regular_file import present_directory
 
-        for candidate in (self.directory / HF_SUBDIR, self.directory):
-            if os.path.lexists(candidate / "config.json"):  # read_config refuses a non-file
-                return check_no_links_out(candidate, self.directory)
+        hf_dir = self.directory / HF_SUBDIR
+        if present_directory(hf_dir, "the model's config.json and tokenizer files"):
+            check_no_links_out(hf_dir, self.directory)
+            if not os.path.lexists(hf_dir / "config.json"):  # read_config refuses a non-file
+                raise CheckpointFormatError(
+                    f"{hf_dir}: holds no config.json, which verl writes there with the "
+                    "tokenizer; restore it, or name the model's config folder with "
+                    "--hf_model_config_path"
+                )
+            return hf_dir
+        if os.path.lexists(self.directory / "config.json"):
+            return check_no_links_out(self.directory, self.directory)
         return None
 
     def endpoint(self, location: str) -> FileEndpoint:
