@@ -17,8 +17,23 @@ from shardstream.storage.run_layout import (
 
 def test_step_names_round_trip():
     assert step_name(7) == "global_step_7" and step_of("global_step_7") == 7
-    for other in ("global_step_", "global_step_7.tmp-0123abcd", "global_step_x", "step_7"):
-        assert step_of(other) is None
+    assert step_of("global_step_0") == 0
+    # one spelling per step: no leading zero, ASCII digits only (int() reads "\uff11" as 1)
+    names = ("global_step_", "global_step_7.tmp-0123abcd", "global_step_x", "step_7")
+    for other in (*names, "global_step_07", "global_step_\uff11", "global_step_\u0661"):
+        assert step_of(other) is None, other
+    assert step_in_path("/ckpt/global_step_\uff11/actor") is None
+
+
+def test_other_tools_step_and_file_names_take_ascii_digits_only():
+    from shardstream.formats.dcp import step_of_name
+    from shardstream.formats.source import TRAINER_CHECKPOINT, VERL_MODEL_FILE
+
+    assert step_of_name("checkpoint-12") == 12 and step_of_name("checkpoint-\uff11\uff12") is None
+    assert TRAINER_CHECKPOINT.fullmatch("checkpoint-3")
+    assert not TRAINER_CHECKPOINT.fullmatch("checkpoint-\uff13")
+    assert VERL_MODEL_FILE.match("model_world_size_2_rank_1.pt")
+    assert not VERL_MODEL_FILE.match("model_world_size_2_rank_\uff11.pt")
 
 
 def test_step_in_path_finds_the_enclosing_step():

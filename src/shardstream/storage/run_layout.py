@@ -20,7 +20,7 @@ from .commit import atomic_write_bytes
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_PREFIX = "global_step_"
-STEP_DIR = re.compile(r"^global_step_(\d+)$")
+STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")  # verl's names: no leading 0
 # Written last into a step directory (formats/native writes it): its presence commits the step.
 MANIFEST = "manifest.json"
 
@@ -39,7 +39,7 @@ def step_of(name: str) -> int | None:
 def step_in_path(path: str | os.PathLike) -> int | None:
     """The step of the first ``global_step_N`` in ``path`` (a verl role such as
     ``global_step_5/actor`` sits inside one); None if there is none."""
-    match = re.search(r"global_step_(\d+)", str(Path(path).absolute()))
+    match = re.search(r"global_step_([0-9]+)", str(Path(path).absolute()))
     return int(match[1]) if match else None
 
 
