@@ -951,7 +951,7 @@ def _checked_targets(
     for name, tensor in targets.items():
         if tuple(tensor.shape) != available[name].shape:
             raise CheckpointFormatError(
-                f"{path}: tensor {name!r} has shape {list(available[name].shape)} in the "
+                f"{path}: {_shown(name)} has shape {list(available[name].shape)} in the "
                 f"checkpoint but {list(tensor.shape)} in the model"
             )
     return targets
