@@ -510,6 +510,28 @@ def test_unknown_content_and_existing_target(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["c"]
 
 
+def test_extra_state_nested_too_deep_is_a_usage_error_both_ways(tmp_path):
+    """Extra state nested past ``MAX_NESTING`` (Python recursed until a bare RecursionError)
+    is refused by save, leaving nothing; a manifest holding such a value (resealed by hand)
+    is refused by the decoder restore uses, as a value no save writes."""
+    from shardstream.training import state
+
+    model, optimizer, _ = tiny()
+    deep: list = []
+    for _ in range(state.MAX_NESTING + 5):
+        deep = [deep]
+    config = CheckpointConfig(str(tmp_path))
+    with CheckpointManager(config, model=model, optimizer=optimizer) as mgr:
+        with pytest.raises(UsageError, match=f"nested over {state.MAX_NESTING} deep"):
+            mgr.save(1, extra={"deep": deep})
+        assert mgr.all_steps() == [] and mgr.restore() is None
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith(".")) == []
+    with pytest.raises(ValueError, match="no save writes"):
+        state.decode(deep, {})
+    shallow = [[[1]]]
+    assert state.decode(state.encode(shallow, {}), {}) == shallow
+
+
 def test_shape_mismatch_names_the_tensor(tmp_path):
     model, _, _ = tiny()
     shardstream.save(tmp_path / "c", model=model, contents=("model",))

@@ -340,9 +340,20 @@ def _prefixes(name: str):
 # --- JSON with tagged tensors and tuples --------------------------------------------------------
 
 
-def encode(value: Any, tensors: dict[str, torch.Tensor] | None, path: str = "") -> Any:
+MAX_NESTING = 200  # containers within containers in extra state (Python recurses per level)
+
+
+def encode(
+    value: Any, tensors: dict[str, torch.Tensor] | None, path: str = "", depth: int = 0
+) -> Any:
     """JSON-able form of ``value``; tensors are moved into ``tensors`` under their path, or
     with ``tensors`` None written inline (up to ``MAX_INLINE_BYTES`` each)."""
+    if depth > MAX_NESTING:
+        raise UsageError(
+            f"extra state at {path[:200] or '<root>'}: containers nested over {MAX_NESTING} "
+            "deep; flatten it"
+        )
+    depth += 1
     if isinstance(value, torch.Tensor) and tensors is None:
         return _inline(value, path)
     if isinstance(value, torch.Tensor):
@@ -356,9 +367,9 @@ def encode(value: Any, tensors: dict[str, torch.Tensor] | None, path: str = "") 
     if isinstance(value, float):
         return value if math.isfinite(value) else {FLOAT_TAG: repr(value)}
     if isinstance(value, tuple):
-        return {TUPLE_TAG: [encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]}
+        return {TUPLE_TAG: [encode(v, tensors, f"{path}.{i}", depth) for i, v in enumerate(value)]}
     if isinstance(value, list):
-        return [encode(v, tensors, f"{path}.{i}") for i, v in enumerate(value)]
+        return [encode(v, tensors, f"{path}.{i}", depth) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
         out = {}
         for k, v in value.items():
@@ -366,12 +377,12 @@ def encode(value: Any, tensors: dict[str, torch.Tensor] | None, path: str = "") 
                 raise UsageError(
                     f"extra state key {k!r} at {path or '<root>'} must be a str or int"
                 )
-            out[str(k) if isinstance(k, str) else f"{k}"] = encode(v, tensors, f"{path}.{k}")
+            out[str(k) if isinstance(k, str) else f"{k}"] = encode(v, tensors, f"{path}.{k}", depth)
             if isinstance(k, int):
                 out.setdefault("__int_keys__", []).append(str(k))
         return out
     if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
-        return encode(value.item(), tensors, path)
+        return encode(value.item(), tensors, path, depth)
     raise UsageError(
         f"extra state at {path or '<root>'} is a {type(value).__name__}; only JSON values, "
         "tuples and tensors can be checkpointed"
@@ -414,11 +425,14 @@ def _from_inline(spec: Any) -> torch.Tensor:
     return out
 
 
-def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
+def decode(value: Any, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> Any:
     """``encode``'s value back. Raises ``KeyError``, ``ValueError`` or ``TypeError`` for one it
     could not have written (callers name the file)."""
+    if depth > MAX_NESTING:
+        raise ValueError(f"values nested over {MAX_NESTING} deep, which no save writes")
+    depth += 1
     if isinstance(value, list):
-        return [decode(v, tensors) for v in value]
+        return [decode(v, tensors, depth) for v in value]
     if not isinstance(value, dict):
         return value
     if INLINE_TAG in value:
@@ -427,12 +441,12 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor]) -> Any:
         tensor = tensors[value[TENSOR_TAG]]
         return tensor.numpy() if value.get("numpy") else tensor
     if TUPLE_TAG in value:
-        return tuple(decode(v, tensors) for v in value[TUPLE_TAG])
+        return tuple(decode(v, tensors, depth) for v in value[TUPLE_TAG])
     if FLOAT_TAG in value:
         return float(value[FLOAT_TAG])
     int_keys = set(value.get("__int_keys__", []))
     return {
-        (int(k) if k in int_keys else k): decode(v, tensors)
+        (int(k) if k in int_keys else k): decode(v, tensors, depth)
         for k, v in value.items()
         if k != "__int_keys__"
     }
