@@ -912,8 +912,12 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         return
     if both:
         report.problems.append(Problem(str(directory), both))
+    config = None
     try:  # merge reads config.json and copies the tokenizer files: refused there, named here
-        hf.read_config(directory)
+        from ..formats.dcp_hf import link_root
+
+        hf.check_no_links_out(directory, link_root(directory))
+        config = hf.read_config(directory)
         hf.config_files(directory)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
@@ -980,6 +984,12 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             )
     if not seen and not report.problems:
         report.problems.append(Problem(str(directory), "holds no model tensors (merge refuses it)"))
+    try:  # config.json's depth against the stored layers, as merge checks it
+        from ..formats.hf_names import check_stored_layers
+
+        check_stored_layers(list(seen), config or {}, str(directory / "config.json"))
+    except ShardstreamError as exc:
+        report.problems.append(_problem_in(directory, exc))
 
 
 def _cannot_read(exc: OSError) -> str:
