@@ -12,6 +12,7 @@ import torch
 
 import shardstream
 from shardstream import CheckpointConfig, CheckpointManager
+from shardstream.engine import checksum
 from shardstream.errors import (
     CheckpointFormatError,
     CheckpointLockedError,
@@ -530,6 +531,34 @@ def test_extra_state_nested_too_deep_is_a_usage_error_both_ways(tmp_path):
         state.decode(deep, {})
     shallow = [[[1]]]
     assert state.decode(state.encode(shallow, {}), {}) == shallow
+
+
+def test_a_step_directory_holds_the_step_it_is_named_for(tmp_path):
+    """save() refuses a global_step_N directory for another step, and every reader refuses a
+    manifest whose step differs from its directory's name, or whose contents name an item
+    no save writes (verify, merge and restore alike; merge exited 0 on both)."""
+    from shardstream.commands.verify import verify
+
+    model, _, _ = tiny()
+    with pytest.raises(UsageError, match="named for step 5 must hold step 5, not step=3"):
+        shardstream.save(tmp_path / "global_step_5", model=model, contents=("model",), step=3)
+    assert not (tmp_path / "global_step_5").exists()
+    step = tmp_path / "global_step_4"
+    shardstream.save(step, model=model, contents=("model",), step=4)
+    manifest = native.read_manifest(step)
+    for change, error in (
+        ({"step": 2}, "directory is named for step 4 but its manifest is step 2"),
+        ({"contents": ["model", "weights"]}, "'contents' names 'weights', not one of model"),
+    ):
+        doc = {**manifest, **change}
+        sealed = {**doc, "checksum": checksum.digest(native.canonical(doc))}
+        (step / native.MANIFEST).write_bytes(native.canonical(sealed))
+        report = verify(step)
+        assert not report.ok and error in report.problems[0].message, report
+        with pytest.raises(CheckpointFormatError, match=error):
+            shardstream.merge(step, tmp_path / "merged")
+        with pytest.raises(CheckpointFormatError, match=error):
+            shardstream.load(step, model=model, contents=("model",))
 
 
 def test_shape_mismatch_names_the_tensor(tmp_path):

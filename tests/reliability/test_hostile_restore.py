@@ -354,10 +354,10 @@ def test_fp32_checkpoint_into_a_bf16_model_is_cast(saved, untouched):
 @pytest.mark.parametrize(
     ("spec", "needles"),
     [
-        ({"widths": (8, 14, 11, 5)}, ("model.0.weight", "[13, 8]", "[14, 8]")),
+        ({"widths": (8, 14, 11, 5)}, ("model tensor '0.weight'", "[13, 8]", "[14, 8]")),
         ({"widths": (8, 13, 11, 5, 5)}, ("model tensor '6.weight'",)),
         ({"widths": (8, 13, 11)}, ("model tensor '4.",)),
-        ({"widths": (9, 13, 11, 5)}, ("model.0.weight",)),
+        ({"widths": (9, 13, 11, 5)}, ("model tensor '0.weight'",)),
     ],
     ids=["wider-layer", "added-layer", "removed-layer", "wider-input"],
 )
@@ -676,7 +676,7 @@ def test_bad_resume_settings_are_refused_at_once(tmp_path, values, needle):
 @pytest.mark.parametrize(
     ("odd", "needles"),
     [
-        ({"widths": (8, 14, 11, 5)}, ("model.0.weight",)),
+        ({"widths": (8, 14, 11, 5)}, ("model tensor '0.weight'",)),
         ({"widths": (8, 13, 11, 5, 5)}, ("model tensor '6.weight'",)),
         ({"widths": (8, 13, 11)}, ("model tensor '4.",)),
         ({"optim": "sgdm"}, ("momentum_buffer",)),

@@ -728,22 +728,12 @@ def _verify_step_or_report(directory: Path, report: VerifyReport, progress) -> N
 
 
 def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
-    from ..storage.run_layout import STEP_DIR
 
     try:
         manifest = native.read_manifest(directory)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc, directory / native.MANIFEST))
         return
-    match = STEP_DIR.match(directory.name)
-    if match and int(match[1]) != manifest.get("step"):
-        report.problems.append(
-            Problem(
-                str(directory),
-                f"directory is named for step {match[1]} but its manifest is step "
-                f"{manifest.get('step')} (copied or renamed?)",
-            )
-        )
     before = len(report.problems)
     files = manifest.get("files", {})
     for name, info in files.items():

@@ -36,7 +36,7 @@ from ..errors import (
     UsageError,
 )
 from ..storage.commit import atomic_write_bytes, is_temporary
-from ..storage.run_layout import MANIFEST
+from ..storage.run_layout import MANIFEST, step_of
 from ..storage.tree import walk
 from . import jsondoc
 from .layout_names import describe_mesh
@@ -361,9 +361,20 @@ def read_manifest(directory: str | os.PathLike) -> dict:
     contents = doc.get("contents", [])
     if not isinstance(contents, list) or not all(isinstance(c, str) for c in contents):
         raise CheckpointFormatError(f"{path}: 'contents' is not a list of names")
+    unknown = [c for c in contents if c not in CONTENTS]
+    if unknown:
+        raise CheckpointFormatError(
+            f"{path}: 'contents' names {unknown[0][:80]!r}, not one of {', '.join(CONTENTS)}"
+        )
     step = doc.get("step", 0)
     if type(step) is not int or step < 0:
         raise CheckpointFormatError(f"{path}: step {repr(step)[:80]} is not a non-negative integer")
+    named = step_of(directory.name)
+    if named is not None and named != step:
+        raise CheckpointFormatError(
+            f"{directory}: directory is named for step {named} but its manifest is step "
+            f"{step} (copied or renamed?)"
+        )
     # "yes" is not true: read as absent, it would silently skip the check for added files.
     if doc.get(FILES_COMPLETE, True) is not True:
         raise CheckpointFormatError(

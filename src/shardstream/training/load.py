@@ -41,7 +41,7 @@ from ..formats import hf_names, native
 from ..formats.regular_file import open_regular
 from ..formats.safetensors import read_header
 from ..storage import collectives as coll
-from ..storage.run_layout import LATEST_FILE, step_in_path, step_of
+from ..storage.run_layout import step_in_path
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, hooks, native_storage, schedulers
 from . import state as st
@@ -164,14 +164,7 @@ def _open_source(
         )
     if kind is Kind.NATIVE:
         ckpt = native.open_native(path, regions)
-        manifest = ckpt.manifest
-        named = step_of(path.name)
-        in_root = (path.parent / LATEST_FILE).exists()  # a manager's
-        if named is not None and in_root and named != manifest.get("step"):
-            raise CheckpointFormatError(
-                f"{path}: directory is named for step {named} but its manifest is step "
-                f"{manifest.get('step')} (copied or renamed?)"
-            )
+        manifest = ckpt.manifest  # its step is the directory name's (read_manifest)
         return _Source(
             dict(ckpt.all_tensors),
             ckpt.endpoint if verify else FileEndpoint,

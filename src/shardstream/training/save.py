@@ -33,6 +33,7 @@ from ..formats.writer import OutputTensor, write_safetensors
 from ..storage import collectives as coll
 from ..storage import commit
 from ..storage.commit import fsync_tree
+from ..storage.run_layout import step_of
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
 from . import fsdp1_shards, local_save, native_storage
 from . import state as st
@@ -229,6 +230,12 @@ def save(
     check_live_objects(model, optimizer, lr_scheduler, saving=True)
     optimizer = one_optimizer(optimizer)
     contents = native.check_contents(contents, "contents")
+    named = step_of(Path(path).name)
+    if named is not None and named != step:
+        raise UsageError(
+            f"{path}: a directory named for step {named} must hold step {named}, not step={step} "
+            "(readers refuse the mismatch)"
+        )
     exporter = None
     if "hf_model" in contents:
         from .hf_export import hf_exporter
