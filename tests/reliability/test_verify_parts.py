@@ -433,11 +433,14 @@ def test_model_only_restore_does_not_read_a_damaged_optimizer_item(dcp_train_sta
         )
 
 
-@pytest.mark.parametrize("damage", ["weights linked out", "config of another depth"])
+@pytest.mark.parametrize(
+    "damage", ["weights linked out", "config of another depth", "config of another vocabulary"]
+)
 def test_verify_of_a_hf_model_reports_what_merge_refuses(tmp_path, damage):
     """A save_pretrained-layout model whose weights file is a link out of its folder, or whose
-    config.json counts other layers than the weights hold, is refused by merge: verify, which
-    passed both, reports it too, naming the file."""
+    config.json counts other layers than the weights hold, or another vocabulary than its
+    embedding's rows, is refused by merge: verify, which passed them, reports it too, naming
+    the file."""
     from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
     model = build_tiny_model(tiny_config("qwen2"), seed=0)
@@ -450,7 +453,7 @@ def test_verify_of_a_hf_model_reports_what_merge_refuses(tmp_path, damage):
     else:
         faulty = source / "config.json"
         config = json.loads(faulty.read_text())
-        config["num_hidden_layers"] += 5
+        config["num_hidden_layers" if "depth" in damage else "vocab_size"] += 5
         faulty.write_text(json.dumps(config))
     merged = run_cli("merge", "--local_dir", source, "--target_dir", tmp_path / "m")
     assert merged.returncode == 1 and str(faulty) in merged.stderr, merged.stderr

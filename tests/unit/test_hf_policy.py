@@ -89,7 +89,10 @@ def test_export_plans_with_the_same_policy(tmp_path):
         "lm_head.weight": torch.zeros(4, 2),
         "steps": torch.zeros(3, dtype=torch.int64),
     }
-    config = Qwen2Config(tie_word_embeddings=True, dtype=torch.bfloat16)
+    config = Qwen2Config(
+        vocab_size=4, hidden_size=2, num_attention_heads=1, num_key_value_heads=1,
+        tie_word_embeddings=True, dtype=torch.bfloat16,
+    )  # fmt: skip
     out_dtype, files = _plan_files(live, config, None, None)
     names = {t.name: t.dtype for _, group in files for t in group}
     assert out_dtype == "BF16" and names == {"model.embed_tokens.weight": "BF16", "steps": "I64"}

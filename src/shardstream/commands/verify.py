@@ -936,6 +936,7 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     else:
         weight_map, total, names = None, -1, [hf.SINGLE_FILE]
     seen: dict[str, str] = {}
+    shapes: dict[str, tuple[int, ...]] = {}
     total_bytes = 0
     for name in names:
         if not hf.is_plain_file_name(name):
@@ -954,6 +955,7 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
                     Problem(str(file), f"duplicate of the tensor in {seen[tensor]}", tensor)
                 )
             seen[tensor] = name
+            shapes[tensor] = entry.shape
             total_bytes += entry.nbytes
     if weight_map is not None:
         for tensor, name in weight_map.items():
@@ -974,10 +976,12 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             )
     if not seen and not report.problems:
         report.problems.append(Problem(str(directory), "holds no model tensors (merge refuses it)"))
-    try:  # config.json's depth against the stored layers, as merge checks it
-        from ..formats.hf_names import check_stored_layers
+    try:  # config.json's depth and embedding against the stored tensors, as merge checks them
+        from ..formats.hf_names import check_stored_embedding, check_stored_layers
 
-        check_stored_layers(list(seen), config or {}, str(directory / "config.json"))
+        where = str(directory / "config.json")
+        check_stored_layers(list(seen), config or {}, where)
+        check_stored_embedding(list(shapes.items()), config or {}, where)
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
 

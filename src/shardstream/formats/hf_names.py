@@ -235,6 +235,7 @@ def plan_checkpoint_names(
     plan = plan_names(tensors, config, keep_names, config_path)
     plain = plan.stripped or {}
     check_stored_layers([plain.get(n, n) for n, _, _ in tensors], config, config_path)
+    check_stored_embedding([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
     return plan
 
 
@@ -501,6 +502,29 @@ def check_stored_layers(
             f"{where} for N in {_ranges(sorted(stored))}: the checkpoint and "
             "config.json describe different models (--hf_model_path names the model's own)"
         )
+
+
+EMBEDDING = "model.embed_tokens.weight"  # a decoder's input embedding, [vocab_size, hidden_size]
+
+
+def check_stored_embedding(
+    tensors: Sequence[tuple[str, Sequence[int]]], config: dict, config_path: str = "config.json"
+) -> None:
+    """A stored ``model.embed_tokens.weight`` is [vocab_size, hidden_size] as config.json's top
+    level says, where it says both: a config.json of another vocabulary or width would be
+    copied beside weights no model built from it loads."""
+    if not isinstance(config, dict):
+        return
+    vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
+    if type(vocab) is not int or type(hidden) is not int:
+        return
+    for name, shape in tensors:
+        if name == EMBEDDING and tuple(shape) != (vocab, hidden):
+            raise CheckpointFormatError(
+                f"{config_path}: vocab_size {vocab} and hidden_size {hidden}, but the "
+                f"checkpoint's {name} is {list(shape)}: the checkpoint and config.json "
+                "describe different models (--hf_model_path names the model's own)"
+            )
 
 
 def _ranges(values: list[int]) -> str:

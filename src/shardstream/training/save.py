@@ -209,7 +209,7 @@ def save(
     lr_scheduler: Any = None,
     extra: Mapping[str, Any] | None = None,
     contents: Iterable[str] = native.DEFAULT_CONTENTS,
-    step: int = 0,
+    step: int | None = None,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
     hf_config: Any = None,
@@ -223,7 +223,8 @@ def save(
     With "hf_model" in ``contents``, ``huggingface/`` gets the model in its publish dtype
     (``hf_dtype``, else the config's), with the config of ``hf_config`` (a transformers config)
     or of ``hf_source_dir``, and ``tokenizer``'s files; see ``CheckpointConfig`` for
-    ``share_hf_weights``.
+    ``share_hf_weights``. ``step``: recorded in the manifest; by default the N of a
+    ``global_step_N`` path (which must hold step N), else 0.
 
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
@@ -231,6 +232,8 @@ def save(
     optimizer = one_optimizer(optimizer)
     contents = native.check_contents(contents, "contents")
     named = step_of(Path(path).name)
+    if step is None:
+        step = named or 0
     if named is not None and named != step:
         raise UsageError(
             f"{path}: a directory named for step {named} must hold step {named}, not step={step} "
