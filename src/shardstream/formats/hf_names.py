@@ -790,6 +790,13 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
     cls = _model_class(config)
     if cls is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
+    try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
+        model = _meta_model(config, len(plain))
+    except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
+        model = None
+    if model is not None:
+        aliases = _aliases_left_out(model, [n for n, _, _ in plain])
+        plain = [t for t in plain if t[0] not in aliases]
     mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
     # transformers 4.5x reverses it only for the vision-language classes it lists
     listed = getattr(modeling_utils, "VLMS", None)
