@@ -23,6 +23,23 @@ LOG_ENV = "SHARDSTREAM_RELIABILITY_LOG"
 HERE = Path(__file__).resolve().parent
 
 
+def put_in_place_of(path: Path, kind: str, outside: str | Path | None = None) -> None:
+    """Something other than what ``path`` was, where it was (its old entry gone): a "broken
+    link", a "symlink loop", a "FIFO", a "directory", a "file", or a link to ``outside``."""
+    if kind == "broken link":
+        os.symlink("gone", path)
+    elif kind == "symlink loop":
+        os.symlink(path.name, path)
+    elif kind == "FIFO":
+        os.mkfifo(path)
+    elif kind == "directory":
+        path.mkdir()
+    elif kind == "file":
+        path.write_text("{}")
+    else:
+        os.symlink(outside, path)
+
+
 def trials(quick: int, soak: int) -> int:
     """How many trials: ``quick`` in ``make test``, ``soak`` in ``make soak``."""
     override = os.environ.get("SHARDSTREAM_TRIALS_SCALE")

@@ -26,6 +26,7 @@ import torch
 
 from shardstream import cli
 
+from .harness import put_in_place_of
 from .test_hostile import _plain_state, _verl_dir
 
 MODEL = "model_world_size_1_rank_0.pt"
@@ -373,14 +374,7 @@ def test_config_json_that_is_no_regular_file_is_no_missing_config(tmp_path, caps
     source = _verl_dir(tmp_path / "ckpt", {MODEL: _plain_state()})
     config = source / "huggingface" / "config.json"
     config.unlink()
-    if kind == "broken link":
-        os.symlink("gone.json", config)
-    elif kind == "symlink loop":
-        os.symlink(config.name, config)
-    elif kind == "FIFO":
-        os.mkfifo(config)
-    else:
-        config.mkdir()
+    put_in_place_of(config, kind)
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(config))
 
 
@@ -395,18 +389,8 @@ def test_huggingface_folder_that_is_no_config_folder_is_refused(tmp_path, capsys
     if kind == "no config.json":
         (folder / "config.json").unlink()
     else:
-        outside = tmp_path / "elsewhere"
-        folder.rename(outside)
-        if kind == "file":
-            folder.write_text("{}")
-        elif kind == "broken link":
-            os.symlink("gone", folder)
-        elif kind == "symlink loop":
-            os.symlink(folder.name, folder)
-        elif kind == "FIFO":
-            os.mkfifo(folder)
-        else:
-            os.symlink(outside, folder)
+        folder.rename(tmp_path / "elsewhere")
+        put_in_place_of(folder, kind, tmp_path / "elsewhere")
     _fails_naming(capsys, _merge_argv(source, tmp_path), source, str(folder))
 
 

@@ -32,7 +32,7 @@ import torch
 from shardstream import cli
 from shardstream.testing.tiny_models import randomized
 
-from .harness import tree_contents
+from .harness import put_in_place_of, tree_contents
 
 transformers = pytest.importorskip("transformers")
 from safetensors.torch import load_file, save_file  # noqa: E402
@@ -625,19 +625,10 @@ def _sparse_huge(path: Path) -> None:
         f.truncate(65 * 2**20)
 
 
-def _becomes(kind: str) -> Callable[[Path], None]:
+def _becomes(kind: str, outside: str | None = None) -> Callable[[Path], None]:
     def damage(path: Path) -> None:
         path.unlink()
-        if kind == "fifo":
-            os.mkfifo(path)
-        elif kind == "directory":
-            path.mkdir()
-        elif kind == "dev_zero":
-            path.symlink_to("/dev/zero")
-        elif kind == "dangling":
-            path.symlink_to(path.parent / "nowhere.json")
-        elif kind == "loop":
-            path.symlink_to(path)
+        put_in_place_of(path, kind, outside)
 
     return damage
 
@@ -685,11 +676,11 @@ CACHE_DAMAGE = {
     "one_digit": _edit_plan(_expert_digit),
     "name_with_path": _edit_plan(_renamed("../../etc/passwd")),
     "name_other": _edit_plan(_renamed("model.layers.0.mlp.experts.0.w2.weight")),
-    "fifo": _becomes("fifo"),
+    "fifo": _becomes("FIFO"),
     "directory": _becomes("directory"),
-    "link_dev_zero": _becomes("dev_zero"),
-    "link_dangling": _becomes("dangling"),
-    "link_loop": _becomes("loop"),
+    "link_dev_zero": _becomes("link out", "/dev/zero"),
+    "link_dangling": _becomes("broken link"),
+    "link_loop": _becomes("symlink loop"),
 }
 XFAIL_CACHE: dict[str, str] = {}  # every damage is caught (the file's digest)
 
