@@ -431,6 +431,20 @@ def test_hf_names_keep_their_model_prefix_in_a_flat_state_dict(tmp_path):
     assert sorted(t.name for t in open_checkpoint(tmp_path / "ck2").tensors) == sorted(state)
 
 
+def test_two_models_at_the_top_level_are_named_for_the_prefix_to_pick(tmp_path):
+    """{"policy": ..., "ema": ...}: no container is called "model", so the refusal lists the
+    containers the tensors lie under, and --prefix picks one."""
+    state = {"model.embed_tokens.weight": torch.ones(3, 2), "model.norm.weight": torch.ones(2)}
+    _save_plain(tmp_path / "ck", {"policy": state, "ema": {k: -v for k, v in state.items()}})
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        open_checkpoint(tmp_path / "ck")
+    assert "whose tensors lie under 'ema.' (2) and 'policy.' (2); pass the prefix" in str(
+        refused.value
+    )
+    picked = open_checkpoint(tmp_path / "ck", prefix="ema.")
+    assert sorted(t.name for t in picked.tensors) == sorted(state)
+
+
 def test_optimizer_only_checkpoint_is_refused(tmp_path):
     _save_plain(tmp_path / "optimizer_0", {"optimizer": {"state": {"w": torch.zeros(2)}}})
     with pytest.raises(CheckpointNotFoundError, match="no model tensors"):

@@ -36,6 +36,7 @@ import bisect
 import io
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -333,6 +334,20 @@ def _model_names(
     return {k: k for k in model}, "model at top level (no planner_data; named by prefix)", ""
 
 
+def _containers_held(keys: list[str], paths: dict[str, tuple] | None) -> str:
+    """ ", whose tensors lie under 'ema.' (54) and 'policy.' (54)": the top-level containers of
+    tensor ``keys``, for a message asking which one is the model; "" for none."""
+    held = Counter(
+        str(paths[k][0]) if paths and k in paths and len(paths[k]) > 1 else k.split(".", 1)[0]
+        for k in keys
+        if "." in k
+    )
+    if not held:
+        return ""
+    listed = " and ".join(f"{name + '.'!r} ({count})" for name, count in sorted(held.items())[:6])
+    return f", whose tensors lie under {listed}"
+
+
 def _reason(key: str, paths: dict[str, tuple] | None) -> str:
     container = paths[key][0] if paths and key in paths and len(paths[key]) > 1 else None
     if container is None:
@@ -422,7 +437,8 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
             + (
                 f" under prefix {prefix!r}"
                 if prefix is not None
-                else "; pass the prefix the model's keys start with as prefix= (--prefix)"
+                else f"{_containers_held(tensor_keys, paths)}; pass the prefix the model's keys "
+                "start with as prefix= (--prefix)"
             )
         )
     seen: dict[str, str] = {}
