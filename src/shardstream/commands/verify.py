@@ -29,6 +29,7 @@ from ..formats.source import (
     TRAINER_STATE,
     Kind,
     detect,
+    unfinished_trainer_save,
     unread_hint,
     verl_roles,
 )
@@ -93,11 +94,8 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
 
 
 def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:
-    """A Trainer's ``checkpoint-N`` without the ``trainer_state.json`` it writes last: one whose
-    ``training_args.bin`` (written with the model) is there, or whose siblings have theirs."""
-    if not TRAINER_CHECKPOINT.fullmatch(directory.name) or (directory / TRAINER_STATE).is_file():
-        return None
-    if not (siblings_finished or (directory / "training_args.bin").is_file()):
+    """``source.unfinished_trainer_save`` as a problem of ``directory``, or None."""
+    if not unfinished_trainer_save(directory, siblings_finished):
         return None
     return Problem(
         str(directory),

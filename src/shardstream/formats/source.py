@@ -741,13 +741,17 @@ def unfinished_save(directory: Path) -> bool:
             )
             if accelerate and entry.is_dir() and dcp_unfinished(entry):
                 return True
-        return bool(
-            TRAINER_CHECKPOINT.fullmatch(directory.name)
-            and (directory / "training_args.bin").is_file()
-            and not (directory / TRAINER_STATE).is_file()
-        )
+        return unfinished_trainer_save(directory)
     except OSError:
         return False
+
+
+def unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> bool:
+    """A Trainer's ``checkpoint-N`` without the ``trainer_state.json`` it writes last: one whose
+    ``training_args.bin`` (written with the model) is there, or whose siblings have theirs."""
+    if not TRAINER_CHECKPOINT.fullmatch(directory.name) or (directory / TRAINER_STATE).is_file():
+        return False
+    return siblings_finished or (directory / "training_args.bin").is_file()
 
 
 def _step_order(path: Path) -> tuple[int, str]:
