@@ -975,11 +975,9 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     if not seen and not report.problems:
         report.problems.append(Problem(str(directory), "holds no model tensors (merge refuses it)"))
     try:  # config.json's depth and embedding against the stored tensors, as merge checks them
-        from ..formats.hf_names import check_stored_embedding, check_stored_layers
+        from ..formats.hf_names import check_config_agrees
 
-        where = str(directory / "config.json")
-        check_stored_layers(list(seen), config or {}, where)
-        check_stored_embedding(list(shapes.items()), config or {}, where)
+        check_config_agrees(list(shapes.items()), config or {}, str(directory / "config.json"))
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
 

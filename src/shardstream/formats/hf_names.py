@@ -229,14 +229,21 @@ def plan_checkpoint_names(
     keep_names: bool = False,
     config_path: str = "config.json",
 ) -> NamePlan:
-    """``plan_names`` for a whole checkpoint's tensors, whose decoder layers must also be
-    those config.json counts (``check_stored_layers``): what merge, shardstream test, the
-    export and inspect plan by."""
+    """``plan_names`` for a whole checkpoint's tensors, which config.json must describe
+    (``check_config_agrees``): what merge, shardstream test, the export and inspect plan by."""
     plan = plan_names(tensors, config, keep_names, config_path)
     plain = plan.stripped or {}
-    check_stored_layers([plain.get(n, n) for n, _, _ in tensors], config, config_path)
-    check_stored_embedding([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
+    check_config_agrees([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
     return plan
+
+
+def check_config_agrees(
+    tensors: Sequence[tuple[str, Sequence[int]]], config: dict, config_path: str = "config.json"
+) -> None:
+    """config.json describes the stored tensors ``(name, shape)`` of a whole checkpoint: its
+    depth (``check_stored_layers``) and its embedding (``check_stored_embedding``)."""
+    check_stored_layers([name for name, _ in tensors], config, config_path)
+    check_stored_embedding(tensors, config, config_path)
 
 
 def _table_decides(model_type: str) -> bool:
