@@ -43,15 +43,9 @@ def present(path: str | os.PathLike) -> bool:
     file (links followed), False when nothing has the name; anything else under the name (a
     broken link, a symlink loop, a directory, a FIFO) is a ``CheckpointFormatError`` naming it,
     not an absent file."""
-    try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        if not os.path.lexists(path):
-            return False
-        raise CheckpointFormatError(f"{os.fspath(path)}: is a broken symbolic link") from None
-    except OSError as exc:
-        reason = exc.strerror or type(exc).__name__
-        raise CheckpointFormatError(f"{os.fspath(path)}: cannot be read ({reason})") from None
+    mode = _mode_if_there(path, "")
+    if mode is None:
+        return False
     _check_regular(path, mode)
     return True
 
@@ -60,23 +54,30 @@ def present_directory(path: str | os.PathLike, what: str) -> bool:
     """``present`` for an optional directory (``what`` it holds, for the message): True for a
     directory (links followed), False when nothing has the name; a broken link, a loop, a
     file or a FIFO under the name is a ``CheckpointFormatError`` naming it."""
+    expected = f", expected the directory of {what}"
+    mode = _mode_if_there(path, expected)
+    if mode is None:
+        return False
+    if not stat.S_ISDIR(mode):
+        kind = "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode))
+        raise CheckpointFormatError(f"{os.fspath(path)}: is {kind or 'a special file'}{expected}")
+    return True
+
+
+def _mode_if_there(path: str | os.PathLike, expected: str) -> int | None:
+    """``path``'s mode, links followed; None when nothing has the name. A broken link (its
+    message ending in ``expected``) or one that cannot be stat'ed is a ``CheckpointFormatError``."""
     try:
-        mode = os.stat(path).st_mode
+        return os.stat(path).st_mode
     except FileNotFoundError:
         if not os.path.lexists(path):
-            return False
+            return None
         raise CheckpointFormatError(
-            f"{os.fspath(path)}: is a broken symbolic link, expected the directory of {what}"
+            f"{os.fspath(path)}: is a broken symbolic link{expected}"
         ) from None
     except OSError as exc:
         reason = exc.strerror or type(exc).__name__
         raise CheckpointFormatError(f"{os.fspath(path)}: cannot be read ({reason})") from None
-    if not stat.S_ISDIR(mode):
-        kind = "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode))
-        raise CheckpointFormatError(
-            f"{os.fspath(path)}: is {kind or 'a special file'}, expected the directory of {what}"
-        )
-    return True
 
 
 def _check_regular(path: str | os.PathLike, mode: int) -> None:
