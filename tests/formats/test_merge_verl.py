@@ -151,6 +151,30 @@ def test_default_dtype_comes_from_config_and_small_shards_split(checkpoints, tmp
     assert (target / "tokenizer.json").is_file() and (target / "generation_config.json").is_file()
 
 
+def test_huggingface_dir_without_generation_config_gets_the_one_save_pretrained_writes(
+    checkpoints, tmp_path
+):
+    """verl's merger ends in save_pretrained of a model built from config.json: with no
+    generation_config.json beside the shards it still writes one, derived from the config."""
+    import shutil
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    _, actor = checkpoints["ws2-tied"]
+    copy = tmp_path / "actor"
+    shutil.copytree(actor, copy)
+    (copy / "huggingface" / "generation_config.json").unlink()
+    merge(copy, tmp_path / "merged")
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(copy / "huggingface"))
+    model.generation_config.save_pretrained(tmp_path / "reference")
+    got, want = (
+        json.loads((d / "generation_config.json").read_text())
+        for d in (tmp_path / "merged", tmp_path / "reference")
+    )
+    assert got == want and got.get("_from_model_config") is True
+
+
 def test_command_in_a_fresh_process_prints_everything_and_exits_with_its_code(
     checkpoints, tmp_path
 ):

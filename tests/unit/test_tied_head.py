@@ -212,3 +212,33 @@ def test_generation_config_only_for_a_model_that_generates(tmp_path, architectur
     hf.write_configs(tmp_path, "F32", hf_config=config)
     assert (tmp_path / "config.json").is_file()
     assert (tmp_path / "generation_config.json").is_file() == written
+
+
+@pytest.mark.parametrize(
+    "architecture, written", [("Qwen2ForCausalLM", True), ("Qwen2ForTokenClassification", False)]
+)
+def test_generation_config_derived_only_where_the_source_has_none(tmp_path, architecture, written):
+    """A copied config dir without generation_config.json gets save_pretrained's derived one
+    for a model that generates; one the source holds is copied unchanged."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    source.mkdir(), target.mkdir()
+    config = transformers.Qwen2Config(**TEXT, architectures=[architecture], num_labels=1)
+    config.save_pretrained(source)
+    hf.write_configs(target, "F32", source)
+    assert (target / "generation_config.json").is_file() == written
+    own = {"do_sample": True, "temperature": 0.25}
+    (source / "generation_config.json").write_text(json.dumps(own))
+    hf.write_configs(target, "F32", source)
+    assert json.loads((target / "generation_config.json").read_text()) == own
+
+
+def test_generation_config_not_derivable_is_said(tmp_path, caplog):
+    """A model type transformers does not know: no generation_config.json, and the log names
+    the directory and why."""
+    source, target = tmp_path / "source", tmp_path / "target"
+    source.mkdir(), target.mkdir()
+    (source / "config.json").write_text(json.dumps({"model_type": "no_such_model_type"}))
+    with caplog.at_level(logging.WARNING):
+        hf.write_configs(target, "F32", source)
+    assert not (target / "generation_config.json").exists()
+    assert str(source) in caplog.text and "no_such_model_type" in caplog.text

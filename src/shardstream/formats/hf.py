@@ -177,13 +177,14 @@ def write_configs(
     saved from a transformers config and tokenizer where given; config.json names
     ``out_dtype`` (None: as it was)."""
     dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
-    if source is not None:
-        copy_config(source, target, dtype_name)
+    copied = copy_config(source, target, dtype_name) if source is not None else []
     if hf_config is not None:
         hf_config.save_pretrained(target)
         _write_generation_config(target, hf_config)
         if dtype_name:
             set_config_dtype(target / "config.json", target / "config.json", dtype_name)
+    elif "config.json" in copied and "generation_config.json" not in copied:
+        _generation_config_from_file(target, source / "config.json")
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
 
@@ -220,6 +221,28 @@ def _write_generation_config(target: Path, hf_config: Any) -> None:
     if not _can_generate(hf_config):
         return
     GenerationConfig.from_model_config(hf_config).save_pretrained(target)
+
+
+def _generation_config_from_file(target: Path, config_path: Path) -> None:
+    """The generation_config.json that ``save_pretrained`` of a model built from
+    ``config_path`` writes (verl's merger, whose model has no other), when transformers is
+    installed and knows the model type; otherwise none, and the log says so."""
+    config = read_config(config_path.parent)
+    try:
+        hf_config = config_object(config)
+    except ImportError:
+        reason = "transformers is not installed (pip install transformers)"
+    except Exception as exc:  # noqa: BLE001  (any refusal of transformers: its words, one line)
+        reason = f"transformers cannot build its config ({type(exc).__name__}: {exc})"[:300]
+    else:
+        try:
+            _write_generation_config(target, hf_config)
+            return
+        except Exception as exc:  # noqa: BLE001
+            reason = f"transformers refused it ({type(exc).__name__}: {exc})"[:300]
+    log.warning(
+        "%s has no generation_config.json and none was written: %s", config_path.parent, reason
+    )
 
 
 def _can_generate(hf_config: Any) -> bool:
