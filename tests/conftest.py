@@ -27,6 +27,7 @@ HIDDEN = 48
 VOCAB = 101
 INTERMEDIATE = 86
 VARIANTS = ("base", "shard1", "bigger")
+GENERATION_CONFIG = {"bos_token_id": 1, "eos_token_id": 2, "do_sample": True, "top_p": 0.8}
 
 CONFIG = {
     "architectures": ["Qwen2ForCausalLM"],
@@ -134,6 +135,8 @@ def build_fsdp_checkpoints(root: Path, world_size: int = WORLD_SIZE) -> Path:
         hf.mkdir(exist_ok=True)
         config = dict(CONFIG, vocab_size=VOCAB + 2 if variant == "bigger" else VOCAB)
         (hf / "config.json").write_text(json.dumps(config))
+        # verl copies the base model's; without it merge derives one as save_pretrained does
+        (hf / "generation_config.json").write_text(json.dumps(GENERATION_CONFIG))
     return root
 
 

@@ -389,7 +389,11 @@ def test_missing_parents_of_the_target_are_made_as_verls_merger_makes_them(capsy
     target = out / "run1" / "hf" / "merged"
     rc, err = merge(capsys, fsdp_root / "base", target)
     assert rc == 0, err
-    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(target)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert_nothing_written(target.parent, {"merged"})
 
 
@@ -412,7 +416,11 @@ def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
 
     rc, err = merge(capsys, fsdp_root / "base", target, "--overwrite")
     assert rc == 0, err
-    assert sorted(os.listdir(target)) == ["config.json", "model.safetensors"]
+    assert sorted(os.listdir(target)) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
     assert_nothing_written(out, {"merged"})
     from safetensors.torch import load_file
 
