@@ -29,6 +29,7 @@ from ..formats.source import (
     TRAINER_STATE,
     Kind,
     detect,
+    second_model,
     unfinished_trainer_save,
     unread_hint,
     verl_roles,
@@ -137,6 +138,10 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
         report.problems.append(Problem(str(root), "no such directory"))
         return report
     kind = _kind(root)
+    if (beside := second_model(root, kind)) is not None:
+        report = VerifyReport(str(root), kind.value)
+        report.problems.append(Problem(str(root), beside))
+        return report
     if kind in (Kind.VERL, Kind.VERL_ROLES):  # a checkpoint, or a step of actor/critic ones
         report = VerifyReport(str(root), "verl")
         for role in _verl_checkpoints(root, kind):

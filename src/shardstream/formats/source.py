@@ -27,11 +27,14 @@ A path that is a regular file named ``*.pt``, ``*.pth``, ``*.bin``, ``*.tar`` or
 (``torch_state_dict.open_torch_file``).
 
 What a directory holds itself comes before what its subdirectories hold: a model directory
-that sits beside step directories is a model. Every kind but the last three has a reader
-(``open_checkpoint``); every reader offers ``CheckpointSource``. A new format is a module with
-a reader and one row of ``_KINDS``. verl's and DCP's readers import torch (1-2 s), so their
-file names and tests are here, torch-free: ``shardstream inspect``/``verify`` of shardstream's
-own and HF directories never import it.
+that sits beside step directories is a model. A Hugging Face model's weights beside a native,
+verl, DCP or ``TORCH_SAVE`` checkpoint, whose formats put none there, make the directory
+ambiguous: readers and verify refuse it (``second_model``).
+
+Every kind but the last three has a reader (``open_checkpoint``); every reader offers
+``CheckpointSource``. A new format is a module with a reader and one row of ``_KINDS``. verl's
+and DCP's readers import torch (1-2 s), so their file names and tests are here, torch-free:
+``shardstream inspect``/``verify`` of shardstream's own and HF directories never import it.
 """
 
 from __future__ import annotations
@@ -614,6 +617,8 @@ def open_checkpoint(
             f"this one ({kind.value})"
         )
     if opener is not None:
+        if (beside := second_model(path, kind)) is not None:
+            raise CheckpointFormatError(beside)
         source = opener(path, model_only, shared, prefix)
         if model_only and not source.tensors:
             raise CheckpointFormatError(
@@ -631,6 +636,27 @@ def open_checkpoint(
         )
     raise CheckpointNotFoundError(
         f"{path}: no model files found ({EXPECTED}){unfinished_note(path) or unread_hint(path)}"
+    )
+
+
+# Formats whose directory holds no Hugging Face model files of their own.
+_NO_HF_FILES_OF_THEIR_OWN = (Kind.NATIVE, Kind.VERL, Kind.DCP, Kind.TORCH_SAVE)
+
+
+def second_model(path: Path, kind: Kind) -> str | None:
+    """Why ``path``, read as ``kind``, is ambiguous: a Hugging Face model's weights lie beside
+    a checkpoint whose format writes none there, and which one is meant is not said. None
+    when they do not."""
+    if kind not in _NO_HF_FILES_OF_THEIR_OWN:
+        return None
+    names = (hf.SINGLE_FILE, hf.INDEX_FILE, HF_TORCH_FILE, HF_TORCH_INDEX)
+    held = [n for n in names if _any_named(path, n)]
+    if not held:
+        return None
+    return (
+        f"{path}: holds a {kind.value} checkpoint and, beside it, a Hugging Face model's "
+        f"{' and '.join(held)}; which one to read is not clear: move one of them into a "
+        "directory of its own"
     )
 
 

@@ -91,7 +91,7 @@ def _same_request_everywhere(
     the optimizer, would leave the others waiting in a collective or mix two states.
     Returns (a verl checkpoint, with optimizer files): the ranks then read a verl
     checkpoint's rank files in turns, a share each, which only works if all take that path."""
-    from ..formats.source import Kind, detect
+    from ..formats.source import Kind, detect, second_model
 
     here, error = None, None
     try:
@@ -99,6 +99,8 @@ def _same_request_everywhere(
         if not path.is_dir() and kind is not Kind.TORCH_FILE:
             what = "a file, not a checkpoint directory" if path.exists() else "no such directory"
             raise CheckpointNotFoundError(f"{path}: {what}")
+        if (beside := second_model(path, kind)) is not None:
+            raise CheckpointFormatError(beside)
         is_verl = kind is Kind.VERL
         layout = (is_verl, is_verl and any(path.glob("optim_world_size_*_rank_*.pt")))
         parts = tuple(sorted(contents)), want_model, want_optimizer
