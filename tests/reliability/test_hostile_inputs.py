@@ -204,6 +204,20 @@ def test_resealed_manifest_with_values_no_checkpoint_holds(saved_run, tmp_path, 
     assert not report.ok and all("Traceback" not in p.line() for p in report.problems)
 
 
+@pytest.mark.parametrize("entry", ["model.0.weight", "optimizer.state.0.weight.exp_avg"])
+def test_resealed_manifest_that_lost_an_entry_fails_verify(saved_run, tmp_path, capsys, entry):
+    """The rank file still holds the tensor's records: verify names the file and a record,
+    where before it passed a checkpoint whose merge would leave the tensor out."""
+    step = _native_step(saved_run, tmp_path)
+    _reseal(step, lambda doc: doc["tensors"].pop(entry))
+    report = verify(step)
+    assert not report.ok
+    lines = [p.line() for p in report.problems]
+    assert any("rank-0000" in line and f"'{entry}@" in line for line in lines), lines
+    code, lines = _cli(capsys, "verify", step)
+    assert code == 1
+
+
 JSON_FILES = {
     "a list": "[1, 2]",
     "a string": '"config"',

@@ -81,6 +81,9 @@ MAX_WORLD_SIZE = 1 << 20
 HF_DIR_PREFIX = "huggingface/"  # where share_hf_weights chunks live, under the HF tensor name
 
 
+_RANK_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors")
+
+
 def rank_file(rank: int) -> str:
     return f"rank-{rank:05d}.safetensors"
 
@@ -580,7 +583,30 @@ def _open_native(
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
         elif fqn in regions:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked, regions[fqn])
+    if regions is None and not model_only:  # every header read: each record is some entry's
+        _refuse_unlisted_records(directory, manifest, headers)
     return NativeCheckpoint(directory, manifest, tensors, digests, headers)
+
+
+def _refuse_unlisted_records(directory: Path, manifest: dict, headers: _Headers) -> None:
+    """A record of a data file that no manifest entry names: the manifest lost an entry (its
+    tensor would go unread), or the file is another save's."""
+    listed: dict[str, set[str]] = {}
+    for fqn, info in manifest.get("tensors", {}).items():
+        chunks = grid_chunks(fqn, list(info["shape"]), info["grid"]) if "grid" in info else None
+        for chunk in chunks or info["chunks"]:
+            listed.setdefault(str(directory / chunk["file"]), set()).add(chunk["key"])
+    for path, header in headers.items():
+        if not _RANK_FILE.fullmatch(Path(path).name):  # extra state and hf weights: listed apart
+            continue
+        unlisted = sorted(set(header.tensors) - listed.get(path, set()))
+        if unlisted:
+            names = ", ".join(repr(k[:200]) for k in unlisted[:3])
+            raise CheckpointFormatError(
+                f"{path}: holds {len(unlisted)} record(s) no entry of {directory / MANIFEST} "
+                f"names ({names}{', ...' if len(unlisted) > 3 else ''}); the manifest lost "
+                "them, or the file belongs to another save"
+            )
 
 
 def merge_view(
