@@ -533,6 +533,53 @@ def test_extra_state_nested_too_deep_is_a_usage_error_both_ways(tmp_path):
     assert state.decode(state.encode(shallow, {}), {}) == shallow
 
 
+def test_verify_refuses_the_extra_state_nesting_restore_refuses(tmp_path):
+    """verify passed a resealed extra-state file nested deeper than any save writes, which
+    restore then refused: both now draw the line at the same depth, and name the file."""
+    from shardstream.commands.verify import verify
+    from shardstream.formats import jsondoc
+    from shardstream.training import state
+
+    for depth in range(state.MAX_NESTING - 2, state.MAX_NESTING + 3):
+        value: list = []
+        for _ in range(depth):
+            value = [value]
+        try:
+            state.decode(value, {})
+            decoded = True
+        except ValueError:
+            decoded = False
+        assert jsondoc.nested_deeper(value, state.MAX_NESTING) is not decoded, depth
+
+    model, optimizer, _ = tiny()
+    step = tmp_path / "global_step_1"
+    shardstream.save(step, model=model, optimizer=optimizer, extra={"note": [[["kept"]]]})
+    assert verify(step).ok
+    extra = step / "extra-rank-00000.json"
+    for body in ("[" * 250 + "]" * 250, "[" * 100_000 + "]" * 100_000):
+        doc = native.read_manifest(step)
+        doc["files"][extra.name].update(size=len(body), xxh3=checksum.digest(body.encode()))
+        extra.write_text(body)
+        native.write_manifest(step, doc)
+        report = verify(step)
+        assert not report.ok and report.problems[0].path == str(extra), report
+        assert "nested over 200 deep" in report.problems[0].message
+        with pytest.raises(CheckpointFormatError, match="extra state"):
+            shardstream.load(step, model=model, optimizer=optimizer)
+    doc = native.read_manifest(step)
+    deep: list = []
+    for _ in range(250):
+        deep = [deep]
+    doc["objects"]["optimizer"]["param_groups"][0]["deep"] = deep
+    native.write_manifest(step, doc)
+    problems = [p.line() for p in verify(step).problems]
+    assert any(
+        line.startswith(f"{step / native.MANIFEST}: objects: values nested") for line in problems
+    )
+    with pytest.raises(CheckpointFormatError, match="nested over 200 deep"):
+        shardstream.load(step, model=model, optimizer=optimizer, contents=("model", "optimizer"))
+
+
 def test_a_step_directory_holds_the_step_it_is_named_for(tmp_path):
     """save() refuses a global_step_N directory for another step, and every reader refuses a
     manifest whose step differs from its directory's name, or whose contents name an item

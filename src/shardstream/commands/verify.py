@@ -7,6 +7,7 @@ record). Problems are collected, not raised: one line each, naming file, tensor 
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -773,9 +774,35 @@ def _verify_step(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(_problem_in(directory, exc))
         else:
             _verify_lora(directory, checkpoint.tensors, checkpoint.lora_settings, report)
+            _verify_state_nesting(directory, manifest, report)
     # A manifest that lists every file: one it does not list was added or renamed since.
     for path, problem in native.unlisted_files(directory, manifest):
         report.problems.append(Problem(str(path), problem))
+
+
+def _verify_state_nesting(directory: Path, manifest: dict, report: VerifyReport) -> None:
+    """Saved state (the manifest's objects, each rank's extra-state JSON) as restore decodes
+    it: nested no deeper than a save writes (``jsondoc.MAX_NESTING``)."""
+    limit = jsondoc.MAX_NESTING
+    too_deep = f"values nested over {limit} deep, which no save writes; restore refuses them"
+    if jsondoc.nested_deeper(manifest.get("objects"), limit + 1):  # below the 'objects' key
+        report.problems.append(Problem(str(directory / native.MANIFEST), f"objects: {too_deep}"))
+    for name in manifest.get("files", {}):
+        if not native.EXTRA_JSON.fullmatch(name):
+            continue
+        path = native.check_name(directory, name, "files")
+        try:
+            with open_regular(path) as f:
+                value = json.loads(f.read())  # as restore reads it
+        except (OSError, ShardstreamError, ValueError) as exc:
+            report.problems.append(
+                Problem(str(path), f"extra state unreadable: {_strip(exc, path)}")
+            )
+            continue
+        except RecursionError:
+            value = None
+        if value is None or jsondoc.nested_deeper(value, limit):
+            report.problems.append(Problem(str(path), f"extra state: {too_deep}"))
 
 
 def _verify_lora(directory: Path, tensors, recorded: dict | None, report: VerifyReport) -> None:

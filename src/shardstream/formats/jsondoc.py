@@ -14,6 +14,7 @@ from pathlib import Path
 from ..errors import CheckpointFormatError, UnsafeCheckpointError, os_error
 from .regular_file import open_regular
 
+MAX_NESTING = 200  # containers within containers in saved state (Python recurses per level)
 MAX_DOCUMENT_BYTES = 64 * 2**20  # config, index, generation config: kilobytes to megabytes
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits; nothing in these files counts higher
 
@@ -60,6 +61,21 @@ def _long_digit_run(raw: bytes | str) -> bool:
         return re.search(_LONG_DIGITS, raw) is not None
     raw = bytes(raw)
     return b"\0" in raw or b"0" * (MAX_INT_DIGITS + 1) in raw.translate(_DIGITS_AS_ZERO)
+
+
+def nested_deeper(value: object, limit: int) -> bool:
+    """Whether a JSON value holds a value more than ``limit`` containers deep (the root is at
+    depth 0); iterative, so a deep value cannot exhaust Python's recursion."""
+    stack = [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+    return False
 
 
 def is_counts(value: object) -> bool:

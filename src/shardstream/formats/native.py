@@ -82,6 +82,7 @@ HF_DIR_PREFIX = "huggingface/"  # where share_hf_weights chunks live, under the 
 
 
 _RANK_FILE = re.compile(r"rank-[0-9]{5,}\.safetensors")
+EXTRA_JSON = re.compile(r"extra-rank-[0-9]{5,}\.json")
 
 
 def rank_file(rank: int) -> str:

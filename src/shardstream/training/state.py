@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 
 from ..errors import CheckpointFormatError, UsageError
+from ..formats import jsondoc
 from ..formats.layout_names import describe_placements, mesh_dim_names
 from ..formats.lora import UNSUPPORTED
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
@@ -340,7 +341,7 @@ def _prefixes(name: str):
 # --- JSON with tagged tensors and tuples --------------------------------------------------------
 
 
-MAX_NESTING = 200  # containers within containers in extra state (Python recurses per level)
+MAX_NESTING = jsondoc.MAX_NESTING
 
 
 def encode(
