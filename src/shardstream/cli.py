@@ -95,7 +95,13 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="split output files (default: save_pretrained's, 50GB in transformers 5, 5GB in 4)",
     )
-    _flag(merge, "--overwrite", action="store_true", help="replace a non-empty target")
+    _flag(
+        merge,
+        "--overwrite",
+        action="store_true",
+        help="replace a non-empty target whole (default: write into it as verl's merger does, "
+        "keeping its other files)",
+    )
     _flag(merge, "--fuse-lora", action="store_true", help="fold LoRA (alpha/r)*B@A into weights")
     _flag(
         merge,
@@ -216,6 +222,7 @@ def run_merge(args: argparse.Namespace) -> int:
             max_shard_size=args.max_shard_size,
             buffer_size=args.buffer_size,
             overwrite=args.overwrite,
+            update=True,
             hf_model_path=args.hf_model_path,
             tie_word_embedding=args.tie_word_embedding,
             fuse_lora=args.fuse_lora,

@@ -3,6 +3,7 @@ traceback, and nothing written (no target directory, no ``*.tmp-*`` leftovers)."
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -405,14 +406,50 @@ def test_a_file_in_the_way_of_the_targets_parents_is_named(capsys, fsdp_root, ou
     assert_nothing_written(out, {"run1"})
 
 
-def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
+def test_non_empty_target_is_written_into_as_verl_does_or_replaced_with_overwrite(
+    capsys, fsdp_root, out
+):
+    """verl's merger writes into an existing target: the merge replaces the files of its
+    names and another set of weights there (shards and their index), and keeps the rest.
+    --overwrite replaces the target whole."""
+    from safetensors.torch import load_file
+
     target = out / "merged"
     target.mkdir()
-    (target / "old.txt").write_text("old")
+    (target / "notes").mkdir()
+    (target / "notes" / "eval.txt").write_text("kept")
+    (target / "README.md").write_text("kept")
+    (target / "config.json").write_text("{}")
+    stale = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    for name in [*stale, "model.safetensors.index.json", "pytorch_model.bin"]:
+        (target / name).write_text("an older model's")
     rc, err = merge(capsys, fsdp_root / "base", target)
-    assert_clean_failure(rc, err, str(target), "not empty", "--overwrite")
-    assert os.listdir(target) == ["old.txt"]
+    assert rc == 0, err
+    assert sorted(os.listdir(target)) == [
+        "README.md",
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "notes",
+    ]
+    assert (target / "README.md").read_text() == "kept"
+    assert (target / "notes" / "eval.txt").read_text() == "kept"
+    assert json.loads((target / "config.json").read_text())["model_type"] == "qwen2"
     assert_nothing_written(out, {"merged"})
+    merged = load_file(str(target / "model.safetensors"))
+    reference = load_file(str(fsdp_root / "reference" / "model.safetensors"))
+    assert merged.keys() == reference.keys()
+    assert all(torch.equal(merged[k], reference[k]) for k in merged)
+
+    rc, err = merge(capsys, fsdp_root / "base", target, "--max-shard-size", "20KB")
+    assert rc == 0, err
+    index = json.loads((target / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) > 1 and "model.safetensors" not in os.listdir(target)
+    assert sorted(os.listdir(target)) == sorted(
+        ["README.md", "config.json", "generation_config.json", "notes", *shards]
+        + ["model.safetensors.index.json"]
+    )
 
     rc, err = merge(capsys, fsdp_root / "base", target, "--overwrite")
     assert rc == 0, err
@@ -422,12 +459,31 @@ def test_non_empty_target_needs_overwrite(capsys, fsdp_root, out):
         "model.safetensors",
     ]
     assert_nothing_written(out, {"merged"})
-    from safetensors.torch import load_file
 
-    merged = load_file(str(target / "model.safetensors"))
-    reference = load_file(str(fsdp_root / "reference" / "model.safetensors"))
-    assert merged.keys() == reference.keys()
-    assert all(torch.equal(merged[k], reference[k]) for k in merged)
+
+def test_a_failed_merge_into_a_non_empty_target_leaves_it_as_it_was(capsys, copy_variant, out):
+    ckpt = copy_variant("base")
+    flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)
+    target = out / "merged"
+    target.mkdir()
+    (target / "model.safetensors").write_text("old")
+    rc, err = merge(capsys, ckpt, target)
+    assert_clean_failure(rc, err, "Bad CRC-32")
+    assert os.listdir(target) == ["model.safetensors"]
+    assert (target / "model.safetensors").read_text() == "old"
+    assert_nothing_written(out, {"merged"})
+
+
+def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouched(
+    capsys, fsdp_root, out
+):
+    target = out / "merged"
+    (target / "model.safetensors").mkdir(parents=True)
+    (target / "README.md").write_text("kept")
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert_clean_failure(rc, err, f"target {target / 'model.safetensors'} is a folder", code=2)
+    assert sorted(os.listdir(target)) == ["README.md", "model.safetensors"]
+    assert_nothing_written(out, {"merged"})
 
 
 def tree_state(root: Path) -> dict[str, bytes]:
@@ -438,7 +494,9 @@ def test_target_that_is_or_holds_an_input_is_refused_even_with_overwrite(
     capsys, copy_variant, tmp_path
 ):
     """--overwrite replaces the target: a target that is the checkpoint, a directory above it,
-    a link to it, or its config directory would delete what is being merged."""
+    a link to it, or its config directory would delete what is being merged. Written into
+    (the default), the checkpoint's own directory or one above would hold a model beside it;
+    its config directory takes the model, as verl's docs merge into actor/huggingface."""
     ckpt = copy_variant("base", "run/global_step_1/actor")
     link = tmp_path / "link"
     link.symlink_to(ckpt)
@@ -452,6 +510,8 @@ def test_target_that_is_or_holds_an_input_is_refused_even_with_overwrite(
     ]
     for target, relation in cases:
         for extra in ((), ("--overwrite",)):
+            if not extra and relation.endswith("config directory"):
+                continue
             rc, err = merge(capsys, ckpt, target, *extra)
             assert_clean_failure(rc, err, f"target {target} {relation}", code=2)
             assert tree_state(tmp_path / "run") == before
@@ -465,6 +525,11 @@ def test_target_that_is_or_holds_an_input_is_refused_even_with_overwrite(
     rc, err = merge(capsys, ckpt, ckpt / "merged")  # inside the checkpoint: reads nothing there
     assert rc == 0, err
     assert (ckpt / "merged" / "model.safetensors").is_file()
+    config = json.loads((ckpt / "huggingface" / "config.json").read_text())
+    rc, err = merge(capsys, ckpt, ckpt / "huggingface")
+    assert rc == 0, err
+    assert json.loads((ckpt / "huggingface" / "config.json").read_text()) == config
+    assert (ckpt / "huggingface" / "model.safetensors").is_file()
 
 
 def test_target_inside_a_shardstream_step_is_refused(capsys, tmp_path):

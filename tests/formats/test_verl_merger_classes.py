@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from test_merge_verl import merged_tensors
 
 from shardstream.cli import main
-from shardstream.errors import ReferenceMismatchError, TargetExistsError, UsageError
+from shardstream.errors import ReferenceMismatchError, UsageError
 from shardstream.integrations.verl_merger import FSDPModelMerger, ModelMergerConfig
 from shardstream.testing.verl_checkpoint import VerlFixture, write_verl_checkpoints
 
@@ -130,13 +130,14 @@ def test_upload_follows_the_complete_merge(actor, tmp_path, monkeypatch):
     assert hub.uploaded == _files(target) and "model.safetensors" in hub.uploaded
 
 
-def test_non_empty_target_is_refused_unless_overwrite(actor, tmp_path):
+def test_non_empty_target_is_written_into_as_verl_does_or_replaced_with_overwrite(actor, tmp_path):
     target = tmp_path / "merged"
     target.mkdir()
     (target / "old.txt").write_text("before")
-    with pytest.raises(TargetExistsError, match="overwrite=True"):
-        FSDPModelMerger(_config(actor, operation="merge", target_dir=str(target))).merge_and_save()
-    assert _files(target) == {"old.txt": b"before"}
+    FSDPModelMerger(_config(actor, operation="merge", target_dir=str(target))).merge_and_save()
+    assert _files(target)["old.txt"] == b"before" and (target / "model.safetensors").is_file()
+    FSDPModelMerger(_config(actor, operation="merge", target_dir=str(target))).merge_and_save()
+    assert _files(target)["old.txt"] == b"before"
     config = _config(actor, operation="merge", target_dir=str(target), overwrite=True)
     FSDPModelMerger(config).merge_and_save()
     assert "old.txt" not in _files(target) and (target / "model.safetensors").is_file()

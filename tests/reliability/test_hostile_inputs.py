@@ -205,9 +205,9 @@ def test_resealed_manifest_with_values_no_checkpoint_holds(saved_run, tmp_path, 
 
 
 @pytest.mark.parametrize("entry", ["model.0.weight", "optimizer.state.0.weight.exp_avg"])
-def test_resealed_manifest_that_lost_an_entry_fails_verify(saved_run, tmp_path, capsys, entry):
-    """The rank file still holds the tensor's records: verify names the file and a record,
-    where before it passed a checkpoint whose merge would leave the tensor out."""
+def test_resealed_manifest_that_lost_an_entry_is_refused(saved_run, tmp_path, capsys, entry):
+    """The rank file still holds the tensor's records: verify and merge name the file and a
+    record, where before verify passed and merge wrote the model without the tensor."""
     step = _native_step(saved_run, tmp_path)
     _reseal(step, lambda doc: doc["tensors"].pop(entry))
     report = verify(step)
@@ -216,6 +216,11 @@ def test_resealed_manifest_that_lost_an_entry_fails_verify(saved_run, tmp_path, 
     assert any("rank-0000" in line and f"'{entry}@" in line for line in lines), lines
     code, lines = _cli(capsys, "verify", step)
     assert code == 1
+    target = tmp_path / "merged"
+    code, lines = _merge(capsys, step, target)
+    assert code == 1 and not target.exists()
+    _one_error_line("merge", lines, "rank-0000")
+    assert f"'{entry}@" in lines[0]
 
 
 JSON_FILES = {

@@ -25,7 +25,7 @@ from ..formats.source import open_checkpoint
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
 from ..storage import locks
-from ..storage.commit import staged_directory
+from ..storage.commit import InPlace, staged_directory
 from ..units import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -89,6 +89,7 @@ def merge(
     max_shard_size: int | str | None = None,
     buffer_size: int | str = DEFAULT_BUFFER_BYTES,
     overwrite: bool = False,
+    update: bool = False,
     hf_model_path: str | os.PathLike | None = None,
     tie_word_embedding: bool = False,
     fuse_lora: bool = False,
@@ -103,8 +104,11 @@ def merge(
 
     The output holds the names, shapes and bytes ``save_pretrained`` of the installed
     transformers writes for the model (``formats.hf_names``); ``keep_names=True`` writes the
-    in-memory names instead. ``direct_io=False`` writes the output through the page cache
-    instead of with ``O_DIRECT`` (which is used where the file system accepts it).
+    in-memory names instead. A non-empty ``target_dir`` is refused, replaced whole with
+    ``overwrite``, or with ``update`` written into as verl's merger does: the output's files
+    replace those of their names, another set of weights there is removed, the rest stays
+    (``storage.commit.update_in_place``). ``direct_io=False`` writes the output through the
+    page cache instead of with ``O_DIRECT`` (which is used where the file system accepts it).
     ``prefix``: what a DCP checkpoint's model keys start with ("app.model.", "" for the top
     level), where detection finds several candidates.
 
@@ -125,6 +129,7 @@ def merge(
                 max_shard_size=max_shard_size,
                 buffer_size=buffer_size,
                 overwrite=overwrite,
+                update=update and not overwrite,
                 hf_model_path=hf_model_path,
                 tie_word_embedding=tie_word_embedding,
                 fuse_lora=fuse_lora,
@@ -153,6 +158,7 @@ def _merge(
     max_shard_size: int | str | None,
     buffer_size: int | str,
     overwrite: bool,
+    update: bool,
     hf_model_path: str | os.PathLike | None,
     tie_word_embedding: bool,
     fuse_lora: bool,
@@ -179,11 +185,17 @@ def _merge(
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     inputs = {"the checkpoint": local_dir}
-    if hf_model_path:
+    # Updated in place, the config directory may be the target (verl's documented
+    # --target_dir .../actor/huggingface): its files are copied before any file moves.
+    if hf_model_path and not update:
         inputs["--hf_model_path"] = hf_model_path
-    elif config_dir is not None:
+    elif config_dir is not None and not update:
         inputs["the checkpoint's config directory"] = config_dir
-    check_target_apart(target, inputs)
+    if update:
+        why = "where a model written beside (or above) it would leave unclear which one to read"
+        check_target_apart(target, inputs, why)
+    else:
+        check_target_apart(target, inputs)
     check_links_apart(target, [*checkpoint.files, *_entries(*inputs.values())])
     from ..formats.native import NativeCheckpoint
 
@@ -196,7 +208,7 @@ def _merge(
             "target outside it"
         )
     try:
-        check_target(target.absolute(), overwrite)
+        check_target(target.absolute(), overwrite or update)
     except ShardstreamError:
         raise
     except OSError as exc:  # a name longer than the file system allows, a loop in its path
@@ -252,7 +264,8 @@ def _merge(
             tmp = None
             if rank == 0:
                 try:
-                    tmp = stack.enter_context(staged_directory(target, overwrite))
+                    in_place = _update_rule(adapter_only) if update else None
+                    tmp = stack.enter_context(staged_directory(target, overwrite, in_place))
                 except BaseException as exc:  # noqa: BLE001
                     error = exc
             coll.agree_or_raise(error)
@@ -322,6 +335,15 @@ def _merge(
         not_tensors=list(checkpoint.model_objects),
         layout_s=layout_s,
     )
+
+
+def _update_rule(adapter_only: bool) -> InPlace:
+    """A merge into a non-empty target: a model's other weight files there go (two sets
+    would leave which one loads to chance), and its index arrives last. An adapter alone
+    leaves the weights there be."""
+    if adapter_only:
+        return InPlace(stale=lambda name: False, last=lambda name: False)
+    return InPlace(stale=hf.is_weight_file, last=hf.is_weight_index)
 
 
 def _by_output_name(transforms: dict, outputs: list[OutputTensor]) -> dict:

@@ -42,6 +42,9 @@ if TYPE_CHECKING:
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# A model's weights as save_pretrained names them: one file, shards, or an index over them.
+_WEIGHT_FILE = re.compile(r"(model|pytorch_model)(-[0-9]{5}-of-[0-9]{5})?\.(safetensors|bin)")
+_WEIGHT_INDEX = re.compile(r"(model\.safetensors|pytorch_model\.bin)\.index\.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".distcp", ".ckpt", ".h5", ".msgpack")
 _NOT_CONFIG = {INDEX_FILE, "pytorch_model.bin.index.json", "fsdp_config.json", ".metadata"}
 # A training run's own files beside config.json (the Trainer's checkpoint-N, accelerate's
@@ -53,6 +56,16 @@ _NOT_CONFIG |= {
     "manifest.json",
 }
 _STATE_SUFFIXES = (".pkl", ".pickle")  # accelerate's random_states_N.pkl, custom objects
+
+
+def is_weight_file(name: str) -> bool:
+    """``model.safetensors``, ``model-00001-of-00002.safetensors`` and their ``pytorch_model``
+    ``.bin`` twins: a file of one set of a model's weights."""
+    return _WEIGHT_FILE.fullmatch(name) is not None
+
+
+def is_weight_index(name: str) -> bool:
+    return _WEIGHT_INDEX.fullmatch(name) is not None
 
 
 def default_shard_bytes() -> int:

@@ -12,7 +12,7 @@ import json
 import os
 import re
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -42,6 +42,7 @@ from . import jsondoc
 from .layout_names import describe_mesh
 from .regular_file import open_regular, present
 from .safetensors import (
+    SafetensorsHeader,
     parse_header,
     read_header,
     read_header_bytes,
@@ -544,7 +545,7 @@ def _open_native(
     shared: bool = False,
 ) -> NativeCheckpoint:
     manifest = read_manifest(directory)
-    headers = _Headers()
+    headers = _Headers(manifest.get("tensors", {}))
     digests = headers.digests
     files = manifest.get("files", {})
 
@@ -584,30 +585,7 @@ def _open_native(
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked)
         elif fqn in regions:
             tensors[fqn] = _global_tensor(directory, fqn, info, headers, checked, regions[fqn])
-    if regions is None and not model_only:  # every header read: each record is some entry's
-        _refuse_unlisted_records(directory, manifest, headers)
     return NativeCheckpoint(directory, manifest, tensors, digests, headers)
-
-
-def _refuse_unlisted_records(directory: Path, manifest: dict, headers: _Headers) -> None:
-    """A record of a data file that no manifest entry names: the manifest lost an entry (its
-    tensor would go unread), or the file is another save's."""
-    listed: dict[str, set[str]] = {}
-    for fqn, info in manifest.get("tensors", {}).items():
-        chunks = grid_chunks(fqn, list(info["shape"]), info["grid"]) if "grid" in info else None
-        for chunk in chunks or info["chunks"]:
-            listed.setdefault(str(directory / chunk["file"]), set()).add(chunk["key"])
-    for path, header in headers.items():
-        if not _RANK_FILE.fullmatch(Path(path).name):  # extra state and hf weights: listed apart
-            continue
-        unlisted = sorted(set(header.tensors) - listed.get(path, set()))
-        if unlisted:
-            names = ", ".join(repr(k[:200]) for k in unlisted[:3])
-            raise CheckpointFormatError(
-                f"{path}: holds {len(unlisted)} record(s) no entry of {directory / MANIFEST} "
-                f"names ({names}{', ...' if len(unlisted) > 3 else ''}); the manifest lost "
-                "them, or the file belongs to another save"
-            )
 
 
 def merge_view(
@@ -633,12 +611,14 @@ def merge_view(
 
 class _Headers(dict):
     """Parsed data-file headers by path, each read and checked against its manifest digest on
-    first use."""
+    first use; every record of a rank file must belong to one of the manifest's ``entries``
+    (a record no entry names: the manifest lost it, and its tensor would go unread)."""
 
-    def __init__(self):
+    def __init__(self, entries: Mapping[str, Any] | None = None):
         super().__init__()
         self.pending: dict[str, str] = {}
         self.digests: dict[str, tuple[int, int, list[str]]] = {}
+        self.entries = entries
 
     def get(self, path, default=None):
         if path in self:
@@ -655,9 +635,22 @@ class _Headers(dict):
         sums = stored_checksums(header)
         if sums is None:
             raise CheckpointFormatError(f"{path}: no shardstream checksums in the header")
+        if self.entries is not None and _RANK_FILE.fullmatch(Path(path).name):
+            _refuse_unlisted(path, header, self.entries)
         self.digests[path] = (header.data_start, sums.chunk_bytes, sums.chunks)
         self[path] = header
         return header
+
+
+def _refuse_unlisted(path: str, header: SafetensorsHeader, entries: Mapping[str, Any]) -> None:
+    unlisted = [k for k in header.tensors if k.rpartition("@")[0] not in entries]
+    if unlisted:
+        names = ", ".join(repr(k[:200]) for k in unlisted[:3])
+        raise CheckpointFormatError(
+            f"{path}: holds {len(unlisted)} record(s) of tensors the manifest has no entry for "
+            f"({names}{', ...' if len(unlisted) > 3 else ''}); the manifest lost them, or the "
+            "file belongs to another save"
+        )
 
 
 def _global_tensor(

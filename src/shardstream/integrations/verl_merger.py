@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..errors import ReferenceMismatchError, TargetExistsError, UsageError
+from ..errors import ReferenceMismatchError, UsageError
 
 if TYPE_CHECKING:
     from ..commands.merge import MergeSummary
@@ -32,8 +32,8 @@ OPERATIONS = ("merge", "test")
 @dataclass
 class ModelMergerConfig:
     """verl's ``ModelMergerConfig``: its fields in its order with its defaults. Ours, last:
-    ``overwrite`` replaces a non-empty ``target_dir`` once the new merge is complete (verl's
-    merger writes over whatever is there; without it a non-empty target is refused);
+    ``overwrite`` replaces a non-empty ``target_dir`` whole once the new merge is complete;
+    without it the merge is written into it as verl's merger does (its other files stay);
     ``dtype`` is what the tensors are written as: bfloat16, as verl's merger always writes,
     or None for the dtype config.json names (``shardstream merge`` without ``--dtype``)."""
 
@@ -122,22 +122,15 @@ class FSDPModelMerger:
         from ..commands.merge import merge
 
         config = self.config
-        try:
-            return merge(
-                config.local_dir,
-                config.target_dir,
-                dtype=config.dtype,
-                overwrite=config.overwrite,
-                hf_model_path=self.hf_model_config_path,
-                tie_word_embedding=config.tie_word_embedding,
-            )
-        except TargetExistsError as exc:
-            if config.overwrite:
-                raise
-            raise TargetExistsError(
-                f"target_dir {config.target_dir} is not empty; set overwrite=True in the "
-                "ModelMergerConfig to replace it once the new merge is complete"
-            ) from exc
+        return merge(
+            config.local_dir,
+            config.target_dir,
+            dtype=config.dtype,
+            overwrite=config.overwrite,
+            update=True,
+            hf_model_path=self.hf_model_config_path,
+            tie_word_embedding=config.tie_word_embedding,
+        )
 
     def _test(self) -> CompareReport:
         from ..commands.test import compare_with_reference

@@ -29,6 +29,7 @@ import signal
 import threading
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import (
@@ -124,17 +125,21 @@ def check_target(target: Path, overwrite: bool) -> None:
             raise TargetExistsError(f"target {target} is not empty; pass --overwrite to replace it")
 
 
-def check_target_apart(target: Path, inputs: Mapping[str, str | os.PathLike]) -> None:
+def check_target_apart(
+    target: Path,
+    inputs: Mapping[str, str | os.PathLike],
+    why: str = "which replacing the target would delete",
+) -> None:
     """Refuse a target that is, or contains, a directory the command reads (``inputs``: what
-    each is, to name it): replacing the target would delete that input."""
+    each is, to name it): replacing the target would delete that input (``why`` says what
+    else writing there would do)."""
     real_target = Path(os.path.realpath(target))
     for what, path in inputs.items():
         real = Path(os.path.realpath(path))
         if _holds(real_target, real):
             relation = "is" if real == real_target else "contains"
             raise UsageError(
-                f"target {target} {relation} {what} {path}, which replacing the target would "
-                "delete; choose a target outside it"
+                f"target {target} {relation} {what} {path}, {why}; choose a target outside it"
             )
 
 
@@ -379,9 +384,23 @@ def make_parents(target: Path) -> None:
         ) from None
 
 
+@dataclass(frozen=True)
+class InPlace:
+    """How ``staged_directory`` updates a non-empty target instead of replacing it (verl's
+    merger writes into an existing directory): the target's entries of other names stay,
+    but those ``stale`` names (another set of a model's weights) go, and those ``last``
+    names (a model's index) go first and arrive after the rest (``update_in_place``)."""
+
+    stale: Callable[[str], bool]
+    last: Callable[[str], bool]
+
+
 @contextlib.contextmanager
-def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iterator[Path]:
-    """Yield a temporary sibling of ``target``; on success it is fsynced and swapped in.
+def staged_directory(
+    target: str | os.PathLike, overwrite: bool = False, in_place: InPlace | None = None
+) -> Iterator[Path]:
+    """Yield a temporary sibling of ``target``; on success it is fsynced and swapped in, or,
+    with ``in_place`` and a non-empty target, its entries moved into the target.
 
     On any error the temporary directory is removed, and an existing target stays untouched.
     Leftovers of earlier runs for the same target whose owner process is dead (``kill -9``,
@@ -390,12 +409,16 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
     target = Path(target).absolute()
     if target.parent.is_dir():
         remove_stale_staging(target)
-    check_target(target, overwrite)
+    check_target(target, overwrite or in_place is not None)
     make_parents(target)
     staged = stage(target)
     try:
         yield staged.path
         fsync_tree(staged.path)
+        if in_place is not None and target.is_dir() and any(target.iterdir()):
+            update_in_place(staged.path, target, in_place)
+            staged.abandon()  # emptied
+            return
         try:
             check_target(target, overwrite)  # another run may have taken it meanwhile
         except TargetExistsError:
@@ -416,6 +439,58 @@ def staged_directory(target: str | os.PathLike, overwrite: bool = False) -> Iter
             if full is not None:
                 raise full from None
         raise
+
+
+def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
+    """Move the complete (fsynced) directory ``staged``'s entries into the directory
+    ``target``, each replacing the target's entry of its name by one rename (a directory by
+    ``swap_in``). First the target's ``rule.stale`` and ``rule.last`` entries are removed, so
+    that no reader, and no crash midway, finds the old set beside the new or an index
+    naming a mix: ``rule.last`` entries arrive after every other. An entry of a name the
+    output uses but of the other kind (a file where it writes a folder) is refused before
+    anything moves."""
+    new = sorted(os.listdir(staged))
+    for name in new:
+        there = target / name
+        if os.path.lexists(there) and _is_folder(there) != _is_folder(staged / name):
+            kind = "folder" if _is_folder(there) else "file"
+            raise UsageError(
+                f"target {there} is a {kind}, where the merge writes a "
+                f"{'file' if kind == 'folder' else 'folder'} of that name; move it away"
+            )
+    if not os.access(target, os.W_OK | os.X_OK):
+        raise UsageError(f"cannot write into target {target}: permission denied")
+    # Another merge into the same target moves its files in before or after ours, not among.
+    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        with contextlib.suppress(OSError):  # a file system without locks: unguarded, then
+            locks.take(fd, wait=True)
+        _move_in(staged, target, new, rule)
+    finally:
+        os.close(fd)
+
+
+def _move_in(staged: Path, target: Path, new: list[str], rule: InPlace) -> None:
+    for name in sorted(os.listdir(target)):
+        there = target / name
+        if _is_folder(there) or not (rule.last(name) or (rule.stale(name) and name not in new)):
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            there.unlink()
+    fsync_dir(target)
+    for name in sorted(new, key=rule.last):  # False first
+        source = staged / name
+        if _is_folder(source):
+            aside = swap_in(source, target / name)
+            if aside is not None:
+                _remove(aside)
+        else:
+            os.rename(source, target / name)
+    fsync_dir(target)
+
+
+def _is_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink()
 
 
 def _exchange(tmp: Path, target: Path) -> bool:
