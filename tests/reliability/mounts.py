@@ -80,3 +80,24 @@ def snapshot(root: Path) -> dict[str, tuple[int, int]]:
             st = path.lstat()
             out[str(path.relative_to(root))] = (st.st_size, st.st_mtime_ns)
     return out
+
+
+@contextlib.contextmanager
+def bind_mount(source: Path, where: Path) -> Iterator[Path]:
+    """Bind ``source`` at ``where`` for the block; on leaving, every mount below ``where``'s
+    parent's parent that the block moved along (a renamed target carries it) is undone."""
+    if os.geteuid() != 0:
+        pytest.skip("a bind mount needs root")
+    where.mkdir(parents=True, exist_ok=True)
+    result = _run("mount", "--bind", str(source), str(where))
+    if result.returncode != 0:
+        pytest.skip(f"cannot bind-mount here: {result.stderr.strip()}")
+    scope = str(where.parent.parent.resolve())
+    try:
+        yield where
+    finally:
+        with open("/proc/self/mountinfo") as f:  # no escaped characters in pytest's paths
+            points = [line.split(" ")[4] for line in f if len(line.split(" ")) > 4]
+        for point in sorted(points, reverse=True):
+            if point.startswith(scope + os.sep) and _run("umount", point).returncode != 0:
+                _run("umount", "-l", point)

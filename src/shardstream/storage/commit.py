@@ -40,7 +40,7 @@ from ..errors import (
     out_of_space,
 )
 from . import locks
-from .tree import remove_tree, walk
+from .tree import is_mount_point, remove_tree, walk
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,12 @@ def check_target(target: Path, overwrite: bool) -> None:
     if target.exists():
         if not target.is_dir():
             raise UsageError(f"target {target} exists and is not a directory")
+        if is_mount_point(target):
+            raise UsageError(
+                f"target {target} is a mount point: shardstream writes beside a target and "
+                "renames it into place, which cannot cross into a mount; pass a directory "
+                "inside it"
+            )
         if any(target.iterdir()) and not overwrite:
             raise TargetExistsError(f"target {target} is not empty; pass --overwrite to replace it")
 
