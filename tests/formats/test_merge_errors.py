@@ -486,6 +486,21 @@ def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouch
     assert_nothing_written(out, {"merged"})
 
 
+def test_an_empty_target_is_refused_not_read_as_the_working_directory(
+    capsys, fsdp_root, tmp_path, monkeypatch
+):
+    """``--target_dir "$OUT"`` with OUT unset: ``Path("")`` is the working directory, which
+    --overwrite replaced whole."""
+    cwd = tmp_path / "project"
+    cwd.mkdir()
+    (cwd / "train.py").write_text("kept")
+    monkeypatch.chdir(cwd)
+    for extra in ((), ("--overwrite",)):
+        rc, err = merge(capsys, fsdp_root / "base", "", *extra)
+        assert_clean_failure(rc, err, "--target_dir is empty", code=2)
+        assert os.listdir(cwd) == ["train.py"] and os.listdir(tmp_path) == ["project"]
+
+
 def tree_state(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

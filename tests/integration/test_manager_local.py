@@ -533,6 +533,26 @@ def test_extra_state_nested_too_deep_is_a_usage_error_both_ways(tmp_path):
     assert state.decode(state.encode(shallow, {}), {}) == shallow
 
 
+def test_save_refuses_an_empty_path_and_one_that_would_replace_its_hf_source(tmp_path, monkeypatch):
+    """``save("", overwrite=True)`` replaced the working directory, and a path that is (or
+    holds) ``hf_source_dir`` replaced the pretrained model the export copies from."""
+    model, _, _ = tiny()
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "train.py").write_text("kept")
+    with pytest.raises(UsageError, match="the path is empty"):
+        shardstream.save("", model=model, contents=("model",), overwrite=True)
+    source = tmp_path / "pretrained"
+    source.mkdir()
+    (source / "config.json").write_text("{}")
+    for path in (source, tmp_path):
+        with pytest.raises(UsageError, match="is hf_source_dir|contains hf_source_dir"):
+            shardstream.save(
+                path, model=model, contents=("model",), hf_source_dir=source, overwrite=True
+            )
+    assert sorted(os.listdir(tmp_path)) == ["pretrained", "train.py"]
+    assert os.listdir(source) == ["config.json"]
+
+
 def test_verify_refuses_the_extra_state_nesting_restore_refuses(tmp_path):
     """verify passed a resealed extra-state file nested deeper than any save writes, which
     restore then refused: both now draw the line at the same depth, and name the file."""

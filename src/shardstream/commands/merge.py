@@ -177,6 +177,8 @@ def _merge(
         raise UsageError("--max-shard-size must be positive")
     if buffer_bytes < 1 << 16:
         raise UsageError("--buffer-size must be at least 64KiB")
+    if os.fspath(target_dir) == "":  # Path("") is the working directory: an unset variable
+        raise UsageError("--target_dir is empty; name the directory to write the model to")
     target = Path(target_dir)
     from ..storage.commit import check_links_apart, check_target, check_target_apart
 

@@ -228,6 +228,12 @@ def save(
 
     >>> shardstream.save("ckpt/step_10", model=model, optimizer=opt, step=10)  # doctest: +SKIP
     """
+    if os.fspath(path) == "":  # Path("") is the working directory, which overwrite replaces
+        raise UsageError("save: the path is empty; name the checkpoint's directory")
+    if hf_source_dir is not None:
+        from ..storage.commit import check_target_apart
+
+        check_target_apart(Path(path), {"hf_source_dir": hf_source_dir})
     check_live_objects(model, optimizer, lr_scheduler, saving=True)
     optimizer = one_optimizer(optimizer)
     contents = native.check_contents(contents, "contents")
