@@ -40,6 +40,7 @@ DATA_TESTS = {
     "test_corruption",
     "test_concurrency",
     "test_swap_crash",
+    "test_mount_points",
 }
 # Every tests/reliability/test_*.py is in one section (main() refuses to run otherwise). A
 # test file whose tests record no figures counts one trial per test case it ran.
@@ -60,7 +61,7 @@ SECTIONS = [
     (
         "perm",
         "4. Read-only and forbidden directories",
-        "test_permissions",
+        ("test_permissions", "test_mount_points"),
         ("read-only", "permission"),
     ),  # fmt: skip
     ("corrupt", "5. Corruption", "test_corruption", ("corruption:",)),

@@ -833,12 +833,11 @@ def render(results: dict) -> str:
         "- `Shard(1)`: verl's placement function shards each parameter on the first dimension "
         "that divides the fsdp size, so weights whose rows do not divide it (the tiny models' "
         "vocabulary of 101, MLP width of 86) are `Shard(1)`; the table counts them.",
-        "- Dtype: verl's merger always writes bfloat16. shardstream writes the dtype config.json "
-        "names, and bfloat16 for a verl checkpoint whose config names none (these runs: a model "
-        "built with `from_config`; the hf_model case's config says bfloat16), so the same "
-        "command gives the same files here. When the config names float32 (verl's fp32 actor "
-        "under transformers 5), shardstream writes float32 and prints a note that "
-        "`--dtype bfloat16` gives verl's output.",
+        "- Dtype: verl's merger always writes bfloat16, and so does shardstream for a checkpoint "
+        "verl's merger merges (verl's files, or the verl plug-in's), whatever config.json names, "
+        "so the same command gives the same files. When the config names another dtype "
+        "(float32 for verl's fp32 actor under transformers 5), shardstream says so in a note; "
+        "`--dtype float32` keeps it.",
         "- The restore side shards with plain `fully_shard` (`Shard(0)`) at a different world "
         "size, so every tensor is resharded across both dimension and rank count.",
         "- LoRA: verl trains a real `peft` model. The project venv has no peft, so the restore "

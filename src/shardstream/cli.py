@@ -88,7 +88,13 @@ def build_parser() -> argparse.ArgumentParser:
         default="tmp",
         help="output HF model directory (default: tmp, as verl's merger)",
     )
-    _flag(merge, "--dtype", default=None, help="a floating dtype, bfloat16... (default: config)")
+    _flag(
+        merge,
+        "--dtype",
+        default=None,
+        help="a floating dtype, bfloat16... (default: bfloat16 for a checkpoint verl's merger "
+        "merges, as it writes; else config.json's)",
+    )
     _flag(
         merge,
         "--max-shard-size",
@@ -264,34 +270,10 @@ def run_merge(args: argparse.Namespace) -> int:
             f"{f' and {more} more' if more > 0 else ''}): safetensors holds tensors only",
             file=sys.stderr,
         )
-    if (
-        not args.quiet
-        and not args.dtype
-        and summary.dtype not in (None, "BF16")
-        and _verl_step(args, summary)
-    ):
-        from .engine.dtypes import TORCH_NAME
-
-        written = TORCH_NAME[summary.dtype]
-        print(  # verl's own merger always casts to bf16; say why these files differ from its
-            f"note: wrote {written}, the dtype the checkpoint's config.json names; "
-            "verl's merger would write bfloat16 (pass --dtype bfloat16 for the same files)",
-            file=sys.stderr,
-        )
+    if not args.quiet:
+        for note in summary.notes:
+            print(f"note: {note}", file=sys.stderr)
     return 0
-
-
-def _verl_step(args: argparse.Namespace, summary) -> bool:
-    """A checkpoint verl's merger would merge too: verl's own files, or the verl plug-in's
-    (shardstream's format in a ``global_step_N/<role>`` directory of a verl run)."""
-    if summary.format == "verl":
-        return True
-    from pathlib import Path
-
-    from .formats.source import STEP_DIR
-
-    local = Path(args.local_dir).absolute()
-    return summary.format == "shardstream" and bool(STEP_DIR.match(local.parent.name))
 
 
 def run_test(args: argparse.Namespace) -> int:

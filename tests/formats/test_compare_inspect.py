@@ -302,10 +302,11 @@ def test_describe(fsdp_root):
     assert by_name[NORM]["placement"] == "fsdp:S(0)"
     assert info["total_bytes"] == sum(t["bytes"] for t in info["tensors"])
     m = info["merge"]
-    assert m["bytes_read"] == m["bytes_written"] == info["total_bytes"]
+    assert m["bytes_read"] == info["total_bytes"]  # float32 read, bfloat16 written as by verl
+    assert m["bytes_written"] == info["total_bytes"] // 2
     assert m["estimated_peak_rss_bytes"] == 64 * 2**20 + m["baseline_rss_bytes"]
     assert m["estimated_seconds"] == pytest.approx(
-        2 * info["total_bytes"] / m["assumed_disk_bytes_per_s"]
+        1.5 * info["total_bytes"] / m["assumed_disk_bytes_per_s"]
     )
     json.dumps(info)
 

@@ -200,11 +200,15 @@ def test_command_in_a_fresh_process_prints_everything_and_exits_with_its_code(
     assert got.keys() == want.keys() - {"lm_head.weight"}
     assert all(torch.equal(got[k], want[k]) for k in got)
 
+    missing = tmp_path / "no_such_checkpoint"
     refused = subprocess.run(
-        [*command, "--target_dir", str(target)], capture_output=True, text=True, timeout=300
+        [*command[:-1], str(missing), "--target_dir", str(tmp_path / "other")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert refused.returncode == 1 and refused.stdout == ""
-    assert refused.stderr.startswith("shardstream merge: error: ") and str(target) in (
+    assert refused.stderr.startswith("shardstream merge: error: ") and str(missing) in (
         refused.stderr
     )
 
@@ -371,11 +375,12 @@ def test_compare_lora_checkpoint_with_its_merge(checkpoints, tmp_path):
     assert sorted(report.skipped) == sorted(adapter)
 
 
-def test_float32_config_is_honoured_and_the_difference_from_verl_is_said(
+def test_float32_config_is_written_as_bfloat16_as_verls_merger_does_and_said(
     checkpoints, tmp_path, capsys
 ):
-    """verl's actor config can name float32 (transformers 5 rewrites it for an fp32 actor):
-    merge writes what config.json names and says that verl's merger would write bf16."""
+    """verl's actor config names float32 (transformers 5 rewrites it for an fp32 actor), and
+    verl's merger writes bfloat16 anyway: so does merge by default, saying what config.json
+    names and how to keep it; --dtype float32 keeps it."""
     import shutil
 
     root, actor = checkpoints["ws4"]
@@ -389,10 +394,13 @@ def test_float32_config_is_honoured_and_the_difference_from_verl_is_said(
     args = ["merge", "--backend", "fsdp", "--local_dir", str(copy), "--target_dir", str(target)]
     assert main(args) == 0
     err = capsys.readouterr().err
-    assert "note: wrote float32" in err and "--dtype bfloat16" in err
-    assert all(t.dtype == torch.float32 for t in merged_tensors(target).values())
-    assert main([*args[:-1], str(tmp_path / "bf16"), "--dtype", "bfloat16"]) == 0
+    assert "note: wrote bfloat16, as verl's merger does" in err and "--dtype float32" in err
+    assert all(t.dtype == torch.bfloat16 for t in merged_tensors(target).values())
+    assert json.loads((target / "config.json").read_text())["dtype"] == "bfloat16"
+    kept = tmp_path / "fp32"
+    assert main([*args[:-1], str(kept), "--dtype", "float32"]) == 0
     assert "note:" not in capsys.readouterr().err
+    assert all(t.dtype == torch.float32 for t in merged_tensors(kept).values())
 
 
 def test_no_direct_io_writes_the_same_files_through_the_page_cache(

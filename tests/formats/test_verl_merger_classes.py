@@ -90,7 +90,8 @@ def test_merge_writes_what_verls_own_classes_write(actors, config_dtype, tmp_pat
 @pytest.mark.parametrize(("dtype", "flags"), [("bfloat16", ["--dtype", "bfloat16"]), (None, [])])
 def test_merge_writes_the_files_the_command_writes(actors, dtype, flags, tmp_path, capsys):
     """The default (bfloat16, as verl) is the command with --dtype bfloat16; dtype=None is
-    the command without it: the dtype config.json names (float32 here)."""
+    the command without it, which writes bfloat16 too, as verl's merger does, though
+    config.json names float32 here."""
     actor = actors["float32"]
     config = _config(actor, operation="merge", target_dir=str(tmp_path / "cls"), dtype=dtype)
     FSDPModelMerger(config).merge_and_save()
@@ -98,8 +99,7 @@ def test_merge_writes_the_files_the_command_writes(actors, dtype, flags, tmp_pat
     argv += ["--target_dir", str(tmp_path / "cli"), "--hf_model_path", str(actor / "huggingface")]
     assert main(argv) == 0, capsys.readouterr().err
     assert _files(tmp_path / "cls") == _files(tmp_path / "cli")
-    want = torch.bfloat16 if dtype else torch.float32
-    assert {t.dtype for t in merged_tensors(tmp_path / "cls").values()} == {want}
+    assert {t.dtype for t in merged_tensors(tmp_path / "cls").values()} == {torch.bfloat16}
 
 
 def test_test_operation_passes_against_the_merge_and_fails_naming_the_tensor(actor, tmp_path):

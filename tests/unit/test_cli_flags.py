@@ -29,11 +29,14 @@ def test_a_prefix_of_two_options_stays_ambiguous(capsys):
 
 
 @pytest.mark.parametrize("layout", ["global_step_1/actor", "run/global_step_1"])
-def test_the_bf16_note_for_a_checkpoint_the_verl_plugin_wrote(tmp_path, capsys, layout):
+def test_a_checkpoint_the_verl_plugin_wrote_is_merged_to_bf16_as_verl_does(
+    tmp_path, capsys, layout
+):
     """verl's merge command on a checkpoint the verl plug-in saved (shardstream's format in
-    global_step_N/actor) wrote float32 without the note a verl checkpoint gets: verl's merger
-    writes bfloat16."""
+    global_step_N/actor) writes bfloat16, as verl's merger would, and says what config.json
+    names; a step of shardstream's own run keeps config.json's float32."""
     import torch
+    from safetensors.torch import load_file
 
     import shardstream
     from shardstream.cli import main
@@ -46,8 +49,12 @@ def test_the_bf16_note_for_a_checkpoint_the_verl_plugin_wrote(tmp_path, capsys, 
     args = ["merge", "--backend", "fsdp", "--local_dir", str(tmp_path / layout)]
     args += ["--hf_model_path", str(tmp_path / "config")]
     assert main([*args, "--target_dir", str(tmp_path / "merged")]) == 0
-    noted = "note: wrote float32" in capsys.readouterr().err
-    assert noted == (layout == "global_step_1/actor")
+    err = capsys.readouterr().err
+    in_verl_run = layout == "global_step_1/actor"
+    noted = "note: wrote bfloat16, as verl's merger does" in err and "names float32" in err
+    assert noted == in_verl_run
+    dtypes = {t.dtype for t in load_file(tmp_path / "merged" / "model.safetensors").values()}
+    assert dtypes == {torch.bfloat16 if in_verl_run else torch.float32}
 
 
 @pytest.mark.parametrize("command", ["inspect", "merge"])

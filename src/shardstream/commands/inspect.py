@@ -96,8 +96,10 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     and written, and time and memory estimates."""
     from ..errors import ShardstreamError
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
+    from ..formats.source import verl_merges
 
-    out_dtype = output_dtype(None, config, checkpoint.format, config_dir)
+    as_verl = "verl" if verl_merges(checkpoint) else checkpoint.format
+    out_dtype = output_dtype(None, config, as_verl, config_dir)
     try:
         dropped, refused = tied_duplicates(checkpoint.tensors, config, False), None
     except ShardstreamError as exc:  # merge would refuse: say why, describe the rest

@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.copy import Buffers, Streamer
-from ..engine.dtypes import itemsize
+from ..engine.dtypes import TORCH_NAME, itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, peak_rss_bytes
 from ..engine.plan import TensorSlice, split_ranges
@@ -21,7 +21,7 @@ from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
 from ..formats.native import MANIFEST
-from ..formats.source import open_checkpoint
+from ..formats.source import open_checkpoint, verl_merges
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
 from ..storage import locks
@@ -49,6 +49,7 @@ class MergeSummary:
     kept_names: bool = False  # --keep-names: in-memory names written on purpose
     not_tensors: list[str] = field(default_factory=list)  # model entries safetensors can't hold
     layout_s: float = 0.0  # of wall_s: planning the output names (transformers, if it is asked)
+    notes: list[str] = field(default_factory=list)  # what a user may not expect, said once
 
     @property
     def throughput_bytes_per_s(self) -> float:
@@ -216,7 +217,16 @@ def _merge(
     except OSError as exc:  # a name longer than the file system allows, a loop in its path
         raise UsageError(f"target {target}: {exc.strerror or exc}") from None
     config = hf.read_config(config_dir)
-    out_dtype = output_dtype(dtype, config, checkpoint.format, config_dir)
+    as_verl = verl_merges(checkpoint)
+    out_dtype = output_dtype(dtype, config, "verl" if as_verl else checkpoint.format, config_dir)
+    notes = []
+    named = hf.named_dtype(config, config_dir)
+    if as_verl and not dtype and named not in (None, out_dtype):
+        name, out_name = TORCH_NAME[named], TORCH_NAME[out_dtype]
+        notes.append(
+            f"wrote {out_name}, as verl's merger does; the checkpoint's config.json names "
+            f"{name} (pass --dtype {name} to write that)"
+        )
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)
     adapter_only = split is not None and not split.base  # saved with save_lora_only
@@ -336,6 +346,7 @@ def _merge(
         kept_names=names.kept_names,
         not_tensors=list(checkpoint.model_objects),
         layout_s=layout_s,
+        notes=notes,
     )
 
 

@@ -289,9 +289,10 @@ def output_dtype(
     source_format: str = "",
     config_dir: Path | None = None,
 ) -> str | None:
-    """``--dtype`` if given, else the dtype config.json (in ``config_dir``) names, else
-    bfloat16 for a verl checkpoint (as verl's merger) and the stored dtype (None) for other
-    formats. Either must be a floating dtype: it is what the floating weights are cast to."""
+    """``--dtype`` if given; else bfloat16 for a checkpoint verl's merger merges
+    (``source_format`` "verl": it casts every floating tensor to bf16, whatever config.json
+    names); else the dtype config.json (in ``config_dir``) names, else the stored dtype
+    (None). Either must be a floating dtype: it is what the floating weights are cast to."""
     if requested:
         code = parse_dtype(requested)
         if not is_floating(code):
@@ -300,20 +301,27 @@ def output_dtype(
                 "(bfloat16, float16, float32, float64)"
             )
         return code
+    named = named_dtype(config, config_dir)
+    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else named
+
+
+def named_dtype(config: dict, config_dir: Path | None = None) -> str | None:
+    """The floating dtype config.json names (``dtype``, or ``torch_dtype`` before it), None
+    for none or ``auto``; another value is refused, naming the file."""
     named = config.get("dtype") or config.get("torch_dtype")
-    if isinstance(named, str) and named != "auto":
-        try:
-            code = parse_dtype(named)
-        except UsageError:
-            code = None
-        if code is None or not is_floating(code):
-            where = config_dir / "config.json" if config_dir is not None else "config.json"
-            raise CheckpointFormatError(
-                f"{where}: dtype {named!r} is not a floating dtype to write the weights in "
-                "(bfloat16, float16, float32, float64); pass --dtype"
-            )
-        return code
-    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else None
+    if not isinstance(named, str) or named == "auto":
+        return None
+    try:
+        code = parse_dtype(named)
+    except UsageError:
+        code = None
+    if code is None or not is_floating(code):
+        where = config_dir / "config.json" if config_dir is not None else "config.json"
+        raise CheckpointFormatError(
+            f"{where}: dtype {named!r} is not a floating dtype to write the weights in "
+            "(bfloat16, float16, float32, float64); pass --dtype"
+        )
+    return code
 
 
 def cast_dtype(stored: str, out_dtype: str | None) -> str:

@@ -430,6 +430,16 @@ def _any_named(directory: Path, *names: str) -> bool:
     return any(os.path.lexists(directory / name) for name in names)
 
 
+def verl_merges(checkpoint: CheckpointSource) -> bool:
+    """Whether verl's merger would merge ``checkpoint`` too: verl's own files, or the verl
+    plug-in's (shardstream's format in a ``global_step_N/<role>`` directory of a verl run).
+    Its defaults then follow verl's (bfloat16 output and comparison)."""
+    if checkpoint.format == "verl":
+        return True
+    role = Path(checkpoint.directory).absolute()
+    return checkpoint.format == "shardstream" and bool(STEP_DIR.match(role.parent.name))
+
+
 def verl_roles(directory: Path) -> list[Path]:
     """The subdirectories of a verl step directory that are checkpoints (``actor/``, and maybe
     ``critic/``): verl's ``.pt`` files, or shardstream's as the verl plug-in writes them there.

@@ -34,8 +34,9 @@ class ModelMergerConfig:
     """verl's ``ModelMergerConfig``: its fields in its order with its defaults. Ours, last:
     ``overwrite`` replaces a non-empty ``target_dir`` whole once the new merge is complete;
     without it the merge is written into it as verl's merger does (its other files stay);
-    ``dtype`` is what the tensors are written as: bfloat16, as verl's merger always writes,
-    or None for the dtype config.json names (``shardstream merge`` without ``--dtype``)."""
+    ``dtype`` is what the tensors are written as: bfloat16, as verl's merger always writes
+    (None: what ``shardstream merge`` without ``--dtype`` writes, bfloat16 for verl's
+    checkpoints too)."""
 
     operation: str  # "merge" or "test"
     backend: str
