@@ -19,10 +19,20 @@ EXIT_ERROR = 1
 EXIT_USAGE = 2
 
 
+# verl 0.9.1's model_merger options (merge and test): a prefix that matches one of them and
+# options of ours is that one, as verl's parser takes it.
+VERL_OPTIONS = frozenset(
+    {"--backend", "--local_dir", "--tie-word-embedding", "--trust-remote-code"}
+    | {"--is-value-model", "--use_cpu_initialization", "--target_dir", "--hf_upload_path"}
+    | {"--private", "--test_hf_dir"}
+)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a prefix that matches only the spellings of one option is that option:
     ``--local`` is ``--local_dir`` (as verl's parser takes it), not ambiguous between
-    ``--local_dir`` and ``--local-dir``."""
+    ``--local_dir`` and ``--local-dir``; and one that matches one of verl's options beside
+    shardstream's own is verl's (``--b`` is ``--backend``, not ``--buffer-size``)."""
 
     json_errors = False  # main() sets it when the command line asks for --json
 
@@ -39,7 +49,8 @@ class _Parser(argparse.ArgumentParser):
             if id(match[0]) not in actions:
                 actions.add(id(match[0]))
                 matches.append(match)
-        return matches
+        verls = [m for m in matches if VERL_OPTIONS & set(m[0].option_strings)]
+        return verls if len(matches) > 1 and len(verls) == 1 else matches
 
 
 def _flag(parser: argparse.ArgumentParser, *names: str, **kwargs) -> None:

@@ -21,6 +21,23 @@ def test_a_prefix_of_one_option_is_that_option():
     assert (args.local_dir, args.hf_model_path) == ("D", "H")
 
 
+@pytest.mark.parametrize(
+    ("flag", "field", "value"),
+    [
+        (["--b", "fsdp"], "backend", "fsdp"),  # or --buffer-size, ours
+        (["--p"], "private", True),  # or --prefix
+        (["--pr"], "private", True),
+        (["--hf", "me/m"], "hf_upload_path", "me/m"),  # or --hf_model_path
+        (["--hf_=me/m"], "hf_upload_path", "me/m"),
+    ],
+)
+def test_a_prefix_verl_takes_as_its_option_is_that_option(flag, field, value):
+    """verl's parser has fewer options, so a prefix it reads as one of them was ambiguous
+    here with an option of ours: exit 2 for a command line verl runs."""
+    args = build_parser().parse_args(["merge", "--local_dir", "D", *flag])
+    assert getattr(args, field) == value
+
+
 def test_a_prefix_of_two_options_stays_ambiguous(capsys):
     with pytest.raises(SystemExit) as exc:  # --t: --target_dir or --tie-word-embedding
         build_parser().parse_args(["merge", "--local_dir", "D", "--t", "T"])

@@ -55,7 +55,7 @@ def test_committed_steps_need_a_manifest(tmp_path):
 def test_latest_pointer(tmp_path):
     assert read_latest(tmp_path) is None
     write_latest(tmp_path, 12)
-    assert (tmp_path / LATEST_FILE).read_text() == "12\n" and read_latest(tmp_path) == 12
+    assert (tmp_path / LATEST_FILE).read_text() == "12" and read_latest(tmp_path) == 12  # as verl
     (tmp_path / LATEST_FILE).write_text("twelve")
     assert read_latest(tmp_path) is None
     assert [p.name for p in tmp_path.iterdir()] == [LATEST_FILE]

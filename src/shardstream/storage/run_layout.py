@@ -85,7 +85,7 @@ def read_latest(directory: str | os.PathLike) -> int | None:
 
 def write_latest(directory: str | os.PathLike, step: int) -> None:
     """Point ``LATEST_FILE`` at ``step``; readers see the old or the new pointer, never part."""
-    atomic_write_bytes(Path(directory) / LATEST_FILE, f"{int(step)}\n".encode())
+    atomic_write_bytes(Path(directory) / LATEST_FILE, str(int(step)).encode())  # as verl writes it
 
 
 def is_run_entry(name: str) -> bool:
