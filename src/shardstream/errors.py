@@ -99,9 +99,18 @@ def out_of_space(
 ) -> OutOfSpaceError | None:
     """The error for ``exc``, met writing ``path``, if it is a full disk (also behind a wrapper
     such as DCP's): ``message`` with ``{path}`` filled in. None for any other error."""
-    if any(isinstance(e, OSError) and e.errno in OUT_OF_SPACE_ERRNOS for e in causes(exc)):
-        return OutOfSpaceError(message.format(path=path))
+    for e in causes(exc):
+        if isinstance(e, OSError) and e.errno in OUT_OF_SPACE_ERRNOS:
+            text = message.format(path=path)
+            return OutOfSpaceError(text.replace(_NO_SPACE, _SAID.get(e.errno, _NO_SPACE)))
     return None
+
+
+_NO_SPACE = "no space left on device"
+_SAID = {
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EFBIG: "file size limit exceeded (ulimit -f, or the largest file the file system holds)",
+}
 
 
 def permission_denied(

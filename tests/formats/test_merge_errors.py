@@ -501,6 +501,16 @@ def test_an_empty_target_is_refused_not_read_as_the_working_directory(
         assert os.listdir(cwd) == ["train.py"] and os.listdir(tmp_path) == ["project"]
 
 
+def test_a_target_name_too_long_to_stage_beside_is_refused_before_writing(capsys, fsdp_root, out):
+    """A legal name of 237-255 bytes failed with "File name too long" once the output was
+    written, on the staged name beside it; the longest name that can be staged works."""
+    rc, err = merge(capsys, fsdp_root / "base", out / ("m" * 237))
+    assert_clean_failure(rc, err, "too long to stage beside it", "at most 236 bytes", code=2)
+    assert_nothing_written(out)
+    rc, err = merge(capsys, fsdp_root / "base", out / ("m" * 236))
+    assert rc == 0, err
+
+
 def tree_state(root: Path) -> dict[str, bytes]:
     return {str(p.relative_to(root)): p.read_bytes() for p in root.rglob("*") if p.is_file()}
 

@@ -289,14 +289,23 @@ def test_deleter_deletes_in_the_background_then_calls_back_and_logs_failures(tmp
     deleter.join()
 
 
-@pytest.mark.parametrize("code", ["ENOSPC", "EDQUOT", "EFBIG"])
-def test_a_full_disk_is_out_of_space_naming_the_path(code):
+@pytest.mark.parametrize(
+    ("code", "said"),
+    [
+        ("ENOSPC", "no space left on device"),
+        ("EDQUOT", "disk quota exceeded"),
+        ("EFBIG", "file size limit exceeded (ulimit -f, or the largest file the file system"),
+    ],
+)
+def test_a_full_disk_is_out_of_space_naming_the_path(code, said):
+    """Out of space, each cause said as it is: a file-size limit (``ulimit -f``) was reported
+    as a full disk."""
     import errno
 
     from shardstream.errors import OutOfSpaceError, out_of_space
 
     full = OSError(getattr(errno, code), "full")
-    assert str(out_of_space(full, "/x/y")) == "/x/y: no space left on device"
+    assert str(out_of_space(full, "/x/y")).startswith(f"/x/y: {said}")
     try:
         try:
             raise full
@@ -305,7 +314,7 @@ def test_a_full_disk_is_out_of_space_naming_the_path(code):
     except RuntimeError as wrapped:
         error = out_of_space(wrapped, "/x", "no space left on device while writing {path}")
     assert isinstance(error, OutOfSpaceError)
-    assert str(error) == "no space left on device while writing /x"
+    assert str(error).startswith(said) and str(error).endswith(" while writing /x")
     assert out_of_space(OSError(errno.EIO, "I/O error"), "/x") is None
 
 

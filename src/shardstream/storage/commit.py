@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 TMP_MARK = ".tmp-"
 OWNER_SUFFIX = ".owner"
 OLD_SUFFIX = ".old"
+_LONGEST_SUFFIX = max(len(OWNER_SUFFIX), len(OLD_SUFFIX))  # after the staged name's .tmp-<hex>
 # A claim whose new owner file a cleaner removes before it is locked starts again.
 CLAIM_ATTEMPTS = 5
 _STAGED = re.compile(
@@ -105,6 +106,9 @@ def is_temporary(name: str) -> bool:
     return TMP_MARK in name
 
 
+_NAME_MAX = 255  # bytes in a file name (ext4, xfs, btrfs, tmpfs)
+
+
 def check_target(target: Path, overwrite: bool) -> None:
     """Refuse a target that is a file, a symlink, or a non-empty directory unless
     ``overwrite``.
@@ -112,6 +116,14 @@ def check_target(target: Path, overwrite: bool) -> None:
     A symlinked target is refused, whatever it points to: the swap replaces the name, so it
     would replace the link (not the directory it names) and leave that directory behind under
     a temporary name, or fail on the link as a non-directory. Name the directory itself."""
+    staged = len(os.fsencode(target.name)) + len(f"{TMP_MARK}12345678") + _LONGEST_SUFFIX
+    if staged > _NAME_MAX:
+        raise UsageError(
+            f"target {target}: its name is too long to stage beside it (as "
+            f"{target.name[:20]}...{TMP_MARK}<8 hex>{OWNER_SUFFIX}, {staged} bytes, over the "
+            f"{_NAME_MAX} a file name may have): use a name of at most "
+            f"{_NAME_MAX - staged + len(os.fsencode(target.name))} bytes"
+        )
     if target.is_symlink():
         raise UsageError(
             f"target {target} is a symlink (to {os.readlink(target)}); shardstream replaces "
