@@ -461,19 +461,6 @@ def test_non_empty_target_is_written_into_as_verl_does_or_replaced_with_overwrit
     assert_nothing_written(out, {"merged"})
 
 
-def test_a_failed_merge_into_a_non_empty_target_leaves_it_as_it_was(capsys, copy_variant, out):
-    ckpt = copy_variant("base")
-    flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)
-    target = out / "merged"
-    target.mkdir()
-    (target / "model.safetensors").write_text("old")
-    rc, err = merge(capsys, ckpt, target)
-    assert_clean_failure(rc, err, "Bad CRC-32")
-    assert os.listdir(target) == ["model.safetensors"]
-    assert (target / "model.safetensors").read_text() == "old"
-    assert_nothing_written(out, {"merged"})
-
-
 def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouched(
     capsys, fsdp_root, out
 ):
@@ -574,15 +561,17 @@ def test_target_inside_a_shardstream_step_is_refused(capsys, tmp_path):
     assert rc == 0, err
 
 
-def test_failed_overwrite_keeps_the_old_target(capsys, copy_variant, out):
+@pytest.mark.parametrize("extra", [(), ("--overwrite",)], ids=["update", "overwrite"])
+def test_a_failed_merge_leaves_a_non_empty_target_as_it_was(capsys, copy_variant, out, extra):
     ckpt = copy_variant("base")
     flip(ckpt / RANK1, record_offset(ckpt / RANK1, "data.pkl") + 40)
     target = out / "merged"
     target.mkdir()
-    (target / "old.txt").write_text("old")
-    rc, err = merge(capsys, ckpt, target, "--overwrite")
+    (target / "model.safetensors").write_text("old")
+    rc, err = merge(capsys, ckpt, target, *extra)
     assert_clean_failure(rc, err, "Bad CRC-32")
-    assert os.listdir(target) == ["old.txt"]
+    assert os.listdir(target) == ["model.safetensors"]
+    assert (target / "model.safetensors").read_text() == "old"
     assert_nothing_written(out, {"merged"})
 
 
