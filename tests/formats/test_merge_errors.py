@@ -461,6 +461,36 @@ def test_non_empty_target_is_written_into_as_verl_does_or_replaced_with_overwrit
     assert_nothing_written(out, {"merged"})
 
 
+def test_an_update_in_place_that_fails_midway_puts_the_target_back(
+    capsys, fsdp_root, out, monkeypatch
+):
+    """A rename that fails once the old weights had left (an immutable file, say) lost both
+    the old model and the new one; the old files now wait in a folder inside the target and
+    go back, and the message says the target is as it was."""
+    from shardstream.storage import commit
+
+    target = out / "merged"
+    target.mkdir()
+    old = {"README.md": b"kept", "config.json": b"{}", "model.safetensors": b"old weights"}
+    for name, data in old.items():
+        (target / name).write_bytes(data)
+    (target / "model-00001-of-00002.safetensors").write_bytes(b"another old set")
+    old["model-00001-of-00002.safetensors"] = b"another old set"
+    rename = os.rename
+
+    def refused_for_the_new_weights(src, dst, *args, **kwargs):
+        if Path(dst) == target / "model.safetensors" and Path(src).parent.parent == out:
+            raise PermissionError(1, "Operation not permitted", str(dst))
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(commit.os, "rename", refused_for_the_new_weights)
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    line = assert_clean_failure(rc, err, f"could not update target {target}", code=2)
+    assert line.endswith("it is as it was")
+    assert {p.name: p.read_bytes() for p in target.iterdir()} == old
+    assert_nothing_written(out, {"merged"})
+
+
 def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouched(
     capsys, fsdp_root, out
 ):

@@ -197,7 +197,8 @@ class Staged:
         delete the old one. An interrupt while it is deleted is raised marked committed
         (``errors.COMMITTED_ATTR``); an old output that cannot be deleted is named, and its
         owner file stays (unlocked), so that the next write of the target sweeps it."""
-        aside = swap_in(self.path, self.target)  # on failure the caller abandons
+        with target_locked(self.target):  # not amid another merge's update in place
+            aside = swap_in(self.path, self.target)  # on failure the caller abandons
         if aside is None:
             self._release()
             return
@@ -459,52 +460,107 @@ def staged_directory(
         raise
 
 
+@contextlib.contextmanager
+def target_locked(target: Path) -> Iterator[None]:
+    """Hold the exclusive flock of the directory at ``target`` (if one is there) for the
+    block, taken on the directory the path names once it is held: an update in place and a
+    swap of the same target take turns. A file system without locks goes unguarded."""
+    while True:
+        try:
+            fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+        except (FileNotFoundError, NotADirectoryError):
+            yield
+            return
+        try:
+            with contextlib.suppress(OSError):
+                locks.take(fd, wait=True)
+            try:
+                held, now = os.fstat(fd), os.stat(target)
+                same = (held.st_dev, held.st_ino) == (now.st_dev, now.st_ino)
+            except FileNotFoundError:  # swapped away while we waited: take the new one
+                same = False
+            if same:
+                yield
+                return
+        finally:
+            os.close(fd)
+
+
 def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
     """Move the complete (fsynced) directory ``staged``'s entries into the directory
-    ``target``, each replacing the target's entry of its name by one rename (a directory by
-    ``swap_in``). First the target's ``rule.stale`` and ``rule.last`` entries are removed, so
-    that no reader, and no crash midway, finds the old set beside the new or an index
-    naming a mix: ``rule.last`` entries arrive after every other. An entry of a name the
-    output uses but of the other kind (a file where it writes a folder) is refused before
-    anything moves."""
+    ``target``, each taking the place of the target's entry of its name; the target's
+    ``rule.stale`` and ``rule.last`` entries go too, and new ``rule.last`` entries arrive
+    after every other.
+
+    What leaves the target is first renamed into a folder inside it
+    (``.shardstream-old.tmp-<hex>``), so the target never holds old and new weights at once,
+    and a failure midway puts it all back: the target is then as it was. Only once every
+    new entry is in is that folder deleted; a crash before leaves the old files there. An
+    entry of a name the output uses but of the other kind (a file where it writes a folder)
+    is refused before anything moves."""
     new = sorted(os.listdir(staged))
     for name in new:
         there = target / name
         if os.path.lexists(there) and _is_folder(there) != _is_folder(staged / name):
-            kind = "folder" if _is_folder(there) else "file"
+            kind = "folder" if _is_folder(there) else "link" if there.is_symlink() else "file"
             raise UsageError(
                 f"target {there} is a {kind}, where the merge writes a "
-                f"{'file' if kind == 'folder' else 'folder'} of that name; move it away"
+                f"{'folder' if _is_folder(staged / name) else 'file'} of that name; move it away"
             )
     if not os.access(target, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write into target {target}: permission denied")
-    # Another merge into the same target moves its files in before or after ours, not among.
-    fd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        with contextlib.suppress(OSError):  # a file system without locks: unguarded, then
-            locks.take(fd, wait=True)
-        _move_in(staged, target, new, rule)
-    finally:
-        os.close(fd)
+    with target_locked(target):
+        leaving = [
+            name
+            for name in sorted(os.listdir(target))
+            if name in new
+            or ((rule.stale(name) or rule.last(name)) and not _is_folder(target / name))
+        ]
+        old = target / f".shardstream-old{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        old.mkdir()
+        moved_out: list[str] = []
+        moved_in: list[str] = []
+        try:
+            for name in leaving:
+                os.rename(target / name, old / name)
+                moved_out.append(name)
+            fsync_dir(target)
+            for name in sorted(new, key=rule.last):  # False first: the index last
+                os.rename(staged / name, target / name)
+                moved_in.append(name)
+            fsync_dir(target)
+        except OSError as exc:
+            put_back = _roll_back(staged, target, old, moved_in, moved_out)
+            state = (
+                "it is as it was"
+                if put_back
+                else f"it is partly updated, and its old files are in {old}"
+            )
+            raise UsageError(
+                f"could not update target {target} in place ({exc.filename or target}: "
+                f"{exc.strerror or exc}); {state}"
+            ) from None
+    _remove(old)
 
 
-def _move_in(staged: Path, target: Path, new: list[str], rule: InPlace) -> None:
-    for name in sorted(os.listdir(target)):
-        there = target / name
-        if _is_folder(there) or not (rule.last(name) or (rule.stale(name) and name not in new)):
-            continue
-        with contextlib.suppress(FileNotFoundError):
-            there.unlink()
-    fsync_dir(target)
-    for name in sorted(new, key=rule.last):  # False first
-        source = staged / name
-        if _is_folder(source):
-            aside = swap_in(source, target / name)
-            if aside is not None:
-                _remove(aside)
-        else:
-            os.rename(source, target / name)
-    fsync_dir(target)
+def _roll_back(staged: Path, target: Path, old: Path, moved_in, moved_out) -> bool:
+    """Undo ``update_in_place``'s moves; whether all of them were undone."""
+    done = True
+    for name in reversed(moved_in):
+        try:
+            os.rename(target / name, staged / name)
+        except OSError:
+            done = False
+    for name in reversed(moved_out):
+        try:
+            os.rename(old / name, target / name)
+        except OSError:
+            done = False
+    with contextlib.suppress(OSError):
+        fsync_dir(target)
+        if done:
+            old.rmdir()
+    return done
 
 
 def _is_folder(path: Path) -> bool:
