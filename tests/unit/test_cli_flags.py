@@ -45,9 +45,10 @@ def test_a_prefix_of_two_options_stays_ambiguous(capsys):
     assert "ambiguous option: --t could match" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("link", [False, True], ids=["path", "linked"])
 @pytest.mark.parametrize("layout", ["global_step_1/actor", "run/global_step_1"])
 def test_a_checkpoint_the_verl_plugin_wrote_is_merged_to_bf16_as_verl_does(
-    tmp_path, capsys, layout
+    tmp_path, capsys, layout, link
 ):
     """verl's merge command on a checkpoint the verl plug-in saved (shardstream's format in
     global_step_N/actor) writes bfloat16, as verl's merger would, and says what config.json
@@ -63,7 +64,11 @@ def test_a_checkpoint_the_verl_plugin_wrote_is_merged_to_bf16_as_verl_does(
     (tmp_path / "config").mkdir()
     config = {"architectures": ["TinyMLP"], "model_type": "tiny-mlp", "torch_dtype": "float32"}
     (tmp_path / "config" / "config.json").write_text(json.dumps(config))
-    args = ["merge", "--backend", "fsdp", "--local_dir", str(tmp_path / layout)]
+    local = tmp_path / layout
+    if link:  # the same checkpoint through a link: the dtype must not depend on the spelling
+        (tmp_path / "link").symlink_to(local)
+        local = tmp_path / "link"
+    args = ["merge", "--backend", "fsdp", "--local_dir", str(local)]
     args += ["--hf_model_path", str(tmp_path / "config")]
     assert main([*args, "--target_dir", str(tmp_path / "merged")]) == 0
     err = capsys.readouterr().err

@@ -27,8 +27,8 @@ A path that is a regular file named ``*.pt``, ``*.pth``, ``*.bin``, ``*.tar`` or
 (``torch_state_dict.open_torch_file``).
 
 What a directory holds itself comes before what its subdirectories hold: a model directory
-that sits beside step directories is a model. A Hugging Face model's weights beside a native,
-verl, DCP or ``TORCH_SAVE`` checkpoint, whose formats put none there, make the directory
+that sits beside step directories is a model. Two of native, verl, DCP and ``TORCH_SAVE``
+in one directory, or a Hugging Face model's weights beside one of them, make the directory
 ambiguous: readers and verify refuse it (``second_model``).
 
 Every kind but the last three has a reader (``open_checkpoint``); every reader offers
@@ -436,7 +436,7 @@ def verl_merges(checkpoint: CheckpointSource) -> bool:
     Its defaults then follow verl's (bfloat16 output and comparison)."""
     if checkpoint.format == "verl":
         return True
-    role = Path(checkpoint.directory).absolute()
+    role = Path(os.path.realpath(checkpoint.directory))  # however the path was spelled
     return checkpoint.format == "shardstream" and bool(STEP_DIR.match(role.parent.name))
 
 
@@ -649,25 +649,33 @@ def open_checkpoint(
     )
 
 
-# Formats whose directory holds no Hugging Face model files of their own.
-_NO_HF_FILES_OF_THEIR_OWN = (Kind.NATIVE, Kind.VERL, Kind.DCP, Kind.TORCH_SAVE)
-
-
 def second_model(path: Path, kind: Kind) -> str | None:
-    """Why ``path``, read as ``kind``, is ambiguous: a Hugging Face model's weights lie beside
-    a checkpoint whose format writes none there, and which one is meant is not said. None
-    when they do not."""
-    if kind not in _NO_HF_FILES_OF_THEIR_OWN:
+    """Why ``path``, read as ``kind``, is ambiguous: beside a native, verl, DCP or
+    ``TORCH_SAVE`` checkpoint lies another of these, or a Hugging Face model's weights, which
+    none of them writes there; which one is meant is not said. None when nothing does."""
+    own = {k: test for k, test, _ in _ONE_PER_DIRECTORY}
+    if kind not in own:
         return None
+    beside = [what for k, test, what in _ONE_PER_DIRECTORY if k is not kind and test(path)]
     names = (hf.SINGLE_FILE, hf.INDEX_FILE, HF_TORCH_FILE, HF_TORCH_INDEX)
     held = [n for n in names if _any_named(path, n)]
-    if not held:
+    if held:
+        beside.append(f"a Hugging Face model's {' and '.join(held)}")
+    if not beside:
         return None
     return (
-        f"{path}: holds a {kind.value} checkpoint and, beside it, a Hugging Face model's "
-        f"{' and '.join(held)}; which one to read is not clear: move one of them into a "
-        "directory of its own"
+        f"{path}: holds a {kind.value} checkpoint and, beside it, {' and '.join(beside)}; "
+        "which one to read is not clear: move one of them into a directory of its own"
     )
+
+
+# One of these in a directory, and nothing else's weights: (kind, test, what to call it).
+_ONE_PER_DIRECTORY: tuple[tuple[Kind, Callable[[Path], object], str], ...] = (
+    (Kind.NATIVE, native.is_native_checkpoint, "a shardstream manifest.json"),
+    (Kind.VERL, is_verl_checkpoint, "verl's model_world_size_W_rank_R.pt files"),
+    (Kind.DCP, is_dcp_checkpoint, "a DCP checkpoint's .metadata or .distcp files"),
+    (Kind.TORCH_SAVE, is_torch_save_state, "a torch.save model_state_dict.pt"),
+)
 
 
 # What a reader opens, for messages that find none of it.
