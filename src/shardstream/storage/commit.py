@@ -85,7 +85,7 @@ def fsync_tree(root: str | os.PathLike) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Replace ``path`` with ``data`` so that readers see the old or the new content, never part."""
     path = Path(path)
-    tmp = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    tmp = path.with_name(temporary_name(path.name))
     try:
         with open(tmp, "wb") as f:
             f.write(data)
@@ -106,6 +106,11 @@ def is_temporary(name: str) -> bool:
     return TMP_MARK in name
 
 
+def temporary_name(name: str) -> str:
+    """``name.tmp-<8 hex>``: a unique temporary name for ``name``, which ``_STAGED`` parses."""
+    return f"{name}{TMP_MARK}{uuid.uuid4().hex[:8]}"
+
+
 _NAME_MAX = 255  # bytes in a file name (ext4, xfs, btrfs, tmpfs)
 
 
@@ -116,7 +121,7 @@ def check_target(target: Path, overwrite: bool) -> None:
     A symlinked target is refused, whatever it points to: the swap replaces the name, so it
     would replace the link (not the directory it names) and leave that directory behind under
     a temporary name, or fail on the link as a non-directory. Name the directory itself."""
-    staged = len(os.fsencode(target.name)) + len(f"{TMP_MARK}12345678") + _LONGEST_SUFFIX
+    staged = len(os.fsencode(temporary_name(target.name))) + _LONGEST_SUFFIX
     if staged > _NAME_MAX:
         raise UsageError(
             f"target {target}: its name is too long to stage beside it (as "
@@ -242,7 +247,7 @@ def stage(target: str | os.PathLike) -> Staged:
     Call ``remove_stale_staging(target)`` first, so that a dead writer's old copy is back.
     """
     target = Path(target).absolute()
-    tmp = target.with_name(f"{target.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    tmp = target.with_name(temporary_name(target.name))
     owner = _claim(tmp)
     staged = Staged(target, tmp, owner)
     try:
@@ -293,7 +298,7 @@ def bury(path: Path) -> Path:
     """Make the directory ``path`` disappear at once: rename it to a temporary name beside it
     (``T.tmp-<hex>``, no owner file: debris to the next sweep of the directory's lock holder)
     and fsync the parent. Returns the new name, for ``remove`` or a ``Deleter`` to delete."""
-    grave = path.with_name(f"{path.name}{TMP_MARK}{uuid.uuid4().hex[:8]}")
+    grave = path.with_name(temporary_name(path.name))
     os.rename(path, grave)
     fsync_dir(path.parent)
     return grave
@@ -516,7 +521,7 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
             if name in new
             or ((rule.stale(name) or rule.last(name)) and not _is_folder(target / name))
         ]
-        old = target / f".shardstream-old{TMP_MARK}{uuid.uuid4().hex[:8]}"
+        old = target / temporary_name(".shardstream-old")
         old.mkdir()
         moved_out: list[str] = []
         moved_in: list[str] = []
