@@ -98,8 +98,7 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     from ..formats.hf import cast_dtype, output_dtype, tied_duplicates
     from ..formats.source import verl_merges
 
-    as_verl = "verl" if verl_merges(checkpoint) else checkpoint.format
-    out_dtype = output_dtype(None, config, as_verl, config_dir)
+    out_dtype = output_dtype(None, config, verl_merges(checkpoint), config_dir)
     try:
         dropped, refused = tied_duplicates(checkpoint.tensors, config, False), None
     except ShardstreamError as exc:  # merge would refuse: say why, describe the rest

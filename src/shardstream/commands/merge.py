@@ -218,7 +218,7 @@ def _merge(
         raise UsageError(f"target {target}: {exc.strerror or exc}") from None
     config = hf.read_config(config_dir)
     as_verl = verl_merges(checkpoint)
-    out_dtype = output_dtype(dtype, config, "verl" if as_verl else checkpoint.format, config_dir)
+    out_dtype = output_dtype(dtype, config, as_verl, config_dir)
     notes = []
     named = hf.named_dtype(config, config_dir)
     if as_verl and not dtype and named not in (None, out_dtype):

@@ -197,7 +197,7 @@ def write_configs(
         if dtype_name:
             set_config_dtype(target / "config.json", target / "config.json", dtype_name)
     elif "config.json" in copied and "generation_config.json" not in copied:
-        _generation_config_from_file(target, source / "config.json")
+        _generation_config_from_file(target, source)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
 
@@ -236,11 +236,11 @@ def _write_generation_config(target: Path, hf_config: Any) -> None:
     GenerationConfig.from_model_config(hf_config).save_pretrained(target)
 
 
-def _generation_config_from_file(target: Path, config_path: Path) -> None:
+def _generation_config_from_file(target: Path, config_dir: Path) -> None:
     """The generation_config.json that ``save_pretrained`` of a model built from
-    ``config_path`` writes (verl's merger, whose model has no other), when transformers is
-    installed and knows the model type; otherwise none, and the log says so."""
-    config = read_config(config_path.parent)
+    ``config_dir``'s config.json writes (verl's merger, whose model has no other), when
+    transformers is installed and knows the model type; otherwise none, and the log says so."""
+    config = read_config(config_dir)
     try:
         hf_config = config_object(config)
     except ImportError:
@@ -253,9 +253,7 @@ def _generation_config_from_file(target: Path, config_path: Path) -> None:
             return
         except Exception as exc:  # noqa: BLE001
             reason = f"transformers refused it ({type(exc).__name__}: {exc})"[:300]
-    log.warning(
-        "%s has no generation_config.json and none was written: %s", config_path.parent, reason
-    )
+    log.warning("%s has no generation_config.json and none was written: %s", config_dir, reason)
 
 
 def _can_generate(hf_config: Any) -> bool:
@@ -286,13 +284,13 @@ VERL_DEFAULT_DTYPE = "bfloat16"
 def output_dtype(
     requested: str | None,
     config: dict,
-    source_format: str = "",
+    verl_merges: bool = False,
     config_dir: Path | None = None,
 ) -> str | None:
     """``--dtype`` if given; else bfloat16 for a checkpoint verl's merger merges
-    (``source_format`` "verl": it casts every floating tensor to bf16, whatever config.json
-    names); else the dtype config.json (in ``config_dir``) names, else the stored dtype
-    (None). Either must be a floating dtype: it is what the floating weights are cast to."""
+    (``verl_merges``: it casts every floating tensor to bf16, whatever config.json names);
+    else the dtype config.json (in ``config_dir``) names, else the stored dtype (None).
+    Either must be a floating dtype: it is what the floating weights are cast to."""
     if requested:
         code = parse_dtype(requested)
         if not is_floating(code):
@@ -302,7 +300,7 @@ def output_dtype(
             )
         return code
     named = named_dtype(config, config_dir)
-    return parse_dtype(VERL_DEFAULT_DTYPE) if source_format == "verl" else named
+    return parse_dtype(VERL_DEFAULT_DTYPE) if verl_merges else named
 
 
 def named_dtype(config: dict, config_dir: Path | None = None) -> str | None:

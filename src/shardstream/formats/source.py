@@ -653,8 +653,7 @@ def second_model(path: Path, kind: Kind) -> str | None:
     """Why ``path``, read as ``kind``, is ambiguous: beside a native, verl, DCP or
     ``TORCH_SAVE`` checkpoint lies another of these, or a Hugging Face model's weights, which
     none of them writes there; which one is meant is not said. None when nothing does."""
-    own = {k: test for k, test, _ in _ONE_PER_DIRECTORY}
-    if kind not in own:
+    if kind not in {k for k, _, _ in _ONE_PER_DIRECTORY}:
         return None
     beside = [what for k, test, what in _ONE_PER_DIRECTORY if k is not kind and test(path)]
     names = (hf.SINGLE_FILE, hf.INDEX_FILE, HF_TORCH_FILE, HF_TORCH_INDEX)
