@@ -491,6 +491,32 @@ def test_an_update_in_place_that_fails_midway_puts_the_target_back(
     assert_nothing_written(out, {"merged"})
 
 
+def test_the_next_update_deletes_what_a_crashed_update_left_in_the_target(
+    capsys, fsdp_root, out
+):
+    """An update killed between its renames leaves the replaced files in a
+    ``.shardstream-old.tmp-<hex>`` folder inside the target (a whole model's worth); the next
+    update, having replaced them itself, deletes it. Other folders stay."""
+    target = out / "merged"
+    crashed = target / ".shardstream-old.tmp-0123abcd"
+    crashed.mkdir(parents=True)
+    (crashed / "model.safetensors").write_bytes(b"weights a killed update replaced")
+    (target / "config.json").write_text("{}")
+    look_alike = target / ".shardstream-old.tmp-keep"  # not a name an update gives its folder
+    look_alike.mkdir()
+    (target / "evals").mkdir()
+    rc, err = merge(capsys, fsdp_root / "base", target)
+    assert rc == 0, err
+    assert sorted(os.listdir(target)) == [
+        ".shardstream-old.tmp-keep",
+        "config.json",
+        "evals",
+        "generation_config.json",
+        "model.safetensors",
+    ]
+    assert_nothing_written(out, {"merged"})
+
+
 def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouched(
     capsys, fsdp_root, out
 ):

@@ -500,7 +500,8 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
     What leaves the target is first renamed into a folder inside it
     (``.shardstream-old.tmp-<hex>``), so the target never holds old and new weights at once,
     and a failure midway puts it all back: the target is then as it was. Only once every
-    new entry is in is that folder deleted; a crash before leaves the old files there. An
+    new entry is in is that folder deleted; a crash before leaves the old files there, until
+    the next update of the target deletes them. An
     entry of a name the output uses but of the other kind (a file where it writes a folder)
     is refused before anything moves."""
     new = sorted(os.listdir(staged))
@@ -545,7 +546,15 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
                 f"could not update target {target} in place ({exc.filename or target}: "
                 f"{exc.strerror or exc}); {state}"
             ) from None
-    _remove(old)
+        crashed = [target / name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name)]
+    for path in [old, *(p for p in crashed if p != old)]:
+        _remove(path)
+
+
+# The folder ``update_in_place`` parks replaced entries in. One left by an update that crashed
+# holds files the update after it has replaced, so that one deletes it (under the lock: only
+# its own update, holding the lock, ever moves entries in or out of such a folder).
+_OLD_FOLDER = re.compile(re.escape(".shardstream-old" + TMP_MARK) + r"[0-9a-f]{8}")
 
 
 def _roll_back(staged: Path, target: Path, old: Path, moved_in, moved_out) -> bool:
