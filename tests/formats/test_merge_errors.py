@@ -491,9 +491,7 @@ def test_an_update_in_place_that_fails_midway_puts_the_target_back(
     assert_nothing_written(out, {"merged"})
 
 
-def test_the_next_update_deletes_what_a_crashed_update_left_in_the_target(
-    capsys, fsdp_root, out
-):
+def test_the_next_update_deletes_what_a_crashed_update_left_in_the_target(capsys, fsdp_root, out):
     """An update killed between its renames leaves the replaced files in a
     ``.shardstream-old.tmp-<hex>`` folder inside the target (a whole model's worth); the next
     update, having replaced them itself, deletes it. Other folders stay."""
