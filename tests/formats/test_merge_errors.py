@@ -516,8 +516,15 @@ def test_the_next_update_deletes_what_a_crashed_update_left_in_the_target(capsys
 
 
 def test_a_target_with_a_folder_where_the_merge_writes_a_file_is_refused_untouched(
-    capsys, fsdp_root, out
+    capsys, fsdp_root, out, monkeypatch
 ):
+    """Refused before the model is written (it was refused only once all of it was)."""
+    from shardstream.commands import merge as merge_command
+
+    def not_staged(*args, **kwargs):
+        raise AssertionError("the merge staged its output before refusing the target")
+
+    monkeypatch.setattr(merge_command, "staged_directory", not_staged)
     target = out / "merged"
     (target / "model.safetensors").mkdir(parents=True)
     (target / "README.md").write_text("kept")

@@ -25,7 +25,7 @@ from ..formats.source import open_checkpoint, verl_merges
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
 from ..storage import locks
-from ..storage.commit import InPlace, staged_directory
+from ..storage.commit import InPlace, refuse_other_kinds, staged_directory
 from ..units import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_CHUNK_BYTES,
@@ -249,6 +249,8 @@ def _merge(
         names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
     layout_s = time.perf_counter() - planning
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
+    if update and target.is_dir():  # found now, not once the whole model is written
+        refuse_other_kinds(target, _entries_written(files, split, fuse_lora, config_dir))
     if on_plan:
         on_plan(sum(t.nbytes for t in outputs))
 
@@ -348,6 +350,24 @@ def _merge(
         layout_s=layout_s,
         notes=notes,
     )
+
+
+def _entries_written(
+    files: list, split: lora.LoraSplit | None, fuse_lora: bool, config_dir: Path | None
+) -> dict[str, bool]:
+    """The names a merge writes into its target, each with whether it is a folder."""
+    entries = dict.fromkeys((name for name, _ in files), False)
+    if len(files) > 1:
+        entries[hf.INDEX_FILE] = False
+    if split and not fuse_lora:
+        if split.base:
+            entries[lora.ADAPTER_DIR] = True
+        else:
+            entries.update(dict.fromkeys((lora.ADAPTER_FILE, lora.ADAPTER_CONFIG), False))
+    if config_dir is not None:
+        entries.update(dict.fromkeys((p.name for p in hf.config_files(config_dir)), False))
+        entries["generation_config.json"] = False
+    return entries
 
 
 def _update_rule(adapter_only: bool) -> InPlace:

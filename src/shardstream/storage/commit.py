@@ -505,14 +505,7 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
     entry of a name the output uses but of the other kind (a file where it writes a folder)
     is refused before anything moves."""
     new = sorted(os.listdir(staged))
-    for name in new:
-        there = target / name
-        if os.path.lexists(there) and _is_folder(there) != _is_folder(staged / name):
-            kind = "folder" if _is_folder(there) else "link" if there.is_symlink() else "file"
-            raise UsageError(
-                f"target {there} is a {kind}, where the merge writes a "
-                f"{'folder' if _is_folder(staged / name) else 'file'} of that name; move it away"
-            )
+    refuse_other_kinds(target, {name: _is_folder(staged / name) for name in new})
     if not os.access(target, os.W_OK | os.X_OK):
         raise UsageError(f"cannot write into target {target}: permission denied")
     with target_locked(target):
@@ -555,6 +548,20 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
 # holds files the update after it has replaced, so that one deletes it (under the lock: only
 # its own update, holding the lock, ever moves entries in or out of such a folder).
 _OLD_FOLDER = re.compile(re.escape(".shardstream-old" + TMP_MARK) + r"[0-9a-f]{8}")
+
+
+def refuse_other_kinds(target: Path, entries: Mapping[str, bool]) -> None:
+    """Refuse to update ``target`` with ``entries`` (name: whether a folder) where it holds one
+    of those names as the other kind, which an update cannot replace: a merge checks the names
+    it will write before it writes them, and ``update_in_place`` what it has written."""
+    for name, folder in entries.items():
+        there = target / name
+        if os.path.lexists(there) and _is_folder(there) != folder:
+            kind = "folder" if _is_folder(there) else "link" if there.is_symlink() else "file"
+            raise UsageError(
+                f"target {there} is a {kind}, where the merge writes a "
+                f"{'folder' if folder else 'file'} of that name; move it away"
+            )
 
 
 def _roll_back(staged: Path, target: Path, old: Path, moved_in, moved_out) -> bool:
