@@ -200,6 +200,8 @@ def test_merge_on_a_full_disk(saved_run, tmp_path, capsys):
                     continue
                 assert code == 1 and err.startswith("shardstream merge: error:"), err
                 assert "no space left" in err, err
+                # named as the user named it, not as the staging directory removed by now
+                assert str(target) in err and ".tmp-" not in err, err
                 stats["merge failed with OutOfSpaceError"] += 1
                 if overwrite:
                     assert snapshot(old) == before, "the old output changed"

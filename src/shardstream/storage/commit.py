@@ -34,6 +34,7 @@ from pathlib import Path
 
 from ..errors import (
     COMMITTED_ATTR,
+    OutOfSpaceError,
     ShardstreamError,
     TargetExistsError,
     UsageError,
@@ -254,11 +255,11 @@ def stage(target: str | os.PathLike) -> Staged:
         tmp.mkdir()
     except PermissionError:
         staged.abandon()
-        raise UsageError(f"cannot create {tmp}: permission denied") from None
+        raise UsageError(f"cannot write the target {target}: permission denied") from None
     except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
         staged.abandon()
-        full = out_of_space(exc, tmp, "cannot create {path}: no space left on device")
-        raise full or UsageError(f"cannot create {tmp}: {exc.strerror}") from None
+        full = out_of_space(exc, target, "cannot write the target {path}: no space left on device")
+        raise full or UsageError(f"cannot write the target {target}: {exc.strerror}") from None
     return staged
 
 
@@ -457,6 +458,10 @@ def staged_directory(
             raise
         with signals_held():  # a SIGTERM now (torchrun stopping the others) waits for it
             staged.abandon()
+        if isinstance(exc, OutOfSpaceError) and str(staged.path) in str(exc):
+            # named as the user named it: the staging directory is gone
+            said = str(exc).replace(str(staged.path), str(target))
+            raise OutOfSpaceError(f"{said}; partial output removed") from None
         if isinstance(exc, OSError) and not isinstance(exc, ShardstreamError):
             message = "no space left on device while writing {path}; partial output removed"
             full = out_of_space(exc, target, message)
