@@ -7,6 +7,7 @@ import codecs
 import contextlib
 import json
 import os
+import re
 import signal
 import sys
 import threading
@@ -283,7 +284,7 @@ def run_merge(args: argparse.Namespace) -> int:
         )
     if not args.quiet:
         for note in summary.notes:
-            print(f"note: {note}", file=sys.stderr)
+            print(_one_line(f"note: {note}"), file=sys.stderr)
     return 0
 
 
@@ -309,7 +310,7 @@ def run_test(args: argparse.Namespace) -> int:
         print(_json_report(report.to_json(), code, "MISMATCH", report.problems))
     else:
         for line in report.problems:
-            print(line, file=sys.stderr)
+            print(_one_line(line), file=sys.stderr)
         if not args.quiet:
             verdict = "OK" if report.ok else "MISMATCH"
             print(
@@ -343,7 +344,7 @@ def run_verify(args: argparse.Namespace) -> int:
         print(_json_report(report.to_json(), code, "FAILED", lines))
     else:
         for problem in report.problems:
-            print(problem.line(), file=sys.stderr)
+            print(_one_line(problem.line()), file=sys.stderr)
         if not args.quiet:
             verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
             steps = f", steps {report.steps}" if report.kind in ("root", "checkpoints") else ""
@@ -452,11 +453,20 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
 
 
 def _failed(args: argparse.Namespace, said: str, code: int) -> int:
-    print(f"shardstream {args.command}: {said}", file=sys.stderr)
+    print(f"shardstream {args.command}: {_one_line(said)}", file=sys.stderr)
     if getattr(args, "json", False):
         message = said.removeprefix("error: ")
         print(json.dumps({"ok": False, "error": message, "exit_code": code}), flush=True)
     return code
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f]")
+
+
+def _one_line(said: str) -> str:
+    """``said`` as one line a terminal shows as written: a control character from a path or a
+    tensor name (a newline, an escape sequence) is spelled as its escape."""
+    return _CONTROL.sub(lambda m: m.group().encode("unicode_escape").decode(), said)
 
 
 ESCAPING = "shardstream-escape"
