@@ -133,6 +133,69 @@ def test_files_that_hold_no_model_are_named(tmp_path, content, words):
         assert str(file) in str(caught.value)
 
 
+def _weights(seed: int) -> dict:
+    torch.manual_seed(seed)
+    return {"layer.weight": torch.randn(4, 3), "layer.bias": torch.randn(4)}
+
+
+@pytest.mark.parametrize(
+    ("content", "words"),
+    [
+        ({**_weights(0), "model": _weights(1)}, "under 'model' and 2 tensors beside it"),
+        ({"model": _weights(0), "state_dict": _weights(1)}, "under each of 'model', 'state_dict'"),
+        (
+            {"model_state_dict": _weights(0), "model": _weights(1)},
+            "under each of 'model_state_dict', 'model'",
+        ),
+    ],
+    ids=["tensors beside a model dict", "model and state_dict", "model_state_dict and model"],
+)
+def test_a_file_holding_two_models_is_refused_not_read_as_one(tmp_path, content, words):
+    """Each was read as one of its models, the other left out without a word."""
+    from shardstream.commands.verify import verify
+
+    file = tmp_path / "two.pt"
+    torch.save(content, file)
+    with pytest.raises(ShardstreamError, match=words) as caught:
+        shardstream.formats.source.open_checkpoint(file, model_only=True)
+    assert str(file) in str(caught.value) and "unclear" in str(caught.value)
+    model = torch.nn.Module()
+    model.layer = torch.nn.Linear(3, 4)
+    with pytest.raises(ShardstreamError, match=words):
+        shardstream.load(file, model=model, contents=("model",))
+    problems = [p.line() for p in verify(file).problems]
+    assert any(words in line for line in problems), problems
+
+
+def test_a_file_holding_one_model_under_two_keys_or_beside_a_scalar_loss_is_read(tmp_path):
+    """The same dict under two keys (one object in the pickle) is one model; the recipes'
+    0-d ``loss`` tensor beside it is not a second one."""
+    weights = _weights(0)
+    for content in (
+        {"model": weights, "state_dict": weights},
+        {"model_state_dict": weights, "loss": torch.tensor(0.25), "epoch": 3},
+    ):
+        file = tmp_path / "one.pt"
+        torch.save(content, file)
+        source = shardstream.formats.source.open_checkpoint(file, model_only=True)
+        assert sorted(t.name for t in source.tensors) == sorted(weights)
+
+
+def test_an_empty_file_is_refused_by_merge_and_reported_by_verify(tmp_path):
+    """``torch.save({})`` merged into a model of no tensors, exit 0; verify passed it."""
+    from shardstream.cli import main
+    from shardstream.commands.verify import verify
+
+    file = tmp_path / "empty.pt"
+    torch.save({}, file)
+    with pytest.raises(ShardstreamError, match="holds no model tensors"):
+        shardstream.formats.source.open_checkpoint(file, model_only=True)
+    assert main(["merge", "--local_dir", str(file), "--target_dir", str(tmp_path / "o")]) == 1
+    assert not (tmp_path / "o").exists()
+    problems = [p.line() for p in verify(file).problems]
+    assert any("holds no model tensors" in line for line in problems), problems
+
+
 def test_a_file_of_another_kind_is_not_taken_for_one(tmp_path):
     file = tmp_path / "notes.txt"
     file.write_text("not a checkpoint")

@@ -548,6 +548,8 @@ def _verify_torch_file(file: Path, report: VerifyReport, progress=None) -> None:
         state = load_layout(str(file))
         found = torch_file_layout(state, file)
         named = [(t.name, t.blocks) for t in open_torch_file(file, layout=found).tensors]
+        if not named:
+            raise CheckpointFormatError(f"{file}: holds no model tensors (merge refuses it)")
         if found.optimizer is not None:
             _check_optimizer_state(state[found.optimizer], f"{file} [{found.optimizer!r}]")
         return named

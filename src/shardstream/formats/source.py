@@ -613,7 +613,12 @@ def open_checkpoint(
             raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
         from .torch_state_dict import open_torch_file
 
-        return open_torch_file(path, shared=shared)
+        source = open_torch_file(path, shared=shared)
+        if model_only and not source.tensors:
+            raise CheckpointFormatError(
+                f"{path}: the torch.save file holds no model tensors; nothing to merge or compare"
+            )
+        return source
     if not path.is_dir():
         raise CheckpointFormatError(
             f"{path}: is a file; expected a checkpoint directory or a torch.save file "

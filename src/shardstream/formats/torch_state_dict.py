@@ -197,7 +197,8 @@ def _part_of(part: str | None, read: Callable[[object, str], dict]) -> Callable:
 
 # One torch.save file as PyTorch's recipes write it: ``torch.save(model.state_dict(), PATH)``,
 # or a general checkpoint ``{"model_state_dict": ..., "optimizer_state_dict": ..., "epoch": ..}``
-# (also under the keys other scripts use); the first key present of each list wins.
+# (also under the keys other scripts use). Two models (under two keys, or one beside loose
+# tensors) are refused as unclear.
 TORCH_FILE_FORMAT = "torch.save file"
 MODEL_PARTS = ("model_state_dict", "model", "state_dict")
 OPTIMIZER_PARTS = ("optimizer_state_dict", "optimizer", "optim")
@@ -220,8 +221,23 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
         raise CheckpointFormatError(
             f"{file}: holds a {type(state).__name__}, not a state dict or a checkpoint dict"
         )
-    model = next((k for k in MODEL_PARTS if isinstance(state.get(k), dict)), None)
+    models = [k for k in MODEL_PARTS if isinstance(state.get(k), dict)]
+    model = models[0] if models else None
     optimizer = next((k for k in OPTIMIZER_PARTS if isinstance(state.get(k), dict)), None)
+    if any(state[k] is not state[model] for k in models[1:]):
+        raise CheckpointFormatError(
+            f"{file}: holds a state dict under each of {', '.join(repr(k) for k in models)}; "
+            "which one is the model is unclear, so none is read (save one, or load the file "
+            "and save the one you mean)"
+        )
+    loose = [k for k, v in state.items() if getattr(v, "ndim", 0) >= 1]  # a 0-d loss may be
+    if model is not None and loose:
+        raise CheckpointFormatError(
+            f"{file}: holds a state dict under {model!r} and {len(loose)} tensor"
+            f"{'s' if len(loose) != 1 else ''} beside it at the top level (e.g. "
+            f"{str(loose[0])[:200]!r}); which of them is the model is unclear, so neither is "
+            "read"
+        )
     if model is None and optimizer is not None:
         raise CheckpointFormatError(
             f"{file}: holds {optimizer!r} but no model state dict (under any of "
