@@ -318,6 +318,23 @@ def test_tensor_name_with_a_lone_surrogate(tmp_path, capsys):
     _fails_naming(capsys, argv, source, "'a\\udc80'", "not valid Unicode")
 
 
+@pytest.mark.parametrize(
+    ("name", "said"),
+    [
+        ("", "name is empty"),
+        ("model.norm.weight\x00", "U+0000"),
+        ("lm_head.weight\n", "U+000A"),
+        ("a.\u202egnp.weight", "U+202E"),
+        ("a.\x1b[2J", "U+001B"),
+    ],
+    ids=["empty", "NUL", "newline", "right-to-left override", "escape sequence"],
+)
+def test_tensor_name_no_module_holds_is_refused(tmp_path, capsys, name, said):
+    """Written into the output as it was: a name that prints as other text, or none."""
+    source = _verl_dir(tmp_path / "actor", {MODEL: {name: torch.ones(3), "b": torch.ones(2)}})
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, said)
+
+
 def test_expanded_tensor_too_large_for_any_file(tmp_path, capsys):
     """One float viewed 2**62 times (stride 0): planning the output's checksum list raised
     MemoryError."""

@@ -18,6 +18,7 @@ from shardstream.errors import CheckpointFormatError, CheckpointNotFoundError, U
 from shardstream.formats.safetensors import (
     CHECKSUM_PREFIX,
     MAX_HEADER_BYTES,
+    UNPRINTABLE,
     build_header,
     checksum_metadata,
     entries_digest,
@@ -27,7 +28,10 @@ from shardstream.formats.safetensors import (
     tensors_in_range,
 )
 
-names = st.text(st.characters(codec="utf-8", exclude_characters="\x00"), min_size=1, max_size=12)
+# Names the writer takes: no control or text-direction characters (UNPRINTABLE), never empty
+names = st.text(st.characters(codec="utf-8"), min_size=1, max_size=12).filter(
+    lambda name: not UNPRINTABLE.search(name)
+)
 layouts = st.lists(
     st.tuples(names, st.sampled_from(sorted(ITEMSIZE)), st.lists(st.integers(0, 5), max_size=3)),
     max_size=8,
@@ -360,3 +364,13 @@ def test_tensors_in_range():
     assert tensors_in_range(header, start, start + 4) == ["a"]
     assert tensors_in_range(header, start + 3, start + 5) == ["a", "b"]
     assert tensors_in_range(header, start + 12, start + 20) == []
+
+
+@settings(max_examples=100, deadline=None)
+@given(names, st.sampled_from(["\x00", "\n", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"]))
+def test_a_name_with_a_control_or_direction_character_is_refused(name, char):
+    bad = name[: len(name) // 2] + char + name[len(name) // 2 :]
+    with pytest.raises(CheckpointFormatError, match=f"U\\+{ord(char):04X}"):
+        build_header([(name + "x", "F32", (1,)), (bad, "F32", (2,))])
+    with pytest.raises(CheckpointFormatError, match="empty"):
+        build_header([(name, "F32", (1,)), ("", "F32", (2,))])

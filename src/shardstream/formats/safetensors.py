@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import struct
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -101,7 +102,20 @@ def layout_entries(tensors: Iterable[tuple[str, str, tuple[int, ...]]]) -> list[
             f"tensor {bad!r}: the name is not valid Unicode (a lone surrogate), which no "
             "safetensors reader accepts"
         )
+    if "" in seen:
+        raise CheckpointFormatError("a tensor's name is empty: no module holds such a tensor")
+    if UNPRINTABLE.search("".join(seen)):
+        bad = next(e.name for e in entries if UNPRINTABLE.search(e.name))
+        char = UNPRINTABLE.search(bad).group()
+        raise CheckpointFormatError(
+            f"tensor {bad[:200]!r}: the name holds U+{ord(char):04X}, a control or text-direction "
+            "character no module's name holds (it would print as other text)"
+        )
     return entries
+
+
+# C0 and C1 controls (NUL, newline, escape), DEL, and the bidirectional overrides and isolates
+UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def encode_header(
