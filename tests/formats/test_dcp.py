@@ -394,6 +394,18 @@ def test_single_process_plain_tensors(tmp_path):
     assert_bit_identical(_load_merged(tmp_path / "out"), state)
 
 
+def test_a_checkpoint_of_an_empty_state_dict_is_said_to_be_empty(tmp_path):
+    """merge blamed DCP's planner ("its 0 entries (e.g. ) are pickled objects") and verify
+    passed it."""
+    from shardstream.commands.verify import verify
+
+    _save_plain(tmp_path / "ck", {})
+    with pytest.raises(CheckpointNotFoundError, match="holds no entries: an empty state dict"):
+        open_checkpoint(tmp_path / "ck", model_only=True)
+    problems = [p.line() for p in verify(tmp_path / "ck").problems]
+    assert any("holds no entries" in line for line in problems), problems
+
+
 def test_files_an_earlier_save_at_more_ranks_left_behind_are_not_the_checkpoints(tmp_path, capsys):
     """dcp.save over an older save at 3 ranks leaves __2_0.distcp, which .metadata does not
     name: the world size and files inspect reports are the new save's."""

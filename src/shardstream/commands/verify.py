@@ -687,6 +687,10 @@ def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None
     except (ShardstreamError, OSError) as exc:
         report.problems.append(_problem_in(directory, exc))
         return
+    if not items:
+        report.problems.append(
+            Problem(str(directory), "holds no entries: an empty state dict was saved")
+        )
     buffer = memoryview(bytearray(READ_BYTES))
     for key, path, start, length in items:
         try:

@@ -420,6 +420,10 @@ def open_dcp(directory: str | os.PathLike, prefix: str | None = None) -> DcpChec
     for key in tensor_keys:
         if key not in names:
             skipped[key] = _reason(key, paths)
+    if not entries:
+        raise CheckpointNotFoundError(
+            f"{directory}: the DCP checkpoint holds no entries: an empty state dict was saved"
+        )
     if not tensor_keys:
         raise CheckpointNotFoundError(
             f"{directory}: the DCP checkpoint holds no tensors: its {len(entries)} entries (e.g. "
