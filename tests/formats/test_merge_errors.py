@@ -491,6 +491,17 @@ def test_an_update_in_place_that_fails_midway_puts_the_target_back(
     assert_nothing_written(out, {"merged"})
 
 
+def test_one_ranks_file_is_refused_naming_its_directory(capsys, fsdp_root, out):
+    """Read as a whole torch.save file, one rank's shards said "shapes or placements disagree
+    across ranks", which reads as damage."""
+    rank_file = fsdp_root / "base" / "model_world_size_2_rank_0.pt"
+    rc, err = merge(capsys, rank_file, out / "merged")
+    assert_clean_failure(
+        rc, err, "one rank's file of a verl checkpoint", str(fsdp_root / "base"), code=2
+    )
+    assert_nothing_written(out)
+
+
 def test_the_next_update_deletes_what_a_crashed_update_left_in_the_target(capsys, fsdp_root, out):
     """An update killed between its renames leaves the replaced files in a
     ``.shardstream-old.tmp-<hex>`` folder inside the target (a whole model's worth); the next

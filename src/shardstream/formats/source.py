@@ -609,6 +609,11 @@ def open_checkpoint(
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if detect(path) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
+        if re.match(VERL_FILE_PATTERN.format(kind="(?:model|optim|extra_state)"), path.name):
+            raise UsageError(
+                f"{path}: is one rank's file of a verl checkpoint, which holds that rank's "
+                f"shards only; pass the directory of every rank's files ({path.parent})"
+            )
         if prefix is not None:
             raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
         from .torch_state_dict import open_torch_file
