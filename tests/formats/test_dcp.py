@@ -331,12 +331,15 @@ def test_empty_shards_of_small_parameters(fsdp_runs, tmp_path):
 
 
 @pytest.mark.slow
-def test_merge_without_config_writes_weights_only(fsdp_runs, tmp_path):
+def test_merge_without_config_writes_weights_only_and_says_so(fsdp_runs, tmp_path):
+    from shardstream import merge
+
     root = fsdp_runs["qwen2"]
     assert open_checkpoint(root / "model_only").config_dir() is None
-    _merge(root / "model_only", tmp_path / "out")
+    summary = merge(root / "model_only", tmp_path / "out")
     assert sorted(p.name for p in (tmp_path / "out").iterdir()) == ["model.safetensors"]
     assert_bit_identical(_load_merged(tmp_path / "out"), _expected(root, "model_only", None))
+    assert any("wrote the weights only" in note for note in summary.notes), summary.notes
 
 
 @pytest.mark.slow
