@@ -298,6 +298,29 @@ def _holds_entries(directory: Path) -> bool:
         return False
 
 
+def _warn_of_contents_it_cannot_save(
+    config: CheckpointConfig, model, optimizer, hf_export_given: bool
+) -> None:
+    """Say now, not at the first save many steps later, what ``save()`` will refuse (a
+    manager that only loads may go without those objects)."""
+    needs = [
+        ("model", "model", model is not None),
+        ("optimizer", "optimizer", optimizer is not None and model is not None),
+        ("hf_model", "hf_config= or hf_source_dir=", hf_export_given),
+    ]
+    missing = [
+        f"{part!r} but no {what} was given"
+        for part, what, given in needs
+        if part in config.save_contents and not given
+    ]
+    if missing and coll.rank() == 0:
+        log.warning(
+            "CheckpointManager: save_contents includes %s, so save() will refuse; give it, or "
+            "leave it out of save_contents (load() is not affected)",
+            " and ".join(missing),
+        )
+
+
 class CheckpointManager:
     """Saves and restores a training run's checkpoints.
 
@@ -326,6 +349,8 @@ class CheckpointManager:
     ):
         check_live_objects(model, optimizer, lr_scheduler)
         optimizer = one_optimizer(optimizer)
+        hf_export_given = hf_config is not None or hf_source_dir is not None
+        _warn_of_contents_it_cannot_save(config, model, optimizer, hf_export_given)
         self.config = config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.hf_config, self.tokenizer = hf_config, tokenizer

@@ -849,3 +849,28 @@ def test_merge_and_verify_keep_the_step_they_read_from_retention(tmp_path, comma
     writer.wait()
     assert writer.all_steps() == [4]
     writer.close()
+
+
+def test_contents_save_would_refuse_are_said_when_the_manager_is_built(tmp_path, caplog):
+    """A manager given a model alone, with the default save_contents (which holds the
+    optimizer), said nothing until its first save refused, after the steps before it."""
+    model = torch.nn.Linear(4, 2)
+    with caplog.at_level(logging.WARNING, logger="shardstream.manager"):
+        manager = CheckpointManager(CheckpointConfig(tmp_path / "run"), model=model)
+    said = [r.getMessage() for r in caplog.records]
+    assert any("'optimizer' but no optimizer was given" in m for m in said), said
+    with pytest.raises(UsageError, match="no optimizer"):
+        manager.save(1)
+    manager.close()
+    caplog.clear()
+    config = CheckpointConfig(tmp_path / "run2", save_contents=("model", "hf_model"))
+    with caplog.at_level(logging.WARNING, logger="shardstream.manager"):
+        CheckpointManager(config, model=model).close()
+    said = [r.getMessage() for r in caplog.records]
+    assert any("'hf_model' but no hf_config= or hf_source_dir= was given" in m for m in said)
+    assert not any("'model'" in m and "no model" in m for m in said), said
+    caplog.clear()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.WARNING, logger="shardstream.manager"):
+        CheckpointManager(CheckpointConfig(tmp_path / "run3"), model, optimizer).close()
+    assert not caplog.records
