@@ -356,6 +356,11 @@ def run_verify(args: argparse.Namespace) -> int:
             elif report.kind == "accelerate":
                 checked += " (the zip records of every DCP item and torch.save file against "
                 checked += "their CRC-32s)"
+            if report.unchecked_bytes:
+                checked += (
+                    f"; {format_size(report.unchecked_bytes)} of tensor data not checked: "
+                    "safetensors files shardstream did not write carry no checksums"
+                )
             print(
                 f"{verdict}: {report.kind} {report.path}: {report.files_checked} "
                 f"file{'' if report.files_checked == 1 else 's'}, "

@@ -151,6 +151,27 @@ def test_verify_hf_dirs(saved_run, tmp_path, capsys):
     assert any(str(shards[0]) in line and "missing" in line for line in lines), lines
 
 
+def test_verify_of_a_model_another_tool_wrote_says_its_data_went_unchecked(tmp_path, capsys):
+    """A flipped data byte in a file without shardstream's checksums (save_pretrained's,
+    verl's merger's) passed as "OK ... 2.70 KiB checked", the header's size alone."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "foreign"
+    model.mkdir()
+    save_file({"w": torch.arange(1024, dtype=torch.float32)}, str(model / "model.safetensors"))
+    header = read_header(model / "model.safetensors")
+    data = header.file_size - header.data_start
+    flip_data_byte(model / "model.safetensors")
+    code = cli.main(["verify", str(model)])  # not --quiet: the verdict line
+    out = capsys.readouterr().out
+    assert code == 0, out  # nothing it can check is wrong
+    assert "4.00 KiB of tensor data not checked" in out and "carry no checksums" in out, out
+    code = cli.main(["verify", "--json", str(model)])
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["unchecked_bytes"] == data == 4096 and doc["bytes_checked"] == header.data_start
+
+
 def test_verify_hf_shard_names_that_merely_start_with_dots(saved_run, tmp_path, capsys):
     """A shard named ``..model-00001-of-00002.safetensors`` is a file of the model directory,
     as merge and ``test`` read it: verify checks it like any other; ``..`` itself is refused."""
