@@ -93,3 +93,25 @@ def test_a_step_saved_without_hf_model_keeps_the_config_merge_needs(tmp_path):
     want = model.state_dict()
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, want[name].to(value.dtype)), name
+
+
+def test_exported_config_names_the_class_and_dtype_as_save_pretrained_does(tmp_path):
+    """A model built from a config names no ``architectures`` (vLLM picks the model class by
+    it; verl's merger failed without it) and, with no dtype asked for, the export wrote no
+    ``dtype``: save_pretrained writes both."""
+    import json
+
+    from shardstream import CheckpointConfig, CheckpointManager
+
+    config = tiny_config("qwen2")
+    config.architectures = None
+    model = build_tiny_model(config, seed=0, dtype=torch.bfloat16)
+    cfg = CheckpointConfig(str(tmp_path / "run"), save_contents=("model", "hf_model"))
+    with CheckpointManager(cfg, model=model, hf_config=config) as mgr:
+        mgr.save(1)
+    exported = tmp_path / "run" / "global_step_1" / "huggingface" / "config.json"
+    model.save_pretrained(tmp_path / "reference")
+    reference = json.loads((tmp_path / "reference" / "config.json").read_text())
+    written = json.loads(exported.read_text())
+    assert written["architectures"] == reference["architectures"] == ["Qwen2ForCausalLM"]
+    assert written["dtype"] == reference["dtype"] == "bfloat16"

@@ -334,7 +334,8 @@ def _merge(
                         )
                         endpoints.finish()
                     if config_dir is not None:
-                        hf.write_configs(tmp, out_dtype, config_dir)
+                        named = out_dtype or hf.one_floating_dtype(t.dtype for t in outputs)
+                        hf.write_configs(tmp, named, config_dir)
                 except BaseException as exc:  # noqa: BLE001  (the others wait to hear of it)
                     error = exc
             coll.agree_or_raise(error)

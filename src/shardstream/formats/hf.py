@@ -12,7 +12,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -185,10 +185,12 @@ def write_configs(
     source: Path | None = None,
     hf_config: Any = None,
     tokenizer: Any = None,
+    architecture: str | None = None,
 ) -> None:
     """The model's config and tokenizer files in ``target``: copied from ``source``, then
     saved from a transformers config and tokenizer where given; config.json names
-    ``out_dtype`` (None: as it was)."""
+    ``out_dtype`` (None: as it was), and ``architecture`` (the model's class) where it names
+    none, as ``save_pretrained`` writes it."""
     dtype_name = TORCH_NAME[out_dtype] if out_dtype else None
     copied = copy_config(source, target, dtype_name) if source is not None else []
     if hf_config is not None:
@@ -198,8 +200,20 @@ def write_configs(
             set_config_dtype(target / "config.json", target / "config.json", dtype_name)
     elif "config.json" in copied and "generation_config.json" not in copied:
         _generation_config_from_file(target, source)
+    if architecture and (target / "config.json").is_file():
+        config = read_object(target / "config.json", "config", nonfinite=True)
+        if not config.get("architectures"):
+            config["architectures"] = [architecture]
+            (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
+
+
+def one_floating_dtype(dtypes: Iterable[str]) -> str | None:
+    """The dtype code every floating one of ``dtypes`` is, if they share one: what
+    ``save_pretrained`` names in config.json for a model of one dtype."""
+    found = {code for code in dtypes if is_floating(code)}
+    return found.pop() if len(found) == 1 else None
 
 
 def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[str]:

@@ -250,6 +250,21 @@ class RankFileRows:
         return FileEndpoint(f.path, f.chunks, f.data_start, f.chunk_bytes)
 
 
+def transformers_class_name(model: torch.nn.Module) -> str | None:
+    """The name of the transformers class of ``model`` (under FSDP1/DDP wrappers, FSDP2's
+    subclass, ``torch.compile``), which ``save_pretrained`` writes as ``architectures``; None
+    for a model of another library."""
+    while isinstance(getattr(model, "module", None), torch.nn.Module) and type(
+        model
+    ).__module__.startswith("torch."):
+        model = model.module
+    model = getattr(model, "_orig_mod", model)
+    found = next((c for c in type(model).__mro__ if not c.__module__.startswith("torch.")), None)
+    if found is None or not found.__module__.startswith("transformers."):
+        return None
+    return found.__name__
+
+
 def _plan_files(
     live: dict[str, torch.Tensor], hf_config: Any, source: Path | None, dtype: str | None
 ) -> tuple[str | None, list[tuple[str, list[OutputTensor]]]]:
@@ -305,8 +320,14 @@ def write_hf_model(
     if coll.rank() == 0:
         try:
             output.create()
+            written = (t.dtype for _, tensors in plan.files for t in tensors)
             hf.write_configs(
-                output.directory, plan.out_dtype, export.source, export.hf_config, export.tokenizer
+                output.directory,
+                plan.out_dtype or hf.one_floating_dtype(written),
+                export.source,
+                export.hf_config,
+                export.tokenizer,
+                transformers_class_name(export.model),
             )
         except Exception as exc:  # noqa: BLE001 - every rank must hear of it, then it is raised
             error = exc
