@@ -22,8 +22,12 @@ as the live run had it. The outcome must be one of:
 * EVERY rank raises a one-line ``ShardstreamError`` naming the parameter or kind of state at
   fault, nobody hangs, and the live model and optimizer are as they were.
 
-``run``'s timeout is only a hang guard. Where shardstream does otherwise, the test keeps
-asserting the right behaviour and is marked ``xfail(strict=True)`` with what goes wrong.
+The cases of one world size share one job (the ranks start once and restore case after
+case, each into fresh live objects with a process group of its own for the test's
+collectives), so the ranks' caches are warm after the first. A case whose rank function
+raises fails alone; a job that crashes or hangs fails every case of it. ``run``'s timeout is
+only a hang guard. Where shardstream does otherwise, the test keeps asserting the right
+behaviour and is marked ``xfail(strict=True)`` with what goes wrong.
 """
 
 from __future__ import annotations
@@ -415,7 +419,25 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
         except Exception as exc:  # noqa: BLE001
             report["stepped"] = f"{type(exc).__name__}: {exc}"
     dist.barrier(group=mine)
+    dist.destroy_process_group(mine)
     return report
+
+
+def restore_batch(rank: int, world: int, specs: list[dict]) -> list[dict]:
+    """``restore_case`` for each spec in turn, on the same ranks: this rank's report of each,
+    or, where its rank function raised, ``{"rank", "ok": False, "crashed": traceback}`` (the
+    test fails it)."""
+    import traceback
+
+    reports = []
+    for spec in specs:
+        try:
+            reports.append(restore_case(rank, world, spec))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - the case's test reports it (DCP's are Base)
+            reports.append({"rank": rank, "ok": False, "crashed": traceback.format_exc()})
+    return reports
 
 
 # --- the test side ------------------------------------------------------------------------------
@@ -428,14 +450,199 @@ def saved(tmp_path_factory) -> dict:
     return {"root": root, "states": states}
 
 
-def _restore(
-    path: Path, world: int, wrap: str, optim: str, pre: int, api: str = "load", every=True
-):
-    """Restore at ``world`` ranks after ``pre`` steps of the live optimizer (``every``: with
-    every parameter trained, else as the saving run trained)."""
-    spec = {"path": str(path), "wrap": wrap, "optim": optim, "pre": pre, "api": api}
-    spec["every"] = every
-    return run(restore_case, world, spec, timeout=HANG_S)
+STEP = f"global_step_{STEPS}"
+CASE_S = 30  # more hang guard per case of a job, not a timing assertion
+
+# The cases, by the test that checks them (each test's parameters, as its ids show them).
+# (source, api, world, wrap, pre): the AdamW save into a live AdamW
+WITHOUT_SAVED_STATE = [
+    ("native", "manager", 4, "fsdp2", 2),
+    ("native", "load", 1, "plain", 0),
+    ("native", "manager", 4, "fsdp1-orig", 2),
+    ("native", "load", 3, "fsdp1-flat", 2),
+    ("dcp", "load", 3, "fsdp2", 2),
+    ("dcp", "load", 4, "fsdp1-orig", 0),
+    ("dcp-flat", "load", 3, "fsdp2", 0),
+    ("verl", "load", 4, "fsdp2", 0),
+    ("verl", "load", 4, "fsdp1-flat", 2),
+    ("verl", "load", 1, "fsdp2", 2),
+]
+# (variant, source, world, wrap, live optimizer)
+OTHER_OPTIMIZERS = [
+    ("amsgrad", "native", 4, "fsdp2", "amsgrad"),
+    ("amsgrad", "verl", 3, "fsdp1-orig", "amsgrad"),
+    ("sgdm", "native", 3, "fsdp2", "sgdm"),
+    ("sgdm", "verl", 1, "plain", "sgdm"),
+    ("groups", "native", 3, "fsdp2", "groups-other"),
+    ("groups", "dcp", 3, "fsdp1-orig", "groups-other"),
+    ("groups", "dcp-flat", 3, "fsdp2", "groups-other"),
+    ("adamw", "native", 3, "fsdp2", "adamw-other"),
+    ("adamw", "dcp", 3, "fsdp2", "adamw-loop"),
+    ("adamw", "verl", 3, "fsdp2", "adamw-fused"),
+]
+# (source, world, wrap, pre): the "everything" save
+SAVED_FOR_EVERY_PARAMETER = [
+    ("native", 3, "fsdp2", 0),
+    ("verl", 4, "fsdp2", 2),
+    ("dcp", 3, "fsdp1-orig", 2),
+]
+# (source, world, wrap, the part restored)
+ONE_PART = [
+    ("native", 3, "fsdp2", "model"),
+    ("native", 3, "fsdp2", "optimizer"),
+    ("verl", 3, "fsdp1-flat", "model"),
+    ("verl", 3, "fsdp1-orig", "optimizer"),
+    ("dcp", 3, "fsdp1-flat", "optimizer"),
+    ("dcp", 1, "plain", "model"),
+    ("native", 3, "fsdp1-orig", "model"),
+    ("native", 4, "fsdp1-flat", "optimizer"),
+]
+DROPPED_EVERYWHERE = [("verl", 3), ("dcp", 4)]  # (source, world)
+# (variant/source, world, wrap, what the refusal names)
+ONE_KIND_MISSING = [
+    ("adamw/verl-drop-kind", 3, "fsdp2", ("body.0.weight", "exp_avg_sq")),
+    ("adamw/verl-drop-kind", 3, "fsdp1-flat", ("body.0.weight", "exp_avg_sq")),
+    ("adamw/dcp-drop-kind", 1, "plain", ("body.0.weight", "exp_avg_sq")),
+    ("adamw/verl-drop-step", 3, "fsdp2", ("moe.router.weight", "step")),
+    ("amsgrad/verl-drop-max", 3, "fsdp2", ("body.2.weight", "max_exp_avg_sq")),
+]
+# (verl edit, world, what the refusal names)
+ONE_RANK_FILE = [
+    ("drop-kind-rank1", 3, ("exp_avg_sq",)),
+    ("drop-param-rank1", 3, ("moe.experts.0.weight",)),
+]
+
+
+def _without_one_kind(doc: dict) -> None:
+    doc["tensors"].pop("optimizer.state.moe.experts.1.weight.exp_avg")
+
+
+def _parameter_out_of_the_groups(doc: dict) -> None:
+    doc["objects"]["optimizer"]["param_groups"][0]["params"].remove("body.0.bias")
+
+
+def _without_a_parameters_state(doc: dict) -> None:
+    for name in [n for n in doc["tensors"] if n.startswith("optimizer.state.body.2.bias.")]:
+        del doc["tensors"][name]
+
+
+# copies of the AdamW native step, their manifests edited and resealed: name -> (edit, world)
+RESEALED = {
+    "without-one-kind": (_without_one_kind, 4),
+    "parameter-out-of-the-groups": (_parameter_out_of_the_groups, 3),
+    "without-a-parameters-state": (_without_a_parameters_state, 3),
+}
+
+
+def _spec(variant, source, world, wrap, optim, pre, api="load", every=True, contents=None):
+    """One restore (see ``restore_case``) of ``_where(root, variant, source)``, or of the
+    resealed copy ``source`` names (``resealed-<name>``)."""
+    spec = {"variant": variant, "source": source, "world": world, "wrap": wrap}
+    spec.update(optim=optim, pre=pre, api=api, every=every)
+    if contents is not None:
+        spec["contents"] = contents
+    return spec
+
+
+def _cases() -> dict[tuple, dict]:
+    """Every restore a test checks, by the key its test looks it up with."""
+    out = {}
+    for source, api, world, wrap, pre in WITHOUT_SAVED_STATE:
+        at = "run" if api == "manager" else source
+        key = ("without-saved-state", source, api, world, wrap, pre)
+        out[key] = _spec("adamw", at, world, wrap, "adamw", pre, api)
+    out[("mixed-flat-parameter",)] = _spec("adamw", "native", 3, "fsdp1-flat-moe", "adamw", 2)
+    for variant, source, world, wrap, live in OTHER_OPTIMIZERS:
+        key = ("other-optimizers", variant, source, world, wrap, live)
+        out[key] = _spec(variant, source, world, wrap, live, 2)
+    for source, world, wrap, pre in SAVED_FOR_EVERY_PARAMETER:
+        key = ("saved-for-every-parameter", source, world, wrap, pre)
+        out[key] = _spec("everything", source, world, wrap, "adamw", pre, every=False)
+    for source, world, wrap, part in ONE_PART:
+        key = ("one-part", source, world, wrap, part)
+        out[key] = _spec("adamw", source, world, wrap, "adamw", 2, contents=(part,))
+    out[("late",)] = _spec("late", "native", 3, "fsdp2", "adamw", 2)
+    out[("late-flat",)] = _spec("late", "native", 3, "fsdp1-flat-moe", "adamw", 2)
+    out[("flattened-groups",)] = _spec("groups", "dcp-flat", 3, "fsdp2", "adamw", 2)
+    out[("before-any-step",)] = _spec("fresh", "run", 3, "fsdp2", "adamw", 2, "manager")
+    for source, world in DROPPED_EVERYWHERE:
+        out[("dropped-everywhere", source, world)] = _spec(
+            "adamw", f"{source}-drop-param", world, "fsdp2", "adamw", 2
+        )
+    for path, world, wrap, _ in ONE_KIND_MISSING:
+        variant, source = path.split("/")
+        out[("one-kind-missing", path, world, wrap)] = _spec(
+            variant, source, world, wrap, variant, 2
+        )
+    for edit, world, _ in ONE_RANK_FILE:
+        out[("one-rank-file", edit, world)] = _spec(
+            "adamw", f"verl-{edit}", world, "fsdp2", "adamw", 2
+        )
+    out[("verl-ungrouped",)] = _spec("adamw", "verl-ungrouped", 3, "fsdp2", "adamw", 2)
+    out[("verl-empty",)] = _spec("fresh", "verl-empty", 3, "fsdp2", "adamw", 2)
+    out[("frozen-not-live",)] = _spec("adamw", "native", 3, "fsdp2", "adamw-trainable", 2)
+    for name, (_, world) in RESEALED.items():
+        out[("resealed", name)] = _spec("adamw", f"resealed-{name}", world, "fsdp2", "adamw", 2)
+    out[("refused-fresh",)] = _spec("adamw", "verl-drop-kind", 3, "fsdp2", "adamw", 0)
+    return out
+
+
+CASES = _cases()
+
+
+@pytest.fixture(scope="module")
+def resealed(saved, tmp_path_factory) -> dict[str, Path]:
+    """name -> the step directory of that resealed copy of the AdamW native step."""
+    root = tmp_path_factory.mktemp("resealed")
+    out = {}
+    for name, (edit, _) in RESEALED.items():
+        step = root / name / STEP
+        shutil.copytree(_where(saved["root"], "adamw", "native"), step)
+        doc = json.loads((step / native.MANIFEST).read_text())
+        edit(doc)
+        native.write_manifest(step, doc)
+        out[name] = step
+    return out
+
+
+@pytest.fixture(scope="module")
+def outcomes(saved, resealed) -> dict:
+    """Case key -> every rank's report, or the text of its job's failure: one job for the
+    cases of each world size."""
+    out: dict = {}
+    for world in sorted({spec["world"] for spec in CASES.values()}):
+        keys = [key for key, spec in CASES.items() if spec["world"] == world]
+        specs = []
+        for key in keys:
+            spec = dict(CASES[key])
+            variant, source = spec.pop("variant"), spec.pop("source")
+            if source.startswith("resealed-"):
+                path = resealed[source.removeprefix("resealed-")]
+            else:
+                path = _where(saved["root"], variant, source)
+            spec["path"] = str(path)
+            specs.append(spec)
+        try:
+            ranks = run(restore_batch, world, specs, timeout=HANG_S + CASE_S * len(specs))
+        except Exception as exc:  # noqa: BLE001 - each case's test reports it
+            for key in keys:
+                out[key] = f"{type(exc).__name__}: {exc}"
+            continue
+        for i, key in enumerate(keys):
+            out[key] = [rank[i] for rank in ranks]
+    return out
+
+
+def _reports(outcomes: dict, *key) -> list[dict]:
+    """Every rank's report of the case ``key``; the test fails if its job or a rank failed."""
+    reports = outcomes[key]
+    if isinstance(reports, str):
+        text = reports if len(reports) <= 12000 else f"{reports[:2000]}\n...\n{reports[-10000:]}"
+        pytest.fail(f"the job of restores failed (a crash or a hang): {text}")
+    for report in reports:
+        if "crashed" in report:
+            pytest.fail(f"rank {report['rank']} raised:\n{report['crashed']}")
+    return reports
 
 
 def torch_reference(saved_full: dict, optim: str, drop: tuple[str, ...] = ()) -> dict:
@@ -522,30 +729,14 @@ def test_the_saving_run_kept_no_state_for_parameters_without_gradient(saved, var
 
 # --- legitimate checkpoints restore as torch's load_state_dict does -----------------------------
 
-STEP = f"global_step_{STEPS}"
-
 
 @pytest.mark.parametrize(
-    ("source", "api", "world", "wrap", "pre"),
-    [
-        ("native", "manager", 4, "fsdp2", 2),
-        ("native", "load", 1, "plain", 0),
-        ("native", "manager", 4, "fsdp1-orig", 2),
-        ("native", "load", 3, "fsdp1-flat", 2),
-        ("dcp", "load", 3, "fsdp2", 2),
-        ("dcp", "load", 4, "fsdp1-orig", 0),
-        ("dcp-flat", "load", 3, "fsdp2", 0),
-        ("verl", "load", 4, "fsdp2", 0),
-        ("verl", "load", 4, "fsdp1-flat", 2),
-        ("verl", "load", 1, "fsdp2", 2),
-    ],
-    ids=lambda v: str(v),
+    ("source", "api", "world", "wrap", "pre"), WITHOUT_SAVED_STATE, ids=lambda v: str(v)
 )
-def test_parameters_without_saved_state_get_none(saved, source, api, world, wrap, pre):
+def test_parameters_without_saved_state_get_none(saved, outcomes, source, api, world, wrap, pre):
     """A live optimizer that stepped every parameter (``pre``) loses the state of those the
     checkpoint keeps none for; a fresh one (state initialised by torch's state-dict API) too."""
-    path = _where(saved["root"], "adamw", "run" if api == "manager" else source)
-    reports = _restore(path, world, wrap, "adamw", pre, api)
+    reports = _reports(outcomes, "without-saved-state", source, api, world, wrap, pre)
     want = torch_reference(saved["states"]["adamw"], "adamw")
     assert sorted(set(want["state"])) == sorted(
         set(saved["states"]["adamw"]["model"]) - set(NO_GRADIENT)
@@ -553,13 +744,13 @@ def test_parameters_without_saved_state_get_none(saved, source, api, world, wrap
     _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
 
 
-def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved):
+def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved, outcomes):
     """FSDP1 with use_orig_params=False, the MoE block one flat parameter: routed and unrouted
     experts share one optimizer entry, so the unrouted ones cannot be left without state.
     Either the restore is refused naming them, or it does what torch's own FSDP1 loading
     (``_flatten_optim_state``) does: zeros for them, which is what no AdamW state means. The
     live optimizer's stale moments (it stepped every expert) must not survive."""
-    reports = _restore(_where(saved["root"], "adamw", "native"), 3, "fsdp1-flat-moe", "adamw", 2)
+    reports = _reports(outcomes, "mixed-flat-parameter")
     if not all(r["ok"] for r in reports):
         assert_refused_everywhere(reports, "moe.experts.")
         return
@@ -580,40 +771,24 @@ def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved):
 
 
 @pytest.mark.parametrize(
-    ("variant", "source", "world", "wrap", "live"),
-    [
-        ("amsgrad", "native", 4, "fsdp2", "amsgrad"),
-        ("amsgrad", "verl", 3, "fsdp1-orig", "amsgrad"),
-        ("sgdm", "native", 3, "fsdp2", "sgdm"),
-        ("sgdm", "verl", 1, "plain", "sgdm"),
-        ("groups", "native", 3, "fsdp2", "groups-other"),
-        ("groups", "dcp", 3, "fsdp1-orig", "groups-other"),
-        ("groups", "dcp-flat", 3, "fsdp2", "groups-other"),
-        ("adamw", "native", 3, "fsdp2", "adamw-other"),
-        ("adamw", "dcp", 3, "fsdp2", "adamw-loop"),
-        ("adamw", "verl", 3, "fsdp2", "adamw-fused"),
-    ],
-    ids=lambda v: str(v),
+    ("variant", "source", "world", "wrap", "live"), OTHER_OPTIMIZERS, ids=lambda v: str(v)
 )
 def test_other_optimizers_and_groups_restore_as_torch_does(
-    saved, variant, source, world, wrap, live
+    saved, outcomes, variant, source, world, wrap, live
 ):
     """AdamW with amsgrad, SGD with momentum (no momentum_buffer for the parameters never
     given a gradient), a whole param group without state; live hyperparameters (lr, betas,
     foreach) other than the saved ones, which torch's load_state_dict replaces."""
-    path = _where(saved["root"], variant, source)
-    reports = _restore(path, world, wrap, live, 2)
+    reports = _reports(outcomes, "other-optimizers", variant, source, world, wrap, live)
     want = torch_reference(saved["states"][variant], live)
     _assert_restored(reports, want, saved["states"][variant], STEPS)
 
 
 @pytest.mark.parametrize(
-    ("source", "world", "wrap", "pre"),
-    [("native", 3, "fsdp2", 0), ("verl", 4, "fsdp2", 2), ("dcp", 3, "fsdp1-orig", 2)],
-    ids=lambda v: str(v),
+    ("source", "world", "wrap", "pre"), SAVED_FOR_EVERY_PARAMETER, ids=lambda v: str(v)
 )
 def test_saved_state_for_parameters_the_live_optimizer_has_none_for(
-    saved, source, world, wrap, pre
+    saved, outcomes, source, world, wrap, pre
 ):
     """The checkpoint keeps state for every parameter (the frozen layer was trained then); the
     live optimizer has none for the frozen layer (fresh: torch's state-dict API initialises
@@ -621,36 +796,19 @@ def test_saved_state_for_parameters_the_live_optimizer_has_none_for(
     for the tower and unrouted experts either. torch's load_state_dict gives every parameter
     its saved state, which the frozen layer keeps until it is unfrozen."""
     full = saved["states"]["everything"]
-    reports = _restore(
-        _where(saved["root"], "everything", source), world, wrap, "adamw", pre, every=False
-    )
+    reports = _reports(outcomes, "saved-for-every-parameter", source, world, wrap, pre)
     want = torch_reference(full, "adamw")
     assert sorted(want["state"]) == sorted(full["model"])
     _assert_restored(reports, want, full, STEPS)
 
 
-@pytest.mark.parametrize(
-    ("source", "world", "wrap", "part"),
-    [
-        ("native", 3, "fsdp2", "model"),
-        ("native", 3, "fsdp2", "optimizer"),
-        ("verl", 3, "fsdp1-flat", "model"),
-        ("verl", 3, "fsdp1-orig", "optimizer"),
-        ("dcp", 3, "fsdp1-flat", "optimizer"),
-        ("dcp", 1, "plain", "model"),
-        ("native", 3, "fsdp1-orig", "model"),
-        ("native", 4, "fsdp1-flat", "optimizer"),
-    ],
-    ids=lambda v: str(v),
-)
-def test_one_part_restored_the_other_left_as_it_was(saved, source, world, wrap, part):
+@pytest.mark.parametrize(("source", "world", "wrap", "part"), ONE_PART, ids=lambda v: str(v))
+def test_one_part_restored_the_other_left_as_it_was(saved, outcomes, source, world, wrap, part):
     """``contents`` naming the model alone, or the optimizer alone, into a live run that has
     stepped: that part as saved (the optimizer as torch's load_state_dict gives it), the
     other exactly as the live run had it, on every rank."""
     full = saved["states"]["adamw"]
-    spec = {"path": str(_where(saved["root"], "adamw", source)), "wrap": wrap, "optim": "adamw"}
-    spec.update(pre=2, api="load", contents=(part,))
-    reports = run(restore_case, world, spec, timeout=HANG_S)
+    reports = _reports(outcomes, "one-part", source, world, wrap, part)
     for report in reports:
         assert report["ok"], f"rank {report['rank']}: {report['error']['traceback']}"
         other = "optimizer" if part == "model" else "model"
@@ -668,49 +826,49 @@ def test_one_part_restored_the_other_left_as_it_was(saved, source, world, wrap, 
             assert same_nested(state[fqn][kind], value), f"{fqn}.{kind}"
 
 
-def test_step_counts_that_differ_between_parameters(saved):
+def test_step_counts_that_differ_between_parameters(saved, outcomes):
     """The tower and the unrouted experts first trained at the second step: step 1 where the
     rest has step 2, as torch keeps a step per parameter."""
     full = saved["states"]["late"]
     assert full["optim"]["state"]["moe.experts.2.weight"]["step"] == 1
     assert full["optim"]["state"]["moe.experts.0.weight"]["step"] == 2
-    reports = _restore(_where(saved["root"], "late", "native"), 3, "fsdp2", "adamw", 2)
+    reports = _reports(outcomes, "late")
     _assert_restored(reports, torch_reference(full, "adamw"), full, STEPS)
 
 
-def test_step_counts_that_differ_within_one_fsdp1_flat_parameter(saved):
+def test_step_counts_that_differ_within_one_fsdp1_flat_parameter(outcomes):
     """One flat parameter keeps one step count; torch's own FSDP1 loading refuses parameters
     of one flat parameter with different scalar state. Taking one of them silently would
     give the others another bias correction."""
-    path = _where(saved["root"], "late", "native")
-    assert_refused_everywhere(_restore(path, 3, "fsdp1-flat-moe", "adamw", 2), "step")
+    assert_refused_everywhere(_reports(outcomes, "late-flat"), "step")
 
 
-def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(saved):
+def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(outcomes):
     """torchtitan's flattened optimizer state dict keeps every parameter's hyperparameters
     (``param_groups.<fqn>.<key>``). Two saved groups (the tower and frozen layer without
     weight decay, at another lr) into a live optimizer of one group: the restored group
     cannot hold both, so the restore is refused (as torch's load_state_dict refuses it), not
     done with the first parameter's values for all."""
-    reports = _restore(_where(saved["root"], "groups", "dcp-flat"), 3, "fsdp2", "adamw", 2)
+    reports = _reports(outcomes, "flattened-groups")
     assert_refused_everywhere(reports, "param group", "saved with different settings")
 
 
-def test_checkpoint_saved_before_any_step(saved):
+def test_checkpoint_saved_before_any_step(saved, outcomes):
     """shardstream's own step-0 checkpoint holds the state torch's state-dict API initialised
     at the save (zero moments): it comes back as saved."""
-    reports = _restore(_where(saved["root"], "fresh", "run"), 3, "fsdp2", "adamw", 2, "manager")
+    reports = _reports(outcomes, "before-any-step")
     full = saved["states"]["fresh"]
     want = torch_reference(full, "adamw")
     _assert_restored(reports, want, full, 0)
 
 
-@pytest.mark.parametrize(("source", "world"), [("verl", 3), ("dcp", 4)])
-def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(saved, source, world):
+@pytest.mark.parametrize(("source", "world"), DROPPED_EVERYWHERE)
+def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(
+    saved, outcomes, source, world
+):
     """A checkpoint written without any state for ``body.2.bias`` (on every rank): restored
     as torch loads it, that parameter without state."""
-    path = _where(saved["root"], "adamw", f"{source}-drop-param")
-    reports = _restore(path, world, "fsdp2", "adamw", 2)
+    reports = _reports(outcomes, "dropped-everywhere", source, world)
     want = torch_reference(saved["states"]["adamw"], "adamw", drop=("body.2.bias",))
     assert "body.2.bias" not in want["state"]
     _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
@@ -720,101 +878,54 @@ def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(saved, s
 
 
 @pytest.mark.parametrize(
-    ("path", "world", "wrap", "needles"),
-    [
-        ("adamw/verl-drop-kind", 3, "fsdp2", ("body.0.weight", "exp_avg_sq")),
-        ("adamw/verl-drop-kind", 3, "fsdp1-flat", ("body.0.weight", "exp_avg_sq")),
-        ("adamw/dcp-drop-kind", 1, "plain", ("body.0.weight", "exp_avg_sq")),
-        ("adamw/verl-drop-step", 3, "fsdp2", ("moe.router.weight", "step")),
-        ("amsgrad/verl-drop-max", 3, "fsdp2", ("body.2.weight", "max_exp_avg_sq")),
-    ],
-    ids=lambda v: str(v),
+    ("path", "world", "wrap", "needles"), ONE_KIND_MISSING, ids=lambda v: str(v)
 )
-def test_one_kind_of_state_missing_for_one_parameter(saved, path, world, wrap, needles):
-    optim = path.split("/")[0]
-    reports = _restore(_where(saved["root"], *path.split("/")), world, wrap, optim, 2)
+def test_one_kind_of_state_missing_for_one_parameter(outcomes, path, world, wrap, needles):
+    reports = _reports(outcomes, "one-kind-missing", path, world, wrap)
     assert_refused_everywhere(reports, *needles)
 
 
-@pytest.mark.parametrize(
-    ("edit", "world", "needles"),
-    [
-        ("drop-kind-rank1", 3, ("exp_avg_sq",)),
-        ("drop-param-rank1", 3, ("moe.experts.0.weight",)),
-    ],
-)
-def test_state_missing_in_one_saved_rank_file_only(saved, edit, world, needles):
+@pytest.mark.parametrize(("edit", "world", "needles"), ONE_RANK_FILE)
+def test_state_missing_in_one_saved_rank_file_only(outcomes, edit, world, needles):
     """verl's rank 1 file lacks what rank 0's has: no rank may restore it."""
-    reports = _restore(_where(saved["root"], "adamw", f"verl-{edit}"), world, "fsdp2", "adamw", 2)
-    assert_refused_everywhere(reports, *needles)
+    assert_refused_everywhere(_reports(outcomes, "one-rank-file", edit, world), *needles)
 
 
-def test_parameter_with_state_left_out_of_verl_param_groups(saved):
+def test_parameter_with_state_left_out_of_verl_param_groups(outcomes):
     """torch's load_state_dict refuses groups of another size; verl's ids give no FQN."""
-    reports = _restore(_where(saved["root"], "adamw", "verl-ungrouped"), 3, "fsdp2", "adamw", 2)
-    assert_refused_everywhere(reports, "param groups")
+    assert_refused_everywhere(_reports(outcomes, "verl-ungrouped"), "param groups")
 
 
-def test_verl_checkpoint_without_any_state_into_adamw(saved):
-    reports = _restore(_where(saved["root"], "fresh", "verl-empty"), 3, "fsdp2", "adamw", 2)
-    assert_refused_everywhere(reports, "optimizer.state.")
+def test_verl_checkpoint_without_any_state_into_adamw(outcomes):
+    assert_refused_everywhere(_reports(outcomes, "verl-empty"), "optimizer.state.")
 
 
-def test_frozen_layer_in_the_saved_groups_but_not_in_the_live_optimizer(saved):
-    reports = _restore(_where(saved["root"], "adamw", "native"), 3, "fsdp2", "adamw-trainable", 2)
-    assert_refused_everywhere(reports, "frozen.weight")
+def test_frozen_layer_in_the_saved_groups_but_not_in_the_live_optimizer(outcomes):
+    assert_refused_everywhere(_reports(outcomes, "frozen-not-live"), "frozen.weight")
 
 
-def _copy_native(saved, tmp_path: Path, variant: str = "adamw") -> Path:
-    step = tmp_path / STEP
-    shutil.copytree(_where(saved["root"], variant, "native"), step)
-    return step
-
-
-def _reseal(step: Path, edit) -> None:
-    doc = json.loads((step / native.MANIFEST).read_text())
-    edit(doc)
-    native.write_manifest(step, doc)
-
-
-def test_native_manifest_resealed_without_one_kind_of_state(saved, tmp_path):
-    step = _copy_native(saved, tmp_path)
-    _reseal(step, lambda doc: doc["tensors"].pop("optimizer.state.moe.experts.1.weight.exp_avg"))
-    reports = _restore(step, 4, "fsdp2", "adamw", 2)
+def test_native_manifest_resealed_without_one_kind_of_state(outcomes):
+    reports = _reports(outcomes, "resealed", "without-one-kind")
     assert_refused_everywhere(reports, "moe.experts.1.weight.exp_avg")
 
 
-def test_native_manifest_resealed_with_a_parameter_left_out_of_the_groups(saved, tmp_path):
-    def edit(doc):
-        group = doc["objects"]["optimizer"]["param_groups"][0]
-        group["params"].remove("body.0.bias")
-
-    step = _copy_native(saved, tmp_path)
-    _reseal(step, edit)
-    assert_refused_everywhere(_restore(step, 3, "fsdp2", "adamw", 2), "body.0.bias")
+def test_native_manifest_resealed_with_a_parameter_left_out_of_the_groups(outcomes):
+    reports = _reports(outcomes, "resealed", "parameter-out-of-the-groups")
+    assert_refused_everywhere(reports, "body.0.bias")
 
 
-def test_native_manifest_resealed_without_a_parameters_state(saved, tmp_path):
+def test_native_manifest_resealed_without_a_parameters_state(saved, outcomes):
     """Either restored as torch would load it (``body.2.bias`` without state) or refused as a
     manifest that does not describe its files, naming the tensor."""
-    step = _copy_native(saved, tmp_path)
-    prefix = "optimizer.state.body.2.bias."
-
-    def edit(doc):
-        for name in [n for n in doc["tensors"] if n.startswith(prefix)]:
-            del doc["tensors"][name]
-
-    _reseal(step, edit)
-    reports = _restore(step, 3, "fsdp2", "adamw", 2)
+    reports = _reports(outcomes, "resealed", "without-a-parameters-state")
     if all(r["ok"] for r in reports):
         want = torch_reference(saved["states"]["adamw"], "adamw", drop=("body.2.bias",))
         _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
     else:
-        assert_refused_everywhere(reports, prefix)
+        assert_refused_everywhere(reports, "optimizer.state.body.2.bias.")
 
 
-def test_refused_restore_leaves_a_fresh_optimizer_fresh(saved):
+def test_refused_restore_leaves_a_fresh_optimizer_fresh(outcomes):
     """A live optimizer never stepped, the restore refused: it must still have no state (an
     AdamW step counter of 1 would change the next update's bias correction)."""
-    reports = _restore(_where(saved["root"], "adamw", "verl-drop-kind"), 3, "fsdp2", "adamw", 0)
-    assert_refused_everywhere(reports, "exp_avg_sq")
+    assert_refused_everywhere(_reports(outcomes, "refused-fresh"), "exp_avg_sq")
