@@ -360,6 +360,26 @@ def test_merge_dtype_that_is_not_floating(tmp_path, capsys, dtype):
     assert not (tmp_path / "merged").exists() and _snapshot(source) == before
 
 
+def test_values_beyond_float16s_range_are_said_by_name(tmp_path, capsys):
+    """--dtype float16 made a norm weight of 1e6 inf without a word (verl casts the same)."""
+    from safetensors.torch import load_file
+
+    state = _plain_state()
+    big = next(iter(state))
+    state[big] = torch.full_like(state[big], 1e6)
+    state[big].view(-1)[0] = float("inf")  # already infinite: not counted
+    source = _verl_dir(tmp_path / "actor", {MODEL: state})
+    argv = ["merge", "--local_dir", source, "--target_dir", tmp_path / "merged"]
+    code, lines = _cli(capsys, *argv, "--dtype", "float16")  # not --quiet: the notes
+    assert code == 0, lines
+    count = state[big].numel() - 1
+    note = f"note: {count} values of 1 tensor were beyond float16's range and became inf: "
+    assert any(line.startswith(note) and repr(big) in line for line in lines), lines
+    assert torch.isinf(load_file(tmp_path / "merged" / "model.safetensors")[big]).all()
+    code, lines = _cli(capsys, *argv, "--dtype", "bfloat16", "--overwrite")
+    assert code == 0 and not any("range" in line for line in lines), lines
+
+
 @pytest.mark.parametrize("named", ["bool", "int8", "float128"])
 @pytest.mark.parametrize("command", ["merge", "inspect"])
 def test_config_dtype_that_is_not_floating(tmp_path, capsys, command, named):

@@ -324,6 +324,7 @@ def _merge(
                 error = exc
             gathered = coll.gather(mine if error is None else None)
             coll.agree_or_raise(error)
+            overflowed = coll.gather_to_root(streamer.overflowed)
             if rank == 0:
                 try:
                     written += sum(file.size for file in output.seal(gathered))
@@ -341,6 +342,8 @@ def _merge(
             coll.agree_or_raise(error)
     finally:
         endpoints.close()
+    if rank == 0:
+        notes += _overflow_notes([*overflowed[1:], streamer.overflowed], out_dtype)
     return MergeSummary(
         target=str(target),
         format=checkpoint.format,
@@ -357,6 +360,26 @@ def _merge(
         layout_s=layout_s,
         notes=notes,
     )
+
+
+def _overflow_notes(counts: list[dict[str, int]], out_dtype: str | None) -> list[str]:
+    """A note naming the tensors whose values were beyond the output dtype's range (finite in
+    the checkpoint, infinite or NaN in the output), from every rank's counts."""
+    total: dict[str, int] = {}
+    for part in counts:
+        for name, count in part.items():
+            total[name] = total.get(name, 0) + count
+    if not total:
+        return []
+    worst = sorted(total, key=lambda n: (-total[n], n))
+    shown = ", ".join(f"{n!r} ({total[n]})" for n in worst[:3])
+    more = f" and {len(worst) - 3} more" if len(worst) > 3 else ""
+    name = TORCH_NAME.get(out_dtype or "", "the output dtype")
+    return [
+        f"{sum(total.values())} values of {len(total)} tensor{'s' if len(total) != 1 else ''} "
+        f"were beyond {name}'s range and became inf: {shown}{more}; a wider dtype "
+        "(--dtype bfloat16) keeps them"
+    ]
 
 
 def _entries_written(

@@ -105,6 +105,8 @@ class Streamer:
         self.endpoint = endpoints
         self.buf = buffers
         self.transforms = transforms or {}
+        # output tensor -> values finite in the source that its narrower dtype made infinite
+        self.overflowed: dict[str, int] = {}
 
     def rows(
         self, run: CopyRun, i0: int, i1: int, e0: int, e1: int, out: np.ndarray | None = None
@@ -165,10 +167,22 @@ class Streamer:
         if out is not None and out.ctypes.data % d_isz == 0:
             target = torch.from_numpy(out).view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
             target.copy_(values)  # convert straight into the destination window
+            self._count_overflow(run, values, target)
             return out.reshape(k, n * d_isz)
         staged = self.buf.staging[: k * n * d_isz].view(TORCH_BY_CODE[run.dst_dtype]).view(k, n)
         staged.copy_(values)
+        self._count_overflow(run, values, staged)
         return self.buf.staging[: k * n * d_isz].numpy().reshape(k, n * d_isz)
+
+    def _count_overflow(self, run: CopyRun, values: torch.Tensor, converted: torch.Tensor) -> None:
+        """Count the values a cast to float16 (the one output dtype of a smaller range than
+        the inputs') made infinite, though finite before: the merge says so, naming the
+        tensor."""
+        if run.dst_dtype != "F16" or not values.is_floating_point():
+            return
+        made = int(torch.isinf(converted).sum()) - int(torch.isinf(values).sum())
+        if made > 0:
+            self.overflowed[run.tensor] = self.overflowed.get(run.tensor, 0) + made
 
     def borrow(self, run: CopyRun, i0: int, i1: int, e0: int, e1: int) -> np.ndarray | None:
         """Rows [i0, i1), elements [e0, e1) as a (rows, bytes) view of the source's own host
