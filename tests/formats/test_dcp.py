@@ -409,6 +409,33 @@ def test_a_checkpoint_of_an_empty_state_dict_is_said_to_be_empty(tmp_path):
     assert any("holds no entries" in line for line in problems), problems
 
 
+@pytest.mark.parametrize(
+    ("left_out", "tied"),
+    [("model.embed_tokens.weight", False), ("lm_head.weight", False), ("lm_head.weight", True)],
+    ids=["frozen embedding", "untied head", "tied head (none stored: fine)"],
+)
+def test_a_decoder_saved_without_its_embedding_or_head_is_refused(tmp_path, capsys, left_out, tied):
+    """``get_state_dict(..., StateDictOptions(ignore_frozen_params=True))`` leaves a frozen
+    embedding out: merge wrote a model without it (exit 0, no note), which transformers then
+    started at random."""
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2", tie_word_embeddings=tied)
+    state = {k: v for k, v in build_tiny_model(config).state_dict().items() if k != left_out}
+    _save_plain(tmp_path / "ck", state)
+    config.save_pretrained(tmp_path / "hf")
+    argv = ["--hf_model_path", str(tmp_path / "hf")]
+    rc = cli.main(
+        ["merge", "--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "o"), *argv]
+    )
+    err = capsys.readouterr().err
+    if tied:
+        assert rc == 0, err
+        return
+    assert rc == 1 and not (tmp_path / "o").exists(), err
+    assert f"the checkpoint holds no {left_out}" in err and "ignore_frozen_params" in err, err
+
+
 def test_files_an_earlier_save_at_more_ranks_left_behind_are_not_the_checkpoints(tmp_path, capsys):
     """dcp.save over an older save at 3 ranks leaves __2_0.distcp, which .metadata does not
     name: the world size and files inspect reports are the new save's."""

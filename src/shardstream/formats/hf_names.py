@@ -512,6 +512,8 @@ def check_stored_layers(
 
 
 EMBEDDING = "model.embed_tokens.weight"  # a decoder's input embedding, [vocab_size, hidden_size]
+HEAD = "lm_head.weight"  # its output head, beside it
+DECODER_LAYERS = "model.layers."  # the decoder layers of the same layout (Llama, Qwen, Mistral)
 
 
 def check_stored_embedding(
@@ -525,12 +527,31 @@ def check_stored_embedding(
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
     if type(vocab) is not int or type(hidden) is not int:
         return
+    names = set()
     for name, shape in tensors:
+        names.add(name)
         if name == EMBEDDING and tuple(shape) != (vocab, hidden):
             raise CheckpointFormatError(
                 f"{config_path}: vocab_size {vocab} and hidden_size {hidden}, but the "
                 f"checkpoint's {name} is {list(shape)}: the checkpoint and config.json "
                 "describe different models (--hf_model_path names the model's own)"
+            )
+    if not any(name.startswith(DECODER_LAYERS) for name in names):
+        return  # not a decoder of the layout these names belong to
+    architectures = config.get("architectures")
+    causal = isinstance(architectures, list) and any(
+        isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures
+    )
+    wanted = [EMBEDDING] + (
+        [HEAD] if causal and config.get("tie_word_embeddings") is False else []
+    )
+    for name in wanted:
+        if name not in names:
+            raise CheckpointFormatError(
+                f"the checkpoint holds no {name}, which the model {config_path} describes "
+                "needs (saved without it: frozen parameters left out, as "
+                "ignore_frozen_params=True does?); a model loaded from the output would start "
+                "it at random"
             )
 
 
