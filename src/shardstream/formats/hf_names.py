@@ -542,9 +542,7 @@ def check_stored_embedding(
     causal = isinstance(architectures, list) and any(
         isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures
     )
-    wanted = [EMBEDDING] + (
-        [HEAD] if causal and config.get("tie_word_embeddings") is False else []
-    )
+    wanted = [EMBEDDING] + ([HEAD] if causal and config.get("tie_word_embeddings") is False else [])
     for name in wanted:
         if name not in names:
             raise CheckpointFormatError(
