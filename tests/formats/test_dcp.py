@@ -436,6 +436,21 @@ def test_a_decoder_saved_without_its_embedding_or_head_is_refused(tmp_path, caps
     assert f"the checkpoint holds no {left_out}" in err and "ignore_frozen_params" in err, err
 
 
+def test_a_head_left_out_as_tied_is_said_in_a_note(tmp_path, capsys):
+    """Dropped as save_pretrained drops a tied head, which only --json said: with a config
+    that ties it (the base model's, say) a head the run trained apart was lost unsaid."""
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2", tie_word_embeddings=False)
+    _save_plain(tmp_path / "ck", dict(build_tiny_model(config).state_dict()))
+    config.tie_word_embeddings = True
+    config.save_pretrained(tmp_path / "hf")
+    argv = ["--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "o")]
+    assert cli.main(["merge", *argv, "--hf_model_path", str(tmp_path / "hf")]) == 0
+    err = capsys.readouterr().err
+    assert "note: left out lm_head.weight: " in err and "ties it to the input embedding" in err
+
+
 def test_files_an_earlier_save_at_more_ranks_left_behind_are_not_the_checkpoints(tmp_path, capsys):
     """dcp.save over an older save at 3 ranks leaves __2_0.distcp, which .metadata does not
     name: the world size and files inspect reports are the new save's."""

@@ -247,6 +247,12 @@ def _merge(
         lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     where = str(config_dir / "config.json") if config_dir else "config.json"
+    if drop:
+        notes.append(
+            f"left out {', '.join(sorted(drop))}: {where} ties it to the input embedding, so "
+            "save_pretrained writes none and a loaded model uses the embedding in its place "
+            "(if the run trained it apart, merge with the run's own config: --hf_model_path)"
+        )
     # A layout transformers must plan takes seconds (its import, the model on meta): the disk
     # reads the first source bytes meanwhile. Ranks of a distributed merge read their own.
     budget = 0 if coll.world() > 1 else None
