@@ -78,3 +78,24 @@ def test_extra_state_is_named_and_left_out(tmp_path, capsys, nested):
         == 0
     )
     assert json.loads(capsys.readouterr().out)["not_tensors"] == entries
+
+
+def test_restore_says_which_extra_state_it_leaves_as_the_live_model_has_it(tmp_path, caplog):
+    """Restored tensors only, and left a dict of extra state (older TransformerEngine's FP8
+    metadata) at its live value without a word."""
+    import logging
+
+    import shardstream
+
+    torch.manual_seed(0)
+    saved = Tiny()
+    saved.block.amax = 7.0
+    dcp.save({"model": saved.state_dict()}, checkpoint_id=str(tmp_path / "ck"), no_dist=True)
+    torch.manual_seed(1)
+    live = Tiny()
+    with caplog.at_level(logging.WARNING, logger="shardstream.training.load"):
+        shardstream.load(tmp_path / "ck", model=live, contents=("model",))
+    assert torch.equal(live.embed.weight, saved.embed.weight)
+    assert live.block.amax == 2.5  # not restored, and now said
+    said = [r.getMessage() for r in caplog.records]
+    assert any("block (dict)" in m and "tag (str)" in m and "not restored" in m for m in said)

@@ -1204,6 +1204,27 @@ def _verl_extra(state: dict) -> dict:
 
 
 @gc_paused()
+def _warn_of_extra_state_left_as_it_is(model: torch.nn.Module) -> None:
+    """Say which modules keep extra state (``get_extra_state``) that is not a tensor: restore
+    sets tensors, so theirs stays the live value (TransformerEngine's FP8 metadata as older
+    versions keep it, a dict; newer ones keep a tensor, which is restored)."""
+    kept = []
+    for name, module in model.named_modules():
+        if type(module).get_extra_state is torch.nn.Module.get_extra_state:
+            continue
+        value = module.get_extra_state()
+        if not isinstance(value, torch.Tensor):
+            kept.append(f"{name or '<root>'} ({type(value).__name__})")
+    if kept and coll.rank() == 0:
+        log.warning(
+            "shardstream: not restored, left as the live model has it: the extra state "
+            "(get_extra_state) of %d module%s that is not a tensor: %s",
+            len(kept),
+            "s" if len(kept) != 1 else "",
+            ", ".join(kept[:5]) + (f" and {len(kept) - 5} more" if len(kept) > 5 else ""),
+        )
+
+
 def load(
     path: str | os.PathLike,
     *,
@@ -1262,6 +1283,8 @@ def load(
     want_model = "model" in contents and model is not None
     want_optimizer = "optimizer" in contents and optimizer is not None
     _, verl_optimizer_files = _same_request_everywhere(path, want_model, want_optimizer, contents)
+    if want_model:
+        _warn_of_extra_state_left_as_it_is(model)
     # A model whose state_dict hooks present other keys (torchtitan's fused QKV): its live
     # tensors by attribute, the saved ones described in their terms (training/hooks.py).
     presented = None
