@@ -490,3 +490,38 @@ def assert_refused_everywhere(reports: list[dict], *needles: str, untouched: boo
             assert needle in message, f"{needle!r} not named; {where}"
         if untouched:
             assert report["unchanged"], f"rank {report['rank']}: failed restore changed live state"
+
+
+# --- cases that share one job of ranks ----------------------------------------------------------
+
+
+def case_after_case(rank: int, world: int, case: Callable, specs: list[dict]) -> list[dict]:
+    """Run on each rank of a job: ``case(rank, world, spec)`` for each spec in turn, so the
+    ranks start once and their caches are warm after the first. This rank's report of each,
+    or, where ``case`` raised, ``{"rank", "ok": False, "crashed": traceback}``."""
+    import traceback
+
+    reports = []
+    for spec in specs:
+        try:
+            reports.append(case(rank, world, spec))
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException:  # noqa: BLE001 - the case's test reports it (DCP's are Base)
+            reports.append({"rank": rank, "ok": False, "crashed": traceback.format_exc()})
+    return reports
+
+
+def job_reports(outcomes: dict, *key) -> list[dict]:
+    """Every rank's report of the case ``key`` from ``outcomes`` (key -> the reports, or the
+    text of what failed the case's job); the test fails if its job or a rank failed."""
+    import pytest
+
+    reports = outcomes[key]
+    if isinstance(reports, str):
+        text = reports if len(reports) <= 12000 else f"{reports[:2000]}\n...\n{reports[-10000:]}"
+        pytest.fail(text)
+    for report in reports:
+        if "crashed" in report:
+            pytest.fail(f"rank {report['rank']} raised:\n{report['crashed']}")
+    return reports

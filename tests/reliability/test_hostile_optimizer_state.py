@@ -45,7 +45,14 @@ from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
 from shardstream.testing.verl_checkpoint import save_rank_files, write_fsdp_config
 
-from .harness import assert_refused_everywhere, attempt_restore, local_state, same_nested
+from .harness import (
+    assert_refused_everywhere,
+    attempt_restore,
+    case_after_case,
+    job_reports,
+    local_state,
+    same_nested,
+)
 
 preload(
     "torch._dynamo",  # FSDP2 imports it on its first fully_shard: a second per rank otherwise
@@ -423,23 +430,6 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     return report
 
 
-def restore_batch(rank: int, world: int, specs: list[dict]) -> list[dict]:
-    """``restore_case`` for each spec in turn, on the same ranks: this rank's report of each,
-    or, where its rank function raised, ``{"rank", "ok": False, "crashed": traceback}`` (the
-    test fails it)."""
-    import traceback
-
-    reports = []
-    for spec in specs:
-        try:
-            reports.append(restore_case(rank, world, spec))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException:  # noqa: BLE001 - the case's test reports it (DCP's are Base)
-            reports.append({"rank": rank, "ok": False, "crashed": traceback.format_exc()})
-    return reports
-
-
 # --- the test side ------------------------------------------------------------------------------
 
 
@@ -623,26 +613,18 @@ def outcomes(saved, resealed) -> dict:
             spec["path"] = str(path)
             specs.append(spec)
         try:
-            ranks = run(restore_batch, world, specs, timeout=HANG_S + CASE_S * len(specs))
+            ranks = run(
+                case_after_case, world, restore_case, specs, timeout=HANG_S + CASE_S * len(specs)
+            )
         except Exception as exc:  # noqa: BLE001 - each case's test reports it
             for key in keys:
-                out[key] = f"{type(exc).__name__}: {exc}"
+                out[key] = (
+                    f"the job of restores failed (a crash or a hang): {type(exc).__name__}: {exc}"
+                )
             continue
         for i, key in enumerate(keys):
             out[key] = [rank[i] for rank in ranks]
     return out
-
-
-def _reports(outcomes: dict, *key) -> list[dict]:
-    """Every rank's report of the case ``key``; the test fails if its job or a rank failed."""
-    reports = outcomes[key]
-    if isinstance(reports, str):
-        text = reports if len(reports) <= 12000 else f"{reports[:2000]}\n...\n{reports[-10000:]}"
-        pytest.fail(f"the job of restores failed (a crash or a hang): {text}")
-    for report in reports:
-        if "crashed" in report:
-            pytest.fail(f"rank {report['rank']} raised:\n{report['crashed']}")
-    return reports
 
 
 def torch_reference(saved_full: dict, optim: str, drop: tuple[str, ...] = ()) -> dict:
@@ -736,7 +718,7 @@ def test_the_saving_run_kept_no_state_for_parameters_without_gradient(saved, var
 def test_parameters_without_saved_state_get_none(saved, outcomes, source, api, world, wrap, pre):
     """A live optimizer that stepped every parameter (``pre``) loses the state of those the
     checkpoint keeps none for; a fresh one (state initialised by torch's state-dict API) too."""
-    reports = _reports(outcomes, "without-saved-state", source, api, world, wrap, pre)
+    reports = job_reports(outcomes, "without-saved-state", source, api, world, wrap, pre)
     want = torch_reference(saved["states"]["adamw"], "adamw")
     assert sorted(set(want["state"])) == sorted(
         set(saved["states"]["adamw"]["model"]) - set(NO_GRADIENT)
@@ -750,7 +732,7 @@ def test_mixed_flat_parameter_of_fsdp1_gets_zeros_not_stale_state(saved, outcome
     Either the restore is refused naming them, or it does what torch's own FSDP1 loading
     (``_flatten_optim_state``) does: zeros for them, which is what no AdamW state means. The
     live optimizer's stale moments (it stepped every expert) must not survive."""
-    reports = _reports(outcomes, "mixed-flat-parameter")
+    reports = job_reports(outcomes, "mixed-flat-parameter")
     if not all(r["ok"] for r in reports):
         assert_refused_everywhere(reports, "moe.experts.")
         return
@@ -779,7 +761,7 @@ def test_other_optimizers_and_groups_restore_as_torch_does(
     """AdamW with amsgrad, SGD with momentum (no momentum_buffer for the parameters never
     given a gradient), a whole param group without state; live hyperparameters (lr, betas,
     foreach) other than the saved ones, which torch's load_state_dict replaces."""
-    reports = _reports(outcomes, "other-optimizers", variant, source, world, wrap, live)
+    reports = job_reports(outcomes, "other-optimizers", variant, source, world, wrap, live)
     want = torch_reference(saved["states"][variant], live)
     _assert_restored(reports, want, saved["states"][variant], STEPS)
 
@@ -796,7 +778,7 @@ def test_saved_state_for_parameters_the_live_optimizer_has_none_for(
     for the tower and unrouted experts either. torch's load_state_dict gives every parameter
     its saved state, which the frozen layer keeps until it is unfrozen."""
     full = saved["states"]["everything"]
-    reports = _reports(outcomes, "saved-for-every-parameter", source, world, wrap, pre)
+    reports = job_reports(outcomes, "saved-for-every-parameter", source, world, wrap, pre)
     want = torch_reference(full, "adamw")
     assert sorted(want["state"]) == sorted(full["model"])
     _assert_restored(reports, want, full, STEPS)
@@ -808,7 +790,7 @@ def test_one_part_restored_the_other_left_as_it_was(saved, outcomes, source, wor
     stepped: that part as saved (the optimizer as torch's load_state_dict gives it), the
     other exactly as the live run had it, on every rank."""
     full = saved["states"]["adamw"]
-    reports = _reports(outcomes, "one-part", source, world, wrap, part)
+    reports = job_reports(outcomes, "one-part", source, world, wrap, part)
     for report in reports:
         assert report["ok"], f"rank {report['rank']}: {report['error']['traceback']}"
         other = "optimizer" if part == "model" else "model"
@@ -832,7 +814,7 @@ def test_step_counts_that_differ_between_parameters(saved, outcomes):
     full = saved["states"]["late"]
     assert full["optim"]["state"]["moe.experts.2.weight"]["step"] == 1
     assert full["optim"]["state"]["moe.experts.0.weight"]["step"] == 2
-    reports = _reports(outcomes, "late")
+    reports = job_reports(outcomes, "late")
     _assert_restored(reports, torch_reference(full, "adamw"), full, STEPS)
 
 
@@ -840,7 +822,7 @@ def test_step_counts_that_differ_within_one_fsdp1_flat_parameter(outcomes):
     """One flat parameter keeps one step count; torch's own FSDP1 loading refuses parameters
     of one flat parameter with different scalar state. Taking one of them silently would
     give the others another bias correction."""
-    assert_refused_everywhere(_reports(outcomes, "late-flat"), "step")
+    assert_refused_everywhere(job_reports(outcomes, "late-flat"), "step")
 
 
 def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(outcomes):
@@ -849,14 +831,14 @@ def test_flattened_dcp_groups_with_other_hyperparameters_merged_into_one(outcome
     weight decay, at another lr) into a live optimizer of one group: the restored group
     cannot hold both, so the restore is refused (as torch's load_state_dict refuses it), not
     done with the first parameter's values for all."""
-    reports = _reports(outcomes, "flattened-groups")
+    reports = job_reports(outcomes, "flattened-groups")
     assert_refused_everywhere(reports, "param group", "saved with different settings")
 
 
 def test_checkpoint_saved_before_any_step(saved, outcomes):
     """shardstream's own step-0 checkpoint holds the state torch's state-dict API initialised
     at the save (zero moments): it comes back as saved."""
-    reports = _reports(outcomes, "before-any-step")
+    reports = job_reports(outcomes, "before-any-step")
     full = saved["states"]["fresh"]
     want = torch_reference(full, "adamw")
     _assert_restored(reports, want, full, 0)
@@ -868,7 +850,7 @@ def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(
 ):
     """A checkpoint written without any state for ``body.2.bias`` (on every rank): restored
     as torch loads it, that parameter without state."""
-    reports = _reports(outcomes, "dropped-everywhere", source, world)
+    reports = job_reports(outcomes, "dropped-everywhere", source, world)
     want = torch_reference(saved["states"]["adamw"], "adamw", drop=("body.2.bias",))
     assert "body.2.bias" not in want["state"]
     _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
@@ -881,43 +863,43 @@ def test_trained_parameter_whose_state_was_dropped_everywhere_gets_none(
     ("path", "world", "wrap", "needles"), ONE_KIND_MISSING, ids=lambda v: str(v)
 )
 def test_one_kind_of_state_missing_for_one_parameter(outcomes, path, world, wrap, needles):
-    reports = _reports(outcomes, "one-kind-missing", path, world, wrap)
+    reports = job_reports(outcomes, "one-kind-missing", path, world, wrap)
     assert_refused_everywhere(reports, *needles)
 
 
 @pytest.mark.parametrize(("edit", "world", "needles"), ONE_RANK_FILE)
 def test_state_missing_in_one_saved_rank_file_only(outcomes, edit, world, needles):
     """verl's rank 1 file lacks what rank 0's has: no rank may restore it."""
-    assert_refused_everywhere(_reports(outcomes, "one-rank-file", edit, world), *needles)
+    assert_refused_everywhere(job_reports(outcomes, "one-rank-file", edit, world), *needles)
 
 
 def test_parameter_with_state_left_out_of_verl_param_groups(outcomes):
     """torch's load_state_dict refuses groups of another size; verl's ids give no FQN."""
-    assert_refused_everywhere(_reports(outcomes, "verl-ungrouped"), "param groups")
+    assert_refused_everywhere(job_reports(outcomes, "verl-ungrouped"), "param groups")
 
 
 def test_verl_checkpoint_without_any_state_into_adamw(outcomes):
-    assert_refused_everywhere(_reports(outcomes, "verl-empty"), "optimizer.state.")
+    assert_refused_everywhere(job_reports(outcomes, "verl-empty"), "optimizer.state.")
 
 
 def test_frozen_layer_in_the_saved_groups_but_not_in_the_live_optimizer(outcomes):
-    assert_refused_everywhere(_reports(outcomes, "frozen-not-live"), "frozen.weight")
+    assert_refused_everywhere(job_reports(outcomes, "frozen-not-live"), "frozen.weight")
 
 
 def test_native_manifest_resealed_without_one_kind_of_state(outcomes):
-    reports = _reports(outcomes, "resealed", "without-one-kind")
+    reports = job_reports(outcomes, "resealed", "without-one-kind")
     assert_refused_everywhere(reports, "moe.experts.1.weight.exp_avg")
 
 
 def test_native_manifest_resealed_with_a_parameter_left_out_of_the_groups(outcomes):
-    reports = _reports(outcomes, "resealed", "parameter-out-of-the-groups")
+    reports = job_reports(outcomes, "resealed", "parameter-out-of-the-groups")
     assert_refused_everywhere(reports, "body.0.bias")
 
 
 def test_native_manifest_resealed_without_a_parameters_state(saved, outcomes):
     """Either restored as torch would load it (``body.2.bias`` without state) or refused as a
     manifest that does not describe its files, naming the tensor."""
-    reports = _reports(outcomes, "resealed", "without-a-parameters-state")
+    reports = job_reports(outcomes, "resealed", "without-a-parameters-state")
     if all(r["ok"] for r in reports):
         want = torch_reference(saved["states"]["adamw"], "adamw", drop=("body.2.bias",))
         _assert_restored(reports, want, saved["states"]["adamw"], STEPS)
@@ -928,4 +910,4 @@ def test_native_manifest_resealed_without_a_parameters_state(saved, outcomes):
 def test_refused_restore_leaves_a_fresh_optimizer_fresh(outcomes):
     """A live optimizer never stepped, the restore refused: it must still have no state (an
     AdamW step counter of 1 would change the next update's bias correction)."""
-    assert_refused_everywhere(_reports(outcomes, "refused-fresh"), "exp_avg_sq")
+    assert_refused_everywhere(job_reports(outcomes, "refused-fresh"), "exp_avg_sq")

@@ -40,7 +40,14 @@ from shardstream.formats import native
 from shardstream.testing.compare import clone_nested, gathered_state
 from shardstream.testing.distributed import preload, run, shard_units
 
-from .harness import assert_refused_everywhere, attempt_restore, local_state, same_nested
+from .harness import (
+    assert_refused_everywhere,
+    attempt_restore,
+    case_after_case,
+    job_reports,
+    local_state,
+    same_nested,
+)
 
 # What every rank imports, imported once by the fork server the ranks start from (a rank then
 # starts in a fraction of a second instead of importing FSDP and a transformers model).
@@ -228,23 +235,6 @@ def restore_case(rank: int, world: int, spec: dict) -> dict:
     dist.barrier(group=mine)
     dist.destroy_process_group(mine)
     return report
-
-
-def restore_batch(rank: int, world: int, specs: list[dict]) -> list[dict]:
-    """``restore_case`` for each spec in turn, on the same ranks: this rank's report of each,
-    or, where its rank function raised, ``{"rank", "ok": False, "crashed": traceback}`` (the
-    test fails it)."""
-    import traceback
-
-    reports = []
-    for spec in specs:
-        try:
-            reports.append(restore_case(rank, world, spec))
-        except (KeyboardInterrupt, SystemExit):
-            raise
-        except BaseException:  # noqa: BLE001 - the case's test reports it (DCP's are Base)
-            reports.append({"rank": rank, "ok": False, "crashed": traceback.format_exc()})
-    return reports
 
 
 # --- the test side ------------------------------------------------------------------------------
@@ -609,7 +599,9 @@ def outcomes(saved, prepared) -> dict:
         keys = [key for key, (w, _) in cases.items() if w == world]
         specs = [cases[key][1] for key in keys]
         try:
-            ranks = run(restore_batch, world, specs, timeout=HANG_S + CASE_S * len(specs))
+            ranks = run(
+                case_after_case, world, restore_case, specs, timeout=HANG_S + CASE_S * len(specs)
+            )
         except Exception as exc:  # noqa: BLE001 - each case's test reports it
             for key in keys:
                 out[key] = (
@@ -619,18 +611,6 @@ def outcomes(saved, prepared) -> dict:
         for i, key in enumerate(keys):
             out[key] = [rank[i] for rank in ranks]
     return out
-
-
-def _reports(outcomes: dict, *key) -> list[dict]:
-    """Every rank's report of the case ``key``; the test fails if its job or a rank failed."""
-    reports = outcomes[key]
-    if isinstance(reports, str):
-        text = reports if len(reports) <= 12000 else f"{reports[:2000]}\n...\n{reports[-10000:]}"
-        pytest.fail(text)
-    for report in reports:
-        if "crashed" in report:
-            pytest.fail(f"rank {report['rank']} raised:\n{report['crashed']}")
-    return reports
 
 
 def _own(prepared: dict, *key) -> dict:
@@ -644,17 +624,17 @@ def _own(prepared: dict, *key) -> dict:
 
 @pytest.mark.parametrize(("world", "layout"), WORLD_SIZES, ids=WORLD_SIZE_IDS)
 def test_restore_at_any_world_size_is_bit_for_bit(saved, outcomes, untouched, world, layout):
-    reports = _reports(outcomes, "any-world-size", world, layout)
+    reports = job_reports(outcomes, "any-world-size", world, layout)
     _assert_restored(reports, saved["states"]["mlp"][2], 2, seen=2)
 
 
 def test_restore_of_an_older_step_is_bit_for_bit(saved, outcomes, untouched):
-    reports = _reports(outcomes, "older-step")
+    reports = job_reports(outcomes, "older-step")
     _assert_restored(reports, saved["states"]["mlp"][1], 1, seen=1)
 
 
 def test_optimizer_never_stepped_before_the_restore(saved, outcomes, untouched):
-    reports = _reports(outcomes, "never-stepped-before-the-restore")
+    reports = job_reports(outcomes, "never-stepped-before-the-restore")
     _assert_restored(reports, saved["states"]["mlp"][2], 2)
     assert all(r["stepped"] is True for r in reports), [r["stepped"] for r in reports]
 
@@ -662,27 +642,27 @@ def test_optimizer_never_stepped_before_the_restore(saved, outcomes, untouched):
 @pytest.mark.parametrize("pre_steps", [0, 3], ids=["fresh", "stepped"])
 def test_optimizer_never_stepped_before_the_save(saved, outcomes, untouched, pre_steps):
     """A restore replaces state the live optimizer built since with what the save held."""
-    reports = _reports(outcomes, "never-stepped-before-the-save", pre_steps)
+    reports = job_reports(outcomes, "never-stepped-before-the-save", pre_steps)
     _assert_restored(reports, saved["states"]["fresh"][0], 0, seen=0)
 
 
 def test_two_param_groups_round_trip(saved, outcomes, untouched):
-    reports = _reports(outcomes, "two-param-groups")
+    reports = job_reports(outcomes, "two-param-groups")
     _assert_restored(reports, saved["states"]["groups2"][2], 2)
 
 
 def test_momentum_sgd_round_trips(saved, outcomes, untouched):
-    reports = _reports(outcomes, "momentum-sgd")
+    reports = job_reports(outcomes, "momentum-sgd")
     _assert_restored(reports, saved["states"]["sgdm"][2], 2)
 
 
 def test_stateless_sgd_param_groups_round_trip(saved, outcomes, untouched):
-    reports = _reports(outcomes, "stateless-sgd")
+    reports = job_reports(outcomes, "stateless-sgd")
     _assert_restored(reports, saved["states"]["sgd"][2], 2)
 
 
 def test_bf16_checkpoint_into_an_fp32_model_is_an_exact_upcast(saved, outcomes, untouched):
-    reports = _reports(outcomes, "bf16-into-fp32")
+    reports = job_reports(outcomes, "bf16-into-fp32")
     got = reports[0]["state"]
     assert all(t.dtype == torch.float32 for t in got["model"].values())
     _assert_restored(reports, saved["states"]["bf16"][2], 2)
@@ -690,7 +670,7 @@ def test_bf16_checkpoint_into_an_fp32_model_is_an_exact_upcast(saved, outcomes, 
 
 def test_fp32_checkpoint_into_a_bf16_model_is_cast(saved, outcomes, untouched):
     """docs/design.md: a restore converts as ``tensor.to(dtype)`` does."""
-    reports = _reports(outcomes, "fp32-into-bf16")
+    reports = job_reports(outcomes, "fp32-into-bf16")
     got = reports[0]["state"]
     assert all(t.dtype == torch.bfloat16 for t in got["model"].values())
     _assert_restored(reports, saved["states"]["mlp"][2], 2)
@@ -701,12 +681,14 @@ def test_fp32_checkpoint_into_a_bf16_model_is_cast(saved, outcomes, untouched):
 
 @pytest.mark.parametrize(("spec", "needles"), CHANGED_ARCHITECTURE, ids=CHANGED_ARCHITECTURE_IDS)
 def test_changed_architecture_is_refused_naming_the_tensor(outcomes, untouched, spec, needles):
-    assert_refused_everywhere(_reports(outcomes, "changed-architecture", _frozen(spec)), *needles)
+    assert_refused_everywhere(
+        job_reports(outcomes, "changed-architecture", _frozen(spec)), *needles
+    )
 
 
 def test_changed_vocabulary_is_refused_naming_the_embedding(outcomes, untouched):
     assert_refused_everywhere(
-        _reports(outcomes, "changed-vocabulary"), "embed_tokens.weight", "[101, 48]"
+        job_reports(outcomes, "changed-vocabulary"), "embed_tokens.weight", "[101, 48]"
     )
 
 
@@ -717,11 +699,11 @@ def test_changed_vocabulary_is_refused_naming_the_embedding(outcomes, untouched)
 )
 def test_untied_checkpoint_into_a_tied_model(outcomes, untouched, contents):
     """The saved embedding and head differ; one shared parameter cannot hold both."""
-    assert_refused_everywhere(_reports(outcomes, "untied-into-tied", contents), "lm_head.weight")
+    assert_refused_everywhere(job_reports(outcomes, "untied-into-tied", contents), "lm_head.weight")
 
 
 def test_qwen_round_trip(saved, outcomes, untouched):
-    reports = _reports(outcomes, "qwen-round-trip")
+    reports = job_reports(outcomes, "qwen-round-trip")
     _assert_restored(reports, saved["states"]["qwen"][1], 1, seen=1)
 
 
@@ -743,7 +725,7 @@ def test_qwen_round_trip(saved, outcomes, untouched):
 def test_other_optimizer_is_refused_naming_what_is_missing(
     outcomes, untouched, variant, optim, needles
 ):
-    assert_refused_everywhere(_reports(outcomes, "other-optimizer", variant, optim), *needles)
+    assert_refused_everywhere(job_reports(outcomes, "other-optimizer", variant, optim), *needles)
 
 
 @pytest.mark.parametrize(
@@ -754,13 +736,13 @@ def test_other_optimizer_is_refused_naming_what_is_missing(
 def test_saved_optimizer_state_the_live_optimizer_lacks_is_not_dropped(
     outcomes, untouched, variant, optim, needle
 ):
-    assert_refused_everywhere(_reports(outcomes, "state-not-dropped", variant, optim), needle)
+    assert_refused_everywhere(job_reports(outcomes, "state-not-dropped", variant, optim), needle)
 
 
 def test_amsgrad_checkpoint_into_plain_adamw(saved, outcomes, untouched):
     """Either the saved max_exp_avg_sq comes back with the rest and the optimizer steps, or
     the restore is refused naming it; never a success that leaves the next step broken."""
-    reports = _reports(outcomes, "amsgrad-into-adamw")
+    reports = job_reports(outcomes, "amsgrad-into-adamw")
     if all(r["ok"] for r in reports):
         _assert_restored(reports, saved["states"]["amsgrad"][2], 2)
         assert all(r["stepped"] is True for r in reports), [r["stepped"] for r in reports]
@@ -775,7 +757,7 @@ def test_amsgrad_checkpoint_into_plain_adamw(saved, outcomes, untouched):
 @pytest.mark.parametrize("damage", DAMAGES, ids=lambda f: f.__name__[1:])
 def test_damaged_rank_file_fails_every_rank_naming_it(outcomes, prepared, damage, rank_file):
     key = ("damaged-rank-file", damage.__name__, rank_file)
-    reports = _reports(outcomes, *key)
+    reports = job_reports(outcomes, *key)
     own = _own(prepared, *key)
     # A flipped data byte is found as the chunk is read into the live tensors, so the failed
     # restore may have written some of them: it says so by raising (not asserted untouched).
@@ -785,14 +767,14 @@ def test_damaged_rank_file_fails_every_rank_naming_it(outcomes, prepared, damage
 
 @pytest.mark.parametrize("which", ["json", "tensors"])
 def test_damaged_extra_state_of_rank_1_fails_every_rank(outcomes, prepared, which):
-    reports = _reports(outcomes, "damaged-extra-state", which)
+    reports = job_reports(outcomes, "damaged-extra-state", which)
     own = _own(prepared, "damaged-extra-state", which)
     assert_refused_everywhere(reports, own["victim"])
     assert _tree(own["root"]) == own["tree"]
 
 
 def test_hand_edited_manifest_is_refused_naming_it(outcomes, prepared):
-    reports = _reports(outcomes, "hand-edited-manifest")
+    reports = job_reports(outcomes, "hand-edited-manifest")
     own = _own(prepared, "hand-edited-manifest")
     assert own["edited"]
     assert_refused_everywhere(reports, "manifest.json")
@@ -802,14 +784,14 @@ def test_hand_edited_manifest_is_refused_naming_it(outcomes, prepared):
 @pytest.mark.parametrize("edit", RESEALED_EDITS)
 def test_resealed_manifest_that_lies_is_refused(outcomes, prepared, edit):
     """A manifest edited and re-sealed with a valid checksum (by a script 'fixing' it)."""
-    reports = _reports(outcomes, "resealed-manifest", edit)
+    reports = job_reports(outcomes, "resealed-manifest", edit)
     own = _own(prepared, "resealed-manifest", edit)
     assert_refused_everywhere(reports, *own["needles"])
     assert _tree(own["root"]) == own["tree"]
 
 
 def test_rank_file_of_another_step_swapped_in(outcomes, prepared):
-    reports = _reports(outcomes, "rank-file-of-another-step")
+    reports = job_reports(outcomes, "rank-file-of-another-step")
     own = _own(prepared, "rank-file-of-another-step")
     assert_refused_everywhere(reports, own["victim"])
     assert _tree(own["root"]) == own["tree"]
@@ -817,7 +799,7 @@ def test_rank_file_of_another_step_swapped_in(outcomes, prepared):
 
 def test_manifest_removed_from_the_newest_step_falls_back_to_the_older(saved, outcomes, prepared):
     """Without its manifest a step is not committed: restore() takes the newest that is."""
-    reports = _reports(outcomes, "manifest-removed")
+    reports = job_reports(outcomes, "manifest-removed")
     own = _own(prepared, "manifest-removed")
     _assert_restored(reports, saved["states"]["mlp"][1], 1, seen=1)
     assert _tree(own["root"]) == own["tree"]
@@ -827,50 +809,50 @@ def test_manifest_removed_from_the_newest_step_falls_back_to_the_older(saved, ou
 
 
 def test_step_that_does_not_exist(outcomes, untouched):
-    assert_refused_everywhere(_reports(outcomes, "step-that-does-not-exist"), "step 7")
+    assert_refused_everywhere(job_reports(outcomes, "step-that-does-not-exist"), "step 7")
 
 
 @pytest.mark.parametrize("made", RUN_DIRECTORIES)
 def test_run_directory_without_a_committed_step(outcomes, prepared, made):
-    reports = _reports(outcomes, "run-directory", made, "newest")
+    reports = job_reports(outcomes, "run-directory", made, "newest")
     own = _own(prepared, "run-directory", made, "newest")
     for report in reports:
         assert report["ok"] and report["restored"] is None, report.get("error")
     assert _tree(own["watched"]) == own["tree"]
     # Asking for a step there is an error on every rank.
-    assert_refused_everywhere(_reports(outcomes, "run-directory", made, "step-4"), "step 4")
+    assert_refused_everywhere(job_reports(outcomes, "run-directory", made, "step-4"), "step 4")
 
 
 def test_resume_path_that_does_not_exist(outcomes, prepared, untouched):
-    reports = _reports(outcomes, "resume-path-missing")
+    reports = job_reports(outcomes, "resume-path-missing")
     assert_refused_everywhere(reports, _own(prepared, "resume-path-missing")["path"])
 
 
 def test_resume_path_that_is_the_run_directory_restores_its_newest_step(saved, outcomes, untouched):
     """As ``source.checkpoints_below`` documents: a run directory means its latest step."""
-    reports = _reports(outcomes, "resume-path-run-directory")
+    reports = job_reports(outcomes, "resume-path-run-directory")
     _assert_restored(reports, saved["states"]["mlp"][2], 2, seen=2)
 
 
 def test_resume_path_that_is_a_file(saved, outcomes, untouched):
     manifest = str(Path(saved["roots"]["mlp"]) / "global_step_2" / "manifest.json")
-    assert_refused_everywhere(_reports(outcomes, "resume-path-file"), manifest)
+    assert_refused_everywhere(job_reports(outcomes, "resume-path-file"), manifest)
 
 
 def test_resume_path_that_is_an_empty_directory(outcomes, prepared, untouched):
-    reports = _reports(outcomes, "resume-path-empty")
+    reports = job_reports(outcomes, "resume-path-empty")
     assert_refused_everywhere(reports, _own(prepared, "resume-path-empty")["path"])
 
 
 def test_resume_path_to_an_older_step_restores_it(saved, outcomes, untouched):
-    reports = _reports(outcomes, "resume-path-older-step")
+    reports = job_reports(outcomes, "resume-path-older-step")
     _assert_restored(reports, saved["states"]["mlp"][1], 1, 1)
 
 
 @pytest.mark.parametrize("mode", ["disable", "auto"])
 def test_resume_from_path_is_ignored_outside_resume_path_mode(saved, outcomes, untouched, mode):
     """As in verl: "disable" restores nothing, "auto" the newest step, whatever the path."""
-    reports = _reports(outcomes, "resume-path-ignored", mode)
+    reports = job_reports(outcomes, "resume-path-ignored", mode)
     if mode == "auto":
         _assert_restored(reports, saved["states"]["mlp"][2], 2, seen=2)
     else:
@@ -895,17 +877,17 @@ def test_bad_resume_settings_are_refused_at_once(tmp_path, values, needle):
 
 @pytest.mark.parametrize(("odd", "needles"), ONE_RANK_WITH_ANOTHER_MODEL, ids=ONE_RANK_IDS)
 def test_one_rank_with_another_model_fails_every_rank(outcomes, untouched, odd, needles):
-    reports = _reports(outcomes, "one-rank-with-another-model", _frozen(odd))
+    reports = job_reports(outcomes, "one-rank-with-another-model", _frozen(odd))
     assert_refused_everywhere(reports, *needles)
 
 
 def test_one_rank_with_a_bad_resume_path_fails_every_rank(outcomes, untouched):
-    assert_refused_everywhere(_reports(outcomes, "one-rank-bad-resume-path"), "global_step_2")
+    assert_refused_everywhere(job_reports(outcomes, "one-rank-bad-resume-path"), "global_step_2")
 
 
 def test_ranks_asking_for_different_steps_fail_every_rank(outcomes, untouched):
-    assert_refused_everywhere(_reports(outcomes, "different-steps"), "step")
+    assert_refused_everywhere(job_reports(outcomes, "different-steps"), "step")
 
 
 def test_ranks_loading_different_contents_fail_every_rank(outcomes, untouched):
-    assert_refused_everywhere(_reports(outcomes, "different-contents"), "optimizer")
+    assert_refused_everywhere(job_reports(outcomes, "different-contents"), "optimizer")
