@@ -512,6 +512,27 @@ def case_after_case(rank: int, world: int, case: Callable, specs: list[dict]) ->
     return reports
 
 
+def jobs_by_world(case: Callable, cases: dict, timeout: Callable[[int], float]) -> dict:
+    """``cases`` (key -> (world size, spec)) run as one job of ranks per world size
+    (``case_after_case``; ``timeout(cases in the job)``, a hang guard): key -> every rank's
+    report, or the text of what failed its job (a crash or a hang)."""
+    from shardstream.testing.distributed import run
+
+    out: dict = {}
+    for world in sorted({world for world, _ in cases.values()}):
+        keys = [key for key, (w, _) in cases.items() if w == world]
+        specs = [cases[key][1] for key in keys]
+        try:
+            ranks = run(case_after_case, world, case, specs, timeout=timeout(len(specs)))
+        except Exception as exc:  # noqa: BLE001 - each case's test reports it
+            failed = f"the job of restores failed (a crash or a hang): {type(exc).__name__}: {exc}"
+            out.update(dict.fromkeys(keys, failed))
+            continue
+        for i, key in enumerate(keys):
+            out[key] = [rank[i] for rank in ranks]
+    return out
+
+
 def job_reports(outcomes: dict, *key) -> list[dict]:
     """Every rank's report of the case ``key`` from ``outcomes`` (key -> the reports, or the
     text of what failed the case's job); the test fails if its job or a rank failed."""

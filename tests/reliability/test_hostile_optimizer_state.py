@@ -48,8 +48,8 @@ from shardstream.testing.verl_checkpoint import save_rank_files, write_fsdp_conf
 from .harness import (
     assert_refused_everywhere,
     attempt_restore,
-    case_after_case,
     job_reports,
+    jobs_by_world,
     local_state,
     same_nested,
 )
@@ -599,32 +599,17 @@ def resealed(saved, tmp_path_factory) -> dict[str, Path]:
 def outcomes(saved, resealed) -> dict:
     """Case key -> every rank's report, or the text of its job's failure: one job for the
     cases of each world size."""
-    out: dict = {}
-    for world in sorted({spec["world"] for spec in CASES.values()}):
-        keys = [key for key, spec in CASES.items() if spec["world"] == world]
-        specs = []
-        for key in keys:
-            spec = dict(CASES[key])
-            variant, source = spec.pop("variant"), spec.pop("source")
-            if source.startswith("resealed-"):
-                path = resealed[source.removeprefix("resealed-")]
-            else:
-                path = _where(saved["root"], variant, source)
-            spec["path"] = str(path)
-            specs.append(spec)
-        try:
-            ranks = run(
-                case_after_case, world, restore_case, specs, timeout=HANG_S + CASE_S * len(specs)
-            )
-        except Exception as exc:  # noqa: BLE001 - each case's test reports it
-            for key in keys:
-                out[key] = (
-                    f"the job of restores failed (a crash or a hang): {type(exc).__name__}: {exc}"
-                )
-            continue
-        for i, key in enumerate(keys):
-            out[key] = [rank[i] for rank in ranks]
-    return out
+    cases = {}
+    for key, spec in CASES.items():
+        spec = dict(spec)
+        variant, source = spec.pop("variant"), spec.pop("source")
+        if source.startswith("resealed-"):
+            path = resealed[source.removeprefix("resealed-")]
+        else:
+            path = _where(saved["root"], variant, source)
+        spec["path"] = str(path)
+        cases[key] = (spec["world"], spec)
+    return jobs_by_world(restore_case, cases, lambda count: HANG_S + CASE_S * count)
 
 
 def torch_reference(saved_full: dict, optim: str, drop: tuple[str, ...] = ()) -> dict:

@@ -43,8 +43,8 @@ from shardstream.testing.distributed import preload, run, shard_units
 from .harness import (
     assert_refused_everywhere,
     attempt_restore,
-    case_after_case,
     job_reports,
+    jobs_by_world,
     local_state,
     same_nested,
 )
@@ -595,21 +595,7 @@ def outcomes(saved, prepared) -> dict:
         if "error" in info:
             out[key] = f"making the case's files failed:\n{info['error']}"
             del cases[key]
-    for world in sorted({world for world, _ in cases.values()}):
-        keys = [key for key, (w, _) in cases.items() if w == world]
-        specs = [cases[key][1] for key in keys]
-        try:
-            ranks = run(
-                case_after_case, world, restore_case, specs, timeout=HANG_S + CASE_S * len(specs)
-            )
-        except Exception as exc:  # noqa: BLE001 - each case's test reports it
-            for key in keys:
-                out[key] = (
-                    f"the job of restores failed (a crash or a hang): {type(exc).__name__}: {exc}"
-                )
-            continue
-        for i, key in enumerate(keys):
-            out[key] = [rank[i] for rank in ranks]
+    out.update(jobs_by_world(restore_case, cases, lambda count: HANG_S + CASE_S * count))
     return out
 
 
