@@ -175,6 +175,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("path", help="checkpoint, run or HF model directory")
     _flag(inspect, "--json", action="store_true", help="machine-readable output")
     _flag(inspect, "--prefix", default=None, help="DCP: what the model's keys start with")
+    _flag(
+        inspect,
+        "--hf_model_path",
+        default=None,
+        help="the config directory merge would be given: plan its layout with that config",
+    )
     return parser
 
 
@@ -323,7 +329,7 @@ def run_test(args: argparse.Namespace) -> int:
 def run_inspect(args: argparse.Namespace) -> int:
     from .commands.inspect import describe, render
 
-    info = describe(args.path, args.prefix)
+    info = describe(args.path, args.prefix, args.hf_model_path)
     print(json.dumps(info, indent=2) if args.json else render(info))
     return 0
 

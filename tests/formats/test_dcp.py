@@ -342,6 +342,20 @@ def test_merge_without_config_writes_weights_only_and_says_so(fsdp_runs, tmp_pat
     assert any("wrote the weights only" in note for note in summary.notes), summary.notes
 
 
+def test_inspect_plans_with_the_config_merge_would_be_given(fsdp_runs, tmp_path, capsys):
+    """inspect said "pass --hf_model_path" for a checkpoint without a config, and took no such
+    option: what merge will write (its layout, its dtype) could not be seen before it ran."""
+    root = fsdp_runs["qwen2"]
+    assert cli.main(["inspect", str(root / "model_only"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["config_dir"] is None
+    argv = ["inspect", str(root / "model_only"), "--json", "--hf_model_path", str(root / "hf")]
+    assert cli.main(argv) == 0
+    info = json.loads(capsys.readouterr().out)
+    assert info["config_dir"] == str(root / "hf") and "qwen2" in json.dumps(info["merge"])
+    assert cli.main([*argv[:-1], str(tmp_path)]) == 2
+    assert "no config.json there" in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_inspect_and_test_commands_accept_dcp(fsdp_runs, tmp_path, capsys):
     pytest.importorskip("shardstream.commands.inspect")

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 from ..engine.dtypes import TORCH_NAME, itemsize
+from ..errors import UsageError
 from ..units import DEFAULT_BUFFER_BYTES, format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
@@ -20,10 +21,15 @@ BASELINE_RSS_BYTES = 260 * 2**20
 ASSUMED_DISK_BYTES_PER_S = 500 * 10**6
 
 
-def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
+def describe(
+    path: str | os.PathLike,
+    prefix: str | None = None,
+    hf_model_path: str | os.PathLike | None = None,
+) -> dict:
     """Everything known about the checkpoint at ``path`` without reading tensor data; for a
     run directory (a manager's), its steps and the newest committed one. ``prefix``: what a
-    DCP checkpoint's model keys start with, where detection is ambiguous."""
+    DCP checkpoint's model keys start with, where detection is ambiguous. ``hf_model_path``:
+    the config directory merge would be given (``--hf_model_path``), else the checkpoint's."""
     from ..formats.hf import read_config
     from ..formats.source import Kind, detect, open_checkpoint
 
@@ -33,10 +39,13 @@ def describe(path: str | os.PathLike, prefix: str | None = None) -> dict:
         run = _role_run(Path(path))  # verl's (or the plug-in's) global_step_N/actor
     if run is not None:
         newest = Path(path) / f"global_step_{run['newest']}"
-        return {**describe(newest / run["role"] if run.get("role") else newest), "run": run}
+        where = newest / run["role"] if run.get("role") else newest
+        return {**describe(where, prefix, hf_model_path), "run": run}
     hf_model = kind is Kind.HF_MODEL  # --prefix is DCP's; an HF model's inspect ignores it
     checkpoint = open_checkpoint(path, prefix=None if hf_model else prefix)  # or its error
-    config_dir = checkpoint.config_dir()
+    config_dir = Path(hf_model_path) if hf_model_path else checkpoint.config_dir()
+    if hf_model_path and not (config_dir / "config.json").is_file():
+        raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = read_config(config_dir)
     if hf_model:  # merge re-lays an HF model out too: what it would write
         own = config if config_dir == Path(path) else read_config(Path(path))
@@ -295,7 +304,7 @@ def render(info: dict) -> str:
             else []
         ),
         f"model files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
-        f"config: {info['config_dir'] or 'none found (pass --hf_model_path to merge)'}",
+        f"config: {info['config_dir'] or 'none found (pass --hf_model_path)'}",
         f"tensors: {info['num_tensors']}, {format_size(info['total_bytes'])}",
         *_objects_line(info.get("model_objects") or []),
         "",
