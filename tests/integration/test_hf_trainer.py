@@ -12,7 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardstream.testing.cli import cli_stdout, run_cli
+from shardstream.testing.cli import main_stdout, run_cli
 from shardstream.testing.distributed import run
 
 from . import hf_trainer_workers as hw
@@ -65,10 +65,10 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     assert set(trained["files"]) == FILES[trained["type"]], trained["files"]
     ckpt, model = trained["ckpt"], trained["reference"]["model"]
 
-    info = json.loads(cli_stdout("inspect", "--json", str(ckpt)))
+    info = json.loads(main_stdout("inspect", "--json", str(ckpt)))
     assert (info["world_size"], info["step"], info["num_tensors"]) == (2, hw.STEPS, len(model))
     assert info["format"] == f"accelerate ({trained['type']})", info["format"]
-    verified = json.loads(cli_stdout("verify", "--json", str(ckpt)))
+    verified = json.loads(main_stdout("verify", "--json", str(ckpt)))
     assert verified["kind"] == "accelerate", verified
     # model and optimizer (2 rank files and .metadata each, or one file each), scheduler, RNG;
     # FULL_STATE_DICT: also training_args.bin (records) and save_pretrained's model.safetensors
@@ -77,7 +77,7 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     assert verified["ok"] and verified["files_checked"] == files, verified
 
     merged = tmp_path / "merged"
-    cli_stdout("merge", "--local_dir", str(ckpt), "--target_dir", str(merged), "--quiet")
+    main_stdout("merge", "--local_dir", str(ckpt), "--target_dir", str(merged), "--quiet")
     # config.json (FULL_STATE_DICT only) says the embeddings are tied: lm_head left out
     expected = {k: v for k, v in model.items() if not (trained["tie"] and k == "lm_head.weight")}
     _assert_same(load_file(merged / "model.safetensors"), expected, "merged")
@@ -88,7 +88,7 @@ def test_checkpoint_files_and_cli(trained, tmp_path):
     )
 
     ref = trained["root"] / "ref"
-    out = cli_stdout("test", "--local_dir", str(ckpt), "--test_hf_dir", str(ref), "--exact")
+    out = main_stdout("test", "--local_dir", str(ckpt), "--test_hf_dir", str(ref), "--exact")
     assert f"compared {len(model)} tensors" in out and "max abs diff 0" in out, out
 
 
@@ -116,10 +116,10 @@ def test_restore_three_ranks_fsdp2(trained):
 def test_verify_trainer_output_dir(trained):
     """The Trainer's output_dir: every checkpoint-N in it verified."""
     out = trained["root"] / "out"
-    verified = json.loads(cli_stdout("verify", "--json", str(out)))
+    verified = json.loads(main_stdout("verify", "--json", str(out)))
     assert verified["ok"] and verified["kind"] == "checkpoints", verified
     assert verified["steps"] == [hw.STEPS], verified
-    alone = json.loads(cli_stdout("verify", "--json", str(trained["ckpt"])))
+    alone = json.loads(main_stdout("verify", "--json", str(trained["ckpt"])))
     assert verified["files_checked"] == alone["files_checked"] > 0, (verified, alone)
 
 

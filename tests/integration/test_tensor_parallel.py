@@ -28,7 +28,7 @@ import json
 import pytest
 from safetensors.torch import load_file
 
-from shardstream.testing.cli import cli_stdout
+from shardstream.testing.cli import main_stdout
 from shardstream.testing.compare import assert_bit_identical, assert_nested_equal
 from shardstream.testing.distributed import preload, run
 
@@ -149,7 +149,7 @@ def test_the_saving_run_holds_tp_and_fsdp_shards(saved):
 def test_merge_writes_the_trained_weights(saved, source, tmp_path):
     """No HF config: the names stay the model's own, every tensor the trained one."""
     out = tmp_path / "merged"
-    cli_stdout("merge", "--local_dir", _path(saved, source), "--target_dir", out)
+    main_stdout("merge", "--local_dir", _path(saved, source), "--target_dir", out)
     index = out / "model.safetensors.index.json"
     files = (
         sorted(set(json.loads(index.read_text())["weight_map"].values()))
@@ -165,18 +165,18 @@ def test_merge_writes_the_trained_weights(saved, source, tmp_path):
 @pytest.mark.parametrize("source", SOURCES)
 def test_verify_and_inspect(saved, source):
     path = _path(saved, source)
-    cli_stdout("verify", path)
+    main_stdout("verify", path)
     if source == "shardstream":
-        cli_stdout("verify", saved["paths"]["shardstream"])  # the run: steps and latest
-    cli_stdout("inspect", path)
-    doc = json.loads(cli_stdout("inspect", "--json", path))
+        main_stdout("verify", saved["paths"]["shardstream"])  # the run: steps and latest
+    main_stdout("inspect", path)
+    doc = json.loads(main_stdout("inspect", "--json", path))
     assert doc["world_size"] == 4
     shapes = {t["name"]: t["shape"] for t in doc["tensors"]}
     assert shapes == {name: list(t.shape) for name, t in saved["tp"]["model"].items()}
 
 
 def test_inspect_names_the_saving_runs_mesh(saved):
-    doc = json.loads(cli_stdout("inspect", "--json", _path(saved, "shardstream")))
+    doc = json.loads(main_stdout("inspect", "--json", _path(saved, "shardstream")))
     assert doc["mesh"] == "dp=2 x tp=2"
 
 

@@ -21,7 +21,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardstream.testing.cli import cli_stdout
+from shardstream.testing.cli import main_stdout
 from shardstream.testing.compare import assert_bit_identical
 from shardstream.testing.distributed import run
 
@@ -175,11 +175,11 @@ def test_inspect_and_verify(saved):
     counted, and every file of the training state checked: the model, the optimizer, the
     scheduler, each rank's RNG, and the Trainer's training_args.bin."""
     case, ckpt = saved["case"], saved["ckpt"]
-    info = json.loads(cli_stdout("inspect", "--json", str(ckpt)))
+    info = json.loads(main_stdout("inspect", "--json", str(ckpt)))
     assert info["format"] != "huggingface", info["format"]
     assert info["num_tensors"] == len(saved["model_file"]), info["num_tensors"]
 
-    verified = json.loads(cli_stdout("verify", "--json", str(ckpt)))
+    verified = json.loads(main_stdout("verify", "--json", str(ckpt)))
     files = 3 + case.world + (1 if case.tool == "trainer" else 0)
     assert verified["ok"] and verified["files_checked"] == files, verified
 
@@ -190,7 +190,7 @@ def test_merge_writes_the_model(saved, tmp_path):
     Trainer's config files go with it (accelerate's save has none)."""
     case, model = saved["case"], saved["reference"]["model"]
     merged = tmp_path / "merged"
-    cli_stdout("merge", "--local_dir", str(saved["ckpt"]), "--target_dir", str(merged), "--quiet")
+    main_stdout("merge", "--local_dir", str(saved["ckpt"]), "--target_dir", str(merged), "--quiet")
     got = load_file(merged / "model.safetensors")
     expected = dict(model)
     if case.tie and "lm_head.weight" not in got:
