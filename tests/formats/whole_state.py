@@ -50,12 +50,12 @@ def assert_read_by_every_command(path, label: str, model: dict, out) -> None:
     writes ``model`` bit for bit."""
     from safetensors.torch import load_file
 
-    from shardstream.testing.cli import cli_stdout
+    from shardstream.testing.cli import main_stdout
     from shardstream.testing.compare import assert_nested_equal
 
-    assert label in cli_stdout("inspect", path)
-    assert cli_stdout("verify", path).startswith("OK: ")
-    cli_stdout("merge", "--local_dir", path, "--target_dir", out, "--quiet")
+    assert label in main_stdout("inspect", path)
+    assert main_stdout("verify", path).startswith("OK: ")
+    main_stdout("merge", "--local_dir", path, "--target_dir", out, "--quiet")
     assert_nested_equal(load_file(out / "model.safetensors"), model, "merged")
 
 

@@ -138,7 +138,7 @@ def test_aliases_of_one_parameter_are_written_once(tmp_path, family):
     against save_pretrained's output then compares the same tensors."""
     from safetensors.torch import save_file
 
-    from shardstream.testing.cli import cli_stdout
+    from shardstream.testing.cli import main_stdout
 
     config_name, class_name, fields = ENCODER_DECODER[family]
     torch.manual_seed(0)
@@ -154,4 +154,4 @@ def test_aliases_of_one_parameter_are_written_once(tmp_path, family):
     merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
     args = ("--local_dir", str(tmp_path / "state"), "--test_hf_dir", str(tmp_path / "reference"))
-    assert "max abs diff 0" in cli_stdout("test", *args, "--exact")
+    assert "max abs diff 0" in main_stdout("test", *args, "--exact")
