@@ -1203,7 +1203,6 @@ def _verl_extra(state: dict) -> dict:
     return {"user": {}, "rng": out} if "torch" in out else {"user": {}}
 
 
-@gc_paused()
 def _warn_of_extra_state_left_as_it_is(model: torch.nn.Module) -> None:
     """Say which modules keep extra state (``get_extra_state``) that is not a tensor: restore
     sets tensors, so theirs stays the live value (TransformerEngine's FP8 metadata as older
@@ -1225,6 +1224,7 @@ def _warn_of_extra_state_left_as_it_is(model: torch.nn.Module) -> None:
         )
 
 
+@gc_paused()
 def load(
     path: str | os.PathLike,
     *,
