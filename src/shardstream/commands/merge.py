@@ -370,7 +370,7 @@ def _merge(
 
 def _overflow_notes(counts: list[dict[str, int]], out_dtype: str | None) -> list[str]:
     """A note naming the tensors whose values were beyond the output dtype's range (finite in
-    the checkpoint, infinite or NaN in the output), from every rank's counts."""
+    the checkpoint, infinite in the output), from every rank's counts."""
     total: dict[str, int] = {}
     for part in counts:
         for name, count in part.items():
