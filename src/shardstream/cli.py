@@ -372,6 +372,15 @@ def run_verify(args: argparse.Namespace) -> int:
                 f"file{'' if report.files_checked == 1 else 's'}, "
                 f"{checked}{steps}"
             )
+            if report.uncommitted:
+                leftovers = ", ".join(report.uncommitted)
+                print(
+                    _one_line(
+                        "note: uncommitted leftovers of a save that was cut short (not read, "
+                        f"removed by the run's next save): {leftovers}"
+                    ),
+                    file=sys.stderr,
+                )
     return code
 
 

@@ -65,6 +65,22 @@ def test_verify_passes_on_good_checkpoints(saved_run, capsys, which, kind):
         assert doc["steps"] == [2, 3]
 
 
+def test_verify_of_a_run_names_the_leftovers_of_a_save_cut_short(saved_run, tmp_path, capsys):
+    """inspect listed a killed save's staging folder; verify, the command run to check a
+    run before resuming it, passed without naming it (a whole step's worth of disk)."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_run.root, root)
+    (root / "global_step_4.tmp-0badf00d").mkdir()
+    code = cli.main(["verify", str(root)])
+    out, err = capsys.readouterr()
+    assert code == 0 and out.startswith("OK: root"), (out, err)
+    note = [line for line in err.splitlines() if line.startswith("note: uncommitted leftovers")]
+    assert len(note) == 1 and note[0].endswith(": global_step_4.tmp-0badf00d"), err
+    code, problems, out = _verify(capsys, root, "--json")
+    assert code == 0 and not problems
+    assert json.loads(out)["uncommitted"] == ["global_step_4.tmp-0badf00d"]
+
+
 def test_verify_root_reports_one_line_per_problem(saved_run, tmp_path, capsys):
     root = tmp_path / "root"
     shutil.copytree(saved_run.root, root)

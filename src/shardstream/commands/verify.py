@@ -68,6 +68,9 @@ class VerifyReport:
     # data bytes with no checksum to check them against (safetensors files shardstream did
     # not write): their structure is checked, not their contents
     unchecked_bytes: int = 0
+    # a run's uncommitted leftovers (a save that was killed): not problems, never read as
+    # steps, removed by the run's next save; said so that their space is not a surprise
+    uncommitted: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -202,6 +205,9 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
     steps = committed_steps(root)
     step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
     report = VerifyReport(str(root), "root", steps=steps)  # verl steps join as they pass
+    from ..storage.commit import is_temporary
+
+    report.uncommitted = sorted(e.name for e in root.iterdir() if is_temporary(e.name))
     for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
         before = len(report.problems)
         kind = _kind(entry)
