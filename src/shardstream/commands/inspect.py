@@ -198,19 +198,17 @@ def _describe_hf_model(path: Path, checkpoint, config: dict) -> dict:
 def _run(path: Path) -> dict | None:
     """A shardstream run directory's committed steps, pointer and leftovers; None when it has
     no committed step."""
-    from ..storage.commit import is_temporary
-    from ..storage.run_layout import committed_steps, read_latest
+    from ..storage.run_layout import committed_steps, read_latest, uncommitted
 
     steps = committed_steps(path)
     if not steps:
         return None
-    leftovers = sorted(p.name for p in path.iterdir() if is_temporary(p.name))
     return {
         "directory": str(path),
         "steps": steps,
         "latest_pointer": read_latest(path),
         "newest": steps[-1],
-        "uncommitted": leftovers,
+        "uncommitted": uncommitted(path),
     }
 
 
@@ -220,7 +218,7 @@ def _role_run(path: Path) -> dict | None:
     first role); None when it holds none."""
     from ..formats.source import looks_like_checkpoint
     from ..storage.commit import is_temporary
-    from ..storage.run_layout import read_latest, step_dirs
+    from ..storage.run_layout import read_latest, step_dirs, uncommitted
 
     roles: dict[int, list[str]] = {}
     for step, step_path in step_dirs(path).items():
@@ -238,7 +236,7 @@ def _role_run(path: Path) -> dict | None:
         "newest": newest,
         "role": "actor" if "actor" in roles[newest] else roles[newest][0],
         "roles": roles[newest],
-        "uncommitted": sorted(p.name for p in path.iterdir() if is_temporary(p.name)),
+        "uncommitted": uncommitted(path),
     }
 
 

@@ -133,7 +133,13 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
 
 
 def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
-    from ..storage.run_layout import LATEST_FILE, STEP_DIR, committed_steps, read_latest
+    from ..storage.run_layout import (
+        LATEST_FILE,
+        STEP_DIR,
+        committed_steps,
+        read_latest,
+        uncommitted,
+    )
 
     root = Path(path)
     if _kind(root) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
@@ -205,9 +211,7 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
     steps = committed_steps(root)
     step_dirs = [e for e in root.iterdir() if STEP_DIR.match(e.name)]
     report = VerifyReport(str(root), "root", steps=steps)  # verl steps join as they pass
-    from ..storage.commit import is_temporary
-
-    report.uncommitted = sorted(e.name for e in root.iterdir() if is_temporary(e.name))
+    report.uncommitted = uncommitted(root)
     for entry in sorted(step_dirs, key=lambda e: int(STEP_DIR.match(e.name)[1])):
         before = len(report.problems)
         kind = _kind(entry)

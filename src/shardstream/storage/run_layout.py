@@ -16,7 +16,7 @@ from pathlib import Path
 
 from ..errors import CheckpointFormatError, permission_denied
 from ..formats.regular_file import open_regular
-from .commit import atomic_write_bytes
+from .commit import atomic_write_bytes, is_temporary
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_PREFIX = "global_step_"
@@ -86,6 +86,12 @@ def read_latest(directory: str | os.PathLike) -> int | None:
 def write_latest(directory: str | os.PathLike, step: int) -> None:
     """Point ``LATEST_FILE`` at ``step``; readers see the old or the new pointer, never part."""
     atomic_write_bytes(Path(directory) / LATEST_FILE, str(int(step)).encode())  # as verl writes it
+
+
+def uncommitted(directory: str | os.PathLike) -> list[str]:
+    """The names of ``directory``'s writes in progress or debris (``*.tmp-*``), sorted: never
+    read as steps, removed by the run's next save."""
+    return sorted(name for name in os.listdir(directory) if is_temporary(name))
 
 
 def is_run_entry(name: str) -> bool:
