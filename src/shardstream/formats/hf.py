@@ -204,7 +204,7 @@ def write_configs(
         config = read_object(target / "config.json", "config", nonfinite=True)
         if not config.get("architectures"):
             config["architectures"] = [architecture]
-            (target / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+            _write_config(target / "config.json", config)
     if tokenizer is not None:
         tokenizer.save_pretrained(target)
 
@@ -233,7 +233,12 @@ def set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     config = read_object(source, "config", nonfinite=True)  # written back as it was spelled
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype_name
-    target.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    _write_config(target, config)
+
+
+def _write_config(path: Path, config: dict) -> None:
+    """config.json as shardstream writes one it edited: sorted keys, two-space indent."""
+    path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_generation_config(target: Path, hf_config: Any) -> None:
