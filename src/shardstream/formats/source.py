@@ -618,12 +618,7 @@ def open_checkpoint(
             raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
         from .torch_state_dict import open_torch_file
 
-        source = open_torch_file(path, shared=shared)
-        if model_only and not source.tensors:
-            raise CheckpointFormatError(
-                f"{path}: the torch.save file holds no model tensors; nothing to merge or compare"
-            )
-        return source
+        return _holding_tensors(path, open_torch_file(path, shared=shared), model_only)
     if not path.is_dir():
         raise CheckpointFormatError(
             f"{path}: is a file; expected a checkpoint directory or a torch.save file "
@@ -639,13 +634,7 @@ def open_checkpoint(
     if opener is not None:
         if (beside := second_model(path, kind)) is not None:
             raise CheckpointFormatError(beside)
-        source = opener(path, model_only, shared, prefix)
-        if model_only and not source.tensors:
-            raise CheckpointFormatError(
-                f"{path}: the {source.format} checkpoint holds no model tensors; nothing to "
-                "merge or compare"
-            )
-        return source
+        return _holding_tensors(path, opener(path, model_only, shared, prefix), model_only)
     refuse_local_state_dict(path)
     hint = checkpoints_below(path)
     if hint:
@@ -657,6 +646,17 @@ def open_checkpoint(
     raise CheckpointNotFoundError(
         f"{path}: no model files found ({EXPECTED}){unfinished_note(path) or unread_hint(path)}"
     )
+
+
+def _holding_tensors(path: Path, source: CheckpointSource, model_only: bool) -> CheckpointSource:
+    """``source``, unless a caller that reads model tensors only (merge, test) would find
+    none in it: then an error naming ``path``."""
+    if model_only and not source.tensors:
+        raise CheckpointFormatError(
+            f"{path}: the {source.format} checkpoint holds no model tensors; nothing to merge or "
+            "compare"
+        )
+    return source
 
 
 def second_model(path: Path, kind: Kind) -> str | None:
