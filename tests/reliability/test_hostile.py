@@ -73,6 +73,9 @@ def _verl_dir(directory: Path, files: dict[str, object]) -> Path:
     hf = directory / "huggingface"
     hf.mkdir()
     (hf / "config.json").write_text(json.dumps({"model_type": "tiny", "torch_dtype": "float32"}))
+    # as verl's huggingface/ has one: merge would otherwise derive it through transformers,
+    # which knows no "tiny" model and says so on stderr where the soak runs without logging
+    (hf / "generation_config.json").write_text("{}")
     return directory
 
 

@@ -97,6 +97,7 @@ def test_dcp_config_linked_inside_is_copied(tmp_path, capsys):
     source = _dcp_dir(tmp_path / "dcp")
     (source / "real-config.json").write_text(json.dumps({"model_type": "tiny"}))
     os.symlink("real-config.json", source / "config.json")
+    (source / "generation_config.json").write_text("{}")  # none to derive for a "tiny" model
     code, lines = _merge(capsys, source, tmp_path / "merged")
     assert (code, lines) == (0, [])
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "tiny"
