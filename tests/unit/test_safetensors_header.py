@@ -367,7 +367,10 @@ def test_tensors_in_range():
 
 
 @settings(max_examples=100, deadline=None)
-@given(names, st.sampled_from(["\x00", "\n", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"]))
+@given(
+    names.filter(lambda name: name != "__metadata__"),  # refused as the metadata key first
+    st.sampled_from(["\x00", "\n", "\x1b", "\x7f", "\x85", "\u202e", "\u2066"]),
+)
 def test_a_name_with_a_control_or_direction_character_is_refused(name, char):
     bad = name[: len(name) // 2] + char + name[len(name) // 2 :]
     with pytest.raises(CheckpointFormatError, match=f"U\\+{ord(char):04X}"):
