@@ -450,6 +450,96 @@ def test_a_decoder_saved_without_its_embedding_or_head_is_refused(tmp_path, caps
     assert f"the checkpoint holds no {left_out}" in err and "ignore_frozen_params" in err, err
 
 
+def test_a_critic_whose_config_names_the_actors_causal_lm_class_merges(tmp_path, capsys):
+    """verl builds its critic (a token-classification model, head ``score``) from the actor's
+    config and saves that config.json as it is, ``*ForCausalLM`` and untied: merge refused it
+    for lacking ``lm_head.weight``, where verl's merger merges it."""
+    from transformers import Qwen2ForTokenClassification
+
+    from shardstream.testing.tiny_models import tiny_config
+
+    config = tiny_config("qwen2", tie_word_embeddings=False)
+    config.num_labels = 1
+    state = dict(Qwen2ForTokenClassification(config).state_dict())
+    assert "score.weight" in state and "lm_head.weight" not in state
+    _save_plain(tmp_path / "ck", state)
+    config.architectures = ["Qwen2ForCausalLM"]
+    config.save_pretrained(tmp_path / "hf")
+    argv = ["--local_dir", str(tmp_path / "ck"), "--hf_model_path", str(tmp_path / "hf")]
+    rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o"), "--is-value-model"])
+    assert rc == 0, capsys.readouterr().err
+    assert_bit_identical(_load_merged(tmp_path / "o"), state)
+
+
+def _internlm2_like(vocab: int = 96, hidden: int = 16) -> tuple[dict, dict]:
+    """A remote-code decoder's names (InternLM2's: ``model.tok_embeddings``, ``output``) and its
+    config.json, which transformers itself does not know."""
+    g = torch.Generator().manual_seed(2)
+    state = {
+        "model.tok_embeddings.weight": torch.randn(vocab, hidden, generator=g),
+        "model.layers.0.attention.wqkv.weight": torch.randn(3 * hidden, hidden, generator=g),
+        "model.layers.0.attention_norm.weight": torch.ones(hidden),
+        "model.norm.weight": torch.ones(hidden),
+        "output.weight": torch.randn(vocab, hidden, generator=g),
+    }
+    config = {
+        "architectures": ["InternLM2ForCausalLM"],
+        "model_type": "internlm2",
+        "auto_map": {"AutoModelForCausalLM": "modeling_internlm2.InternLM2ForCausalLM"},
+        "vocab_size": vocab,
+        "hidden_size": hidden,
+        "num_hidden_layers": 1,
+        "tie_word_embeddings": False,
+    }
+    return state, config
+
+
+@pytest.mark.parametrize("left_out", [(), ("model.tok_embeddings.weight", "output.weight")])
+def test_a_decoder_of_other_names_needs_a_tensor_of_its_vocabulary(tmp_path, capsys, left_out):
+    """The embedding rule knew Llama's names only: an InternLM2-style checkpoint (and every
+    ModernBERT) was refused as lacking ``model.embed_tokens.weight``. Other model types need
+    some tensor of ``vocab_size`` rows instead."""
+    state, config = _internlm2_like()
+    _save_plain(tmp_path / "ck", {k: v for k, v in state.items() if k not in left_out})
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "config.json").write_text(json.dumps(config))
+    argv = ["--local_dir", str(tmp_path / "ck"), "--hf_model_path", str(tmp_path / "hf")]
+    rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o"), "--trust-remote-code"])
+    err = capsys.readouterr().err
+    if not left_out:
+        assert rc == 0, err
+        assert_bit_identical(_load_merged(tmp_path / "o"), state)
+        return
+    assert rc == 1 and not (tmp_path / "o").exists(), err
+    assert "holds no tensor of vocab_size 96 rows" in err and "ignore_frozen_params" in err, err
+
+
+def test_a_modernbert_that_save_pretrained_wrote_verifies_and_merges(tmp_path, capsys):
+    """ModernBERT's embedding is ``model.embeddings.tok_embeddings.weight`` beside
+    ``model.layers.N``: verify failed save_pretrained's own output, merge refused it."""
+    from transformers import ModernBertConfig, ModernBertForMaskedLM
+
+    config = ModernBertConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=24,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+        cls_token_id=1,
+        sep_token_id=2,
+    )
+    model = ModernBertForMaskedLM(config)
+    model.save_pretrained(tmp_path / "ref")
+    assert cli.main(["verify", str(tmp_path / "ref")]) == 0, capsys.readouterr()
+    argv = ["--local_dir", str(tmp_path / "ref"), "--target_dir", str(tmp_path / "o")]
+    assert cli.main(["merge", *argv]) == 0, capsys.readouterr().err
+    want = {k: v for k, v in model.state_dict().items() if k != "decoder.weight"}  # tied
+    assert_bit_identical(_load_merged(tmp_path / "o"), want)
+
+
 def test_a_head_left_out_as_tied_is_said_in_a_note(tmp_path, capsys):
     """Dropped as save_pretrained drops a tied head, which only --json said: with a config
     that ties it (the base model's, say) a head the run trained apart was lost unsaid."""

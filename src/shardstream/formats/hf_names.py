@@ -514,14 +514,34 @@ def check_stored_layers(
 EMBEDDING = "model.embed_tokens.weight"  # a decoder's input embedding, [vocab_size, hidden_size]
 HEAD = "lm_head.weight"  # its output head, beside it
 DECODER_LAYERS = "model.layers."  # the decoder layers of the same layout (Llama, Qwen, Mistral)
+# Model types whose decoder (*ForCausalLM) holds its input embedding as EMBEDDING and its head
+# as HEAD, under DECODER_LAYERS, in memory and saved: checked against transformers 5.25's
+# classes on the meta device. Other model types name them otherwise (ModernBERT's
+# model.embeddings.tok_embeddings, InternLM2's model.tok_embeddings and output).
+EMBED_TOKENS_MODEL_TYPES = frozenset(
+    {
+        *NO_MAPPING_MODEL_TYPES,
+        *("apertus", "arcee", "bitnet", "cohere", "deepseek_v2", "deepseek_v3", "ernie4_5"),
+        *("ernie4_5_moe", "exaone4", "falcon_h1", "gemma3_text", "glm", "glm4", "glm4_moe"),
+        *("gpt_oss", "granite", "granitemoe", "helium", "hunyuan_v1_dense", "jamba"),
+        *("llama4_text", "minimax", "mixtral", "nemotron", "olmo", "olmoe", "persimmon", "phi"),
+        *("qwen2_moe", "qwen3_moe", "qwen3_next", "seed_oss", "smollm3", "stablelm"),
+    }
+)
 
 
 def check_stored_embedding(
     tensors: Sequence[tuple[str, Sequence[int]]], config: dict, config_path: str = "config.json"
 ) -> None:
-    """A stored ``model.embed_tokens.weight`` is [vocab_size, hidden_size] as config.json's top
-    level says, where it says both: a config.json of another vocabulary or width would be
-    copied beside weights no model built from it loads."""
+    """A decoder checkpoint holds its input embedding (and its untied head), which
+    ``ignore_frozen_params=True`` leaves out when they were frozen: a model loaded from the
+    output would start them at random. For the model types of ``EMBED_TOKENS_MODEL_TYPES``,
+    by name: ``model.embed_tokens.weight`` (or a PEFT module wrapping it), and ``lm_head.weight``
+    for an untied ``*ForCausalLM`` unless another head (a critic's ``score``) is stored; for
+    others, some stored tensor has a dimension of ``vocab_size``. A stored
+    ``model.embed_tokens.weight`` is [vocab_size, hidden_size] as config.json's top level says,
+    where it says both: a config.json of another vocabulary or width would be copied beside
+    weights no model built from it loads."""
     if not isinstance(config, dict):
         return
     vocab, hidden = config.get("vocab_size"), config.get("hidden_size")
@@ -538,19 +558,34 @@ def check_stored_embedding(
             )
     if not any(name.startswith(DECODER_LAYERS) for name in names):
         return  # not a decoder of the layout these names belong to
+    if config.get("model_type") not in EMBED_TOKENS_MODEL_TYPES:
+        if vocab > 1 and not any(vocab in tuple(shape) for _, shape in tensors):
+            _refuse_missing(f"tensor of vocab_size {vocab} rows (its input embedding)", config_path)
+        return
     architectures = config.get("architectures")
     causal = isinstance(architectures, list) and any(
         isinstance(a, str) and a.endswith("ForCausalLM") for a in architectures
     )
-    wanted = [EMBEDDING] + ([HEAD] if causal and config.get("tie_word_embeddings") is False else [])
-    for name in wanted:
-        if name not in names:
-            raise CheckpointFormatError(
-                f"the checkpoint holds no {name}, which the model {config_path} describes "
-                "needs (saved without it: frozen parameters left out, as "
-                "ignore_frozen_params=True does?); a model loaded from the output would start "
-                "it at random"
-            )
+    if not _holds_module(names, EMBEDDING):
+        _refuse_missing(EMBEDDING, config_path)
+    if causal and config.get("tie_word_embeddings") is False and not _holds_module(names, HEAD):
+        if all(name.startswith("model.") for name in names):  # no head of another kind either
+            _refuse_missing(HEAD, config_path)
+
+
+def _holds_module(names: set[str], weight: str) -> bool:
+    """``weight`` is stored, or a module wrapping its module is (PEFT's ``base_layer``,
+    ``modules_to_save``, ``token_adapter``)."""
+    module = weight.removesuffix(".weight") + "."
+    return weight in names or any(name.startswith(module) for name in names)
+
+
+def _refuse_missing(what: str, config_path: str) -> None:
+    raise CheckpointFormatError(
+        f"the checkpoint holds no {what}, which the model {config_path} describes needs "
+        "(saved without it: frozen parameters left out, as ignore_frozen_params=True does?); "
+        "a model loaded from the output would start it at random"
+    )
 
 
 def _ranges(values: list[int]) -> str:
