@@ -233,6 +233,7 @@ def _merge(
             "--hf_model_path), so wrote the weights only, which transformers cannot load as a "
             "model; pass --hf_model_path DIR (a folder holding its config.json) to add it"
         )
+    lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)
     adapter_only = split is not None and not split.base  # saved with save_lora_only
@@ -247,6 +248,21 @@ def _merge(
         lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     where = str(config_dir / "config.json") if config_dir else "config.json"
+    if split and fuse_lora:
+        tied = sorted(m for m in split.factors if f"{m}.weight" in drop)
+        if tied:
+            raise UsageError(
+                f"{local_dir}: LoRA on {tied[0]!r}, which {where} ties to the input embedding: "
+                "save_pretrained writes no such head, so its fused update would be lost; merge "
+                "without --fuse-lora for the base model and the adapter (which keeps it)"
+            )
+    if split and not settings.rslora_stated:
+        notes.append(
+            f"LoRA scale taken as {settings.scale_rule} ({settings.scale:g}): no file of the "
+            "checkpoint says whether the run used rsLoRA (verl's lora_train_meta.json does not "
+            "record use_rslora); if it did, the "
+            + ("fused weights are wrong" if fuse_lora else "adapter's use_rslora must be true")
+        )
     if drop:
         notes.append(
             f"left out {', '.join(sorted(drop))}: {where} ties it to the input embedding, so "

@@ -158,6 +158,7 @@ def compare_with_reference(
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
     reference_ties = "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
+    lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     tensors, factors = _merged_names(checkpoint.tensors)
     tensors = _saved_layout(tensors, config, config_dir)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE

@@ -829,8 +829,11 @@ def _verify_lora(directory: Path, tensors, recorded: dict | None, report: Verify
     (unless the adapter was saved alone) a base weight each pair fits."""
     from ..formats import lora
 
+    tensors = list(tensors)
+    if lora.unsupported_peft(t.name for t in tensors) is not None:
+        return  # intact, though merge refuses it (it says why): not a problem of the files
     try:
-        split = lora.split_lora(list(tensors))
+        split = lora.split_lora(tensors)
         if split is None:
             return
         lora.check_factors(split, lora.lora_settings(directory, recorded).r)

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass, field
+from collections.abc import Iterable
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,6 +70,49 @@ def split_lora(tensors: list[GlobalTensor]) -> LoraSplit | None:
     return split
 
 
+# PEFT's own key parts for what merge does not apply, by what each is: the weights they
+# hold are not W + scale * B @ A factors, so the adapter or fused weights would be wrong.
+_PEFT_FEATURES = (
+    (re.compile(r"\.lora_embedding_[AB]\."), "LoRA on an embedding (lora_embedding_A/B)"),
+    (re.compile(r"\.lora_magnitude_vector\."), "DoRA (lora_magnitude_vector)"),
+    (
+        re.compile(r"\.(modules_to_save|original_module)\."),
+        "modules_to_save (a whole trained copy of a module, as a LoRA critic's score head)",
+    ),
+    (re.compile(r"\.(token_adapter|trainable_tokens_delta)\b"), "trainable tokens"),
+    (re.compile(r"\.base_layer\.lora_[AB]\."), "LoRA on parameters (target_parameters)"),
+)
+
+
+def unsupported_peft(names: Iterable[str]) -> str | None:
+    """What of PEFT that merge does not apply the tensor ``names`` show, naming one tensor;
+    also several adapters in one model (PEFT's ``add_adapter``): None if nothing."""
+    adapters: dict[str, str] = {}
+    for name in names:
+        for pattern, what in _PEFT_FEATURES:
+            if pattern.search(name):
+                return f"PEFT's {what} (tensor {name!r})"
+        match = _FACTOR.match(name)
+        if match:
+            adapters.setdefault(match["adapter"] or "", name)
+    if len(adapters) > 1:
+        shown = ", ".join(repr(a) for a in sorted(adapters))
+        return f"several PEFT adapters ({shown}), which merge would mix"
+    return None
+
+
+def refuse_unsupported_peft(directory: object, names: Iterable[str]) -> None:
+    """Refuse a checkpoint whose PEFT model uses what merge does not apply
+    (``unsupported_peft``), rather than write a model or adapter other than the trained one."""
+    found = unsupported_peft(names)
+    if found is not None:
+        raise CheckpointFormatError(
+            f"{directory}: the checkpoint's PEFT model uses {found}; merge does not apply it, "
+            "so the model or adapter written would differ from the trained one (restore it "
+            "with shardstream's CheckpointManager or verl plug-in, which load it as it is)"
+        )
+
+
 @dataclass(frozen=True)
 class LoraSettings:
     """What the factors mean: ``W + scale * B @ A`` with ``scale`` from these."""
@@ -76,6 +120,7 @@ class LoraSettings:
     r: int
     alpha: float
     rslora: bool = False  # PEFT's use_rslora: scale alpha / sqrt(r)
+    rslora_stated: bool = True  # False: no file said (verl's meta file does not record it)
 
     @property
     def scale(self) -> float:
@@ -135,7 +180,7 @@ def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings
             )
         if other_stated and not stated:  # same r and alpha: other only adds use_rslora
             settings, stated = other, True
-    return settings
+    return settings if stated else replace(settings, rslora_stated=False)
 
 
 def _settings(meta: object, where: str) -> tuple[LoraSettings, bool]:

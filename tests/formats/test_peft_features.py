@@ -1,0 +1,124 @@
+"""PEFT features merge does not apply: DoRA, LoRA on an embedding, ``modules_to_save`` (a LoRA
+critic's score head), several adapters in one model. Each wrote a model or adapter other than
+the trained one with exit 0 (the extra tensors under the base model's names, or one adapter's
+factors silently taking the other's place); merge and test now refuse them, naming the tensor,
+and verify, which judges the files, passes them. Real PEFT models, saved with DCP as verl's
+layout would hold them (PEFT's in-memory names, ``lora_train_meta.json`` beside them), the
+model's config.json passed as ``--hf_model_path``."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+
+from shardstream import cli
+from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+peft = pytest.importorskip("peft")
+
+R, ALPHA = 4, 8
+
+
+def _save(directory: Path, model: torch.nn.Module, config) -> Path:
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(dict(model.state_dict()), checkpoint_id=directory)
+    config.save_pretrained(directory.parent / "hf")
+    meta = {"r": R, "lora_alpha": ALPHA, "task_type": "CAUSAL_LM"}
+    (directory / "lora_train_meta.json").write_text(json.dumps(meta))
+    return directory
+
+
+def _hf(ck: Path) -> list[str]:
+    return ["--hf_model_path", str(ck.parent / "hf")]
+
+
+def _peft_model(case: str, config):
+    from peft import LoraConfig, get_peft_model
+
+    lora = {"r": R, "lora_alpha": ALPHA, "target_modules": ["q_proj", "v_proj"]}
+    base = build_tiny_model(config)
+    if case == "dora":
+        return get_peft_model(base, LoraConfig(**lora, use_dora=True))
+    if case == "embedding":
+        targets = ["q_proj", "v_proj", "embed_tokens"]
+        return get_peft_model(base, LoraConfig(**{**lora, "target_modules": targets}))
+    if case == "critic":  # verl's LoRA critic: PEFT keeps the score head in modules_to_save
+        from transformers import Qwen2ForTokenClassification
+
+        config.num_labels = 1
+        return get_peft_model(
+            Qwen2ForTokenClassification(config), LoraConfig(**lora, task_type="TOKEN_CLS")
+        )
+    if case == "two adapters":
+        model = get_peft_model(base, LoraConfig(**lora))
+        model.add_adapter("second", LoraConfig(**lora))
+        return model
+    return get_peft_model(base, LoraConfig(**lora))
+
+
+@pytest.mark.parametrize(
+    ("case", "shown"),
+    [
+        ("dora", "DoRA (lora_magnitude_vector)"),
+        ("embedding", "LoRA on an embedding"),
+        ("critic", "modules_to_save"),
+        ("two adapters", "several PEFT adapters ('default', 'second')"),
+    ],
+)
+def test_a_peft_feature_merge_does_not_apply_is_refused(tmp_path, capsys, case, shown):
+    config = tiny_config("qwen2")
+    ck = _save(tmp_path / "ck", _peft_model(case, config), config)
+    for fuse in ([], ["--fuse-lora"]):
+        target = tmp_path / f"out{len(fuse)}"
+        argv = ["merge", "--local_dir", str(ck), "--target_dir", str(target), *fuse, *_hf(ck)]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert shown in err and "merge does not apply it" in err, err
+        assert not target.exists()
+    ref = tmp_path / "ref"
+    build_tiny_model(config).save_pretrained(ref)
+    assert cli.main(["test", "--local_dir", str(ck), "--test_hf_dir", str(ref)]) == 1
+    assert shown in capsys.readouterr().err
+    assert cli.main(["verify", str(ck)]) == 0, capsys.readouterr()
+
+
+def test_plain_lora_merges_and_says_which_scale_it_assumed(tmp_path, capsys):
+    """verl's lora_train_meta.json does not record use_rslora: the fused weights and the
+    adapter take lora_alpha / r, and merge says so."""
+    config = tiny_config("qwen2")
+    model = _peft_model("plain", config)
+    ck = _save(tmp_path / "ck", model, config)
+    argv = ["merge", "--local_dir", str(ck), "--target_dir", str(tmp_path / "o"), "--fuse-lora"]
+    argv += _hf(ck)
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert f"LoRA scale taken as lora_alpha / r ({ALPHA / R:g})" in err, err
+    assert "if it did, the fused weights are wrong" in err, err
+
+
+def test_fusing_a_lora_on_a_tied_head_is_refused(tmp_path, capsys):
+    """save_pretrained writes no tied head, so the head's fused LoRA update was dropped
+    silently; the adapter keeps it, so merging without --fuse-lora works."""
+    from peft import LoraConfig, get_peft_model
+
+    config = tiny_config("qwen2", tie_word_embeddings=True)
+    lora = LoraConfig(r=R, lora_alpha=ALPHA, target_modules=["q_proj", "lm_head"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # PEFT: a tied target "can lead to complications"
+        model = get_peft_model(build_tiny_model(config), lora)
+    ck = _save(tmp_path / "ck", model, config)
+    argv = ["merge", *_hf(ck), "--local_dir", str(ck), "--target_dir"]
+    assert cli.main([*argv, str(tmp_path / "fused"), "--fuse-lora"]) == 2
+    err = capsys.readouterr().err
+    assert "LoRA on 'lm_head'" in err and "ties to the input embedding" in err, err
+    assert not (tmp_path / "fused").exists()
+    assert cli.main([*argv, str(tmp_path / "split")]) == 0, capsys.readouterr().err
+    adapter = json.loads((tmp_path / "split" / "lora_adapter" / "adapter_config.json").read_text())
+    assert "lm_head" in adapter["target_modules"]
