@@ -7,6 +7,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -489,6 +490,89 @@ def test_an_update_in_place_that_fails_midway_puts_the_target_back(
     assert line.endswith("it is as it was")
     assert {p.name: p.read_bytes() for p in target.iterdir()} == old
     assert_nothing_written(out, {"merged"})
+
+
+def _old_model_with_a_readme(capsys, fsdp_root, target: Path) -> dict[str, bytes]:
+    """``target``: an earlier merge (float32) and the user's README; its files' bytes."""
+    assert merge(capsys, fsdp_root / "base", target, "--dtype", "float32")[0] == 0
+    (target / "README.md").write_text("mine")
+    return {p.name: p.read_bytes() for p in target.iterdir()}
+
+
+def test_ctrl_c_during_an_update_in_place_waits_for_it_and_says_so(
+    capsys, fsdp_root, out, monkeypatch
+):
+    """A SIGINT once the first new file had moved in was raised there: the target was left
+    with the new config.json and neither model's weights, and the message said "nothing was
+    committed". The moves now finish first, and the message says the output is in place."""
+    from shardstream.storage import commit
+
+    target = out / "merged"
+    old = _old_model_with_a_readme(capsys, fsdp_root, target)
+    rename = os.rename
+
+    def interrupted_after_the_first_move_in(src, dst, *args, **kwargs):
+        rename(src, dst, *args, **kwargs)
+        if Path(dst).parent == target and Path(src).parent.parent == out:
+            monkeypatch.setattr(commit.os, "rename", rename)
+            signal.raise_signal(signal.SIGINT)
+
+    monkeypatch.setattr(commit.os, "rename", interrupted_after_the_first_move_in)
+    rc, err = merge(capsys, fsdp_root / "base", target, "--dtype", "bfloat16")
+    assert rc == 128 + signal.SIGINT, err
+    assert f"interrupted after {target} was put in place" in err, err
+    now = {p.name: p.read_bytes() for p in target.iterdir() if not p.name.startswith(".")}
+    assert set(now) == set(old) and now["README.md"] == b"mine"
+    assert now["model.safetensors"] != old["model.safetensors"]  # the new, bfloat16 weights
+    assert main(["verify", str(target)]) == 0, capsys.readouterr()
+
+
+def test_an_update_in_place_moves_the_weights_in_last(capsys, copy_variant, out, monkeypatch):
+    """A crash midway (kill -9) must leave the target without weights, not a model that
+    verify passes with its tokenizer gone: only a sharded model's index came last, and
+    tokenizer files sort after model.safetensors."""
+    from shardstream.storage import commit
+    from shardstream.testing.tiny_models import save_tiny_tokenizer
+
+    actor = copy_variant("base")
+    save_tiny_tokenizer(actor / "huggingface")
+    target = out / "merged"
+    assert merge(capsys, actor, target, "--dtype", "float32")[0] == 0
+    assert "tokenizer.json" in os.listdir(target)
+    rename, arrived = os.rename, []
+
+    def recorded(src, dst, *args, **kwargs):
+        if Path(dst).parent == target and Path(src).parent.parent == out:
+            arrived.append(Path(dst).name)
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(commit.os, "rename", recorded)
+    assert merge(capsys, actor, target, "--dtype", "bfloat16")[0] == 0
+    assert len(arrived) > 1 and arrived[-1] == "model.safetensors", arrived
+
+
+def test_ctrl_c_right_after_the_overwrite_swap_says_the_output_is_in_place(
+    capsys, fsdp_root, out, monkeypatch
+):
+    """A SIGINT just after the swap said "nothing was committed" and removed the staging
+    path, which held the old output by then: the new one was in place."""
+    from shardstream.storage import commit
+
+    target = out / "merged"
+    _old_model_with_a_readme(capsys, fsdp_root, target)
+    swap_in = commit.swap_in
+
+    def interrupted_after(staged, where):
+        aside = swap_in(staged, where)
+        signal.raise_signal(signal.SIGINT)
+        return aside
+
+    monkeypatch.setattr(commit, "swap_in", interrupted_after)
+    rc, err = merge(capsys, fsdp_root / "base", target, "--dtype", "bfloat16", "--overwrite")
+    assert rc == 128 + signal.SIGINT, err
+    assert f"interrupted after {target} was put in place" in err, err
+    assert not (target / "README.md").exists()  # replaced whole, as --overwrite does
+    assert main(["verify", str(target)]) == 0, capsys.readouterr()
 
 
 def test_one_ranks_file_is_refused_naming_its_directory(capsys, fsdp_root, out):

@@ -424,11 +424,15 @@ def _entries_written(
 
 def _update_rule(adapter_only: bool) -> InPlace:
     """A merge into a non-empty target: a model's other weight files there go (two sets
-    would leave which one loads to chance), and its index arrives last. An adapter alone
-    leaves the weights there be."""
+    would leave which one loads to chance), and its weights, then its index, arrive last:
+    a crash midway leaves the target without them, not a model with the old tokenizer
+    gone. An adapter alone leaves the weights there be."""
     if adapter_only:
-        return InPlace(stale=lambda name: False, last=lambda name: False)
-    return InPlace(stale=hf.is_weight_file, last=hf.is_weight_index)
+        return InPlace(stale=lambda name: False, last=lambda name: 0)
+    return InPlace(
+        stale=hf.is_weight_file,
+        last=lambda name: 2 if hf.is_weight_index(name) else int(hf.is_weight_file(name)),
+    )
 
 
 def _by_output_name(transforms: dict, outputs: list[OutputTensor]) -> dict:

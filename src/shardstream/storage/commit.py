@@ -203,8 +203,17 @@ class Staged:
         delete the old one. An interrupt while it is deleted is raised marked committed
         (``errors.COMMITTED_ATTR``); an old output that cannot be deleted is named, and its
         owner file stays (unlocked), so that the next write of the target sweeps it."""
-        with target_locked(self.target):  # not amid another merge's update in place
-            aside = swap_in(self.path, self.target)  # on failure the caller abandons
+        aside: Path | None | bool = False  # False: not swapped
+        try:
+            # A signal during the swap waits for it, so that it is known to have happened.
+            with target_locked(self.target), signals_held():  # not amid an update in place
+                aside = swap_in(self.path, self.target)  # on failure the caller abandons
+        except BaseException as exc:
+            if aside is False:
+                raise
+            setattr(exc, COMMITTED_ATTR, str(self.target))  # in place; its old one not deleted
+            self._release(keep_owner_file=aside is not None and os.path.lexists(aside))
+            raise
         if aside is None:
             self._release()
             return
@@ -414,10 +423,11 @@ class InPlace:
     """How ``staged_directory`` updates a non-empty target instead of replacing it (verl's
     merger writes into an existing directory): the target's entries of other names stay,
     but those ``stale`` names (another set of a model's weights) go, and those ``last``
-    names (a model's index) go first and arrive after the rest (``update_in_place``)."""
+    names (a model's weights, then its index: 1, 2) go first and arrive after the rest,
+    in that order (``update_in_place``); 0: not last."""
 
     stale: Callable[[str], bool]
-    last: Callable[[str], bool]
+    last: Callable[[str], int]
 
 
 @contextlib.contextmanager
@@ -524,26 +534,36 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
         old.mkdir()
         moved_out: list[str] = []
         moved_in: list[str] = []
+        updated = False
         try:
-            for name in leaving:
-                os.rename(target / name, old / name)
-                moved_out.append(name)
-            fsync_dir(target)
-            for name in sorted(new, key=rule.last):  # False first: the index last
-                os.rename(staged / name, target / name)
-                moved_in.append(name)
-            fsync_dir(target)
-        except OSError as exc:
-            put_back = _roll_back(staged, target, old, moved_in, moved_out)
-            state = (
-                "it is as it was"
-                if put_back
-                else f"it is partly updated, and its old files are in {old}"
-            )
-            raise UsageError(
-                f"could not update target {target} in place ({exc.filename or target}: "
-                f"{exc.strerror or exc}); {state}"
-            ) from None
+            # A signal waits for the moves (a cut would leave old and new files mixed); one
+            # that came meanwhile is raised once they are done, marked committed.
+            with signals_held():
+                try:
+                    for name in leaving:
+                        os.rename(target / name, old / name)
+                        moved_out.append(name)
+                    fsync_dir(target)
+                    for name in sorted(new, key=rule.last):  # 0 first: the weights, the index last
+                        os.rename(staged / name, target / name)
+                        moved_in.append(name)
+                    fsync_dir(target)
+                except OSError as exc:
+                    put_back = _roll_back(staged, target, old, moved_in, moved_out)
+                    state = (
+                        "it is as it was"
+                        if put_back
+                        else f"it is partly updated, and its old files are in {old}"
+                    )
+                    raise UsageError(
+                        f"could not update target {target} in place ({exc.filename or target}: "
+                        f"{exc.strerror or exc}); {state}"
+                    ) from None
+                updated = True
+        except BaseException as exc:
+            if updated:  # its old files stay in ``old``, for the next update to delete
+                setattr(exc, COMMITTED_ATTR, str(target))
+            raise
         crashed = [target / name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name)]
     for path in [old, *(p for p in crashed if p != old)]:
         _remove(path)
