@@ -966,3 +966,18 @@ def test_metadata_over_the_size_limit_is_refused_unread(tmp_path):
     with open(ckpt / ".metadata", "r+b") as f:
         f.truncate(MAX_METADATA_BYTES + 1)
     _refused_in_one_line(ckpt, tmp_path, f"over the {MAX_METADATA_BYTES} bytes")
+
+
+def test_a_checkpoint_saved_without_crc32s_is_read(tmp_path, capsys):
+    """torch.serialization.set_crc32_options(False) makes every item's records hold a CRC-32
+    of 0, which torch reads: merge refused each chunk ("Bad CRC-32 for file
+    'archive/byteorder'")."""
+    state = _plain_state()
+    torch.serialization.set_crc32_options(False)
+    try:
+        _save_plain(tmp_path / "ck", state)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert cli.main(["verify", str(tmp_path / "ck")]) == 0, capsys.readouterr()
+    _merge(tmp_path / "ck", tmp_path / "out")
+    assert_bit_identical(_load_merged(tmp_path / "out"), state)

@@ -231,3 +231,71 @@ def test_a_file_asking_for_code_is_refused_everywhere(tmp_path):
     ):
         assert main(argv) == 1, argv
     assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+def _central_entry(data: bytes, name_end: bytes = b"data.pkl") -> int:
+    """Offset of the central-directory entry of the record whose name ends in ``name_end``."""
+    at = data.find(b"PK\x01\x02")
+    while at >= 0:
+        name_len = int.from_bytes(data[at + 28 : at + 30], "little")
+        if data[at + 46 : at + 46 + name_len].endswith(name_end):
+            return at
+        at = data.find(b"PK\x01\x02", at + 4)
+    raise AssertionError("no such record")
+
+
+@pytest.mark.parametrize(
+    ("field", "value", "words"),
+    [
+        (10, 8, "decompressing"),  # compression method: stored -> deflate (zlib.error)
+        (6, 0x80 | 20, "zip file version"),  # version needed to extract (NotImplementedError)
+    ],
+    ids=["compression method", "version needed"],
+)
+def test_one_flipped_zip_field_is_a_one_line_error_everywhere(
+    tmp_path, capsys, field, value, words
+):
+    """One flipped bit of data.pkl's central-directory entry ended merge, inspect and verify
+    in a traceback (zlib.error, NotImplementedError), and restore raised zlib's error."""
+    from shardstream.cli import main
+
+    file = tmp_path / "model.pt"
+    torch.save(_weights(3), file)
+    data = bytearray(file.read_bytes())
+    data[_central_entry(bytes(data)) + field] = value
+    file.write_bytes(bytes(data))
+    for argv in (
+        ["merge", "--local_dir", str(file), "--target_dir", str(tmp_path / "o")],
+        ["inspect", str(file)],
+        ["verify", str(file)],
+    ):
+        assert main(argv) == 1
+        out, err = capsys.readouterr()
+        assert "Traceback" not in err and words in out + err, (argv, out, err)
+    assert not (tmp_path / "o").exists()
+    model, _ = live_objects(7, 1)
+    with pytest.raises(ShardstreamError, match="model.pt"):
+        shardstream.load(file, model=model, contents=("model",))
+
+
+def test_a_file_saved_without_crc32s_is_read(tmp_path, capsys):
+    """torch.serialization.set_crc32_options(False) writes 0 for every record's CRC-32, a
+    valid archive torch.load reads: it was refused as corrupt ("Bad CRC-32 for data.pkl")."""
+    from shardstream.cli import main
+
+    weights = _weights(4)
+    file = tmp_path / "model.pt"
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save(weights, file)
+    finally:
+        torch.serialization.set_crc32_options(True)
+    assert main(["verify", str(file)]) == 0, capsys.readouterr()
+    target = tmp_path / "o"
+    assert main(["merge", "--local_dir", str(file), "--target_dir", str(target)]) == 0
+    from safetensors.torch import load_file
+
+    merged = load_file(target / "model.safetensors")
+    assert sorted(merged) == sorted(weights)
+    for name, tensor in weights.items():
+        assert torch.equal(merged[name], tensor), name

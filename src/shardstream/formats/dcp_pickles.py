@@ -9,6 +9,7 @@ finds the chunk's elements inside its archive (stored uncompressed) without read
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 import os
@@ -16,6 +17,7 @@ import pickle
 import reprlib
 import struct
 import zipfile
+import zlib
 from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import PurePosixPath, PureWindowsPath
@@ -778,6 +780,38 @@ class RangeReader(io.RawIOBase):
         return self.read(size)
 
 
+# What Python's zip reader raises for a damaged archive: a flipped bit can mark a record
+# compressed (zlib.error), encrypted (RuntimeError) or of a newer zip version
+# (NotImplementedError).
+ZIP_ERRORS = (
+    zipfile.BadZipFile,
+    zipfile.LargeZipFile,
+    OSError,
+    EOFError,
+    ValueError,
+    struct.error,
+    NotImplementedError,
+    RuntimeError,
+    zlib.error,
+)
+
+
+def open_zip_record(archive: zipfile.ZipFile, name: str | zipfile.ZipInfo):
+    """A record of ``archive`` to read, its CRC-32 checked at the end unless torch saved none
+    (0, with ``torch.serialization.set_crc32_options(False)``: a valid archive torch reads)."""
+    info = name if isinstance(name, zipfile.ZipInfo) else archive.getinfo(name)
+    if info.CRC == 0 and info.file_size:
+        info = copy.copy(info)
+        del info.CRC  # zipfile checks a CRC-32 only where the record has one
+    return archive.open(info)
+
+
+def read_zip_record(archive: zipfile.ZipFile, name: str | zipfile.ZipInfo) -> bytes:
+    """``open_zip_record``'s bytes, whole (small records: a pickle, the byte order)."""
+    with open_zip_record(archive, name) as record:
+        return record.read()
+
+
 @dataclass(frozen=True)
 class ChunkLayout:
     """Where a saved chunk's elements are: ``offset`` is the file offset of element [0, ...]."""
@@ -812,12 +846,10 @@ def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -
                 "hundred"
             )
         byteorder = infos.get(prefix + "byteorder")
-        if byteorder is not None and archive.read(byteorder) != b"little":
+        if byteorder is not None and read_zip_record(archive, byteorder) != b"little":
             raise CheckpointFormatError(f"{where}: saved on a big-endian machine; unsupported")
-        pickled = archive.read(pkl)
-    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError, ValueError,
-            struct.error, NotImplementedError, RuntimeError) as exc:  # fmt: skip
-        # RuntimeError: zipfile's answer to a record flagged as encrypted (one flipped bit)
+        pickled = read_zip_record(archive, pkl)
+    except ZIP_ERRORS as exc:
         if isinstance(exc, CheckpointFormatError):
             raise
         raise CheckpointFormatError(f"{where}: not a readable torch.save archive: {exc}") from None

@@ -37,12 +37,15 @@ from ..engine.endpoints import FileEndpoint
 from ..engine.plan import Block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
 from .dcp_pickles import (
+    ZIP_ERRORS,
     RangeReader,
     _Call,
     _Frozen,
     _torch_dtype,
     check_pickle,
     check_unpickled,
+    open_zip_record,
+    read_zip_record,
 )
 from .regular_file import open_regular, present
 
@@ -218,10 +221,9 @@ def _check_archive(f) -> None:
         # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
         # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
         order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
-        if order and archive.read(order[0]).strip() != b"little":
+        if order and read_zip_record(archive, order[0]).strip() != b"little":
             raise CheckpointFormatError("saved on a big-endian machine; only little-endian is read")
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError, RuntimeError) as exc:
-        # RuntimeError: zipfile's answer to a record flagged as encrypted (one flipped bit)
+    except ZIP_ERRORS as exc:
         if isinstance(exc, CheckpointFormatError):
             raise
         raise CheckpointFormatError(str(exc) or type(exc).__name__) from None
@@ -596,12 +598,12 @@ def _zip_damage(path: str) -> str | None:
             pickles = [n for n in archive.namelist() if n.rsplit("/", 1)[-1] == "data.pkl"]
             if not pickles:
                 return "the zip archive has no data.pkl record"
-            with archive.open(pickles[0]) as record:
+            with open_zip_record(archive, pickles[0]) as record:
                 while record.read(1 << 20):
                     pass
     except zipfile.BadZipFile as exc:
         return str(exc)
-    except (OSError, EOFError, ValueError, NotImplementedError, RuntimeError) as exc:
+    except ZIP_ERRORS as exc:
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return None
 
@@ -649,7 +651,7 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
                 records.append(ZipRecord(info.filename, start, start + info.file_size, crc))
     except CheckpointFormatError:
         raise
-    except (zipfile.BadZipFile, OSError, ValueError) as exc:
+    except ZIP_ERRORS as exc:
         if isinstance(exc, zipfile.BadZipFile) and is_legacy(path):
             raise CheckpointFormatError(f"{path}: {LEGACY_FORMAT}") from None
         raise CheckpointFormatError(f"{path}: corrupt torch checkpoint: {exc}") from None
@@ -690,7 +692,7 @@ def zip_records_in(path: str, start: int, length: int, fd: int | None = None) ->
                         f"{info.filename!r} runs past its end"
                     )
                 records.append(ZipRecord(info.filename, lo, lo + info.file_size, f"{info.CRC:08x}"))
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
+    except ZIP_ERRORS as exc:
         if isinstance(exc, CheckpointFormatError):
             raise
         raise CheckpointFormatError(
