@@ -981,3 +981,33 @@ def test_a_checkpoint_saved_without_crc32s_is_read(tmp_path, capsys):
     assert cli.main(["verify", str(tmp_path / "ck")]) == 0, capsys.readouterr()
     _merge(tmp_path / "ck", tmp_path / "out")
     assert_bit_identical(_load_merged(tmp_path / "out"), state)
+
+
+def test_a_quantized_model_keeps_its_float32_scales(tmp_path, capsys):
+    """An FP8 model (float8 weights, float32 ``weight_scale_inv`` block scales, config.json
+    naming bfloat16 and a ``quantization_config``) merged with no flags had its scales cast to
+    bfloat16, changing every dequantised weight; transformers keeps them float32."""
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(3)
+    weights = {
+        "model.layers.0.mlp.down_proj.weight": torch.randn(8, 8, generator=g).to(
+            torch.float8_e4m3fn
+        ),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.rand(1, 1, generator=g) + 0.1,
+        "model.norm.weight": torch.randn(8, generator=g).to(torch.bfloat16),
+    }
+    source = tmp_path / "fp8"
+    source.mkdir()
+    save_file(weights, source / "model.safetensors", metadata={"format": "pt"})
+    config = {
+        "dtype": "bfloat16",
+        "quantization_config": {"quant_method": "fp8", "weight_block_size": [128, 128]},
+    }
+    (source / "config.json").write_text(json.dumps(config))
+    argv = ["merge", "--local_dir", str(source), "--target_dir", str(tmp_path / "o")]
+    assert cli.main(argv) == 0, capsys.readouterr().err
+    merged = _load_merged(tmp_path / "o")
+    assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in weights.items()}
+    for name, tensor in weights.items():
+        assert torch.equal(merged[name].view(torch.uint8), tensor.view(torch.uint8)), name

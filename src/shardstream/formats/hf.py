@@ -309,7 +309,9 @@ def output_dtype(
     """``--dtype`` if given; else bfloat16 for a checkpoint verl's merger merges
     (``verl_merges``: it casts every floating tensor to bf16, whatever config.json names);
     else the dtype config.json (in ``config_dir``) names, else the stored dtype (None).
-    Either must be a floating dtype: it is what the floating weights are cast to."""
+    Either must be a floating dtype: it is what the floating weights are cast to. A quantized
+    model (config.json's ``quantization_config``: float8 weights beside float32 scales, say)
+    keeps every stored dtype unless ``--dtype`` asks: transformers loads its scales as stored."""
     if requested:
         code = parse_dtype(requested)
         if not is_floating(code):
@@ -319,7 +321,9 @@ def output_dtype(
             )
         return code
     named = named_dtype(config, config_dir)
-    return parse_dtype(VERL_DEFAULT_DTYPE) if verl_merges else named
+    if verl_merges:
+        return parse_dtype(VERL_DEFAULT_DTYPE)
+    return None if isinstance(config.get("quantization_config"), dict) else named
 
 
 def named_dtype(config: dict, config_dir: Path | None = None) -> str | None:
