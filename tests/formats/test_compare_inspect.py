@@ -63,6 +63,22 @@ def test_sharded_bf16_reference_from_merge(fsdp_root, tmp_path):
     assert not fp32.ok and 0 < fp32.max_abs_diff < 0.01
 
 
+def test_a_damaged_reference_merge_wrote_is_named_not_compared(fsdp_root, tmp_path):
+    """A reference shardstream wrote carries checksums, which test did not check: one
+    flipped bit passed (or, with --exact, was blamed on the checkpoint)."""
+    from shardstream.errors import ChecksumMismatchError
+
+    target = tmp_path / "merged"
+    merge(fsdp_root / "base", target)
+    file = target / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    data[-5] ^= 0x01  # the last tensor's data
+    file.write_bytes(bytes(data))
+    for local in (fsdp_root / "base", target):  # the damaged directory on both sides, too
+        with pytest.raises(ChecksumMismatchError, match=str(file)):
+            compare_with_reference(local, target)
+
+
 def test_single_safetensors_file_as_reference(fsdp_root):
     report = compare_with_reference(
         fsdp_root / "base", fsdp_root / "reference" / "model.safetensors"

@@ -47,6 +47,7 @@ from ..engine.endpoints import FileEndpoint, OpenEndpoints
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import hf, lora
+from ..formats.dcp_hf import safetensors_endpoint
 from ..formats.safetensors import read_header
 from ..formats.source import Kind, detect, open_checkpoint
 from ..units import DEFAULT_BUFFER_BYTES, parse_size
@@ -140,7 +141,9 @@ def compare_with_reference(
 
     ref_dir = Path(test_hf_dir)
     adapter_dir = _adapter_only(ref_dir)  # a PEFT adapter, e.g. merge of a save_lora_only run
-    ref_endpoint = FileEndpoint  # safetensors references carry no checksums
+    # A reference shardstream wrote is checked against its checksums as it is read, as merge
+    # checks the same files; other safetensors carry none.
+    ref_endpoint = safetensors_endpoint
     if adapter_dir is not None:
         reference = hf.whole_tensors(hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE)))
         ref_config = hf.read_config(ref_dir)

@@ -82,20 +82,7 @@ class DcpHfCheckpoint:
         return ()  # safetensors holds tensors only
 
     def endpoint(self, location: str) -> FileEndpoint:
-        """A reader of one file that checks every chunk it reads against the checksums
-        shardstream wrote into its header (a model it merged or exported); a plain reader
-        for other files, which carry none (DCP's, save_pretrained's)."""
-        from ..engine.endpoints import FileEndpoint  # it imports torch: reading layouts needs none
-
-        header = read_header(location)
-        sums = stored_checksums(header)
-        if sums is None:
-            return FileEndpoint(location)
-        if entries_digest(header.tensors.values()) != sums.entries:
-            raise CheckpointFormatError(
-                f"{location}: tensor table does not match its recorded digest (header altered)"
-            )
-        return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
+        return safetensors_endpoint(location)
 
     def check_split_records(self, tensors: list[GlobalTensor]) -> None:
         """Nothing to check ahead of a merge: no checksums."""
@@ -113,6 +100,23 @@ class DcpHfCheckpoint:
                 # merge copies these files: none may lead out of the directory that holds them
                 return hf.check_no_links_out(candidate, link_root(candidate))
         return None
+
+
+def safetensors_endpoint(location: str) -> FileEndpoint:
+    """A reader of one safetensors file that checks every chunk it reads against the
+    checksums shardstream wrote into its header (a model it merged or exported); a plain
+    reader for other files, which carry none (DCP's, save_pretrained's)."""
+    from ..engine.endpoints import FileEndpoint  # it imports torch: reading layouts needs none
+
+    header = read_header(location)
+    sums = stored_checksums(header)
+    if sums is None:
+        return FileEndpoint(location)
+    if entries_digest(header.tensors.values()) != sums.entries:
+        raise CheckpointFormatError(
+            f"{location}: tensor table does not match its recorded digest (header altered)"
+        )
+    return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
 
 
 def link_root(directory: Path) -> Path:
