@@ -4,6 +4,7 @@ traceback, and nothing written (no target directory, no ``*.tmp-*`` leftovers)."
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 import shutil
@@ -188,7 +189,37 @@ def test_fsdp_config_not_json(capsys, copy_variant, out):
 def test_files_from_two_world_sizes(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     shutil.copy(ckpt / RANK0, ckpt / "model_world_size_4_rank_0.pt")
-    merge_fails(capsys, ckpt, out, str(ckpt), "several world sizes (2, 4)")
+    (ckpt / "fsdp_config.json").unlink()
+    merge_fails(capsys, ckpt, out, str(ckpt), "several world sizes (2, 4), and no fsdp_config")
+
+
+def test_a_step_saved_again_at_another_world_size_reads_the_set_its_config_names(
+    capsys, caplog, copy_variant, fsdp_root, out
+):
+    """verl saving a step again at another world size leaves the earlier set beside the new
+    one; its fsdp_config.json names the new one, which verl's merger reads: merge refused."""
+    ckpt = copy_variant("base")
+    assert json.loads((ckpt / "fsdp_config.json").read_text())["world_size"] == 2
+    for rank in range(3):  # an earlier save's set, complete
+        shutil.copy(ckpt / RANK0, ckpt / f"model_world_size_3_rank_{rank}.pt")
+    with caplog.at_level(logging.WARNING, logger="shardstream.formats.verl"):
+        rc, err = merge(capsys, ckpt, out / "merged", "--dtype", "float32")
+    assert rc == 0, err
+    said = err + "".join(r.getMessage() for r in caplog.records)
+    assert "holds model files of world sizes 2, 3; reading those of world size 2" in said, said
+    assert (
+        main(
+            [
+                "test",
+                "--local_dir",
+                str(out / "merged"),
+                "--test_hf_dir",
+                str(fsdp_root / "reference"),
+                "--exact",
+            ]
+        )
+        == 0
+    )
 
 
 def test_rank_beyond_world_size(capsys, copy_variant, out):

@@ -7,6 +7,7 @@ shapes and placements on a ("fsdp",) or ("ddp", "fsdp") mesh; plain tensors are 
 from __future__ import annotations
 
 import bisect
+import logging
 import math
 import os
 import re
@@ -55,6 +56,8 @@ from .torch_pt import (
 
 FSDP_CONFIG = "fsdp_config.json"
 HF_SUBDIR = "huggingface"
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -202,13 +205,8 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
         raise CheckpointNotFoundError(
             f"{directory}: no model files (expected model_world_size_W_rank_R.pt)"
         )
-    if len(found) > 1:
-        sizes = ", ".join(str(w) for w in sorted(found))
-        raise CheckpointFormatError(
-            f"{directory}: model files from several world sizes ({sizes}); keep one set"
-        )
-    ((world_size, ranks),) = found.items()
     config = directory / FSDP_CONFIG
+    declared = None
     if present(config):
         try:
             declared = read_object(config, "FSDP config (JSON object)").get("world_size")
@@ -216,6 +214,25 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
             raise
         except (ValueError, AttributeError) as exc:
             raise CheckpointFormatError(f"{config}: not valid JSON ({exc})") from None
+    if len(found) > 1:
+        sizes = ", ".join(str(w) for w in sorted(found))
+        if type(declared) is not int or declared not in found:
+            raise CheckpointFormatError(
+                f"{directory}: model files from several world sizes ({sizes}), and no "
+                f"{FSDP_CONFIG} names one of them; keep one set"
+            )
+        # A step saved again at another world size: verl reads the set its config names.
+        log.warning(
+            "%s: holds model files of world sizes %s; reading those of world size %d, which "
+            "%s names (the others are an earlier save's: delete them)",
+            directory,
+            sizes,
+            declared,
+            FSDP_CONFIG,
+        )
+        found = {declared: found[declared]}
+    ((world_size, ranks),) = found.items()
+    if present(config):
         if declared is not None and declared != world_size:
             raise CheckpointFormatError(
                 f"{config}: says world_size {declared}, but the model files are named for "
