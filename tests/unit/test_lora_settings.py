@@ -44,3 +44,35 @@ def test_a_meta_file_with_odd_json_is_refused_by_name(tmp_path, text):
     (tmp_path / META_FILE).write_text(text)
     with pytest.raises(CheckpointFormatError, match=META_FILE):
         lora_settings(tmp_path)
+
+
+def test_target_modules_match_only_the_adapted_modules():
+    """An ``all-linear`` adapter on a VLM adapts ``visual.merger.mlp.0``: its last name, "0",
+    also matches every ``layers.0``, and PEFT refused to load the adapter merge wrote."""
+    from shardstream.engine.plan import GlobalTensor
+    from shardstream.formats.lora import LoraSplit
+
+    stored = [
+        "model.layers.0.self_attn.q_proj.weight",
+        "model.layers.0.self_attn.k_proj.weight",
+        "model.layers.2.mlp.0.weight",
+        "visual.blocks.0.attn.proj.weight",
+        "visual.merger.mlp.0.weight",
+        "visual.merger.mlp.2.weight",
+    ]
+    adapted = [
+        "model.layers.0.self_attn.q_proj",
+        "visual.blocks.0.attn.proj",
+        "visual.merger.mlp.0",
+        "visual.merger.mlp.2",
+    ]
+    base = [GlobalTensor(name, "F32", (1,), ()) for name in stored]
+    split = LoraSplit(base=base, factors={module: {} for module in adapted})
+    chosen = split.target_modules
+    assert chosen == ["merger.mlp.0", "mlp.2", "proj", "q_proj"]
+    modules = {name.rsplit(".", 1)[0] for name in stored}
+    modules |= {m.rsplit(".", k)[0] for m in list(modules) for k in range(1, m.count(".") + 1)}
+    matched = {m for m in modules for s in chosen if m == s or m.endswith("." + s)}
+    assert matched == set(adapted)  # as PEFT matches them: every adapted module, no other
+    alone = LoraSplit(base=[], factors={module: {} for module in adapted})
+    assert alone.target_modules == ["0", "2", "proj", "q_proj"]  # no other modules to tell

@@ -42,7 +42,26 @@ class LoraSplit:
 
     @property
     def target_modules(self) -> list[str]:
-        return sorted({m.rsplit(".", 1)[-1] for m in self.factors})
+        """PEFT's ``target_modules``: for each adapted module the shortest name suffix that
+        matches no module of the model left without an adapter (PEFT matches a module whose
+        path is a suffix or ends in ``.<suffix>``: a VLM's ``visual.merger.mlp.0`` is
+        ``mlp.0``, as ``0`` would take every layer ``N.0``). An adapter saved alone shows
+        no other modules: their last names."""
+        modules = {t.name.rsplit(".", 1)[0] for t in self.base}
+        for module in list(modules):
+            while "." in module:
+                module = module.rsplit(".", 1)[0]
+                modules.add(module)
+        others = modules - set(self.factors)
+        chosen = set()
+        for module in self.factors:
+            parts = module.split(".")
+            for n in range(1, len(parts) + 1):
+                suffix = ".".join(parts[-n:])
+                if not any(o == suffix or o.endswith("." + suffix) for o in others):
+                    break
+            chosen.add(suffix)
+        return sorted(chosen)
 
 
 def _hf_name(name: str) -> str:
