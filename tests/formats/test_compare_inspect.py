@@ -502,3 +502,20 @@ def test_inspect_tolerates_odd_informational_manifest_fields(tmp_path):
     native.write_manifest(tmp_path / "step", doc)
     with pytest.raises(CheckpointFormatError, match="'contents' is not a list of names"):
         describe(tmp_path / "step")
+
+
+@pytest.mark.parametrize(("total", "ok"), [(None, True), (16, True), (-5, False), (17, False)])
+def test_verify_checks_the_index_total_size_it_is_given(tmp_path, total, ok):
+    """A negative total_size passed (-1 stood for "not said"), where a too-large one failed."""
+    from shardstream.commands.verify import verify
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    save_file({"w": torch.ones(4)}, str(directory / "model-00001-of-00001.safetensors"))
+    metadata = {} if total is None else {"total_size": total}
+    index = {"metadata": metadata, "weight_map": {"w": "model-00001-of-00001.safetensors"}}
+    (directory / "model.safetensors.index.json").write_text(json.dumps(index))
+    report = verify(directory)
+    assert report.ok == ok, report.problems
+    if not ok:
+        assert any(f"total_size {total} but" in p.line() for p in report.problems)

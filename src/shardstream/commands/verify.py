@@ -971,8 +971,8 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             metadata = index.get("metadata", {})
             if not isinstance(weight_map, dict) or not isinstance(metadata, dict):
                 raise ValueError("weight_map or metadata is not an object")
-            total = metadata.get("total_size", -1)
-            if type(total) is not int:
+            total = metadata.get("total_size")  # None: not said
+            if total is not None and type(total) is not int:
                 raise ValueError(f"total_size {total!r} is not an integer")
             odd = [v for v in weight_map.values() if not isinstance(v, str)]
             if odd:
@@ -1023,7 +1023,7 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
                 report.problems.append(
                     Problem(str(directory / name), "tensor is not in the index", tensor)
                 )
-        if total >= 0 and total != total_bytes:
+        if total is not None and total != total_bytes:
             report.problems.append(
                 Problem(str(index_path), f"total_size {total} but tensors hold {total_bytes} bytes")
             )
