@@ -180,6 +180,11 @@ def save_rank(rank: int, world: int, args: argparse.Namespace, kind: str, actor:
     if rank == 0:
         (out / "huggingface").mkdir(parents=True)
         model.config.save_pretrained(out / "huggingface")
+        # verl saves the generation config of the model it loaded; without one, merge derives
+        # it (importing transformers), which is not what this bench measures
+        from transformers import GenerationConfig
+
+        GenerationConfig.from_model_config(model.config).save_pretrained(out / "huggingface")
         (out / "fsdp_config.json").write_text(json.dumps({"FSDP_version": 2, "world_size": world}))
     dist.barrier()
     torch.save(model.state_dict(), out / f"model_world_size_{world}_rank_{rank}.pt")
@@ -504,7 +509,7 @@ def ensure_checkpoint(kind: str, actor: Path, args: argparse.Namespace) -> float
     from shardstream.testing.distributed import run
 
     done = actor.parent / "saved.json"  # written once every rank's file is complete
-    want = {"kind": kind, **{k: getattr(args, k) for k in SHAPE}}
+    want = {"kind": kind, "generation_config": True, **{k: getattr(args, k) for k in SHAPE}}
     if done.is_file() and json.loads(done.read_text()) == want:
         return None
     shutil.rmtree(actor, ignore_errors=True)
