@@ -1011,3 +1011,44 @@ def test_a_quantized_model_keeps_its_float32_scales(tmp_path, capsys):
     assert {k: v.dtype for k, v in merged.items()} == {k: v.dtype for k, v in weights.items()}
     for name, tensor in weights.items():
         assert torch.equal(merged[name].view(torch.uint8), tensor.view(torch.uint8)), name
+
+
+def test_a_frozen_vision_tower_left_out_is_refused(tmp_path, capsys):
+    """``get_state_dict(..., ignore_frozen_params=True)`` of a VLM whose vision tower was
+    frozen: merge wrote the language model alone (exit 0, no note), and transformers started
+    the whole tower at random. The model transformers builds for the layout says what
+    save_pretrained writes; a part of it the checkpoint holds nothing of is refused."""
+    from shardstream.testing.tiny_models import build_layout_model, layout_config
+
+    model = build_layout_model("qwen2_5_vl")
+    state = {k: v for k, v in model.state_dict().items() if ".visual." not in f".{k}"}
+    assert len(state) < len(model.state_dict())
+    _save_plain(tmp_path / "ck", state)
+    layout_config("qwen2_5_vl").save_pretrained(tmp_path / "hf")
+    argv = ["--local_dir", str(tmp_path / "ck"), "--hf_model_path", str(tmp_path / "hf")]
+    for _ in range(2):  # the second plan comes from the layout cache
+        rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o")])
+        err = capsys.readouterr().err
+        assert rc == 1 and not (tmp_path / "o").exists(), err
+        assert "holds nothing of visual.*" in err and "ignore_frozen_params" in err, err
+    rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o"), "--keep-names"])
+    assert rc == 0, capsys.readouterr().err  # the in-memory names, on purpose
+
+
+def test_a_critic_of_a_mapped_model_type_whose_config_names_the_causal_lm_merges(tmp_path, capsys):
+    """A verl critic (``score`` head) of a model type transformers maps, saved with the
+    actor's ``*ForCausalLM`` config.json: its missing ``lm_head`` is not a part left out."""
+    import transformers
+
+    from shardstream.testing.tiny_models import layout_config, randomized
+
+    config = layout_config("qwen3_moe")
+    config.num_labels = 1
+    state = dict(randomized(transformers.Qwen3MoeForTokenClassification(config)).state_dict())
+    assert "score.weight" in state and "lm_head.weight" not in state
+    _save_plain(tmp_path / "ck", state)
+    config.save_pretrained(tmp_path / "hf")  # architectures: Qwen3MoeForCausalLM
+    argv = ["--local_dir", str(tmp_path / "ck"), "--hf_model_path", str(tmp_path / "hf")]
+    rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o"), "--dtype", "float32"])
+    assert rc == 0, capsys.readouterr().err
+    assert "score.weight" in _load_merged(tmp_path / "o")

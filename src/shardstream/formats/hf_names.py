@@ -97,6 +97,9 @@ class NamePlan:
     rule: str
     kept_names: bool = False
     stripped: dict[str, str] | None = None  # stored -> without wrapper prefixes
+    # Parts of the model (``visual``, ``lm_head``: ``parameter_group``) save_pretrained writes
+    # of which the checkpoint holds nothing; known where transformers built the model
+    missing: tuple[str, ...] = ()
 
     @property
     def renamed(self) -> int:
@@ -234,6 +237,14 @@ def plan_checkpoint_names(
     plan = plan_names(tensors, config, keep_names, config_path)
     plain = plan.stripped or {}
     check_config_agrees([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
+    if plan.missing and not keep_names:
+        shown = ", ".join(f"{group}.*" for group in plan.missing)
+        raise CheckpointFormatError(
+            f"the checkpoint holds nothing of {shown}, which the model {config_path} describes "
+            "holds (saved without it: frozen parameters left out, as ignore_frozen_params=True "
+            "does?); a model loaded from the output would start it at random (--hf_model_path "
+            "names the config of the model the checkpoint holds)"
+        )
     return plan
 
 
@@ -282,8 +293,8 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
 
     cached = hf_names_cache.load(tensors, config)
     if cached is not None:  # computed by this transformers before: not imported now
-        found, pieces = cached
-        return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped)
+        found, pieces, missing = cached
+        return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped, tuple(missing))
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
@@ -296,13 +307,15 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
                 "transformers (or merge with --keep-names to write the in-memory names)"
             ) from None
         version = transformers.__version__
+        missing: tuple[str, ...] = ()
         if has_weight_conversions():
-            pieces, what = _trace_v5(plain, config)
+            pieces, what, missing = _trace_v5(plain, config)
         else:
             pieces, what = _renames_v4(plain, config)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
-    plan = NamePlan(tuple(pieces), _join(rule, f"transformers {version} {what}"), False, stripped)
-    hf_names_cache.store(tensors, config, plan.rule, plan.pieces)
+    described = _join(rule, f"transformers {version} {what}")
+    plan = NamePlan(tuple(pieces), described, False, stripped, missing)
+    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing)
     return plan
 
 
@@ -654,9 +667,10 @@ def _model_class(config: dict, config_class: type | None = None) -> type | None:
     return None
 
 
-def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
+def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
     """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
-    back where each output lies in the stored tensors."""
+    back where each output lies in the stored tensors; and the model's parts the output
+    holds nothing of (``_missing_parts``)."""
     import torch
     from torch.overrides import TorchFunctionMode
     from transformers.core_model_loading import revert_weight_conversion
@@ -665,7 +679,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
 
     model = _meta_model(config, len(plain))
     if model is None:
-        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
+        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
     model = _holding_the_tensors(model, config, plain)
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
@@ -718,7 +732,36 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str]:
                 "writes only those. Merge with --keep-names to write the in-memory names"
             )
         pieces.append(piece)
-    return _with_storage(pieces, model, plain, revert_weight_conversion), what
+    pieces = _with_storage(pieces, model, plain, revert_weight_conversion)
+    return pieces, what, _missing_parts(model, pieces, ignored, revert_weight_conversion)
+
+
+def parameter_group(name: str) -> str:
+    """The part of a model a saved tensor belongs to: its first name, or its first two under
+    ``model.`` (``visual``, ``lm_head``, ``model.layers``, ``model.embed_tokens``)."""
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "model" and len(parts) > 2 else parts[0]
+
+
+def _missing_parts(model: Any, pieces: list[Piece], ignored: set[str], revert) -> tuple[str, ...]:
+    """The parts (``parameter_group``) of what ``save_pretrained`` writes of ``model``'s
+    parameters (tied ones once) that no output piece belongs to: a frozen vision tower or
+    head ``ignore_frozen_params=True`` left out. A head-like part (not under ``model.``) is
+    not counted when the output holds a part the model does not (another head: verl saves its
+    critic's ``score`` with the actor's config). () where the conversion of the model's own
+    parameters fails: no check, rather than a refusal the model's rules do not make."""
+    try:
+        params = {
+            name: p for name, p in model.named_parameters() if name not in ignored
+        }  # tied parameters once
+        expected = {parameter_group(name) for name in revert(model, params)}
+    except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
+        return ()
+    written = {parameter_group(p.name) for p in pieces}
+    missing = expected - written
+    if any(group.split(".")[0] != "model" for group in written - expected):
+        missing = {group for group in missing if group.split(".")[0] == "model"}
+    return tuple(sorted(missing))
 
 
 def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:

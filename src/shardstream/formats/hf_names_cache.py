@@ -45,8 +45,9 @@ log = logging.getLogger(__name__)
 # Bump whenever what plan_names computes or refuses, or this file's layout, changes. 2: the
 # shape and size checks against config.json's model (a plan cached before them is not used);
 # 3: the digest; 4: a model holding none of the stored tensors is not planned by;
-# 5: the aliases save_pretrained leaves out (T5's encoder/decoder embed_tokens).
-CACHE_FORMAT = 5
+# 5: the aliases save_pretrained leaves out (T5's encoder/decoder embed_tokens); 6: the
+# model's parts the checkpoint holds nothing of (``missing``).
+CACHE_FORMAT = 6
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -101,9 +102,9 @@ def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str
     return hashlib.sha256(described.encode()).hexdigest()
 
 
-def load(tensors: Tensors, config: dict) -> tuple[str, list[dict]] | None:
-    """The cached ``(rule, pieces)`` for this request, pieces as dicts of ``FIELDS`` with
-    tuples; None on a miss, a disabled cache or a file that fails any check."""
+def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str]] | None:
+    """The cached ``(rule, pieces, missing)`` for this request, pieces as dicts of ``FIELDS``
+    with tuples; None on a miss, a disabled cache or a file that fails any check."""
     directory = cache_dir()
     key = cache_key(tensors, config)
     if directory is None or key is None:
@@ -129,9 +130,11 @@ def load(tensors: Tensors, config: dict) -> tuple[str, list[dict]] | None:
     return found
 
 
-def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
-    """Keep ``rule`` and ``pieces`` (``hf_names.Piece``) for this request; never raises for
-    a directory or disk that refuses the write."""
+def store(
+    tensors: Tensors, config: dict, rule: str, pieces: Sequence, missing: Sequence[str] = ()
+) -> None:
+    """Keep ``rule``, ``pieces`` (``hf_names.Piece``) and ``missing`` (``NamePlan.missing``)
+    for this request; never raises for a directory or disk that refuses the write."""
     directory = cache_dir()
     key = cache_key(tensors, config)
     if directory is None or key is None:
@@ -155,7 +158,8 @@ def store(tensors: Tensors, config: dict, rule: str, pieces: Sequence) -> None:
         "transformers": transformers_version(),
         "rule": rule,
         "pieces": listed,
-        "digest": _digest(key, rule, listed),
+        "missing": list(missing),
+        "digest": _digest(key, rule, listed, list(missing)),
     }
     try:
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -202,8 +206,8 @@ def prune(directory: Path, keep: int | None = None) -> None:
         log.debug("not pruning the cached layouts in %s: %s", directory, exc)
 
 
-def _digest(key: str, rule: object, pieces: object) -> str:
-    canonical = json.dumps([key, rule, pieces], sort_keys=True, separators=(",", ":"))
+def _digest(key: str, rule: object, pieces: object, missing: object) -> str:
+    canonical = json.dumps([key, rule, pieces, missing], sort_keys=True, separators=(",", ":"))
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -214,14 +218,17 @@ def _is_int(value: object, low: int = 0) -> bool:
 _FIELD_SET = frozenset(FIELDS)
 
 
-def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | None:
-    """``doc``'s rule and pieces when every check holds against the request, else None."""
+def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict], list[str]] | None:
+    """``doc``'s rule, pieces and missing parts when every check holds against the request,
+    else None."""
     if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
         return None
-    rule, pieces = doc.get("rule"), doc.get("pieces")
+    rule, pieces, missing = doc.get("rule"), doc.get("pieces"), doc.get("missing")
     if not isinstance(rule, str) or not isinstance(pieces, list):
         return None
-    if doc.get("digest") != _digest(key, rule, pieces):
+    if not isinstance(missing, list) or not all(type(m) is str for m in missing):
+        return None
+    if doc.get("digest") != _digest(key, rule, pieces, missing):
         return None
     shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
     names: set[str] = set()
@@ -257,4 +264,4 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict]] | 
         piece["start"], piece["extent"] = tuple(start), tuple(extent)
         piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
         out.append(piece)
-    return rule, out
+    return rule, out, missing
