@@ -21,6 +21,7 @@ from shardstream.testing.verl_checkpoint import zip_member_data
 
 RANK0 = "model_world_size_2_rank_0.pt"
 RANK1 = "model_world_size_2_rank_1.pt"
+NORM_KEY = "model.norm.weight"
 
 
 @pytest.fixture
@@ -874,3 +875,40 @@ def test_a_directory_of_what_no_reader_opens_says_what_it_holds(
         load(source, model=torch.nn.Linear(2, 2))
     assert main(["verify", str(source), "--quiet"]) == 1
     assert words in capsys.readouterr().err
+
+
+def _with_placements(rank_file: Path, name: str, placements: list) -> None:
+    """Rewrite ``name``'s DTensor in ``rank_file`` with other ``placements`` (same shard)."""
+    import copy
+
+    from torch.distributed.tensor import DTensor
+
+    state = torch.load(rank_file, weights_only=False)  # the test's own file
+    tensor = state[name]
+    spec = copy.copy(tensor._spec)
+    object.__setattr__(spec, "placements", tuple(placements))
+    state[name] = DTensor(tensor._local_tensor, spec, requires_grad=False)
+    torch.save(state, rank_file)
+
+
+@pytest.mark.parametrize(
+    ("placements", "words"),
+    [
+        ("two", "has 2 placement(s) (S(0), S(0)) for a 1-D device mesh"),
+        ("none", "has 0 placement(s) (none) for a 1-D device mesh"),
+        ("dim 2", "is sharded along dimension 2, which its 1-D global shape"),
+    ],
+)
+def test_placements_that_do_not_fit_the_mesh_or_shape_are_named(
+    capsys, copy_variant, out, placements, words
+):
+    """Two placements on a 1-D mesh were read by the first alone (exit 0); a Shard of a
+    dimension the tensor lacks was said to be "not Shard"."""
+    from torch.distributed.tensor import Shard
+
+    chosen = {"two": [Shard(0), Shard(0)], "none": [], "dim 2": [Shard(2)]}[placements]
+    ckpt = copy_variant("base")
+    for rank in range(2):
+        _with_placements(ckpt / f"model_world_size_2_rank_{rank}.pt", NORM_KEY, chosen)
+    line = merge_fails(capsys, ckpt, out, NORM_KEY)
+    assert words in line, line

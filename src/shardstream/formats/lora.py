@@ -208,10 +208,10 @@ def _settings(meta: object, where: str) -> tuple[LoraSettings, bool]:
         raise CheckpointFormatError(f"{where}: a {type(meta).__name__}, not a JSON object")
     r, alpha, rslora = meta.get("r"), meta.get("lora_alpha"), meta.get("use_rslora")
     if type(r) is not int or r <= 0:
-        raise CheckpointFormatError(f"{where}: r is {str(r)[:40]}, not a positive integer")
+        raise CheckpointFormatError(f"{where}: r is {repr(r)[:40]}, not a positive integer")
     if type(alpha) not in (int, float) or not math.isfinite(alpha) or alpha <= 0:
         raise CheckpointFormatError(
-            f"{where}: lora_alpha is {str(alpha)[:40]}, not a positive finite number"
+            f"{where}: lora_alpha is {repr(alpha)[:40]}, not a positive finite number"
         )
     if rslora is not None and type(rslora) is not bool:
         raise CheckpointFormatError(f"{where}: use_rslora is {str(rslora)[:40]}, not true or false")

@@ -430,6 +430,12 @@ def read_rank_layouts(
                 coordinate = _mesh_coordinate(mesh, rank, path)
                 start, length = [0] * len(entry.shape), list(entry.shape)
                 keep = True
+                if len(entry.placements) != len(mesh.shape):
+                    raise CheckpointFormatError(
+                        f"{path}: tensor {name!r} has {len(entry.placements)} placement(s) "
+                        f"({', '.join(map(str, entry.placements)) or 'none'}) for a "
+                        f"{len(mesh.shape)}-D device mesh; a DTensor has one per mesh dimension"
+                    )
                 for dim, (placement, c) in enumerate(zip(entry.placements, coordinate)):
                     if placement.kind == "Shard" and 0 <= placement.dim < len(length):
                         d = placement.dim
@@ -438,6 +444,12 @@ def read_rank_layouts(
                         length[d] = n
                     elif placement.kind == "Replicate":
                         keep = keep and c == 0
+                    elif placement.kind == "Shard":
+                        raise CheckpointFormatError(
+                            f"{path}: tensor {name!r} is sharded along dimension "
+                            f"{placement.dim}, which its {len(length)}-D global shape "
+                            f"{list(entry.shape)} does not have"
+                        )
                     else:
                         raise CheckpointFormatError(
                             f"{path}: tensor {name!r} has placement {placement}, which shardstream "
