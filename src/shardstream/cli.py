@@ -18,6 +18,7 @@ from .units import check_buffer_size, format_size
 
 EXIT_ERROR = 1
 EXIT_USAGE = 2
+PROBLEMS_SHOWN = 1000  # verify's problem lines printed; --json has them all
 
 
 # verl 0.9.1's model_merger options (merge and test): a prefix that matches one of them and
@@ -349,8 +350,11 @@ def run_verify(args: argparse.Namespace) -> int:
         lines = [problem.line() for problem in report.problems]
         print(_json_report(report.to_json(), code, "FAILED", lines))
     else:
-        for problem in report.problems:
+        for problem in report.problems[:PROBLEMS_SHOWN]:
             print(_one_line(problem.line()), file=sys.stderr)
+        if len(report.problems) > PROBLEMS_SHOWN:
+            more = len(report.problems) - PROBLEMS_SHOWN
+            print(f"... and {more:,} more problem(s) (--json lists every one)", file=sys.stderr)
         if not args.quiet:
             verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
             steps = f", steps {report.steps}" if report.kind in ("root", "checkpoints") else ""

@@ -519,3 +519,22 @@ def test_verify_checks_the_index_total_size_it_is_given(tmp_path, total, ok):
     assert report.ok == ok, report.problems
     if not ok:
         assert any(f"total_size {total} but" in p.line() for p in report.problems)
+
+
+def test_verify_prints_a_bounded_number_of_problem_lines(tmp_path, capsys, monkeypatch):
+    """An index of 1.4 M entries naming tensors its file does not hold printed 1.4 M lines."""
+    from shardstream import cli
+
+    directory = tmp_path / "model"
+    directory.mkdir()
+    save_file({"w": torch.ones(4)}, str(directory / "model-00001-of-00001.safetensors"))
+    weight_map = {"w": "model-00001-of-00001.safetensors"}
+    weight_map |= {f"gone.{i}": "model-00001-of-00001.safetensors" for i in range(5)}
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    monkeypatch.setattr(cli, "PROBLEMS_SHOWN", 2)
+    assert main(["verify", "--quiet", str(directory)]) == 1
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and lines[-1].startswith("... and "), lines
+    assert main(["verify", "--json", str(directory)]) == 1
+    listed = json.loads(capsys.readouterr().out)["problems"]
+    assert len(listed) == 2 + int(lines[-1].split()[2].replace(",", ""))

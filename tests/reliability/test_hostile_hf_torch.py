@@ -761,3 +761,18 @@ def test_damaged_accelerate_save_model(accelerate_model, tmp_path, capsys, case,
 def test_accelerate_save_model_as_written_verifies(accelerate_model, capsys):
     code, err = _run(capsys, "verify", accelerate_model, accelerate_model.parent / "unused")
     assert code == 0, err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize(("case", "needle"), [("fifo", "is a FIFO"), ("device", "is a character")])
+def test_a_checkpoint_path_that_is_no_file_nor_directory_is_called_what_it_is(
+    tmp_path, capsys, command, case, needle
+):
+    """verify said "no such directory" of a FIFO or /dev/null, merge and inspect "is a
+    file"."""
+    source = tmp_path / "ckpt"
+    if case == "fifo":
+        os.mkfifo(source)
+    else:
+        source.symlink_to("/dev/null")
+    _refused(capsys, source, tmp_path, str(source), needle, command=command)

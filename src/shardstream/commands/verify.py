@@ -16,7 +16,7 @@ from pathlib import Path
 from ..engine.checksum import digest, new_hasher
 from ..errors import CheckpointFormatError, ShardstreamError, permission_denied
 from ..formats import hf, jsondoc, native
-from ..formats.regular_file import check_inside, open_regular, present
+from ..formats.regular_file import check_inside, kind_of, open_regular, present
 from ..formats.safetensors import (
     SafetensorsHeader,
     build_header,
@@ -147,8 +147,14 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
         _verify_torch_file(root, report, progress)
         return report
     if not root.is_dir():
-        report = VerifyReport(str(root), "missing")
-        report.problems.append(Problem(str(root), "no such directory"))
+        kind = kind_of(root)
+        report = VerifyReport(str(root), "missing" if kind is None else "unknown")
+        said = (
+            "no such directory"
+            if kind is None
+            else f"is {kind}, expected a checkpoint directory or a torch.save file"
+        )
+        report.problems.append(Problem(str(root), said))
         return report
     kind = _kind(root)
     if (beside := second_model(root, kind)) is not None:

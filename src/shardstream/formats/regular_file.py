@@ -64,6 +64,20 @@ def present_directory(path: str | os.PathLike, what: str) -> bool:
     return True
 
 
+def kind_of(path: str | os.PathLike) -> str | None:
+    """What is at ``path`` (links followed), for a message: "a regular file", "a FIFO",
+    "a broken symbolic link", ...; None when nothing has the name."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        return "a broken symbolic link" if os.path.lexists(path) else None
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or type(exc).__name__})"
+    if stat.S_ISREG(mode):
+        return "a regular file"
+    return _KINDS.get(stat.S_IFMT(mode), "a special file")
+
+
 def _mode_if_there(path: str | os.PathLike, expected: str) -> int | None:
     """``path``'s mode, links followed; None when nothing has the name. A broken link (its
     message ending in ``expected``) or one that cannot be stat'ed is a ``CheckpointFormatError``."""

@@ -51,6 +51,7 @@ from ..errors import CheckpointFormatError, CheckpointNotFoundError, UsageError
 from ..storage.commit import TMP_MARK
 from ..storage.run_layout import LATEST_FILE, STEP_DIR, read_latest
 from . import hf, native
+from .regular_file import kind_of
 
 if TYPE_CHECKING:
     from ..engine.endpoints import FileEndpoint
@@ -621,8 +622,8 @@ def open_checkpoint(
         return _holding_tensors(path, open_torch_file(path, shared=shared), model_only)
     if not path.is_dir():
         raise CheckpointFormatError(
-            f"{path}: is a file; expected a checkpoint directory or a torch.save file "
-            f"({', '.join(TORCH_FILE_SUFFIXES)})"
+            f"{path}: is {kind_of(path) or 'gone'}; expected a checkpoint directory or a "
+            f"torch.save file ({', '.join(TORCH_FILE_SUFFIXES)})"
         )
     kind = detect(path)
     opener = _READERS.get(kind)
