@@ -96,7 +96,7 @@ def test_missing_directory(capsys, tmp_path, out):
 def test_local_dir_is_a_file(capsys, tmp_path, out):
     f = tmp_path / "file.txt"
     f.write_bytes(b"x")
-    merge_fails(capsys, f, out, str(f), "is a file")
+    merge_fails(capsys, f, out, str(f), "is a regular file")
     f = tmp_path / "file.pt"  # read as one torch.save file, which it is not
     f.write_bytes(b"x")
     merge_fails(capsys, f, out, str(f), "corrupt or truncated torch checkpoint")

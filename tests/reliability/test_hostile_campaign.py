@@ -561,7 +561,7 @@ def _lora_copy(source: Path, tmp_path: Path, **changes) -> Path:
     [
         ({"r": 0}, ("r is 0, not a positive integer",)),  # was a ZeroDivisionError traceback
         ({"r": -3}, ("r is -3, not a positive integer",)),  # fused with a negative scale
-        ({"r": "3"}, ("r is 3, not a positive integer",)),
+        ({"r": "3"}, ("r is '3', not a positive integer",)),
         ({"r": 5}, ("are not [5, in] and [out, 5]",)),  # rank-3 factors fused with alpha / 5
         ({"lora_alpha": 0}, ("lora_alpha is 0, not a positive finite number",)),
         ({"lora_alpha": 1e308}, ("is not finite in float32",)),  # fused weights were NaN
