@@ -912,3 +912,36 @@ def test_placements_that_do_not_fit_the_mesh_or_shape_are_named(
         _with_placements(ckpt / f"model_world_size_2_rank_{rank}.pt", NORM_KEY, chosen)
     line = merge_fails(capsys, ckpt, out, NORM_KEY)
     assert words in line, line
+
+
+@pytest.mark.parametrize("shards", ["1", "3"])
+def test_verify_checks_the_files_merge_wrote_beside_the_weights(capsys, copy_variant, out, shards):
+    """A flipped byte in the merged config.json (rms_norm_eps 1e-06 read as 1e-07), tokenizer
+    or index passed verify: only the weights carried checksums. The first weight file's
+    header now lists the digest of every other file merge wrote; files added later (a
+    README) are not merge's and not checked."""
+    from shardstream.formats.safetensors import FILES_KEY, read_header
+    from shardstream.testing.tiny_models import save_tiny_tokenizer
+
+    actor = copy_variant("base")
+    save_tiny_tokenizer(actor / "huggingface")
+    target = out / "merged"
+    extra = ("--max-shard-size", "20KB") if shards == "3" else ()
+    assert merge(capsys, actor, target, *extra)[0] == 0
+    first = sorted(p for p in target.iterdir() if p.suffix == ".safetensors")[0]
+    listed = read_header(first).metadata[FILES_KEY]
+    beside = sorted(p.name for p in target.iterdir() if p.suffix != ".safetensors")
+    assert [pair.split("=")[0] for pair in listed.split(";")] == beside
+    assert ("model.safetensors.index.json" in beside) == (shards == "3")
+    (target / "README.md").write_text("added by hand")
+    assert main(["verify", "--quiet", str(target)]) == 0, capsys.readouterr()
+    for name in [n for n in beside if n != "README.md"]:
+        data = (target / name).read_bytes()
+        (target / name).write_bytes(data[:-2] + bytes([data[-2] ^ 0x01]) + data[-1:])
+        assert main(["verify", "--quiet", str(target)]) == 1
+        err = capsys.readouterr().err
+        assert f"{target / name}: " in err, err
+        (target / name).write_bytes(data)
+    (target / "config.json").unlink()
+    assert main(["verify", "--quiet", str(target)]) == 1
+    assert "config.json: missing (listed in the header of" in capsys.readouterr().err

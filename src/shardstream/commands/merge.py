@@ -314,7 +314,8 @@ def _merge(
             tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
             # Each file's copy runs are planned when it is filled, and dropped after: a merge
             # of a many-rank checkpoint holds one file's runs, not the whole model's.
-            output = HfModelFiles.plan(tmp, files, align=DIRECT_ALIGN)
+            beside = _files_beside(files, split, fuse_lora, config_dir, adapter_only)
+            output = HfModelFiles.plan(tmp, files, align=DIRECT_ALIGN, side_files=beside)
             jobs = output.jobs
             error = None
             try:
@@ -349,7 +350,8 @@ def _merge(
             overflowed = coll.gather_to_root(streamer.overflowed)
             if rank == 0:
                 try:
-                    written += sum(file.size for file in output.seal(gathered))
+                    # Everything beside the weights first: the first file's header lists it.
+                    output.write_index()
                     if split and not fuse_lora:
                         adapter_dir = tmp if adapter_only else tmp / lora.ADAPTER_DIR
                         written += write_adapter(
@@ -359,6 +361,8 @@ def _merge(
                     if config_dir is not None:
                         named = out_dtype or hf.one_floating_dtype(t.dtype for t in outputs)
                         hf.write_configs(tmp, named, config_dir)
+                    sealed = output.seal(gathered, side_files=True)
+                    written += sum(file.size for file in sealed)
                 except BaseException as exc:  # noqa: BLE001  (the others wait to hear of it)
                     error = exc
             coll.agree_or_raise(error)
@@ -420,6 +424,19 @@ def _entries_written(
         entries.update(dict.fromkeys((p.name for p in hf.config_files(config_dir)), False))
         entries["generation_config.json"] = False
     return entries
+
+
+def _files_beside(
+    files: list, split, fuse_lora: bool, config_dir: Path | None, adapter_only: bool
+) -> list[str]:
+    """The names of the files merge may write beside the weight files: the index, the LoRA
+    adapter, the config and tokenizer files (and a derived generation config)."""
+    names = [hf.INDEX_FILE] if len(files) > 1 else []
+    if split and not fuse_lora and not adapter_only:
+        names += [f"{lora.ADAPTER_DIR}/{name}" for name in (lora.ADAPTER_FILE, lora.ADAPTER_CONFIG)]
+    if config_dir is not None:
+        names += [p.name for p in hf.config_files(config_dir)] + ["generation_config.json"]
+    return names
 
 
 def _update_rule(adapter_only: bool) -> InPlace:

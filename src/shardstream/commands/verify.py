@@ -18,9 +18,12 @@ from ..errors import CheckpointFormatError, ShardstreamError, permission_denied
 from ..formats import hf, jsondoc, native
 from ..formats.regular_file import check_inside, kind_of, open_regular, present
 from ..formats.safetensors import (
+    FILES_KEY,
     SafetensorsHeader,
     build_header,
+    encode_header,
     entries_digest,
+    layout_entries,
     read_header,
     stored_checksums,
     tensors_in_range,
@@ -944,10 +947,17 @@ def _verify_safetensors(
 
 def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
     """Whether ``raw`` is exactly what shardstream's writer makes of this header's contents:
-    data aligned for direct I/O, or (files written before that) to 8 bytes."""
+    data aligned for direct I/O, or (files written before that) to 8 bytes. A header listing
+    the files beside the weights (``FILES_KEY``) kept room for that list before it was
+    known: its spaces run to where the data starts."""
     entries = sorted(header.tensors.values(), key=lambda e: e.begin)
     layout = [(e.name, e.dtype, e.shape) for e in entries]
-    return header.metadata.get("format") == "pt" and any(
+    if header.metadata.get("format") != "pt":
+        return False
+    if FILES_KEY in header.metadata:
+        rebuilt = encode_header(layout_entries(layout), header.metadata, 8, len(raw))
+        return len(raw) % 8 == 0 and rebuilt == raw
+    return any(
         build_header(layout, header.metadata, align)[0] == raw for align in (DIRECT_ALIGN, 8)
     )
 
@@ -997,6 +1007,7 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
     seen: dict[str, str] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     total_bytes = 0
+    first = None  # the first weight file's header: merge lists the other files there
     for name in names:
         if not hf.is_plain_file_name(name):
             report.problems.append(Problem(str(index_path), f"unsafe file name {name[:300]!r}"))
@@ -1008,6 +1019,8 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         header = _verify_safetensors(file, report, progress)
         if header is None:
             continue
+        if name == names[0]:
+            first = header
         for tensor, entry in header.tensors.items():
             if tensor in seen:
                 report.problems.append(
@@ -1033,6 +1046,8 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(
                 Problem(str(index_path), f"total_size {total} but tensors hold {total_bytes} bytes")
             )
+    if first is not None and FILES_KEY in first.metadata:
+        _verify_files_beside(directory, first, report)
     if not seen and not report.problems:
         report.problems.append(Problem(str(directory), "holds no model tensors (merge refuses it)"))
     try:  # config.json's depth and embedding against the stored tensors, as merge checks them
@@ -1041,6 +1056,40 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         check_config_agrees(list(shapes.items()), config or {}, str(directory / "config.json"))
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
+
+
+def _verify_files_beside(directory: Path, first: SafetensorsHeader, report: VerifyReport) -> None:
+    """The files merge wrote beside the weights (config, tokenizer, index, adapter) against
+    the digests the first weight file's header keeps (``FILES_KEY``)."""
+    from ..formats.native import file_digest
+    from ..formats.safetensors import read_files_value
+
+    where = f"listed in the header of {Path(first.path).name}"
+    listed = read_files_value(first.metadata[FILES_KEY])
+    if listed is None:
+        report.problems.append(Problem(first.path, f"its {FILES_KEY} metadata is malformed"))
+        return
+    for name, expected in listed.items():
+        path = directory / name
+        try:
+            check_inside(path, directory)
+            if not present(path):
+                report.problems.append(Problem(str(path), f"missing ({where})"))
+                continue
+            found = file_digest(path)
+        except ShardstreamError as exc:
+            report.problems.append(_problem_in(directory, exc))
+            continue
+        except OSError as exc:
+            report.problems.append(Problem(str(path), _cannot_read(exc)))
+            continue
+        if found != expected:
+            report.problems.append(
+                Problem(str(path), f"differs from what merge wrote (its digest is {where})")
+            )
+            continue
+        report.files_checked += 1
+        report.bytes_checked += path.stat().st_size
 
 
 def _cannot_read(exc: OSError) -> str:

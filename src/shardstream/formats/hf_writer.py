@@ -13,6 +13,7 @@ from pathlib import Path
 from ..engine.plan import GlobalTensor, slice_tensor
 from . import hf
 from .hf_names import NamePlan, plan_checkpoint_names
+from .safetensors import files_value_length
 from .writer import FileJob, OutputTensor, WrittenFile, create_file, plan_file, seal_file
 
 # (file index, first chunk) -> the digests of the chunks from there on, as one writer hashed
@@ -67,14 +68,33 @@ class HfModelFiles:
 
     @classmethod
     def plan(
-        cls, directory: Path, files: list[tuple[str, list[OutputTensor]]], align: int = 8
+        cls,
+        directory: Path,
+        files: list[tuple[str, list[OutputTensor]]],
+        align: int = 8,
+        side_files: Iterable[str] = (),
     ) -> HfModelFiles:
-        """``align``: where each file's data starts (``DIRECT_ALIGN`` for direct writes)."""
+        """``align``: where each file's data starts (``DIRECT_ALIGN`` for direct writes).
+        ``side_files``: the names of the files that may be written beside the weights (the
+        index included), whose digests the first file's header keeps (``seal``)."""
+        reserve = files_value_length(side_files)
         jobs = [
-            plan_file(str(directory / name), group, align=align, plan_runs=False)
-            for name, group in files
+            plan_file(
+                str(directory / name),
+                group,
+                align=align,
+                plan_runs=False,
+                reserved=reserve if i == 0 else 0,
+            )
+            for i, (name, group) in enumerate(files)
         ]
         return cls(directory, files, jobs)
+
+    def write_index(self) -> None:
+        """The index, when there are several files (before ``seal``, to be in its list)."""
+        if len(self.files) > 1:
+            index = json.dumps(hf.index_document(self.files), indent=2) + "\n"
+            (self.directory / hf.INDEX_FILE).write_text(index)
 
     def create(self) -> None:
         """Every file at full size, its header (placeholder digests) written: a full disk
@@ -83,15 +103,37 @@ class HfModelFiles:
         for job in self.jobs:
             create_file(job)
 
-    def seal(self, parts: Iterable[ChunkDigests]) -> list[WrittenFile]:
+    def seal(self, parts: Iterable[ChunkDigests], side_files: bool = False) -> list[WrittenFile]:
         """Seal every file with its chunk digests, from the writers' ``parts``; fsync; write
-        the index when there are several files."""
+        the index when there are several files and ``write_index`` has not. ``side_files``:
+        the first file's header lists every other file of the directory (``FILES_KEY``),
+        which must all be written by now."""
         parts = list(parts)
-        written = [seal_file(job, _assemble(i, job, parts)) for i, job in enumerate(self.jobs)]
-        if len(self.files) > 1:
-            index = json.dumps(hf.index_document(self.files), indent=2) + "\n"
-            (self.directory / hf.INDEX_FILE).write_text(index)
-        return written
+        if not (self.directory / hf.INDEX_FILE).exists():
+            self.write_index()
+        files = ""
+        if side_files and self.jobs:
+            weights = {name for name, _ in self.files}
+            files = files_value(self.directory, weights)
+            if len(json.dumps(files)) - 2 > self.jobs[0].reserved:  # a file not planned for
+                raise AssertionError(f"files beside the weights not planned for: {files}")
+        return [
+            seal_file(job, _assemble(i, job, parts), files if i == 0 else "")
+            for i, job in enumerate(self.jobs)
+        ]
+
+
+def files_value(directory: Path, weights: set[str]) -> str:
+    """``FILES_KEY``'s value: every file of ``directory`` and its folders but the ``weights``,
+    as ``name=xxh3`` pairs (names relative, with "/"), sorted, joined by ";"."""
+    from .native import file_digest
+
+    found = sorted(
+        path.relative_to(directory).as_posix()
+        for path in directory.rglob("*")
+        if path.is_file() and path.relative_to(directory).as_posix() not in weights
+    )
+    return ";".join(f"{name}={file_digest(directory / name)}" for name in found)
 
 
 def _assemble(index: int, job: FileJob, parts: list[ChunkDigests]) -> list[str]:

@@ -119,16 +119,26 @@ UNPRINTABLE = re.compile("[\x00-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 
 
 def encode_header(
-    entries: Iterable[TensorEntry], metadata: Mapping[str, str] | None = None, align: int = 8
+    entries: Iterable[TensorEntry],
+    metadata: Mapping[str, str] | None = None,
+    align: int = 8,
+    length: int | None = None,
 ) -> bytes:
-    """The header prefix (length + JSON + padding) of ``layout_entries``' entries."""
+    """The header prefix (length + JSON + padding) of ``layout_entries``' entries; padded
+    with spaces to ``length`` bytes in all where given (a header written over one of that
+    length), else to the next multiple of ``align``."""
     if align <= 0 or align % 8:
         raise ValueError(f"header alignment {align} is not a positive multiple of 8")
     doc: dict[str, object] = {METADATA_KEY: dict(metadata)} if metadata else {}
     for e in entries:
         doc[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
     body = json.dumps(doc, separators=(",", ":")).encode()
-    body += b" " * (-(len(body) + 8) % align)
+    if length is not None:
+        if 8 + len(body) > length:
+            raise ValueError(f"header of {8 + len(body)} bytes does not fit in {length}")
+        body += b" " * (length - 8 - len(body))
+    else:
+        body += b" " * (-(len(body) + 8) % align)
     return struct.pack("<Q", len(body)) + body
 
 
@@ -259,6 +269,32 @@ def _parse_entry(path: str, name: str, info: object) -> TensorEntry:
 # --- writing, with checksums carried in the header ------------------------------------------
 
 CHECKSUM_PREFIX = "shardstream."
+
+
+# The files merge writes beside the weights (config, tokenizer, index, adapter), as
+# ``name=xxh3`` pairs joined by ";" (``hf_writer.files_value``), in the first weight file's
+# header: verify checks them as it checks the weights' chunks.
+FILES_KEY = CHECKSUM_PREFIX + "files"
+
+
+def files_value_length(names: Iterable[str]) -> int:
+    """The most characters ``hf_writer.files_value`` takes, JSON-escaped, for ``names``."""
+    from ..engine.checksum import new_hasher  # xxhash only
+
+    width = len(new_hasher().hexdigest())
+    names = sorted(set(names))
+    return len(json.dumps(";".join(f"{n}={'0' * width}" for n in names))) - 2 if names else 0
+
+
+def read_files_value(value: str) -> dict[str, str] | None:
+    """``hf_writer.files_value``'s pairs as name -> digest; None for a value not of that form."""
+    out = {}
+    for pair in value.split(";") if value else []:
+        name, sep, found = pair.rpartition("=")
+        if not sep or not name or name in out:
+            return None
+        out[name] = found
+    return out
 
 
 def entries_digest(entries: Iterable[TensorEntry]) -> str:

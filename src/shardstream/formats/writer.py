@@ -14,6 +14,7 @@ from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy
 from ..errors import CheckpointFormatError, out_of_space
 from ..units import DEFAULT_CHUNK_BYTES
 from .safetensors import (
+    FILES_KEY,
     MAX_HEADER_BYTES,
     TensorEntry,
     checksum_metadata,
@@ -82,6 +83,8 @@ class FileJob:
     align: int = 8
     tensors: Sequence[OutputTensor] = ()
     placeholder: bytes = b""  # header(None), once made
+    # Bytes kept in the header for a metadata value only known at the end (``FILES_KEY``)
+    reserved: int = 0
 
     @property
     def chunk_count(self) -> int:
@@ -93,15 +96,22 @@ class FileJob:
             return self.runs
         return plan_file_runs(self.path, self.tensors, self.entries)
 
-    def header(self, chunks: list[str] | None) -> bytes:
-        """The header with ``chunks``' digests; None: the placeholder of the same size."""
+    def header(self, chunks: list[str] | None, files: str = "") -> bytes:
+        """The header with ``chunks``' digests, and with ``files`` (``FILES_KEY``'s value,
+        at most ``reserved`` characters) where space was kept for it; None: the placeholder
+        of the same size, which keeps that space."""
         if chunks is None and self.placeholder:
             return self.placeholder
         meta = {
             **self.metadata,
             **checksum_metadata(self.entries, self.chunk_bytes, chunks, self.data_size),
         }
-        return encode_header(self.entries, meta, self.align)
+        if not self.reserved:
+            return encode_header(self.entries, meta, self.align)
+        if chunks is None:  # the placeholder: the space kept, as a value of that length
+            return encode_header(self.entries, {**meta, FILES_KEY: "0" * self.reserved}, self.align)
+        length = len(self.placeholder)
+        return encode_header(self.entries, {**meta, FILES_KEY: files}, self.align, length)
 
 
 def plan_file(
@@ -111,9 +121,11 @@ def plan_file(
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     align: int = 8,
     plan_runs: bool = True,
+    reserved: int = 0,
 ) -> FileJob:
     """Plan one output file; ``align`` pads its header so the data starts at that multiple
-    (``DIRECT_ALIGN`` for files that ``fill_range(direct=True)`` will fill).
+    (``DIRECT_ALIGN`` for files that ``fill_range(direct=True)`` will fill); ``reserved``
+    keeps that many characters of the header for ``FILES_KEY``, written when it is sealed.
 
     ``plan_runs=False`` leaves the copy runs to be planned when the file is filled, so that
     a caller planning many files holds one file's runs at a time, not all of them.
@@ -130,7 +142,9 @@ def plan_file(
     meta = {"format": "pt", **(metadata or {})}
     runs = plan_file_runs(path, tensors, entries) if plan_runs else None
     bounds = [(e.begin, e.end, itemsize(e.dtype), e.name) for e in entries]
-    job = FileJob(path, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align, tensors)
+    job = FileJob(
+        path, entries, meta, 0, data_size, runs, bounds, chunk_bytes, align, tensors, b"", reserved
+    )
     job.placeholder = job.header(None)
     job.header_bytes = len(job.placeholder)
     return job
@@ -241,9 +255,9 @@ def _writeback_behind(
     return hook
 
 
-def seal_file(job: FileJob, chunks: list[str]) -> WrittenFile:
-    """Write the final header with every chunk digest; fsync."""
-    final = job.header(chunks)
+def seal_file(job: FileJob, chunks: list[str], files: str = "") -> WrittenFile:
+    """Write the final header with every chunk digest (and ``files``, see ``header``); fsync."""
+    final = job.header(chunks, files)
     if len(final) != job.header_bytes:
         raise AssertionError("checksum metadata changed the header length")
     fd = os.open(job.path, os.O_WRONLY)
