@@ -351,6 +351,10 @@ class CheckpointManager:
         optimizer = one_optimizer(optimizer)
         hf_export_given = hf_config is not None or hf_source_dir is not None
         _warn_of_contents_it_cannot_save(config, model, optimizer, hf_export_given)
+        if "hf_model" in config.save_contents and model is not None:
+            from .training.hf_export import refuse_peft_export
+
+            refuse_peft_export(model)  # now, not at the first save many steps later
         self.config = config
         self.model, self.optimizer, self.lr_scheduler = model, optimizer, lr_scheduler
         self.hf_config, self.tokenizer = hf_config, tokenizer

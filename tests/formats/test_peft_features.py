@@ -122,3 +122,23 @@ def test_fusing_a_lora_on_a_tied_head_is_refused(tmp_path, capsys):
     assert cli.main([*argv, str(tmp_path / "split")]) == 0, capsys.readouterr().err
     adapter = json.loads((tmp_path / "split" / "lora_adapter" / "adapter_config.json").read_text())
     assert "lm_head" in adapter["target_modules"]
+
+
+def test_hf_model_of_a_peft_model_is_refused_when_the_manager_is_built(tmp_path):
+    """The export wrote PEFT's names (``base_model.model.*.base_layer.weight``), which
+    transformers loaded as a model of random weights, and verify passed it."""
+    from shardstream import CheckpointConfig, CheckpointManager
+    from shardstream.errors import UsageError
+
+    config = tiny_config("qwen2")
+    model = _peft_model("plain", config)
+    contents = ("model", "hf_model")
+    with pytest.raises(UsageError, match="PEFT .LoRA. model .* merge the checkpoint"):
+        CheckpointManager(
+            CheckpointConfig(tmp_path / "run", save_contents=contents), model, hf_config=config
+        )
+    manager = CheckpointManager(  # without hf_model: saved, and merged as base + adapter
+        CheckpointConfig(tmp_path / "run", save_contents=("model",)), model, hf_config=config
+    )
+    manager.save(1)
+    manager.close()

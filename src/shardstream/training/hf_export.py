@@ -179,6 +179,7 @@ def hf_exporter(
     """The hf_model writer for ``saving.save``, its arguments checked now."""
     if model is None:
         raise UsageError("save_contents includes 'hf_model' but no model was given")
+    refuse_peft_export(model)
     if hf_config is None and source_dir is None:
         raise UsageError(
             "save_contents includes 'hf_model': give hf_config= (a transformers config) or "
@@ -186,6 +187,20 @@ def hf_exporter(
         )
     source = Path(source_dir) if source_dir is not None else None
     return HfExport(model, hf_config, tokenizer, source, dtype, shared_filesystem)
+
+
+def refuse_peft_export(model: torch.nn.Module) -> None:
+    """hf_model of a PEFT (LoRA) model would hold PEFT's in-memory names
+    (``base_model.model.*.base_layer.weight``, ``lora_A``), which transformers loads as a
+    model of random weights (verl's own export does so): refused, as save_contents names it."""
+    lora = next((n for n, _ in model.named_parameters() if ".lora_A." in f".{n}."), None)
+    if lora is not None:
+        raise UsageError(
+            f"save_contents includes 'hf_model', but the model is a PEFT (LoRA) model "
+            f"({lora!r}): its export would hold PEFT's names, which transformers does not "
+            "load. Leave hf_model out and merge the checkpoint: shardstream merge writes the "
+            "base model and lora_adapter/ (or, with --fuse-lora, the fused model)"
+        )
 
 
 @dataclass(frozen=True)
