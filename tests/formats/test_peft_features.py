@@ -142,3 +142,23 @@ def test_hf_model_of_a_peft_model_is_refused_when_the_manager_is_built(tmp_path)
     )
     manager.save(1)
     manager.close()
+
+
+def test_an_adapter_alone_merges_without_the_no_config_note(tmp_path, capsys):
+    """An adapter-only checkpoint (save_lora_only, or ignore_frozen_params=True of a PEFT
+    model) merged to a correct adapter, with a note that transformers could not load the
+    weights as a model for want of config.json: an adapter is loaded onto its base."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _peft_model("plain", tiny_config("qwen2"))
+    adapter = {k: v for k, v in model.state_dict().items() if ".lora_" in k}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(adapter, checkpoint_id=tmp_path / "ck")
+    meta = {"r": R, "lora_alpha": ALPHA, "task_type": "CAUSAL_LM"}
+    (tmp_path / "ck" / "lora_train_meta.json").write_text(json.dumps(meta))
+    argv = ["merge", "--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "o")]
+    assert cli.main(argv) == 0
+    err = capsys.readouterr().err
+    assert "found no config.json" not in err, err
+    assert (tmp_path / "o" / "adapter_model.safetensors").is_file()

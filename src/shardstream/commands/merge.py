@@ -227,16 +227,16 @@ def _merge(
             f"wrote {out_name}, as verl's merger does; the checkpoint's config.json names "
             f"{name} (pass --dtype {name} to write that)"
         )
-    if config_dir is None:
+    lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
+    split = lora.split_lora(checkpoint.tensors)
+    lora.require_lora(split, fuse_lora)
+    adapter_only = split is not None and not split.base  # saved with save_lora_only
+    if config_dir is None and not adapter_only:  # an adapter is loaded onto its base model
         notes.append(
             "found no config.json for the model (the checkpoint's huggingface/ folder, or "
             "--hf_model_path), so wrote the weights only, which transformers cannot load as a "
             "model; pass --hf_model_path DIR (a folder holding its config.json) to add it"
         )
-    lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
-    split = lora.split_lora(checkpoint.tensors)
-    lora.require_lora(split, fuse_lora)
-    adapter_only = split is not None and not split.base  # saved with save_lora_only
     if adapter_only and fuse_lora:
         raise UsageError(
             f"{local_dir}: the checkpoint holds LoRA weights only (save_lora_only), so there "
