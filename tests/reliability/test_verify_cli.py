@@ -190,7 +190,9 @@ def test_verify_of_a_model_another_tool_wrote_says_its_data_went_unchecked(tmp_p
 
 def test_verify_hf_shard_names_that_merely_start_with_dots(saved_run, tmp_path, capsys):
     """A shard named ``..model-00001-of-00002.safetensors`` is a file of the model directory,
-    as merge and ``test`` read it: verify checks it like any other; ``..`` itself is refused."""
+    as merge and ``test`` read it: verify checks it like any other; ``..`` itself is refused.
+    (The edited index is not the one merge wrote, whose digest the first shard keeps: that
+    is the one problem said.)"""
     sharded = tmp_path / "sharded"
     shutil.copytree(saved_run.hf_sharded, sharded)
     index_path = sharded / "model.safetensors.index.json"
@@ -200,7 +202,8 @@ def test_verify_hf_shard_names_that_merely_start_with_dots(saved_run, tmp_path, 
     index["weight_map"] = {t: f"..{f}" if f == first else f for t, f in index["weight_map"].items()}
     index_path.write_text(json.dumps(index))
     code, lines, _ = _verify(capsys, sharded)
-    assert code == 0 and not lines, lines
+    assert code == 1 and len(lines) == 1, lines
+    assert lines[0].startswith(f"{index_path}: differs from what merge wrote"), lines
     renamed = index["weight_map"].items()
     index["weight_map"] = {t: ".." if f == f"..{first}" else f for t, f in renamed}
     index_path.write_text(json.dumps(index))
