@@ -13,7 +13,7 @@ from pathlib import Path
 from ..engine.copy import Buffers, Streamer
 from ..engine.dtypes import TORCH_NAME, itemsize
 from ..engine.endpoints import OpenEndpoints
-from ..engine.memory import gc_paused, peak_rss_bytes
+from ..engine.memory import gc_paused, give_back_freed_memory, peak_rss_bytes
 from ..engine.plan import TensorSlice, split_ranges
 from ..engine.readahead import reading_ahead
 from ..errors import CheckpointFormatError, ShardstreamError, UsageError
@@ -275,6 +275,7 @@ def _merge(
     planning = time.perf_counter()
     with reading_ahead((b for t in tensors for b in t.blocks), budget):
         names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
+    give_back_freed_memory()  # what planning dropped, before the copy's buffers
     layout_s = time.perf_counter() - planning
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if update and target.is_dir():  # found now, not once the whole model is written

@@ -4,6 +4,7 @@ buffers, and the garbage collector around planning."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import gc
 import mmap
 import os
@@ -89,6 +90,24 @@ def reset_peak_rss() -> bool:
         return True
     except OSError:
         return False
+
+
+def give_back_freed_memory() -> None:
+    """Hand the heap pages freed since (a layout plan's objects, once dropped) back to the
+    kernel (glibc's ``malloc_trim``), so that the copy buffers allocated next do not add
+    to them in the peak RSS; nothing where the C library has no such call."""
+    global _LIBC
+    if _LIBC is None:
+        try:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.malloc_trim.argtypes = [ctypes.c_size_t]
+        except (OSError, AttributeError):
+            _LIBC = False
+    if _LIBC:
+        _LIBC.malloc_trim(0)
+
+
+_LIBC = None
 
 
 @contextlib.contextmanager

@@ -732,8 +732,9 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
                 "writes only those. Merge with --keep-names to write the in-memory names"
             )
         pieces.append(piece)
+    del out, fakes, bases, view  # a meta tensor a piece: freed before the next conversion
     pieces = _with_storage(pieces, model, plain, revert_weight_conversion)
-    return pieces, what, _missing_parts(model, pieces, ignored, revert_weight_conversion)
+    return pieces, what, _missing_parts(model, pieces, plain, ignored, revert_weight_conversion)
 
 
 def parameter_group(name: str) -> str:
@@ -743,23 +744,27 @@ def parameter_group(name: str) -> str:
     return ".".join(parts[:2]) if parts[0] == "model" and len(parts) > 2 else parts[0]
 
 
-def _missing_parts(model: Any, pieces: list[Piece], ignored: set[str], revert) -> tuple[str, ...]:
+def _missing_parts(
+    model: Any, pieces: list[Piece], plain, ignored: set[str], revert
+) -> tuple[str, ...]:
     """The parts (``parameter_group``) of what ``save_pretrained`` writes of ``model``'s
     parameters (tied ones once) that no output piece belongs to: a frozen vision tower or
-    head ``ignore_frozen_params=True`` left out. A head-like part (not under ``model.``) is
-    not counted when the output holds a part the model does not (another head: verl saves its
-    critic's ``score`` with the actor's config). () where the conversion of the model's own
-    parameters fails: no check, rather than a refusal the model's rules do not make."""
+    head ``ignore_frozen_params=True`` left out. Only the parameters the checkpoint does not
+    store are converted (a model of 10**5 experts stores them all). A head-like part (not
+    under ``model.``) is not counted when the checkpoint stores a head the model does not
+    have (verl saves its critic's ``score`` with the actor's config). () where the conversion
+    fails: no check, rather than a refusal the model's rules do not make."""
+    stored = {name for name, _, _ in plain}
+    params = dict(model.named_parameters())  # tied parameters once
+    unstored = {n: p for n, p in params.items() if n not in stored and n not in ignored}
+    if not unstored:
+        return ()
     try:
-        params = {
-            name: p for name, p in model.named_parameters() if name not in ignored
-        }  # tied parameters once
-        expected = {parameter_group(name) for name in revert(model, params)}
+        expected = {parameter_group(name) for name in revert(model, unstored)}
     except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
         return ()
-    written = {parameter_group(p.name) for p in pieces}
-    missing = expected - written
-    if any(group.split(".")[0] != "model" for group in written - expected):
+    missing = expected - {parameter_group(p.name) for p in pieces}
+    if any(n not in params and not n.startswith("model.") for n in stored):
         missing = {group for group in missing if group.split(".")[0] == "model"}
     return tuple(sorted(missing))
 
