@@ -945,3 +945,17 @@ def test_verify_checks_the_files_merge_wrote_beside_the_weights(capsys, copy_var
     (target / "config.json").unlink()
     assert main(["verify", "--quiet", str(target)]) == 1
     assert "config.json: missing (listed in the header of" in capsys.readouterr().err
+
+
+def test_a_verl_step_saved_with_hf_model_alone_points_at_its_export(capsys, copy_variant, out):
+    """verl's save_contents=['hf_model'] leaves no rank files, only huggingface/ with the
+    model: merge said "no model files" without pointing there."""
+    ckpt = copy_variant("base")
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out / "x"), "--quiet"]) == 0
+    shutil.copyfile(out / "x" / "model.safetensors", ckpt / "huggingface" / "model.safetensors")
+    for rank in range(2):
+        (ckpt / f"model_world_size_2_rank_{rank}.pt").unlink()
+    shutil.rmtree(out / "x")
+    capsys.readouterr()
+    line = merge_fails(capsys, ckpt, out, "no model files here", code=1)
+    assert f"{ckpt / 'huggingface'} holds the model saved with hf_model" in line, line

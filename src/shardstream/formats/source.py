@@ -644,6 +644,12 @@ def open_checkpoint(
             f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that "
             f"directory{unfinished_note(path)}"
         )
+    exported = path / "huggingface"  # a verl step saved with save_contents=['hf_model'] alone
+    if is_hf_model(exported):
+        raise CheckpointNotFoundError(
+            f"{path}: no model files here, but {exported} holds the model saved with hf_model: "
+            "pass that directory, or use it as it is"
+        )
     raise CheckpointNotFoundError(
         f"{path}: no model files found ({EXPECTED}){unfinished_note(path) or unread_hint(path)}"
     )
