@@ -232,12 +232,11 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
         )
         found = {declared: found[declared]}
     ((world_size, ranks),) = found.items()
-    if present(config):
-        if declared is not None and declared != world_size:
-            raise CheckpointFormatError(
-                f"{config}: says world_size {declared}, but the model files are named for "
-                f"world size {world_size}"
-            )
+    if declared is not None and declared != world_size:
+        raise CheckpointFormatError(
+            f"{config}: says world_size {declared}, but the model files are named for "
+            f"world size {world_size}"
+        )
     missing = [r for r in range(world_size) if r not in ranks]
     if missing:
         names = ", ".join(f"model_world_size_{world_size}_rank_{r}.pt" for r in missing[:4])
