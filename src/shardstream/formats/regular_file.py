@@ -59,8 +59,7 @@ def present_directory(path: str | os.PathLike, what: str) -> bool:
     if mode is None:
         return False
     if not stat.S_ISDIR(mode):
-        kind = "a regular file" if stat.S_ISREG(mode) else _KINDS.get(stat.S_IFMT(mode))
-        raise CheckpointFormatError(f"{os.fspath(path)}: is {kind or 'a special file'}{expected}")
+        raise CheckpointFormatError(f"{os.fspath(path)}: is {_kind_name(mode)}{expected}")
     return True
 
 
@@ -73,6 +72,11 @@ def kind_of(path: str | os.PathLike) -> str | None:
         return "a broken symbolic link" if os.path.lexists(path) else None
     except OSError as exc:
         return f"unreadable ({exc.strerror or type(exc).__name__})"
+    return _kind_name(mode)
+
+
+def _kind_name(mode: int) -> str:
+    """What a file of ``mode`` is, for a message: "a regular file", "a FIFO", ..."""
     if stat.S_ISREG(mode):
         return "a regular file"
     return _KINDS.get(stat.S_IFMT(mode), "a special file")
@@ -97,8 +101,9 @@ def _mode_if_there(path: str | os.PathLike, expected: str) -> int | None:
 def _check_regular(path: str | os.PathLike, mode: int) -> None:
     """A ``CheckpointFormatError`` naming ``path`` unless ``mode`` is a regular file's."""
     if not stat.S_ISREG(mode):
-        kind = _KINDS.get(stat.S_IFMT(mode), "a special file")
-        raise CheckpointFormatError(f"{os.fspath(path)}: is {kind}, expected a regular file")
+        raise CheckpointFormatError(
+            f"{os.fspath(path)}: is {_kind_name(mode)}, expected a regular file"
+        )
 
 
 def check_inside(path: Path, directory: Path) -> Path:
