@@ -601,9 +601,7 @@ def _zip_damage(path: str) -> str | None:
             with open_zip_record(archive, pickles[0]) as record:
                 while record.read(1 << 20):
                     pass
-    except zipfile.BadZipFile as exc:
-        return str(exc)
-    except ZIP_ERRORS as exc:
+    except ZIP_ERRORS as exc:  # BadZipFile among them
         return str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return None
 
