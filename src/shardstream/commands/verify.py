@@ -23,7 +23,6 @@ from ..formats.safetensors import (
     build_header,
     encode_header,
     entries_digest,
-    layout_entries,
     read_header,
     stored_checksums,
     tensors_in_range,
@@ -955,7 +954,7 @@ def _canonical_header(header: SafetensorsHeader, raw: bytes) -> bool:
     if header.metadata.get("format") != "pt":
         return False
     if FILES_KEY in header.metadata:
-        rebuilt = encode_header(layout_entries(layout), header.metadata, 8, len(raw))
+        rebuilt = encode_header(entries, header.metadata, 8, len(raw))
         return len(raw) % 8 == 0 and rebuilt == raw
     return any(
         build_header(layout, header.metadata, align)[0] == raw for align in (DIRECT_ALIGN, 8)
