@@ -611,6 +611,7 @@ class CheckpointManager:
         path: str | os.PathLike | None = None,
         prefix: str | None = None,
         states: Mapping[str, Any] | None = None,
+        ignore_frozen_params: bool = False,
     ):
         """Load the newest committed checkpoint (or ``step``, or a verl/shardstream/DCP
         ``path``, or accelerate's save_state directory). Without arguments,
@@ -620,6 +621,9 @@ class CheckpointManager:
         other Stateful objects of a DCP train state by name (torchtitan's ``{"dataloader":
         dl, "train_state": ts}``), or accelerate's extra files by stem (``{"scaler":
         grad_scaler, "custom_checkpoint_0": obj}``), restored with the rest or not at all.
+        ``ignore_frozen_params``: parameters that require no gradient may be missing from the
+        checkpoint (torch's ``StateDictOptions(ignore_frozen_params=True)`` saves none); they
+        keep their live values.
 
         Returns ``(step, extra)``, or None when there is nothing to restore.
         """
@@ -632,7 +636,7 @@ class CheckpointManager:
             if self.config.resume_mode == "resume_path":
                 path = self._resume_path()
         if path is not None:
-            result = self._load(path, prefix, states)
+            result = self._load(path, prefix, states, ignore_frozen_params)
             return result.step if step is None else step, result.extra
         explicit = step is not None
         for attempt in range(RESTORE_ATTEMPTS):
@@ -659,7 +663,8 @@ class CheckpointManager:
             try:
                 if all(coll.gather(lease is not None)):
                     try:
-                        return step, self._load(self.step_dir(step)).extra
+                        loaded = self._load(self.step_dir(step), None, None, ignore_frozen_params)
+                        return step, loaded.extra
                     except ShardstreamError:
                         # Deleted mid-read all the same: a filesystem without locks.
                         gone = coll.broadcast(
@@ -742,7 +747,13 @@ class CheckpointManager:
                 step,
             )
 
-    def _load(self, path: str | os.PathLike, prefix: str | None = None, states=None):
+    def _load(
+        self,
+        path: str | os.PathLike,
+        prefix: str | None = None,
+        states=None,
+        ignore_frozen_params: bool = False,
+    ):
         return loading.load(
             path,
             model=self.model,
@@ -753,6 +764,7 @@ class CheckpointManager:
             buffer_size=self.config.staging_budget_bytes,
             prefix=prefix,
             states=states,
+            ignore_frozen_params=ignore_frozen_params,
         )
 
     # --- lifecycle ----------------------------------------------------------------------------

@@ -555,3 +555,56 @@ def merge_hashing_run(rank: int, world: int, actor: str, target: str) -> dict:
     finally:
         checksum.Crc32.update = original
     return {"hashed": hashed[0], "error": None}
+
+
+def frozen_params_run(
+    rank: int, world: int, root: str, stage: str, in_optimizer: bool, ignore: bool
+) -> dict:
+    """A Qwen2 whose embedding is frozen, as a fine-tune freezes a tower. stage "save": two
+    steps, then ``dcp.save`` of model and optimizer state with torch's
+    ``ignore_frozen_params=True`` (no embedding saved); stage "restore": restore that into a
+    differently seeded model whose frozen embedding is the saving run's (a fine-tune loads it
+    from the same pretrained weights), with ``ignore_frozen_params`` as given. Returns the full
+    state and the next loss, or the error's message."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model, _, _, _ = build((world,), seed=0 if stage == "save" else 5)
+    frozen = model.model.embed_tokens.weight
+    if stage == "restore":  # the saving run's (seed 0) embedding: what it never changed
+        from torch.distributed.tensor import distribute_tensor
+
+        pretrained = build_tiny_model(tiny_config("qwen2"), seed=0).model.embed_tokens.weight
+        with torch.no_grad():
+            frozen.copy_(
+                distribute_tensor(pretrained.detach(), frozen.device_mesh, frozen.placements)
+            )
+    frozen.requires_grad_(False)
+    params = (
+        model.parameters() if in_optimizer else [p for p in model.parameters() if p.requires_grad]
+    )
+    optimizer = torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+    path = f"{root}/step-2"
+    if stage == "save":
+        for step in (1, 2):
+            train_step(model, optimizer, scheduler, step)
+        options = StateDictOptions(ignore_frozen_params=True)
+        model_state, optimizer_state = get_state_dict(model, optimizer, options=options)
+        assert not any("embed_tokens" in k for k in model_state)
+        dcp.save({"model": model_state, "optimizer": optimizer_state}, checkpoint_id=path)
+    else:
+        cfg = CheckpointConfig(
+            directory=f"{root}/run-{world}", load_contents=("model", "optimizer")
+        )
+        manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+        try:
+            manager.restore(path=path, ignore_frozen_params=ignore)
+        except Exception as exc:  # noqa: BLE001  (the test reads the message)
+            return {"error": f"{type(exc).__name__}: {exc}"}
+        finally:
+            manager.close()
+    return {
+        "state": full_state(model, optimizer, scheduler),
+        "next": train_step(model, optimizer, scheduler, 3),
+    }

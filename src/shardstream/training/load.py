@@ -886,10 +886,14 @@ def _checked_targets(
     model_tensors: dict | None,
     optim_tensors: dict | None,
     live_kinds: set[str] | None = None,
+    frozen: frozenset[str] = frozenset(),
+    ignore_frozen_params: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The live tensors to fill (None: not restored), once the checkpoint is known to hold
     them with their shapes, and no kind of optimizer state the live optimizer lacks
-    (``live_kinds``: the kinds it keeps, on any rank; None when it is not restored)."""
+    (``live_kinds``: the kinds it keeps, on any rank; None when it is not restored). The
+    model tensors named in ``frozen`` (parameters without a gradient) may be missing with
+    ``ignore_frozen_params``: they are left as they are."""
     saved, available = source.saved, source.tensors
     for what, tensors in (("model", model_tensors), ("optimizer", optim_tensors)):
         if tensors is not None and what not in saved:
@@ -900,6 +904,9 @@ def _checked_targets(
         model_tensors = {k: v for k, v in model_tensors.items() if st.is_lora_name(k)}
     targets = {**(model_tensors or {}), **(optim_tensors or {})}
     missing = [k for k in targets if k not in available]
+    if missing and ignore_frozen_params:
+        targets = {k: v for k, v in targets.items() if k in available or k not in frozen}
+        missing = [k for k in missing if k not in frozen]
     if missing and all(k.startswith(native.OPTIMIZER_PREFIX) for k in missing):
         wanted = ", ".join(sorted({_state_kind(k) for k in missing}))
         everything = source.all_names or available
@@ -910,6 +917,12 @@ def _checked_targets(
             f"{', '.join(sorted(kept)) if kept else 'no optimizer tensors'}; saved by another "
             "optimizer or other settings (momentum, amsgrad)? Restore the model alone "
             "(load_contents without 'optimizer') to start the optimizer afresh"
+        )
+    if missing and set(missing) <= frozen:
+        raise CheckpointFormatError(
+            f"{path}: checkpoint has no {_shown(missing[0])} ({len(missing)} missing), each "
+            "a parameter that requires no gradient (saved with ignore_frozen_params=True?); "
+            "restore with ignore_frozen_params=True to keep their live values"
         )
     if missing:
         raise CheckpointFormatError(
@@ -950,6 +963,15 @@ def _checked_targets(
                 f"checkpoint but {list(tensor.shape)} in the model"
             )
     return targets
+
+
+def _frozen_names(model: torch.nn.Module) -> frozenset[str]:
+    """The model tensors (``model.<fqn>``, as ``state.model_tensors`` names them) that are
+    parameters requiring no gradient: those torch's ``ignore_frozen_params`` leaves out."""
+    if not any(not p.requires_grad for p in model.parameters()):
+        return frozenset()
+    kept = st.model_tensors(model, ignore_frozen_params=True)
+    return frozenset(k for k in st.model_tensors(model) if k not in kept)
 
 
 def _one_per_storage(
@@ -1237,6 +1259,7 @@ def load(
     restore_rng: bool = True,
     prefix: str | None = None,
     states: Mapping[str, Any] | None = None,
+    ignore_frozen_params: bool = False,
 ) -> LoadResult:
     """Load ``path`` into live (possibly FSDP2-sharded) objects at any world size, in place.
 
@@ -1252,6 +1275,9 @@ def load(
     ``"custom_checkpoint_0"``, ``"dl_state_dict"``, ``"scheduler_1"``), each loaded with its
     saved values merged over its own ``state_dict()``. An accelerate directory with several
     models restores one: pass its ``pytorch_model_fsdp_N`` for model N.
+    ``ignore_frozen_params``: the checkpoint may lack parameters that do not require a gradient
+    (saved with torch's ``StateDictOptions(ignore_frozen_params=True)``); those it lacks keep
+    their live values, those it holds are restored.
 
     >>> step = shardstream.load("ckpt/step_10", model=model, optimizer=opt).step  # doctest: +SKIP
     """
@@ -1270,7 +1296,7 @@ def load(
         try:
             return _load_parts(
                 path, model, parts, lr_scheduler, contents, verify, buffer_size,
-                restore_rng, prefix, states,
+                restore_rng, prefix, states, ignore_frozen_params,
             )  # fmt: skip
         finally:
             _CONTAINER_KINDS.reset(token)
@@ -1370,6 +1396,8 @@ def load(
             model_tensors if want_model else None,
             optim_tensors if want_optimizer else None,
             live_kinds,
+            _frozen_names(model) if want_model else frozenset(),
+            ignore_frozen_params,
         )
         pending = _checked_parts(
             path,
@@ -1611,7 +1639,17 @@ _CONTAINER_KINDS: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVa
 
 
 def _load_parts(
-    path, model, parts, lr_scheduler, contents, verify, buffer_size, restore_rng, prefix, states
+    path,
+    model,
+    parts,
+    lr_scheduler,
+    contents,
+    verify,
+    buffer_size,
+    restore_rng,
+    prefix,
+    states,
+    ignore_frozen_params,
 ) -> LoadResult:
     """``load`` with each of a container's optimizers in turn: the first with the rest of
     what ``contents`` asks for, the others their optimizer state alone."""
@@ -1626,6 +1664,7 @@ def _load_parts(
         restore_rng=restore_rng,
         prefix=prefix,
         states=states,
+        ignore_frozen_params=ignore_frozen_params,
     )
     for part in parts[1:] if "optimizer" in contents else ():
         load(

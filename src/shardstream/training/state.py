@@ -7,6 +7,7 @@ tuples and tensors inside them are tagged so they come back as they were. No pic
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Collection, Mapping
@@ -40,9 +41,15 @@ INLINE_TAG = "__inline_tensor__"
 MAX_INLINE_BYTES = 1 << 16
 
 
-def model_tensors(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """``model.<fqn>`` -> live (sharded) tensor, sharing storage with the parameters."""
-    state = get_model_state_dict(model, options=_OPTIONS)
+def model_tensors(
+    model: torch.nn.Module, ignore_frozen_params: bool = False
+) -> dict[str, torch.Tensor]:
+    """``model.<fqn>`` -> live (sharded) tensor, sharing storage with the parameters; without
+    the parameters that require no gradient with ``ignore_frozen_params``."""
+    options = _OPTIONS
+    if ignore_frozen_params:
+        options = dataclasses.replace(_OPTIONS, ignore_frozen_params=True)
+    state = get_model_state_dict(model, options=options)
     return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
 
 
