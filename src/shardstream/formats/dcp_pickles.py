@@ -246,6 +246,7 @@ _FIXED = {b"J"[0]: 4, b"K"[0]: 1, b"M"[0]: 2, b"G"[0]: 8, b"h"[0]: 1, b"j"[0]: 4
           b"r"[0]: 4, b"\x82"[0]: 1, b"\x83"[0]: 2, b"\x84"[0]: 4, b"\x80"[0]: 1}  # fmt: skip
 _LINES = {b"I"[0]: 1, b"L"[0]: 1, b"S"[0]: 1, b"V"[0]: 1, b"F"[0]: 1, b"g"[0]: 1, b"p"[0]: 1,
           b"P"[0]: 1, b"c"[0]: 2, b"i"[0]: 2}  # fmt: skip
+_INDEXED = frozenset(b"hjqr")  # BINGET, LONG_BINGET, BINPUT, LONG_BINPUT
 _NO_ARGUMENT = frozenset(
     b"\x97\x98N\x88\x89]ael)t\x85\x86\x87}dsu\x8f\x90\x9102(1\x94\x93RboQ\x81\x92"
 )
@@ -260,6 +261,11 @@ MAX_NESTING = 100  # containers inside containers; real checkpoints nest a dozen
 MAX_PERSISTENT_ID = 64  # items in a persistent id (torch's storage ids hold five)
 # Pushes a new object whose hashing costs one step (scalars, strings, empty containers, globals).
 _ATOMS = frozenset(b"IJKML\x8a\x8bSTUBC\x8e\x96\x97N\x88\x89V\x8cX\x8dFG])}\x8f\x82\x83\x84cP")
+
+
+_MEMOIZE = b"\x94"[0]
+_GETS = frozenset(b"ghj")
+_MEMO_OPS = _GETS | {_MEMOIZE}
 
 
 class _Node:
@@ -306,16 +312,23 @@ class _Machine:
         return self.stack[-1]
 
     def charge(self, nodes) -> None:
-        self.work += sum(n.cost for n in nodes)
-        if self.work > self.budget:
+        work = self.work
+        for n in nodes:
+            work += n.cost
+        self.work = work
+        if work > self.budget:
             raise UnsafeCheckpointError(
                 f"refused to unpickle: it nests shared tuples or keys that would take more than "
                 f"{self.budget} steps to hash (a hostile file?)"
             )
 
     def new(self, items) -> _Node:
-        node = _Node(min(self.budget + 1, 1 + sum(n.cost for n in items)))
-        node.depth = 1 + max((n.depth for n in items), default=0)
+        cost, depth = 1, 0
+        for n in items:
+            cost += n.cost
+            if n.depth > depth:
+                depth = n.depth
+        node = _Node(min(self.budget + 1, cost), depth + 1)
         if node.depth > MAX_NESTING:
             raise UnsafeCheckpointError(
                 f"refused to unpickle: it nests objects more than {MAX_NESTING} levels deep"
@@ -333,10 +346,24 @@ class _Machine:
 
     def step(self, op: int, index: int | None) -> None:
         """Apply opcode ``op``; ``index``: the memo index of a GET or PUT."""
-        c = chr(op)
         if op in _ATOMS:
             self.stack.append(_Node())
-        elif c in "ae":  # APPEND(S): a list grows; nothing is hashed
+            return
+        if op in _MEMO_OPS:  # the most frequent others first, without the chain below
+            if op == _MEMOIZE:
+                stack = self.stack
+                if len(stack) <= (self.marks[-1] if self.marks else 0):
+                    raise CheckpointFormatError("pickle stack underflow")
+                self.memo[len(self.memo)] = stack[-1]
+                return
+            if op in _GETS:
+                node = self.memo.get(index)
+                if node is None:
+                    raise CheckpointFormatError(f"pickle reads memo entry {index}, never stored")
+                self.stack.append(node)
+                return
+        c = chr(op)
+        if c in "ae":  # APPEND(S): a list grows; nothing is hashed
             items = self.pop() if c == "a" else self.pop_mark()
             self.grow(self.top(), items)
         elif c in "lt\x85\x86\x87\x91":  # LIST, TUPLE, TUPLE1-3, FROZENSET
@@ -436,7 +463,8 @@ def check_pickle(data: bytes) -> None:
             width = _FIXED[op]
             if at + width > end:
                 raise CheckpointFormatError(f"pickle truncated at byte {start}")
-            index = int.from_bytes(data[at : at + width], "little")
+            if op in _INDEXED:  # a memo index; the other arguments are plain values
+                index = int.from_bytes(data[at : at + width], "little")
             if op == _LONG_BINPUT and index > end:
                 raise UnsafeCheckpointError(
                     f"pickle opcode at byte {start} stores memo entry {index}, more than the "
