@@ -411,6 +411,22 @@ def test_single_process_plain_tensors(tmp_path):
     assert_bit_identical(_load_merged(tmp_path / "out"), state)
 
 
+def test_a_lazily_conjugated_tensor_dcp_saved_is_refused_not_merged_unconjugated(tmp_path, capsys):
+    """``dcp.save`` of ``x.conj()`` stores x's bytes and a conj bit in the chunk's pickle,
+    which torch's load applies: merge wrote x (exit 0) and verify passed it."""
+    state = {"w": torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj(), "b": torch.ones(2)}
+    _save_plain(tmp_path / "ck", state)
+    for argv in (
+        ["merge", "--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "out")],
+        ["verify", str(tmp_path / "ck")],
+    ):
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert "chunk of 'w'" in err and "a tensor saved as a lazily conj view" in err, err
+        assert "malformed" not in err and "Traceback" not in err, err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_checkpoint_of_an_empty_state_dict_is_said_to_be_empty(tmp_path):
     """merge blamed DCP's planner ("its 0 entries (e.g. ) are pickled objects") and verify
     passed it."""

@@ -330,6 +330,34 @@ def test_view_with_a_conj_or_neg_bit_merges_to_its_values_or_is_refused(tmp_path
         assert str(source / SINGLE) in err and "Traceback" not in err, err
 
 
+@pytest.mark.parametrize(
+    ("attribute", "value", "make"),
+    [
+        ("is_neg", set, lambda: torch._neg_view(torch.tensor([1.0, -2.0, 3.0]))),
+        ("is_conj", set, lambda: torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()),
+        ("stride", torch.Size, lambda: torch.arange(12.0).view(3, 4)),
+        ("numel", 0, lambda: torch.arange(4.0)),
+    ],
+    ids=["is_neg", "is_conj", "stride", "numel"],
+)
+def test_a_pickle_that_hides_a_tensor_method_is_refused(tmp_path, capsys, attribute, value, make):
+    """A tensor's pickled state may set its attributes (``_rebuild_from_type_v2``), and one
+    that hides a method of torch.Tensor lied to the checks: ``is_neg = set`` merged the
+    stored bytes of a negated view (exit 0, verify OK), ``numel = 0`` gave a traceback."""
+    tensor = make()
+    tensor.__dict__[attribute] = value
+    source = tmp_path / "hf"
+    source.mkdir()
+    torch.save({**_state(), "extra": tensor}, source / SINGLE, pickle_protocol=3)
+    _config(source)
+    before = tree_contents(tmp_path)
+    for command in COMMANDS:
+        code, err = _run(capsys, command, source, tmp_path / "merged")
+        assert code != 0 and "Traceback" not in err, err
+        assert f"tensor 'extra': its pickle sets the attribute {attribute!r}" in err, err
+    assert tree_contents(tmp_path) == before
+
+
 # --- damaged zip archives -----------------------------------------------------------------------
 
 

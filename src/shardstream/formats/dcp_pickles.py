@@ -621,7 +621,8 @@ def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
             raise
         raise UnsafeCheckpointError(f"{path}: {exc}") from None
     except CheckpointFormatError as exc:
-        raise CheckpointFormatError(f"{path}: {what} is malformed: {exc}") from None
+        malformed = "" if isinstance(exc, _LazyView) else " is malformed"
+        raise CheckpointFormatError(f"{path}: {what}{malformed}: {exc}") from None
     except Exception as exc:  # noqa: BLE001  (anything the unpickler raises means bad bytes)
         # OverflowError, MemoryError, RecursionError, UnpicklingError, EOFError, ValueError, ...
         detail = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
@@ -700,9 +701,30 @@ def int_sequence(value, what: str) -> tuple[int, ...]:
     return ints(tuple(value), what)
 
 
+class _LazyView(CheckpointFormatError):
+    """A well-formed tensor whose values are not its stored bytes."""
+
+
+def _refuse_lazy_view(metadata) -> None:
+    """torch records a lazily conjugated or negated tensor as its stored bytes and a bit
+    (``{"conj": True}``); its values are not those bytes, which are all shardstream copies."""
+    if metadata is None or (isinstance(metadata, dict) and not metadata):
+        return
+    if not isinstance(metadata, dict):
+        raise CheckpointFormatError(f"tensor metadata is {short_repr(metadata)}, not a dict")
+    lazy = sorted(str(k) for k, v in metadata.items() if v)
+    if lazy:
+        raise _LazyView(
+            f"a tensor saved as a lazily {' and '.join(lazy)} view (torch's tensor metadata "
+            f"{short_repr(metadata)}): its stored bytes are not its values; save it resolved "
+            "(.resolve_conj(), .resolve_neg())"
+        )
+
+
 def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hooks=None, *rest):
     if not isinstance(storage, _StorageRef) or storage.dtype is None:
         raise CheckpointFormatError("tensor without a typed storage")
+    _refuse_lazy_view(rest[0] if rest else None)
     return _TensorRecord(
         storage, storage_offset, ints(size, "size"), ints(stride, "stride"), storage.dtype
     )
@@ -711,6 +733,7 @@ def _rebuild_v2(storage, storage_offset, size, stride, requires_grad=False, hook
 def _rebuild_v3(storage, storage_offset, size, stride, requires_grad, hooks, dtype, *rest):
     if not isinstance(storage, _StorageRef) or not isinstance(dtype, torch.dtype):
         raise CheckpointFormatError("tensor without a storage or dtype")
+    _refuse_lazy_view(rest[0] if rest else None)
     return _TensorRecord(storage, storage_offset, ints(size, "size"), ints(stride, "stride"), dtype)
 
 

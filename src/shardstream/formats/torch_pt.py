@@ -756,6 +756,14 @@ def local_layout(
     sizes the pickle claims, and grows it to fit any view of it, so neither is trusted: the
     storage must be a stored zip record, and the tensor must lie inside that record.
     """
+    # A pickle may set a tensor's attributes (``_rebuild_from_type_v2``'s state): one that
+    # shadows a method of torch.Tensor (``is_neg``, ``stride``) would lie to every check here.
+    shadowed = sorted(k for k in getattr(tensor, "__dict__", {}) if hasattr(torch.Tensor, k))
+    if shadowed:
+        raise CheckpointFormatError(
+            f"{path}: tensor {name!r}: its pickle sets the attribute {shadowed[0]!r}, which "
+            "hides torch.Tensor's own (no torch checkpoint does this; a hostile file?)"
+        )
     if tensor.is_conj() or tensor.is_neg():  # the stored bytes are not the tensor's values
         raise CheckpointFormatError(
             f"{path}: tensor {name!r} is a lazily {'conjugated' if tensor.is_conj() else 'negated'}"
