@@ -874,3 +874,30 @@ def test_contents_save_would_refuse_are_said_when_the_manager_is_built(tmp_path,
     with caplog.at_level(logging.WARNING, logger="shardstream.manager"):
         CheckpointManager(CheckpointConfig(tmp_path / "run3"), model, optimizer).close()
     assert not caplog.records
+
+
+@pytest.mark.parametrize("lazy", ["neg", "conj"])
+def test_a_lazily_negated_or_conjugated_parameter_is_refused_before_anything_is_written(
+    tmp_path, lazy
+):
+    """A parameter that is a lazy view (``torch._neg_view``, ``.conj()`` of a complex one)
+    keeps other bytes than its values: save stored the bytes (restore gave [1, 2] for
+    [-1, -2], verify OK), and a restore into one wrote the values' bytes under the bit."""
+    if lazy == "neg":
+        value = torch._neg_view(torch.tensor([1.0, 2.0]))
+    else:
+        value = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64).conj()
+    model = torch.nn.Module()
+    model.w = torch.nn.Parameter(value, requires_grad=False)
+    cfg = CheckpointConfig(directory=tmp_path / "run", save_contents=("model",))
+    with CheckpointManager(cfg, model=model) as manager:
+        with pytest.raises(UsageError, match=f"tensor 'w' is a lazily {lazy}[a-z]* view"):
+            manager.save(1)
+    assert not any((tmp_path / "run").glob("global_step_*"))
+    plain = torch.nn.Module()
+    plain.w = torch.nn.Parameter(value.resolve_conj().resolve_neg().clone(), requires_grad=False)
+    with CheckpointManager(cfg, model=plain) as manager:
+        manager.save(1)
+    with CheckpointManager(cfg, model=model) as manager:
+        with pytest.raises(UsageError, match=f"tensor 'w' is a lazily {lazy}[a-z]* view"):
+            manager.restore()

@@ -18,7 +18,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..errors import CheckpointFormatError, CheckpointNotFoundError, ChecksumMismatchError
+from ..errors import (
+    CheckpointFormatError,
+    CheckpointNotFoundError,
+    ChecksumMismatchError,
+    UsageError,
+)
 from ..units import DEFAULT_CHUNK_BYTES
 from .checksum import crc32, crc32_combine, new_hasher
 from .dtypes import code_of
@@ -417,11 +422,25 @@ class OpenEndpoints:
         self.opened.clear()
 
 
+def refuse_lazy_view(name: str, tensor: torch.Tensor) -> None:
+    """A lazily conjugated or negated tensor's storage holds other values than the tensor
+    (``torch._neg_view``, ``.conj()`` of a complex one): its bytes can be neither saved nor
+    restored into as they are."""
+    if tensor.is_conj() or tensor.is_neg():
+        kind = "conjugated" if tensor.is_conj() else "negated"
+        raise UsageError(
+            f"tensor {name!r} is a lazily {kind} view: its storage does not hold its values. "
+            "Make it a resolved tensor first (param.data = param.data.resolve_conj()"
+            ".resolve_neg())"
+        )
+
+
 class TensorEndpoint(Endpoint):
     """The storage of a live tensor (CPU, or any device through host copies)."""
 
     def __init__(self, name: str, tensor: torch.Tensor, transfer: HostTransfer | None = None):
         self.name = name
+        refuse_lazy_view(name, tensor)
         storage = tensor.untyped_storage()
         self.device = tensor.device
         self.bytes = torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage)

@@ -22,6 +22,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_optimizer_state_dict,
 )
 
+from ..engine.endpoints import refuse_lazy_view
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import jsondoc
 from ..formats.layout_names import describe_placements, mesh_dim_names
@@ -50,7 +51,16 @@ def model_tensors(
     if ignore_frozen_params:
         options = dataclasses.replace(_OPTIONS, ignore_frozen_params=True)
     state = get_model_state_dict(model, options=options)
-    return {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    tensors = {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
+    for name, tensor in tensors.items():  # before a save or restore begins, not midway
+        refuse_lazy_view(name[len(MODEL_PREFIX) :], _local(tensor))
+    return tensors
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
