@@ -733,10 +733,15 @@ class CheckpointManager:
         """Warn of step directories newer than ``step`` that hold no manifest (not committed:
         written by hand or by another tool), and of a pointer naming a step not committed:
         restore falls back past them, and a user should hear of it."""
-        skipped = {s for s, p in step_dirs(self.root).items() if s > step}
-        skipped = {s for s in skipped if not (self.step_dir(s) / MANIFEST).is_file()}
+
+        def uncommitted(s: int) -> bool:
+            # Checked now, not as listed: a run saving here meanwhile commits newer steps and
+            # renames old ones away (retention), neither of which is worth a warning.
+            return not (self.step_dir(s) / MANIFEST).is_file() and self.step_dir(s).is_dir()
+
+        skipped = {s for s in step_dirs(self.root) if s > step and uncommitted(s)}
         pointer = read_latest(self.root)
-        if pointer is not None and pointer > step:  # a committed one would be ``step``
+        if pointer is not None and pointer > step and uncommitted(pointer):
             skipped.add(pointer)
         if skipped:
             log.warning(

@@ -36,6 +36,20 @@ def test_a_newer_step_directory_without_a_manifest_is_named(tmp_path, caplog):
     assert "global_step_4 not committed (no manifest.json): restoring step 2" in caplog.text
 
 
+def test_steps_committed_or_removed_after_the_listing_are_not_called_uncommitted(tmp_path, caplog):
+    """A run saving beside a restore commits newer steps and renames old ones away after the
+    restore listed the steps: the restore warned "global_step_N not committed" of a step that
+    was committed (the pointer, or a directory, newer than the one it picked) or deleted."""
+    with _manager(tmp_path / "run") as manager:
+        manager.save(1)
+        manager.save(2)
+    with _manager(tmp_path / "run") as manager, caplog.at_level(logging.WARNING, "shardstream"):
+        manager._say_skipped_above(1)  # step 1 listed; step 2 committed meanwhile
+        write_latest(tmp_path / "run", 3)  # step 3 committed, then renamed away by retention
+        manager._say_skipped_above(1)
+    assert "not committed" not in caplog.text, caplog.text
+
+
 def test_a_restore_of_the_newest_committed_step_is_quiet(tmp_path, caplog):
     with _manager(tmp_path / "run") as manager:
         manager.save(1)
