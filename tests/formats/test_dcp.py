@@ -427,6 +427,30 @@ def test_a_lazily_conjugated_tensor_dcp_saved_is_refused_not_merged_unconjugated
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize(
+    ("pickled", "value"),
+    [
+        (b"\x80\x04K\x07\x94K\x08\x94h\x00.", 7),  # MEMOIZE twice, BINGET 0
+        (b"I7\np5\n0g5\n.", 7),  # PUT 5 with no entry before it, POP, GET 5
+        (b"\x80\x04K\x07r\x05\x00\x00\x000K\x08\x94h\x01.", 8),  # MEMOIZE after a gap
+        (b"I7\np5\n0g4\n.", None),  # GET of an entry never stored
+    ],
+    ids=["in-order", "gap", "memoize-after-gap", "never-stored"],
+)
+def test_the_opcode_pass_keeps_the_memo_as_the_unpickler_does(pickled, value):
+    """The pass keeps its memo as a list while entries come in order (a DCP .metadata memoizes
+    millions): out-of-order entries, and MEMOIZE's next index (the count of entries), must
+    still be the unpickler's."""
+    if value is None:
+        with pytest.raises(pickle.UnpicklingError):
+            pickle.loads(pickled)
+        with pytest.raises(CheckpointFormatError, match="memo entry 4, never stored"):
+            dcp_pickles.check_pickle(pickled)
+        return
+    assert pickle.loads(pickled) == value
+    dcp_pickles.check_pickle(pickled)
+
+
 def test_a_checkpoint_of_an_empty_state_dict_is_said_to_be_empty(tmp_path):
     """merge blamed DCP's planner ("its 0 entries (e.g. ) are pickled objects") and verify
     passed it."""

@@ -263,9 +263,10 @@ MAX_PERSISTENT_ID = 64  # items in a persistent id (torch's storage ids hold fiv
 _ATOMS = frozenset(b"IJKML\x8a\x8bSTUBC\x8e\x96\x97N\x88\x89V\x8cX\x8dFG])}\x8f\x82\x83\x84cP")
 
 
+_EMPTY_CONTAINERS = frozenset(b"]}\x8f")  # EMPTY_LIST, EMPTY_DICT, EMPTY_SET: grown in place
 _MEMOIZE = b"\x94"[0]
 _GETS = frozenset(b"ghj")
-_MEMO_OPS = _GETS | {_MEMOIZE}
+_MEMO_OPS = _GETS | frozenset(b"pqr\x94")
 
 
 class _Node:
@@ -278,6 +279,45 @@ class _Node:
         self.depth = depth
 
 
+_SCALAR = _Node()
+
+
+class _Memo:
+    """The unpickler's memo of ``_Node``s: a list while entries come in index order, as
+    picklers write them (8 bytes an entry, where a DCP .metadata has millions), a dict from
+    the first that does not."""
+
+    __slots__ = ("ordered", "keyed")
+
+    def __init__(self):
+        self.ordered: list[_Node] | None = []
+        self.keyed: dict[int, _Node] = {}
+
+    def __len__(self) -> int:
+        return len(self.ordered) if self.ordered is not None else len(self.keyed)
+
+    def put(self, index: int, node: _Node) -> None:
+        ordered = self.ordered
+        if ordered is not None:
+            if index == len(ordered):
+                ordered.append(node)
+                return
+            if index < len(ordered):
+                ordered[index] = node
+                return
+            self.keyed, self.ordered = dict(enumerate(ordered)), None
+        self.keyed[index] = node
+
+    def get(self, index: int) -> _Node:
+        ordered = self.ordered
+        if ordered is not None:
+            if 0 <= index < len(ordered):
+                return ordered[index]
+        elif index in self.keyed:
+            return self.keyed[index]
+        raise CheckpointFormatError(f"pickle reads memo entry {index}, never stored")
+
+
 class _Machine:
     """The unpickler's stack and memo with ``_Node``s in place of objects."""
 
@@ -286,7 +326,7 @@ class _Machine:
         self.work = 0
         self.stack: list[_Node] = []
         self.marks: list[int] = []
-        self.memo: dict[int, _Node] = {}
+        self.memo = _Memo()
 
     def fence(self) -> int:
         return self.marks[-1] if self.marks else 0
@@ -347,21 +387,16 @@ class _Machine:
     def step(self, op: int, index: int | None) -> None:
         """Apply opcode ``op``; ``index``: the memo index of a GET or PUT."""
         if op in _ATOMS:
-            self.stack.append(_Node())
+            # A scalar's node is never grown (a pickle that tries makes every scalar dearer
+            # after it: refused sooner, never later), so scalars share one; containers do not.
+            self.stack.append(_Node() if op in _EMPTY_CONTAINERS else _SCALAR)
             return
         if op in _MEMO_OPS:  # the most frequent others first, without the chain below
-            if op == _MEMOIZE:
-                stack = self.stack
-                if len(stack) <= (self.marks[-1] if self.marks else 0):
-                    raise CheckpointFormatError("pickle stack underflow")
-                self.memo[len(self.memo)] = stack[-1]
-                return
             if op in _GETS:
-                node = self.memo.get(index)
-                if node is None:
-                    raise CheckpointFormatError(f"pickle reads memo entry {index}, never stored")
-                self.stack.append(node)
-                return
+                self.stack.append(self.memo.get(index))
+            else:  # MEMOIZE (the next index), or (LONG_)BINPUT/PUT (their own)
+                self.memo.put(len(self.memo) if index is None else index, self.top())
+            return
         c = chr(op)
         if c in "ae":  # APPEND(S): a list grows; nothing is hashed
             items = self.pop() if c == "a" else self.pop_mark()
@@ -389,12 +424,6 @@ class _Machine:
             self.stack.append(self.top())
         elif c == "(":
             self.marks.append(len(self.stack))
-        elif c in "ghj":
-            if index not in self.memo:
-                raise CheckpointFormatError(f"pickle reads memo entry {index}, never stored")
-            self.stack.append(self.memo[index])
-        elif c in "pqr\x94":
-            self.memo[len(self.memo) if index is None else index] = self.top()
         elif c == "\x93":  # STACK_GLOBAL
             self.pop(2)
             self.stack.append(_Node())
