@@ -197,11 +197,11 @@ CONTENTS = {
     "tuple_key": (lambda s: {("a", "b"): s["lm_head.weight"]}, "key ('a', 'b') is a tuple"),
     "quantized": (
         lambda s: {**s, "q": torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)},
-        "GLOBAL torch._utils._rebuild_qtensor",
+        "holds a quantized (qint8, quint8...) tensor, which shardstream does not read",
     ),
     "sparse": (
         lambda s: {**s, "sp": torch.eye(4).to_sparse()},
-        "GLOBAL torch._utils._rebuild_sparse_tensor",
+        "holds a sparse tensor, which shardstream does not read",
     ),
 }
 
@@ -356,6 +356,20 @@ def test_a_pickle_that_hides_a_tensor_method_is_refused(tmp_path, capsys, attrib
         assert code != 0 and "Traceback" not in err, err
         assert f"tensor 'extra': its pickle sets the attribute {attribute!r}" in err, err
     assert tree_contents(tmp_path) == before
+
+
+def test_a_first_storage_other_than_record_0_is_named(tmp_path, capsys):
+    """A pickle whose first storage names record 7: torch's own AssertionError text came out
+    ("expected key '0', got '7'")."""
+    source = _single(tmp_path / "hf", {"model.w": torch.ones(4)})
+    with zipfile.ZipFile(source / SINGLE) as archive:
+        pickled = next(archive.read(n) for n in archive.namelist() if n.endswith("/data.pkl"))
+    assert pickled.count(b"X\x01\x00\x00\x000") == 1  # the storage key, BINUNICODE '0'
+    _set_pickle(source / SINGLE, pickled.replace(b"X\x01\x00\x00\x000", b"X\x01\x00\x00\x007"))
+    for command in COMMANDS:
+        code, err = _run(capsys, command, source, tmp_path / "merged")
+        assert code != 0 and "Traceback" not in err, err
+        assert "the pickle's first storage is record data/7, where torch writes data/0" in err
 
 
 # --- damaged zip archives -----------------------------------------------------------------------

@@ -158,6 +158,12 @@ def load_restricted(
             return loaded
     except _Refused as exc:
         module_name = exc.args[0]
+        kind = _UNREAD_KINDS.get(module_name)
+        if kind is not None:
+            raise CheckpointFormatError(
+                f"{name}: holds a {kind} tensor, which shardstream does not read (only dense, "
+                "strided ones); save it converted to one"
+            ) from None
         if "sharded_tensor.api.ShardedTensor" in module_name:
             raise CheckpointFormatError(
                 f"{name}: holds FSDP1 ShardedTensors (saved without a device mesh), which "
@@ -184,6 +190,17 @@ def load_restricted(
                 f"{name}: cannot read .pt files while TORCH_FORCE_WEIGHTS_ONLY_LOAD is set "
                 "(shardstream uses its own restricted unpickler); unset it"
             ) from None
+        if "Quantized" in message:  # torch's dispatcher, on a quantized meta tensor
+            raise CheckpointFormatError(
+                f"{name}: holds a {_UNREAD_KINDS['torch._utils._rebuild_qtensor']} tensor, which "
+                "shardstream does not read (only dense, strided ones); save it converted to one"
+            ) from None
+        if message.startswith("expected key '0', got "):  # torch's storage-offset arithmetic
+            raise CheckpointFormatError(
+                f"{name}: the pickle's first storage is record data/{message[22:].strip(chr(39))}"
+                ", where torch writes data/0 first: not written by torch.save (a damaged or "
+                "hand-made file?)"
+            ) from None
         if not message or not isinstance(exc, _READ_ERRORS):  # name the unexpected ones
             message = f"{type(exc).__name__}: {message}" if message else type(exc).__name__
         raise CheckpointFormatError(
@@ -191,6 +208,12 @@ def load_restricted(
         ) from None
 
 
+# torch's rebuild functions for tensors that are not dense and strided: named, not called code.
+_UNREAD_KINDS = {
+    "torch._utils._rebuild_qtensor": "quantized (qint8, quint8...)",
+    "torch._utils._rebuild_sparse_tensor": "sparse",
+    "torch._utils._rebuild_nested_tensor": "nested",
+}
 # What torch.load raises for a truncated or corrupt archive; anything else is named by type.
 _READ_ERRORS = (RuntimeError, zipfile.BadZipFile, EOFError, ValueError, OSError)
 
