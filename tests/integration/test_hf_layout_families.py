@@ -1,7 +1,8 @@
 """merge writes what ``save_pretrained`` writes, across model families whose saved layout
 differs from their in-memory names under the installed transformers: MoE models whose experts
 are fused in memory (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, PhiMoE, DeepSeek-V3), renamed ones
-(GraniteMoE, and the vision-language models), and models saved as held (GPT-OSS, Gemma 3).
+(GraniteMoE, and the vision-language models), a fused tensor saved in parts (OLMo-Hybrid's
+conv1d), and models saved as held (GPT-OSS, Gemma 3).
 
 Each tiny model (random weights, built from a config) is written as its in-memory state dict
 (``safetensors.torch.save_file``, beside its config.json) and merged; the merge must equal
@@ -59,6 +60,14 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # One fused conv1d saved as q/k/v parts: chunks along dim 0, the first from the origin.
+    "olmo_hybrid": (
+        "OlmoHybridConfig",
+        "OlmoHybridForCausalLM",
+        {**TEXT, "layer_types": ["linear_attention", "full_attention"],
+         "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+         "linear_value_head_dim": 8, "linear_conv_kernel_dim": 4, "pad_token_id": 1},
+    ),
     "qwen2_vl": (
         "Qwen2VLConfig",
         "Qwen2VLForConditionalGeneration",

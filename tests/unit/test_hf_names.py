@@ -486,3 +486,22 @@ def test_a_huge_layer_count_is_refused_without_counting_to_it():
         CheckpointFormatError, match="num_hidden_layers is 1,000,000,000,000|is 1000000000000"
     ):
         hf_names.check_stored_layers(names, {"num_hidden_layers": 10**12})
+
+
+def test_a_chunk_from_the_origin_is_a_part_not_the_whole_tensor():
+    """transformers saves OLMo-Hybrid's fused conv1d as q/k/v parts (chunks along dim 0): the
+    first one starts where the stored tensor does and was planned as the whole of it (merge
+    wrote the fused tensor under the first part's name, exit 0)."""
+    import torch
+
+    base = torch.empty(64, device="meta")
+    fused = base[: 12 * 4].view(12, 1, 4)
+    pieces = [
+        hf_names._as_box(f"p{i}", "conv", (12, 1, 4), c, 0) for i, c in enumerate(fused.chunk(3))
+    ]
+    assert [(p.start, p.extent, p.shape, p.whole) for p in pieces] == [
+        ((0, 0, 0), (4, 1, 4), (4, 1, 4), False),
+        ((4, 0, 0), (4, 1, 4), (4, 1, 4), False),
+        ((8, 0, 0), (4, 1, 4), (4, 1, 4), False),
+    ]
+    assert hf_names._as_box("all", "conv", (12, 1, 4), fused, 0).whole

@@ -78,12 +78,14 @@ class Piece:
     # storage once, at its first tensor, and puts the storage's other tensors in that file.
     storage: int = -1
     storage_numel: int = 0
+    stored_shape: tuple[int, ...] = ()  # the stored tensor's: a box from 0 may be a part
 
     @property
     def whole(self) -> bool:
         """The whole stored tensor as it is: a rename at most."""
         return (
-            not any(self.start)
+            self.extent == self.stored_shape
+            and not any(self.start)
             and self.dims == tuple(range(len(self.extent)))
             and self.shape == self.extent
         )
@@ -325,7 +327,8 @@ def _join(*parts: str) -> str:
 
 def _whole(name: str, stored: str, shape: Sequence[int]) -> Piece:
     shape = tuple(shape)
-    return Piece(name, stored, (0,) * len(shape), shape, tuple(range(len(shape))), shape)
+    dims = tuple(range(len(shape)))
+    return Piece(name, stored, (0,) * len(shape), shape, dims, shape, stored_shape=shape)
 
 
 def _identity(plain, back: dict[str, str], rule: str) -> NamePlan:
@@ -887,7 +890,10 @@ def _as_box(name: str, stored: str, shape, view, base_offset: int) -> Piece | No
     for k, d in enumerate(dims):
         if d is None:
             dims[k] = next((j for j in range(len(shape)) if shape[j] == 1 and j not in dims), None)
-    piece = Piece(name, stored, tuple(start), tuple(extent), tuple(dims), tuple(view.shape))
+    piece = Piece(
+        name, stored, tuple(start), tuple(extent), tuple(dims), tuple(view.shape),
+        stored_shape=tuple(shape),
+    )  # fmt: skip
     return _whole(name, stored, shape) if piece.whole else piece
 
 

@@ -46,8 +46,9 @@ log = logging.getLogger(__name__)
 # shape and size checks against config.json's model (a plan cached before them is not used);
 # 3: the digest; 4: a model holding none of the stored tensors is not planned by;
 # 5: the aliases save_pretrained leaves out (T5's encoder/decoder embed_tokens); 6: the
-# model's parts the checkpoint holds nothing of (``missing``).
-CACHE_FORMAT = 6
+# model's parts the checkpoint holds nothing of (``missing``); 7: a box from the origin that is
+# part of its stored tensor (the first chunk of a split) was planned as the whole tensor.
+CACHE_FORMAT = 7
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -263,5 +264,5 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict], li
             return None
         piece["start"], piece["extent"] = tuple(start), tuple(extent)
         piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
-        out.append(piece)
+        out.append({**piece, "stored_shape": stored_shape})
     return rule, out, missing
