@@ -125,6 +125,19 @@ def test_in_memory_state_dict_merges_to_what_save_pretrained_writes(tmp_path, fa
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
 
 
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_a_save_pretrained_directory_merges_to_itself(tmp_path, family):
+    """save_pretrained's own files (the Hub's, the Trainer's) as the checkpoint: PaliGemma's,
+    Gemma 3's and other VLMs' hold none of the model's in-memory names
+    (``language_model.model.*`` for ``model.language_model.*``), and merge refused them
+    ("config.json ... holds none of the checkpoint's tensors")."""
+    model = _model(family)
+    model.save_pretrained(tmp_path / "reference")
+    summary = merge(tmp_path / "reference", tmp_path / "merged", dtype="float32")
+    assert not summary.kept_names
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+
+
 ENCODER_DECODER = {
     "t5": ("T5Config", "T5ForConditionalGeneration",
            {"vocab_size": 64, "d_model": 16, "d_kv": 4, "d_ff": 32, "num_layers": 1,

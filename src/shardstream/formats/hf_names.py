@@ -683,6 +683,9 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
     model = _meta_model(config, len(plain))
     if model is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
+    saved = _saved_layout_held(model, plain, revert_weight_conversion)
+    if saved is not None:  # a save_pretrained directory already: written as it is
+        return [_whole(n, n, s) for n, _, s in plain], saved[0], saved[1]
     model = _holding_the_tensors(model, config, plain)
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
@@ -799,6 +802,28 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
         matched = [n for n in held if any(re.search(p, n) for p in patterns)]
         dropped |= {n for n in matched[: len(held) - 1] if n != TIED_HEAD}
     return dropped
+
+
+def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...]] | None:
+    """(rule, missing parts) where the stored tensors hold none of ``model``'s in-memory names
+    but are, names and shapes, in the layout ``save_pretrained`` writes it in (PaliGemma's or
+    Gemma 3's own files: ``language_model.model.*`` for ``model.language_model.*``); None
+    otherwise. The missing parts are those of that layout the checkpoint holds nothing of."""
+    import torch
+
+    held = model.state_dict()
+    if not plain or any(name in held for name, _, _ in plain):
+        return None
+    try:
+        with torch.inference_mode():
+            layout = revert(model, dict(model.named_parameters()))
+    except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
+        return None
+    if any(tuple(layout[n].shape) != tuple(s) if n in layout else True for n, _, s in plain):
+        return None
+    missing = {parameter_group(n) for n in layout} - {parameter_group(n) for n, _, _ in plain}
+    rule = f"save_pretrained layout of {type(model).__name__}, which the checkpoint is in"
+    return rule, tuple(sorted(missing))
 
 
 def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
