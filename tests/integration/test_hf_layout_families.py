@@ -126,6 +126,28 @@ def test_in_memory_state_dict_merges_to_what_save_pretrained_writes(tmp_path, fa
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
+def test_every_stored_name_tests_equal_to_save_pretrained(tmp_path, family, capsys):
+    """Every name of the state dict stored, a tied head too (DCP and verl store both names):
+    ``shardstream test`` against save_pretrained's files renamed the tied head
+    (``language_model.lm_head.weight`` for Gemma 3's VLM) and then kept it, "unexpected",
+    where merge leaves it out."""
+    from safetensors.torch import save_file
+
+    from shardstream import cli
+
+    model = _model(family)
+    model.save_pretrained(tmp_path / "reference")
+    state = {name: tensor.contiguous().clone() for name, tensor in model.state_dict().items()}
+    (tmp_path / "state").mkdir()
+    save_file(state, str(tmp_path / "state" / "model.safetensors"), metadata={"format": "pt"})
+    model.config.save_pretrained(tmp_path / "state")
+    argv = ["--local_dir", tmp_path / "state", "--test_hf_dir", tmp_path / "reference"]
+    assert cli.main(["test", *map(str, argv), "--exact"]) == 0, capsys.readouterr().err
+    merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_save_pretrained_directory_merges_to_itself(tmp_path, family):
     """save_pretrained's own files (the Hub's, the Trainer's) as the checkpoint: PaliGemma's,
     Gemma 3's and other VLMs' hold none of the model's in-memory names

@@ -163,7 +163,10 @@ def compare_with_reference(
     reference_ties = "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
     lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     tensors, factors = _merged_names(checkpoint.tensors)
-    tensors = _saved_layout(tensors, config, config_dir)
+    # A tied head is told by its stored name (``lm_head.weight``), as merge tells it, before
+    # the layout renames it (PaliGemma's ``language_model.lm_head.weight``).
+    drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
+    tensors = _saved_layout(tensors, config, config_dir, drop)
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
@@ -172,7 +175,6 @@ def compare_with_reference(
     elif factors and adapter.is_file():  # the adapter merge writes beside the model
         reference = reference + hf.whole_tensors(hf.tensors_of(read_header(adapter)))
         tensors = tensors + factors
-    drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
 
     report = CompareReport(
         reference=str(test_hf_dir),
@@ -269,15 +271,18 @@ def _merged_names(tensors: list[GlobalTensor]) -> tuple[list[GlobalTensor], list
 
 
 def _saved_layout(
-    tensors: list[GlobalTensor], config: dict, config_dir: Path | None = None
+    tensors: list[GlobalTensor],
+    config: dict,
+    config_dir: Path | None = None,
+    drop: set[str] = frozenset(),
 ) -> list[GlobalTensor]:
-    """The base tensors under the names and shapes merge writes (save_pretrained's layout):
-    a reference saved by transformers is compared name by name, an expert of a fused
-    tensor with its box of the stored tensor."""
+    """The base tensors under the names and shapes merge writes (save_pretrained's layout),
+    but ``drop`` (stored names): a reference saved by transformers is compared name by name,
+    an expert of a fused tensor with its box of the stored tensor."""
     from ..formats.hf_writer import output_layout
 
     where = str(config_dir / "config.json") if config_dir else "config.json"
-    _, outputs = output_layout(tensors, None, set(), config, config_path=where)
+    _, outputs = output_layout(tensors, None, set(drop), config, config_path=where)
     return [dataclasses.replace(out.source, name=out.name) for out in outputs]
 
 
