@@ -282,8 +282,11 @@ def _saved_layout(
     from ..formats.hf_writer import output_layout
 
     where = str(config_dir / "config.json") if config_dir else "config.json"
-    _, outputs = output_layout(tensors, None, set(drop), config, config_path=where)
-    return [dataclasses.replace(out.source, name=out.name) for out in outputs]
+    # Planned whole and dropped after: a head the reference ties may be one the checkpoint's
+    # config.json unties, which the plan then needs.
+    _, outputs = output_layout(tensors, None, set(), config, config_path=where)
+    kept = [out for out in outputs if out.source.name not in drop]
+    return [dataclasses.replace(out.source, name=out.name) for out in kept]
 
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
