@@ -66,6 +66,24 @@ def test_ranks_whose_configs_differ_are_refused_by_name(tmp_path):
     assert not (tmp_path / "run" / "global_step_1").exists()
 
 
+def test_a_config_dtype_set_on_rank_0_alone_that_changes_no_byte_saves(tmp_path):
+    """``save_pretrained`` on rank 0 alone (``if rank == 0:``) sets that rank's
+    ``config.dtype`` to the weights' float32, where the other ranks' say none: every later
+    hf_model save was refused ("dtype None against F32") though both plan the same files."""
+    import json
+
+    from safetensors.torch import load_file
+
+    results = run(workers.hf_export_config_differs_run, 2, str(tmp_path / "run"), True)
+    assert [r["error"] for r in results] == [None, None], results
+    hf_dir = tmp_path / "run" / "global_step_1" / "huggingface"
+    written = load_file(hf_dir / "model.safetensors")
+    assert written.keys() == results[0]["model"].keys()
+    for name, tensor in results[0]["model"].items():
+        assert torch.equal(written[name], tensor), name
+    assert json.loads((hf_dir / "config.json").read_text())["dtype"] == "float32"
+
+
 def test_a_step_saved_without_hf_model_keeps_the_config_merge_needs(tmp_path):
     """hf_config= without "hf_model": the step holds huggingface/config.json (and the
     tokenizer's files), as verl's steps do, so merge writes a model transformers loads."""

@@ -326,14 +326,21 @@ def hf_export_run(
     return {"full": full}
 
 
-def hf_export_config_differs_run(rank: int, world: int, root: str) -> dict:
+def hf_export_config_differs_run(
+    rank: int, world: int, root: str, same_bytes: bool = False
+) -> dict:
     """Rank 1's model config names another dtype than rank 0's (as after a tool that changes
-    it on rank 0 only): the hf_model save must fail on every rank, naming the cause."""
+    it on rank 0 only): the hf_model save must fail on every rank, naming the cause. With
+    ``same_bytes``, rank 0's names the weights' own dtype where rank 1's names none, as a
+    ``save_pretrained`` on rank 0 alone leaves them: the files are the same, and it saves.
+    Returns the error, and the full model state (to compare the export with)."""
     import copy
 
     model, optimizer, _, config = build((world,), tie=False)
-    if rank == 1:
-        config = copy.deepcopy(config)
+    config = copy.deepcopy(config)
+    if same_bytes:
+        config.dtype = torch.float32 if rank == 0 else None
+    elif rank == 1:
         config.dtype = "bfloat16" if str(config.dtype) != "torch.bfloat16" else "float32"
     cfg = CheckpointConfig(directory=root, save_contents=("model", "hf_model"))
     manager = CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config)
@@ -343,7 +350,7 @@ def hf_export_config_differs_run(rank: int, world: int, root: str) -> dict:
         return {"error": f"{type(exc).__name__}: {exc}"}
     finally:
         manager.close()
-    return {"error": None}
+    return {"error": None, "model": full_state(model, optimizer, _)["model"]}
 
 
 def shared_hf_save_run(

@@ -302,10 +302,12 @@ def _layout(plan: ExportPlan) -> tuple[str, str]:
 def _check_same_layout(plan: ExportPlan) -> None:
     """Every rank planned the export from its own copy of the config; one that differs (a
     config changed on some ranks only) would write its rows at other offsets. Refuse by name.
-    Ranks compare digests, so the collective stays small whatever the model."""
+    Ranks compare digests, so the collective stays small whatever the model. The dtype the
+    configs name may differ where the files do not (``save_pretrained`` on rank 0 alone sets
+    its config's to the weights' own): rank 0 writes config.json."""
     layouts = coll.gather(_layout(plan))
     for rank, layout in enumerate(layouts):
-        if layout != layouts[0]:
+        if layout[1] != layouts[0][1]:
             raise UsageError(
                 f"hf_model: rank {rank} plans the export differently from rank 0 (dtype "
                 f"{layout[0]} against {layouts[0][0]}): the model's config differs between "
