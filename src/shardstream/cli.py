@@ -319,7 +319,8 @@ def run_test(args: argparse.Namespace) -> int:
         for line in report.problems:
             print(_one_line(line), file=sys.stderr)
         if not args.quiet:
-            verdict = "OK" if report.ok else "MISMATCH"
+            count = len(report.problems)
+            verdict = "OK" if report.ok else f"MISMATCH ({count} problem{'s' * (count != 1)} above)"
             print(
                 f"{verdict}: compared {report.compared} tensors against {args.test_hf_dir}, "
                 f"max abs diff {report.max_abs_diff:.3g}"

@@ -287,7 +287,7 @@ def test_cli_test_ok_and_mismatch(fsdp_root, tmp_path, capsys):
     ref = write_reference(tmp_path / "ref", tensors)
     assert main([*argv, str(ref)]) == 1
     out, err = capsys.readouterr()
-    assert out.startswith("MISMATCH") and err.count("\n") == 1 and NORM in err
+    assert out.startswith("MISMATCH (1 problem above)") and err.count("\n") == 1 and NORM in err
 
     assert main([*argv, str(ref), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
