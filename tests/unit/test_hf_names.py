@@ -292,6 +292,9 @@ def test_the_collector_held_leaves_the_collector_alone_off_the_main_thread(monke
 
 
 def test_a_computed_tensor_is_refused_naming_it(monkeypatch, qwen3_moe_config):
+    # modeling_utils binds the function when first imported: imported here before the patch,
+    # it keeps the real one for the tests after this (save_pretrained calls it).
+    import transformers.modeling_utils  # noqa: F401
     from transformers import core_model_loading
 
     def concatenating(model, state_dict):
