@@ -816,12 +816,13 @@ def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...]]
         return None
     try:
         with torch.inference_mode():
-            layout = revert(model, dict(model.named_parameters()))
+            layout = revert(model, dict(held))  # persistent buffers and tied names too
+            needed = revert(model, dict(model.named_parameters()))  # tied ones once
     except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
         return None
     if any(tuple(layout[n].shape) != tuple(s) if n in layout else True for n, _, s in plain):
         return None
-    missing = {parameter_group(n) for n in layout} - {parameter_group(n) for n, _, _ in plain}
+    missing = {parameter_group(n) for n in needed} - {parameter_group(n) for n, _, _ in plain}
     rule = f"save_pretrained layout of {type(model).__name__}, which the checkpoint is in"
     return rule, tuple(sorted(missing))
 
