@@ -67,11 +67,9 @@ def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     """Hand filled model tensors back where ``model_tensors`` returned copies rather than the
     live storage (FSDP1 unflattens its flat parameters into new tensors); nothing to do where
     they are the parameters themselves (FSDP2, plain modules)."""
-    from torch.distributed.tensor import DTensor
 
     def storage(t: torch.Tensor) -> int:
-        local = t.to_local() if isinstance(t, DTensor) else t
-        return local.untyped_storage().data_ptr()
+        return _local(t).untyped_storage().data_ptr()
 
     live = {storage(t) for t in (*model.parameters(), *model.buffers())}
     if all(storage(t) in live for t in tensors.values() if t.numel()):
