@@ -451,6 +451,21 @@ def test_the_opcode_pass_keeps_the_memo_as_the_unpickler_does(pickled, value):
     dcp_pickles.check_pickle(pickled)
 
 
+def test_a_hostile_pickle_leaves_the_opcode_pass_as_it_was_for_the_next(tmp_path):
+    """The pass shares one node among a pickle's scalars: one that appends 100 items to an
+    int made every scalar of every later pickle in the process dearer, and torch.save's own
+    storages ("a persistent id of 101 or more items") were refused from then on."""
+    import zipfile
+
+    hostile = b"\x80\x02K\x01(" + b"K\x02" * 100 + b"e."
+    with contextlib.suppress(CheckpointFormatError):
+        dcp_pickles.check_pickle(hostile)
+    torch.save({"w": torch.ones(2)}, tmp_path / "w.pt")
+    with zipfile.ZipFile(tmp_path / "w.pt") as archive:
+        pickled = next(archive.read(n) for n in archive.namelist() if n.endswith("/data.pkl"))
+    dcp_pickles.check_pickle(pickled)
+
+
 def test_a_checkpoint_of_an_empty_state_dict_is_said_to_be_empty(tmp_path):
     """merge blamed DCP's planner ("its 0 entries (e.g. ) are pickled objects") and verify
     passed it."""

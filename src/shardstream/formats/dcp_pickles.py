@@ -279,9 +279,6 @@ class _Node:
         self.depth = depth
 
 
-_SCALAR = _Node()
-
-
 class _Memo:
     """The unpickler's memo of ``_Node``s: a list while entries come in index order, as
     picklers write them (8 bytes an entry, where a DCP .metadata has millions), a dict from
@@ -327,6 +324,7 @@ class _Machine:
         self.stack: list[_Node] = []
         self.marks: list[int] = []
         self.memo = _Memo()
+        self.scalar = _Node()  # this pickle's: another's cannot have grown it
 
     def fence(self) -> int:
         return self.marks[-1] if self.marks else 0
@@ -387,9 +385,10 @@ class _Machine:
     def step(self, op: int, index: int | None) -> None:
         """Apply opcode ``op``; ``index``: the memo index of a GET or PUT."""
         if op in _ATOMS:
-            # A scalar's node is never grown (a pickle that tries makes every scalar dearer
-            # after it: refused sooner, never later), so scalars share one; containers do not.
-            self.stack.append(_Node() if op in _EMPTY_CONTAINERS else _SCALAR)
+            # A scalar's node is never grown (a pickle that tries makes every scalar of its
+            # own dearer after it: refused sooner, never later), so its scalars share one;
+            # containers do not.
+            self.stack.append(_Node() if op in _EMPTY_CONTAINERS else self.scalar)
             return
         if op in _MEMO_OPS:  # the most frequent others first, without the chain below
             if op in _GETS:
