@@ -164,9 +164,10 @@ def compare_with_reference(
     lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     tensors, factors = _merged_names(checkpoint.tensors)
     # A tied head is told by its stored name (``lm_head.weight``), as merge tells it, before
-    # the layout renames it (PaliGemma's ``language_model.lm_head.weight``).
+    # the layout renames it (PaliGemma's ``language_model.lm_head.weight``); a reference that
+    # stores it all the same is compared with it.
     drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
-    tensors = _saved_layout(tensors, config, config_dir, drop)
+    tensors = _saved_layout(tensors, config, config_dir, drop, {t.name for t in reference})
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
@@ -275,18 +276,20 @@ def _saved_layout(
     config: dict,
     config_dir: Path | None = None,
     drop: set[str] = frozenset(),
+    kept: set[str] = frozenset(),
 ) -> list[GlobalTensor]:
     """The base tensors under the names and shapes merge writes (save_pretrained's layout),
-    but ``drop`` (stored names): a reference saved by transformers is compared name by name,
-    an expert of a fused tensor with its box of the stored tensor."""
+    but ``drop`` (stored names) unless their output is named in ``kept``: a reference saved
+    by transformers is compared name by name, an expert of a fused tensor with its box of the
+    stored tensor."""
     from ..formats.hf_writer import output_layout
 
     where = str(config_dir / "config.json") if config_dir else "config.json"
     # Planned whole and dropped after: a head the reference ties may be one the checkpoint's
     # config.json unties, which the plan then needs.
     _, outputs = output_layout(tensors, None, set(), config, config_path=where)
-    kept = [out for out in outputs if out.source.name not in drop]
-    return [dataclasses.replace(out.source, name=out.name) for out in kept]
+    wanted = [out for out in outputs if out.source.name not in drop or out.name in kept]
+    return [dataclasses.replace(out.source, name=out.name) for out in wanted]
 
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
