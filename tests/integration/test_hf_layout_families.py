@@ -60,6 +60,17 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # Saved names that are in-memory names of other tensors too (hc_pre.hc_head.*).
+    "hy_v4": (
+        "HYV4Config",
+        "HYV4ForCausalLM",
+        {**TEXT, **EXPERTS, "num_key_value_heads": 4, "head_dim": 4, "intermediate_size": 48,
+         "moe_intermediate_size": 16, "n_routed_experts": 4, "n_shared_experts": 1,
+         "layer_types": ["indexed_attention", "indexed_attention"],
+         "mlp_layer_types": ["dense", "sparse"], "kv_lora_rank": 8, "q_lora_rank": 16,
+         "qk_nope_head_dim": 4, "qk_rope_head_dim": 4, "v_head_dim": 8, "index_head_dim": 8,
+         "index_n_heads": 2, "hc_mult": 4, "n_group": 1, "topk_group": 1, "pad_token_id": 1},
+    ),
     # One fused conv1d saved as q/k/v parts: chunks along dim 0, the first from the origin.
     "olmo_hybrid": (
         "OlmoHybridConfig",

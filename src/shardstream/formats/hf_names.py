@@ -805,14 +805,15 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
 
 
 def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...]] | None:
-    """(rule, missing parts) where the stored tensors hold none of ``model``'s in-memory names
-    but are, names and shapes, in the layout ``save_pretrained`` writes it in (PaliGemma's or
-    Gemma 3's own files: ``language_model.model.*`` for ``model.language_model.*``); None
-    otherwise. The missing parts are those of that layout the checkpoint holds nothing of."""
+    """(rule, missing parts) where the stored tensors are not all ``model``'s in-memory names
+    but are all, names and shapes, in the layout ``save_pretrained`` writes it in (PaliGemma's
+    or Gemma 3's own files: ``language_model.model.*`` for ``model.language_model.*``; or
+    Kimi-K2.5's, whose renumbered ``norm1`` is an in-memory name too); None otherwise. The
+    missing parts are those of that layout the checkpoint holds nothing of."""
     import torch
 
     held = model.state_dict()
-    if not plain or any(name in held for name, _, _ in plain):
+    if not plain or all(name in held for name, _, _ in plain):
         return None
     try:
         with torch.inference_mode():
