@@ -74,7 +74,20 @@ def test_failed_upload_is_one_line_and_keeps_the_merged_directory(
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in err, err
     assert "uploading it to me/tiny failed" in lines[0] and "Network is unreachable" in lines[0]
+    assert f"`hf upload me/tiny {target}`" in lines[0]
     assert (target / "model.safetensors").is_file()
+
+
+def test_a_failed_private_upload_suggests_a_private_one(capsys, monkeypatch, checkpoint, tmp_path):
+    """``hf upload`` creates a missing repository public: the command suggested after a failed
+    ``--private`` upload left out ``--private``, and copying it published the weights."""
+    monkeypatch.setattr(huggingface_hub, "HfApi", RecordingHub(fail=OSError("offline")))
+    target = tmp_path / "merged"
+    rc, _, err = _merge(
+        capsys, "--local_dir", str(checkpoint), "--target_dir", str(target),
+        "--hf_upload_path", "me/tiny", "--private", "--quiet",
+    )  # fmt: skip
+    assert rc == 1 and f"`hf upload --private me/tiny {target}`" in err, err
 
 
 def test_invalid_repository_id_is_refused_before_merging(capsys, monkeypatch, checkpoint, tmp_path):

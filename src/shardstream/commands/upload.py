@@ -42,7 +42,7 @@ def upload_to_hub(directory: str | os.PathLike, repo_id: str, private: bool = Fa
         raise ShardstreamError(
             f"merged into {directory}, but uploading it to {repo_id} failed "
             f"({type(exc).__name__}: {_one_line(exc)}); the merged directory is complete: "
-            f"upload it with `hf upload {repo_id} {directory}`"
+            f"upload it with `hf upload{' --private' if private else ''} {repo_id} {directory}`"
         ) from None
     return str(getattr(commit, "commit_url", None) or commit)
 
