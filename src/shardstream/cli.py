@@ -159,7 +159,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--atol",
         type=float,
         default=None,
-        help="absolute tolerance (default 1e-6, verl's; a 1-ulp change passes)",
+        help="absolute tolerance (default 1e-6, verl's; with the default rtol a one-ulp float32 "
+        "change passes, a one-ulp bfloat16 one needs a larger --rtol, e.g. 1e-2)",
     )
     _flag(test, "--rtol", type=float, default=None, help="relative tolerance (default 1e-6)")
     _flag(test, "--exact", action="store_true", help="the same bits after the cast; no tolerance")
