@@ -81,6 +81,21 @@ def test_verify_of_a_run_names_the_leftovers_of_a_save_cut_short(saved_run, tmp_
     assert json.loads(out)["uncommitted"] == ["global_step_4.tmp-0badf00d"]
 
 
+def test_verify_names_a_role_cut_short_in_verls_layout_as_leftovers(saved_run, tmp_path, capsys):
+    """The verl plug-in stages a role as ``global_step_N/actor.tmp-*``: killed mid-save, the
+    step directory holds that alone, and verify called the run FAILED (exit 1) where the
+    tracker and the next save treat it as the leftover it is."""
+    root = tmp_path / "root"
+    shutil.copytree(saved_run.root, root)
+    (root / "global_step_4" / "actor.tmp-0badf00d").mkdir(parents=True)
+    code, problems, out = _verify(capsys, root, "--json")
+    assert code == 0 and not problems, problems
+    assert json.loads(out)["uncommitted"] == ["global_step_4/actor.tmp-0badf00d"]
+    (root / "global_step_4" / "stray.bin").write_bytes(b"x")  # not a leftover alone
+    code, problems, _ = _verify(capsys, root)
+    assert code == 1 and any("global_step_4: step directory has no manifest" in p for p in problems)
+
+
 def test_verify_root_reports_one_line_per_problem(saved_run, tmp_path, capsys):
     root = tmp_path / "root"
     shutil.copytree(saved_run.root, root)

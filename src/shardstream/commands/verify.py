@@ -227,6 +227,9 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
             for role in _verl_checkpoints(entry, kind):
                 _verify_role(role, report, progress)
             steps.append(int(STEP_DIR.match(entry.name)[1]))
+        elif kind is not Kind.NATIVE and (leftovers := _only_leftovers(entry)):
+            # verl's layout: a role's save cut short (global_step_N/actor.tmp-*), nothing else
+            report.uncommitted += [f"{entry.name}/{name}" for name in leftovers]
         elif kind is not Kind.NATIVE:
             report.problems.append(Problem(str(entry), "step directory has no manifest.json"))
         else:
@@ -249,6 +252,18 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _only_leftovers(directory: Path) -> list[str]:
+    """The names of ``directory``'s uncommitted temporaries when it holds nothing else (a
+    step directory a killed save of one role left), else []."""
+    from ..storage.commit import is_temporary
+
+    try:
+        names = sorted(os.listdir(directory))
+    except OSError:
+        return []
+    return names if names and all(is_temporary(name) for name in names) else []
 
 
 def _unread_local_state(directory: Path) -> Problem | None:
