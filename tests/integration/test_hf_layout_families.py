@@ -60,6 +60,8 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # A model type transformers' auto classes build with another type's class.
+    "exaone": ("ExaoneConfig", "LlamaForCausalLM", {**TEXT, "pad_token_id": 1}),
     # Saved names that are in-memory names of other tensors too (hc_pre.hc_head.*).
     "hy_v4": (
         "HYV4Config",

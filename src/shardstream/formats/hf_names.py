@@ -647,8 +647,10 @@ def _model_class(config: dict, config_class: type | None = None) -> type | None:
         and isinstance(own := getattr(cls, "config_class", None), type)
         and not cls.__name__.endswith("PreTrainedModel")
     ):
-        if config_class is not None and not (
-            issubclass(config_class, own) or issubclass(own, config_class)
+        if (
+            config_class is not None
+            and not (issubclass(config_class, own) or issubclass(own, config_class))
+            and cls not in _auto_classes_of(config_class)  # transformers' own alias (EXAONE)
         ):
             raise CheckpointFormatError(
                 f"config.json: architectures names {names[0]}, a model of type "
@@ -668,6 +670,21 @@ def _model_class(config: dict, config_class: type | None = None) -> type | None:
         except (KeyError, TypeError):
             continue
     return None
+
+
+def _auto_classes_of(config_class: type) -> list[type]:
+    """The model classes transformers' auto classes build for ``config_class``: another model
+    type's class at times (``exaone`` is built as ``LlamaForCausalLM``)."""
+    import transformers
+
+    found = []
+    for auto in _AUTO_CLASSES:
+        mapping = getattr(getattr(transformers, auto, None), "_model_mapping", None)
+        try:
+            found.append(mapping[config_class])
+        except (KeyError, TypeError, ValueError, AttributeError):
+            continue
+    return found
 
 
 def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
