@@ -173,6 +173,32 @@ def test_a_save_pretrained_directory_merges_to_itself(tmp_path, family):
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
 
 
+# save_pretrained's index counts the model's parameters (num_parameters()); merge counts the
+# tensors it writes, persistent buffers too (DeepSeek-V3's and HY-V4's e_score_correction_bias):
+# a known difference in the index's total_parameters alone.
+BUFFERS_COUNTED = {"deepseek_v3", "hy_v4"}
+
+
+@pytest.mark.parametrize(
+    "family",
+    [
+        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="total_parameters"))
+        if f in BUFFERS_COUNTED
+        else f
+        for f in sorted(FAMILIES)
+    ],
+)
+def test_save_pretrained_files_split_small_merge_to_the_same_split(tmp_path, family):
+    """Split at a small size, merge put other tensors in each file than save_pretrained (55
+    of 102 families): it split them in the input files' order (by name), not the model's, and
+    counted an expert of a fused tensor apart from its siblings, which save_pretrained keeps
+    together as views of one storage."""
+    model = _model(family)
+    model.save_pretrained(tmp_path / "reference", max_shard_size="8KB")
+    merge(tmp_path / "reference", tmp_path / "merged", dtype="float32", max_shard_size="8KB")
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+
+
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_a_save_pretrained_directory_restores_into_the_model(tmp_path, family):
     """``shardstream.load`` of save_pretrained's files reads them into the live model's own

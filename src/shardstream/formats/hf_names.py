@@ -702,8 +702,20 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
     saved = _saved_layout_held(model, plain, revert_weight_conversion)
     if saved is not None:  # a save_pretrained directory already: written as it is
-        return [_whole(n, n, s) for n, _, s in plain], saved[0], saved[1]
+        rule, missing, order = saved
+        at = {name: i for i, name in enumerate(order)}  # save_pretrained's order, for the split
+        ordered = sorted(plain, key=lambda t: at[t[0]])
+        shared = _storage_of_outputs(model, revert_weight_conversion)
+        pieces = [
+            dataclasses.replace(_whole(n, n, s), storage=shared[n][0], storage_numel=shared[n][1])
+            for n, _, s in ordered
+        ]
+        return pieces, rule, missing
     model = _holding_the_tensors(model, config, plain)
+    # In the model's own order, as save_pretrained converts and splits its state dict: a
+    # checkpoint's files (an HF directory's, sorted by name) may list them otherwise.
+    at = {name: i for i, name in enumerate(model.state_dict())}
+    plain = sorted(plain, key=lambda t: at.get(t[0], len(at)))
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -821,12 +833,13 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
     return dropped
 
 
-def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...]] | None:
-    """(rule, missing parts) where the stored tensors are not all ``model``'s in-memory names
-    but are all, names and shapes, in the layout ``save_pretrained`` writes it in (PaliGemma's
-    or Gemma 3's own files: ``language_model.model.*`` for ``model.language_model.*``; or
-    Kimi-K2.5's, whose renumbered ``norm1`` is an in-memory name too); None otherwise. The
-    missing parts are those of that layout the checkpoint holds nothing of."""
+def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...], list[str]] | None:
+    """(rule, missing parts, the layout's names in its order) where the stored tensors are
+    not all ``model``'s in-memory names but are all, names and shapes, in the layout
+    ``save_pretrained`` writes it in (PaliGemma's or Gemma 3's own files:
+    ``language_model.model.*`` for ``model.language_model.*``; or Kimi-K2.5's, whose
+    renumbered ``norm1`` is an in-memory name too); None otherwise. The missing parts are
+    those of that layout the checkpoint holds nothing of."""
     import torch
 
     held = model.state_dict()
@@ -842,7 +855,7 @@ def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...]]
         return None
     missing = {parameter_group(n) for n in needed} - {parameter_group(n) for n, _, _ in plain}
     rule = f"save_pretrained layout of {type(model).__name__}, which the checkpoint is in"
-    return rule, tuple(sorted(missing))
+    return rule, tuple(sorted(missing)), list(layout)
 
 
 def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
@@ -889,6 +902,27 @@ def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
         index, numel = roots.setdefault(_storage_id(tensor), (len(roots), numel))
         shared.append(dataclasses.replace(piece, storage=index, storage_numel=numel))
     return shared
+
+
+def _storage_of_outputs(model: Any, revert) -> dict[str, tuple[int, int]]:
+    """For each name save_pretrained writes of ``model``: (storage index, its element count),
+    outputs of one storage (a fused tensor's experts) sharing one, as ``_with_storage``
+    tells them; its shard split keeps them in one file."""
+    import torch
+
+    with torch.inference_mode():
+        fresh = {n: torch.empty_like(t, device="meta") for n, t in model.state_dict().items()}
+        out = revert(model, fresh)
+    roots: dict[int, tuple[int, int]] = {}
+    for tensor in out.values():
+        roots.setdefault(_storage_id(tensor), (len(roots), 0))
+    return {
+        name: (
+            roots[_storage_id(t)][0],
+            t.untyped_storage().nbytes() // t.element_size(),
+        )
+        for name, t in out.items()
+    }
 
 
 def _storage_id(tensor: Any) -> int:
