@@ -48,8 +48,9 @@ log = logging.getLogger(__name__)
 # 5: the aliases save_pretrained leaves out (T5's encoder/decoder embed_tokens); 6: the
 # model's parts the checkpoint holds nothing of (``missing``); 7: a box from the origin that is
 # part of its stored tensor (the first chunk of a split) was planned as the whole tensor;
-# 8: a checkpoint in the saved layout whose names partly are in-memory names too.
-CACHE_FORMAT = 8
+# 8: a checkpoint in the saved layout whose names partly are in-memory names too; 9: pieces in
+# the model's order, and the saved layout's storage groups.
+CACHE_FORMAT = 9
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
