@@ -1010,7 +1010,9 @@ def _reading(results: dict) -> list[str]:
                 "itself. On a GPU a step is often shorter than a save's read-through; then the "
                 f"pre-hook stages up to {BUDGET} minus the writer's buffers and waits for the "
                 "rest, and the stall grows towards (state per rank − staging) ÷ read bandwidth. "
-                "That case did not occur here and is not measured."
+                "That case did not occur in this run; benchmarks-verl.md measures it (a step "
+                "shorter than a save: with the default budget an async save stalls nearly as "
+                'long as a sync one, and staging_budget="state" brings it to a few percent).'
             )
             dv = da.get("peak_vs_none_mib_per_rank")
             state = save[str(a["world_size"])]["ranks"][0]["local_state_mib"]
