@@ -158,6 +158,10 @@ def test_every_stored_name_tests_equal_to_save_pretrained(tmp_path, family, caps
     assert cli.main(["test", *map(str, argv), "--exact"]) == 0, capsys.readouterr().err
     merge(tmp_path / "state", tmp_path / "merged", dtype="float32")
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+    # split small: the index too, its total_parameters without persistent buffers
+    model.save_pretrained(tmp_path / "split", max_shard_size="8KB")
+    merge(tmp_path / "state", tmp_path / "merged-split", dtype="float32", max_shard_size="8KB")
+    assert_same_model_files(tmp_path / "merged-split", tmp_path / "split")
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -173,26 +177,13 @@ def test_a_save_pretrained_directory_merges_to_itself(tmp_path, family):
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
 
 
-# save_pretrained's index counts the model's parameters (num_parameters()); merge counts the
-# tensors it writes, persistent buffers too (DeepSeek-V3's and HY-V4's e_score_correction_bias):
-# a known difference in the index's total_parameters alone.
-BUFFERS_COUNTED = {"deepseek_v3", "hy_v4"}
-
-
-@pytest.mark.parametrize(
-    "family",
-    [
-        pytest.param(f, marks=pytest.mark.xfail(strict=True, reason="total_parameters"))
-        if f in BUFFERS_COUNTED
-        else f
-        for f in sorted(FAMILIES)
-    ],
-)
+@pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_save_pretrained_files_split_small_merge_to_the_same_split(tmp_path, family):
     """Split at a small size, merge put other tensors in each file than save_pretrained (55
     of 102 families): it split them in the input files' order (by name), not the model's, and
     counted an expert of a fused tensor apart from its siblings, which save_pretrained keeps
-    together as views of one storage."""
+    together as views of one storage. The index's total_parameters is the model's parameter
+    count, no persistent buffers (DeepSeek-V3's e_score_correction_bias were counted)."""
     model = _model(family)
     model.save_pretrained(tmp_path / "reference", max_shard_size="8KB")
     merge(tmp_path / "reference", tmp_path / "merged", dtype="float32", max_shard_size="8KB")

@@ -93,12 +93,12 @@ def test_export_plans_with_the_same_policy(tmp_path):
         vocab_size=4, hidden_size=2, num_attention_heads=1, num_key_value_heads=1,
         tie_word_embeddings=True, dtype=torch.bfloat16,
     )  # fmt: skip
-    out_dtype, files = _plan_files(live, config, None, None)
+    out_dtype, files, _ = _plan_files(live, config, None, None)
     names = {t.name: t.dtype for _, group in files for t in group}
     assert out_dtype == "BF16" and names == {"model.embed_tokens.weight": "BF16", "steps": "I64"}
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
-    out_dtype, files = _plan_files(live, None, tmp_path, None)
+    out_dtype, files, _ = _plan_files(live, None, tmp_path, None)
     assert out_dtype == "F16" and len(files[0][1]) == 3
     assert _plan_files(live, None, tmp_path, "float32")[0] == "F32"
 

@@ -316,7 +316,9 @@ def _merge(
             # Each file's copy runs are planned when it is filled, and dropped after: a merge
             # of a many-rank checkpoint holds one file's runs, not the whole model's.
             beside = _files_beside(files, split, fuse_lora, config_dir, adapter_only)
-            output = HfModelFiles.plan(tmp, files, align=DIRECT_ALIGN, side_files=beside)
+            output = HfModelFiles.plan(
+                tmp, files, align=DIRECT_ALIGN, side_files=beside, buffers=names.buffers
+            )
             jobs = output.jobs
             error = None
             try:

@@ -140,13 +140,16 @@ def _by_element_size(tensors: Sequence[OutputTensor]) -> list[OutputTensor]:
     return sorted(tensors, key=lambda t: -itemsize(t.dtype))
 
 
-def index_document(files: Sequence[tuple[str, Sequence[OutputTensor]]]) -> dict:
-    """The index ``save_pretrained`` writes: total parameter count (the elements written;
-    transformers counts the model's parameters, the same tensors for these models), total
+def index_document(
+    files: Sequence[tuple[str, Sequence[OutputTensor]]], buffers: Iterable[str] = ()
+) -> dict:
+    """The index ``save_pretrained`` writes: total parameter count (the elements written but
+    ``buffers``, outputs of the model's buffers, as its ``num_parameters()`` counts), total
     bytes, and the weight map, keys sorted."""
     weight_map = {t.name: name for name, tensors in files for t in tensors}
     total = sum(t.nbytes for _, tensors in files for t in tensors)
-    count = sum(math.prod(t.shape) for _, tensors in files for t in tensors)
+    left_out = set(buffers)
+    count = sum(math.prod(t.shape) for _, ts in files for t in ts if t.name not in left_out)
     return {
         "metadata": {"total_parameters": count, "total_size": total},
         "weight_map": dict(sorted(weight_map.items())),

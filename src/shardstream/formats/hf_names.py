@@ -102,6 +102,9 @@ class NamePlan:
     # Parts of the model (``visual``, ``lm_head``: ``parameter_group``) save_pretrained writes
     # of which the checkpoint holds nothing; known where transformers built the model
     missing: tuple[str, ...] = ()
+    # Outputs save_pretrained writes from the model's persistent buffers (DeepSeek-V3's
+    # e_score_correction_bias): its index's total_parameters (num_parameters()) leaves them out
+    buffers: tuple[str, ...] = ()
 
     @property
     def renamed(self) -> int:
@@ -295,8 +298,15 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
 
     cached = hf_names_cache.load(tensors, config)
     if cached is not None:  # computed by this transformers before: not imported now
-        found, pieces, missing = cached
-        return NamePlan(tuple(Piece(**p) for p in pieces), found, False, stripped, tuple(missing))
+        found, pieces, missing, buffers = cached
+        return NamePlan(
+            tuple(Piece(**p) for p in pieces),
+            found,
+            False,
+            stripped,
+            tuple(missing),
+            tuple(buffers),
+        )
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
@@ -310,14 +320,15 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
             ) from None
         version = transformers.__version__
         missing: tuple[str, ...] = ()
+        buffers: tuple[str, ...] = ()
         if has_weight_conversions():
-            pieces, what, missing = _trace_v5(plain, config)
+            pieces, what, missing, buffers = _trace_v5(plain, config)
         else:
             pieces, what = _renames_v4(plain, config)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
     described = _join(rule, f"transformers {version} {what}")
-    plan = NamePlan(tuple(pieces), described, False, stripped, missing)
-    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing)
+    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers)
+    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers)
     return plan
 
 
@@ -687,7 +698,7 @@ def _auto_classes_of(config_class: type) -> list[type]:
     return found
 
 
-def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
+def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...], tuple[str, ...]]:
     """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
     back where each output lies in the stored tensors; and the model's parts the output
     holds nothing of (``_missing_parts``)."""
@@ -699,7 +710,12 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
 
     model = _meta_model(config, len(plain))
     if model is None:
-        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
+        return (
+            [_whole(n, n, s) for n, _, s in plain],
+            "does not know this model: no mapping",
+            (),
+            (),
+        )
     saved = _saved_layout_held(model, plain, revert_weight_conversion)
     if saved is not None:  # a save_pretrained directory already: written as it is
         rule, missing, order = saved
@@ -710,7 +726,14 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
             dataclasses.replace(_whole(n, n, s), storage=shared[n][0], storage_numel=shared[n][1])
             for n, _, s in ordered
         ]
-        return pieces, rule, missing
+        held = model.state_dict()
+        try:  # the names save_pretrained gives the buffers
+            with torch.inference_mode():
+                named = revert_weight_conversion(model, {n: held[n] for n in _buffers(model)})
+        except Exception:  # noqa: BLE001  (any model's rules, on its own meta buffers)
+            named = {}
+        stored = {n for n, _, _ in plain}
+        return pieces, rule, missing, tuple(sorted(n for n in named if n in stored))
     model = _holding_the_tensors(model, config, plain)
     # In the model's own order, as save_pretrained converts and splits its state dict: a
     # checkpoint's files (an HF directory's, sorted by name) may list them otherwise.
@@ -772,7 +795,14 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
         pieces.append(piece)
     del out, fakes, bases, view  # a meta tensor a piece: freed before the next conversion
     pieces = _with_storage(pieces, model, plain, revert_weight_conversion)
-    return pieces, what, _missing_parts(model, pieces, plain, ignored, revert_weight_conversion)
+    missing = _missing_parts(model, pieces, plain, ignored, revert_weight_conversion)
+    stored_buffers = _buffers(model)
+    return (
+        pieces,
+        what,
+        missing,
+        tuple(sorted(p.name for p in pieces if p.stored in stored_buffers)),
+    )
 
 
 def parameter_group(name: str) -> str:
@@ -902,6 +932,13 @@ def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
         index, numel = roots.setdefault(_storage_id(tensor), (len(roots), numel))
         shared.append(dataclasses.replace(piece, storage=index, storage_numel=numel))
     return shared
+
+
+def _buffers(model: Any) -> set[str]:
+    """The names of ``model``'s persistent buffers in its state dict: saved, but not counted
+    in save_pretrained's ``total_parameters`` (``num_parameters()``)."""
+    held = model.state_dict().keys()
+    return {name for name, _ in model.named_buffers() if name in held}
 
 
 def _storage_of_outputs(model: Any, revert) -> dict[str, tuple[int, int]]:

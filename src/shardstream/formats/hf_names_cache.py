@@ -49,8 +49,8 @@ log = logging.getLogger(__name__)
 # model's parts the checkpoint holds nothing of (``missing``); 7: a box from the origin that is
 # part of its stored tensor (the first chunk of a split) was planned as the whole tensor;
 # 8: a checkpoint in the saved layout whose names partly are in-memory names too; 9: pieces in
-# the model's order, and the saved layout's storage groups.
-CACHE_FORMAT = 9
+# the model's order, and the saved layout's storage groups; 10: the outputs of buffers.
+CACHE_FORMAT = 10
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -105,9 +105,9 @@ def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str
     return hashlib.sha256(described.encode()).hexdigest()
 
 
-def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str]] | None:
-    """The cached ``(rule, pieces, missing)`` for this request, pieces as dicts of ``FIELDS``
-    with tuples; None on a miss, a disabled cache or a file that fails any check."""
+def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str], list[str]] | None:
+    """The cached ``(rule, pieces, missing, buffers)`` for this request, pieces as dicts of
+    ``FIELDS`` with tuples; None on a miss, a disabled cache or a file that fails any check."""
     directory = cache_dir()
     key = cache_key(tensors, config)
     if directory is None or key is None:
@@ -134,10 +134,16 @@ def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str]] | 
 
 
 def store(
-    tensors: Tensors, config: dict, rule: str, pieces: Sequence, missing: Sequence[str] = ()
+    tensors: Tensors,
+    config: dict,
+    rule: str,
+    pieces: Sequence,
+    missing: Sequence[str] = (),
+    buffers: Sequence[str] = (),
 ) -> None:
-    """Keep ``rule``, ``pieces`` (``hf_names.Piece``) and ``missing`` (``NamePlan.missing``)
-    for this request; never raises for a directory or disk that refuses the write."""
+    """Keep ``rule``, ``pieces`` (``hf_names.Piece``), ``missing`` (``NamePlan.missing``) and
+    ``buffers`` (``NamePlan.buffers``) for this request; never raises for a directory or disk
+    that refuses the write."""
     directory = cache_dir()
     key = cache_key(tensors, config)
     if directory is None or key is None:
@@ -162,7 +168,8 @@ def store(
         "rule": rule,
         "pieces": listed,
         "missing": list(missing),
-        "digest": _digest(key, rule, listed, list(missing)),
+        "buffers": list(buffers),
+        "digest": _digest(key, rule, listed, list(missing), list(buffers)),
     }
     try:
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -209,8 +216,10 @@ def prune(directory: Path, keep: int | None = None) -> None:
         log.debug("not pruning the cached layouts in %s: %s", directory, exc)
 
 
-def _digest(key: str, rule: object, pieces: object, missing: object) -> str:
-    canonical = json.dumps([key, rule, pieces, missing], sort_keys=True, separators=(",", ":"))
+def _digest(key: str, rule: object, pieces: object, missing: object, buffers: object) -> str:
+    canonical = json.dumps(
+        [key, rule, pieces, missing, buffers], sort_keys=True, separators=(",", ":")
+    )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
 
@@ -221,9 +230,11 @@ def _is_int(value: object, low: int = 0) -> bool:
 _FIELD_SET = frozenset(FIELDS)
 
 
-def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict], list[str]] | None:
-    """``doc``'s rule, pieces and missing parts when every check holds against the request,
-    else None."""
+def _checked(
+    doc: dict, key: str, tensors: Tensors
+) -> tuple[str, list[dict], list[str], list[str]] | None:
+    """``doc``'s rule, pieces, missing parts and buffers' outputs when every check holds
+    against the request, else None."""
     if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
         return None
     rule, pieces, missing = doc.get("rule"), doc.get("pieces"), doc.get("missing")
@@ -231,7 +242,10 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict], li
         return None
     if not isinstance(missing, list) or not all(type(m) is str for m in missing):
         return None
-    if doc.get("digest") != _digest(key, rule, pieces, missing):
+    buffers = doc.get("buffers")
+    if not isinstance(buffers, list) or not all(type(b) is str for b in buffers):
+        return None
+    if doc.get("digest") != _digest(key, rule, pieces, missing, buffers):
         return None
     shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
     names: set[str] = set()
@@ -267,4 +281,4 @@ def _checked(doc: dict, key: str, tensors: Tensors) -> tuple[str, list[dict], li
         piece["start"], piece["extent"] = tuple(start), tuple(extent)
         piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
         out.append({**piece, "stored_shape": stored_shape})
-    return rule, out, missing
+    return rule, out, missing, buffers

@@ -65,6 +65,7 @@ class HfModelFiles:
     directory: Path
     files: list[tuple[str, list[OutputTensor]]]  # as hf.plan_hf_files gives them
     jobs: list[FileJob]  # one per file, in that order; copy runs planned when filled
+    buffers: tuple[str, ...] = ()  # outputs total_parameters leaves out (NamePlan.buffers)
 
     @classmethod
     def plan(
@@ -73,6 +74,7 @@ class HfModelFiles:
         files: list[tuple[str, list[OutputTensor]]],
         align: int = 8,
         side_files: Iterable[str] = (),
+        buffers: Iterable[str] = (),
     ) -> HfModelFiles:
         """``align``: where each file's data starts (``DIRECT_ALIGN`` for direct writes).
         ``side_files``: the names of the files that may be written beside the weights (the
@@ -88,12 +90,13 @@ class HfModelFiles:
             )
             for i, (name, group) in enumerate(files)
         ]
-        return cls(directory, files, jobs)
+        return cls(directory, files, jobs, tuple(buffers))
 
     def write_index(self) -> None:
         """The index, when there are several files (before ``seal``, to be in its list)."""
         if len(self.files) > 1:
-            index = json.dumps(hf.index_document(self.files), indent=2) + "\n"
+            document = hf.index_document(self.files, self.buffers)
+            index = json.dumps(document, indent=2) + "\n"
             (self.directory / hf.INDEX_FILE).write_text(index)
 
     def create(self) -> None:

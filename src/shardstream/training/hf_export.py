@@ -105,8 +105,8 @@ class HfExport:
         model's ``state.model_tensors``, when the caller has them already."""
         tensors = model_tensors(self.model) if tensors is None else tensors
         live = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items()}
-        out_dtype, files = _plan_files(live, self.hf_config, self.source, self.dtype)
-        return ExportPlan(self, out_dtype, files, tuple(_owned(live, files)))
+        out_dtype, files, buffers = _plan_files(live, self.hf_config, self.source, self.dtype)
+        return ExportPlan(self, out_dtype, files, tuple(_owned(live, files)), buffers)
 
 
 @dataclass(frozen=True)
@@ -117,6 +117,7 @@ class ExportPlan:
     out_dtype: str | None
     files: list[tuple[str, list[OutputTensor]]]  # as hf.plan_hf_files gives them
     reads: tuple[tuple[str, Block, torch.Tensor], ...]  # see _owned
+    buffers: tuple[str, ...] = ()  # outputs total_parameters leaves out (NamePlan.buffers)
 
     def __call__(
         self,
@@ -282,15 +283,16 @@ def transformers_class_name(model: torch.nn.Module) -> str | None:
 
 def _plan_files(
     live: dict[str, torch.Tensor], hf_config: Any, source: Path | None, dtype: str | None
-) -> tuple[str | None, list[tuple[str, list[OutputTensor]]]]:
-    """The publish dtype and the HF files (name, tensors) for the model's tensors ``live``;
+) -> tuple[str | None, list[tuple[str, list[OutputTensor]]], tuple[str, ...]]:
+    """The publish dtype, the HF files (name, tensors) for the model's tensors ``live`` and the
+    outputs of its buffers (``NamePlan.buffers``);
     computed from shapes and dtypes alone, so every rank gets the same answer."""
     config = _config(hf_config, source)
     out_dtype = hf.output_dtype(dtype, config)
     tensors = [GlobalTensor(n, code_of(t.dtype), tuple(t.shape), ()) for n, t in live.items()]
     drop = hf.tied_duplicates(tensors, config, False, hf_config)
     names, outputs = output_layout(tensors, out_dtype, drop, config)
-    return out_dtype, hf.plan_hf_files(outputs, storage=names.storage())
+    return out_dtype, hf.plan_hf_files(outputs, storage=names.storage()), names.buffers
 
 
 def _layout(plan: ExportPlan) -> tuple[str, str]:
@@ -328,7 +330,7 @@ def write_hf_model(
     the live or staged tensors and learns how far the reads are."""
     export = plan.export
     _check_same_layout(plan)
-    output = HfModelFiles.plan(tmp / HF_DIR, plan.files)
+    output = HfModelFiles.plan(tmp / HF_DIR, plan.files, buffers=plan.buffers)
     shared = export.shared_filesystem
     if shared is None:
         shared = _shared_filesystem(tmp)
