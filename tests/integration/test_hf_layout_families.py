@@ -113,6 +113,8 @@ FAMILIES = {
 
 def _model(family: str) -> torch.nn.Module:
     config_name, class_name, fields = FAMILIES[family]
+    if not hasattr(transformers, config_name):  # a model type newer than the installed one
+        pytest.skip(f"transformers {transformers.__version__} has no {config_name}")
     config = getattr(transformers, config_name)(**fields)
     torch.manual_seed(0)
     return randomized(getattr(transformers, class_name)(config))

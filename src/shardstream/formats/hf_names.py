@@ -324,7 +324,7 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
         if has_weight_conversions():
             pieces, what, missing, buffers = _trace_v5(plain, config)
         else:
-            pieces, what = _renames_v4(plain, config)
+            pieces, what, buffers = _renames_v4(plain, config)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
     described = _join(rule, f"transformers {version} {what}")
     plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers)
@@ -1020,7 +1020,25 @@ def _converter_of(model: Any) -> str:
     return "; ".join(repr(r) for r in rules) or "no rule"
 
 
-def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
+def _in_model_order(plain, model: Any, mapping: dict[str, str]) -> list:
+    """``plain`` in ``model``'s state-dict order, as save_pretrained writes and splits it: a
+    stored name by its own place, or by the in-memory name ``mapping`` (checkpoint pattern ->
+    in-memory name, 4.x's ``_checkpoint_conversion_mapping``) gives it; unknown ones last."""
+    at = {name: i for i, name in enumerate(model.state_dict())}
+
+    def place(name: str) -> int:
+        if name in at:
+            return at[name]
+        for pattern, replacement in mapping.items():
+            new, count = re.subn(pattern, replacement, name)
+            if count:
+                return at.get(new, len(at))
+        return len(at)
+
+    return sorted(plain, key=lambda t: place(t[0]))
+
+
+def _renames_v4(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
     """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
     (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
     its capture groups dropped from the replacement."""
@@ -1028,15 +1046,21 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
 
     cls = _model_class(config)
     if cls is None:
-        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping"
+        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
     try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
         model = _meta_model(config, len(plain))
     except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
         model = None
+    mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
+    buffers = _buffers(model) if model is not None else set()
+
+    def of_buffers(pieces: list[Piece]) -> tuple[str, ...]:  # for the index's total_parameters
+        return tuple(sorted(p.name for p in pieces if p.stored in buffers))
+
     if model is not None:
         aliases = _aliases_left_out(model, [n for n, _, _ in plain])
         plain = [t for t in plain if t[0] not in aliases]
-    mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
+        plain = _in_model_order(plain, model, mapping)
     # transformers 4.5x reverses it only for the vision-language classes it lists
     listed = getattr(modeling_utils, "VLMS", None)
     if listed is not None and not any(
@@ -1044,7 +1068,13 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
     ):
         mapping = {}
     if not mapping:
-        return [_whole(n, n, s) for n, _, s in plain], "no key mapping"
+        pieces = [_whole(n, n, s) for n, _, s in plain]
+        return pieces, "no key mapping", of_buffers(pieces)
+    if any(re.search(pattern, n) for pattern in mapping for n, _, _ in plain):
+        # checkpoint names (``language_model.lm_head``), which no in-memory name matches: a
+        # save_pretrained directory already, written as it is, not renamed a second time
+        kept = f"key mapping of {cls.__name__}, which the checkpoint is in"
+        return [_whole(n, n, s) for n, _, s in plain], kept, ()
     reverse = {v: k for k, v in mapping.items()}
     pieces = []
     for name, _, shape in plain:
@@ -1055,4 +1085,4 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str]:
             if count:
                 break
         pieces.append(_whole(new, name, shape))
-    return pieces, f"key mapping of {cls.__name__}"
+    return pieces, f"key mapping of {cls.__name__}", of_buffers(pieces)
