@@ -925,13 +925,24 @@ def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
             f"save_pretrained layout of {type(model).__name__}: transformers' conversion names "
             "the tensors differently on a second run; merge with --keep-names"
         )
+    groups = _storage_groups(out)
+    return [
+        dataclasses.replace(
+            piece, storage=groups[piece.name][0], storage_numel=groups[piece.name][1]
+        )
+        for piece in pieces
+    ]
+
+
+def _storage_groups(out: dict[str, Any]) -> dict[str, tuple[int, int]]:
+    """For each output of a conversion: (index of its storage, the storage's element count);
+    outputs that are views of one tensor share one (a fused tensor's experts)."""
     roots: dict[int, tuple[int, int]] = {}
-    shared = []
-    for piece, tensor in zip(pieces, out.values()):
+    groups = {}
+    for name, tensor in out.items():
         numel = tensor.untyped_storage().nbytes() // tensor.element_size()
-        index, numel = roots.setdefault(_storage_id(tensor), (len(roots), numel))
-        shared.append(dataclasses.replace(piece, storage=index, storage_numel=numel))
-    return shared
+        groups[name] = roots.setdefault(_storage_id(tensor), (len(roots), numel))
+    return groups
 
 
 def _buffers(model: Any) -> set[str]:
@@ -949,17 +960,7 @@ def _storage_of_outputs(model: Any, revert) -> dict[str, tuple[int, int]]:
 
     with torch.inference_mode():
         fresh = {n: torch.empty_like(t, device="meta") for n, t in model.state_dict().items()}
-        out = revert(model, fresh)
-    roots: dict[int, tuple[int, int]] = {}
-    for tensor in out.values():
-        roots.setdefault(_storage_id(tensor), (len(roots), 0))
-    return {
-        name: (
-            roots[_storage_id(t)][0],
-            t.untyped_storage().nbytes() // t.element_size(),
-        )
-        for name, t in out.items()
-    }
+        return _storage_groups(revert(model, fresh))
 
 
 def _storage_id(tensor: Any) -> int:
