@@ -249,3 +249,41 @@ def test_aliases_of_one_parameter_are_written_once(tmp_path, family):
     assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
     args = ("--local_dir", str(tmp_path / "state"), "--test_hf_dir", str(tmp_path / "reference"))
     assert "max abs diff 0" in main_stdout("test", *args, "--exact")
+
+
+DENSE = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM", {**TEXT, "num_hidden_layers": 12}),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", {**TEXT, "num_hidden_layers": 12}),
+}
+
+
+@pytest.mark.parametrize("family", sorted(DENSE))
+def test_files_of_a_model_needing_no_mapping_split_as_save_pretrained_splits(tmp_path, family):
+    """A model type that needs no mapping is planned without transformers, under the input's
+    order; an HF directory's files list tensors by name, so a small split put 27 of 147
+    tensors of a 12-layer Qwen2 in other files than save_pretrained. Where the output has
+    several files the model gives the order."""
+    config_name, class_name, fields = DENSE[family]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(**fields)
+    model = randomized(getattr(transformers, class_name)(config))
+    model.save_pretrained(tmp_path / "reference", max_shard_size="8KB")
+    summary = merge(tmp_path / "reference", tmp_path / "merged", max_shard_size="8KB")
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+    assert "save_pretrained layout" in summary.layout
+    # in one file the order does not matter: transformers is not asked
+    one = merge(tmp_path / "reference", tmp_path / "one")
+    assert one.layout.endswith(f"{family}: needs no mapping (nothing renamed or split)")
+
+
+def test_without_transformers_a_split_keeps_the_input_order_and_says_so(tmp_path, monkeypatch):
+    from shardstream.formats import hf_names_cache
+
+    model = randomized(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT)))
+    model.save_pretrained(tmp_path / "reference", max_shard_size="8KB")
+    monkeypatch.setattr(hf_names_cache, "transformers_version", lambda: None)
+    summary = merge(tmp_path / "reference", tmp_path / "merged", max_shard_size="8KB")
+    assert "files split in the input's order" in summary.layout
+    merged = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "merged")
+    for name, tensor in model.state_dict().items():
+        assert torch.equal(merged.state_dict()[name], tensor), name

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import time
 from collections.abc import Callable, Iterator
@@ -272,9 +273,19 @@ def _merge(
     # A layout transformers must plan takes seconds (its import, the model on meta): the disk
     # reads the first source bytes meanwhile. Ranks of a distributed merge read their own.
     budget = 0 if coll.world() > 1 else None
+    # save_pretrained splits its files in the model's order, which an HF directory's files
+    # (listed by name) do not keep: asked of the model where the output has several files.
+    total = sum(
+        math.prod(t.shape) * itemsize(hf.cast_dtype(t.dtype, out_dtype))
+        for t in tensors
+        if t.name not in drop
+    )
+    reorder = not getattr(checkpoint, "in_model_order", True) and total > max_file_bytes
     planning = time.perf_counter()
     with reading_ahead((b for t in tensors for b in t.blocks), budget):
-        names, outputs = output_layout(tensors, out_dtype, drop, config, keep_names, where)
+        names, outputs = output_layout(
+            tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
+        )
     give_back_freed_memory()  # what planning dropped, before the copy's buffers
     layout_s = time.perf_counter() - planning
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())

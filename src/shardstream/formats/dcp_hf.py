@@ -54,6 +54,8 @@ class DcpHfCheckpoint:
     replicas: dict[str, list[Block]] = field(default_factory=dict)
     prefix: str = ""  # keys are the state dict's own
     label: str = "dcp_hf"  # HF_MODEL_FORMAT: a Hugging Face model directory
+    # safetensors files list their tensors by dtype and name, not in the model's order
+    in_model_order = False
 
     @property
     def format(self) -> str:

@@ -206,20 +206,24 @@ def plan_names(
     config: dict,
     keep_names: bool = False,
     config_path: str = "config.json",
+    model_order: bool = False,
 ) -> NamePlan:
     """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
     ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
-    ``config_path``: where config.json is, for the messages that refuse it."""
+    ``config_path``: where config.json is, for the messages that refuse it. ``model_order``:
+    the tensors are not listed in the model's order (an HF directory's files list them by
+    name) and the order matters (the output is split into files): ask the model for it even
+    where no mapping is needed."""
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
     # The export plans every save alike: the model class is built once per layout.
     described = json.dumps(config, sort_keys=True, default=str)
-    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described)
+    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described, model_order)
     if key not in _PLANS:
         if len(_PLANS) >= 4:
             _PLANS.pop(next(iter(_PLANS)))
         try:
-            _PLANS[key] = _plan_names(key[0], config)
+            _PLANS[key] = _plan_names(key[0], config, model_order)
         except CheckpointFormatError as exc:  # messages about it start "config.json"
             text = str(exc)
             if not text.startswith("config.json") or config_path == "config.json":
@@ -236,10 +240,11 @@ def plan_checkpoint_names(
     config: dict,
     keep_names: bool = False,
     config_path: str = "config.json",
+    model_order: bool = False,
 ) -> NamePlan:
     """``plan_names`` for a whole checkpoint's tensors, which config.json must describe
     (``check_config_agrees``): what merge, shardstream test, the export and inspect plan by."""
-    plan = plan_names(tensors, config, keep_names, config_path)
+    plan = plan_names(tensors, config, keep_names, config_path, model_order)
     plain = plan.stripped or {}
     check_config_agrees([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
     if plan.missing and not keep_names:
@@ -278,7 +283,9 @@ def _table_decides(model_type: str) -> bool:
     return tuple(int(n) for n in numbers) <= TABLE_CHECKED_UP_TO
 
 
-def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict) -> NamePlan:
+def _plan_names(
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict, model_order: bool = False
+) -> NamePlan:
     stripped = strip_wrappers([n for n, _, _ in tensors])
     rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
     plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
@@ -292,10 +299,14 @@ def _plan_names(tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dic
         raise CheckpointFormatError(
             f"config.json: 'model_type' is {str(model_type)[:200]}, not a model type's name"
         )
-    if _table_decides(model_type):
-        return _identity(plain, back, _join(rule, f"{model_type}: needs no mapping"))
     from . import hf_names_cache
 
+    decided = _table_decides(model_type)
+    if decided and not (model_order and hf_names_cache.transformers_version()):
+        # without transformers the input's order stands: save_pretrained's is the model's
+        unordered = "; files split in the input's order (transformers knows the model's)"
+        why = f"{model_type}: needs no mapping" + (unordered if model_order else "")
+        return _identity(plain, back, _join(rule, why))
     cached = hf_names_cache.load(tensors, config)
     if cached is not None:  # computed by this transformers before: not imported now
         found, pieces, missing, buffers = cached

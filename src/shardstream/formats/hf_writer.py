@@ -39,15 +39,16 @@ def output_layout(
     config: dict,
     keep_names: bool = False,
     config_path: str = "config.json",
+    model_order: bool = False,
 ) -> tuple[NamePlan, list[OutputTensor]]:
     """Every tensor but those in ``drop``, under the names, shapes and order ``save_pretrained``
     gives them (``hf_names.plan_checkpoint_names``) and in its output dtype
     (``hf.cast_dtype``). A renamed tensor keeps its source; a slice of a stored tensor reads
     its box (``TensorSlice``), so splitting a fused tensor stays a byte-range plan.
-    ``source.name`` is the stored name."""
+    ``source.name`` is the stored name. ``model_order``: as ``hf_names.plan_names``'s."""
     kept = [t for t in tensors if t.name not in drop]
     stored = [(t.name, t.dtype, t.shape) for t in kept]
-    plan = plan_checkpoint_names(stored, config, keep_names, config_path)
+    plan = plan_checkpoint_names(stored, config, keep_names, config_path, model_order)
     by_name = {t.name: t for t in kept}
     outputs = []
     for piece in plan.pieces:
