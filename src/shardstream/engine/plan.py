@@ -103,7 +103,7 @@ class GridBlocks(Sequence):
         return hash(tuple(self))
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class CopyRun:
     """``count`` runs of ``elems`` elements; run i reads ``src_offset + i*src_step`` (bytes) and
     writes ``dst_offset + i*dst_step``, converting ``src_dtype`` to ``dst_dtype``.
@@ -424,7 +424,7 @@ def _check_on_grid(tensor: str, shape: Sequence[int], blocks: Sequence[Block]) -
         cells_of_block[...] = True
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class GlobalTensor:
     """A logical tensor of a checkpoint and the blocks that hold its bytes."""
 
@@ -491,7 +491,7 @@ def split_ranges(
     return out
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorSlice(GlobalTensor):
     """A box of a stored global tensor seen as a tensor of its own (an expert of a fused MoE
     weight, one half of a gate_up projection): ``blocks`` are the stored blocks clipped to

@@ -62,7 +62,7 @@ PARAMETERS_SLACK = 4096
 LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """One output tensor: the box ``start``/``extent`` of stored tensor ``stored``, whose
     output dim k is stored dim ``dims[k]`` (None: an added size-1 dim)."""

@@ -248,6 +248,7 @@ def _checked(
     if doc.get("digest") != _digest(key, rule, pieces, missing, buffers):
         return None
     shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
+    own = {n: n for n in shapes}  # one string per stored name, not one per piece
     names: set[str] = set()
     out = []
     for piece in pieces:
@@ -278,6 +279,7 @@ def _checked(
         storage, numel = piece["storage"], piece["storage_numel"]
         if not _is_int(storage, -1) or storage >= len(pieces) or not _is_int(numel):
             return None
+        piece["stored"] = own[stored]
         piece["start"], piece["extent"] = tuple(start), tuple(extent)
         piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
         out.append({**piece, "stored_shape": stored_shape})

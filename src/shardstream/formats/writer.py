@@ -23,7 +23,7 @@ from .safetensors import (
 )
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class OutputTensor:
     """A tensor to write: its output name and dtype, and the source that holds its values."""
 
