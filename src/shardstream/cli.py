@@ -556,6 +556,10 @@ def console_main() -> None:
     ``main`` returns every output is fsynced and renamed and every thread joined; only the
     standard streams are left to flush. An exception from ``main`` exits the usual way.
     """
+    if os.environ.get("WORLD_SIZE", "1") == "1":  # no process group's threads to fork beside
+        from .formats import hf_names
+
+        hf_names.PLAN_APART = True
     try:
         code = main()
     except KeyboardInterrupt:  # before main's own handling (start-up, imports): nothing begun

@@ -35,14 +35,19 @@ import dataclasses
 import json
 import logging
 import math
+import os
 import re
+import signal
 import threading
+import traceback
+import warnings
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .. import errors
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile
-from ..errors import CheckpointFormatError, UsageError
+from ..errors import CheckpointFormatError, ShardstreamError, UsageError
 
 WRAPPER_PARTS = ("_orig_mod.", "_fsdp_wrapped_module.", "_checkpoint_wrapped_module.")
 DDP_PREFIX = "module."
@@ -60,6 +65,10 @@ TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the tabl
 PARAMETERS_PER_STORED_TENSOR = 8
 PARAMETERS_SLACK = 4096
 LAYER_COUNT = re.compile(r"num_\w*layers")  # num_hidden_layers, num_mtp_layers, ...
+
+# Set by the ``shardstream`` command (one process, none of a training run's threads): a layout
+# transformers must plan is planned in a forked child (``_planned_apart``).
+PLAN_APART = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -318,6 +327,17 @@ def _plan_names(
             tuple(missing),
             tuple(buffers),
         )
+    apart = PLAN_APART and hasattr(os, "fork")
+    plan_by = _planned_apart if apart else _with_transformers
+    pieces, what, missing, buffers, version = plan_by(plain, config, model_type)
+    pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
+    described = _join(rule, f"transformers {version} {what}")
+    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers)
+    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers)
+    return plan
+
+
+def _with_transformers(plain, config: dict, model_type: str):
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
@@ -336,11 +356,64 @@ def _plan_names(
             pieces, what, missing, buffers = _trace_v5(plain, config)
         else:
             pieces, what, buffers = _renames_v4(plain, config)
-    pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
-    described = _join(rule, f"transformers {version} {what}")
-    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers)
-    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers)
-    return plan
+    return pieces, what, missing, buffers, version
+
+
+def _planned_apart(plain, config: dict, model_type: str):
+    """``_with_transformers`` in a forked child process, its result sent back as JSON: this
+    process never imports transformers, whose modules (~115 MiB) would stay resident through
+    the copy. Only where ``PLAN_APART`` is set (the ``shardstream`` command)."""
+    read_end, write_end = os.pipe()
+    with warnings.catch_warnings():  # Python 3.12+ warns of the readahead thread left behind
+        warnings.simplefilter("ignore", DeprecationWarning)
+        pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(read_end)
+            try:
+                pieces, what, missing, buffers, version = _with_transformers(
+                    plain, config, model_type
+                )
+                pieces = [dataclasses.asdict(p) for p in pieces]
+                result = {"plan": [pieces, what, missing, buffers, version]}
+            except ShardstreamError as exc:
+                result = {"error": type(exc).__name__, "message": str(exc)}
+            with os.fdopen(write_end, "w") as out:
+                json.dump(result, out)
+            code = 0
+        except KeyboardInterrupt:
+            pass
+        except BaseException:  # noqa: BLE001  (a bug: its traceback, then the parent says so)
+            traceback.print_exc()
+        finally:
+            os._exit(code)
+    os.close(write_end)
+    try:
+        with os.fdopen(read_end) as got:
+            text = got.read()
+    except BaseException:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+        raise
+    status = os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])
+    if status != 0 or not text:
+        how = f"exit code {status}" if status >= 0 else f"signal {-status}"
+        raise ShardstreamError(
+            f"model type {model_type!r}: the process planning the save_pretrained layout "
+            f"failed ({how}; what it printed is above)"
+        )
+    result = json.loads(text)
+    if "error" in result:
+        kind = getattr(errors, result["error"], None)
+        if not (isinstance(kind, type) and issubclass(kind, ShardstreamError)):
+            kind = ShardstreamError
+        raise kind(result["message"])
+    pieces, what, missing, buffers, version = result["plan"]
+    pieces = [
+        Piece(**{k: tuple(v) if type(v) is list else v for k, v in p.items()}) for p in pieces
+    ]
+    return pieces, what, tuple(missing), tuple(buffers), version
 
 
 def _join(*parts: str) -> str:
