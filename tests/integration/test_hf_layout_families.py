@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from shardstream import merge
+from shardstream.errors import CheckpointFormatError
 from shardstream.testing.tiny_models import randomized
 
 from .test_hf_layout import assert_same_model_files
@@ -287,3 +288,33 @@ def test_without_transformers_a_split_keeps_the_input_order_and_says_so(tmp_path
     merged = transformers.Qwen2ForCausalLM.from_pretrained(tmp_path / "merged")
     for name, tensor in model.state_dict().items():
         assert torch.equal(merged.state_dict()[name], tensor), name
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3_moe"])
+def test_names_under_a_training_wrappers_attribute_are_refused_naming_it(tmp_path, family):
+    """``state_dict()`` of a module holding the model as ``self.model`` (Lightning-style
+    trainers): every name gains "model.". A model type needing no mapping was written as
+    stored ("model.model.layers.0...", "model.lm_head.weight": exit 0); every type is refused
+    now, naming the prefix, and a DCP checkpoint so saved merges with --prefix."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    if family == "qwen2":
+        model = randomized(transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT)))
+    else:
+        model = _model(family)
+    model.save_pretrained(tmp_path / "reference")
+    wrapped = {f"model.{n}": t.contiguous().clone() for n, t in model.state_dict().items()}
+    (tmp_path / "state").mkdir()
+    save_file(wrapped, str(tmp_path / "state" / "model.safetensors"))
+    model.config.save_pretrained(tmp_path / "state")
+    with pytest.raises(CheckpointFormatError, match="every name starts with 'model.'"):
+        merge(tmp_path / "state", tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    dcp.save(wrapped, checkpoint_id=str(tmp_path / "dcp"))
+    config = tmp_path / "state"
+    with pytest.raises(CheckpointFormatError, match="--prefix 'model.'"):
+        merge(tmp_path / "dcp", tmp_path / "merged", hf_model_path=config)
+    merge(tmp_path / "dcp", tmp_path / "merged", hf_model_path=config, prefix="model.",
+          dtype="float32")  # fmt: skip
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")

@@ -508,3 +508,67 @@ def test_a_chunk_from_the_origin_is_a_part_not_the_whole_tensor():
         ((8, 0, 0), (4, 1, 4), (4, 1, 4), False),
     ]
     assert hf_names._as_box("all", "conv", (12, 1, 4), fused, 0).whole
+
+
+# A model type planned without building the model: config.json's widths are checked by name.
+WIDE = {"model_type": "qwen2", "hidden_size": 8, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "intermediate_size": 12, "vocab_size": 16}  # fmt: skip
+
+
+def _layer(intermediate: int = 12, head: str = "lm_head") -> list[tuple[str, tuple]]:
+    return [
+        ("model.embed_tokens.weight", (16, 8)),
+        ("model.layers.0.self_attn.q_proj.weight", (8, 8)),
+        ("model.layers.0.self_attn.k_proj.weight", (4, 8)),
+        ("model.layers.0.self_attn.o_proj.weight", (8, 8)),
+        ("model.layers.0.mlp.up_proj.weight", (intermediate, 8)),
+        ("model.layers.0.mlp.down_proj.weight", (8, intermediate)),
+        (f"{head}.weight", (16 if head == "lm_head" else 1, 8)),
+    ]
+
+
+def test_a_config_of_other_widths_is_refused_naming_the_tensor():
+    hf_names.check_table_widths(_layer(), WIDE)
+    with pytest.raises(CheckpointFormatError, match=r"intermediate_size 12.*up_proj.*\[16, 8\]"):
+        hf_names.check_table_widths(_layer(intermediate=16), WIDE)
+    # a model type the model is built for is checked by the model, not by these names
+    hf_names.check_table_widths(_layer(intermediate=16), {**WIDE, "model_type": "qwen3_moe"})
+
+
+def test_a_classifier_config_needs_its_score_head_stored():
+    critic = {**WIDE, "architectures": ["Qwen2ForTokenClassification"]}
+    with pytest.raises(CheckpointFormatError, match="score head the checkpoint does not hold"):
+        hf_names.check_table_widths(_layer(), critic)
+    hf_names.check_table_widths(_layer(head="score"), critic)
+    hf_names.check_table_widths(_layer(), {**WIDE, "architectures": ["Qwen2ForCausalLM"]})
+
+
+TABLE_CONFIGS = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {"head_dim": 6}, "gemma": {"head_dim": 6},
+    "gemma2": {"head_dim": 6}, "starcoder2": {}, "olmo2": {},
+    "phi3": {"pad_token_id": 0, "bos_token_id": 1, "eos_token_id": 2},
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_names.NO_MAPPING_MODEL_TYPES))
+def test_every_table_class_agrees_with_its_own_config(model_type):
+    """No false refusal: each class of the table, built from its config on the meta device,
+    agrees with that config.json."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    fields = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    config = transformers.AutoConfig.for_model(model_type, **fields, **TABLE_CONFIGS[model_type])
+    for auto in ("AutoModelForCausalLM", "AutoModelForTokenClassification"):
+        with torch.device("meta"):
+            try:
+                model = getattr(transformers, auto).from_config(config)
+            except ValueError:  # no such class of the type (OLMo 2's token classifier)
+                assert auto != "AutoModelForCausalLM"
+                continue
+        document = {**config.to_dict(), "architectures": [type(model).__name__]}
+        shapes = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
+        checked = [n for n, _ in shapes if any(n.endswith(k) for k in hf_names.TABLE_WIDTHS)]
+        assert checked, model_type
+        hf_names.check_config_agrees(shapes, document)

@@ -59,6 +59,9 @@ NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
 TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
+# How the names of those classes (and their base models) start; a checkpoint none of whose
+# names does (a training wrapper's "model.model.layers.0...") is asked of transformers.
+TABLE_NAMES = re.compile(r"(?:(?:model\.)?(?:embed_tokens|norm|layers\.\d+)|lm_head|score)\.")
 
 # Building the meta model stops once it has registered more parameters than this many per
 # stored tensor, plus the slack: a model matches its checkpoint about one to one.
@@ -274,6 +277,7 @@ def check_config_agrees(
     depth (``check_stored_layers``) and its embedding (``check_stored_embedding``)."""
     check_stored_layers([name for name, _ in tensors], config, config_path)
     check_stored_embedding(tensors, config, config_path)
+    check_table_widths(tensors, config, config_path)
 
 
 def _table_decides(model_type: str) -> bool:
@@ -310,7 +314,7 @@ def _plan_names(
         )
     from . import hf_names_cache
 
-    decided = _table_decides(model_type)
+    decided = _table_decides(model_type) and any(TABLE_NAMES.match(n) for n, _, _ in plain)
     if decided and not (model_order and hf_names_cache.transformers_version()):
         # without transformers the input's order stands: save_pretrained's is the model's
         unordered = "; files split in the input's order (transformers knows the model's)"
@@ -684,6 +688,66 @@ def check_stored_embedding(
             _refuse_missing(HEAD, config_path)
 
 
+# The widths a decoder layer's weights of NO_MAPPING_MODEL_TYPES have, by config.json's fields:
+# name suffix -> (rows, columns), each the product of the fields named ("2" a factor).
+TABLE_WIDTHS = {
+    "self_attn.q_proj.weight": (("num_attention_heads", "head_dim"), ("hidden_size",)),
+    "self_attn.k_proj.weight": (("num_key_value_heads", "head_dim"), ("hidden_size",)),
+    "self_attn.v_proj.weight": (("num_key_value_heads", "head_dim"), ("hidden_size",)),
+    "self_attn.o_proj.weight": (("hidden_size",), ("num_attention_heads", "head_dim")),
+    "mlp.gate_proj.weight": (("intermediate_size",), ("hidden_size",)),
+    "mlp.up_proj.weight": (("intermediate_size",), ("hidden_size",)),
+    "mlp.down_proj.weight": (("hidden_size",), ("intermediate_size",)),
+    "mlp.gate_up_proj.weight": (("2", "intermediate_size"), ("hidden_size",)),  # phi3
+    "mlp.c_fc.weight": (("intermediate_size",), ("hidden_size",)),  # starcoder2
+    "mlp.c_proj.weight": (("hidden_size",), ("intermediate_size",)),
+}
+CLASSIFIERS = ("ForTokenClassification", "ForSequenceClassification")
+
+
+def check_table_widths(
+    tensors: Sequence[tuple[str, Sequence[int]]], config: dict, config_path: str = "config.json"
+) -> None:
+    """For a model type of ``NO_MAPPING_MODEL_TYPES`` (planned without building the model):
+    its decoder layers' weights have the widths config.json gives (``TABLE_WIDTHS``), and a
+    classifier it names (a critic's ``*ForTokenClassification``) has its ``score`` head
+    stored: another config.json would be copied beside weights no model built from it loads,
+    or whose head it starts at random."""
+    if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
+        return
+    fields = {k: v for k, v in config.items() if type(v) is int and v > 0}
+    fields["2"] = 2
+    if "head_dim" not in fields and {"hidden_size", "num_attention_heads"} <= fields.keys():
+        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
+    fields.setdefault("num_key_value_heads", fields.get("num_attention_heads", 0))
+    for name, shape in tensors:
+        match = re.fullmatch(r"model\.layers\.\d+\.(.+)", name)
+        wanted = TABLE_WIDTHS.get(match.group(1)) if match else None
+        if wanted is None or len(shape) != 2 or not all(f in fields for f in sum(wanted, ())):
+            continue
+        rows, cols = (math.prod(fields[f] for f in dim) for dim in wanted)
+        if tuple(shape) != (rows, cols):
+            said = ", ".join(f"{f} {fields[f]}" for f in dict.fromkeys(sum(wanted, ())) if f != "2")
+            raise CheckpointFormatError(
+                f"{config_path}: {said}, so {name} would be [{rows}, {cols}], but the "
+                f"checkpoint's is {list(shape)}: the checkpoint and config.json describe "
+                "different models (--hf_model_path names the model's own)"
+            )
+    architectures = config.get("architectures")
+    listed = architectures if isinstance(architectures, list) else []
+    named = [a for a in listed if isinstance(a, str)]
+    names = [name for name, _ in tensors]
+    if named and all(a.endswith(CLASSIFIERS) for a in named):
+        if any(n.startswith(DECODER_LAYERS) for n in names) and not any(
+            n.startswith("score.") for n in names
+        ):
+            raise CheckpointFormatError(
+                f"{config_path}: describes {named[0]}, whose score head the checkpoint does not "
+                "hold (a causal LM's checkpoint, an actor's?): a model loaded from the output "
+                "would start it at random (--hf_model_path names the model's own config)"
+            )
+
+
 def _holds_module(names: set[str], weight: str) -> bool:
     """``weight`` is stored, or a module wrapping its module is (PEFT's ``base_layer``,
     ``modules_to_save``, ``token_adapter``)."""
@@ -985,12 +1049,31 @@ def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
         other = _meta_model({**config, "architectures": []}, len(plain))
         if other is not None and any(name in other.state_dict() for name, _, _ in plain):
             return other
+    under = _common_prefix([name for name, _, _ in plain], held)
+    if under:
+        raise CheckpointFormatError(
+            f"config.json: {named}, the model it describes, holds none of the checkpoint's "
+            f"tensors, but every name starts with {under!r} and without it is the model's own "
+            f"(e.g. {plain[0][0]!r}): saved from a module that holds the model as its "
+            f"{under[:-1]!r} attribute (a training wrapper). Save that attribute's state dict "
+            f"(for a DCP checkpoint: --prefix {under!r}), or merge with --keep-names to write "
+            "the names as they are"
+        )
     raise CheckpointFormatError(
         f"config.json: {named}, the model it describes, holds none of the checkpoint's tensors "
         f"(e.g. {plain[0][0]!r}; it holds {next(iter(held), 'none')!r}): they describe "
         "different models. Fix 'architectures' there, or merge with --keep-names to write "
         "the in-memory names"
     )
+
+
+def _common_prefix(names: list[str], held) -> str:
+    """The first name component every one of ``names`` starts with, if every name without it
+    is one of ``held``; else ""."""
+    first = names[0].split(".", 1)[0] + "." if names and "." in names[0] else ""
+    if not first or not all(n.startswith(first) and n[len(first) :] in held for n in names):
+        return ""
+    return first
 
 
 def _with_storage(pieces: list[Piece], model, plain, revert) -> list[Piece]:
