@@ -288,6 +288,10 @@ def _open_source(
                 }
             else:
                 live = st.optimizer_param_groups(model, optimizer)
+                if fsdp1 and fsdp1.optimizer_segments(optimizer) is not None:
+                    # saved per parameter (FSDP2, use_orig_params=True), restored into flat
+                    # parameters, which list them in their own order
+                    live = _in_saved_order(live, [t.name for t in ckpt.tensors])
                 names = _parameter_names_by_position(path, groups, live)
                 shapes = {t.name: t.shape for t in ckpt.tensors}
                 if plain and world > 1 and all(fqn in shapes for fqn in names.values()):
@@ -1197,6 +1201,16 @@ def _same_settings(a: dict, b: dict) -> bool:
         elif x != y:
             return False
     return True
+
+
+def _in_saved_order(live: list[dict], saved_names: list[str]) -> list[dict]:
+    """``live`` param groups, each group's FQNs in the order of ``saved_names`` (the saving
+    model's state dict: the order of its ``parameters()``, by which its optimizer numbered
+    them), where every FQN is among them; else as they are."""
+    at = {name: i for i, name in enumerate(saved_names)}
+    if not all(fqn in at for group in live for fqn in group["params"]):
+        return live
+    return [{**group, "params": sorted(group["params"], key=at.__getitem__)} for group in live]
 
 
 def _parameter_names_by_position(path: Path, saved: list[dict], live: list[dict]) -> dict[int, str]:
