@@ -85,6 +85,56 @@ def test_a_save_that_fails_at_exit_exits_1(tmp_path):
     assert committed_steps(tmp_path / "run") == []
 
 
+RETIRING = textwrap.dedent(
+    """
+    import sys
+    import threading
+    import time
+
+    import torch
+
+    from shardstream import CheckpointConfig, CheckpointManager
+    from shardstream.storage import commit
+
+    model = torch.nn.Linear(64, 64)
+    config = CheckpointConfig(sys.argv[1], async_save=True, keep_last=1, save_contents=("model",))
+    manager = CheckpointManager(config, model=model)
+    manager.save(1)
+    manager.wait()
+    run = commit.Deleter._run
+
+    def after_exit_began(graves, then):  # retention's deletion, once the interpreter exits
+        while threading.main_thread().is_alive():
+            time.sleep(0.01)
+        run(graves, then)
+
+    commit.Deleter._run = staticmethod(after_exit_began)
+    manager.save(2)  # committed at exit; retention drops step 1 from the save's thread
+    print("script done", flush=True)
+    """
+)
+
+
+def test_retention_at_exit_deletes_the_dropped_step_whole(tmp_path):
+    """The deletion thread retention starts from an async save's (daemon) thread inherited
+    its daemon flag: the interpreter did not wait for it, and a half-deleted
+    global_step_N.tmp-* stayed, which verify called a save cut short."""
+    script = tmp_path / "train.py"
+    script.write_text(RETIRING)
+    root = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, str(script), str(root)], capture_output=True, text=True, timeout=600
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "script done" in proc.stdout
+    assert committed_steps(root) == [2]
+    assert sorted(p.name for p in root.iterdir() if not p.name.startswith(".")) == [
+        "global_step_2",
+        "latest_checkpointed_iteration.txt",
+    ]
+    assert verify(root).ok
+
+
 def test_collectives_on_a_destroyed_group_are_an_error():
     """A background save's group destroyed under it (destroy_process_group() before wait())
     counted as a world of one: the save went on as a single process."""

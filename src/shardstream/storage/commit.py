@@ -331,8 +331,8 @@ class Deleter:
         self.join()
         if not graves:
             return
-        thread = threading.Thread(
-            target=self._run, args=(list(graves), then), name="shardstream-delete"
+        thread = threading.Thread(  # not a daemon even when started by one (an async save's)
+            target=self._run, args=(list(graves), then), name="shardstream-delete", daemon=False
         )
         try:
             thread.start()
