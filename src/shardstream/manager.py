@@ -86,6 +86,9 @@ class CheckpointConfig:
         load_contents: what ``restore()`` loads; the rest starts fresh.
         save_interval: ``maybe_save(step)`` saves when ``step % save_interval == 0``; None or
             a value <= 0 saves only on ``final=True``.
+        save_final: whether ``maybe_save(step, final=True)`` saves off the interval. False
+            where verl's ``save_freq`` is <= 0 (``from_dict``): its PPO trainer then saves no
+            checkpoint at all, the last step's neither.
         keep_last: committed checkpoints to keep (None keeps all); never the newest.
         staging_budget: host memory one rank may use for a save beyond what it holds ("256MiB").
             With ``async_save``, what is left after the writer's buffers (at most 64 MiB) is
@@ -117,6 +120,7 @@ class CheckpointConfig:
     save_contents: tuple[str, ...] = native.DEFAULT_CONTENTS
     load_contents: tuple[str, ...] = native.DEFAULT_CONTENTS
     save_interval: int | None = None
+    save_final: bool = True
     keep_last: int | None = None
     staging_budget: int | str = "256MiB"
     verify_on_load: bool = True
@@ -217,7 +221,8 @@ class CheckpointConfig:
             kwargs.setdefault("save_contents", legacy_contents)
             kwargs.setdefault("load_contents", legacy_contents)
         if isinstance(kwargs.get("save_interval"), int) and kwargs["save_interval"] <= 0:
-            kwargs["save_interval"] = None  # verl: save_freq -1 disables interval saves
+            kwargs["save_interval"] = None  # verl's PPO trainer: save_freq -1, no checkpoint
+            kwargs.setdefault("save_final", False)
         if kwargs.get("keep_last") in (-1, 0):
             kwargs["keep_last"] = None  # verl: max_ckpt_to_keep None/-1 keeps all
         if "directory" not in kwargs:
@@ -252,6 +257,13 @@ class _Lock:
                     time.sleep(0.02)
                     continue
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
+                me = {"pid": os.getpid(), "host": socket.gethostname()}
+                if owner == json.dumps(me):
+                    raise CheckpointLockedError(
+                        f"{self.path.parent}: this process saves here already ({owner}): an "
+                        "earlier CheckpointManager of this directory (and role) is still open; "
+                        "close() it, or keep using it"
+                    )
                 raise CheckpointLockedError(
                     f"{self.path.parent}: another live process is saving here ({owner}); use a "
                     "different directory or stop the other run (restoring needs no lock)"
@@ -411,7 +423,8 @@ class CheckpointManager:
 
     def should_save(self, step: int, final: bool = False) -> bool:
         interval = self.config.save_interval
-        return final or (interval is not None and interval > 0 and step % interval == 0)
+        on_interval = interval is not None and interval > 0 and step % interval == 0
+        return on_interval or (final and self.config.save_final)
 
     # --- saving -------------------------------------------------------------------------------
 

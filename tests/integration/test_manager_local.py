@@ -83,7 +83,13 @@ def test_from_dict_accepts_verl_keys(tmp_path):
         }
     )
     assert cfg.save_contents[-1] == "hf_model" and cfg.load_contents == ("model",)
-    assert CheckpointConfig.from_dict({"directory": "x", "save_freq": -1}).save_interval is None
+    # verl's PPO trainer saves nothing at save_freq <= 0, the last step neither
+    never = CheckpointConfig.from_dict({"directory": str(tmp_path / "n"), "save_freq": -1})
+    assert never.save_interval is None and never.save_final is False
+    with CheckpointManager(never, model=torch.nn.Linear(2, 2)) as mgr:
+        assert not mgr.should_save(20, final=True)
+        assert not mgr.maybe_save(20, final=True)
+    assert CheckpointConfig.from_dict({"directory": "x", "save_freq": 5}).save_final is True
     verl_section = {"save_contents": ["model"], "load_contents": ["model"], "async_save": False}
     cfg = CheckpointConfig.from_dict(verl_section, directory=tmp_path)  # trainer's dir apart
     assert cfg.directory == str(tmp_path) and cfg.save_contents == ("model",)
@@ -386,9 +392,10 @@ def test_second_manager_on_the_same_directory_is_refused(tmp_path):
         model2, optimizer2, _ = tiny()
         second = CheckpointManager(config, model=model2, optimizer=optimizer2)
         assert second.restore()[0] == 1  # reading needs no lock
-        with pytest.raises(CheckpointLockedError, match="another live process"):
+        # the holder is this very process: said so (it was "another live process")
+        with pytest.raises(CheckpointLockedError, match="this process saves here already"):
             second.save(2)
-        with pytest.raises(CheckpointLockedError, match="another live process"):
+        with pytest.raises(CheckpointLockedError, match="earlier CheckpointManager"):
             second.acquire_lock()
         second.close()
         first.save(2)  # still the holder

@@ -125,6 +125,19 @@ def test_bad_contents_are_refused_by_name():
         FSDPCheckpointManager(model=None, checkpoint_config={"load_contents": "model"})
 
 
+def test_hf_model_of_a_peft_model_is_refused_when_the_manager_is_built():
+    """As docs/verl.md says: refused when verl builds the manager, not at the first save a
+    save_freq later (the plug-in built its run's manager only then)."""
+    from shardstream.integrations.verl import FSDPCheckpointManager
+    from shardstream.testing.tiny_models import add_lora, build_tiny_model, tiny_config
+
+    model = add_lora(build_tiny_model(tiny_config("qwen2"), seed=0))
+    contents = {"save_contents": ["model", "optimizer", "extra", "hf_model"]}
+    with pytest.raises(UsageError, match="PEFT \\(LoRA\\) model"):
+        FSDPCheckpointManager(model=model, checkpoint_config=contents)
+    FSDPCheckpointManager(model=model, checkpoint_config={"save_contents": ["model"]})
+
+
 def test_staging_budget_variable_is_a_size_or_state(monkeypatch):
     """SHARDSTREAM_STAGING_BUDGET: a size, or ``state`` (an async save may stage the rank's
     whole state); anything else is refused naming the variable."""

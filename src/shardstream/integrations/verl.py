@@ -148,6 +148,10 @@ class FSDPCheckpointManager:
         # verl's FSDP manager ignores `strict` (Megatron's weight export reads it); shardstream's
         # loads are always strict: a checkpoint of another model is refused by tensor name.
         self.strict = bool(_setting(checkpoint_config, "strict", True))
+        if "hf_model" in self.checkpoint_save_contents and model is not None:
+            from ..training.hf_export import refuse_peft_export
+
+            refuse_peft_export(model)  # now, not at the first save a save_freq later
         self.model = model
         self.optimizer = optimizer
         self.lr_scheduler = lr_scheduler
