@@ -356,11 +356,17 @@ def _reason(key: str, paths: dict[str, tuple] | None) -> str:
 
 
 def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
-    if len(chunks) == 1 and all(o == 0 for o in chunks[0][0]):
-        return "whole (1 chunk)"
-    dims = sorted({d for offsets, _ in chunks for d, o in enumerate(offsets) if o})
-    where = ", ".join(str(d) for d in dims)
-    return f"{len(chunks)} chunks along dim{'s' if len(dims) > 1 else ''} {where}".rstrip()
+    """How a tensor's chunks lie, counting those that hold elements (FSDP2 lists an empty
+    chunk for each rank past the tensor's end: a 3-element bias over 4 ranks)."""
+    empty = sum(0 in sizes for _, sizes in chunks)
+    held = [(offsets, sizes) for offsets, sizes in chunks if 0 not in sizes] or chunks[:1]
+    if len(held) == 1 and all(o == 0 for o in held[0][0]):
+        text = "whole (1 chunk)"
+    else:
+        dims = sorted({d for offsets, _ in held for d, o in enumerate(offsets) if o})
+        where = ", ".join(str(d) for d in dims)
+        text = f"{len(held)} chunks along dim{'s' if len(dims) > 1 else ''} {where}".rstrip()
+    return text + (f", and {empty} empty" if empty and len(held) < len(chunks) else "")
 
 
 # --------------------------------------------------------------------------- opening
