@@ -243,3 +243,23 @@ def test_step_and_temporary_directories_are_not_roles(tmp_path):
     native_step(run / "global_step_1")
     native_step(run / "global_step_2.tmp-0123abcd")
     assert detect(run) is Kind.RUN
+
+
+@pytest.mark.parametrize("copy", ["best", "global_step_1.bak", "global_step_01"])
+def test_a_run_holding_a_step_copied_aside_is_still_a_run(tmp_path, copy):
+    """A run root with a step copied aside (``cp -r global_step_1 best``) was read as a verl
+    step whose one role is the copy: verify checked the copy alone and said OK of a run
+    whose step 2 is damaged."""
+    run = tmp_path / "run"
+    for step in (1, 2):
+        native_step(run / f"global_step_{step}")
+    (run / "latest_checkpointed_iteration.txt").write_text("2")
+    shutil.copytree(run / "global_step_1", run / copy)
+    assert detect(run) is Kind.RUN
+    data = next((run / "global_step_2").glob("rank-*.safetensors"))
+    raw = bytearray(data.read_bytes())
+    raw[-1] ^= 0x01
+    data.write_bytes(bytes(raw))
+    report = shardstream.verify(run)
+    assert not report.ok and any(str(data) in p.line() for p in report.problems)
+    assert report.steps == [1, 2]

@@ -455,6 +455,14 @@ def verl_roles(directory: Path) -> list[Path]:
     )
 
 
+def _roles_of_a_step(directory: Path) -> list[Path]:
+    """``verl_roles``, of a directory holding no step directory: a run root may hold a step
+    copied aside (``best/``, ``global_step_2.bak``), which is no role of the run."""
+    if any(STEP_DIR.match(entry.name) for entry in directory.iterdir()):
+        return []
+    return verl_roles(directory)
+
+
 def is_run(directory: Path) -> bool:
     """A run directory: ``global_step_N`` entries, committed or not, or the latest pointer."""
     return (directory / LATEST_FILE).exists() or any(
@@ -542,7 +550,7 @@ _KINDS: tuple[tuple[Kind, Callable[[Path], object], Opener | None], ...] = (
     (Kind.DCP_HF, is_dcp_hf, _open_dcp_hf),
     (Kind.HF_MODEL, is_hf_model, None),
     (Kind.HF_TORCH, is_hf_torch_model, None),
-    (Kind.VERL_ROLES, verl_roles, None),
+    (Kind.VERL_ROLES, _roles_of_a_step, None),
     (Kind.RUN, is_run, None),
 )
 _READERS = {kind: opener for kind, _, opener in _KINDS if opener is not None}
