@@ -371,13 +371,16 @@ def test_manifest_chunk_with_more_sizes_than_dims(tmp_path, saved_run, capsys):
     assert code == 1 and "manifest.json" in err and "2 sizes for 1 dims" in err
 
 
-@pytest.mark.parametrize("what", ["file", "directory"])
+@pytest.mark.parametrize("what", ["file", "directory", "manifest"])
 def test_symlinks_pointing_outside(tmp_path, saved_run, manager, capsys, what):
     step = tmp_path / "ckpt" / "global_step_3"
     shutil.copytree(saved_run.step, step)
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
-    if what == "file":
+    if what == "manifest":  # the manifest itself (verify and merge read it as it was)
+        shutil.move(step / "manifest.json", elsewhere / "manifest.json")
+        os.symlink(elsewhere / "manifest.json", step / "manifest.json")
+    elif what == "file":
         shutil.move(step / "rank-00001.safetensors", elsewhere / "rank-00001.safetensors")
         os.symlink(elsewhere / "rank-00001.safetensors", step / "rank-00001.safetensors")
     else:  # the huggingface/ directory itself is a link out; names inside it look plain

@@ -719,6 +719,22 @@ def test_weights_file_linked_out_of_the_model(tmp_path, capsys, name):
     _refused(capsys, source, tmp_path, str(source / name), "outside the checkpoint")
 
 
+@pytest.mark.parametrize("name", [SINGLE, FIRST])
+def test_a_reference_linked_out_of_itself_is_refused_by_test(tmp_path, capsys, name):
+    """shardstream test read a reference whose weights file links outside it (merge and
+    verify refuse that directory)."""
+    checkpoint = _single(tmp_path / "ckpt")
+    reference = _single(tmp_path / "ref") if name == SINGLE else _sharded(tmp_path / "ref")
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (reference / name).rename(outside / name)
+    (reference / name).symlink_to(outside / name)
+    code = cli.main(["test", "--local_dir", str(checkpoint), "--test_hf_dir", str(reference)])
+    err = capsys.readouterr().err
+    assert code == 1 and "Traceback" not in err, err
+    assert f"{reference / name}: symlink points outside the checkpoint" in err
+
+
 def _hub_snapshot(tmp_path: Path, repo: Path) -> Path:
     """A sharded model as huggingface_hub caches a revision: files in ``repo/blobs``, the
     snapshot directory of links to them."""

@@ -153,6 +153,10 @@ def compare_with_reference(
         saved = open_torch_weights(ref_dir)
         reference, ref_config, ref_endpoint = saved.tensors, hf.read_config(ref_dir), saved.endpoint
     else:
+        if ref_dir.is_dir():  # as merge reads such a directory: no file of it links out
+            from ..formats.dcp_hf import link_root
+
+            hf.check_no_links_out(ref_dir, link_root(ref_dir))
         hf_tensors, ref_config = hf.read_hf_model(test_hf_dir)
         reference = hf.whole_tensors(hf_tensors)
     checkpoint = open_checkpoint(local_dir, model_only=True, prefix=prefix)

@@ -331,6 +331,8 @@ def read_manifest(directory: str | os.PathLike) -> dict:
         raise CheckpointNotFoundError(
             f"{directory}: no {MANIFEST}; not a committed shardstream checkpoint"
         )
+    if path.is_symlink() and not _inside(directory, path):  # as every file it names
+        raise UnsafeCheckpointError(f"{path}: symlink points outside the checkpoint")
     size = path.stat().st_size
     if size > MAX_MANIFEST_BYTES:
         raise UnsafeCheckpointError(f"{path}: {size} bytes exceeds the manifest size limit")
