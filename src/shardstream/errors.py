@@ -102,7 +102,15 @@ def out_of_space(
     for e in causes(exc):
         if isinstance(e, OSError) and e.errno in OUT_OF_SPACE_ERRNOS:
             text = message.format(path=path)
-            return OutOfSpaceError(text.replace(_NO_SPACE, _SAID.get(e.errno, _NO_SPACE)))
+            text = text.replace(_NO_SPACE, _SAID.get(e.errno, _NO_SPACE))
+            met = os.fspath(e.filename) if e.filename else None
+            if met and met != os.fspath(path):  # the file it met, inside ``path``
+                named = f"{os.fspath(path)}:"
+                if text.startswith(named):
+                    text = f"{os.fspath(path)} (writing {met}):{text[len(named) :]}"
+                else:
+                    text = f"{text} (writing {met})"
+            return OutOfSpaceError(text)
     return None
 
 

@@ -316,6 +316,11 @@ def test_a_full_disk_is_out_of_space_naming_the_path(code, said):
     assert isinstance(error, OutOfSpaceError)
     assert str(error).startswith(said) and str(error).endswith(" while writing /x")
     assert out_of_space(OSError(errno.EIO, "I/O error"), "/x") is None
+    # the file the write met, inside the path named (a save's extra-rank-00000.json)
+    met = OSError(getattr(errno, code), "full", "/x/y.tmp-1/extra-rank-00000.json")
+    assert str(out_of_space(met, "/x/y")).startswith(
+        f"/x/y (writing /x/y.tmp-1/extra-rank-00000.json): {said}"
+    )
 
 
 def test_a_forbidden_target_directory_is_named_not_the_owner_file(tmp_path, monkeypatch):

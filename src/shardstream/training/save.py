@@ -63,10 +63,13 @@ def _write_extra(
     json_name, tensor_name = native.extra_files(rank)
     records = {}
     body = json.dumps(doc, sort_keys=True).encode()
-    with open(tmp / json_name, "wb") as f:
-        f.write(body)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        with open(tmp / json_name, "wb") as f:
+            f.write(body)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as exc:  # write() names no file: a full disk's message does
+        raise OSError(exc.errno, exc.strerror, str(tmp / json_name)) from exc
     records[json_name] = {"size": len(body), "xxh3": digest(body)}
     if tensors:
         endpoints = {}
