@@ -122,7 +122,7 @@ def merge(
     own_group = distributed and coll.init_from_environment()
     try:
         # A run saving beside us does not delete the checkpoint while we read it.
-        with locks.reading(Path(local_dir) / MANIFEST):
+        with locks.reading(locks.manifest_read_by(local_dir, MANIFEST)):
             summary = _merge(
                 local_dir,
                 target_dir,

@@ -175,7 +175,8 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
         return report
     if kind is Kind.HF_MODEL:
         report = VerifyReport(str(root), "huggingface")
-        _verify_hf(root, report, progress)
+        with locks.reading(locks.manifest_read_by(root, native.MANIFEST)):  # a step's export
+            _verify_hf(root, report, progress)
         return report
     if kind is Kind.HF_TORCH:
         report = VerifyReport(str(root), "huggingface (pytorch_model.bin)")

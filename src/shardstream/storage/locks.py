@@ -12,6 +12,7 @@ import fcntl
 import os
 import socket
 from collections.abc import Iterator
+from pathlib import Path
 
 
 def open_lock(path: str | os.PathLike, create: bool = True) -> int:
@@ -151,6 +152,17 @@ def claim_unread(path: str | os.PathLike) -> tuple[bool, int | None]:
         return True, None
     os.close(fd)
     return False, None
+
+
+def manifest_read_by(directory: str | os.PathLike, name: str = "manifest.json") -> Path:
+    """The manifest a reader of ``directory`` leases: its own, or for the ``huggingface/``
+    export inside a step, the step's (retention deletes the two together)."""
+    directory = Path(directory)
+    own = directory / name
+    if not os.path.lexists(own) and directory.name == "huggingface":
+        if os.path.lexists(directory.parent / name):
+            return directory.parent / name
+    return own
 
 
 @contextlib.contextmanager
