@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
@@ -111,14 +111,21 @@ def safetensors_endpoint(location: str) -> FileEndpoint:
     from ..engine.endpoints import FileEndpoint  # it imports torch: reading layouts needs none
 
     header = read_header(location)
-    sums = stored_checksums(header)
+    sums = _checked_entries(location, header)
     if sums is None:
         return FileEndpoint(location)
-    if entries_digest(header.tensors.values()) != sums.entries:
+    return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
+
+
+def _checked_entries(location: str, header) -> Any:
+    """The checksums shardstream recorded in ``header`` (None: none), once its tensor table
+    matches their digest: names, dtypes, shapes and offsets as written."""
+    sums = stored_checksums(header)
+    if sums is not None and entries_digest(header.tensors.values()) != sums.entries:
         raise CheckpointFormatError(
             f"{location}: tensor table does not match its recorded digest (header altered)"
         )
-    return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
+    return sums
 
 
 def link_root(directory: Path) -> Path:
@@ -157,6 +164,8 @@ def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
 def _open_consolidated(directory: Path, label: str = "dcp_hf") -> DcpHfCheckpoint:
     tensors = hf.whole_tensors(hf.read_hf_model(directory)[0])
     files = sorted({b.location for t in tensors for b in t.blocks})
+    for path in files:  # a table altered under its digest, before any plan trusts it
+        _checked_entries(path, read_header(Path(path)))
     _refuse_one_ranks_chunks(directory, files, sum(t.nbytes for t in tensors))
     placements = {t.name: "whole (consolidated)" for t in tensors}
     ranks = _ranks(shard_files(directory / SHARDED_SUBDIR))
