@@ -24,7 +24,9 @@ unless a newer transformers is installed. Without transformers any other model t
 refused, naming it and ``pip install transformers``. torch and transformers are imported only
 when a config names a model type the table does not decide, and the plan is not in the
 on-disk cache of plans transformers computed before (``hf_names_cache``); that import and the
-trace run with the cyclic garbage collector paused (``engine.memory.imports_collector_held``).
+trace run with the cyclic garbage collector paused (``engine.memory.imports_collector_held``);
+under the ``shardstream`` command, in a forked child (``PLAN_APART``), so that the command's own
+process never holds transformers' modules.
 """
 
 from __future__ import annotations
@@ -331,7 +333,8 @@ def _plan_names(
             tuple(missing),
             tuple(buffers),
         )
-    apart = PLAN_APART and hasattr(os, "fork")
+    # the child is for the import; without transformers the refusal is said here
+    apart = PLAN_APART and hasattr(os, "fork") and hf_names_cache.transformers_version()
     plan_by = _planned_apart if apart else _with_transformers
     pieces, what, missing, buffers, version = plan_by(plain, config, model_type)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
@@ -341,7 +344,9 @@ def _plan_names(
     return plan
 
 
-def _with_transformers(plain, config: dict, model_type: str):
+def _with_transformers(plain, config: dict, model_type: str) -> tuple:
+    """``(pieces, rule, missing parts, buffers' outputs, transformers version)`` for stored
+    tensors ``plain`` (wrapper prefixes stripped), as the installed transformers saves them."""
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
