@@ -1231,6 +1231,9 @@ def _renames_v4(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]
         return tuple(sorted(p.name for p in pieces if p.stored in buffers))
 
     if model is not None:
+        saved_layout = any(re.search(pattern, n) for pattern in mapping for n, _, _ in plain)
+        if model.state_dict() and not saved_layout:  # names neither in memory nor saved
+            model = _holding_the_tensors(model, config, plain)
         aliases = _aliases_left_out(model, [n for n, _, _ in plain])
         plain = [t for t in plain if t[0] not in aliases]
         plain = _in_model_order(plain, model, mapping)
