@@ -221,8 +221,9 @@ class CheckpointConfig:
             kwargs.setdefault("save_contents", legacy_contents)
             kwargs.setdefault("load_contents", legacy_contents)
         if isinstance(kwargs.get("save_interval"), int) and kwargs["save_interval"] <= 0:
-            kwargs["save_interval"] = None  # verl's PPO trainer: save_freq -1, no checkpoint
-            kwargs.setdefault("save_final", False)
+            kwargs["save_interval"] = None
+            if "save_freq" in values:  # verl's PPO trainer: save_freq -1, no checkpoint at all
+                kwargs.setdefault("save_final", False)
         if kwargs.get("keep_last") in (-1, 0):
             kwargs["keep_last"] = None  # verl: max_ckpt_to_keep None/-1 keeps all
         if "directory" not in kwargs:

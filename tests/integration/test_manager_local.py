@@ -90,6 +90,9 @@ def test_from_dict_accepts_verl_keys(tmp_path):
         assert not mgr.should_save(20, final=True)
         assert not mgr.maybe_save(20, final=True)
     assert CheckpointConfig.from_dict({"directory": "x", "save_freq": 5}).save_final is True
+    # shardstream's own key keeps its documented meaning: the final step is saved
+    own = CheckpointConfig.from_dict({"directory": "x", "save_interval": -1})
+    assert own.save_interval is None and own.save_final is True
     verl_section = {"save_contents": ["model"], "load_contents": ["model"], "async_save": False}
     cfg = CheckpointConfig.from_dict(verl_section, directory=tmp_path)  # trainer's dir apart
     assert cfg.directory == str(tmp_path) and cfg.save_contents == ("model",)

@@ -535,11 +535,25 @@ def test_a_config_of_other_widths_is_refused_naming_the_tensor():
     hf_names.check_table_widths(_layer(intermediate=16), {**WIDE, "model_type": "qwen3_moe"})
 
 
+def test_fields_config_json_leaves_out_are_not_guessed():
+    """A field config.json leaves out takes its class's default (Qwen3's head_dim 128,
+    Mistral's 8 key-value heads), not hidden_size / heads: such a checkpoint was refused."""
+    qwen3 = {**WIDE, "model_type": "qwen3"}
+    del qwen3["num_key_value_heads"]
+    layer = dict(_layer())
+    layer["model.layers.0.self_attn.q_proj.weight"] = (256, 8)  # 2 heads x head_dim 128
+    layer["model.layers.0.self_attn.k_proj.weight"] = (1024, 8)  # 8 kv heads x 128
+    hf_names.check_table_widths(list(layer.items()), qwen3)
+    # quantized weights are packed: not these widths
+    hf_names.check_table_widths(_layer(intermediate=3), {**WIDE, "quantization_config": {}})
+
+
 def test_a_classifier_config_needs_its_score_head_stored():
     critic = {**WIDE, "architectures": ["Qwen2ForTokenClassification"]}
     with pytest.raises(CheckpointFormatError, match="score head the checkpoint does not hold"):
         hf_names.check_table_widths(_layer(), critic)
     hf_names.check_table_widths(_layer(head="score"), critic)
+    hf_names.check_table_widths(_layer(head="classifier"), critic)  # Phi3's under 4.x
     hf_names.check_table_widths(_layer(), {**WIDE, "architectures": ["Qwen2ForCausalLM"]})
 
 

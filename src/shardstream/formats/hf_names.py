@@ -410,7 +410,7 @@ def _planned_apart(plain, config: dict, model_type: str):
         how = f"exit code {status}" if status >= 0 else f"signal {-status}"
         raise ShardstreamError(
             f"model type {model_type!r}: the process planning the save_pretrained layout "
-            f"failed ({how}; what it printed is above)"
+            f"failed ({how}: killed, out of memory, or an error whose report precedes this)"
         )
     result = json.loads(text)
     if "error" in result:
@@ -720,11 +720,12 @@ def check_table_widths(
     or whose head it starts at random."""
     if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
         return
+    if config.get("quantization_config") is not None:  # packed weights: not these widths
+        return
+    # Only what config.json states: a field it leaves out takes its class's default (Qwen3's
+    # head_dim 128, Mistral's 8 key-value heads), which only transformers knows.
     fields = {k: v for k, v in config.items() if type(v) is int and v > 0}
     fields["2"] = 2
-    if "head_dim" not in fields and {"hidden_size", "num_attention_heads"} <= fields.keys():
-        fields["head_dim"] = fields["hidden_size"] // fields["num_attention_heads"]
-    fields.setdefault("num_key_value_heads", fields.get("num_attention_heads", 0))
     for name, shape in tensors:
         match = re.fullmatch(r"model\.layers\.\d+\.(.+)", name)
         wanted = TABLE_WIDTHS.get(match.group(1)) if match else None
@@ -743,8 +744,9 @@ def check_table_widths(
     named = [a for a in listed if isinstance(a, str)]
     names = [name for name, _ in tensors]
     if named and all(a.endswith(CLASSIFIERS) for a in named):
+        heads = ("score.", "classifier.")  # classifier: Phi3's, under transformers 4
         if any(n.startswith(DECODER_LAYERS) for n in names) and not any(
-            n.startswith("score.") for n in names
+            n.startswith(heads) for n in names
         ):
             raise CheckpointFormatError(
                 f"{config_path}: describes {named[0]}, whose score head the checkpoint does not "
