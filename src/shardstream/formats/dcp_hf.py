@@ -19,13 +19,19 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from ..engine.plan import Block, GlobalTensor, check_blocks_tile, dense_block
 from ..errors import CheckpointFormatError, CheckpointNotFoundError
 from . import hf, jsondoc
 from .regular_file import present
-from .safetensors import entries_digest, read_header, stored_checksums
+from .safetensors import (
+    SafetensorsHeader,
+    StoredChecksums,
+    entries_digest,
+    read_header,
+    stored_checksums,
+)
 from .source import DCP_HF_SHARD_FILE as SHARD_FILE
 from .source import DCP_HF_SHARDED_SUBDIR as SHARDED_SUBDIR
 
@@ -117,7 +123,7 @@ def safetensors_endpoint(location: str) -> FileEndpoint:
     return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
 
 
-def _checked_entries(location: str, header) -> Any:
+def _checked_entries(location: str, header: SafetensorsHeader) -> StoredChecksums | None:
     """The checksums shardstream recorded in ``header`` (None: none), once its tensor table
     matches their digest: names, dtypes, shapes and offsets as written."""
     sums = stored_checksums(header)
@@ -164,23 +170,26 @@ def open_hf_model(directory: str | os.PathLike) -> DcpHfCheckpoint:
 def _open_consolidated(directory: Path, label: str = "dcp_hf") -> DcpHfCheckpoint:
     tensors = hf.whole_tensors(hf.read_hf_model(directory)[0])
     files = sorted({b.location for t in tensors for b in t.blocks})
-    for path in files:  # a table altered under its digest, before any plan trusts it
-        _checked_entries(path, read_header(Path(path)))
-    _refuse_one_ranks_chunks(directory, files, sum(t.nbytes for t in tensors))
+    headers = {path: read_header(Path(path)) for path in files}
+    for path, header in headers.items():  # a table altered under its digest, before any plan
+        _checked_entries(path, header)
+    _refuse_one_ranks_chunks(directory, headers, sum(t.nbytes for t in tensors))
     placements = {t.name: "whole (consolidated)" for t in tensors}
     ranks = _ranks(shard_files(directory / SHARDED_SUBDIR))
     return DcpHfCheckpoint(directory, ranks, tensors, placements, files, True, label=label)
 
 
-def _refuse_one_ranks_chunks(directory: Path, files: list[str], nbytes: int) -> None:
+def _refuse_one_ranks_chunks(
+    directory: Path, headers: dict[str, SafetensorsHeader], nbytes: int
+) -> None:
     """A model whose files DCP's HuggingFaceStorageWriter wrote without ``save_distributed``
     on several ranks: every rank wrote the same file names, so each file holds the chunks of
     the rank that wrote it last. Its ``DCP_SHARDING_INFO`` then places a chunk away from the
     tensor's start, or the index's ``total_size`` (counted over every rank) exceeds the bytes
     the files hold; either is a ``CheckpointFormatError``, never a model of partial tensors."""
     written_by_dcp = False
-    for path in files:
-        raw = read_header(Path(path)).metadata.get(SHARDING_INFO)
+    for path, header in headers.items():
+        raw = header.metadata.get(SHARDING_INFO)
         if not isinstance(raw, str):
             continue
         written_by_dcp = True
