@@ -892,8 +892,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...], t
     model = _holding_the_tensors(model, config, plain)
     # In the model's own order, as save_pretrained converts and splits its state dict: a
     # checkpoint's files (an HF directory's, sorted by name) may list them otherwise.
-    at = {name: i for i, name in enumerate(model.state_dict())}
-    plain = sorted(plain, key=lambda t: at.get(t[0], len(at)))
+    plain = _in_model_order(plain, model, {})
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
