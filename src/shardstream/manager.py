@@ -242,6 +242,11 @@ def _listed(value: Any) -> Any:
     return tuple(value)
 
 
+def _holder() -> str:
+    """What the lock file says of the process holding it."""
+    return json.dumps({"pid": os.getpid(), "host": socket.gethostname()})
+
+
 @dataclass
 class _Lock:
     path: Path
@@ -258,8 +263,7 @@ class _Lock:
                     time.sleep(0.02)
                     continue
                 owner = os.pread(fd, 4096, 0).decode(errors="replace").strip() or "unknown"
-                me = {"pid": os.getpid(), "host": socket.gethostname()}
-                if owner == json.dumps(me):
+                if owner == _holder():
                     raise CheckpointLockedError(
                         f"{self.path.parent}: this process saves here already ({owner}): an "
                         "earlier CheckpointManager of this directory (and role) is still open; "
@@ -274,7 +278,7 @@ class _Lock:
             raise
         # A lock left by a dead process is released by the kernel, so reaching here means free.
         os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        os.pwrite(fd, _holder().encode(), 0)
         self.fd = fd
 
     def try_cleanup(self, cleanup) -> bool:

@@ -154,9 +154,9 @@ def claim_unread(path: str | os.PathLike) -> tuple[bool, int | None]:
     return False, None
 
 
-def manifest_read_by(directory: str | os.PathLike, name: str = "manifest.json") -> Path:
-    """The manifest a reader of ``directory`` leases: its own, or for the ``huggingface/``
-    export inside a step, the step's (retention deletes the two together)."""
+def manifest_read_by(directory: str | os.PathLike, name: str) -> Path:
+    """The manifest (file ``name``) a reader of ``directory`` leases: its own, or for the
+    ``huggingface/`` export inside a step, the step's (retention deletes the two together)."""
     directory = Path(directory)
     own = directory / name
     if not os.path.lexists(own) and directory.name == "huggingface":

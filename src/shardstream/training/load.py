@@ -270,9 +270,11 @@ def _open_source(
         prefix = native.OPTIMIZER_PREFIX + st.STATE
         try:  # local work between two shared reads: fail on every rank or on none
             groups, plain = verl.saved_param_groups(path, world)
+            # the live model's flat parameters (FSDP1, use_orig_params=False), if it has them
+            flat_live = fsdp1.optimizer_segments(optimizer) if fsdp1 else None
             segments = None
             if plain and fsdp1:
-                segments = fsdp1.optimizer_segments(optimizer)
+                segments = flat_live
             elif plain and world > 1 and not fsdp1_shards.wrapped(model):
                 segments = fsdp1_shards.wrap_policy_segments(model, optimizer)
             if segments is not None and [len(g["params"]) for g in groups] == [
@@ -288,7 +290,7 @@ def _open_source(
                 }
             else:
                 live = st.optimizer_param_groups(model, optimizer)
-                if fsdp1 and fsdp1.optimizer_segments(optimizer) is not None:
+                if flat_live is not None:
                     # saved per parameter (FSDP2, use_orig_params=True), restored into flat
                     # parameters, which list them in their own order
                     live = _in_saved_order(live, [t.name for t in ckpt.tensors])
