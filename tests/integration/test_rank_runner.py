@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ctypes
 import os
+import signal
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +32,20 @@ def _crash_in_native_code(rank: int, world: int, peer_waits: bool) -> None:
         dist.barrier()
 
 
+def _killed_while_writing_its_error(rank: int, world: int) -> None:
+    """Rank 0 fails, and is killed halfway through writing its error record (as run() stops
+    the other ranks of a failed run at any point)."""
+    if rank == 0:
+
+        def write_half_then_die(self, data):
+            with open(self, "wb") as f:
+                f.write(data[: len(data) // 2])
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Path.write_bytes = write_half_then_die
+        raise ValueError("rank 0 fails")
+
+
 @pytest.mark.skipif(not os.path.isdir("/proc/self/task"), reason="needs Linux's /proc")
 def test_fork_server_forks_ranks_from_a_single_thread():
     threads = run(_parent_threads, 2)
@@ -48,3 +64,9 @@ def test_a_rank_that_crashes_natively_leaves_its_stack(peer_waits):
     assert "process 1 terminated with signal SIGSEGV" in text, text
     assert "--- rank 1: its threads' stacks ---" in text and "Fatal Python error" in text, text
     assert "in _crash_in_native_code" in text, text
+
+
+def test_a_rank_killed_while_writing_its_result_still_fails_the_run_clearly():
+    with pytest.raises(RuntimeError) as raised:
+        run(_killed_while_writing_its_error, 2, timeout=120)
+    assert "process 0 terminated with signal SIGKILL" in str(raised.value), str(raised.value)

@@ -42,9 +42,9 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
         dist.barrier()  # every pair is connected before anyone can finish and leave
         result = fn(rank, world_size, *args)
         dist.barrier()
-        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(("ok", result)))
+        _write_result(out, rank, ("ok", result))
     except BaseException:
-        Path(out, f"{rank}.pkl").write_bytes(pickle.dumps(("error", traceback.format_exc())))
+        _write_result(out, rank, ("error", traceback.format_exc()))
         raise
     finally:
         if dist.is_initialized():
@@ -52,6 +52,27 @@ def _entry(rank: int, fn: Callable, world_size: int, store: str, out: str, args:
     # Interpreter teardown beside gloo's threads has crashed finished ranks (SIGSEGV, abort)
     # on a busy machine; the work and its result are complete here, so skip it.
     exit_finished_rank()
+
+
+def _write_result(out: str, rank: int, record: tuple) -> None:
+    """``rank``'s result, whole or not at all: run() stops a failed run's other ranks at any
+    point, a result file's write included."""
+    path = Path(out, f"{rank}.pkl")
+    part = path.with_suffix(".part")
+    part.write_bytes(pickle.dumps(record))
+    os.replace(part, path)
+
+
+def _read_result(out: str, rank: int) -> tuple | None:
+    """What ``rank`` returned, ``("ok", value)`` or ``("error", traceback)``; None if it wrote
+    nothing, ``("error", why)`` if its record cannot be read back."""
+    path = Path(out, f"{rank}.pkl")
+    if not path.exists():
+        return None
+    try:
+        return pickle.loads(path.read_bytes())
+    except Exception as exc:  # noqa: BLE001  (a record cut short, or a result pickle cannot rebuild)
+        return ("error", f"its result record {path.name} cannot be read back: {exc!r}")
 
 
 # What ranks would otherwise import each time: torch._dynamo (fully_shard imports it on
@@ -148,25 +169,32 @@ def run(fn: Callable, world_size: int, *args: Any, timeout: float = 300) -> list
                         process.kill()
                     raise TimeoutError(f"{world_size} ranks did not finish in {timeout:.0f} s")
         except Exception as exc:
-            details = []
-            for rank in range(world_size):
-                path = Path(tmp, f"{rank}.pkl")
-                if path.exists():
-                    status, value = pickle.loads(path.read_bytes())
-                    if status == "error":
-                        details.append(f"--- rank {rank} ---\n{value}")
+            records = [_read_result(tmp, rank) for rank in range(world_size)]
+            details = [
+                f"--- rank {rank} ---\n{record[1]}"
+                for rank, record in enumerate(records)
+                if record is not None and record[0] == "error"
+            ]
             if not details:  # say how far the ranks got: a crash in fn, or after it
-                done = [r for r in range(world_size) if Path(tmp, f"{r}.pkl").exists()]
+                done = [r for r, record in enumerate(records) if record is not None]
                 details.append(f"{exc} (ranks that had returned their result: {done})")
             # A rank that died of a signal, though another's error (its peer gone) came first
             details += [d for d in _signal_deaths(context.processes) if d not in details[-1]]
+            # What stopped the run (a rank's exit code or signal, or the timeout), if not said
+            first = next((line.strip() for line in str(exc).splitlines() if line.strip()), "")
+            if first and not any(first in d for d in details):
+                details.append(f"the run stopped at: {first}")
             details += _crash_stacks(tmp, world_size)
             raise RuntimeError("\n".join(details)) from None
-        results = []
-        for rank in range(world_size):
-            status, value = pickle.loads(Path(tmp, f"{rank}.pkl").read_bytes())
-            results.append(value)
-        return results
+        records = [_read_result(tmp, rank) for rank in range(world_size)]
+        unread = [
+            f"rank {r}: {rec and rec[1]}"
+            for r, rec in enumerate(records)
+            if not rec or rec[0] != "ok"
+        ]
+        if unread:
+            raise RuntimeError("\n".join(unread))
+        return [record[1] for record in records]
 
 
 def shard_units(model: Any, units: list, mesh: Any, wrap: str = "fsdp2") -> Any:
