@@ -69,18 +69,12 @@ def restore_full_state(rank: int, world: int, root: str) -> dict | None:
 
 def full_state(model, optimizer, scheduler) -> dict:
     """Model, optimizer (by parameter name) and scheduler state, gathered whole on rank 0."""
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
+    from shardstream.testing.gathered import full_state_dicts
 
-    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    model_state = get_model_state_dict(model, options=options)
-    optimizer_state = get_optimizer_state_dict(model, optimizer, options=options)
+    model_state, optimizer_state = full_state_dicts(model, optimizer)
     return {
-        "model": {k: v.clone() for k, v in model_state.items()},
-        "optimizer": _cloned(optimizer_state),
+        "model": model_state,
+        "optimizer": optimizer_state,
         "scheduler": _cloned(scheduler.state_dict()),
     }
 

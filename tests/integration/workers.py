@@ -20,6 +20,7 @@ from shardstream.testing.compare import (
     assert_nested_equal,  # noqa: F401  (tests use it here)
     clone_nested,
 )
+from shardstream.testing.gathered import full_state_dicts
 from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
 FULL = StateDictOptions(full_state_dict=True)
@@ -60,14 +61,8 @@ def train_step(model, optimizer, scheduler, step: int) -> float:
 
 def full_state(model, optimizer, scheduler) -> dict:
     """Everything that must survive a checkpoint, gathered in full (test-side reference only)."""
-    model_sd = get_model_state_dict(model, options=FULL)
-    optim_sd = get_optimizer_state_dict(model, optimizer, options=FULL)
-    # Clone: full state dicts may alias live tensors, which later training steps would change.
-    return {
-        "model": {k: v.clone() for k, v in model_sd.items()},
-        "optim": clone_nested(optim_sd),
-        "scheduler": clone_nested(scheduler.state_dict()),
-    }
+    model_sd, optim_sd = full_state_dicts(model, optimizer)  # cloned: no live tensor aliased
+    return {"model": model_sd, "optim": optim_sd, "scheduler": clone_nested(scheduler.state_dict())}
 
 
 def _world_mesh(world: int, layout: str) -> tuple[int, ...] | None:

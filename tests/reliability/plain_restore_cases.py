@@ -111,13 +111,11 @@ def _train_step(model, optimizer, scheduler, step: int) -> None:
 def full_state(model, optimizer, scheduler) -> dict:
     """Model, optimizer (by FQN) and scheduler, gathered in full (a collective)."""
     from integration import workers
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from shardstream.testing.gathered import full_state_dicts
 
     if optimizer is None:
-        options = StateDictOptions(full_state_dict=True)
-        return {
-            "model": {k: v.clone() for k, v in get_model_state_dict(model, options=options).items()}
-        }
+        return {"model": full_state_dicts(model)[0]}
     return workers.full_state(model, optimizer, scheduler)
 
 
