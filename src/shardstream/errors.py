@@ -11,7 +11,7 @@ import os
 # A full disk, a spent quota, or a file larger than the filesystem or the process may write.
 OUT_OF_SPACE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG})
 # Permission bits, an ACL or a security module said no.
-PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM})
+PERMISSION_ERRNOS = frozenset({errno.EACCES, errno.EPERM, errno.EROFS})
 
 
 class ShardstreamError(Exception):
@@ -129,8 +129,13 @@ def permission_denied(
     for e in causes(exc):
         if isinstance(e, OSError) and e.errno in PERMISSION_ERRNOS:
             where = path if path is not None else (e.filename or "(unnamed file)")
-            return CheckpointPermissionError(f"{where}: permission denied")
+            return CheckpointPermissionError(f"{where}: {refusal(e)}")
     return None
+
+
+def refusal(exc: OSError) -> str:
+    """How to say a refused permission: "permission denied", or "read-only file system"."""
+    return "read-only file system" if exc.errno == errno.EROFS else "permission denied"
 
 
 def os_error(exc: BaseException, path: str | os.PathLike | None = None) -> ShardstreamError | None:

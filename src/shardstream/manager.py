@@ -27,7 +27,13 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointLockedError, CheckpointNotFoundError, ShardstreamError, UsageError
+from .errors import (
+    CheckpointLockedError,
+    CheckpointNotFoundError,
+    ShardstreamError,
+    UsageError,
+    os_error,
+)
 from .formats import native
 from .storage import collectives as coll
 from .storage import commit, locks
@@ -315,6 +321,12 @@ def _holds_entries(directory: Path) -> bool:
         return False
 
 
+def _unwritable(root: Path, exc: OSError) -> ShardstreamError:
+    """The error for a run directory the lock or its creation met ``exc`` in: the disk's
+    (full, forbidden, read-only; exit 1), else a usage error (a bad path)."""
+    return os_error(exc) or UsageError(f"{root}: {exc}")
+
+
 def _warn_of_contents_it_cannot_save(
     config: CheckpointConfig, model, optimizer, hf_export_given: bool
 ) -> None:
@@ -451,9 +463,7 @@ class CheckpointManager:
                 self._remove_debris()
             except (OSError, ShardstreamError) as exc:
                 self._lock.release()
-                error = (
-                    exc if isinstance(exc, ShardstreamError) else UsageError(f"{self.root}: {exc}")
-                )
+                error = exc if isinstance(exc, ShardstreamError) else _unwritable(self.root, exc)
         coll.agree_or_raise(error)
         self._writer = True  # on every rank: rank 0 holds the lock for all of them
 

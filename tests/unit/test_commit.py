@@ -327,7 +327,7 @@ def test_a_forbidden_target_directory_is_named_not_the_owner_file(tmp_path, monk
     """The message named shardstream's own ``<target>.tmp-<hex>.owner`` file."""
     import os
 
-    from shardstream.errors import UsageError
+    from shardstream.errors import CheckpointPermissionError
     from shardstream.storage import commit
 
     real_open = os.open
@@ -338,6 +338,28 @@ def test_a_forbidden_target_directory_is_named_not_the_owner_file(tmp_path, monk
         return real_open(path, *args, **kwargs)
 
     monkeypatch.setattr(commit.os, "open", refused)
-    with pytest.raises(UsageError) as caught:
+    with pytest.raises(CheckpointPermissionError) as caught:
         commit.stage(tmp_path / "merged")
     assert str(caught.value) == f"cannot write the target merged in {tmp_path}: permission denied"
+
+
+def test_a_read_only_file_system_is_an_error_of_the_environment_not_of_usage(tmp_path, monkeypatch):
+    """A read-only target filesystem was a usage error (exit 2); it is refused as one that
+    may not be written (exit 1), and said so."""
+    import errno
+    import os
+
+    from shardstream.errors import CheckpointPermissionError, UsageError
+    from shardstream.storage import commit
+
+    def read_only(path, *args, **kwargs):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(commit.os, "mkdir", read_only)
+    with pytest.raises(CheckpointPermissionError) as caught:
+        commit.stage(tmp_path / "merged")
+    assert not isinstance(caught.value, UsageError)
+    assert (
+        str(caught.value) == f"cannot write the target {tmp_path / 'merged'}: read-only file system"
+    )
+    assert not list(tmp_path.iterdir())  # the claim is given back

@@ -34,11 +34,14 @@ from pathlib import Path
 
 from ..errors import (
     COMMITTED_ATTR,
+    PERMISSION_ERRNOS,
+    CheckpointPermissionError,
     OutOfSpaceError,
     ShardstreamError,
     TargetExistsError,
     UsageError,
     out_of_space,
+    refusal,
 )
 from . import locks
 from .tree import is_mount_point, remove_tree, walk
@@ -262,14 +265,19 @@ def stage(target: str | os.PathLike) -> Staged:
     staged = Staged(target, tmp, owner)
     try:
         tmp.mkdir()
-    except PermissionError:
+    except OSError as exc:  # forbidden, a read-only filesystem, a full one, ...
         staged.abandon()
-        raise UsageError(f"cannot write the target {target}: permission denied") from None
-    except OSError as exc:  # a read-only filesystem (EROFS), a full one, ...
-        staged.abandon()
-        full = out_of_space(exc, target, "cannot write the target {path}: no space left on device")
-        raise full or UsageError(f"cannot write the target {target}: {exc.strerror}") from None
+        raise _unwritable(exc, f"cannot write the target {target}") from None
     return staged
+
+
+def _unwritable(exc: OSError, said: str) -> ShardstreamError:
+    """``said`` and why: a refused permission or read-only filesystem (exit 1, as any error
+    of the environment), a full disk, else the OS's words as a usage error (a bad name)."""
+    if exc.errno in PERMISSION_ERRNOS:
+        return CheckpointPermissionError(f"{said}: {refusal(exc)}")
+    full = out_of_space(exc, said, "{path}: no space left on device")
+    return full or UsageError(f"{said}: {exc.strerror}")
 
 
 def swap_in(tmp: Path, target: Path) -> Path | None:
@@ -522,7 +530,9 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
     new = sorted(os.listdir(staged))
     refuse_other_kinds(target, {name: _is_folder(staged / name) for name in new})
     if not os.access(target, os.W_OK | os.X_OK):
-        raise UsageError(f"cannot write into target {target}: permission denied")
+        read_only = bool(os.statvfs(target).f_flag & os.ST_RDONLY)
+        why = "read-only file system" if read_only else "permission denied"
+        raise CheckpointPermissionError(f"cannot write into target {target}: {why}")
     with target_locked(target):
         leaving = [
             name
@@ -672,16 +682,10 @@ def _claim(tmp: Path) -> int | None:
     for _ in range(CLAIM_ATTEMPTS):
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644)
-        except PermissionError:  # named by the directory the user chose, not our own file
-            raise UsageError(
-                f"cannot write the target {tmp.name.split(TMP_MARK)[0]} in {tmp.parent}: "
-                "permission denied"
-            ) from None
-        except OSError as exc:
+        except OSError as exc:  # named by the directory the user chose, not our own file
             full = out_of_space(exc, path, "cannot create {path}: no space left on device")
-            raise full or UsageError(
-                f"cannot write the target {tmp.name.split(TMP_MARK)[0]} in {tmp.parent}: "
-                f"{exc.strerror}"
+            raise full or _unwritable(
+                exc, f"cannot write the target {tmp.name.split(TMP_MARK)[0]} in {tmp.parent}"
             ) from None
         try:
             # Between the create and the lock a cleaner may take this still-empty file for a

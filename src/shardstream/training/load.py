@@ -31,6 +31,7 @@ from ..engine.plan import GlobalTensor, tensors_touching
 from ..errors import (
     CheckpointFormatError,
     CheckpointNotFoundError,
+    CheckpointPermissionError,
     ChecksumMismatchError,
     ShardstreamError,
     UsageError,
@@ -1621,7 +1622,7 @@ def _read_extra(ckpt, rank: int) -> dict[str, Any]:
         with open_regular(json_path) as f:
             body = f.read()
     except PermissionError:
-        raise UsageError(f"{json_path}: cannot read: permission denied") from None
+        raise CheckpointPermissionError(f"{json_path}: cannot read: permission denied") from None
     except FileNotFoundError:  # listed in the manifest: removed since (retention, by hand)
         raise CheckpointNotFoundError(f"{json_path}: missing (named in the manifest)") from None
     if digest(body) != files[json_name].get("xxh3"):
