@@ -218,6 +218,24 @@ def test_a_model_holding_none_of_the_tensors_is_refused(qwen3_moe_config, archit
         plan_names(stored, config)
 
 
+def test_names_of_another_model_under_a_table_type_are_asked_of_transformers():
+    """torchtitan's names with a llama config.json were written as stored, exit 0, "llama:
+    needs no mapping" (its ``layers.N.`` matched the table): a model of all-missing weights."""
+    pytest.importorskip("transformers")
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"], "hidden_size": 8,
+              "intermediate_size": 16, "num_hidden_layers": 1, "num_attention_heads": 2,
+              "num_key_value_heads": 2, "vocab_size": 32}  # fmt: skip
+    stored = [
+        ("tok_embeddings.weight", "F32", (32, 8)),
+        ("layers.0.attention.wq.weight", "F32", (8, 8)),
+        ("layers.0.attention_norm.weight", "F32", (8,)),
+        ("norm.weight", "F32", (8,)),
+        ("output.weight", "F32", (32, 8)),
+    ]
+    with pytest.raises(CheckpointFormatError, match=r"holds none of the checkpoint's tensors"):
+        plan_names(stored, config)
+
+
 def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     plan = plan_names([("_orig_mod.model.norm.weight", "F32", (4,))], {"model_type": "qwen2"})
@@ -574,13 +592,19 @@ def test_every_table_class_agrees_with_its_own_config(model_type):
     fields = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
     config = transformers.AutoConfig.for_model(model_type, **fields, **TABLE_CONFIGS[model_type])
-    for auto in ("AutoModelForCausalLM", "AutoModelForTokenClassification"):
+    heads = ("AutoModelForCausalLM", "AutoModelForTokenClassification")
+    for auto in (*heads, "AutoModelForSequenceClassification", "AutoModel"):
         with torch.device("meta"):
             try:
                 model = getattr(transformers, auto).from_config(config)
             except ValueError:  # no such class of the type (OLMo 2's token classifier)
                 assert auto != "AutoModelForCausalLM"
                 continue
+        # every name the class holds is one the table decides without asking transformers
+        off_table = [n for n in model.state_dict() if not hf_names.TABLE_NAMES.match(n)]
+        assert not off_table, (model_type, auto, off_table)
+        if auto not in heads:
+            continue
         document = {**config.to_dict(), "architectures": [type(model).__name__]}
         shapes = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
         checked = [n for n, _ in shapes if any(n.endswith(k) for k in hf_names.TABLE_WIDTHS)]

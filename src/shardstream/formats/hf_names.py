@@ -61,9 +61,15 @@ NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
 TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
-# How the names of those classes (and their base models) start; a checkpoint none of whose
-# names does (a training wrapper's "model.model.layers.0...") is asked of transformers.
-TABLE_NAMES = re.compile(r"(?:(?:model\.)?(?:embed_tokens|norm|layers\.\d+)|lm_head|score)\.")
+# How the names of those classes (and their base models) start, checked against every class
+# of them in both versions; a checkpoint with any other name (a training wrapper's
+# "model.model.layers.0...", torchtitan's "tok_embeddings", "layers.0.attention.wq") is asked
+# of transformers, which refuses names the model does not hold.
+TABLE_NAMES = re.compile(
+    r"(?:model\.)?(?:embed_tokens|norm|layers\.\d+\.(?:self_attn|mlp|input_layernorm"
+    r"|post_attention_layernorm|pre_feedforward_layernorm|post_feedforward_layernorm))\."
+    r"|(?:lm_head|score|classifier)\."
+)
 
 # Building the meta model stops once it has registered more parameters than this many per
 # stored tensor, plus the slack: a model matches its checkpoint about one to one.
@@ -316,7 +322,7 @@ def _plan_names(
         )
     from . import hf_names_cache
 
-    decided = _table_decides(model_type) and any(TABLE_NAMES.match(n) for n, _, _ in plain)
+    decided = _table_decides(model_type) and all(TABLE_NAMES.match(n) for n, _, _ in plain)
     if decided and not (model_order and hf_names_cache.transformers_version()):
         # without transformers the input's order stands: save_pretrained's is the model's
         unordered = "; files split in the input's order (transformers knows the model's)"
