@@ -647,6 +647,49 @@ def test_hf_names_keep_their_model_prefix_in_a_flat_state_dict(tmp_path):
     assert sorted(t.name for t in open_checkpoint(tmp_path / "ck2").tensors) == sorted(state)
 
 
+def test_a_submodule_named_state_beside_a_flattened_optimizer_stays_the_model_s(tmp_path):
+    """``dcp.save({**model_sd, **flat_optim_sd})`` of a model with a submodule ``state``: its
+    ``state.weight`` was taken for optimizer state, left out of the merge (exit 0) and called
+    missing by restore. torch's own dcp.load restores it."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+    import shardstream
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed, self.state = torch.nn.Embedding(16, 8), torch.nn.Linear(8, 8, bias=False)
+
+        def forward(self, x):
+            return self.state(self.embed(x))
+
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.arange(4)).sum().backward()
+    optimizer.step()
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    model_sd, optim_sd = get_state_dict(model, optimizer, options=flat)
+    assert "state.weight" in model_sd and "state.state.weight.exp_avg" in optim_sd
+    _save_plain(tmp_path / "ck", {**model_sd, **optim_sd})
+
+    _merge(tmp_path / "ck", tmp_path / "out")
+    assert_bit_identical(_load_merged(tmp_path / "out"), model.state_dict())
+
+    torch.manual_seed(1)
+    fresh = Net()
+    fresh_optimizer = torch.optim.AdamW(fresh.parameters())
+    shardstream.load(tmp_path / "ck", model=fresh, optimizer=fresh_optimizer)
+    got_model, got_optim = get_state_dict(fresh, fresh_optimizer, options=flat)
+    assert_bit_identical(got_model, model_sd)
+    assert got_optim.keys() == optim_sd.keys()
+    for key, value in optim_sd.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(got_optim[key], value), key
+        else:
+            assert got_optim[key] == value, key
+
+
 def test_two_models_at_the_top_level_are_named_for_the_prefix_to_pick(tmp_path):
     """{"policy": ..., "ema": ...}: no container is called "model", so the refusal lists the
     containers the tensors lie under, and --prefix picks one."""

@@ -804,13 +804,24 @@ def flat_optimizer_keys(keys: list[str], paths: dict[str, tuple] | None) -> set[
     """The top-level keys of an optimizer state dict saved flattened beside the model's
     (``dcp.save({**model_sd, **optim_sd})`` with ``flatten_optimizer_state_dict=True``):
     ``state.<fqn>.<key>`` and ``param_groups.<fqn>.<key>``, told by the ``param_groups.``
-    entries every such optimizer has; empty for any other checkpoint."""
-    top = {
+    entries every such optimizer has; empty for any other checkpoint. Beside the model, an
+    ``<fqn>`` is one of its keys: a model's own ``state.weight`` (a submodule named "state")
+    stays the model's."""
+    top = [
         k
         for k in keys
         if k.startswith(FLAT_OPTIMIZER_HEADS) and (paths is None or len(paths.get(k, (k,))) == 1)
-    }
-    return top if any(k.startswith("param_groups.") for k in top) else set()
+    ]
+
+    def fqn(key: str) -> str:  # <fqn> of <head><fqn>.<key>; the key names no module
+        return key.split(".", 1)[1].rpartition(".")[0]
+
+    grouped = {fqn(k) for k in top if k.startswith("param_groups.")} - {""}
+    if not grouped:
+        return set()
+    beside = grouped & set(keys)  # the parameters of a model saved beside
+    owned = beside or grouped
+    return {k for k in top if fqn(k) in owned}
 
 
 def _container_path(
