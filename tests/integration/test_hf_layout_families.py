@@ -61,6 +61,14 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # transformers 4.x lists the one word embedding kept among its tied names: it was dropped.
+    "prophetnet": (
+        "ProphetNetConfig",
+        "ProphetNetForCausalLM",
+        {"vocab_size": 64, "hidden_size": 32, "encoder_ffn_dim": 32, "decoder_ffn_dim": 32,
+         "num_encoder_layers": 1, "num_decoder_layers": 1, "num_encoder_attention_heads": 2,
+         "num_decoder_attention_heads": 2, "max_position_embeddings": 64},
+    ),
     # A model type transformers' auto classes build with another type's class.
     "exaone": ("ExaoneConfig", "LlamaForCausalLM", {**TEXT, "pad_token_id": 1}),
     # Saved names that are in-memory names of other tensors too (hc_pre.hc_head.*).

@@ -382,7 +382,13 @@ def tied_duplicates(
         return set()
     plain = {name: stored for stored, name in names.items()}
     pairs = _class_tied_pairs(config)
-    return {plain[t] for t, s in pairs.items() if t in plain and (s is None or s in plain)}
+    # 4.x's list names a tie's source too (ProphetNet's word_embeddings, the one kept): of
+    # it only the head goes here; the names plan leaves out the other aliases, one kept.
+    return {
+        plain[t]
+        for t, s in pairs.items()
+        if t in plain and (s in plain if s is not None else t == TIED_HEAD)
+    }
 
 
 def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool = False) -> bool:
@@ -405,8 +411,8 @@ def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool 
 
 def _class_tied_pairs(config: dict) -> dict[str, str | None]:
     """The model class's tied names (its ``_tied_weights_keys``): transformers 5's
-    ``{head: embedding}``, 4.x's list of heads (embedding None); empty for a class it does
-    not know."""
+    ``{head: embedding}``, 4.x's list of tied names (embedding None); empty for a class it
+    does not know."""
     from .hf_names import _model_class
 
     try:
