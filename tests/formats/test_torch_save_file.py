@@ -36,6 +36,12 @@ FILES = {
     "model.pt": ("state_dict", ("model",)),
     "checkpoint.tar": ("general", ("model", "optimizer")),
     "ckpt.pth": ("short", ("model", "optimizer")),
+    # dcp_to_torch_save of DCP checkpoints whose optimizer is flattened (state.<fqn>.<key>,
+    # param_groups.<fqn>.<key>): torchtitan's (the model's tensors at the top level beside
+    # its containers), the optimizer beside the model at the top level, or under a key
+    "titan.pt": ("torchtitan", ("model", "optimizer")),
+    "flat.pt": ("flattened beside", ("model", "optimizer")),
+    "flat_under_key.pt": ("flattened under a key", ("model", "optimizer")),
 }
 
 
@@ -61,6 +67,20 @@ def saved(tmp_path_factory) -> dict:
     torch.save(
         {"model": model.state_dict(), "optimizer": optimizer.state_dict()}, root / "ckpt.pth"
     )
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    flat = StateDictOptions(flatten_optimizer_state_dict=True)
+    flat_optimizer = get_optimizer_state_dict(model, optimizer, options=flat)
+    assert any(k.startswith("param_groups.") for k in flat_optimizer)
+    titan = {
+        **model.state_dict(),
+        "optimizer": flat_optimizer,
+        "lr_scheduler": {"last_epoch": 2},
+        "train_state": {"step": 2},
+    }
+    torch.save(titan, root / "titan.pt")
+    torch.save({**model.state_dict(), **flat_optimizer}, root / "flat.pt")
+    torch.save({"model": model.state_dict(), "optim": flat_optimizer}, root / "flat_under_key.pt")
     return {"root": root, "state": whole_state(model, optimizer)}
 
 

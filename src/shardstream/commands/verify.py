@@ -615,6 +615,9 @@ def _verify_full_state(
 
 
 def _check_optimizer_state(state: object, where: str) -> None:
+    from ..formats.torch_state_dict import nested_optimizer
+
+    state = nested_optimizer(state)  # saved flattened (flatten_optimizer_state_dict)
     if not isinstance(state, dict) or not {"state", "param_groups"} <= set(state):
         raise CheckpointFormatError(
             f"{where}: not an optimizer state dict (no state and param_groups)"

@@ -56,13 +56,15 @@ def open_torch_state_dict(
     shared: bool = False,
     prefix: str | None = None,
     part: str | None = None,
+    skip: frozenset[str] = frozenset(),
 ) -> TorchStateDict:
     """The layout of the state dict in ``file`` (its tensors located, none loaded).
 
     ``world_size``: how many processes the saving run had (the file says nothing of it).
     ``shared``: every process of the current group opens it together (one unpickles it).
     ``part``: the key of the top-level dict that holds the state dict (a general checkpoint's
-    ``model_state_dict``); None: the file holds it at the top level.
+    ``model_state_dict``); None: the file holds it at the top level, without the keys in
+    ``skip`` (the training state saved beside it).
     """
     file = Path(file)
     directory = file.parent
@@ -72,7 +74,11 @@ def open_torch_state_dict(
             "file holds the model's state dict at the top level"
         )
     check_inside(file, directory)
-    layout = read_rank_layouts([str(file)], _part_of(part, _model_state), shared)
+
+    def model_state(state: dict, path: str) -> dict:
+        return _model_state({k: v for k, v in state.items() if k not in skip}, path)
+
+    layout = read_rank_layouts([str(file)], _part_of(part, model_state), shared)
     return TorchStateDict(
         directory,
         world_size,
@@ -104,6 +110,7 @@ def open_torch_optimizer(
     groups: list[dict] = []
 
     def flatten(state, path: str) -> dict:
+        state = nested_optimizer(state)
         entries = state.get("state") if isinstance(state, dict) else None
         saved_groups = state.get("param_groups") if isinstance(state, dict) else None
         if not isinstance(entries, dict) or not isinstance(saved_groups, list):
@@ -138,6 +145,46 @@ def open_torch_optimizer(
 
     layout = read_rank_layouts([str(file)], _part_of(part, flatten), keep_scalars=True)
     return layout.tensors, layout.scalars, _group_values_read(file, groups)
+
+
+def nested_optimizer(state: object) -> object:
+    """An optimizer state dict saved flattened (``flatten_optimizer_state_dict``:
+    ``state.<fqn>.<key>``, ``param_groups.<fqn>.<key>``; alone or beside the model's tensors)
+    as the nested one (``state``, ``param_groups``): the parameters of equal settings one
+    group, in the order saved. Anything else as it is."""
+    from .dcp import flat_optimizer_keys
+
+    if not isinstance(state, dict) or "param_groups" in state:
+        return state
+    flat = flat_optimizer_keys([k for k in state if isinstance(k, str)], None)
+    if not flat:
+        return state
+    entries: dict[str, dict] = {}
+    settings: dict[str, dict] = {}
+    for key in (k for k in state if k in flat):
+        head, _, rest = key.partition(".")
+        fqn, _, name = rest.rpartition(".")
+        (entries if head == "state" else settings).setdefault(fqn, {})[name] = state[key]
+    groups: list[dict] = []
+    for fqn, values in settings.items():
+        same = next((g for g in groups if _same_group(g, values)), None)
+        if same is None:
+            groups.append({**values, "params": [fqn]})
+        else:
+            same["params"].append(fqn)
+    return {"state": entries, "param_groups": groups}
+
+
+def _same_group(group: dict, values: dict) -> bool:
+    """Whether ``values`` are ``group``'s settings (a tensor setting, unread here, never is)."""
+    import torch
+
+    if group.keys() - {"params"} != values.keys():
+        return False
+    return all(
+        not isinstance(v, torch.Tensor) and not isinstance(group[k], torch.Tensor) and group[k] == v
+        for k, v in values.items()
+    )
 
 
 def _group_values_read(file: Path, groups: list[dict]) -> list[dict]:
@@ -211,6 +258,14 @@ class TorchFileLayout:
     model: str | None  # the key holding the model's state dict; None: it is at the top level
     optimizer: str | None  # the key holding the optimizer's, or None for none
     values: dict[str, object]  # a general checkpoint's other plain values (the recipe's epoch)
+    # The model at the top level: the keys beside it that are not its (torchtitan's
+    # "optimizer", "lr_scheduler", ...; a flattened optimizer's state.* and param_groups.*)
+    skip: frozenset[str] = frozenset()
+    flat_optimizer: bool = False  # a flattened optimizer beside the model at the top level
+
+    @property
+    def has_optimizer(self) -> bool:
+        return self.optimizer is not None or self.flat_optimizer
 
 
 def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout:
@@ -238,11 +293,25 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
             f"{str(loose[0])[:200]!r}); which of them is the model is unclear, so neither is "
             "read"
         )
-    if model is None and optimizer is not None:
-        raise CheckpointFormatError(
-            f"{file}: holds {optimizer!r} but no model state dict (under any of "
-            f"{', '.join(repr(k) for k in MODEL_PARTS)})"
-        )
+    skip: frozenset[str] = frozenset()
+    flat = False
+    if model is None:
+        from .dcp import flat_optimizer_keys
+
+        flat_keys = flat_optimizer_keys([k for k in state if isinstance(k, str)], None)
+        flat = bool(flat_keys) and optimizer is None
+        if optimizer is not None or flat:  # the model's tensors at the top level beside them
+            import torch
+
+            skip = frozenset(
+                k for k, v in state.items() if k in flat_keys or not isinstance(v, torch.Tensor)
+            )
+            if len(skip) == len(state):
+                raise CheckpointFormatError(
+                    f"{file}: holds an optimizer's state but no model state dict (under any "
+                    f"of {', '.join(repr(k) for k in MODEL_PARTS)}, or as tensors at the top "
+                    "level)"
+                )
     values = {}
     if model is not None:  # a state dict alone holds nothing else
         values = {
@@ -252,7 +321,7 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
             and k not in (model, optimizer)
             and isinstance(v, (bool, int, float, str))
         }
-    return TorchFileLayout(model, optimizer, values)
+    return TorchFileLayout(model, optimizer, values, skip, flat)
 
 
 def open_torch_file(
@@ -263,7 +332,9 @@ def open_torch_file(
     from .torch_pt import load_layout
 
     layout = layout or torch_file_layout(load_layout(str(file)), file)
-    return open_torch_state_dict(file, label=TORCH_FILE_FORMAT, shared=shared, part=layout.model)
+    return open_torch_state_dict(
+        file, label=TORCH_FILE_FORMAT, shared=shared, part=layout.model, skip=layout.skip
+    )
 
 
 HF_TORCH_FORMAT = "huggingface (pytorch_model.bin)"

@@ -210,7 +210,7 @@ def _open_source(
         layout = torch_file_layout(load_layout(str(path)), path)
         source = _plain_state_source(
             path,
-            path if layout.optimizer is not None else None,
+            path if layout.has_optimizer else None,
             model,
             optimizer,
             want_optimizer,
