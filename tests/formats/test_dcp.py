@@ -690,6 +690,28 @@ def test_a_submodule_named_state_beside_a_flattened_optimizer_stays_the_model_s(
             assert got_optim[key] == value, key
 
 
+def test_entries_out_of_the_model_s_order_are_split_in_the_model_s_order(tmp_path):
+    """A DCP checkpoint lists its entries in its global plan's order (here by name, as a
+    state dict rebuilt by name gives): merged into several files, a model type that needs no
+    mapping put other tensors in each file than save_pretrained (the input's order)."""
+    pytest.importorskip("transformers")
+    from integration.test_hf_layout import assert_same_model_files
+
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    model = build_tiny_model(tiny_config("qwen2"), seed=0)
+    model.save_pretrained(tmp_path / "reference", max_shard_size="8KB")
+    assert len(list((tmp_path / "reference").glob("*.safetensors"))) > 2
+    state = {k: v.contiguous().clone() for k, v in sorted(model.state_dict().items())}
+    assert list(state) != list(model.state_dict())
+    _save_plain(tmp_path / "ck", state)
+    model.config.save_pretrained(tmp_path / "config")
+    dtype = str(model.dtype).removeprefix("torch.")
+    flags = ("--hf_model_path", str(tmp_path / "config"), "--max-shard-size", "8KB")
+    _merge(tmp_path / "ck", tmp_path / "merged", *flags, "--dtype", dtype)
+    assert_same_model_files(tmp_path / "merged", tmp_path / "reference")
+
+
 def test_two_models_at_the_top_level_are_named_for_the_prefix_to_pick(tmp_path):
     """{"policy": ..., "ema": ...}: no container is called "model", so the refusal lists the
     containers the tensors lie under, and --prefix picks one."""

@@ -108,6 +108,9 @@ class DcpCheckpoint:
     model_objects: tuple[str, ...] = ()
     prefix: str = ""  # what the model's keys start with: "model." (accelerate), "app.model."
     label: str = "dcp"  # or ACCELERATE_SHARDED_FORMAT: the model of an accelerate save_state
+    # .metadata lists the entries in its global plan's order (the ranks' items merged, a
+    # replica moved to the rank deduplication gave it), not always the model's
+    in_model_order = False
 
     @property
     def format(self) -> str:
