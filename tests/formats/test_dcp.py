@@ -808,6 +808,34 @@ def test_hostile_chunk_record_is_refused(tmp_path):
     assert not marker.exists()
 
 
+def test_a_chunk_record_naming_its_storage_twice_is_refused(tmp_path):
+    """The storage record listed twice in a chunk's zip directory, the second copy zeros: the
+    last copy was read (zeros merged, exit 0) where torch's dcp.load reads the first."""
+    import zipfile
+
+    from shardstream.commands.verify import verify
+
+    _save_plain(tmp_path / "ck", {"w": torch.arange(6.0).reshape(2, 3)})
+    meta = _real_metadata(tmp_path / "ck")
+    (info,) = meta.storage_data.values()
+    data = tmp_path / "ck" / info.relative_path
+    raw = data.read_bytes()
+    record = zipfile.ZipFile(io.BytesIO(raw[info.offset : info.offset + info.length]))
+    entries = [(i.filename, record.read(i.filename)) for i in record.infolist()]
+    entries += [(n, bytes(len(b))) for n, b in entries if n.endswith("/data/0")]
+    rebuilt = io.BytesIO()
+    with warnings.catch_warnings(), zipfile.ZipFile(rebuilt, "w", zipfile.ZIP_STORED) as out:
+        warnings.simplefilter("ignore")  # "Duplicate name"
+        for name, body in entries:
+            out.writestr(zipfile.ZipInfo(name), body)
+    data.write_bytes(raw + rebuilt.getvalue())
+    info.offset, info.length = len(raw), len(rebuilt.getvalue())
+    _write_metadata(tmp_path / "ck", meta)
+    with pytest.raises(CheckpointFormatError, match=r"holds record '.*data/0' twice"):
+        open_checkpoint(tmp_path / "ck")
+    assert any("twice" in p.line() for p in verify(tmp_path / "ck").problems)
+
+
 def _corrupt(tmp_path: Path, edit) -> Path:
     _save_plain(tmp_path / "ck", {"w": torch.arange(12.0).reshape(4, 3), "b": torch.ones(3)})
     meta = _real_metadata(tmp_path / "ck")

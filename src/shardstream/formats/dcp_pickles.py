@@ -9,6 +9,7 @@ finds the chunk's elements inside its archive (stored uncompressed) without read
 
 from __future__ import annotations
 
+import collections
 import copy
 import io
 import math
@@ -901,6 +902,13 @@ class ChunkLayout:
     offset: int
 
 
+def named_twice(infos: list[zipfile.ZipInfo]) -> str | None:
+    """A record name the zip directory lists more than once (readers disagree on which
+    counts), or None."""
+    counts = collections.Counter(info.filename for info in infos)
+    return next((name for name, count in counts.items() if count > 1), None)
+
+
 def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -> ChunkLayout:
     """Locate the elements of the ``torch.save`` archive in bytes [offset, offset+length)."""
     view = RangeReader(fd, offset, length)
@@ -913,7 +921,10 @@ def read_chunk_layout(fd: int, path: str, offset: int, length: int, what: str) -
         )
     try:
         archive = zipfile.ZipFile(view)
-        infos = {info.filename: info for info in archive.infolist()}
+        listed = archive.infolist()
+        if (twice := named_twice(listed)) is not None:  # readers disagree on which counts
+            raise CheckpointFormatError(f"{where}: the zip archive holds record {twice!r} twice")
+        infos = {info.filename: info for info in listed}
         pickles = [name for name in infos if name.endswith("data.pkl") and name.count("/") == 1]
         if len(pickles) != 1:
             raise CheckpointFormatError(f"{where}: expected one data.pkl, found {len(pickles)}")

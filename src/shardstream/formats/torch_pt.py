@@ -44,6 +44,7 @@ from .dcp_pickles import (
     _torch_dtype,
     check_pickle,
     check_unpickled,
+    named_twice,
     open_zip_record,
     read_zip_record,
 )
@@ -264,7 +265,7 @@ def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
     finds them (each local header's name and extra field lengths give the data's start)."""
     found: dict[str, int] = {}
     infos = archive.infolist()
-    if (twice := _named_twice(infos)) is not None:
+    if (twice := named_twice(infos)) is not None:
         raise CheckpointFormatError(f"the zip archive holds record {twice!r} twice")
     for info in infos:
         f.seek(info.header_offset)
@@ -274,13 +275,6 @@ def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
         name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
         found[name] = start
     return found
-
-
-def _named_twice(infos: list[zipfile.ZipInfo]) -> str | None:
-    """A record name the zip directory lists more than once (readers disagree on which
-    counts), or None."""
-    counts = collections.Counter(info.filename for info in infos)
-    return next((name for name, count in counts.items() if count > 1), None)
 
 
 def _data_start(local: bytes, header_offset: int) -> int | None:
@@ -651,7 +645,7 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
     try:
         with open_regular(path) as f, zipfile.ZipFile(f) as archive:
             infos = archive.infolist()
-            if (twice := _named_twice(infos)) is not None:
+            if (twice := named_twice(infos)) is not None:
                 raise CheckpointFormatError(
                     f"{path}: corrupt torch checkpoint: the zip archive holds record "
                     f"{twice!r} twice"
