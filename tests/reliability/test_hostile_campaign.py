@@ -733,6 +733,26 @@ def test_native_data_file_that_is_a_fifo_is_named_so(saved_run, tmp_path, capsys
     _fails_naming(capsys, _merge_argv(step, tmp_path), step, f"{data}: is a FIFO")
 
 
+def test_native_manifest_that_is_a_fifo_is_refused_without_waiting(saved_run, tmp_path):
+    """verify and merge waited forever opening a manifest.json replaced by a FIFO (a reader's
+    lease opened it before any check): run apart, under a timeout the old code ran into."""
+    import shutil
+
+    from shardstream.testing.cli import run_cli
+
+    step = tmp_path / "step"
+    shutil.copytree(saved_run.step, step)
+    manifest = step / "manifest.json"
+    manifest.unlink()
+    os.mkfifo(manifest)
+    verified = run_cli("verify", "--quiet", step, timeout=120)
+    said = verified.stdout + verified.stderr
+    assert verified.returncode == 1 and f"{manifest}: is a FIFO" in said, verified
+    merged = run_cli(*_merge_argv(step, tmp_path), timeout=120)
+    assert merged.returncode == 1 and "Traceback" not in merged.stderr, merged
+    assert f"{manifest}: is a FIFO" in merged.stderr and not (tmp_path / "merged").exists()
+
+
 @pytest.mark.parametrize("command", ["merge", "inspect", "verify"])
 def test_native_header_altered_into_another_valid_shape_is_a_checksum_mismatch(
     saved_run, tmp_path, capsys, command

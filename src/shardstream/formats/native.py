@@ -511,7 +511,7 @@ class NativeCheckpoint:
 
 
 def is_native_checkpoint(directory: Path) -> bool:
-    return (directory / MANIFEST).is_file()
+    return os.path.lexists(directory / MANIFEST)  # a FIFO or broken link: refused by name
 
 
 def open_native(

@@ -11,6 +11,7 @@ import contextlib
 import fcntl
 import os
 import socket
+import stat
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -106,6 +107,19 @@ def _dead_on_this_host(fd: int) -> bool:
 # while it reads; retention deletes a checkpoint only when it can take that lock exclusively.
 
 
+def _open_regular(path: str | os.PathLike) -> int | None:
+    """``path`` opened for reading if it is a regular file, else None: a FIFO opened without
+    O_NONBLOCK waits for a writer forever (its reader then refuses it by name)."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    except OSError:
+        return None
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        return None
+    return fd
+
+
 def lease(path: str | os.PathLike) -> int | None:
     """A shared lock on ``path`` (a checkpoint's manifest) for a reader: the descriptor to
     ``release`` when done, or None when the file is gone or being deleted.
@@ -113,9 +127,8 @@ def lease(path: str | os.PathLike) -> int | None:
     Where the filesystem has no locks, the descriptor comes back unlocked: reading goes on
     unprotected, as it would without leases.
     """
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    fd = _open_regular(path)
+    if fd is None:
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
@@ -140,9 +153,8 @@ def claim_unread(path: str | os.PathLike) -> tuple[bool, int | None]:
     ``path`` (a checkpoint's manifest); otherwise ``fd`` holds its exclusive lock, to
     ``release`` after deleting, or is None where there is nothing to lock (no file, no
     locks)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
+    fd = _open_regular(path)
+    if fd is None:
         return True, None
     try:
         if take(fd):
