@@ -119,3 +119,29 @@ def test_two_checkpoints_in_one_file_are_refused(tmp_path):
     assert f"{file}: refused to read: torch's zip reader and Python's list different" in (
         done.stderr
     )
+
+
+def test_a_compressed_pickle_record_is_refused_before_it_is_inflated(tmp_path):
+    """data.pkl deflated with many zero bytes after its STOP: a 1 MB file was inflated whole
+    by torch.load (gigabytes of memory) before the refusal, which blamed a storage record.
+    torch.save never compresses a record."""
+    plain = io.BytesIO()
+    torch.save({"w": torch.arange(4.0)}, plain)
+    source = zipfile.ZipFile(plain)
+    packed = io.BytesIO()
+    with zipfile.ZipFile(packed, "w") as out:
+        for info in source.infolist():
+            body, entry = source.read(info.filename), zipfile.ZipInfo(info.filename)
+            if info.filename.endswith("/data.pkl"):
+                entry.compress_type = zipfile.ZIP_DEFLATED
+                body += bytes(64 << 20)
+            out.writestr(entry, body)
+    file = tmp_path / "ckpt" / "model_world_size_1_rank_0.pt"
+    file.parent.mkdir()
+    file.write_bytes(packed.getvalue())
+    assert file.stat().st_size < (1 << 20)
+    for args in (["inspect", str(file.parent)], ["verify", str(file.parent)]):
+        done = _run(*args)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert "data.pkl' is compressed" in done.stdout + done.stderr, (args, done)
+        assert "Traceback" not in done.stderr

@@ -242,6 +242,16 @@ def _check_archive(f) -> None:
             )
         if sum(n.rsplit("/", 1)[-1] == "data.pkl" for n in names) != 1:
             raise CheckpointFormatError("expected one data.pkl record in the archive")
+        # torch.save stores every record as it is; a compressed one would be inflated whole
+        # into memory before any check (a zip bomb: a megabyte file, gigabytes of pickle)
+        packed = next(
+            (i for i in archive.infolist() if i.compress_type != zipfile.ZIP_STORED), None
+        )
+        if packed is not None:
+            raise CheckpointFormatError(
+                f"record {packed.filename!r} is compressed; torch.save stores every record "
+                "uncompressed (a crafted or foreign archive)"
+            )
         # torch byte-swaps a big-endian archive's storages as it loads them, which on the meta
         # device crashes the process (SIGSEGV); the merge would copy the bytes unswapped anyway
         order = [n for n in names if n.rsplit("/", 1)[-1] == "byteorder"]
