@@ -1065,6 +1065,21 @@ def test_garbage_metadata_is_a_format_error(tmp_path):
         open_checkpoint(tmp_path / "ck")
 
 
+@pytest.mark.parametrize("tail", [bytes(1 << 20), b"more.", b"."], ids=["zeros", "dot", "stop"])
+def test_bytes_after_the_metadata_pickle_are_refused(tmp_path, tail):
+    """Bytes appended to .metadata were ignored (exit 0), a sparse gigabyte of zeros read
+    whole into memory first; refused now, zeros before the file is read."""
+    from shardstream.commands.verify import verify
+
+    _save_plain(tmp_path / "ck", {"w": torch.ones(2, 2)})
+    with open(tmp_path / "ck" / ".metadata", "ab") as f:
+        f.write(tail)
+    words = "pickle's end" if tail.endswith(b".") else "does not end as a pickle does"
+    with pytest.raises(CheckpointFormatError, match=words):
+        open_checkpoint(tmp_path / "ck")
+    assert any(words in p.line() for p in verify(tmp_path / "ck").problems)
+
+
 def test_safetensors_serialization_format_is_refused_clearly(tmp_path):
     from torch.distributed.checkpoint.filesystem import SerializationFormat
 

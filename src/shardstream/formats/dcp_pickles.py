@@ -449,11 +449,13 @@ class _Machine:
             self.stack.append(_Node())
 
 
-def check_pickle(data: bytes) -> None:
+def check_pickle(data: bytes, whole: bool = False) -> None:
     """Walk the pickle's opcodes without running any, refusing what would make the unpickler
     allocate more than the input justifies (a declared length of bytes, string, long or frame
     past the end of the data; a memo index beyond the data's length), nest deeper than
     ``MAX_NESTING``, or hash more than ``WORK_BASE + WORK_PER_BYTE * len(data)`` steps.
+    ``whole``: the pickle must end where ``data`` does (a file that is one pickle: bytes after
+    its STOP, which an unpickler never reads, are refused).
     Raises UnsafeCheckpointError or CheckpointFormatError without the path (the caller adds it).
     """
     end = len(data)
@@ -515,6 +517,11 @@ def check_pickle(data: bytes) -> None:
                     )
                 index = int(line)
         elif op == _STOP:
+            if whole and at != end:
+                raise CheckpointFormatError(
+                    f"{end - at} bytes follow the pickle's end (its STOP at byte {start}); a "
+                    "pickle file holds nothing after it (damaged, or data appended)"
+                )
             return
         elif op not in _NO_ARGUMENT:
             raise CheckpointFormatError(f"unknown pickle opcode {op:#04x} at byte {start}")
@@ -634,7 +641,7 @@ def _safe_loads(unpickler_cls, data: bytes, path: str, what: str):
     ``check_unpickled``; any failure is a CheckpointFormatError (or UnsafeCheckpointError)
     naming ``path``."""
     try:
-        check_pickle(data)
+        check_pickle(data, whole=True)
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{path}: {what}: {exc}") from None
     except CheckpointFormatError as exc:
@@ -679,6 +686,13 @@ def load_metadata(path: str | os.PathLike) -> Metadata:
                     f"{path}: {size} bytes, over the {MAX_METADATA_BYTES} bytes a DCP .metadata "
                     "is read up to (one chunk entry takes about 150 bytes)"
                 )
+            f.seek(max(size - 1, 0))
+            if f.read(1) != b".":  # a pickle ends with STOP: judged before reading it all
+                raise CheckpointFormatError(
+                    f"{path}: the DCP metadata is not readable: it does not end as a pickle "
+                    "does (no STOP opcode as its last byte): damaged, or data appended"
+                )
+            f.seek(0)
             data = f.read(size + 1)  # not the limit: read(n) allocates n bytes first
     except FileNotFoundError:
         raise CheckpointNotFoundError(f"{path}: no such file") from None

@@ -308,7 +308,7 @@ def _pickle_module(allowed: Mapping[tuple[str, str], object], checked: list[int]
             data = file.getvalue() if isinstance(file, io.BytesIO) else None
             if data is None:  # torch hands over data.pkl in memory; anything else is unexpected
                 raise CheckpointFormatError("unexpected pickle source")
-            check_pickle(data)
+            check_pickle(data, whole=True)
             checked.append(len(data))
             super().__init__(file, **kwargs)
 
