@@ -87,7 +87,7 @@ def test_export_plans_with_the_same_policy(tmp_path):
     live = {
         "model.embed_tokens.weight": torch.zeros(4, 2),
         "lm_head.weight": torch.zeros(4, 2),
-        "steps": torch.zeros(3, dtype=torch.int64),
+        "model.norm.steps": torch.zeros(3, dtype=torch.int64),
     }
     config = Qwen2Config(
         vocab_size=4, hidden_size=2, num_attention_heads=1, num_key_value_heads=1,
@@ -95,7 +95,10 @@ def test_export_plans_with_the_same_policy(tmp_path):
     )  # fmt: skip
     out_dtype, files, _ = _plan_files(live, config, None, None)
     names = {t.name: t.dtype for _, group in files for t in group}
-    assert out_dtype == "BF16" and names == {"model.embed_tokens.weight": "BF16", "steps": "I64"}
+    assert out_dtype == "BF16" and names == {
+        "model.embed_tokens.weight": "BF16",
+        "model.norm.steps": "I64",
+    }
 
     (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
     out_dtype, files, _ = _plan_files(live, None, tmp_path, None)
