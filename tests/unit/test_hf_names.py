@@ -236,6 +236,22 @@ def test_names_of_another_model_under_a_table_type_are_asked_of_transformers():
         plan_names(stored, config)
 
 
+def test_a_table_type_missing_a_layer_s_weight_or_its_final_norm_is_refused():
+    """A llama checkpoint without one layer's post_attention_layernorm (a rank file's key
+    lost, a DCP entry stored as bytes) merged exit 0: the model loaded it at random."""
+    config = {"model_type": "llama"}
+    layer = ["self_attn.q_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"]
+    whole = [f"model.layers.{i}.{w}" for i in range(3) for w in layer]
+    whole += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    hf_names.check_whole_table_layers(whole, config)
+    lost = [n for n in whole if n != "model.layers.1.post_attention_layernorm.weight"]
+    with pytest.raises(CheckpointFormatError, match=r"no model\.layers\.1\.post_attention"):
+        hf_names.check_whole_table_layers(lost, config)
+    with pytest.raises(CheckpointFormatError, match=r"final norm model\.norm\.weight"):
+        hf_names.check_whole_table_layers([n for n in whole if n != "model.norm.weight"], config)
+    hf_names.check_whole_table_layers(lost, {"model_type": "qwen3_moe"})  # not the table's
+
+
 def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     plan = plan_names([("_orig_mod.model.norm.weight", "F32", (4,))], {"model_type": "qwen2"})

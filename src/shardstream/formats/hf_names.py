@@ -286,6 +286,7 @@ def check_config_agrees(
     check_stored_layers([name for name, _ in tensors], config, config_path)
     check_stored_embedding(tensors, config, config_path)
     check_table_widths(tensors, config, config_path)
+    check_whole_table_layers([name for name, _ in tensors], config)
 
 
 def _table_decides(model_type: str) -> bool:
@@ -634,6 +635,42 @@ def check_stored_layers(
             f"{config_path}: num_hidden_layers is {count}, but the checkpoint holds "
             f"{where} for N in {_ranges(sorted(stored))}: the checkpoint and "
             "config.json describe different models (--hf_model_path names the model's own)"
+        )
+
+
+TABLE_LAYER = re.compile(r"((?:model\.)?layers\.)(\d+)\.(.+)")
+
+
+def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
+    """For a model type of ``NO_MAPPING_MODEL_TYPES`` (planned without building the model),
+    whose decoder layers all hold the same weights: every layer holds what any other does,
+    and the decoder its final norm. A weight missing from a layer would be written missing,
+    and a model loaded from the output would start it at random."""
+    if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
+        return
+    layers: dict[int, set[str]] = {}
+    head = ""
+    for name in names:
+        if m := TABLE_LAYER.fullmatch(name):
+            head = m[1]
+            layers.setdefault(int(m[2]), set()).add(m[3])
+    if not layers:
+        return
+    every = set().union(*layers.values())
+    for index in sorted(layers):
+        if missing := sorted(every - layers[index]):
+            holding = sum(missing[0] in held for held in layers.values())
+            raise CheckpointFormatError(
+                f"the checkpoint holds no {head}{index}.{missing[0]} ({len(missing)} weight(s) "
+                f"of layer {index} missing), which {holding} of its {len(layers)} layers hold: "
+                "damaged or partly saved; a model loaded from the output would start it at "
+                "random"
+            )
+    norm = head.removesuffix("layers.") + "norm.weight"
+    if norm not in names:
+        raise CheckpointFormatError(
+            f"the checkpoint holds the decoder's layers but not its final norm {norm}: damaged "
+            "or partly saved; a model loaded from the output would start it at random"
         )
 
 
