@@ -61,6 +61,15 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # An input embedding of vocab_size + 1 rows by design: refused as another model's.
+    "moshi": (
+        "MoshiConfig",
+        "MoshiForCausalLM",
+        {"vocab_size": 64, "hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4,
+         "num_key_value_heads": 4, "ffn_dim": 64, "audio_vocab_size": 16, "num_codebooks": 2,
+         "depth_decoder_config": {"hidden_size": 32, "num_hidden_layers": 1,
+                                  "num_attention_heads": 4, "ffn_dim": 64}},
+    ),
     # transformers 4.x lists the one word embedding kept among its tied names: it was dropped.
     "prophetnet": (
         "ProphetNetConfig",

@@ -702,7 +702,7 @@ def check_stored_embedding(
     by name: ``model.embed_tokens.weight`` (or a PEFT module wrapping it), and ``lm_head.weight``
     for an untied ``*ForCausalLM`` unless another head (a critic's ``score``) is stored; for
     others, some stored tensor has a dimension of ``vocab_size``. A stored
-    ``model.embed_tokens.weight`` is [vocab_size, hidden_size] as config.json's top level says,
+    ``model.embed_tokens.weight`` of those types is [vocab_size, hidden_size] as config.json says,
     where it says both: a config.json of another vocabulary or width would be copied beside
     weights no model built from it loads."""
     if not isinstance(config, dict):
@@ -711,9 +711,10 @@ def check_stored_embedding(
     if type(vocab) is not int or type(hidden) is not int:
         return
     names = set()
+    known = config.get("model_type") in EMBED_TOKENS_MODEL_TYPES  # others: the built model's
     for name, shape in tensors:
         names.add(name)
-        if name == EMBEDDING and tuple(shape) != (vocab, hidden):
+        if known and name == EMBEDDING and tuple(shape) != (vocab, hidden):
             raise CheckpointFormatError(
                 f"{config_path}: vocab_size {vocab} and hidden_size {hidden}, but the "
                 f"checkpoint's {name} is {list(shape)}: the checkpoint and config.json "
