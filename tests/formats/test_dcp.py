@@ -964,6 +964,24 @@ def test_metadata_fields_of_the_wrong_type_are_one_line_errors(tmp_path, case):
     _refused_in_one_line(ckpt, tmp_path, needle)
 
 
+def test_a_chunk_listed_many_times_is_refused_before_any_record_is_read(tmp_path, monkeypatch):
+    """One chunk referenced 100,000 times (a few hundred bytes of .metadata): each reference's
+    record was parsed (minutes) before the element count refused it."""
+    from shardstream.formats import dcp
+
+    def repeated(meta, _):
+        md = meta.state_dict_metadata["w"]
+        md.chunks = md.chunks[:1] * 100_000
+
+    ckpt = _corrupt(tmp_path, repeated)
+    read = []
+    real = dcp.read_chunk_layout
+    monkeypatch.setattr(dcp, "read_chunk_layout", lambda *a: read.append(a) or real(*a))
+    with pytest.raises(CheckpointFormatError, match=r"shards hold \d+ elements.*100000 chunks"):
+        open_checkpoint(ckpt)
+    assert read == []
+
+
 def test_chunks_that_do_not_tile_are_refused(tmp_path):
     from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import bisect
 import io
+import math
 import os
 import re
 from collections import Counter
@@ -724,7 +725,7 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
             f"{meta_path}: tensor {key!r} has an invalid shape {short_repr(list(shape))} or "
             f"chunks (each dimension from 0 to {MAX_DIMENSION}, torch's largest)"
         )
-    blocks = []
+    chunks = []
     for chunk in md.chunks:
         if not isinstance(chunk, ChunkStorageMetadata):
             raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has a malformed chunk")
@@ -737,6 +738,17 @@ def _global_tensor(directory, meta_path, key, name, md, by_chunk, sizes, fds) ->
             )
         if any(n < 0 for n in lengths):
             raise CheckpointFormatError(f"{meta_path}: tensor {key!r} has a negative chunk size")
+        chunks.append((offsets, lengths))
+    # Chunks tile the tensor: counted before a record is read (a few hundred bytes of
+    # .metadata can list one chunk a million times, each a record to parse)
+    covered = sum(math.prod(lengths) for _, lengths in chunks)
+    if covered != math.prod(shape):
+        raise CheckpointFormatError(
+            f"{meta_path}: tensor {key!r}: shards hold {covered} elements but shape "
+            f"{list(shape)} needs {math.prod(shape)} ({len(chunks)} chunks listed)"
+        )
+    blocks = []
+    for offsets, lengths in chunks:
         info = by_chunk.get((key, offsets))
         if info is None:
             raise CheckpointFormatError(
