@@ -171,6 +171,13 @@ def test_fsdp_config_world_size_disagrees_with_file_names(capsys, copy_variant, 
     merge_fails(capsys, ckpt, out, "fsdp_config.json", "world_size 4", "world size 2")
 
 
+def test_fsdp_config_world_size_of_another_type_is_named_so(capsys, copy_variant, out):
+    """A string "2" was said to disagree with world size 2."""
+    ckpt = copy_variant("base")
+    (ckpt / "fsdp_config.json").write_text('{"FSDP_version": 2, "world_size": "2"}')
+    merge_fails(capsys, ckpt, out, "fsdp_config.json", "world_size is '2' (str), not a whole")
+
+
 def test_files_renamed_to_another_world_size(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     for r in (0, 1):

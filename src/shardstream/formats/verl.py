@@ -232,6 +232,11 @@ def _rank_files(directory: Path) -> tuple[int, list[str]]:
         )
         found = {declared: found[declared]}
     ((world_size, ranks),) = found.items()
+    if declared is not None and type(declared) is not int:
+        raise CheckpointFormatError(
+            f"{config}: world_size is {str(declared)[:100]!r} ({type(declared).__name__}), "
+            "not a whole number"
+        )
     if declared is not None and declared != world_size:
         raise CheckpointFormatError(
             f"{config}: says world_size {declared}, but the model files are named for "
