@@ -250,7 +250,7 @@ ARCHIVES: dict[str, tuple[Callable[[], bytes], str]] = {
     # the merge wrote the deflated bytes as the weights, exit 0
     "records deflated": (
         lambda: _rezip(_torch_bytes(_plain_state()), _deflated),
-        "not an uncompressed record",
+        "is compressed; torch.save stores every record uncompressed",
     ),
     # the merge read one copy, torch.load the other
     "a record twice": (

@@ -465,7 +465,7 @@ ZIP_DAMAGE = {
     "pickle_byte_flipped": (_pickle_byte_flipped, COMMANDS, "data.pkl"),
     "pickle_of_another_shard": (_pickle_of_the_other_shard, COMMANDS, "claims 4096 bytes"),
     "zip_in_a_zip": (_zip_in_a_zip, COMMANDS, "no data.pkl record"),
-    "deflated": (_deflated, COMMANDS, "is not an uncompressed record"),
+    "deflated": (_deflated, COMMANDS, "is compressed; torch.save stores every record uncompressed"),
     "huge_tensor_record": (_huge_size("/data/3"), COMMANDS, ""),
     "huge_pickle_record": (_huge_size("/data.pkl"), COMMANDS, ""),
 }

@@ -252,6 +252,34 @@ def test_a_table_type_missing_a_layer_s_weight_or_its_final_norm_is_refused():
     hf_names.check_whole_table_layers(lost, {"model_type": "qwen3_moe"})  # not the table's
 
 
+def test_table_shapes_config_json_leaves_undetermined_are_still_checked():
+    """A bias of another shape than its weight's rows, a head of another shape, key-value
+    projections not of num_key_value_heads (head_dim left out of config.json, as Qwen2's
+    is): merged exit 0, and transformers refused to load the output."""
+    config = {"model_type": "qwen2", "hidden_size": 8, "vocab_size": 16,
+              "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    good = {
+        "model.layers.0.self_attn.q_proj.weight": (8, 8),
+        "model.layers.0.self_attn.q_proj.bias": (8,),
+        "model.layers.0.self_attn.k_proj.weight": (4, 8),
+        "model.layers.0.self_attn.v_proj.weight": (4, 8),
+        "model.layers.0.input_layernorm.weight": (8,),
+        "model.norm.weight": (8,),
+        "lm_head.weight": (16, 8),
+    }
+    hf_names.check_table_widths(list(good.items()), config)
+    for name, shape, words in [
+        ("model.layers.0.self_attn.q_proj.bias", (8, 1), "its bias would be"),
+        ("lm_head.weight", (128,), "so it would be"),
+        ("model.norm.weight", (16,), "hidden_size 8"),
+        ("model.layers.0.self_attn.q_proj.weight", (8, 8, 1), "as a matrix"),
+    ]:
+        with pytest.raises(CheckpointFormatError, match=words):
+            hf_names.check_table_widths(list({**good, name: shape}.items()), config)
+    with pytest.raises(CheckpointFormatError, match="k_proj would have 8 rows"):
+        hf_names.check_table_widths(list(good.items()), {**config, "num_key_value_heads": 4})
+
+
 def test_without_transformers_only_types_known_to_need_no_mapping(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # import transformers fails
     plan = plan_names([("_orig_mod.model.norm.weight", "F32", (4,))], {"model_type": "qwen2"})

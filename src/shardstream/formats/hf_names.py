@@ -754,6 +754,56 @@ TABLE_WIDTHS = {
 CLASSIFIERS = ("ForTokenClassification", "ForSequenceClassification")
 
 
+# Weights of width hidden_size in every class of the table (norms; starcoder2's carry a bias)
+TABLE_HIDDEN = re.compile(
+    r"model\.(?:norm|layers\.\d+\.(?:input_layernorm|post_attention_layernorm"
+    r"|pre_feedforward_layernorm|post_feedforward_layernorm))\.(?:weight|bias)"
+)
+
+
+def _check_table_shapes(
+    tensors: Sequence[tuple[str, Sequence[int]]], fields: dict[str, int], config_path: str
+) -> None:
+    """What holds without the fields config.json leaves out: a layer's weight of
+    ``TABLE_WIDTHS`` is a matrix and its bias a vector of its rows; the key and value
+    projections have as many rows per key-value head as the query per attention head; the
+    norms are hidden_size wide, the head [vocab_size, hidden_size]."""
+    shapes = {name: tuple(shape) for name, shape in tensors}
+
+    def refuse(name: str, why: str) -> None:
+        raise CheckpointFormatError(
+            f"{config_path}: {why}, but the checkpoint's {name} is {list(shapes[name])}: the "
+            "checkpoint and config.json describe different models (--hf_model_path names the "
+            "model's own)"
+        )
+
+    hidden, vocab = fields.get("hidden_size"), fields.get("vocab_size")
+    heads, kv_heads = fields.get("num_attention_heads"), fields.get("num_key_value_heads")
+    for name, shape in shapes.items():
+        match = re.fullmatch(r"(model\.layers\.\d+\.)(.+)\.(weight|bias)", name)
+        if match and f"{match[2]}.weight" in TABLE_WIDTHS:
+            weight = shapes.get(f"{match[1]}{match[2]}.weight")
+            if match[3] == "weight" and len(shape) != 2:
+                refuse(name, "its model type holds this weight as a matrix")
+            if match[3] == "bias" and weight is not None and shape != weight[:1]:
+                refuse(name, f"its weight is {list(weight)}, so its bias would be [{weight[0]}]")
+            if match[2] == "self_attn.q_proj" and heads and kv_heads and len(shape) == 2:
+                for kv in ("k_proj", "v_proj"):
+                    other = shapes.get(f"{match[1]}self_attn.{kv}.weight")
+                    if other and other[0] * heads != shape[0] * kv_heads:
+                        rows = shape[0] * kv_heads // heads
+                        refuse(
+                            f"{match[1]}self_attn.{kv}.weight",
+                            f"num_attention_heads {heads} and num_key_value_heads {kv_heads} "
+                            f"with {name} of {shape[0]} rows, so {kv} would have {rows} rows",
+                        )
+        elif hidden and TABLE_HIDDEN.fullmatch(name) and shape != (hidden,):
+            refuse(name, f"hidden_size {hidden}, so it would be [{hidden}]")
+        elif name == HEAD and hidden and vocab and shape != (vocab, hidden):
+            refuse(name, f"vocab_size {vocab} and hidden_size {hidden}, so it would be "
+                   f"[{vocab}, {hidden}]")  # fmt: skip
+
+
 def check_table_widths(
     tensors: Sequence[tuple[str, Sequence[int]]], config: dict, config_path: str = "config.json"
 ) -> None:
@@ -770,10 +820,11 @@ def check_table_widths(
     # head_dim 128, Mistral's 8 key-value heads), which only transformers knows.
     fields = {k: v for k, v in config.items() if type(v) is int and v > 0}
     fields["2"] = 2
+    _check_table_shapes(tensors, fields, config_path)
     for name, shape in tensors:
         match = re.fullmatch(r"model\.layers\.\d+\.(.+)", name)
         wanted = TABLE_WIDTHS.get(match.group(1)) if match else None
-        if wanted is None or len(shape) != 2 or not all(f in fields for f in sum(wanted, ())):
+        if wanted is None or not all(f in fields for f in sum(wanted, ())):
             continue
         rows, cols = (math.prod(fields[f] for f in dim) for dim in wanted)
         if tuple(shape) != (rows, cols):
