@@ -61,6 +61,16 @@ FAMILIES = {
         {**TEXT, **EXPERTS, "num_local_experts": 4, "head_dim": 8},
     ),
     "gemma3_text": ("Gemma3TextConfig", "Gemma3ForCausalLM", {**TEXT, "head_dim": 8}),
+    # transformers 4.57 writes model_type "lfm2-vl", which its config mapping spells
+    # "lfm2_vl": the class's rules (a tied head) went unapplied.
+    "lfm2_vl": (
+        "Lfm2VlConfig",
+        "Lfm2VlForConditionalGeneration",
+        {"text_config": {**TEXT, "layer_types": ["conv", "full_attention"]},
+         "vision_config": {"hidden_size": 32, "intermediate_size": 32, "num_hidden_layers": 1,
+                           "num_attention_heads": 2},
+         "projector_hidden_size": 32},
+    ),
     # An input embedding of vocab_size + 1 rows by design: refused as another model's.
     "moshi": (
         "MoshiConfig",

@@ -461,10 +461,30 @@ def config_object(config: dict) -> Any:
     """config.json as the installed transformers' config class for its ``model_type`` builds
     it, quietly (its warnings about the config are not ours). Raises what transformers
     raises for a type it does not know or a config it rejects."""
+    cls = config_class_of(config)
+    if cls is None:
+        raise KeyError(config.get("model_type"))
+    with transformers_quiet():
+        return cls.from_dict(_special_floats(dict(config)))
+
+
+def config_class_of(config: dict) -> type | None:
+    """The installed transformers' config class for config.json: its ``model_type``'s, else
+    (a type name the class writes but the mapping spells otherwise: 4.57's ``lfm2-vl``) the
+    ``config_class`` of the model class ``architectures[0]`` names; None if neither."""
+    import transformers
     from transformers import CONFIG_MAPPING
 
-    with transformers_quiet():
-        return CONFIG_MAPPING[config["model_type"]].from_dict(_special_floats(dict(config)))
+    model_type = config.get("model_type")
+    if isinstance(model_type, str) and model_type in CONFIG_MAPPING:
+        return CONFIG_MAPPING[model_type]
+    names = config.get("architectures")
+    first = names[0] if isinstance(names, list) and names else None
+    cls = getattr(transformers, first, None) if isinstance(first, str) else None
+    own = getattr(cls, "config_class", None) if isinstance(cls, type) else None
+    if isinstance(own, type) and getattr(own, "model_type", None) == model_type:
+        return own
+    return None
 
 
 _FLOAT_TAGS = {"Infinity": math.inf, "-Infinity": -math.inf, "NaN": math.nan}
@@ -494,10 +514,9 @@ def _meta_model(config: dict, stored: int) -> Any:
     as soon as it does, not built for hours."""
     import torch
     from torch.nn.modules.module import register_module_parameter_registration_hook
-    from transformers import CONFIG_MAPPING
 
     model_type = config["model_type"]
-    if model_type not in CONFIG_MAPPING:
+    if config_class_of(config) is None:
         return None
     limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
     _check_layer_counts(config, limit, stored)
@@ -892,15 +911,14 @@ def _model_class(config: dict, config_class: type | None = None) -> type | None:
     class that maps its config. A class of another model type is refused: the weights are
     one model's, and its rules and the type's would disagree."""
     import transformers
-    from transformers import CONFIG_MAPPING
 
     names = config.get("architectures") or []
     if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
         raise CheckpointFormatError(
             f"config.json: 'architectures' is {str(names)[:200]}, not a list of class names"
         )
-    if config_class is None and config.get("model_type") in CONFIG_MAPPING:
-        config_class = CONFIG_MAPPING[config["model_type"]]
+    if config_class is None:
+        config_class = config_class_of(config)
     cls = getattr(transformers, names[0], None) if names else None
     if (
         isinstance(cls, type)
