@@ -534,6 +534,15 @@ def test_stored_layers_of_the_config_s_depth_or_with_its_mtp_layers_pass():
         hf_names.check_stored_layers([n for n, _, _ in _layers("model.layers.", range(4))], mtp)
 
 
+def test_a_config_counting_sublayers_passes_by_its_num_layers():
+    """transformers 4.57's LongcatFlash: num_layers 2 decoder layers, num_hidden_layers 4
+    (two sublayers each); its own save_pretrained output was refused."""
+    names = ["model.layers.0.w", "model.layers.1.w"]
+    hf_names.check_stored_layers(names, {"num_hidden_layers": 4, "num_layers": 2})
+    with pytest.raises(CheckpointFormatError, match="num_hidden_layers is 4"):
+        hf_names.check_stored_layers(names, {"num_hidden_layers": 4, "num_layers": 3})
+
+
 def test_a_vlm_s_language_layers_are_counted_by_its_text_config():
     config = {"model_type": "x", "text_config": {"num_hidden_layers": 3}}
     names = [n for n, _, _ in _layers("model.language_model.layers.", range(3))]

@@ -646,8 +646,11 @@ def check_stored_layers(
             for k, v in s.items()
             if EXTRA_LAYERS.fullmatch(str(k)) and type(v) is int
         }
+        # num_layers where a model counts its decoder layers so beside sublayers (4.57's
+        # LongcatFlash: num_hidden_layers 4, two per layer)
+        counts = {count} | {s["num_layers"] for s in sections if type(s.get("num_layers")) is int}
         if min(stored) == 0 and any(
-            max(stored) + 1 == len(stored) == count + e for e in {0, *extra}
+            max(stored) + 1 == len(stored) == n + e for n in counts for e in {0, *extra}
         ):
             continue
         raise CheckpointFormatError(
