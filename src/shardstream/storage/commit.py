@@ -34,14 +34,13 @@ from pathlib import Path
 
 from ..errors import (
     COMMITTED_ATTR,
-    PERMISSION_ERRNOS,
     CheckpointPermissionError,
     OutOfSpaceError,
     ShardstreamError,
     TargetExistsError,
     UsageError,
+    os_error,
     out_of_space,
-    refusal,
 )
 from . import locks
 from .tree import is_mount_point, remove_tree, walk
@@ -272,12 +271,9 @@ def stage(target: str | os.PathLike) -> Staged:
 
 
 def _unwritable(exc: OSError, said: str) -> ShardstreamError:
-    """``said`` and why: a refused permission or read-only filesystem (exit 1, as any error
-    of the environment), a full disk, else the OS's words as a usage error (a bad name)."""
-    if exc.errno in PERMISSION_ERRNOS:
-        return CheckpointPermissionError(f"{said}: {refusal(exc)}")
-    full = out_of_space(exc, said, "{path}: no space left on device")
-    return full or UsageError(f"{said}: {exc.strerror}")
+    """``said`` and why: a refused permission, a read-only or full filesystem (exit 1, as any
+    error of the environment: ``errors.os_error``), else the OS's words as a usage error."""
+    return os_error(exc, said) or UsageError(f"{said}: {exc.strerror}")
 
 
 def swap_in(tmp: Path, target: Path) -> Path | None:

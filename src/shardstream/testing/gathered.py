@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from .compare import clone_nested
+
 
 def full_state_dicts(model: Any, optimizer: Any = None) -> tuple[dict, dict | None]:
     """``(model state, optimizer state by FQN)``, every tensor whole and cloned (the optimizer's
@@ -28,21 +30,11 @@ def full_state_dicts(model: Any, optimizer: Any = None) -> tuple[dict, dict | No
         gather = _gathered
     else:  # a plain module, or FSDP1 (which gathers with c10d itself)
         options = StateDictOptions(full_state_dict=True)
-        gather = _cloned
+        gather = clone_nested
     model_state = gather(get_model_state_dict(model, options=options))
     if optimizer is None:
         return model_state, None
     return model_state, gather(get_optimizer_state_dict(model, optimizer, options=options))
-
-
-def _cloned(value: Any) -> Any:
-    if isinstance(value, torch.Tensor):
-        return value.detach().clone()
-    if isinstance(value, dict):
-        return {k: _cloned(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_cloned(v) for v in value)
-    return value
 
 
 def _gathered(value: Any) -> Any:
@@ -56,7 +48,7 @@ def _gathered(value: Any) -> Any:
         return {k: _gathered(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
         return type(value)(_gathered(v) for v in value)
-    return _cloned(value)
+    return clone_nested(value)
 
 
 def _whole(tensor: Any) -> torch.Tensor:
