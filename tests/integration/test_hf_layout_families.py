@@ -88,6 +88,17 @@ FAMILIES = {
          "num_encoder_layers": 1, "num_decoder_layers": 1, "num_encoder_attention_heads": 2,
          "num_decoder_attention_heads": 2, "max_position_embeddings": 64},
     ),
+    # config.json ties the head (the default), the class does not (transformers 5 ties only
+    # what _tied_weights_keys names): save_pretrained writes lm_head, which merge left out and
+    # then refused as missing.
+    "bigbird_pegasus": (
+        "BigBirdPegasusConfig",
+        "BigBirdPegasusForCausalLM",
+        {"vocab_size": 64, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+         "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+         "decoder_ffn_dim": 32, "max_position_embeddings": 64,
+         "attention_type": "original_full"},
+    ),
     # A model type transformers' auto classes build with another type's class.
     "exaone": ("ExaoneConfig", "LlamaForCausalLM", {**TEXT, "pad_token_id": 1}),
     # Saved names that are in-memory names of other tensors too (hc_pre.hc_head.*).

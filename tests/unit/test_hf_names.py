@@ -295,12 +295,12 @@ def test_planning_with_transformers_pauses_the_collector(monkeypatch, qwen3_moe_
     seen, kept = [], []
     trace = hf_names._trace_v5
 
-    def watched(plain, config):
+    def watched(plain, config, tied=()):
         seen.append(gc.isenabled())
         kept.extend([] for _ in range(5000))  # what an import leaves in the youngest generation
         assert gc.get_count()[0] >= len(kept)
         monkeypatch.setitem(sys.modules, "_imported_by_the_trace", sys)  # as an import does
-        return trace(plain, config)
+        return trace(plain, config, tied)
 
     monkeypatch.setattr(hf_names, "_trace_v5", watched)
     monkeypatch.setattr(hf_names, "_PLANS", {})

@@ -157,6 +157,8 @@ def test_the_key_changes_with_transformers_config_tensors_and_format(config, mon
     assert key != hf_names_cache.cache_key([(n, "F32", s) for n, _, s in STORED], config, "5.25.0")
     assert key != hf_names_cache.cache_key(STORED[:-1], config, "5.25.0")
     assert key != hf_names_cache.cache_key(list(reversed(STORED)), config, "5.25.0")
+    # a tensor config.json ties is keyed apart from the stored ones
+    assert key != hf_names_cache.cache_key(STORED[:-1], config, "5.25.0", tied=STORED[-1:])
     # the installed version is read from package metadata, which imports nothing
     from importlib.metadata import version
 
@@ -290,3 +292,41 @@ def test_the_test_session_never_uses_the_home_cache():
     path = Path(os.environ[hf_names_cache.ENV])
     assert path.name.startswith("shardstream-test-cache-")
     assert hf_names_cache.cache_dir() == path
+
+
+BIGBIRD = {  # config.json ties the head (its default); BigBirdPegasusForCausalLM ties none
+    "model_type": "bigbird_pegasus",
+    "architectures": ["BigBirdPegasusForCausalLM"],
+    "vocab_size": 64, "d_model": 32, "encoder_layers": 1, "decoder_layers": 1,
+    "encoder_attention_heads": 2, "decoder_attention_heads": 2, "encoder_ffn_dim": 32,
+    "decoder_ffn_dim": 32, "max_position_embeddings": 64, "attention_type": "original_full",
+}  # fmt: skip
+
+
+def test_a_tied_head_the_model_holds_apart_is_planned_from_the_cache_too(cache, monkeypatch):
+    """config.json ties the head, the class does not: the head is written, and the cached
+    plan says so without transformers."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    with torch.device("meta"):
+        model = transformers.BigBirdPegasusForCausalLM(transformers.BigBirdPegasusConfig(**{
+            k: v for k, v in BIGBIRD.items() if k not in ("model_type", "architectures")
+        }))  # fmt: skip
+    held = model.get_output_embeddings().weight is model.get_input_embeddings().weight
+    stored = [(n, "F32", tuple(p.shape)) for n, p in model.state_dict().items()]
+    head = [t for t in stored if t[0] == "lm_head.weight"]
+    rest = [t for t in stored if t[0] != "lm_head.weight"]
+    first = plan_names(rest, BIGBIRD, tied=head)
+    assert first.untied == (() if held else ("lm_head.weight",))
+    assert ("lm_head.weight" in {p.name for p in first.pieces}) is not held
+    _fresh_process(monkeypatch)
+    assert plan_names(rest, BIGBIRD, tied=head) == first
+
+
+def test_a_tied_head_the_model_ties_stays_left_out(cache, config):
+    vocab = config["vocab_size"]
+    head = [("lm_head.weight", "BF16", (vocab, H))]
+    stored = [*STORED, ("model.embed_tokens.weight", "BF16", (vocab, H))]
+    plan = plan_names(stored, {**config, "tie_word_embeddings": True}, tied=head)
+    assert plan.untied == () and "lm_head.weight" not in {p.name for p in plan.pieces}

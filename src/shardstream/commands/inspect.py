@@ -112,6 +112,12 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
         dropped, refused = tied_duplicates(checkpoint.tensors, config, False), None
     except ShardstreamError as exc:  # merge would refuse: say why, describe the rest
         dropped, refused = set(), str(exc)
+    layout = (
+        {"rule": None, "refused": refused, "renamed": {}, "split": {}}
+        if refused
+        else _layout(checkpoint.tensors, config, dropped, config_dir)
+    )
+    dropped -= set(layout.pop("untied", ()))  # heads the model holds apart: written
     stored = sum(t.nbytes for t in checkpoint.tensors)
     written = sum(
         t.nbytes // itemsize(t.dtype) * itemsize(cast_dtype(t.dtype, out_dtype))
@@ -125,11 +131,7 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     return {
         "output_dtype": _dtype_name(out_dtype) if out_dtype else "as stored",
         "dropped_tied": sorted(dropped),
-        "layout": (
-            {"rule": None, "refused": refused, "renamed": {}, "split": {}}
-            if refused
-            else _layout(checkpoint.tensors, config, dropped, config_dir)
-        ),
+        "layout": layout,
         "bytes_read": read,
         "bytes_written": written,
         "assumed_disk_bytes_per_s": ASSUMED_DISK_BYTES_PER_S,
@@ -142,7 +144,8 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
 
 def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = None) -> dict:
     """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
-    tensors it splits; or why merge would refuse the layout."""
+    tensors it splits, and under ``untied`` the heads of ``dropped`` the model holds apart
+    (written); or why merge would refuse the layout."""
     from ..errors import ShardstreamError
     from ..formats.hf_names import plan_checkpoint_names
 
@@ -155,7 +158,8 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
     try:
         stored = [(t.name, t.dtype, t.shape) for t in base]
         where = str(config_dir / "config.json") if config_dir else "config.json"
-        plan = plan_checkpoint_names(stored, config, config_path=where)
+        tied = [(t.name, t.dtype, t.shape) for t in tensors if t.name in dropped]
+        plan = plan_checkpoint_names(stored, config, config_path=where, tied=tied)
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}
@@ -163,7 +167,8 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
     for p in plan.pieces:
         if not p.whole:
             parts.setdefault(p.stored, []).append(p.name)
-    return {"rule": plan.describe(), "refused": None, "renamed": renamed, "split": parts}
+    layout = {"rule": plan.describe(), "refused": None, "renamed": renamed, "split": parts}
+    return {**layout, "untied": list(plan.untied)}
 
 
 def _describe_hf_model(path: Path, checkpoint, config: dict) -> dict:

@@ -249,26 +249,12 @@ def _merge(
         lora.check_factors(split, settings.r)
     drop = tied_duplicates(tensors, config, tie_word_embedding)
     where = str(config_dir / "config.json") if config_dir else "config.json"
-    if split and fuse_lora:
-        tied = sorted(m for m in split.factors if f"{m}.weight" in drop)
-        if tied:
-            raise UsageError(
-                f"{local_dir}: LoRA on {tied[0]!r}, which {where} ties to the input embedding: "
-                "save_pretrained writes no such head, so its fused update would be lost; merge "
-                "without --fuse-lora for the base model and the adapter (which keeps it)"
-            )
     if split and not settings.rslora_stated:
         notes.append(
             f"LoRA scale taken as {settings.scale_rule} ({settings.scale:g}): no file of the "
             "checkpoint says whether the run used rsLoRA (verl's lora_train_meta.json does not "
             "record use_rslora); if it did, the "
             + ("fused weights are wrong" if fuse_lora else "adapter's use_rslora must be true")
-        )
-    if drop:
-        notes.append(
-            f"left out {', '.join(sorted(drop))}: {where} ties it to the input embedding, so "
-            "save_pretrained writes none and a loaded model uses the embedding in its place "
-            "(if the run trained it apart, merge with the run's own config: --hf_model_path)"
         )
     # A layout transformers must plan takes seconds (its import, the model on meta): the disk
     # reads the first source bytes meanwhile. Ranks of a distributed merge read their own.
@@ -288,6 +274,21 @@ def _merge(
         )
     give_back_freed_memory()  # what planning dropped, before the copy's buffers
     layout_s = time.perf_counter() - planning
+    drop -= set(names.untied)  # a head the model holds apart all the same: written
+    if split and fuse_lora:
+        tied = sorted(m for m in split.factors if f"{m}.weight" in drop)
+        if tied:
+            raise UsageError(
+                f"{local_dir}: LoRA on {tied[0]!r}, which {where} ties to the input embedding: "
+                "save_pretrained writes no such head, so its fused update would be lost; merge "
+                "without --fuse-lora for the base model and the adapter (which keeps it)"
+            )
+    if drop:
+        notes.append(
+            f"left out {', '.join(sorted(drop))}: {where} ties it to the input embedding, so "
+            "save_pretrained writes none and a loaded model uses the embedding in its place "
+            "(if the run trained it apart, merge with the run's own config: --hf_model_path)"
+        )
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if update and target.is_dir():  # found now, not once the whole model is written
         refuse_other_kinds(target, _entries_written(files, split, fuse_lora, config_dir))

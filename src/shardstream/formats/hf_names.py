@@ -125,6 +125,9 @@ class NamePlan:
     # Outputs save_pretrained writes from the model's persistent buffers (DeepSeek-V3's
     # e_score_correction_bias): its index's total_parameters (num_parameters()) leaves them out
     buffers: tuple[str, ...] = ()
+    # Of the heads config.json ties (``plan_names``'s ``tied``), the stored names of those the
+    # model holds apart all the same, which save_pretrained writes: planned like the others
+    untied: tuple[str, ...] = ()
 
     @property
     def renamed(self) -> int:
@@ -227,23 +230,27 @@ def plan_names(
     keep_names: bool = False,
     config_path: str = "config.json",
     model_order: bool = False,
+    tied: Sequence[tuple[str, str, tuple[int, ...]]] = (),
 ) -> NamePlan:
     """The output tensors for stored tensors ``(name, dtype code, shape)`` of the model that
     ``config`` (config.json's content) describes. ``keep_names``: the stored names as they are.
     ``config_path``: where config.json is, for the messages that refuse it. ``model_order``:
     the tensors are not listed in the model's order (an HF directory's files list them by
     name) and the order matters (the output is split into files): ask the model for it even
-    where no mapping is needed."""
+    where no mapping is needed. ``tied``: stored heads config.json ties to the input embedding
+    (``hf.tied_duplicates``), left out unless the model transformers builds holds one apart
+    (``NamePlan.untied``: BigBirdPegasus's causal LM under transformers 5 ties none)."""
     if keep_names:
         return NamePlan(tuple(_whole(n, n, s) for n, _, s in tensors), "--keep-names", True)
     # The export plans every save alike: the model class is built once per layout.
     described = json.dumps(config, sort_keys=True, default=str)
-    key = (tuple((n, d, tuple(s)) for n, d, s in tensors), described, model_order)
+    listed = tuple((n, d, tuple(s)) for n, d, s in tensors)
+    key = (listed, described, model_order, tuple((n, d, tuple(s)) for n, d, s in tied))
     if key not in _PLANS:
         if len(_PLANS) >= 4:
             _PLANS.pop(next(iter(_PLANS)))
         try:
-            _PLANS[key] = _plan_names(key[0], config, model_order)
+            _PLANS[key] = _plan_names(listed, config, model_order, key[3])
         except CheckpointFormatError as exc:  # messages about it start "config.json"
             text = str(exc)
             if not text.startswith("config.json") or config_path == "config.json":
@@ -261,12 +268,14 @@ def plan_checkpoint_names(
     keep_names: bool = False,
     config_path: str = "config.json",
     model_order: bool = False,
+    tied: Sequence[tuple[str, str, tuple[int, ...]]] = (),
 ) -> NamePlan:
     """``plan_names`` for a whole checkpoint's tensors, which config.json must describe
     (``check_config_agrees``): what merge, shardstream test, the export and inspect plan by."""
-    plan = plan_names(tensors, config, keep_names, config_path, model_order)
+    plan = plan_names(tensors, config, keep_names, config_path, model_order, tied)
     plain = plan.stripped or {}
-    check_config_agrees([(plain.get(n, n), s) for n, _, s in tensors], config, config_path)
+    written = [*tensors, *(t for t in tied if t[0] in plan.untied)]
+    check_config_agrees([(plain.get(n, n), s) for n, _, s in written], config, config_path)
     if plan.missing and not keep_names:
         shown = ", ".join(f"{group}.*" for group in plan.missing)
         raise CheckpointFormatError(
@@ -306,11 +315,15 @@ def _table_decides(model_type: str) -> bool:
 
 
 def _plan_names(
-    tensors: Sequence[tuple[str, str, tuple[int, ...]]], config: dict, model_order: bool = False
+    tensors: Sequence[tuple[str, str, tuple[int, ...]]],
+    config: dict,
+    model_order: bool = False,
+    tied: Sequence[tuple[str, str, tuple[int, ...]]] = (),
 ) -> NamePlan:
-    stripped = strip_wrappers([n for n, _, _ in tensors])
+    stripped = strip_wrappers([n for n, _, _ in (*tensors, *tied)])
     rule = "wrapper prefixes stripped" if any(k != v for k, v in stripped.items()) else ""
     plain = [(stripped[n], d, tuple(s)) for n, d, s in tensors]
+    plain_tied = [(stripped[n], d, tuple(s)) for n, d, s in tied]
     back = {v: k for k, v in stripped.items()}
     model_type = config.get("model_type") if isinstance(config, dict) else None
     if not model_type:
@@ -323,13 +336,15 @@ def _plan_names(
         )
     from . import hf_names_cache
 
+    # the table's classes tie every head their config ties
     decided = _table_decides(model_type) and all(TABLE_NAMES.match(n) for n, _, _ in plain)
     if decided and not (model_order and hf_names_cache.transformers_version()):
         # without transformers the input's order stands: save_pretrained's is the model's
         unordered = "; files split in the input's order (transformers knows the model's)"
         why = f"{model_type}: needs no mapping" + (unordered if model_order else "")
         return _identity(plain, back, _join(rule, why))
-    cached = hf_names_cache.load(tensors, config)
+    tied_names = {n for n, _, _ in tied}
+    cached = hf_names_cache.load(tensors, config, tied)
     if cached is not None:  # computed by this transformers before: not imported now
         found, pieces, missing, buffers = cached
         return NamePlan(
@@ -339,21 +354,24 @@ def _plan_names(
             stripped,
             tuple(missing),
             tuple(buffers),
+            tuple(sorted({p["stored"] for p in pieces} & tied_names)),
         )
     # the child is for the import; without transformers the refusal is said here
     apart = PLAN_APART and hasattr(os, "fork") and hf_names_cache.transformers_version()
     plan_by = _planned_apart if apart else _with_transformers
-    pieces, what, missing, buffers, version = plan_by(plain, config, model_type)
+    pieces, what, missing, buffers, version = plan_by(plain, config, model_type, plain_tied)
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
     described = _join(rule, f"transformers {version} {what}")
-    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers)
-    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers)
+    untied = tuple(sorted({p.stored for p in pieces} & tied_names))
+    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers, untied)
+    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers, tied)
     return plan
 
 
-def _with_transformers(plain, config: dict, model_type: str) -> tuple:
+def _with_transformers(plain, config: dict, model_type: str, tied=()) -> tuple:
     """``(pieces, rule, missing parts, buffers' outputs, transformers version)`` for stored
-    tensors ``plain`` (wrapper prefixes stripped), as the installed transformers saves them."""
+    tensors ``plain`` (wrapper prefixes stripped), as the installed transformers saves them;
+    with the heads of ``tied`` the model holds apart (``_heads_held_apart``)."""
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
@@ -369,13 +387,13 @@ def _with_transformers(plain, config: dict, model_type: str) -> tuple:
         missing: tuple[str, ...] = ()
         buffers: tuple[str, ...] = ()
         if has_weight_conversions():
-            pieces, what, missing, buffers = _trace_v5(plain, config)
+            pieces, what, missing, buffers = _trace_v5(plain, config, tied)
         else:
-            pieces, what, buffers = _renames_v4(plain, config)
+            pieces, what, buffers = _renames_v4(plain, config, tied)
     return pieces, what, missing, buffers, version
 
 
-def _planned_apart(plain, config: dict, model_type: str):
+def _planned_apart(plain, config: dict, model_type: str, tied=()):
     """``_with_transformers`` in a forked child process, its result sent back as JSON: this
     process never imports transformers, whose modules (~115 MiB) would stay resident through
     the copy. Only where ``PLAN_APART`` is set (the ``shardstream`` command)."""
@@ -389,7 +407,7 @@ def _planned_apart(plain, config: dict, model_type: str):
             os.close(read_end)
             try:
                 pieces, what, missing, buffers, version = _with_transformers(
-                    plain, config, model_type
+                    plain, config, model_type, tied
                 )
                 pieces = [dataclasses.asdict(p) for p in pieces]
                 result = {"plan": [pieces, what, missing, buffers, version]}
@@ -969,17 +987,19 @@ def _auto_classes_of(config_class: type) -> list[type]:
     return found
 
 
-def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...], tuple[str, ...]]:
+def _trace_v5(
+    plain, config: dict, tied=()
+) -> tuple[list[Piece], str, tuple[str, ...], tuple[str, ...]]:
     """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
     back where each output lies in the stored tensors; and the model's parts the output
-    holds nothing of (``_missing_parts``)."""
+    holds nothing of (``_missing_parts``). ``tied``: as ``_with_transformers``'s."""
     import torch
     from torch.overrides import TorchFunctionMode
     from transformers.core_model_loading import revert_weight_conversion
 
     from ..engine.dtypes import TORCH_BY_CODE
 
-    model = _meta_model(config, len(plain))
+    model = _meta_model(config, len(plain) + len(tied))
     if model is None:
         return (
             [_whole(n, n, s) for n, _, s in plain],
@@ -987,6 +1007,7 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...], t
             (),
             (),
         )
+    plain = [*plain, *_heads_held_apart(model, plain, tied)]
     saved = _saved_layout_held(model, plain, revert_weight_conversion)
     if saved is not None:  # a save_pretrained directory already: written as it is
         rule, missing, order = saved
@@ -1005,7 +1026,10 @@ def _trace_v5(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...], t
             named = {}
         stored = {n for n, _, _ in plain}
         return pieces, rule, missing, tuple(sorted(n for n in named if n in stored))
-    model = _holding_the_tensors(model, config, plain)
+    holder = _holding_the_tensors(model, config, plain)
+    if holder is not model:
+        model = holder
+        plain = [*plain, *_heads_held_apart(model, plain, tied)]
     # In the model's own order, as save_pretrained converts and splits its state dict: a
     # checkpoint's files (an HF directory's, sorted by name) may list them otherwise.
     plain = _in_model_order(plain, model, {})
@@ -1131,6 +1155,19 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
         matched = [n for n in held if any(re.search(p, n) for p in patterns)]
         dropped |= {n for n in matched[: len(held) - 1] if n != TIED_HEAD}
     return dropped
+
+
+def _heads_held_apart(model: Any, plain, tied) -> list:
+    """The heads of ``tied`` (config.json ties them) that ``model``, built from that config,
+    holds as parameters of their own, shared with no other name: the class ties none
+    (transformers 5 ties only what ``_tied_weights_keys`` names), so save_pretrained writes
+    them. One the model does not hold under its name stays left out, as the config says."""
+    held = {n for n, _, _ in plain}
+    named = dict(model.named_parameters(remove_duplicate=False))
+    owners: dict[int, int] = {}
+    for param in named.values():
+        owners[id(param)] = owners.get(id(param), 0) + 1
+    return [t for t in tied if t[0] not in held and t[0] in named and owners[id(named[t[0]])] == 1]
 
 
 def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...], list[str]] | None:
@@ -1328,19 +1365,21 @@ def _in_model_order(plain, model: Any, mapping: dict[str, str]) -> list:
     return sorted(plain, key=lambda t: place(t[0]))
 
 
-def _renames_v4(plain, config: dict) -> tuple[list[Piece], str, tuple[str, ...]]:
+def _renames_v4(plain, config: dict, tied=()) -> tuple[list[Piece], str, tuple[str, ...]]:
     """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
     (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
-    its capture groups dropped from the replacement."""
+    its capture groups dropped from the replacement. ``tied``: as ``_with_transformers``'s."""
     from transformers import modeling_utils
 
     cls = _model_class(config)
     if cls is None:
         return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
     try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
-        model = _meta_model(config, len(plain))
+        model = _meta_model(config, len(plain) + len(tied))
     except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
         model = None
+    if model is not None:
+        plain = [*plain, *_heads_held_apart(model, plain, tied)]
     mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
     buffers = _buffers(model) if model is not None else set()
 

@@ -4,8 +4,9 @@ modeling module (seconds); later ones read a small JSON file and import nothing.
 
 Key: sha256 of the cache format (``CACHE_FORMAT``, bumped with the planning code), the
 installed transformers version (read from its package metadata, which imports nothing),
-config.json's content as canonical JSON (``model_type`` and ``architectures`` among it), and
-the stored tensors (name, dtype code, shape) in order.
+config.json's content as canonical JSON (``model_type`` and ``architectures`` among it), the
+stored tensors (name, dtype code, shape) in order, and apart from them the heads config.json
+ties (``tied``: the plan keeps those the model holds apart).
 Directory: ``$SHARDSTREAM_CACHE_DIR`` if set (the empty string disables the cache), else
 ``$XDG_CACHE_HOME/shardstream/hf-layouts``, else ``~/.cache/shardstream/hf-layouts``. It holds
 at most ``MAX_ENTRIES`` plans: a hit touches its file's mtime, and each store removes the
@@ -49,8 +50,9 @@ log = logging.getLogger(__name__)
 # model's parts the checkpoint holds nothing of (``missing``); 7: a box from the origin that is
 # part of its stored tensor (the first chunk of a split) was planned as the whole tensor;
 # 8: a checkpoint in the saved layout whose names partly are in-memory names too; 9: pieces in
-# the model's order, and the saved layout's storage groups; 10: the outputs of buffers.
-CACHE_FORMAT = 10
+# the model's order, and the saved layout's storage groups; 10: the outputs of buffers;
+# 11: the heads config.json ties, asked of the model (``tied``), a class that ties none kept.
+CACHE_FORMAT = 11
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -81,7 +83,9 @@ def transformers_version() -> str | None:
         return None
 
 
-def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str | None:
+def cache_key(
+    tensors: Tensors, config: dict, version: str | None = None, tied: Tensors = ()
+) -> str | None:
     """The hex key of a request, or None when it cannot be keyed (no transformers installed,
     a config that is not JSON)."""
     version = version if version is not None else transformers_version()
@@ -94,6 +98,7 @@ def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str
                 "transformers": version,
                 "config": config,
                 "tensors": [[n, d, [int(x) for x in s]] for n, d, s in tensors],
+                "tied": [[n, d, [int(x) for x in s]] for n, d, s in tied],
             },
             sort_keys=True,
             separators=(",", ":"),
@@ -105,11 +110,13 @@ def cache_key(tensors: Tensors, config: dict, version: str | None = None) -> str
     return hashlib.sha256(described.encode()).hexdigest()
 
 
-def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str], list[str]] | None:
+def load(
+    tensors: Tensors, config: dict, tied: Tensors = ()
+) -> tuple[str, list[dict], list[str], list[str]] | None:
     """The cached ``(rule, pieces, missing, buffers)`` for this request, pieces as dicts of
     ``FIELDS`` with tuples; None on a miss, a disabled cache or a file that fails any check."""
     directory = cache_dir()
-    key = cache_key(tensors, config)
+    key = cache_key(tensors, config, tied=tied)
     if directory is None or key is None:
         return None
     path = directory / f"{key}.json"
@@ -119,7 +126,7 @@ def load(tensors: Tensors, config: dict) -> tuple[str, list[dict], list[str], li
         if not path.is_file():
             return None
         doc = read_object(path, "cached layout")
-        found = _checked(doc, key, tensors)
+        found = _checked(doc, key, [*tensors, *tied])
     except (OSError, ShardstreamError, ValueError, TypeError, KeyError, RecursionError) as exc:
         log.debug("ignoring the cached layout %s: %s", path, exc)
         return None
@@ -140,12 +147,13 @@ def store(
     pieces: Sequence,
     missing: Sequence[str] = (),
     buffers: Sequence[str] = (),
+    tied: Tensors = (),
 ) -> None:
     """Keep ``rule``, ``pieces`` (``hf_names.Piece``), ``missing`` (``NamePlan.missing``) and
     ``buffers`` (``NamePlan.buffers``) for this request; never raises for a directory or disk
     that refuses the write."""
     directory = cache_dir()
-    key = cache_key(tensors, config)
+    key = cache_key(tensors, config, tied=tied)
     if directory is None or key is None:
         return
     listed = [

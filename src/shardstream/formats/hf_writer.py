@@ -45,11 +45,14 @@ def output_layout(
     gives them (``hf_names.plan_checkpoint_names``) and in its output dtype
     (``hf.cast_dtype``). A renamed tensor keeps its source; a slice of a stored tensor reads
     its box (``TensorSlice``), so splitting a fused tensor stays a byte-range plan.
-    ``source.name`` is the stored name. ``model_order``: as ``hf_names.plan_names``'s."""
+    ``source.name`` is the stored name. ``model_order``: as ``hf_names.plan_names``'s.
+    ``drop`` holds the heads config.json ties (``hf.tied_duplicates``): one the model holds
+    apart all the same is written (``NamePlan.untied``)."""
     kept = [t for t in tensors if t.name not in drop]
     stored = [(t.name, t.dtype, t.shape) for t in kept]
-    plan = plan_checkpoint_names(stored, config, keep_names, config_path, model_order)
-    by_name = {t.name: t for t in kept}
+    tied = [(t.name, t.dtype, t.shape) for t in tensors if t.name in drop]
+    plan = plan_checkpoint_names(stored, config, keep_names, config_path, model_order, tied)
+    by_name = {t.name: t for t in tensors}
     outputs = []
     for piece in plan.pieces:
         source = by_name[piece.stored]
