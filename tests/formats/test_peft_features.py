@@ -56,6 +56,10 @@ def _peft_model(case: str, config):
         return get_peft_model(
             Qwen2ForTokenClassification(config), LoraConfig(**lora, task_type="TOKEN_CLS")
         )
+    if case == "lora_bias":
+        return get_peft_model(base, LoraConfig(**lora, lora_bias=True))
+    if case == "kasa":
+        return get_peft_model(base, LoraConfig(**lora, kasa_config={}))
     if case == "two adapters":
         model = get_peft_model(base, LoraConfig(**lora))
         model.add_adapter("second", LoraConfig(**lora))
@@ -70,6 +74,9 @@ def _peft_model(case: str, config):
         ("embedding", "LoRA on an embedding"),
         ("critic", "modules_to_save"),
         ("two adapters", "several PEFT adapters ('default', 'second')"),
+        # tensors besides the factors, which were written into the base model as they were
+        ("lora_bias", "q_proj.lora_B.default.bias'"),
+        ("kasa", "q_proj.lora_diag.default'"),
     ],
 )
 def test_a_peft_feature_merge_does_not_apply_is_refused(tmp_path, capsys, case, shown):
@@ -162,3 +169,46 @@ def test_an_adapter_alone_merges_without_the_no_config_note(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "found no config.json" not in err, err
     assert (tmp_path / "o" / "adapter_model.safetensors").is_file()
+
+
+def _with_peft_config(tmp_path: Path, **settings) -> Path:
+    """A plain LoRA checkpoint with PEFT's own adapter_config.json beside it, saved by PEFT
+    and then given ``settings``."""
+    config = tiny_config("qwen2")
+    model = _peft_model("plain", config)
+    ck = _save(tmp_path / "ck", model, config)
+    model.peft_config["default"].save_pretrained(str(tmp_path / "adapter"))
+    written = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    (ck / "adapter_config.json").write_text(json.dumps({**written, **settings}))
+    return ck
+
+
+def test_peft_own_adapter_config_of_a_plain_lora_merges(tmp_path, capsys):
+    """Every key PEFT writes for plain LoRA (its defaults included) is one merge knows."""
+    ck = _with_peft_config(tmp_path)
+    argv = ["merge", "--local_dir", str(ck), "--target_dir", str(tmp_path / "o"), "--fuse-lora"]
+    assert cli.main([*argv, *_hf(ck)]) == 0, capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("settings", "shown"),
+    [
+        ({"alora_invocation_tokens": [5, 6]}, "alora_invocation_tokens is set (activated LoRA"),
+        ({"use_bdlora": {"nblocks": 2}}, "use_bdlora is set (block-diagonal"),
+        ({"kasa_config": {}}, "kasa_config is set (KaSA"),
+        ({"a_future_variant": {"on": True}}, "a_future_variant is set (a PEFT setting merge"),
+        ({"peft_type": "LOHA"}, "peft_type is LOHA; merge reads LoRA adapters only"),
+    ],
+)
+def test_an_adapter_setting_merge_does_not_apply_is_refused(tmp_path, capsys, settings, shown):
+    """The adapter's tensors are plain lora_A/lora_B, but adapter_config.json says they mean
+    more (or something merge does not know): the adapter was written as plain LoRA and the
+    fused weights as W + scale * B @ A, exit 0. Refused, naming the file and the key."""
+    ck = _with_peft_config(tmp_path, **settings)
+    for fuse in ([], ["--fuse-lora"]):
+        target = tmp_path / f"out{len(fuse)}"
+        argv = ["merge", "--local_dir", str(ck), "--target_dir", str(target), *fuse, *_hf(ck)]
+        assert cli.main(argv) == 1
+        err = capsys.readouterr().err
+        assert shown in err and str(ck / "adapter_config.json") in err, err
+        assert not target.exists()

@@ -103,10 +103,18 @@ _PEFT_FEATURES = (
 )
 
 
+# Any other ``lora_*`` part of a PEFT model's name: a tensor of a LoRA variant
+# (``lora_bias``'s ``lora_B.bias``, KaSA's ``lora_diag``, AdaLoRA's ``lora_E``) that the
+# factors alone do not describe.
+_LORA_PART = re.compile(r"\.lora_\w+")
+
+
 def unsupported_peft(names: Iterable[str]) -> str | None:
     """What of PEFT that merge does not apply the tensor ``names`` show, naming one tensor;
-    also several adapters in one model (PEFT's ``add_adapter``): None if nothing."""
+    also several adapters in one model (PEFT's ``add_adapter``): None if nothing. In a PEFT
+    model (one with LoRA factors) every ``lora_*`` tensor must be a factor."""
     adapters: dict[str, str] = {}
+    other_parts: list[str] = []
     for name in names:
         for pattern, what in _PEFT_FEATURES:
             if pattern.search(name):
@@ -114,6 +122,13 @@ def unsupported_peft(names: Iterable[str]) -> str | None:
         match = _FACTOR.match(name)
         if match:
             adapters.setdefault(match["adapter"] or "", name)
+        elif _LORA_PART.search(name):
+            other_parts.append(name)
+    if adapters and other_parts:
+        return (
+            f"a LoRA variant whose tensors are not lora_A/lora_B weights (tensor "
+            f"{other_parts[0]!r}: lora_bias, KaSA's lora_diag, AdaLoRA's lora_E and the like)"
+        )
     if len(adapters) > 1:
         shown = ", ".join(repr(a) for a in sorted(adapters))
         return f"several PEFT adapters ({shown}), which merge would mix"
@@ -157,7 +172,41 @@ UNSUPPORTED = {
     "fan_in_fan_out": "transposed factors",
     "rank_pattern": "per-module ranks",
     "alpha_pattern": "per-module alphas",
+    "lora_bias": "a bias on lora_B",
+    "kasa_config": "KaSA's singular values between the factors",
+    "alora_invocation_tokens": "activated LoRA, which applies from its invocation tokens on "
+    "(PEFT does not fuse it either)",
+    "use_bdlora": "block-diagonal factors (BD-LoRA)",
+    "use_qalora": "QA-LoRA's pooled inputs",
+    "velora_config": "VeLoRA's compressed activations",
+    "monteclora_config": "MonteCLoRA's sampled factors",
+    "arrow_config": "Arrow's routing among adapters",
+    "layer_replication": "replicated layers",
+    "modules_to_save": "whole trained copies of modules",
+    "trainable_token_indices": "trainable tokens",
+    "target_parameters": "LoRA on parameters",
 }
+# adapter_config.json's keys that do not change what the factors and base weights merge reads
+# mean (where and how the adapter was placed and initialised, bookkeeping). Any other key that
+# is set is refused: a PEFT variant merge does not know would be written as plain LoRA.
+NEUTRAL = frozenset(
+    {
+        "peft_type", "task_type", "auto_mapping", "peft_version", "base_model_name_or_path",
+        "revision", "inference_mode", "r", "lora_alpha", "use_rslora", "lora_dropout",
+        "target_modules", "exclude_modules", "bias", "init_lora_weights", "layers_to_transform",
+        "layers_pattern", "megatron_config", "megatron_core", "loftq_config", "eva_config",
+        "corda_config", "lora_ga_config", "runtime_config", "qalora_group_size",
+        "ensure_weight_tying",
+    }
+)  # fmt: skip
+
+
+def setting_is_on(key: str, value: object) -> bool:
+    """Whether a PEFT setting is on: not null, false or an empty list (nor the empty patterns
+    that are rank_pattern's and alpha_pattern's defaults; an empty ``kasa_config`` is on)."""
+    if value is None or value is False or value == []:
+        return False
+    return not (value == {} and key in ("rank_pattern", "alpha_pattern"))
 
 
 def lora_settings(directory: Path, recorded: dict | None = None) -> LoraSettings:
@@ -215,12 +264,19 @@ def _settings(meta: object, where: str) -> tuple[LoraSettings, bool]:
         )
     if rslora is not None and type(rslora) is not bool:
         raise CheckpointFormatError(f"{where}: use_rslora is {str(rslora)[:40]}, not true or false")
-    for key, what in UNSUPPORTED.items():
-        if meta.get(key):
-            raise CheckpointFormatError(
-                f"{where}: {key} is set ({what}); merge does not apply it, so the adapter or "
-                "fused weights would differ from the trained model"
-            )
+    for key, value in meta.items():
+        if key in NEUTRAL or not setting_is_on(key, value):
+            continue
+        what = UNSUPPORTED.get(key, "a PEFT setting merge does not know")
+        raise CheckpointFormatError(
+            f"{where}: {key} is set ({what}); merge does not apply it, so the adapter or "
+            "fused weights would differ from the trained model"
+        )
+    peft_type = meta.get("peft_type", "LORA")
+    if peft_type != "LORA":
+        raise CheckpointFormatError(
+            f"{where}: peft_type is {str(peft_type)[:40]}; merge reads LoRA adapters only"
+        )
     return LoraSettings(r, float(alpha), bool(rslora)), rslora is not None
 
 

@@ -26,7 +26,7 @@ from ..engine.endpoints import refuse_lazy_view
 from ..errors import CheckpointFormatError, UsageError
 from ..formats import jsondoc
 from ..formats.layout_names import describe_placements, mesh_dim_names
-from ..formats.lora import UNSUPPORTED
+from ..formats.lora import UNSUPPORTED, setting_is_on
 from ..formats.native import MODEL_PREFIX, OPTIMIZER_PREFIX
 from .schedulers import same_kind
 
@@ -147,7 +147,7 @@ def model_lora_meta(model: torch.nn.Module) -> dict[str, Any] | None:
         "use_rslora": bool(field("use_rslora", False)),
     }
     for key in UNSUPPORTED:  # settings merge refuses, recorded only when they are set
-        if field(key):
+        if setting_is_on(key, field(key)):
             meta[key] = True
     return meta
 
