@@ -145,3 +145,43 @@ def test_a_compressed_pickle_record_is_refused_before_it_is_inflated(tmp_path):
         assert done.returncode == 1, (args, done.stdout, done.stderr)
         assert "data.pkl' is compressed" in done.stdout + done.stderr, (args, done)
         assert "Traceback" not in done.stderr
+
+
+def _central_names(raw: bytes) -> dict[str, int]:
+    """Each central directory entry's name -> where that name's bytes start in ``raw``."""
+    end = raw.rfind(b"PK\x05\x06")
+    at = struct.unpack_from("<I", raw, end + 16)[0]
+    found = {}
+    while raw[at : at + 4] == b"PK\x01\x02":
+        n, e, c = struct.unpack_from("<HHH", raw, at + 28)
+        found[raw[at + 46 : at + 46 + n].decode()] = at + 46
+        at += 46 + n + e + c
+    return found
+
+
+@pytest.mark.parametrize("damage", ["two names swapped", "one name's bit flipped"])
+def test_central_names_that_are_not_the_local_headers_are_refused(tmp_path, damage):
+    """torch's reader finds a storage by its central directory name, a meta load by the
+    records' order: two equal-size storages' central names swapped made torch.load give each
+    tensor the other's bytes, while verify said OK and merge wrote the originals, exit 0; a
+    flipped bit in one (``data/3`` -> ``tata/3``) left a file torch cannot load that verify
+    passed. Every record's local header must name it as the central directory does."""
+    file = tmp_path / "ckpt" / "model_world_size_1_rank_0.pt"
+    file.parent.mkdir()
+    torch.save({f"w{i}": torch.full((8,), float(i)) for i in range(4)}, file)
+    raw = bytearray(file.read_bytes())
+    names = _central_names(raw)
+    a, b = (next(n for n in names if n.endswith(f"/data/{k}")) for k in (1, 2))
+    if damage == "two names swapped":
+        (pa, pb), n = (names[a], names[b]), len(a.encode())
+        raw[pa : pa + n], raw[pb : pb + n] = raw[pb : pb + n], raw[pa : pa + n]
+    else:
+        raw[names[a] + len(a) - len("data/1")] ^= 0x10
+    file.write_bytes(raw)
+    for args in (["verify", str(file.parent)], ["merge", "--local_dir", str(file.parent),
+                 "--target_dir", str(tmp_path / "out")]):  # fmt: skip
+        done = _run(*args)
+        assert done.returncode == 1, (args, done.stdout, done.stderr)
+        assert "in its local header" in done.stdout + done.stderr, (args, done)
+        assert str(file) in done.stdout + done.stderr and "Traceback" not in done.stderr
+    assert not (tmp_path / "out").exists()

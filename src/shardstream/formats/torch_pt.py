@@ -279,12 +279,35 @@ def _python_records(f, archive: zipfile.ZipFile) -> dict[str, int]:
         raise CheckpointFormatError(f"the zip archive holds record {twice!r} twice")
     for info in infos:
         f.seek(info.header_offset)
-        start = _data_start(f.read(30), info.header_offset)
+        local = f.read(30 + len(_central_name(info)))
+        start = _data_start(local, info.header_offset)
         if start is None:
             raise CheckpointFormatError(f"record {info.filename!r} has no local header")
+        if (named := _named_otherwise(local, info)) is not None:
+            raise UnsafeCheckpointError(
+                f"refused to read: zip record {info.filename!r} is named {named!r} in its local "
+                "header, so readers differ on which record holds which storage; a crafted or "
+                "damaged file"
+            )
         name = info.filename.split("/", 1)[1] if "/" in info.filename else info.filename
         found[name] = start
     return found
+
+
+def _central_name(info: zipfile.ZipInfo) -> bytes:
+    """The record's name as the central directory spells it, in bytes."""
+    return info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+
+
+def _named_otherwise(local: bytes, info: zipfile.ZipInfo) -> str | None:
+    """The name the local header read at ``info.header_offset`` (its first 30 bytes and the
+    name's) gives the record, where the central directory names it otherwise (torch's
+    reader goes by the central name, a meta load by the records' order); else None."""
+    length = struct.unpack("<H", local[26:28])[0]
+    named = local[30 : 30 + length]
+    if length == len(_central_name(info)) and named == _central_name(info):
+        return None
+    return named.decode("utf-8", "replace")[:200]
 
 
 def _data_start(local: bytes, header_offset: int) -> int | None:
@@ -665,12 +688,17 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
                     continue
                 if info.CRC == 0 and info.file_size and not unchecked:
                     continue
-                local = os.pread(f.fileno(), 30, info.header_offset)
+                local = os.pread(f.fileno(), 30 + len(_central_name(info)), info.header_offset)
                 start = _data_start(local, info.header_offset)
                 if start is None:
                     raise CheckpointFormatError(
                         f"{path}: corrupt torch checkpoint: zip record {info.filename!r} has no "
                         f"local header at byte {info.header_offset}"
+                    )
+                if (named := _named_otherwise(local, info)) is not None:
+                    raise CheckpointFormatError(
+                        f"{path}: corrupt torch checkpoint: zip record {info.filename!r} is "
+                        f"named {named!r} in its local header (torch reads by the first name)"
                     )
                 crc = f"{info.CRC:08x}"
                 records.append(ZipRecord(info.filename, start, start + info.file_size, crc))
@@ -703,13 +731,18 @@ def zip_records_in(path: str, start: int, length: int, fd: int | None = None) ->
             for info in archive.infolist():
                 if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
                     continue
-                lo = _data_start(
-                    os.pread(fd, 30, start + info.header_offset), start + info.header_offset
-                )
+                at = start + info.header_offset
+                local = os.pread(fd, 30 + len(_central_name(info)), at)
+                lo = _data_start(local, at)
                 if lo is None:
                     raise CheckpointFormatError(
                         f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
                         f"{info.filename!r} has no local header"
+                    )
+                if (named := _named_otherwise(local, info)) is not None:
+                    raise CheckpointFormatError(
+                        f"{path}: corrupt item at bytes [{start}, {start + length}): zip record "
+                        f"{info.filename!r} is named {named!r} in its local header"
                     )
                 if lo + info.file_size > start + length:
                     raise CheckpointFormatError(
