@@ -659,7 +659,77 @@ def test_every_table_class_agrees_with_its_own_config(model_type):
         if auto not in heads:
             continue
         document = {**config.to_dict(), "architectures": [type(model).__name__]}
+        assert hf_names._table_classes_named(document, model_type)
         shapes = [(n, tuple(t.shape)) for n, t in model.state_dict().items()]
         checked = [n for n, _ in shapes if any(n.endswith(k) for k in hf_names.TABLE_WIDTHS)]
         assert checked, model_type
         hf_names.check_config_agrees(shapes, document)
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_names.NO_MAPPING_MODEL_TYPES))
+def test_the_table_s_biases_are_its_classes(model_type):
+    """``TABLE_BIASES`` against each class, with each of its switches flipped: the biases a
+    decoder layer holds are exactly the ones the table allows."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    fields = dict(hidden_size=24, intermediate_size=40, num_hidden_layers=1,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64)  # fmt: skip
+    switches = [(s, d) for s, d, _ in hf_names.TABLE_BIASES[model_type] if s is not None]
+    for flipped in [{}, *({s: not d} for s, d in switches)]:
+        extra = {**TABLE_CONFIGS[model_type], **flipped}
+        config = transformers.AutoConfig.for_model(model_type, **fields, **extra)
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config)
+        document = {**config.to_dict(), **flipped}
+        layer = [
+            n.removeprefix("model.layers.0.")
+            for n, _ in model.named_parameters()
+            if n.startswith("model.layers.0.") and n.split(".")[3] in ("self_attn", "mlp")
+        ]
+        modules = {n.removesuffix(".weight") for n in layer if n.endswith(".weight")}
+        held = {n.removesuffix(".bias") for n in layer if n.endswith(".bias")}
+        allowed = {m for m in modules if hf_names.table_bias_allowed(model_type, document, m)}
+        assert held == allowed, (model_type, flipped)
+
+
+def test_biases_a_table_config_rules_out_are_refused():
+    """A Qwen2 checkpoint (q/k/v biases) with a Llama config.json merged exit 0: transformers
+    then built the Llama model without the biases, and dropped them."""
+    llama = {**WIDE, "model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    biased = [*_layer(), ("model.layers.0.self_attn.q_proj.bias", (8,))]
+    with pytest.raises(
+        CheckpointFormatError, match=r"attention_bias unset \(false\).*q_proj\.bias"
+    ):
+        hf_names.check_table_widths(biased, llama)
+    hf_names.check_table_widths(biased, {**llama, "attention_bias": True})
+    hf_names.check_table_widths(biased, WIDE)  # qwen2: always
+    with pytest.raises(CheckpointFormatError, match="a qwen2 model holds no .*o_proj.bias"):
+        hf_names.check_table_widths(
+            [*_layer(), ("model.layers.0.self_attn.o_proj.bias", (8,))], WIDE
+        )
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("hidden_size", float("nan")), ("vocab_size", 16.0), ("num_attention_heads", 0),
+     ("num_key_value_heads", -1), ("intermediate_size", True)],
+)  # fmt: skip
+def test_a_table_config_size_transformers_refuses_is_refused(field, value):
+    with pytest.raises(CheckpointFormatError, match=f"{field} is .*, not a positive integer"):
+        hf_names.check_table_widths(_layer(), {**WIDE, field: value})
+
+
+def test_a_config_naming_another_model_s_class_is_asked_of_transformers():
+    assert hf_names._table_classes_named({"architectures": ["Qwen2ForCausalLM"]}, "qwen2")
+    assert hf_names._table_classes_named({}, "qwen2")
+    assert not hf_names._table_classes_named({"architectures": ["Qwen2ForCausalLM"]}, "llama")
+    assert not hf_names._table_classes_named({"architectures": [["LlamaForCausalLM"]]}, "llama")
+
+
+def test_a_config_json_without_a_model_type_is_said():
+    """Its output loads in no transformers class: merge's layout line says so."""
+    plan = hf_names.plan_names([("model.norm.weight", "F32", (8,))], {"hidden_size": 8})
+    assert "config.json names no model_type, so transformers loads no model" in plan.rule
+    plan = hf_names.plan_names([("model.norm.weight", "F32", (8,))], {})  # no config.json
+    assert "no config.json" in plan.rule

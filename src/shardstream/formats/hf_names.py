@@ -61,6 +61,16 @@ NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
 TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
+# The classes of those model types (config.json's ``architectures``): a config.json naming
+# another model's class beside one of these types is asked of transformers.
+TABLE_CLASS_PREFIX = {
+    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
+    "gemma2": "Gemma2", "phi3": "Phi3", "starcoder2": "Starcoder2", "olmo2": "Olmo2",
+}  # fmt: skip
+TABLE_CLASS_KINDS = (
+    "ForCausalLM", "ForTokenClassification", "ForSequenceClassification",
+    "ForQuestionAnswering", "Model",
+)  # fmt: skip
 # How the names of those classes (and their base models) start, checked against every class
 # of them in both versions; a checkpoint with any other name (a training wrapper's
 # "model.model.layers.0...", torchtitan's "tok_embeddings", "layers.0.attention.wq") is asked
@@ -314,6 +324,17 @@ def _table_decides(model_type: str) -> bool:
     return tuple(int(n) for n in numbers) <= TABLE_CHECKED_UP_TO
 
 
+def _table_classes_named(config: dict, model_type: str) -> bool:
+    """Whether config.json's ``architectures`` names only classes of ``model_type`` (or none):
+    a Qwen2 class beside ``model_type: llama`` is for transformers to judge."""
+    named = config.get("architectures")
+    if named is None or named == []:
+        return True
+    prefix = TABLE_CLASS_PREFIX.get(model_type)
+    kinds = {f"{prefix}{kind}" for kind in TABLE_CLASS_KINDS}
+    return isinstance(named, list) and all(isinstance(a, str) and a in kinds for a in named)
+
+
 def _plan_names(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     config: dict,
@@ -326,6 +347,9 @@ def _plan_names(
     plain_tied = [(stripped[n], d, tuple(s)) for n, d, s in tied]
     back = {v: k for k, v in stripped.items()}
     model_type = config.get("model_type") if isinstance(config, dict) else None
+    if config and not model_type:  # said, not refused: a config.json of another tool's
+        why = "config.json names no model_type, so transformers loads no model from the output"
+        return _identity(plain, back, _join(rule, f"{why}: no mapping"))
     if not model_type:
         return _identity(
             plain, back, _join(rule, "no config.json, or no model type in it: no mapping")
@@ -337,7 +361,11 @@ def _plan_names(
     from . import hf_names_cache
 
     # the table's classes tie every head their config ties
-    decided = _table_decides(model_type) and all(TABLE_NAMES.match(n) for n, _, _ in plain)
+    decided = (
+        _table_decides(model_type)
+        and _table_classes_named(config, model_type)
+        and all(TABLE_NAMES.match(n) for n, _, _ in plain)
+    )
     if decided and not (model_order and hf_names_cache.transformers_version()):
         # without transformers the input's order stands: save_pretrained's is the model's
         unordered = "; files split in the input's order (transformers knows the model's)"
@@ -716,6 +744,9 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
 
 EMBEDDING = "model.embed_tokens.weight"  # a decoder's input embedding, [vocab_size, hidden_size]
 HEAD = "lm_head.weight"  # its output head, beside it
+# Heads a checkpoint may hold in place of the config's (verl saves its critic's ``score`` beside
+# the actor's CausalLM config.json): the first name of those of the table's classes
+OTHER_HEADS = ("score", "classifier")
 DECODER_LAYERS = "model.layers."  # the decoder layers of the same layout (Llama, Qwen, Mistral)
 # Model types whose decoder (*ForCausalLM) holds its input embedding as EMBEDDING and its head
 # as HEAD, under DECODER_LAYERS, in memory and saved: checked against transformers 5.25's
@@ -773,7 +804,7 @@ def check_stored_embedding(
     if not _holds_module(names, EMBEDDING):
         _refuse_missing(EMBEDDING, config_path)
     if causal and config.get("tie_word_embeddings") is False and not _holds_module(names, HEAD):
-        if all(name.startswith("model.") for name in names):  # no head of another kind either
+        if not any(name.split(".", 1)[0] in OTHER_HEADS for name in names):  # nor a critic's
             _refuse_missing(HEAD, config_path)
 
 
@@ -792,6 +823,35 @@ TABLE_WIDTHS = {
     "mlp.c_proj.weight": (("hidden_size",), ("intermediate_size",)),
 }
 CLASSIFIERS = ("ForTokenClassification", "ForSequenceClassification")
+# config.json's sizes for the table's types: positive integers wherever it states them
+TABLE_SIZES = (
+    "hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
+    "num_hidden_layers", "vocab_size", "head_dim",
+)  # fmt: skip
+# The biases their classes hold in a decoder layer (checked against 4.57 and 5.25): model type
+# -> (config.json's switch, None: always; its default; the modules it gives a bias)
+_ATTENTION = r"self_attn\.[qkvo]_proj"
+TABLE_BIASES: dict[str, tuple[tuple[str | None, bool, str], ...]] = {
+    "llama": (("attention_bias", False, _ATTENTION), ("mlp_bias", False, r"mlp\.\w+_proj")),
+    "mistral": (),
+    "phi3": (),
+    "qwen2": ((None, True, r"self_attn\.[qkv]_proj"),),
+    "qwen3": (("attention_bias", False, _ATTENTION),),
+    "gemma": (("attention_bias", False, _ATTENTION),),
+    "gemma2": (("attention_bias", False, _ATTENTION),),
+    "olmo2": (("attention_bias", False, _ATTENTION),),
+    "starcoder2": (("use_bias", True, rf"{_ATTENTION}|mlp\.c_(?:fc|proj)"),),
+}
+LAYER_BIAS = re.compile(r"model\.layers\.\d+\.((?:self_attn|mlp)\.\w+)\.bias")
+
+
+def table_bias_allowed(model_type: str, config: dict, module: str) -> bool:
+    """Whether a decoder layer of ``model_type`` built from ``config`` holds ``module``'s bias
+    (``module``: ``self_attn.q_proj``, ``mlp.c_fc``; ``TABLE_BIASES``)."""
+    return any(
+        (switch is None or bool(config.get(switch, default))) and re.fullmatch(modules, module)
+        for switch, default, modules in TABLE_BIASES.get(model_type, ())
+    )
 
 
 # Weights of width hidden_size in every class of the table (norms; starcoder2's carry a bias)
@@ -854,6 +914,29 @@ def check_table_widths(
     or whose head it starts at random."""
     if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
         return
+    for field in TABLE_SIZES:
+        value = config.get(field)
+        if value is not None and (type(value) is not int or value <= 0):
+            raise CheckpointFormatError(
+                f"{config_path}: {field} is {str(value)[:40]}, not a positive integer "
+                "(transformers would not load a model from it)"
+            )
+    model_type = config["model_type"]
+    for name, _ in tensors:
+        bias = LAYER_BIAS.fullmatch(name)
+        if bias and not table_bias_allowed(model_type, config, bias.group(1)):
+            switches = [
+                f"{s} {json.dumps(config[s])}" if s in config else f"{s} unset ({str(d).lower()})"
+                for s, d, _ in TABLE_BIASES[model_type]
+                if s is not None
+            ]
+            said = f" ({', '.join(switches)})" if switches else ""
+            raise CheckpointFormatError(
+                f"{config_path}: a {model_type} model{said} holds no {name}, which the "
+                "checkpoint stores: the checkpoint and config.json describe different models "
+                "(a model loaded from the output would leave it out; --hf_model_path names the "
+                "model's own)"
+            )
     if config.get("quantization_config") is not None:  # packed weights: not these widths
         return
     # Only what config.json states: a field it leaves out takes its class's default (Qwen3's
@@ -891,10 +974,10 @@ def check_table_widths(
 
 
 def _holds_module(names: set[str], weight: str) -> bool:
-    """``weight`` is stored, or a module wrapping its module is (PEFT's ``base_layer``,
-    ``modules_to_save``, ``token_adapter``)."""
+    """``weight`` is stored, or the weight of a module wrapping its module is (PEFT's
+    ``base_layer``, ``modules_to_save``, ``token_adapter``)."""
     module = weight.removesuffix(".weight") + "."
-    return weight in names or any(name.startswith(module) for name in names)
+    return weight in names or any(n.startswith(module) and n.endswith(".weight") for n in names)
 
 
 def _refuse_missing(what: str, config_path: str) -> None:
@@ -1113,9 +1196,9 @@ def _missing_parts(
     parameters (tied ones once) that no output piece belongs to: a frozen vision tower or
     head ``ignore_frozen_params=True`` left out. Only the parameters the checkpoint does not
     store are converted (a model of 10**5 experts stores them all). A head-like part (not
-    under ``model.``) is not counted when the checkpoint stores a head the model does not
-    have (verl saves its critic's ``score`` with the actor's config). () where the conversion
-    fails: no check, rather than a refusal the model's rules do not make."""
+    under ``model.``) is not counted when the checkpoint stores a head of ``OTHER_HEADS`` the
+    model does not have (verl saves its critic's ``score`` with the actor's config). () where
+    the conversion fails: no check, rather than a refusal the model's rules do not make."""
     stored = {name for name, _, _ in plain}
     params = dict(model.named_parameters())  # tied parameters once
     unstored = {n: p for n, p in params.items() if n not in stored and n not in ignored}
@@ -1126,7 +1209,7 @@ def _missing_parts(
     except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
         return ()
     missing = expected - {parameter_group(p.name) for p in pieces}
-    if any(n not in params and not n.startswith("model.") for n in stored):
+    if any(n not in params and n.split(".", 1)[0] in OTHER_HEADS for n in stored):
         missing = {group for group in missing if group.split(".")[0] == "model"}
     return tuple(sorted(missing))
 
