@@ -1583,7 +1583,8 @@ def _checked_parts(
             elif "optimizer" in source.saved and coll.rank() == 0:
                 log.warning(
                     "%s: holds no LR scheduler state; the live scheduler keeps its own "
-                    "(its step count and learning rates start afresh)",
+                    "(its step count starts afresh; the optimizer's learning rates are the "
+                    "saved ones until the scheduler next steps)",
                     path,
                 )
         part = "extra state (RNG)"
