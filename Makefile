@@ -44,7 +44,8 @@ $(TF4_STAMP): pyproject.toml
 
 test-transformers4: $(TF4_STAMP)
 	$(TF4_VENV)/bin/python -m pytest -q -n 2 --dist loadfile tests/unit/test_tied_head.py \
-		tests/integration/test_hf_layout.py tests/integration/test_hf_layout_families.py
+		tests/unit/test_stored_head_names.py tests/integration/test_hf_layout.py \
+		tests/integration/test_hf_layout_families.py
 
 lint: $(STAMP)
 	$(PY) -m ruff check src tests bench
