@@ -387,6 +387,14 @@ def run_verify(args: argparse.Namespace) -> int:
                     ),
                     file=sys.stderr,
                 )
+            if report.unnamed:
+                print(
+                    _one_line(
+                        "note: not named by the checkpoint's .metadata, so no part of it (left "
+                        f"by an earlier save?), not read: {', '.join(report.unnamed)}"
+                    ),
+                    file=sys.stderr,
+                )
     return code
 
 

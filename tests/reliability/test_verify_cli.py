@@ -307,6 +307,27 @@ def test_verify_dcp_checks_structure_and_crcs(tmp_path, capsys):
     assert code == 1 and len(lines) == 1 and "truncated" in lines[0] and data.name in lines[0]
 
 
+def test_verify_dcp_names_a_data_file_its_metadata_does_not(tmp_path, capsys):
+    """A stray ``__2_0.distcp`` (an earlier save's at more ranks, or junk) was counted among
+    the files checked, which it never was: it is said apart, and not counted."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    ckpt = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"w": torch.arange(1000.0)}, checkpoint_id=str(ckpt))
+    assert cli.main(["verify", str(ckpt)]) == 0
+    counted = capsys.readouterr().out
+    (ckpt / "__2_0.distcp").write_bytes(bytes(range(256)) * 20)
+    assert cli.main(["verify", str(ckpt)]) == 0
+    out, err = capsys.readouterr()
+    assert out == counted, (out, counted)
+    assert "not named by the checkpoint's .metadata" in err and "__2_0.distcp" in err, err
+
+
 def test_verify_dcp_checks_the_config_files_merge_copies(tmp_path, capsys):
     """A FIFO as the tokenizer file beside a DCP checkpoint: merge refuses it, verify said
     OK (it checked the DCP files only)."""

@@ -73,6 +73,9 @@ class VerifyReport:
     # a run's uncommitted leftovers (a save that was killed): not problems, never read as
     # steps, removed by the run's next save; said so that their space is not a surprise
     uncommitted: list[str] = field(default_factory=list)
+    # data files beside a DCP checkpoint that its .metadata does not name (an earlier save's
+    # at more ranks): no part of it, never read
+    unnamed: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -468,12 +471,20 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     a data file that exists; then every item's zip records against their CRC-32s."""
     from ..formats.dcp import check_dcp, config_dir_of
 
+    named = None
     try:
-        check_dcp(directory)
+        named = set(check_dcp(directory))
     except ShardstreamError as exc:
         report.problems.append(_problem_in(directory, exc))
-    # the files looked at, passed or not (a failed check names its problem above)
-    report.files_checked += sum(1 for f in directory.iterdir() if f.is_file())
+    # the files looked at, passed or not (a failed check names its problem above); a data
+    # file the .metadata does not name is not one of them
+    for f in sorted(directory.iterdir()):
+        if not f.is_file():
+            continue
+        if named is not None and f.suffix == ".distcp" and str(f) not in named:
+            report.unnamed.append(f.name)
+        else:
+            report.files_checked += 1
     if not any(p.path.startswith(str(directory)) for p in report.problems):
         _verify_dcp_records(directory, report, progress)  # its structure is sound
     _config_files_sound(directory, lambda: config_dir_of(directory), report)
