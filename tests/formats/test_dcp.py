@@ -1233,3 +1233,28 @@ def test_a_critic_of_a_mapped_model_type_whose_config_names_the_causal_lm_merges
     rc = cli.main(["merge", *argv, "--target_dir", str(tmp_path / "o"), "--dtype", "float32"])
     assert rc == 0, capsys.readouterr().err
     assert "score.weight" in _load_merged(tmp_path / "o")
+
+
+def test_a_second_model_beside_the_model_is_said_not_read(tmp_path, capsys):
+    """``dcp.save({"model", "ema", "optim"})``: merge wrote ``model.*`` without a word about
+    the EMA copy beside it; merge's summary and inspect now name it and the flag that reads it.
+    Training state (the optimizer, a recipe's ``app.optim``) is not named."""
+    import torch.distributed.checkpoint as dcp
+
+    from shardstream.formats.dcp import unread_groups
+
+    weights = {"0.weight": torch.ones(4, 4), "0.bias": torch.ones(4)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        state = {"model": dict(weights), "ema": dict(weights), "optim": {"lr": torch.ones(2)}}
+        dcp.save(state, checkpoint_id=str(tmp_path / "ck"))
+    assert cli.main(["merge", "--local_dir", str(tmp_path / "ck"), "--target_dir",
+                     str(tmp_path / "out")]) == 0  # fmt: skip
+    err = capsys.readouterr().err
+    assert "also holds 2 tensors under 'ema.'" in err and "--prefix ema. merges those" in err
+    assert cli.main(["inspect", str(tmp_path / "ck")]) == 0
+    assert "not read: ema.* (2 tensors; --prefix ema. reads them" in capsys.readouterr().out
+    recipe = {"app.model.w": "", "app.optim.state.w.exp_avg": "training state (app)"}
+    recipe["app.ema.w"] = recipe["app.ema.b"] = "training state (app)"
+    assert unread_groups(recipe, "app.model.") == {"app.ema.": 2}
+    assert unread_groups({"optimizer.state.w": "training state (optimizer)"}, "") == {}

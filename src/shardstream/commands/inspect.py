@@ -97,7 +97,17 @@ def describe(
         "tensors": tensors,
         "merge": _merge_estimate(checkpoint, config, config_dir),
         "model_objects": list(checkpoint.model_objects),
+        "unread_groups": _unread_groups(checkpoint),
     }
+
+
+def _unread_groups(checkpoint) -> dict[str, int]:
+    """A DCP checkpoint's tensors besides its model and training state (``dcp.unread_groups``)."""
+    from ..formats.dcp import unread_groups
+
+    skipped = getattr(checkpoint, "skipped", None)
+    prefix = getattr(checkpoint, "prefix", None)
+    return unread_groups(skipped, prefix or "") if isinstance(skipped, dict) else {}
 
 
 def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
@@ -305,6 +315,10 @@ def render(info: dict) -> str:
             [f"model keys: {info['prefix'] or '(top level)'}{'*' if info['prefix'] else ''}"]
             if info.get("prefix") is not None
             else []
+        ),
+        *(
+            f"not read: {group}* ({count} tensors; --prefix {group} reads them as the model)"
+            for group, count in (info.get("unread_groups") or {}).items()
         ),
         f"model files: {info['num_files']} ({format_size(info['files_bytes'])} on disk)",
         f"config: {info['config_dir'] or 'none found (pass --hf_model_path)'}",

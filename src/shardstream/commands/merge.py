@@ -228,6 +228,16 @@ def _merge(
             f"wrote {out_name}, as verl's merger does; the checkpoint's config.json names "
             f"{name} (pass --dtype {name} to write that)"
         )
+    from ..formats.dcp import unread_groups
+
+    skipped, prefix = getattr(checkpoint, "skipped", None), getattr(checkpoint, "prefix", None)
+    beside = unread_groups(skipped, prefix or "") if isinstance(skipped, dict) else {}
+    for group, count in beside.items():
+        notes.append(
+            f"read the model under {prefix or 'the top level'!r}; the checkpoint also holds "
+            f"{count} tensors under {group!r} (another model, an EMA copy?), not read: "
+            f"--prefix {group} merges those"
+        )
     lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     split = lora.split_lora(checkpoint.tensors)
     lora.require_lora(split, fuse_lora)

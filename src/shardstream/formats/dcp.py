@@ -352,11 +352,29 @@ def _containers_held(keys: list[str], paths: dict[str, tuple] | None) -> str:
     return f", whose tensors lie under {listed}"
 
 
+NOT_UNDER_MODEL = "not under the model"  # a skipped tensor of no known training state
+
+
 def _reason(key: str, paths: dict[str, tuple] | None) -> str:
     container = paths[key][0] if paths and key in paths and len(paths[key]) > 1 else None
     if container is None:
         container = key.split(".", 1)[0] if key.startswith(NON_MODEL_PREFIXES) else None
-    return f"training state ({container})" if container else "not under the model"
+    return f"training state ({container})" if container else NOT_UNDER_MODEL
+
+
+def unread_groups(skipped: dict[str, str], prefix: str) -> dict[str, int]:
+    """The containers beside the model (under ``prefix``'s parent: ``app.`` for
+    ``app.model.``) that hold tensors and are no known training state (another model, an EMA
+    copy: ``{"ema.": 54}``), with their tensor counts: not read, and said so (``--prefix
+    ema.`` reads one)."""
+    parent = prefix[: prefix.rstrip(".").rfind(".") + 1] if prefix else ""
+    groups: Counter = Counter()
+    for key, why in skipped.items():
+        if why.startswith(("training state (", NOT_UNDER_MODEL)) and key.startswith(parent):
+            group = key[len(parent) :].split(".", 1)[0] + "."
+            if "." in key[len(parent) :] and not group.startswith(NON_MODEL_PREFIXES):
+                groups[parent + group] += 1
+    return {g: n for g, n in sorted(groups.items()) if n > 1}
 
 
 def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:
