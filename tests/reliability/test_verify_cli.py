@@ -346,3 +346,26 @@ def test_verify_dcp_checks_the_config_files_merge_copies(tmp_path, capsys):
     os.mkfifo(ckpt / "tokenizer.json")
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1 and lines == [f"{ckpt / 'tokenizer.json'}: is a FIFO, expected a regular file"]
+
+
+@pytest.mark.parametrize(
+    ("change", "shown"),
+    [
+        ({"num_hidden_layers": 5}, "num_hidden_layers is 5"),
+        ({"model_type": "llama", "architectures": ["LlamaForCausalLM"]}, "q_proj.bias"),
+        ({"hidden_size": 7}, "hidden_size 7"),
+    ],
+)
+def test_verify_of_a_verl_role_checks_its_config_describes_the_weights(
+    copy_variant, capsys, change, shown
+):
+    """A config.json of another model beside verl's weights: verify said OK, then merge
+    refused it. verify now applies merge's checks of config.json against the weights."""
+    actor = copy_variant("base")
+    code, _, _ = _verify(capsys, actor)
+    assert code == 0
+    path = actor / "huggingface" / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), **change}))
+    code, lines, _ = _verify(capsys, actor)
+    assert code == 1 and len(lines) == 1, lines
+    assert str(path) in lines[0] and shown in lines[0], lines

@@ -409,6 +409,29 @@ def _config_files_sound(directory: Path, config_dir: Callable[[], Path | None], 
         report.problems.append(_problem_in(directory, exc))
 
 
+def _config_describes(checkpoint, report: VerifyReport) -> None:
+    """The checkpoint's config.json describes its weights as merge checks it
+    (``hf_names.check_config_agrees``: depth, embedding, widths, biases; no transformers):
+    merge refuses a config.json of another model."""
+    from ..formats import lora
+    from ..formats.hf import read_config
+    from ..formats.hf_names import check_config_agrees, strip_wrappers
+
+    found = checkpoint.config_dir()
+    if found is None or not (found / "config.json").is_file():
+        return
+    split = lora.split_lora(checkpoint.tensors)
+    tensors = split.base if split else checkpoint.tensors
+    plain = strip_wrappers([t.name for t in tensors])
+    try:
+        config = read_config(found)
+        check_config_agrees(
+            [(plain[t.name], t.shape) for t in tensors], config, str(found / "config.json")
+        )
+    except ShardstreamError as exc:
+        report.problems.append(_problem_in(checkpoint.directory, exc))
+
+
 def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     """Every zip record of every ``.pt`` file against its CRC-32 (torch records one and checks
     none), every rank's files present, the layout consistent, and ``huggingface/`` if it holds
@@ -433,6 +456,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
         named += list(checkpoint.replicas.items())
         _verify_lora(directory, checkpoint.tensors, None, report)
         _config_files_sound(directory, checkpoint.config_dir, report)
+        _config_describes(checkpoint, report)
     except (ShardstreamError, OSError) as exc:
         named = []
         if not any(str(exc).startswith(str(file)) for file, _ in bad):  # not said already
