@@ -369,3 +369,20 @@ def test_verify_of_a_verl_role_checks_its_config_describes_the_weights(
     code, lines, _ = _verify(capsys, actor)
     assert code == 1 and len(lines) == 1, lines
     assert str(path) in lines[0] and shown in lines[0], lines
+
+
+def test_verify_of_a_hf_model_names_a_tensor_name_merge_refuses(tmp_path, capsys):
+    """A tensor named with U+202E (text direction reversed when printed): verify said OK,
+    merge refused it."""
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    save_file(
+        {"a.weight": torch.zeros(2), "b\u202e.weight": torch.ones(2)}, model / "model.safetensors"
+    )
+    code, lines, _ = _verify(capsys, model)
+    assert code == 1 and len(lines) == 1 and "U+202E" in lines[0], lines
+    assert cli.main(["merge", "--local_dir", str(model), "--target_dir", str(tmp_path / "o")]) == 1
+    assert "U+202E" in capsys.readouterr().err

@@ -19,6 +19,7 @@ from ..formats import hf, jsondoc, native
 from ..formats.regular_file import check_inside, kind_of, open_regular, present
 from ..formats.safetensors import (
     FILES_KEY,
+    UNPRINTABLE,
     SafetensorsHeader,
     build_header,
     encode_header,
@@ -1078,6 +1079,15 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             if tensor in seen:
                 report.problems.append(
                     Problem(str(file), f"duplicate of the tensor in {seen[tensor]}", tensor)
+                )
+            if char := UNPRINTABLE.search(tensor):  # merge refuses to write such a name
+                report.problems.append(
+                    Problem(
+                        str(file),
+                        f"the name holds U+{ord(char.group()):04X}, a control or text-direction "
+                        "character no module's name holds (merge refuses it)",
+                        tensor[:200],
+                    )
                 )
             seen[tensor] = name
             shapes[tensor] = entry.shape
