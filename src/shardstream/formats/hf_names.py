@@ -61,16 +61,6 @@ NO_MAPPING_MODEL_TYPES = frozenset(
     {"llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "starcoder2", "olmo2"}
 )
 TABLE_CHECKED_UP_TO = (5, 25)  # the newest transformers (major, minor) the table was checked on
-# The classes of those model types (config.json's ``architectures``): a config.json naming
-# another model's class beside one of these types is asked of transformers.
-TABLE_CLASS_PREFIX = {
-    "llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3", "gemma": "Gemma",
-    "gemma2": "Gemma2", "phi3": "Phi3", "starcoder2": "Starcoder2", "olmo2": "Olmo2",
-}  # fmt: skip
-TABLE_CLASS_KINDS = (
-    "ForCausalLM", "ForTokenClassification", "ForSequenceClassification",
-    "ForQuestionAnswering", "Model",
-)  # fmt: skip
 # How the names of those classes (and their base models) start, checked against every class
 # of them in both versions; a checkpoint with any other name (a training wrapper's
 # "model.model.layers.0...", torchtitan's "tok_embeddings", "layers.0.attention.wq") is asked
@@ -324,17 +314,6 @@ def _table_decides(model_type: str) -> bool:
     return tuple(int(n) for n in numbers) <= TABLE_CHECKED_UP_TO
 
 
-def _table_classes_named(config: dict, model_type: str) -> bool:
-    """Whether config.json's ``architectures`` names only classes of ``model_type`` (or none):
-    a Qwen2 class beside ``model_type: llama`` is for transformers to judge."""
-    named = config.get("architectures")
-    if named is None or named == []:
-        return True
-    prefix = TABLE_CLASS_PREFIX.get(model_type)
-    kinds = {f"{prefix}{kind}" for kind in TABLE_CLASS_KINDS}
-    return isinstance(named, list) and all(isinstance(a, str) and a in kinds for a in named)
-
-
 def _plan_names(
     tensors: Sequence[tuple[str, str, tuple[int, ...]]],
     config: dict,
@@ -361,11 +340,7 @@ def _plan_names(
     from . import hf_names_cache
 
     # the table's classes tie every head their config ties
-    decided = (
-        _table_decides(model_type)
-        and _table_classes_named(config, model_type)
-        and all(TABLE_NAMES.match(n) for n, _, _ in plain)
-    )
+    decided = _table_decides(model_type) and all(TABLE_NAMES.match(n) for n, _, _ in plain)
     if decided and not (model_order and hf_names_cache.transformers_version()):
         # without transformers the input's order stands: save_pretrained's is the model's
         unordered = "; files split in the input's order (transformers knows the model's)"
