@@ -103,11 +103,12 @@ def describe(
 
 def _unread_groups(checkpoint) -> dict[str, int]:
     """A DCP checkpoint's tensors besides its model and training state (``dcp.unread_groups``)."""
+    skipped = getattr(checkpoint, "skipped", None)
+    if not isinstance(skipped, dict):  # not a DCP checkpoint: its reader (and torch) unneeded
+        return {}
     from ..formats.dcp import unread_groups
 
-    skipped = getattr(checkpoint, "skipped", None)
-    prefix = getattr(checkpoint, "prefix", None)
-    return unread_groups(skipped, prefix or "") if isinstance(skipped, dict) else {}
+    return unread_groups(skipped, getattr(checkpoint, "prefix", None) or "")
 
 
 def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:

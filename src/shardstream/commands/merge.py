@@ -228,10 +228,12 @@ def _merge(
             f"wrote {out_name}, as verl's merger does; the checkpoint's config.json names "
             f"{name} (pass --dtype {name} to write that)"
         )
-    from ..formats.dcp import unread_groups
-
     skipped, prefix = getattr(checkpoint, "skipped", None), getattr(checkpoint, "prefix", None)
-    beside = unread_groups(skipped, prefix or "") if isinstance(skipped, dict) else {}
+    beside = {}
+    if isinstance(skipped, dict):  # a DCP checkpoint's
+        from ..formats.dcp import unread_groups
+
+        beside = unread_groups(skipped, prefix or "")
     for group, count in beside.items():
         notes.append(
             f"read the model under {prefix or 'the top level'!r}; the checkpoint also holds "
