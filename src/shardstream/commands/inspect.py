@@ -31,7 +31,7 @@ def describe(
     DCP checkpoint's model keys start with, where detection is ambiguous. ``hf_model_path``:
     the config directory merge would be given (``--hf_model_path``), else the checkpoint's."""
     from ..formats.hf import read_config
-    from ..formats.source import Kind, detect, open_checkpoint
+    from ..formats.source import Kind, detect, models_beside, open_checkpoint
 
     kind = detect(path)
     run = _run(Path(path)) if kind is Kind.RUN else None
@@ -97,18 +97,8 @@ def describe(
         "tensors": tensors,
         "merge": _merge_estimate(checkpoint, config, config_dir),
         "model_objects": list(checkpoint.model_objects),
-        "unread_groups": _unread_groups(checkpoint),
+        "unread_groups": models_beside(checkpoint),
     }
-
-
-def _unread_groups(checkpoint) -> dict[str, int]:
-    """A DCP checkpoint's tensors besides its model and training state (``dcp.unread_groups``)."""
-    skipped = getattr(checkpoint, "skipped", None)
-    if not isinstance(skipped, dict):  # not a DCP checkpoint: its reader (and torch) unneeded
-        return {}
-    from ..formats.dcp import unread_groups
-
-    return unread_groups(skipped, getattr(checkpoint, "prefix", None) or "")
 
 
 def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:

@@ -22,7 +22,7 @@ from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
 from ..formats.native import MANIFEST
-from ..formats.source import open_checkpoint, verl_merges
+from ..formats.source import models_beside, open_checkpoint, verl_merges
 from ..formats.writer import OutputTensor, fill_range, write_safetensors
 from ..storage import collectives as coll
 from ..storage import locks
@@ -228,16 +228,10 @@ def _merge(
             f"wrote {out_name}, as verl's merger does; the checkpoint's config.json names "
             f"{name} (pass --dtype {name} to write that)"
         )
-    skipped, prefix = getattr(checkpoint, "skipped", None), getattr(checkpoint, "prefix", None)
-    beside = {}
-    if isinstance(skipped, dict):  # a DCP checkpoint's
-        from ..formats.dcp import unread_groups
-
-        beside = unread_groups(skipped, prefix or "")
-    for group, count in beside.items():
+    for group, count in models_beside(checkpoint).items():
         notes.append(
-            f"read the model under {prefix or 'the top level'!r}; the checkpoint also holds "
-            f"{count} tensors under {group!r} (another model, an EMA copy?), not read: "
+            f"read the model under {checkpoint.prefix or 'the top level'!r}; the checkpoint "
+            f"also holds {count} tensors under {group!r} (another model, an EMA copy?), not read: "
             f"--prefix {group} merges those"
         )
     lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))

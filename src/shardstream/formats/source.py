@@ -441,6 +441,18 @@ def verl_merges(checkpoint: CheckpointSource) -> bool:
     return checkpoint.format == "shardstream" and bool(STEP_DIR.match(role.parent.name))
 
 
+def models_beside(checkpoint: CheckpointSource) -> dict[str, int]:
+    """A DCP checkpoint's tensors beside its model that are no training state (an EMA copy):
+    container -> tensor count (``dcp.unread_groups``); {} for other formats, without
+    importing the DCP reader (and torch)."""
+    skipped = getattr(checkpoint, "skipped", None)
+    if not isinstance(skipped, dict):
+        return {}
+    from .dcp import unread_groups
+
+    return unread_groups(skipped, getattr(checkpoint, "prefix", None) or "")
+
+
 def verl_roles(directory: Path) -> list[Path]:
     """The subdirectories of a verl step directory that are checkpoints (``actor/``, and maybe
     ``critic/``): verl's ``.pt`` files, or shardstream's as the verl plug-in writes them there.
