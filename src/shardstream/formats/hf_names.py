@@ -1199,9 +1199,7 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
     ``--tie-word-embedding`` and the live config."""
     from .hf import TIED_HEAD
 
-    groups: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        groups.setdefault(id(param), []).append(name)
+    groups = _names_by_parameter(model)
     patterns = []
     for prefix, module in model.named_modules():
         keys = getattr(module, "_tied_weights_keys", None) or ()
@@ -1220,12 +1218,19 @@ def _heads_held_apart(model: Any, plain, tied) -> list:
     holds as parameters of their own, shared with no other name: the class ties none
     (transformers 5 ties only what ``_tied_weights_keys`` names), so save_pretrained writes
     them. One the model does not hold under its name stays left out, as the config says."""
+    if not tied:
+        return []
     held = {n for n, _, _ in plain}
-    named = dict(model.named_parameters(remove_duplicate=False))
-    owners: dict[int, int] = {}
-    for param in named.values():
-        owners[id(param)] = owners.get(id(param), 0) + 1
-    return [t for t in tied if t[0] not in held and t[0] in named and owners[id(named[t[0]])] == 1]
+    alone = {names[0] for names in _names_by_parameter(model).values() if len(names) == 1}
+    return [t for t in tied if t[0] not in held and t[0] in alone]
+
+
+def _names_by_parameter(model: Any) -> dict[int, list[str]]:
+    """Each parameter of ``model`` (by id) with every name it answers to (a tied one several)."""
+    groups: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        groups.setdefault(id(param), []).append(name)
+    return groups
 
 
 def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...], list[str]] | None:
