@@ -305,7 +305,7 @@ def _named_otherwise(local: bytes, info: zipfile.ZipInfo) -> str | None:
     reader goes by the central name, a meta load by the records' order); else None."""
     length = struct.unpack("<H", local[26:28])[0]
     named = local[30 : 30 + length]
-    if length == len(_central_name(info)) and named == _central_name(info):
+    if named == _central_name(info):
         return None
     return named.decode("utf-8", "replace")[:200]
 
