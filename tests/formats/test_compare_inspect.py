@@ -150,15 +150,27 @@ def test_tied_lm_head_is_skipped_like_merge(fsdp_root, tmp_path, copy_variant):
     # --tie-word-embedding does not drop a head the checkpoint's config unties (as merge)
     report = compare_with_reference(fsdp_root / "base", ref, tie_word_embedding=True)
     assert not report.ok and report.skipped == []
-    # tie_word_embeddings in the checkpoint's config
+    # tie_word_embeddings in the checkpoint's config: its head, trained apart, is not the
+    # embedding the reference's model uses in its place (merge refuses to leave it out)
     ckpt = copy_variant("base")
     config_path = ckpt / "huggingface" / "config.json"
     config = json.loads(config_path.read_text())
     config_path.write_text(json.dumps({**config, "tie_word_embeddings": True}))
-    assert compare_with_reference(ckpt, ref).ok
+    report = compare_with_reference(ckpt, ref)
+    apart = (
+        "tensor 'lm_head.weight': differs from 'model.embed_tokens.weight', but the reference "
+        "ties the output head to the input embedding (it holds no head), so its model's head is "
+        "not the checkpoint's"
+    )
+    assert not report.ok and report.problems == [apart]
     # or in the reference's
     write_reference(ref, tensors, {**config, "tie_word_embeddings": True})
-    assert compare_with_reference(fsdp_root / "base", ref).ok
+    assert compare_with_reference(fsdp_root / "base", ref).problems == [apart]
+    # a checkpoint whose head holds its embedding's values: skipped, as merge leaves it out
+    same = reference_tensors(fsdp_root)
+    same["lm_head.weight"] = same["model.embed_tokens.weight"].clone()
+    report = compare_with_reference(plain_checkpoint(tmp_path / "tied", same), ref)
+    assert report.ok and report.skipped == ["lm_head.weight"] and report.compared == 7
     # A reference that does keep lm_head.weight is still compared against it.
     full = write_reference(tmp_path / "full", reference_tensors(fsdp_root))
     report = compare_with_reference(fsdp_root / "base", full, tie_word_embedding=True)

@@ -595,19 +595,30 @@ def test_a_modernbert_that_save_pretrained_wrote_verifies_and_merges(tmp_path, c
     assert_bit_identical(_load_merged(tmp_path / "o"), want)
 
 
-def test_a_head_left_out_as_tied_is_said_in_a_note(tmp_path, capsys):
-    """Dropped as save_pretrained drops a tied head, which only --json said: with a config
-    that ties it (the base model's, say) a head the run trained apart was lost unsaid."""
+@pytest.mark.parametrize("apart", [False, True], ids=["equal", "trained-apart"])
+def test_a_head_left_out_as_tied_is_said_in_a_note(tmp_path, capsys, apart):
+    """Dropped as save_pretrained drops a tied head, which only --json said. With a config
+    that ties it (the base model's, say), a head the run trained apart was lost unsaid: it is
+    refused, naming both tensors, and nothing is written."""
     from shardstream.testing.tiny_models import build_tiny_model, tiny_config
 
     config = tiny_config("qwen2", tie_word_embeddings=False)
-    _save_plain(tmp_path / "ck", dict(build_tiny_model(config).state_dict()))
+    state = dict(build_tiny_model(config).state_dict())
+    if not apart:
+        state["lm_head.weight"] = state["model.embed_tokens.weight"].clone()
+    _save_plain(tmp_path / "ck", state)
     config.tie_word_embeddings = True
     config.save_pretrained(tmp_path / "hf")
     argv = ["--local_dir", str(tmp_path / "ck"), "--target_dir", str(tmp_path / "o")]
-    assert cli.main(["merge", *argv, "--hf_model_path", str(tmp_path / "hf")]) == 0
+    code = cli.main(["merge", *argv, "--hf_model_path", str(tmp_path / "hf")])
     err = capsys.readouterr().err
-    assert "note: left out lm_head.weight: " in err and "ties it to the input embedding" in err
+    if apart:
+        assert code == 1 and not (tmp_path / "o").exists()
+        assert "tensor 'lm_head.weight' differs from 'model.embed_tokens.weight'" in err
+        assert "the trained head would be lost" in err
+    else:
+        assert code == 0
+        assert "note: left out lm_head.weight: " in err and "ties it to the input embedding" in err
 
 
 def test_files_an_earlier_save_at_more_ranks_left_behind_are_not_the_checkpoints(tmp_path, capsys):

@@ -14,8 +14,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardstream.engine.checksum import digest as xxh3_digest
-from shardstream.engine.copy import Buffers, Streamer, hash_block, stream_file, stream_into_memory
-from shardstream.engine.dtypes import CODE_BY_TORCH, itemsize
+from shardstream.engine.copy import (
+    Buffers,
+    Streamer,
+    hash_block,
+    stream_file,
+    stream_into_memory,
+    tensor_digest,
+)
+from shardstream.engine.dtypes import CODE_BY_TORCH, TORCH_BY_CODE, itemsize
 from shardstream.engine.endpoints import FileEndpoint, TensorEndpoint, live_block
 from shardstream.engine.plan import Block, GlobalTensor, chunk_extent, dense_block, plan_copy
 from shardstream.errors import CheckpointFormatError, ChecksumMismatchError, OutOfSpaceError
@@ -623,6 +630,31 @@ def test_hash_block_is_the_digest_of_row_major_bytes(tmp_path):
     digest = hash_block("t", (5, 7), block, Streamer(endpoints, tiny_buffers(12, 8)))
     endpoints.close()
     assert digest == xxh3_digest(full.contiguous().numpy().view(np.uint8).reshape(-1))
+
+
+@pytest.mark.parametrize("buffers", BUFFER_CASES)
+@pytest.mark.parametrize("dim, layout", [(0, None), (1, transposed_storage), (1, padded_storage)])
+def test_tensor_digest_is_the_digest_of_the_whole_tensor_however_it_is_split(
+    tmp_path, buffers, dim, layout
+):
+    """A tensor's digest over all its blocks, cast to the dtype asked for, is that of its
+    row-major bytes: equal for one tensor stored whole and split, unequal once one element
+    differs."""
+    torch.manual_seed(0)
+    full = torch.randn(13, 11)
+    split = GlobalTensor("t", "F32", (13, 11), tuple(shards(tmp_path, full, dim, 3, layout)))
+    changed = full.clone()
+    changed[12, 10] = changed[12, 10].nextafter(torch.tensor(1.0))
+    other = GlobalTensor("u", "F32", (13, 11), (save_raw(tmp_path, "u.bin", changed)[1],))
+    endpoints = Endpoints()
+    streamer = Streamer(endpoints, buffers)
+    try:
+        for dtype in ("F32", "BF16"):
+            want = full.to(TORCH_BY_CODE[dtype]).contiguous().view(torch.uint8).numpy()
+            assert tensor_digest(split, streamer, dtype) == xxh3_digest(want.reshape(-1))
+        assert tensor_digest(other, streamer, "F32") != tensor_digest(split, streamer, "F32")
+    finally:
+        endpoints.close()
 
 
 def test_buffers_sized_respects_ratio_and_minimum():

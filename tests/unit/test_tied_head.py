@@ -12,11 +12,12 @@ import logging
 import pytest
 import torch
 from pretrained_pair import assert_merges_as_saved, state_and_reference
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 
 from shardstream import merge
 from shardstream.commands.inspect import describe
-from shardstream.errors import UsageError
+from shardstream.commands.test import compare_with_reference
+from shardstream.errors import CheckpointFormatError, UsageError
 from shardstream.formats import hf, hf_names_cache
 
 transformers = pytest.importorskip("transformers")
@@ -242,3 +243,44 @@ def test_generation_config_not_derivable_is_said(tmp_path, caplog):
         hf.write_configs(target, "F32", source)
     assert not (target / "generation_config.json").exists()
     assert str(source) in caplog.text and "no_such_model_type" in caplog.text
+
+
+def _with_head_apart(source, state) -> None:
+    """Store a head that differs from the embedding in one element, as a run that untied them
+    trains it."""
+    head = state["model.embed_tokens.weight"].clone()
+    head[-1, -1] += 1.0
+    save_file(dict(state, **{"lm_head.weight": head}), str(source / "model.safetensors"))
+
+
+@pytest.mark.parametrize("drop_key", [True, False], ids=["class-default", "explicit"])
+def test_a_head_trained_apart_from_a_tied_embedding_is_refused(tmp_path, drop_key):
+    """config.json ties the head (explicitly, or by Gemma's class default where the key is
+    left out), but the stored head differs from the embedding: save_pretrained's layout would
+    lose it, and the model loaded from the output would use the embedding instead."""
+    source, reference, state = _gemma_state_dir(tmp_path, drop_key)
+    assert compare_with_reference(source, reference, exact=True).ok
+    _with_head_apart(source, state)
+    report = compare_with_reference(source, reference, exact=True)
+    assert not report.ok
+    assert [p for p in report.problems if "lm_head" in p] == [
+        "tensor 'lm_head.weight': differs from 'model.embed_tokens.weight', but the reference "
+        "ties the output head to the input embedding (it holds no head), so its model's head "
+        "is not the checkpoint's"
+    ]
+    said = "by its class's default" if drop_key else "ties the output head"
+    with pytest.raises(
+        CheckpointFormatError,
+        match=f"'lm_head.weight' differs from 'model.embed_tokens.weight'.*{said}.*--hf_model_path",
+    ):
+        merge(source, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()
+    untied = tmp_path / "untied"  # the run's own config: the head is written
+    untied.mkdir()
+    config = json.loads((source / "config.json").read_text())
+    (untied / "config.json").write_text(json.dumps(dict(config, tie_word_embeddings=False)))
+    merge(source, tmp_path / "merged", hf_model_path=untied)
+    got = load_file(tmp_path / "merged" / "model.safetensors")
+    assert torch.equal(
+        got["lm_head.weight"], load_file(source / "model.safetensors")["lm_head.weight"]
+    )

@@ -7,7 +7,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -15,7 +15,7 @@ from ..engine.copy import Buffers, Streamer
 from ..engine.dtypes import TORCH_NAME, itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, give_back_freed_memory, peak_rss_bytes
-from ..engine.plan import TensorSlice, split_ranges
+from ..engine.plan import GlobalTensor, TensorSlice, split_ranges
 from ..engine.readahead import reading_ahead
 from ..errors import CheckpointFormatError, ShardstreamError, UsageError
 from ..formats import hf, lora
@@ -293,7 +293,7 @@ def _merge(
         notes.append(
             f"left out {', '.join(sorted(drop))}: {where} ties it to the input embedding, so "
             "save_pretrained writes none and a loaded model uses the embedding in its place "
-            "(if the run trained it apart, merge with the run's own config: --hf_model_path)"
+            "(a head that holds other values is refused)"
         )
     files = [] if adapter_only else hf.plan_hf_files(outputs, max_file_bytes, names.storage())
     if update and target.is_dir():  # found now, not once the whole model is written
@@ -315,6 +315,7 @@ def _merge(
                 checkpoint.check_split_records([t for t in tensors if t.name not in drop])
             if rank == 0:
                 check_replicas(checkpoint, streamer)
+                check_dropped_heads(drop, tensors, config, out_dtype, where, streamer)
             if split and fuse_lora:
                 fused = lora.fuse_transforms(split, settings, streamer)
                 streamer.transforms = _by_output_name(fused, outputs)
@@ -525,6 +526,57 @@ def check_replicas(checkpoint, streamer: Streamer) -> None:
                     f"{block.location}: replica of tensor {name!r} differs from "
                     f"{tensor.blocks[0].location}; the ranks disagree"
                 )
+
+
+def heads_trained_apart(
+    drop: Collection[str],
+    tensors: Sequence[GlobalTensor],
+    config: dict,
+    out_dtype: str | None,
+    streamer: Streamer,
+) -> Iterator[tuple[GlobalTensor, str]]:
+    """The heads left out as tied that hold none of the values they may be tied to (their
+    embedding's, as written), each with what it was compared with. Compared by digest, one
+    buffer window at a time."""
+    from ..engine.copy import tensor_digest
+
+    by_name = {t.name: t for t in tensors}
+    for name in sorted(drop):
+        head = by_name[name]
+        dtype = hf.cast_dtype(head.dtype, out_dtype)
+        sources = hf.tied_sources(head, tensors, drop, config)
+        digest = tensor_digest(head, streamer, dtype) if sources else None
+        if not any(tensor_digest(s, streamer, dtype) == digest for s in sources):
+            yield (
+                head,
+                (
+                    f"differs from {sources[0].name!r}"
+                    if sources
+                    else f"has the shape of no other tensor ({list(head.shape)})"
+                ),
+            )
+
+
+def check_dropped_heads(
+    drop: Collection[str],
+    tensors: Sequence[GlobalTensor],
+    config: dict,
+    out_dtype: str | None,
+    where: str,
+    streamer: Streamer,
+) -> None:
+    """A head left out as tied must hold its embedding's values: one trained apart (the run's
+    config untied it, the config.json given ties it) would be lost, and a loaded model would
+    use the embedding in its place."""
+    for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
+        default = "" if "tie_word_embeddings" in config else " (by its class's default)"
+        raise CheckpointFormatError(
+            f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {where} ties the "
+            f"output head to the input embedding{default}, so save_pretrained would write no "
+            "head and a loaded model would use the embedding in its place: the trained head "
+            "would be lost. Merge with the run's own config.json (--hf_model_path DIR, with "
+            "tie_word_embeddings false)"
+        )
 
 
 def _entries(*directories: str | os.PathLike) -> list[str]:

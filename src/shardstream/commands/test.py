@@ -41,11 +41,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..engine.copy import Buffers, Streamer
+from ..engine.copy import Buffers, Streamer, fill_window
 from ..engine.dtypes import TORCH_BY_CODE, is_floating, itemsize, parse_dtype
 from ..engine.endpoints import FileEndpoint, OpenEndpoints
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
-from ..errors import CheckpointFormatError, UsageError
+from ..errors import UsageError
 from ..formats import hf, lora
 from ..formats.dcp_hf import safetensors_endpoint
 from ..formats.safetensors import read_header
@@ -119,7 +119,7 @@ def compare_with_reference(
     Returns a report; ``report.ok`` is False when anything differs, and ``report.problems``
     has one line per problem naming the tensor. Raises only for unreadable inputs.
     """
-    from .merge import check_replicas, tied_duplicates
+    from .merge import check_replicas, heads_trained_apart, tied_duplicates
 
     start = time.perf_counter()
     buffer_bytes = parse_size(buffer_size)
@@ -171,6 +171,7 @@ def compare_with_reference(
     # the layout renames it (PaliGemma's ``language_model.lm_head.weight``); a reference that
     # stores it all the same is compared with it.
     drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
+    as_stored = tensors
     tensors = _saved_layout(tensors, config, config_dir, drop, {t.name for t in reference})
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
@@ -246,6 +247,13 @@ def compare_with_reference(
     ref_side = Streamer(endpoints, Buffers.sized(half, ratio))
     try:
         check_replicas(checkpoint, ours_side)
+        # A head the reference ties is its embedding: compared as the checkpoint's own.
+        unheld = {n for n in drop if n not in theirs}
+        for head, said in heads_trained_apart(unheld, as_stored, config, None, ours_side):
+            report.problem(
+                f"tensor {head.name!r}: {said}, but the reference ties the output head to the "
+                "input embedding (it holds no head), so its model's head is not the checkpoint's"
+            )
         for ref, ckpt, target in pairs:
             _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
         endpoints.finish()
@@ -342,8 +350,8 @@ def _compare_tensor(
             active.append(ckpt_runs[next_run])
             next_run += 1
         active = [r for r in active if r.dst_end() > lo]
-        a = _fill(ours, active, lo, hi, name)
-        b = _fill(theirs, ref_runs, lo, hi, name)
+        a = fill_window(ours, active, lo, hi, name)
+        b = fill_window(theirs, ref_runs, lo, hi, name)
         for s in range(0, hi - lo, _COMPARE_ELEMS * isz):
             e = min(hi - lo, s + _COMPARE_ELEMS * isz)
             first = (lo + s) // isz
@@ -362,31 +370,6 @@ def _compare_tensor(
             f"max abs diff {worst[0]:.6g} at {[int(i) for i in index]}: checkpoint "
             f"{worst[2]:.9g} vs reference {worst[3]:.9g}"
         )
-
-
-def _fill(streamer: Streamer, runs, lo: int, hi: int, name: str) -> np.ndarray:
-    """Assemble bytes [lo, hi) of the dense comparison window from ``runs``."""
-    out = streamer.buf.window[: hi - lo]
-    filled = 0
-    for run in runs:
-        if run.dst_offset >= hi or run.dst_end() <= lo:
-            continue
-        d_isz = itemsize(run.dst_dtype)
-        for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
-            rows = streamer.rows(run, i0, i1, e0, e1)
-            pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
-            count, width = rows.shape
-            target = np.lib.stride_tricks.as_strided(
-                out[pos:], shape=(count, width), strides=(run.dst_step, 1)
-            )
-            target[...] = rows
-            filled += rows.nbytes
-    if filled != hi - lo:
-        raise CheckpointFormatError(
-            f"tensor {name!r}: internal plan error: comparison window [{lo}, {hi}) got "
-            f"{filled} of {hi - lo} bytes"
-        )
-    return out
 
 
 def _compare_piece(

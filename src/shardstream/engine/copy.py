@@ -569,6 +569,57 @@ def hash_block(name: str, shape: Sequence[int], block, streamer: Streamer) -> st
     return hasher.hexdigest()
 
 
+def fill_window(
+    streamer: Streamer, runs: Sequence[CopyRun], lo: int, hi: int, name: str
+) -> np.ndarray:
+    """Bytes [lo, hi) of a dense row-major tensor assembled from ``runs`` (planned into one
+    ``dense_block``), in the streamer's window; the runs must cover the range."""
+    out = streamer.buf.window[: hi - lo]
+    filled = 0
+    for run in runs:
+        if run.dst_offset >= hi or run.dst_end() <= lo:
+            continue
+        d_isz = itemsize(run.dst_dtype)
+        for i0, i1, e0, e1 in streamer.batches(run, lo, hi, hi - lo):
+            rows = streamer.rows(run, i0, i1, e0, e1)
+            pos = run.dst_offset + i0 * run.dst_step + e0 * d_isz - lo
+            count, width = rows.shape
+            target = np.lib.stride_tricks.as_strided(
+                out[pos:], shape=(count, width), strides=(run.dst_step, 1)
+            )
+            target[...] = rows
+            filled += rows.nbytes
+    if filled != hi - lo:
+        raise CheckpointFormatError(
+            f"tensor {name!r}: internal plan error: window [{lo}, {hi}) got "
+            f"{filled} of {hi - lo} bytes"
+        )
+    return out
+
+
+def tensor_digest(tensor, streamer: Streamer, dtype: str) -> str:
+    """Digest of a ``GlobalTensor``'s elements in row-major order, cast to ``dtype``, however
+    its blocks lie: one window of the streamer's buffers at a time."""
+    from .plan import dense_block, plan_copy
+
+    shape = tuple(tensor.shape)
+    isz = itemsize(dtype)
+    dense = dense_block("digest", 0, dtype, shape)
+    runs = sorted(
+        (r for b in tensor.blocks for r in plan_copy(tensor.name, shape, b, dense)),
+        key=lambda r: r.dst_offset,
+    )
+    capacity = streamer.buf.window.nbytes // isz * isz
+    total = isz
+    for size in shape:
+        total *= size
+    hasher = new_hasher()
+    for lo in range(0, total, capacity):
+        hi = min(total, lo + capacity)
+        hasher.update(memoryview(fill_window(streamer, runs, lo, hi, tensor.name)))
+    return hasher.hexdigest()
+
+
 def read_tensor(tensor, streamer: Streamer, dtype: str | None = None) -> torch.Tensor:
     """Assemble a small ``GlobalTensor`` in memory (LoRA factors, extra state), in bounded steps."""
     from .plan import dense_block, plan_copy

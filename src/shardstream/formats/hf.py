@@ -12,7 +12,7 @@ import math
 import os
 import re
 import shutil
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -389,6 +389,25 @@ def tied_duplicates(
         for t, s in pairs.items()
         if t in plain and (s in plain if s is not None else t == TIED_HEAD)
     }
+
+
+def tied_sources(
+    head: GlobalTensor, tensors: Sequence[GlobalTensor], drop: Collection[str], config: dict
+) -> list[GlobalTensor]:
+    """The stored tensors a head left out as tied may be tied to: those of its shape that are
+    written, the embedding the model class (or the name ``*embed_tokens.weight``) pairs it
+    with first. A tied head holds its source's values; one that holds none of these would be
+    lost."""
+    names = strip_wrappers([t.name for t in tensors])
+    source = None  # lm_head.weight's is found by name, without asking transformers (seconds)
+    if names[head.name] != TIED_HEAD and isinstance(config.get("model_type"), str):
+        source = _class_tied_pairs(config).get(names[head.name])
+    shape = tuple(head.shape)
+    same = [t for t in tensors if t.name not in drop and tuple(t.shape) == shape]
+    return sorted(
+        same,
+        key=lambda t: (names[t.name] != source, not names[t.name].endswith(TIED_EMBEDDING_SUFFIX)),
+    )
 
 
 def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool = False) -> bool:
