@@ -284,3 +284,31 @@ def test_a_head_trained_apart_from_a_tied_embedding_is_refused(tmp_path, drop_ke
     assert torch.equal(
         got["lm_head.weight"], load_file(source / "model.safetensors")["lm_head.weight"]
     )
+
+
+def test_a_head_saved_as_its_embeddings_storage_is_not_read(tmp_path):
+    """torch.save writes a tied model's one storage once, under both names (verl's rank
+    files): the head is its embedding, told from the blocks, without reading a byte. A head
+    stored apart is read to be compared."""
+    from shardstream.commands.merge import heads_trained_apart
+    from shardstream.engine.copy import Buffers, Streamer
+    from shardstream.engine.plan import GlobalTensor, dense_block
+
+    def opened(location):
+        raise AssertionError(f"read {location}")
+
+    config = {"model_type": "qwen2", "tie_word_embeddings": True}
+    embedding = dense_block(str(tmp_path / "rank0.pt"), 64, "F32", (8, 4))
+    head = dense_block(str(tmp_path / "rank0.pt"), 192, "F32", (8, 4))
+    streamer = Streamer(opened, Buffers.sized(1 << 16))
+    for head_block, reads in ((embedding, False), (head, True)):
+        tensors = [
+            GlobalTensor("model.embed_tokens.weight", "F32", (8, 4), (embedding,)),
+            GlobalTensor("lm_head.weight", "F32", (8, 4), (head_block,)),
+        ]
+        found = heads_trained_apart({"lm_head.weight"}, tensors, config, "BF16", streamer)
+        if reads:
+            with pytest.raises(AssertionError, match="read .*rank0.pt"):
+                list(found)
+        else:
+            assert list(found) == []

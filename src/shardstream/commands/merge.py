@@ -545,6 +545,8 @@ def heads_trained_apart(
         head = by_name[name]
         dtype = hf.cast_dtype(head.dtype, out_dtype)
         sources = hf.tied_sources(head, tensors, drop, config)
+        if any(s.dtype == head.dtype and s.blocks == head.blocks for s in sources):
+            continue  # one storage saved under both names (torch.save of a tied model)
         digest = tensor_digest(head, streamer, dtype) if sources else None
         if not any(tensor_digest(s, streamer, dtype) == digest for s in sources):
             yield (
