@@ -32,6 +32,9 @@ def test_wrapper_prefixes_are_stripped():
     names = ["_orig_mod.a.w", "_orig_mod.b._fsdp_wrapped_module._checkpoint_wrapped_module.w"]
     assert strip_wrappers(names) == {names[0]: "a.w", names[1]: "b.w"}
     assert strip_wrappers(["module.a", "module.b"]) == {"module.a": "a", "module.b": "b"}
+    # torch.compile(DDP(model)) and DDP(torch.compile(model)): both wrappers go
+    for names in (["_orig_mod.module.a", "_orig_mod.module.b"], ["module._orig_mod.a", "module.b"]):
+        assert list(strip_wrappers(names).values()) == ["a", "b"]
     # DDP's prefix goes only when every name has it
     assert strip_wrappers(["module.a", "b"]) == {"module.a": "module.a", "b": "b"}
 

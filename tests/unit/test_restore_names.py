@@ -16,6 +16,13 @@ def test_wrapper_parts_and_a_ddp_prefix_on_every_key_are_dropped():
     assert unwrap("module.b._checkpoint_wrapped_module.w") == "b.w"
 
 
+def test_a_ddp_prefix_under_a_compiled_wrapper_is_dropped_too():
+    """torch.compile(DDP(model)).state_dict() names every key ``_orig_mod.module.*``."""
+    saved = ["_orig_mod.module.a.weight", "_orig_mod.module.b.w"]
+    unwrap = _unwrapper(saved, None)
+    assert [unwrap(n) for n in saved] == ["a.weight", "b.w"]
+
+
 def test_names_without_wrappers_are_kept():
     unwrap = _unwrapper(["module.a", "b"], None)  # not every key: a module named "module"
     assert unwrap("module.a") == "module.a"

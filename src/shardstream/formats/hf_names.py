@@ -205,15 +205,24 @@ def _placed(block: Block, piece: Piece) -> Block:
     return Block(*where, tuple(start), tuple(shape), tuple(strides))
 
 
+def without_wrapper_parts(name: str) -> str:
+    """``name`` without the wrapper modules' parts (``WRAPPER_PARTS``), wherever they are."""
+    for part in WRAPPER_PARTS:
+        name = name.replace(part, "")
+    return name
+
+
 def strip_wrappers(names: Sequence[str]) -> dict[str, str]:
-    """Stored name -> name without wrapper prefixes; two names that become one are refused."""
-    drop_module = bool(names) and all(n.startswith(DDP_PREFIX) for n in names)
+    """Stored name -> name without wrapper prefixes; two names that become one are refused.
+    DDP's ``module.`` goes when every name starts with it once the other parts are gone:
+    ``torch.compile(DDP(model))`` saves ``_orig_mod.module.*``."""
+    bare = [without_wrapper_parts(n) for n in names]
+    drop_module = bool(bare) and all(b.startswith(DDP_PREFIX) for b in bare)
     out: dict[str, str] = {}
     seen: dict[str, str] = {}
-    for name in names:
-        stripped = name[len(DDP_PREFIX) :] if drop_module else name
-        for part in WRAPPER_PARTS:
-            stripped = stripped.replace(part, "")
+    for name, stripped in zip(names, bare):
+        if drop_module:
+            stripped = stripped[len(DDP_PREFIX) :]
         if stripped in seen:
             raise CheckpointFormatError(
                 f"tensors {seen[stripped]!r} and {name!r} both become {stripped!r} once wrapper "

@@ -736,15 +736,14 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
     adapters = _adapter_names(live, saved) if bare_lora else {}
     if not wrapped and not adapters:
         return lambda fqn: fqn
-    drop_module = all(n.startswith(hf_names.DDP_PREFIX) for n in saved) and not any(
-        n.startswith(hf_names.DDP_PREFIX) for n in live
-    )
+    drop_module = all(
+        hf_names.without_wrapper_parts(n).startswith(hf_names.DDP_PREFIX) for n in saved
+    ) and not any(n.startswith(hf_names.DDP_PREFIX) for n in live)
 
     def unwrap(fqn: str) -> str:
+        fqn = hf_names.without_wrapper_parts(fqn)
         if drop_module and fqn.startswith(hf_names.DDP_PREFIX):
             fqn = fqn[len(hf_names.DDP_PREFIX) :]
-        for part in hf_names.WRAPPER_PARTS:
-            fqn = fqn.replace(part, "")
         return adapters.get(fqn, fqn)
 
     return unwrap
