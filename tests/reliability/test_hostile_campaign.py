@@ -380,6 +380,35 @@ def test_values_beyond_float16s_range_are_said_by_name(tmp_path, capsys):
     assert code == 0 and not any("range" in line for line in lines), lines
 
 
+def test_values_beyond_float16s_range_are_counted_under_their_own_tensors(tmp_path, capsys):
+    """Neighbouring tensors of one file are copied as one run: the note named the run's first
+    tensor (here 'a', which holds none) for every value, and '1 values of 1 tensor'."""
+    from safetensors.torch import save_file
+
+    state = {n: torch.ones(4, 8) for n in ("a", "b", "c", "d")}
+    state["b"][1, 2] = 1e6
+    state["d"][0, :3] = -1e6
+    source = tmp_path / "hf"
+    source.mkdir()
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    argv = ["merge", "--local_dir", source, "--target_dir", tmp_path / "merged", "--dtype"]
+    code, lines = _cli(capsys, *argv, "float16")
+    assert code == 0, lines
+    said = [line for line in lines if "range" in line]
+    assert said == [
+        "note: 4 values of 2 tensors were beyond float16's range and became inf: 'd' (3), "
+        "'b' (1); a wider dtype (--dtype bfloat16) keeps them"
+    ]
+    state["d"][0, :3] = 1.0
+    save_file(state, str(source / "model.safetensors"), metadata={"format": "pt"})
+    code, lines = _cli(capsys, *argv, "float16", "--overwrite")
+    assert code == 0 and any(
+        line == "note: 1 value of 1 tensor was beyond float16's range and became inf: 'b' (1); "
+        "a wider dtype (--dtype bfloat16) keeps it"
+        for line in lines
+    ), lines
+
+
 @pytest.mark.parametrize("named", ["bool", "int8", "float128"])
 @pytest.mark.parametrize("command", ["merge", "inspect"])
 def test_config_dtype_that_is_not_floating(tmp_path, capsys, command, named):

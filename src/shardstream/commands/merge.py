@@ -423,11 +423,16 @@ def _overflow_notes(counts: list[dict[str, int]], out_dtype: str | None) -> list
     shown = ", ".join(f"{n!r} ({total[n]})" for n in worst[:3])
     more = f" and {len(worst) - 3} more" if len(worst) > 3 else ""
     name = TORCH_NAME.get(out_dtype or "", "the output dtype")
+    values = sum(total.values())
     return [
-        f"{sum(total.values())} values of {len(total)} tensor{'s' if len(total) != 1 else ''} "
-        f"were beyond {name}'s range and became inf: {shown}{more}; a wider dtype "
-        "(--dtype bfloat16) keeps them"
+        f"{_count(values, 'value')} of {_count(len(total), 'tensor')} "
+        f"{'was' if values == 1 else 'were'} beyond {name}'s range and became inf: "
+        f"{shown}{more}; a wider dtype (--dtype bfloat16) keeps {'it' if values == 1 else 'them'}"
     ]
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
 
 
 def _entries_written(

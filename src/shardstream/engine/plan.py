@@ -158,7 +158,8 @@ def coalesce_runs(runs: Sequence[CopyRun], apart: Container[str] = ()) -> list[C
     in both its source and its destination, between the same endpoints and dtypes, joined
     to it: neighbouring tensors copied from one contiguous stretch (an expert's gate and up
     halves of a fused tensor) then move as one run. Runs of tensors in ``apart`` (rows a
-    hook rewrites by their index) are never joined."""
+    hook rewrites by their index) are never joined, nor runs of two tensors into float16
+    (values it makes infinite are counted under the run's tensor)."""
     out: list[CopyRun] = []
     for run in runs:
         last = out[-1] if out else None
@@ -166,6 +167,7 @@ def coalesce_runs(runs: Sequence[CopyRun], apart: Container[str] = ()) -> list[C
             last is not None
             and run.tensor not in apart
             and last.tensor not in apart
+            and (run.tensor == last.tensor or run.dst_dtype != "F16")
             and (run.src, run.dst, run.src_dtype, run.dst_dtype)
             == (last.src, last.dst, last.src_dtype, last.dst_dtype)
             and _flat(last)
