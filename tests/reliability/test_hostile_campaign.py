@@ -380,6 +380,30 @@ def test_values_beyond_float16s_range_are_said_by_name(tmp_path, capsys):
     assert code == 0 and not any("range" in line for line in lines), lines
 
 
+@pytest.mark.parametrize(
+    "stray", ["model_world_size_1_rank_00.pt", "model_world_size_01_rank_0.pt"]
+)
+def test_a_stray_rank_file_with_leading_zeros_is_not_the_ranks(tmp_path, capsys, stray):
+    """int() read rank_00 as rank 0, and whichever file the listing gave last was merged and
+    verified in its place; verl opens model_world_size_1_rank_0.pt by its exact name."""
+    from safetensors.torch import load_file
+
+    state = _plain_state()
+    source = _verl_dir(tmp_path / "actor", {MODEL: state})
+    torch.save({k: torch.zeros_like(v) for k, v in state.items()}, source / stray)
+    code, lines = _cli(capsys, "verify", source)
+    assert code == 0, lines
+    code, lines = _cli(capsys, *_merge_argv(source, tmp_path), "--dtype", "float32")
+    assert code == 0, lines
+    merged = load_file(tmp_path / "merged" / "model.safetensors")
+    assert merged.keys() == state.keys()
+    assert all(torch.equal(merged[k], state[k]) for k in state)
+    # alone, it is no rank's file at all
+    (source / MODEL).unlink()
+    code, lines = _cli(capsys, *_merge_argv(source, tmp_path), "--overwrite")
+    assert code == 1 and f"{source}: no model files found" in lines[-1]
+
+
 def test_values_beyond_float16s_range_are_counted_under_their_own_tensors(tmp_path, capsys):
     """Neighbouring tensors of one file are copied as one run: the note named the run's first
     tensor (here 'a', which holds none) for every value, and '1 values of 1 tensor'."""

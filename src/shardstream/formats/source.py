@@ -58,7 +58,9 @@ if TYPE_CHECKING:
     from ..engine.plan import Block, GlobalTensor
 
 # verl's rank files, {kind}_world_size_{W}_rank_{r}.pt; kind: model, optim, extra_state.
-VERL_FILE_PATTERN = r"^{kind}_world_size_([0-9]+)_rank_([0-9]+)\.pt$"
+# As verl names them (no leading zeros): a stray rank_01.pt is not rank 1's file, which verl
+# opens by its exact name.
+VERL_FILE_PATTERN = r"^{kind}_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt$"
 VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
