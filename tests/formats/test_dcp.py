@@ -1269,3 +1269,21 @@ def test_a_second_model_beside_the_model_is_said_not_read(tmp_path, capsys):
     recipe["app.ema.w"] = recipe["app.ema.b"] = "training state (app)"
     assert unread_groups(recipe, "app.model.") == {"app.ema.": 2}
     assert unread_groups({"optimizer.state.w": "training state (optimizer)"}, "") == {}
+
+
+def test_a_checkpoint_without_config_is_compared_in_the_references_layout(tmp_path):
+    """A DCP checkpoint holds no config.json: `shardstream test` of a Qwen3-MoE (fused
+    experts in memory) against save_pretrained's per-expert files listed every expert as
+    missing and unexpected. The reference's config.json now describes the model compared."""
+    import transformers
+    from safetensors.torch import load_file
+
+    from shardstream.commands.test import compare_with_reference
+    from shardstream.testing.tiny_models import layout_config, randomized
+
+    model = randomized(transformers.Qwen3MoeForCausalLM(layout_config("qwen3_moe")))
+    _save_plain(tmp_path / "ck", dict(model.state_dict()))
+    model.save_pretrained(tmp_path / "ref")
+    report = compare_with_reference(tmp_path / "ck", tmp_path / "ref", exact=True)
+    assert report.ok, report.problems
+    assert report.compared == len(load_file(tmp_path / "ref" / "model.safetensors"))

@@ -164,6 +164,9 @@ def compare_with_reference(
     if hf_model_path and not (config_dir / "config.json").is_file():
         raise UsageError(f"--hf_model_path {config_dir}: no config.json there")
     config = hf.read_config(config_dir)
+    if not config and not hf_model_path and adapter_dir is None and ref_dir.is_dir():
+        # None beside the checkpoint (DCP's): the reference's describes the model compared
+        config_dir, config = ref_dir, hf.read_config(ref_dir)
     reference_ties = "tie_word_embeddings" in ref_config and hf.ties_word_embeddings(ref_config)
     lora.refuse_unsupported_peft(local_dir, (t.name for t in checkpoint.tensors))
     tensors, factors = _merged_names(checkpoint.tensors)
