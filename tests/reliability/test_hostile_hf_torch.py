@@ -275,7 +275,10 @@ def test_dtype_merges_exactly(tmp_path, capsys, dtype):
     assert got["extra"].dtype == dtype and torch.equal(got["extra"], value)
 
 
-UNTYPED = [torch.float8_e4m3fn, torch.float8_e5m2, torch.uint16, torch.uint32, torch.uint64]
+UNTYPED = [
+    *(torch.float8_e4m3fn, torch.float8_e5m2, torch.float8_e4m3fnuz, torch.float8_e5m2fnuz),
+    *(torch.float8_e8m0fnu, torch.uint16, torch.uint32, torch.uint64),
+]
 
 
 @pytest.mark.parametrize("dtype", UNTYPED, ids=str)
@@ -291,6 +294,24 @@ def test_dtype_without_a_typed_storage_merges_exactly(tmp_path, capsys, dtype):
         assert got[name].dtype == dtype and got[name].shape == want.shape
         assert torch.equal(got[name].view(torch.uint8), want.view(torch.uint8)), name
     assert _run(capsys, "verify", source, tmp_path / "unused")[0] == 0
+
+
+@pytest.mark.parametrize(
+    "dtype", [torch.float8_e4m3fnuz, torch.float8_e5m2fnuz, torch.float8_e8m0fnu], ids=str
+)
+def test_float8_codes_safetensors_writes_merge_exactly(tmp_path, capsys, dtype):
+    """F8_E4M3FNUZ, F8_E5M2FNUZ and F8_E8M0 (MX scales): safetensors and torch load them; merge
+    refused the file as of an unknown dtype."""
+    from safetensors.torch import save_file
+
+    value = (torch.arange(12, dtype=torch.float32).reshape(3, 4) + 1).to(dtype)
+    source = tmp_path / "hf"
+    source.mkdir()
+    save_file({"w": torch.ones(2, 2), "scale": value}, str(source / "model.safetensors"))
+    code, err = _run(capsys, "merge", source, tmp_path / "merged", "--keep-names")
+    assert code == 0, err
+    got = _merged(tmp_path / "merged")["scale"]
+    assert got.dtype == dtype and torch.equal(got.view(torch.uint8), value.view(torch.uint8))
 
 
 def test_building_onto_the_untyped_storage_type_is_refused(tmp_path, capsys):

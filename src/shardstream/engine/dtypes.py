@@ -27,6 +27,9 @@ ITEMSIZE: dict[str, int] = {
     "BOOL": 1,
     "F8_E4M3": 1,
     "F8_E5M2": 1,
+    "F8_E4M3FNUZ": 1,
+    "F8_E5M2FNUZ": 1,
+    "F8_E8M0": 1,  # MX formats' scales
     "C64": 8,
 }
 # torch's names of the codes (``str(torch.bfloat16)`` less its ``torch.`` prefix).
@@ -46,6 +49,9 @@ TORCH_NAME: dict[str, str] = {
     "BOOL": "bool",
     "F8_E4M3": "float8_e4m3fn",
     "F8_E5M2": "float8_e5m2",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz",
+    "F8_E5M2FNUZ": "float8_e5m2fnuz",
+    "F8_E8M0": "float8_e8m0fnu",
     "C64": "complex64",
 }
 _FLOATING = frozenset({"F64", "F32", "F16", "BF16"})
