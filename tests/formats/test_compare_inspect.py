@@ -550,3 +550,19 @@ def test_verify_prints_a_bounded_number_of_problem_lines(tmp_path, capsys, monke
     assert main(["verify", "--json", str(directory)]) == 1
     listed = json.loads(capsys.readouterr().out)["problems"]
     assert len(listed) == 2 + int(lines[-1].split()[2].replace(",", ""))
+
+
+def test_a_training_checkpoint_given_as_the_reference_is_said_to_be_one(
+    fsdp_root, tmp_path, capsys
+):
+    """--test_hf_dir of a verl actor directory (or its global_step_N) called its
+    extra_state_*.pt a model and said only safetensors models are read."""
+    step = tmp_path / "global_step_1"
+    step.mkdir()
+    shutil.copytree(fsdp_root / "base", step / "actor")
+    torch.save({"epoch": 0}, step / "data.pt")
+    for ref in (step / "actor", step):
+        argv = ["test", "--local_dir", str(fsdp_root / "base"), "--test_hf_dir", str(ref)]
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert f"--test_hf_dir {ref}: a verl" in err and "pass it as --local_dir" in err, err

@@ -153,6 +153,7 @@ def compare_with_reference(
         saved = open_torch_weights(ref_dir)
         reference, ref_config, ref_endpoint = saved.tensors, hf.read_config(ref_dir), saved.endpoint
     else:
+        _refuse_checkpoint_as_reference(ref_dir)
         if ref_dir.is_dir():  # as merge reads such a directory: no file of it links out
             from ..formats.dcp_hf import link_root
 
@@ -264,6 +265,27 @@ def compare_with_reference(
         endpoints.close()
     report.wall_s = time.perf_counter() - start
     return report
+
+
+_NOT_MODELS = {
+    Kind.VERL: "a verl checkpoint",
+    Kind.VERL_ROLES: "a verl step (its roles' checkpoints)",
+    Kind.DCP: "a DCP checkpoint",
+    Kind.NATIVE: "a shardstream checkpoint",
+    Kind.RUN: "a run of shardstream checkpoints",
+    Kind.ACCELERATE: "an accelerate checkpoint",
+}
+
+
+def _refuse_checkpoint_as_reference(ref_dir: Path) -> None:
+    """A training checkpoint given as the reference: said as such, not as a model directory
+    whose files are of the wrong kind."""
+    kind = detect(ref_dir) if ref_dir.is_dir() else Kind.NONE
+    if kind in _NOT_MODELS:
+        raise UsageError(
+            f"--test_hf_dir {ref_dir}: {_NOT_MODELS[kind]}, not a Hugging Face model; "
+            "pass it as --local_dir, and as --test_hf_dir a model save_pretrained (or merge) wrote"
+        )
 
 
 def _adapter_only(directory: Path) -> Path | None:

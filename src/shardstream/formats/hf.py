@@ -569,8 +569,8 @@ def read_hf_model(directory: str | os.PathLike) -> tuple[list[HfTensor], dict]:
     others = sorted(p.name for p in path.iterdir() if p.name.endswith((".bin", ".pt", ".pth")))
     if others:
         raise CheckpointFormatError(
-            f"{path}: has {others[0]} but no {SINGLE_FILE} or {INDEX_FILE}; "
-            "only safetensors models are read (re-save it with safe_serialization)"
+            f"{path}: has {others[0]} but no {SINGLE_FILE}, {INDEX_FILE} or "
+            "pytorch_model.bin (or its index): no Hugging Face model's weights"
         )
     raise CheckpointNotFoundError(
         f"{path}: no {SINGLE_FILE} or {INDEX_FILE} in the model directory"
