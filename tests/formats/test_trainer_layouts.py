@@ -233,3 +233,23 @@ def test_a_sharded_trainer_checkpoint_takes_the_output_dirs_config(tmp_path):
     assert config_dir_of(tmp_path / "elsewhere" / "pytorch_model_fsdp_0") is None
     merge(out / "checkpoint-2", tmp_path / "merged")
     assert json.loads((tmp_path / "merged" / "config.json").read_text())["model_type"] == "tiny"
+
+
+def test_an_output_dirs_unchecked_bytes_count_its_checkpoints(tmp_path):
+    """safetensors of checkpoint-N (the Trainer's FULL_STATE_DICT saves) carry no checksums:
+    each alone was said as not checked, while verify of the output_dir holding them said
+    nothing of them (unchecked_bytes counted the final model's at most)."""
+    out = tmp_path / "out"
+    for step in (5, 10):
+        path = out / f"checkpoint-{step}"
+        path.mkdir(parents=True)
+        save_file(_weights(step), str(path / "model.safetensors"))
+        (path / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+        (path / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    each = verify(out / "checkpoint-5").unchecked_bytes
+    assert each > 0
+    report = verify(out)
+    assert report.ok and report.steps == [5, 10] and report.unchecked_bytes == 2 * each
+    save_file(_weights(10), str(out / "model.safetensors"))  # the final model beside them
+    (out / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    assert verify(out).unchecked_bytes == 3 * each

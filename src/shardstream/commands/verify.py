@@ -130,6 +130,9 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
         report.problems.extend(part.problems)
         report.files_checked += part.files_checked
         report.bytes_checked += part.bytes_checked
+        report.unchecked_bytes += part.unchecked_bytes
+        report.uncommitted += [f"{entry.name}/{name}" for name in part.uncommitted]
+        report.unnamed += [f"{entry.name}/{name}" for name in part.unnamed]
         if (step := step_of_name(entry.name)) is not None and step not in report.steps:
             report.steps.append(step)
         if finished and not any(p.path == str(entry) for p in part.problems):
