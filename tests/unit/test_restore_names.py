@@ -72,3 +72,23 @@ def test_peft_weights_saved_without_the_adapter_name_find_the_live_ones():
     assert _adapter_names(live, ["m.q.lora_A.default.weight"]) == {}  # saved as live: as is
     two = ["m.q.lora_A.first.weight", "m.q.lora_A.second.weight"]
     assert _adapter_names(two, ["m.q.lora_A.weight"]) == {}  # which adapter: unknown
+
+
+def test_param_groups_of_another_model_name_the_parameter_one_side_lacks(tmp_path):
+    """A model one layer deeper than the saved one: DCP's nested param groups then differ in
+    size, which was said as "(1 saved, 1 live)" groups, blaming the optimizer."""
+    from shardstream.training.load import _check_group_sizes
+
+    saved = [{"lr": 0.1, "params": ["a.weight", "b.weight"]}]
+    deeper = [{"params": ["a.weight", "b.weight", "c.weight"]}]
+    with pytest.raises(CheckpointFormatError) as raised:
+        _check_group_sizes(tmp_path, saved, deeper)
+    assert str(raised.value) == (
+        f"{tmp_path}: param group 0 holds 2 parameters saved, 3 live: no saved state of live "
+        "parameter 'c.weight' (1 missing, 0 unexpected); was it saved from a different model?"
+    )
+    with pytest.raises(CheckpointFormatError, match="saved state of 'b.weight', which the live"):
+        _check_group_sizes(tmp_path, saved, [{"params": ["a.weight"]}])
+    with pytest.raises(CheckpointFormatError, match="param groups: 1 saved, 2 live"):
+        _check_group_sizes(tmp_path, saved, [*deeper, {"params": []}])
+    _check_group_sizes(tmp_path, saved, [{"params": ["a.weight", "b.weight"]}])

@@ -1158,14 +1158,7 @@ def _dcp_optimizer_objects(path: Path, saved: Any, live: list[dict]) -> dict:
             scalars[native.OPTIMIZER_PREFIX + key] = value
     groups = saved.get("param_groups")
     if isinstance(groups, list):  # nested: hyperparameters per group, params as FQNs
-        if len(groups) != len(live) or any(
-            not isinstance(g, dict) or len(g.get("params", ())) != len(h["params"])
-            for g, h in zip(groups, live)
-        ):
-            raise CheckpointFormatError(
-                f"{path}: the saved optimizer's param groups do not match the live optimizer's "
-                f"({len(groups)} saved, {len(live)} live); build the optimizer as the run did"
-            )
+        _check_group_sizes(path, groups, live)
         restored = [{**g, "params": h["params"]} for g, h in zip(groups, live)]
     else:  # flattened: param_groups.<fqn>.<key>, the same for every parameter of a group
         restored = []
@@ -1188,6 +1181,40 @@ def _dcp_optimizer_objects(path: Path, saved: Any, live: list[dict]) -> dict:
                     )
             restored.append({**group, **(values or {}), "params": group["params"]})
     return {"param_groups": restored, "scalars": scalars}
+
+
+def _check_group_sizes(path: Path, groups: list, live: list[dict]) -> None:
+    """DCP's nested param groups hold as many parameters as the live optimizer's, group by
+    group; where they do not, the parameters one side lacks are named (a model of another
+    depth shows here first: its optimizer's groups differ too)."""
+    if len(groups) != len(live):
+        raise CheckpointFormatError(
+            f"{path}: the optimizer's param groups: {len(groups)} saved, {len(live)} live; "
+            "build the optimizer's param groups as the run did"
+        )
+    for index, (group, mine) in enumerate(zip(groups, live)):
+        params = group.get("params", ()) if isinstance(group, dict) else ()
+        if len(params) == len(mine["params"]):
+            continue
+        saved = {p for p in params if isinstance(p, str)}
+        missing = [p for p in mine["params"] if p not in saved]
+        unexpected = sorted(saved - set(mine["params"]))
+        said = (
+            f"param group {index} holds {len(params)} parameters saved, {len(mine['params'])} live"
+        )
+        if missing or unexpected:
+            first = (
+                f"no saved state of live parameter {missing[0]!r}"
+                if missing
+                else f"saved state of {unexpected[0]!r}, which the live model lacks"
+            )
+            said += (
+                f": {first} ({len(missing)} missing, {len(unexpected)} unexpected); was it "
+                "saved from a different model?"
+            )
+        else:
+            said += "; build the optimizer's param groups as the run did"
+        raise CheckpointFormatError(f"{path}: {said}")
 
 
 def _same_settings(a: dict, b: dict) -> bool:
