@@ -802,6 +802,14 @@ class CheckpointManager:
 
     # --- lifecycle ----------------------------------------------------------------------------
 
+    def wait_for_reads(self) -> float:
+        """Return once an async save in flight reads no live tensor (it copies what the
+        staging budget holds and waits for the rest, as before an optimizer step); the seconds
+        that took. Call it before writing parameters or optimizer state in place outside
+        ``optimizer.step()`` (an EMA swap, ``load_state_dict``): a save that finds a tensor
+        written meanwhile is not committed."""
+        return self._async.release_live() if self._async is not None else 0.0
+
     def wait(self) -> None:
         """Block until every background save has committed and the steps retention dropped
         are deleted from disk; raise a failed save's error."""

@@ -444,3 +444,82 @@ def test_a_save_whose_memory_holds_everything_stages_it_before_the_next_step(tmp
     finally:
         manager.close()
     _assert_restores(tmp_path, 1, want)
+
+
+def written_in_place_run(rank: int, world: int, root: str, fenced: bool) -> dict:
+    """One async save whose reads (and copies) are held until the trainer has written every
+    parameter and a buffer in place, outside optimizer.step(); ``fenced``: the trainer calls
+    ``wait_for_reads()`` first, as the error says to."""
+    go = threading.Event()
+    window, stage_ahead = SourceGuard.window, SourceGuard._stage_ahead
+
+    def held(method):
+        def wrapped(self, *args):
+            assert go.wait(timeout=600), "the trainer never wrote"
+            return method(self, *args)
+
+        return wrapped
+
+    SourceGuard.window, SourceGuard._stage_ahead = held(window), held(stage_ahead)
+    try:
+        model, optimizer, scheduler, _ = workers._fsdp2(world, 0)
+        model.register_buffer("seen", torch.zeros(3))  # as BatchNorm's statistics: no step's
+        config = CheckpointConfig(directory=root, async_save=True, staging_budget="64MiB")
+        manager = CheckpointManager(
+            config, model=model, optimizer=optimizer, lr_scheduler=scheduler
+        )
+        workers.train_step(model, optimizer, scheduler, 1)
+        manager.save(1)
+        expected = workers.full_state(model, optimizer, scheduler)
+        if fenced:
+            manager.wait_for_reads()
+        with torch.no_grad():
+            for parameter in model.parameters():
+                parameter.mul_(0.5)  # an EMA swap, say
+            model.seen.add_(1)  # a forward pass's statistics
+        go.set()
+        error = None
+        try:
+            manager.wait()
+        except UsageError as exc:
+            error = str(exc)
+        steps = manager.all_steps()
+        manager.close()
+    finally:
+        SourceGuard.window, SourceGuard._stage_ahead = window, stage_ahead
+    if not steps:
+        return {"error": error, "steps": steps}
+    fresh, fresh_opt, fresh_sched, _ = workers._fsdp2(world, 7)
+    fresh.register_buffer("seen", torch.full((3,), 9.0))
+    checker = CheckpointManager(
+        CheckpointConfig(directory=root), model=fresh, optimizer=fresh_opt, lr_scheduler=fresh_sched
+    )
+    checker.restore(step=1)
+    restored, seen = workers.full_state(fresh, fresh_opt, fresh_sched), fresh.seen.tolist()
+    checker.close()
+    return {
+        "error": error,
+        "steps": steps,
+        "expected": expected,
+        "restored": restored,
+        "seen": seen,
+    }
+
+
+@pytest.mark.parametrize("fenced", [False, True], ids=["written-unfenced", "wait-for-reads"])
+def test_a_save_written_in_place_while_read_is_not_committed(tmp_path, fenced):
+    """Parameters written in place after save() returned (not by optimizer.step(), which
+    waits) went into the async checkpoint, which verify then passed. Such a save is refused
+    now, naming a tensor; wait_for_reads() first keeps it whole. Buffers are copied as save()
+    is called: they hold their values at save() either way."""
+    results = run(written_in_place_run, 2, str(tmp_path / "run"), fenced)
+    for result in results:
+        if not fenced:
+            assert result["steps"] == []
+            assert "async save of step 1: tensor 'model." in result["error"]
+            assert "was written in place outside optimizer.step()" in result["error"]
+            assert "wait_for_reads()" in result["error"] and "seen" not in result["error"]
+            continue
+        assert result["error"] is None and result["steps"] == [1]
+        assert_state_equal(result["restored"], result["expected"])
+        assert result["seen"] == [0.0, 0.0, 0.0]

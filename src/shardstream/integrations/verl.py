@@ -272,6 +272,11 @@ class FSDPCheckpointManager:
             extra = {"lr_scheduler": scheduler}
         run.save(step, extra)
 
+    def wait_for_reads(self) -> float:
+        """Return once no background save reads a live tensor (``CheckpointManager.
+        wait_for_reads``): before writing weights in place outside ``optimizer.step()``."""
+        return sum(run.wait_for_reads() for run in self._runs.values())
+
     def wait(self) -> None:
         """Block until every background save has committed; raise its error if one failed."""
         for run in self._runs.values():

@@ -80,6 +80,13 @@ class SourceGuard:
         # Set once a step calls freeze(). A test seam: tests hold a save's writer on it, so that
         # the save is certainly in flight when the step comes, whatever the machine's load.
         self.entered = threading.Event()
+        # The saved tensors' version counters as save() was called (``watch``), and the names
+        # of those changed in place by the time the save read no live tensor (``_release``):
+        # a write outside optimizer.step() (an EMA swap, load_state_dict) that the save may
+        # have read. None until then.
+        self.watched: dict[str, torch.Tensor] | None = None
+        self.versions: dict[str, int] = {}
+        self.changed: list[str] | None = None
 
     # --- the save's side -----------------------------------------------------------------------
 
@@ -104,6 +111,29 @@ class SourceGuard:
 
     def mark_ready(self) -> None:
         self.register([], ready=True)
+
+    def watch(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Note the version counters of the tensors the save will read, on the training
+        thread as save() is called: torch counts each in-place write to a tensor there."""
+        with self.cond:
+            self.watched = dict(tensors)
+            self.versions = {name: _version(t) for name, t in tensors.items()}
+
+    def _release(self) -> None:
+        """Under the lock, once the save reads no live tensor (every source staged or read,
+        or about to be): the watched tensors changed in place since save() was called."""
+        if self.watched is None:
+            return
+        self.changed = sorted(n for n, t in self.watched.items() if _version(t) != self.versions[n])
+        self.watched = None  # the live tensors are not the save's to hold any longer
+
+    def reads_done(self) -> list[str]:
+        """This rank's save has read every live tensor: the names of those changed in place
+        meanwhile (outside optimizer.step(), which ``freeze`` holds back), if any."""
+        self.window(1 << 62, 1 << 62)
+        with self.cond:
+            self._release()
+            return list(self.changed or ())
 
     def endpoint(self, location: str) -> TensorEndpoint:
         with self.cond:
@@ -197,6 +227,8 @@ class SourceGuard:
         finally:
             with self.cond:
                 self.writer_holds -= 1
+                if self.ready and all(s.staged for s in self.sources.values()):
+                    self._release()  # copied whole: later writes cannot reach the save
                 self.cond.notify_all()
 
     def _staging_space(self, size: int) -> torch.Tensor | None:
@@ -238,6 +270,7 @@ class SourceGuard:
                     or all(s.staged or s.end <= self.done_upto for s in self.sources.values())
                 )
             )
+            self._release()  # before the step writes: what changed until now, did so unfenced
         return time.perf_counter() - started
 
     def _choose(self) -> tuple[list[tuple[_Source, torch.Tensor | None]], bool]:
@@ -426,6 +459,14 @@ class StagingMemory:
             self._held = None
 
 
+def _version(tensor: torch.Tensor) -> int:
+    """The tensor's version counter (its in-place writes); -1 where it keeps none."""
+    try:
+        return tensor._version
+    except RuntimeError:  # an inference-mode tensor
+        return -1
+
+
 def _touched_memory(nbytes: int, pinned: bool) -> torch.Tensor:
     if pinned:
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -470,7 +511,9 @@ class AsyncSaver:
         else:
             buffer_bytes, staging_bytes = split_budget(config.staging_budget_bytes)
         prepared = self.manager._prepare(step, extra, buffer_bytes)
+        _own_buffers(prepared.tensors, self.manager.model)
         prepared.guard = SourceGuard(staging_bytes)
+        prepared.guard.watch(prepared.tensors)
         prepared.guard.start_reserving(self.staging.take)
         self.guard, self.step = prepared.guard, step
         self.thread = threading.Thread(
@@ -491,6 +534,13 @@ class AsyncSaver:
         guard = self.guard
         if guard is not None and not guard.finished:
             self.stalls.append(guard.freeze())
+
+    def release_live(self) -> float:
+        """Return once the save in flight reads no live tensor; the seconds that took."""
+        guard = self.guard
+        if guard is None or guard.finished:
+            return 0.0
+        return guard.freeze()
 
     def in_flight_steps(self) -> set[int]:
         alive = self.thread is not None and self.thread.is_alive()
@@ -518,6 +568,25 @@ class AsyncSaver:
                 self.hook.remove()
                 self.hook = None
             _SAVERS.discard(self)
+
+
+def _own_buffers(tensors: dict[str, torch.Tensor], model: Any) -> None:
+    """Replace the model's buffers among ``tensors`` by copies, as save() is called: they
+    change outside optimizer.step() (BatchNorm's running statistics in every forward, a
+    router's bias in a step pre-hook), which the save does not wait for. Buffers are small;
+    parameters and optimizer state are not copied."""
+    if model is None:
+        return
+    from ..formats.native import MODEL_PREFIX
+    from .state import local_tensor
+
+    def storage(t: torch.Tensor) -> int:
+        return local_tensor(t).untyped_storage().data_ptr()
+
+    parameters = {storage(p) for p in model.parameters()}
+    for name, tensor in tensors.items():
+        if name.startswith(MODEL_PREFIX) and tensor.numel() and storage(tensor) not in parameters:
+            tensors[name] = tensor.detach().clone()
 
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # not shut down yet

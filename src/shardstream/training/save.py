@@ -387,6 +387,8 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
                 raise local_error
     except BaseException as exc:  # noqa: BLE001  (every rank must learn of a failure)
         error = _save_error(exc, target)
+    if error is None and prepared.guard is not None:
+        error = _written_meanwhile(prepared.guard.reads_done(), step)
     try:  # one collective whatever happened: every rank's records, or its error
         gathered = coll.gather_or_raise(records if error is None else None, error)
     except BaseException:
@@ -429,6 +431,21 @@ def execute_save(prepared: PreparedSave) -> SaveResult:
     )
     return SaveResult(
         str(target), int(step), written, time.perf_counter() - started, peak_rss_bytes()
+    )
+
+
+def _written_meanwhile(changed: list[str], step: int) -> UsageError | None:
+    """An async save whose tensors were written in place, outside optimizer.step(), before
+    it had read them all: it may hold some values from after save(), so it is not committed."""
+    if not changed:
+        return None
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    return UsageError(
+        f"async save of step {step}: tensor {changed[0]!r}{more} was written in place outside "
+        "optimizer.step() while the save was reading the live tensors, so the checkpoint could "
+        "hold values from after save(); it was not committed. Call the manager's "
+        "wait_for_reads() (or wait()) before writing weights in place (an EMA swap, "
+        "load_state_dict)"
     )
 
 

@@ -53,11 +53,12 @@ def model_tensors(
     state = get_model_state_dict(model, options=options)
     tensors = {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     for name, tensor in tensors.items():  # before a save or restore begins, not midway
-        refuse_lazy_view(name[len(MODEL_PREFIX) :], _local(tensor))
+        refuse_lazy_view(name[len(MODEL_PREFIX) :], local_tensor(tensor))
     return tensors
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; any other tensor itself."""
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -69,7 +70,7 @@ def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tenso
     they are the parameters themselves (FSDP2, plain modules)."""
 
     def storage(t: torch.Tensor) -> int:
-        return _local(t).untyped_storage().data_ptr()
+        return local_tensor(t).untyped_storage().data_ptr()
 
     live = {storage(t) for t in (*model.parameters(), *model.buffers())}
     if all(storage(t) in live for t in tensors.values() if t.numel()):
