@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -75,8 +76,12 @@ def test_a_damaged_reference_merge_wrote_is_named_not_compared(fsdp_root, tmp_pa
     data[-5] ^= 0x01  # the last tensor's data
     file.write_bytes(bytes(data))
     for local in (fsdp_root / "base", target):  # the damaged directory on both sides, too
-        with pytest.raises(ChecksumMismatchError, match=str(file)):
+        with pytest.raises(ChecksumMismatchError, match=str(file)) as raised:
             compare_with_reference(local, target)
+        # the tensors of the damaged chunk are named (this small model's lie in one chunk)
+        assert re.search(r"\(tensor '[^']+', '[^']+', '[^']+' and 5 more\)$", str(raised.value))
+    with pytest.raises(ChecksumMismatchError, match="checksum mismatch .* \\(tensor "):
+        merge(target, tmp_path / "again")
 
 
 def test_single_safetensors_file_as_reference(fsdp_root):

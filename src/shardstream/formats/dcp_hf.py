@@ -29,6 +29,7 @@ from .safetensors import (
     SafetensorsHeader,
     StoredChecksums,
     entries_digest,
+    range_description,
     read_header,
     stored_checksums,
 )
@@ -120,7 +121,13 @@ def safetensors_endpoint(location: str) -> FileEndpoint:
     sums = _checked_entries(location, header)
     if sums is None:
         return FileEndpoint(location)
-    return FileEndpoint(location, sums.chunks, header.data_start, sums.chunk_bytes)
+    return FileEndpoint(
+        location,
+        sums.chunks,
+        header.data_start,
+        sums.chunk_bytes,
+        describe=lambda lo, hi: range_description(header, lo, hi),
+    )
 
 
 def _checked_entries(location: str, header: SafetensorsHeader) -> StoredChecksums | None:

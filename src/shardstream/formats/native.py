@@ -44,10 +44,10 @@ from .regular_file import open_regular, present
 from .safetensors import (
     SafetensorsHeader,
     parse_header,
+    range_description,
     read_header,
     read_header_bytes,
     stored_checksums,
-    tensors_in_range,
 )
 
 if TYPE_CHECKING:
@@ -504,10 +504,9 @@ class NativeCheckpoint:
         """The tensors a damaged range belongs to, for the error message."""
         header = self.headers.get(location)
         try:
-            names = tensors_in_range(header or read_header(location), lo, hi)
+            return range_description(header or read_header(location), lo, hi)
         except (OSError, CheckpointFormatError):
             return ""
-        return f" (tensor {', '.join(repr(n) for n in names[:3])})" if names else " (header)"
 
 
 def is_native_checkpoint(directory: Path) -> bool:

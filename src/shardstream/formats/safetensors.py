@@ -372,3 +372,13 @@ def tensors_in_range(header: SafetensorsHeader, lo: int, hi: int) -> list[str]:
         for e in header.tensors.values()
         if header.data_start + e.begin < hi and header.data_start + e.end > lo
     ]
+
+
+def range_description(header: SafetensorsHeader, lo: int, hi: int) -> str:
+    """What a damaged range [lo, hi) of the file holds, for an error message: its first
+    tensors' names, or the header."""
+    names = tensors_in_range(header, lo, hi)
+    if not names:
+        return " (header)"
+    more = f" and {len(names) - 3} more" if len(names) > 3 else ""
+    return f" (tensor {', '.join(repr(n) for n in names[:3])}{more})"
