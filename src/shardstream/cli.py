@@ -390,8 +390,9 @@ def run_verify(args: argparse.Namespace) -> int:
             if report.unnamed:
                 print(
                     _one_line(
-                        "note: not named by the checkpoint's .metadata, so no part of it (left "
-                        f"by an earlier save?), not read: {', '.join(report.unnamed)}"
+                        "note: data files the checkpoint's .metadata or index does not name, so "
+                        "no part of it (an earlier save's?), not read: "
+                        f"{', '.join(report.unnamed)}"
                     ),
                     file=sys.stderr,
                 )

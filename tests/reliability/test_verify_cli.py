@@ -325,7 +325,38 @@ def test_verify_dcp_names_a_data_file_its_metadata_does_not(tmp_path, capsys):
     assert cli.main(["verify", str(ckpt)]) == 0
     out, err = capsys.readouterr()
     assert out == counted, (out, counted)
-    assert "not named by the checkpoint's .metadata" in err and "__2_0.distcp" in err, err
+    assert "the checkpoint's .metadata or index does not name" in err, err
+    assert "__2_0.distcp" in err, err
+
+
+def test_verify_hf_names_a_weights_file_its_index_does_not(tmp_path, capsys):
+    """A shard beside a sharded model that its index does not name (an earlier save's, with
+    another lm_head.weight) went unmentioned: merge follows the index and never reads it."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    model = tmp_path / "hf"
+    model.mkdir()
+    names = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    save_file({"a": torch.ones(4)}, str(model / names[0]), metadata={"format": "pt"})
+    save_file({"lm_head.weight": torch.ones(4)}, str(model / names[1]), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": 32},
+        "weight_map": {"a": names[0], "lm_head.weight": names[1]},
+    }
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    assert cli.main(["verify", str(model)]) == 0
+    counted = capsys.readouterr().out
+    save_file({"lm_head.weight": torch.zeros(4)}, str(model / "model-00002-of-00003.safetensors"))
+    assert cli.main(["verify", str(model), "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["unnamed"] == ["model-00002-of-00003.safetensors"]
+    assert cli.main(["verify", str(model)]) == 0
+    out, err = capsys.readouterr()
+    assert out == counted, (out, counted)
+    assert "index does not name" in err and "model-00002-of-00003.safetensors" in err, err
 
 
 def test_verify_dcp_checks_the_config_files_merge_copies(tmp_path, capsys):

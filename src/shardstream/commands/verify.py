@@ -1059,6 +1059,11 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
             report.problems.append(Problem(str(index_path), f"malformed index ({exc})"))
             return
         names = sorted(set(weight_map.values()))
+        # other weights beside (an earlier save's shards, Mistral's consolidated.safetensors):
+        # never read, so said, not counted as checked
+        report.unnamed += sorted(
+            p.name for p in directory.glob("*.safetensors") if p.name not in set(names)
+        )
     else:
         weight_map, total, names = None, -1, [hf.SINGLE_FILE]
     seen: dict[str, str] = {}
