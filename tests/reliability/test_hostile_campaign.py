@@ -126,6 +126,24 @@ def _replace(path: Path, kind: str) -> None:
 
 
 @pytest.mark.parametrize("kind", ["FIFO", "symlink loop"])
+def test_dcp_config_json_that_is_no_regular_file(tmp_path, capsys, kind):
+    """A FIFO as config.json beside a DCP checkpoint was taken for no config.json: merge wrote
+    the weights alone and said it found none."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    source = tmp_path / "dcp"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"model": _plain_state()}, checkpoint_id=str(source))
+    (source / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    _replace(source / "config.json", kind)
+    said = {"FIFO": "is a FIFO", "symlink loop": "symbolic link"}[kind]
+    _fails_naming(capsys, _merge_argv(source, tmp_path), source, "config.json", said)
+
+
+@pytest.mark.parametrize("kind", ["FIFO", "symlink loop"])
 @pytest.mark.parametrize("command", ["inspect", "test"])
 def test_hf_shard_that_is_no_regular_file(tmp_path, capsys, command, kind):
     """inspect and test once blocked forever opening a FIFO shard, and printed a traceback

@@ -172,7 +172,8 @@ def config_dir_of(directory: Path) -> Path | None:
     from .hf import check_no_links_out
 
     for candidate in folders_around(directory):
-        if (candidate / "config.json").is_file() or (candidate / "config.json").is_symlink():
+        # a FIFO or directory under the name is refused by name (present), not passed over
+        if present(candidate / "config.json") or (candidate / "config.json").is_symlink():
             # merge copies these files: none may lead out of the directory that holds them
             return check_no_links_out(candidate, candidate)
     return None
