@@ -345,6 +345,36 @@ def test_manifest_paths_that_escape(tmp_path, saved_run, manager, capsys, case):
     assert not verify(step).ok
 
 
+def test_a_huggingface_record_two_entries_name_is_refused(tmp_path, capsys):
+    """With share_hf_weights, model tensors point into huggingface/ under save_pretrained's
+    names, which the reader cannot derive: an entry (resealed) pointing at another tensor's
+    record merged and restored that tensor's bytes, verify passing."""
+    import shardstream
+    from shardstream.testing.tiny_models import build_tiny_model, tiny_config
+
+    config = tiny_config("qwen2")
+    step = tmp_path / "run" / "global_step_1"
+    model = build_tiny_model(config)
+    contents = ("model", "hf_model")
+    shardstream.save(step, model=model, contents=contents, hf_config=config, share_hf_weights=True)
+    assert cli.main(["verify", str(step)]) == 0
+    capsys.readouterr()
+
+    def point_head_at_embedding(doc: dict) -> None:
+        (chunk,) = doc["tensors"]["model.lm_head.weight"]["chunks"]
+        assert chunk["file"].startswith("huggingface/")
+        chunk["key"] = "model.embed_tokens.weight"
+
+    _reseal(step, point_head_at_embedding)
+    said = "which tensor 'model.lm_head.weight' names too"
+    report = verify(step)
+    assert not report.ok and any(said in p.line() for p in report.problems), report.problems
+    code, err = _merge(capsys, step, tmp_path / "merged")
+    assert code == 1 and said in err and not (tmp_path / "merged").exists()
+    with pytest.raises(ShardstreamError, match=said):
+        shardstream.load(step, model=build_tiny_model(config), contents=("model",))
+
+
 def test_manifest_chunk_with_more_sizes_than_dims(tmp_path, saved_run, capsys):
     """A chunk of a 1-D tensor with two sizes passed verify and inspect; merge then failed
     naming neither the manifest nor the file."""

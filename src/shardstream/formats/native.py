@@ -620,6 +620,8 @@ class _Headers(dict):
         self.pending: dict[str, str] = {}
         self.digests: dict[str, tuple[int, int, list[str]]] = {}
         self.entries = entries
+        # (huggingface/ file, record) -> the tensor whose chunk it is: each is one tensor's
+        self.claimed: dict[tuple[str, str], str] = {}
 
     def get(self, path, default=None):
         if path in self:
@@ -706,6 +708,16 @@ def _global_tensor(
                 f"{where}: chunk at offsets {list(offsets)} has key {key[:300]!r}; the format "
                 f"stores it as {expected!r}"
             )
+        # A huggingface/ record is named as save_pretrained names it, which only the layout
+        # says; but it holds one tensor: a record two entries name is another's bytes.
+        claimed = getattr(headers, "claimed", None)
+        if claimed is not None and name.startswith(HF_DIR_PREFIX):
+            owner = claimed.setdefault((path, key), fqn)
+            if owner != fqn:
+                raise CheckpointFormatError(
+                    f"{where}: chunk names record {key[:300]!r} of {path}, which tensor "
+                    f"{owner!r} names too; each record is one tensor's"
+                )
         header = headers.get(path)
         entry = header.tensors.get(key) if header else None
         _check_chunk(directory, fqn, key, path, entry, dtype, sizes)
