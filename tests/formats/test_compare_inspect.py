@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from shardstream.cli import main
-from shardstream.commands.inspect import describe, render
+from shardstream.commands.inspect import TENSOR_RSS_BYTES, describe, render
 from shardstream.commands.merge import merge
 from shardstream.commands.test import DEFAULT_ATOL, DEFAULT_RTOL, compare_with_reference
 from shardstream.errors import CheckpointFormatError, CheckpointNotFoundError, UnsafeCheckpointError
@@ -337,7 +337,10 @@ def test_describe(fsdp_root):
     m = info["merge"]
     assert m["bytes_read"] == info["total_bytes"]  # float32 read, bfloat16 written as by verl
     assert m["bytes_written"] == info["total_bytes"] // 2
-    assert m["estimated_peak_rss_bytes"] == 64 * 2**20 + m["baseline_rss_bytes"]
+    assert m["tensors_rss_bytes"] == TENSOR_RSS_BYTES * len(info["tensors"])
+    assert m["estimated_peak_rss_bytes"] == (
+        64 * 2**20 + m["baseline_rss_bytes"] + m["tensors_rss_bytes"]
+    )
     assert m["estimated_seconds"] == pytest.approx(
         1.5 * info["total_bytes"] / m["assumed_disk_bytes_per_s"]
     )
