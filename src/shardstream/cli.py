@@ -390,8 +390,8 @@ def run_verify(args: argparse.Namespace) -> int:
             if report.unnamed:
                 print(
                     _one_line(
-                        "note: data files the checkpoint's .metadata or index does not name, so "
-                        "no part of it (an earlier save's?), not read: "
+                        "note: files no part of the checkpoint (its .metadata, index or "
+                        "fsdp_config.json names others; an earlier save's?), not read: "
                         f"{', '.join(report.unnamed)}"
                     ),
                     file=sys.stderr,

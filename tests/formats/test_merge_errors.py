@@ -230,6 +230,20 @@ def test_a_step_saved_again_at_another_world_size_reads_the_set_its_config_names
     )
 
 
+def test_verify_says_the_other_world_sizes_files_are_not_read(copy_variant):
+    """verify counted an earlier save's complete set among the files checked (10 of which
+    6 are read): they are named apart, not counted."""
+    from shardstream.commands.verify import verify
+
+    ckpt = copy_variant("base")
+    counted = verify(ckpt).files_checked
+    stale = [f"model_world_size_3_rank_{rank}.pt" for rank in range(3)]
+    for name in stale:
+        shutil.copy(ckpt / RANK0, ckpt / name)
+    report = verify(ckpt)
+    assert report.ok and report.files_checked == counted and report.unnamed == stale
+
+
 def test_rank_beyond_world_size(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     shutil.copy(ckpt / RANK1, ckpt / "model_world_size_2_rank_2.pt")

@@ -444,7 +444,11 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
 
     bad = []
     buffer = memoryview(bytearray(READ_BYTES))
+    stale = _other_world_sizes(directory)
     for file in sorted(directory.glob("*.pt")):
+        if str(file) in stale:  # an earlier save's at another world size: never read
+            report.unnamed.append(file.name)
+            continue
         try:
             bad += [(file, record) for record in _bad_zip_records(file, report, progress, buffer)]
         except (ShardstreamError, OSError) as exc:
@@ -474,6 +478,26 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
+
+
+def _other_world_sizes(directory: Path) -> set[str]:
+    """The rank files of a verl directory saved again at another world size that are not
+    the save fsdp_config.json names (merge and restore read that one, with a warning)."""
+    from ..formats import verl
+
+    if len(verl.files_by_world_size(directory, "model")) < 2:
+        return set()
+    try:
+        world, _ = verl._rank_files(directory)
+    except (ShardstreamError, OSError):
+        return set()  # no config names one: refused, and said, as merge refuses it
+    return {
+        path
+        for kind in ("model", "optim", "extra_state")
+        for size, ranks in verl.files_by_world_size(directory, kind).items()
+        if size != world
+        for path in ranks.values()
+    }
 
 
 def _bad_zip_records(file: Path, report: VerifyReport, progress, buffer) -> list:
