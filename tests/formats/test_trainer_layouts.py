@@ -253,3 +253,19 @@ def test_an_output_dirs_unchecked_bytes_count_its_checkpoints(tmp_path):
     save_file(_weights(10), str(out / "model.safetensors"))  # the final model beside them
     (out / "config.json").write_text(json.dumps({"model_type": "tiny"}))
     assert verify(out).unchecked_bytes == 3 * each
+
+
+def test_an_output_dir_of_peft_adapters_is_said_to_hold_them(tmp_path, capsys):
+    """A Trainer's output_dir whose checkpoint-N hold a PEFT adapter alone: verify said 'not a
+    checkpoint' without a word of the folders; each alone is explained."""
+    from shardstream.cli import main
+
+    out = tmp_path / "out"
+    for step in (1, 2):
+        path = out / f"checkpoint-{step}"
+        path.mkdir(parents=True)
+        save_file({"q.lora_A.weight": torch.ones(2, 4)}, str(path / "adapter_model.safetensors"))
+        (path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 2}))
+    assert main(["verify", str(out)]) == 1
+    err = capsys.readouterr().err
+    assert "checkpoint-1 (of 2 checkpoint-N) holds a PEFT adapter alone" in err, err

@@ -220,7 +220,7 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
             Problem(
                 str(root),
                 "not a checkpoint: no manifest.json, step directories, HF model, verl .pt files "
-                f"or DCP .metadata{unread_hint(root)}",
+                f"or DCP .metadata{unread_hint(root) or _hint_below(root)}",
             )
         )
         return report
@@ -260,6 +260,24 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _hint_below(directory: Path) -> str:
+    """``unread_hint`` of the first of ``directory``'s checkpoint-N folders that has one (a
+    Trainer's output_dir of PEFT adapters), with how many such folders there are."""
+    try:
+        folders = sorted(
+            (d for d in directory.iterdir() if TRAINER_CHECKPOINT.fullmatch(d.name)),
+            key=lambda d: (len(d.name), d.name),
+        )
+    except OSError:
+        return ""
+    for folder in folders:
+        if hint := unread_hint(folder):
+            return hint.replace(
+                "; it holds", f"; {folder.name} (of {len(folders)} checkpoint-N) holds", 1
+            )
+    return ""
 
 
 def _only_leftovers(directory: Path) -> list[str]:
