@@ -143,3 +143,27 @@ def test_a_peft_adapter_saved_through_dcp_without_its_name_restores(tmp_path):
     want = saved.state_dict()
     for name, value in live.state_dict().items():
         assert torch.equal(value, want[name]), name
+
+
+def test_inspect_says_merge_refuses_lora_weights_without_their_settings(tmp_path, capsys):
+    """accelerate's sharded save of a PeftModel without adapter_config.json: merge refuses it
+    (no file says r and lora_alpha), inspect printed a merge estimate as if it would write."""
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    from shardstream.commands.inspect import describe
+
+    state = {
+        "base_model.model.q.base_layer.weight": torch.ones(4, 4),
+        "base_model.model.q.lora_A.weight": torch.ones(2, 4),
+        "base_model.model.q.lora_B.weight": torch.zeros(4, 2),
+    }
+    ckpt = tmp_path / "pytorch_model_fsdp_0"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # single process: DCP warns that it runs without a group
+        dcp.save({"model": state}, checkpoint_id=str(ckpt))
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(tmp_path / "o")]) == 1
+    assert "nothing says their r and lora_alpha" in capsys.readouterr().err
+    refused = describe(ckpt)["merge"]["layout"]["refused"]
+    assert refused is not None and "nothing says their r and lora_alpha" in refused

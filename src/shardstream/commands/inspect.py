@@ -113,6 +113,7 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
 
     out_dtype = output_dtype(None, config, verl_merges(checkpoint), config_dir)
     try:
+        _lora_merges(checkpoint)
         dropped, refused = tied_duplicates(checkpoint.tensors, config, False), None
     except ShardstreamError as exc:  # merge would refuse: say why, describe the rest
         dropped, refused = set(), str(exc)
@@ -147,6 +148,16 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
         + BASELINE_RSS_BYTES
         + TENSOR_RSS_BYTES * len(checkpoint.tensors),
     }
+
+
+def _lora_merges(checkpoint) -> None:
+    """Raise what merge raises for the checkpoint's LoRA weights: a PEFT variant it does not
+    fuse, or no file saying their rank and alpha."""
+    from ..formats import lora
+
+    lora.refuse_unsupported_peft(checkpoint.directory, (t.name for t in checkpoint.tensors))
+    if lora.split_lora(checkpoint.tensors):
+        lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
 
 
 def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = None) -> dict:
