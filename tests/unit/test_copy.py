@@ -289,6 +289,25 @@ def test_truncated_source_is_named(tmp_path):
         merge_to_file(tmp_path, (4, 3), "F32", [block], Buffers.sized(1))
 
 
+def test_a_source_truncated_while_open_is_said_with_its_size_now(tmp_path):
+    """Cut short while a merge had it open: the message gave the size at opening, which the
+    file no longer has."""
+    full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
+    path, _, size = save_raw(tmp_path, "shrinking.bin", full, lead=0)
+    endpoint = FileEndpoint(path)
+    try:
+        with open(path, "r+b") as f:
+            f.truncate(20)
+        with pytest.raises(CheckpointFormatError) as raised:
+            endpoint.read_into(0, np.empty(size, dtype=np.uint8))
+    finally:
+        endpoint.close()
+    assert str(raised.value) == (
+        f"{path}: truncated: needed bytes [0, {size}) but the file ends at 20 (it was "
+        f"{size + 16} bytes when opened)"
+    )
+
+
 def test_out_of_space_while_writing(tmp_path, monkeypatch):
     full = torch.arange(12, dtype=torch.float32).reshape(4, 3)
     blocks = shards(tmp_path, full, 0, 2)

@@ -173,8 +173,13 @@ class FileEndpoint(Endpoint):
         return np.frombuffer(memory, dtype=np.uint8)[offset - base : offset - base + nbytes]
 
     def _truncated(self, lo: int, hi: int) -> None:
+        try:
+            now = os.fstat(self.fd).st_size  # it may have shrunk since it was opened
+        except OSError:
+            now = self.size
+        since = f" (it was {self.size} bytes when opened)" if now != self.size else ""
         raise CheckpointFormatError(
-            f"{self.name}: truncated: needed bytes [{lo}, {hi}) but the file ends at {self.size}"
+            f"{self.name}: truncated: needed bytes [{lo}, {hi}) but the file ends at {now}{since}"
         )
 
     def read_into(self, offset: int, out: np.ndarray) -> None:
