@@ -533,8 +533,15 @@ class CheckpointManager:
     def _save(self, step: int, extra: Mapping[str, Any] | None):
         return self._commit(self._prepare(step, extra, self.config.staging_budget_bytes))
 
-    def _prepare(self, step: int, extra: Mapping[str, Any] | None, buffer_bytes: int):
-        """Capture what to save (references, not copies); local to this rank."""
+    def _prepare(
+        self,
+        step: int,
+        extra: Mapping[str, Any] | None,
+        buffer_bytes: int,
+        background: bool = False,
+    ):
+        """Capture what to save (references, not copies; ``background``: the buffers copied,
+        for an async save); local to this rank."""
         from .training.hf_export import config_files, hf_exporter
 
         # The last retention's deletions end first: disk use stays at keep_last steps, and a
@@ -567,6 +574,7 @@ class CheckpointManager:
             hf_export=exporter,
             lora_only=self.config.save_lora_only,
             share_hf_weights=self.config.share_hf_weights,
+            background=background,
         )
 
     def _commit(self, prepared):

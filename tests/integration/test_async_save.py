@@ -446,10 +446,12 @@ def test_a_save_whose_memory_holds_everything_stages_it_before_the_next_step(tmp
     _assert_restores(tmp_path, 1, want)
 
 
-def written_in_place_run(rank: int, world: int, root: str, fenced: bool) -> dict:
+def written_in_place_run(rank: int, world: int, root: str, mode: str) -> dict:
     """One async save whose reads (and copies) are held until the trainer has written every
-    parameter and a buffer in place, outside optimizer.step(); ``fenced``: the trainer calls
-    ``wait_for_reads()`` first, as the error says to."""
+    parameter and a buffer in place, outside optimizer.step(). ``mode``: "fenced" calls
+    ``wait_for_reads()`` first, as the error says to; "to_local" writes through the DTensors'
+    local shards; "shared" saves hf_model with share_hf_weights (the export reads the live
+    weights); "unfenced" writes the parameters."""
     go = threading.Event()
     window, stage_ahead = SourceGuard.window, SourceGuard._stage_ahead
 
@@ -462,20 +464,30 @@ def written_in_place_run(rank: int, world: int, root: str, fenced: bool) -> dict
 
     SourceGuard.window, SourceGuard._stage_ahead = held(window), held(stage_ahead)
     try:
-        model, optimizer, scheduler, _ = workers._fsdp2(world, 0)
+        model, optimizer, scheduler, hf_config = workers._fsdp2(world, 0)
         model.register_buffer("seen", torch.zeros(3))  # as BatchNorm's statistics: no step's
-        config = CheckpointConfig(directory=root, async_save=True, staging_budget="64MiB")
+        contents = ("model", "optimizer") + (("hf_model",) if mode == "shared" else ())
+        config = CheckpointConfig(
+            directory=root,
+            async_save=True,
+            staging_budget="64MiB",
+            save_contents=contents,
+            share_hf_weights=mode == "shared",
+        )
         manager = CheckpointManager(
-            config, model=model, optimizer=optimizer, lr_scheduler=scheduler
+            config, model=model, optimizer=optimizer, lr_scheduler=scheduler, hf_config=hf_config
         )
         workers.train_step(model, optimizer, scheduler, 1)
         manager.save(1)
         expected = workers.full_state(model, optimizer, scheduler)
-        if fenced:
+        if mode == "fenced":
             manager.wait_for_reads()
         with torch.no_grad():
             for parameter in model.parameters():
-                parameter.mul_(0.5)  # an EMA swap, say
+                if mode == "to_local":
+                    parameter.to_local().mul_(0.5)
+                else:
+                    parameter.mul_(0.5)  # an EMA swap, say
             model.seen.add_(1)  # a forward pass's statistics
         go.set()
         error = None
@@ -506,15 +518,15 @@ def written_in_place_run(rank: int, world: int, root: str, fenced: bool) -> dict
     }
 
 
-@pytest.mark.parametrize("fenced", [False, True], ids=["written-unfenced", "wait-for-reads"])
-def test_a_save_written_in_place_while_read_is_not_committed(tmp_path, fenced):
+@pytest.mark.parametrize("mode", ["unfenced", "to_local", "shared", "fenced"])
+def test_a_save_written_in_place_while_read_is_not_committed(tmp_path, mode):
     """Parameters written in place after save() returned (not by optimizer.step(), which
     waits) went into the async checkpoint, which verify then passed. Such a save is refused
     now, naming a tensor; wait_for_reads() first keeps it whole. Buffers are copied as save()
     is called: they hold their values at save() either way."""
-    results = run(written_in_place_run, 2, str(tmp_path / "run"), fenced)
+    results = run(written_in_place_run, 2, str(tmp_path / "run"), mode)
     for result in results:
-        if not fenced:
+        if mode != "fenced":
             assert result["steps"] == []
             assert "async save of step 1: tensor 'model." in result["error"]
             assert "was written in place outside optimizer.step()" in result["error"]

@@ -537,8 +537,8 @@ class _RoleRun(CheckpointManager):
 
     saves_config_files = False  # _VerlFiles writes them, as verl does
 
-    def _prepare(self, step, extra, buffer_bytes):
-        prepared = super()._prepare(step, extra, buffer_bytes)
+    def _prepare(self, step, extra, buffer_bytes, background=False):
+        prepared = super()._prepare(step, extra, buffer_bytes, background)
         files = self.owner._side_files()
         files.export = prepared.hf_export
         prepared.hf_export = files

@@ -84,8 +84,8 @@ class SourceGuard:
         # of those changed in place by the time the save read no live tensor (``_release``):
         # a write outside optimizer.step() (an EMA swap, load_state_dict) that the save may
         # have read. None until then.
-        self.watched: dict[str, torch.Tensor] | None = None
-        self.versions: dict[str, int] = {}
+        self.watched: dict[str, Any] | None = None
+        self.versions: dict[str, tuple[int, ...]] = {}
         self.changed: list[str] | None = None
 
     # --- the save's side -----------------------------------------------------------------------
@@ -112,7 +112,7 @@ class SourceGuard:
     def mark_ready(self) -> None:
         self.register([], ready=True)
 
-    def watch(self, tensors: dict[str, torch.Tensor]) -> None:
+    def watch(self, tensors: dict[str, Any]) -> None:
         """Note the version counters of the tensors the save will read, on the training
         thread as save() is called: torch counts each in-place write to a tensor there."""
         with self.cond:
@@ -459,12 +459,24 @@ class StagingMemory:
             self._held = None
 
 
-def _version(tensor: torch.Tensor) -> int:
-    """The tensor's version counter (its in-place writes); -1 where it keeps none."""
+def _version(tensor: Any) -> tuple[int, ...]:
+    """The version counters (counts of in-place writes) of a saved tensor: a DTensor's own
+    and its local shard's (a write through ``to_local()`` counts only there), FSDP1's flat
+    shard's (its views share one); () where none is kept. Writes through ``.data`` and
+    foreach kernels on a DTensor count nowhere."""
+    if isinstance(tensor, tuple):  # a state dict's tensor and the parameter it is
+        return tuple(v for part in tensor for v in _version(part))
+    pieces = getattr(tensor, "pieces", None)  # fsdp1_shards.FlatShard
+    if pieces is not None:
+        tensor = pieces[0][1] if pieces else None
+    if not isinstance(tensor, torch.Tensor):
+        return ()
+    local = getattr(tensor, "_local_tensor", None)
     try:
-        return tensor._version
+        own = (tensor._version,)
+        return own + (local._version,) if isinstance(local, torch.Tensor) else own
     except RuntimeError:  # an inference-mode tensor
-        return -1
+        return ()
 
 
 def _touched_memory(nbytes: int, pinned: bool) -> torch.Tensor:
@@ -510,10 +522,9 @@ class AsyncSaver:
             buffer_bytes, staging_bytes = config.staging_budget_bytes, state + room
         else:
             buffer_bytes, staging_bytes = split_budget(config.staging_budget_bytes)
-        prepared = self.manager._prepare(step, extra, buffer_bytes)
-        _own_buffers(prepared.tensors, self.manager.model)
+        prepared = self.manager._prepare(step, extra, buffer_bytes, background=True)
         prepared.guard = SourceGuard(staging_bytes)
-        prepared.guard.watch(prepared.tensors)
+        prepared.guard.watch(prepared.live)
         prepared.guard.start_reserving(self.staging.take)
         self.guard, self.step = prepared.guard, step
         self.thread = threading.Thread(
@@ -568,25 +579,6 @@ class AsyncSaver:
                 self.hook.remove()
                 self.hook = None
             _SAVERS.discard(self)
-
-
-def _own_buffers(tensors: dict[str, torch.Tensor], model: Any) -> None:
-    """Replace the model's buffers among ``tensors`` by copies, as save() is called: they
-    change outside optimizer.step() (BatchNorm's running statistics in every forward, a
-    router's bias in a step pre-hook), which the save does not wait for. Buffers are small;
-    parameters and optimizer state are not copied."""
-    if model is None:
-        return
-    from ..formats.native import MODEL_PREFIX
-    from .state import local_tensor
-
-    def storage(t: torch.Tensor) -> int:
-        return local_tensor(t).untyped_storage().data_ptr()
-
-    parameters = {storage(p) for p in model.parameters()}
-    for name, tensor in tensors.items():
-        if name.startswith(MODEL_PREFIX) and tensor.numel() and storage(tensor) not in parameters:
-            tensors[name] = tensor.detach().clone()
 
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # not shut down yet

@@ -108,6 +108,8 @@ class PreparedSave:
     hf_export: Any = None  # export.ExportPlan, captured with the tensors
     hf_entries: dict[str, dict] = field(default_factory=dict)  # model tensors kept in huggingface/
     guard: Any = None  # async saves: coordinates reads of live tensors with optimizer steps
+    # async saves: every live tensor the save reads (rank file and export), to watch for writes
+    live: dict[str, Any] = field(default_factory=dict)
     placements: dict[str, str] = field(default_factory=dict)  # rank 0: name -> st.placement_of
     mesh: dict[str, Any] | None = None  # rank 0: the device mesh, for the manifest
 
@@ -126,13 +128,15 @@ def prepare_save(
     hf_export: Any = None,
     lora_only: bool = False,
     share_hf_weights: bool = False,
+    background: bool = False,
 ) -> PreparedSave:
     """Capture references to the state to save; local to this rank, no collectives.
 
     ``lora_only``: "model" saves only LoRA weights when the model has any (verl's
     ``save_lora_only``). ``share_hf_weights``: with "model" and "hf_model", a model tensor
     exported in its own dtype is stored once, in ``huggingface/``, and the manifest points
-    there."""
+    there. ``background`` (an async save): the model's buffers are copied now, since they
+    change outside optimizer.step(), and ``live`` lists the tensors the save reads live."""
     check_live_objects(model, optimizer, lr_scheduler, saving=True)
     optimizer = one_optimizer(optimizer)
     step = checked_step(step)
@@ -156,11 +160,22 @@ def prepare_save(
     model_part = None
     if "model" in contents:
         model_part = fsdp1.model_tensors(model) if fsdp1 else st.model_tensors(model)
+    elif background and "hf_model" in contents and not fsdp1:
+        model_part = st.model_tensors(model)  # the export's, with its buffers copied below
+    if background and model_part is not None:
+        model_part = own_buffers(model_part, model)
     # Without "hf_model", an hf_export given writes config files only (hf_export.ConfigFiles).
     export_plan = hf_export.capture(model_part) if "hf_model" in contents else hf_export
+    live: dict[str, Any] = dict(model_part or {})
+    if background and live and not fsdp1:
+        # the parameters themselves too: a write through a DTensor's to_local() counts in
+        # the parameter's local tensor, not in the state dict's
+        for fqn, parameter in st.parameters_by_fqn(model).items():
+            if (name := native.MODEL_PREFIX + fqn) in live:
+                live[name] = (live[name], parameter)
     placements: dict[str, str] = {}
     mesh = None
-    if model_part is not None:
+    if model_part is not None and "model" in contents:
         tensors.update(st.lora_only(model_part) if lora_only else model_part)
         if coll.rank() == 0:  # before share_hf_weights moves some into huggingface/
             placements.update({k: _placement(v) for k, v in tensors.items()})
@@ -182,6 +197,7 @@ def prepare_save(
         optim = fsdp1.optimizer_tensors(optimizer) if fsdp1 else None
         optim_tensors, optim_objects = optim or st.optimizer_state(model, optimizer)
         tensors.update(optim_tensors)
+        live.update(optim_tensors)
         if coll.rank() == 0:
             placements.update({k: _placement(v) for k, v in optim_tensors.items()})
             mesh = mesh or st.mesh_of(optim_tensors)
@@ -201,7 +217,26 @@ def prepare_save(
         hf_entries=hf_entries,
         placements=placements,
         mesh=mesh,
+        live=live if background else {},
     )
+
+
+def own_buffers(tensors: dict[str, Any], model: torch.nn.Module) -> dict[str, Any]:
+    """``tensors`` with the model's buffers among them copied: they change outside
+    optimizer.step() (BatchNorm's running statistics in every forward, a router's bias in a
+    step pre-hook), which an async save does not wait for. Buffers are small; parameters and
+    FSDP1's flat shards are left as they are."""
+
+    def storage(t: torch.Tensor) -> int:
+        return st.local_tensor(t).untyped_storage().data_ptr()
+
+    parameters = {storage(p) for p in model.parameters()}
+    return {
+        name: t.detach().clone()
+        if isinstance(t, torch.Tensor) and t.numel() and storage(t) not in parameters
+        else t
+        for name, t in tensors.items()
+    }
 
 
 def save(
