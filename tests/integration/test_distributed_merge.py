@@ -241,3 +241,23 @@ def test_a_process_that_dies_leaves_the_others_a_line_not_a_traceback(actor, tmp
     assert said and all("lost contact" in s or "terminated" in s for s in said), output[-3000:]
     assert not target.exists()
     assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+
+
+def test_a_refusal_on_one_process_is_said_as_the_merges_on_the_others(actor, tmp_path):
+    """A head trained apart beside a config.json that ties it, merged by 2 processes: the
+    process that checks it refuses, and the other said 'save failed on another rank'."""
+    config = json.loads((actor / "huggingface" / "config.json").read_text())
+    tied = tmp_path / "tied"
+    tied.mkdir()
+    (tied / "config.json").write_text(json.dumps({**config, "tie_word_embeddings": True}))
+    target = tmp_path / "merged"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    cmd += ["-m", "shardstream", "merge", "--local_dir", str(actor), "--target_dir", str(target)]
+    cmd += ["--hf_model_path", str(tied), "--distributed", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    said = [line for line in done.stderr.splitlines() if line.startswith("shardstream merge:")]
+    assert done.returncode != 0 and len(said) == 2, done.stderr[-3000:]
+    assert all("'lm_head.weight' differs from 'model.embed_tokens.weight'" in s for s in said)
+    assert sum("merge failed on another rank: rank 0: " in s for s in said) == 1, said
+    assert not target.exists()

@@ -312,3 +312,28 @@ def test_a_head_saved_as_its_embeddings_storage_is_not_read(tmp_path):
                 list(found)
         else:
             assert list(found) == []
+
+
+def test_a_head_that_is_the_only_copy_of_its_tied_pair_is_written(tmp_path):
+    """BLT's class ties its byte embedding to the head ({embedding: head}), so save_pretrained
+    writes lm_head.weight alone, and beside it another embedding of the head's shape (the
+    patcher's). merge compared the head with that one and refused the model as trained apart
+    (before that, it left out the only copy)."""
+    small = dict(hidden_size=16, num_attention_heads=2, num_key_value_heads=2)
+    small.update(intermediate_size=32, num_hidden_layers=1, vocab_size=64)
+    config = transformers.BltConfig(
+        vocab_size=64,
+        encoder_hash_byte_group_vocab=32,
+        tie_word_embeddings=True,
+        patcher_config=dict(small, head_dim=8),
+        encoder_config=dict(small, hidden_size_global=32),
+        decoder_config=dict(small, hidden_size_global=32, head_dim=8),
+        global_config=dict(small, hidden_size=32, head_dim=16),
+    )
+    torch.manual_seed(0)
+    model = transformers.BltForCausalLM(config)
+    assert model.lm_head.weight is model.get_input_embeddings().weight
+    model.save_pretrained(tmp_path / "reference")
+    saved = load_file(tmp_path / "reference" / "model.safetensors")
+    assert "lm_head.weight" in saved and "model.local_encoder.embed_tokens.weight" not in saved
+    assert_merges_as_saved(tmp_path / "reference", tmp_path / "reference", tmp_path / "merged")

@@ -278,9 +278,20 @@ def _merge(
         names, outputs = output_layout(
             tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
         )
+    drop -= set(names.untied)  # a head the model holds apart all the same: written
+    kept = set()
+    if drop:
+        kept = settle_dropped_heads(
+            drop, tensors, config, out_dtype, where, checkpoint, buffer_bytes
+        )
+    if kept:
+        drop -= kept  # the only copy of what its class ties: written, as save_pretrained does
+        names, outputs = output_layout(
+            tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
+        )
+        drop -= set(names.untied)
     give_back_freed_memory()  # what planning dropped, before the copy's buffers
     layout_s = time.perf_counter() - planning
-    drop -= set(names.untied)  # a head the model holds apart all the same: written
     if split and fuse_lora:
         tied = sorted(m for m in split.factors if f"{m}.weight" in drop)
         if tied:
@@ -315,13 +326,12 @@ def _merge(
                 checkpoint.check_split_records([t for t in tensors if t.name not in drop])
             if rank == 0:
                 check_replicas(checkpoint, streamer)
-                check_dropped_heads(drop, tensors, config, out_dtype, where, streamer)
             if split and fuse_lora:
                 fused = lora.fuse_transforms(split, settings, streamer)
                 streamer.transforms = _by_output_name(fused, outputs)
         except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc
-        coll.agree_or_raise(error)
+        coll.agree_or_raise(error, "merge")
         with contextlib.ExitStack() as stack:
             tmp = None
             if rank == 0:
@@ -330,7 +340,7 @@ def _merge(
                     tmp = stack.enter_context(staged_directory(target, overwrite, in_place))
                 except BaseException as exc:  # noqa: BLE001
                     error = exc
-            coll.agree_or_raise(error)
+            coll.agree_or_raise(error, "merge")
             tmp = Path(coll.broadcast(str(tmp) if tmp is not None else None))
             # Each file's copy runs are planned when it is filled, and dropped after: a merge
             # of a many-rank checkpoint holds one file's runs, not the whole model's.
@@ -368,7 +378,7 @@ def _merge(
             except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
                 error = exc
             gathered = coll.gather(mine if error is None else None)
-            coll.agree_or_raise(error)
+            coll.agree_or_raise(error, "merge")
             overflowed = coll.gather_to_root(streamer.overflowed)
             if rank == 0:
                 try:
@@ -387,7 +397,7 @@ def _merge(
                     written += sum(file.size for file in sealed)
                 except BaseException as exc:  # noqa: BLE001  (the others wait to hear of it)
                     error = exc
-            coll.agree_or_raise(error)
+            coll.agree_or_raise(error, "merge")
     finally:
         endpoints.close()
     if rank == 0:
@@ -553,37 +563,53 @@ def heads_trained_apart(
         if any(s.dtype == head.dtype and s.blocks == head.blocks for s in sources):
             continue  # one storage saved under both names (torch.save of a tied model)
         digest = tensor_digest(head, streamer, dtype) if sources else None
-        if not any(tensor_digest(s, streamer, dtype) == digest for s in sources):
-            yield (
-                head,
-                (
-                    f"differs from {sources[0].name!r}"
-                    if sources
-                    else f"has the shape of no other tensor ({list(head.shape)})"
-                ),
-            )
+        if any(tensor_digest(s, streamer, dtype) == digest for s in sources):
+            continue
+        if not sources:
+            yield head, f"has the shape of no other tensor ({list(head.shape)})"
+            continue
+        more = f" and the {len(sources) - 1} other tensors of its shape" * (len(sources) > 1)
+        yield head, f"differs from {sources[0].name!r}{more}"
 
 
-def check_dropped_heads(
-    drop: Collection[str],
+def settle_dropped_heads(
+    drop: set[str],
     tensors: Sequence[GlobalTensor],
     config: dict,
     out_dtype: str | None,
     where: str,
-    streamer: Streamer,
-) -> None:
-    """A head left out as tied must hold its embedding's values: one trained apart (the run's
-    config untied it, the config.json given ties it) would be lost, and a loaded model would
-    use the embedding in its place."""
-    for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
-        default = "" if "tie_word_embeddings" in config else " (by its class's default)"
-        raise CheckpointFormatError(
-            f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {where} ties the "
-            f"output head to the input embedding{default}, so save_pretrained would write no "
-            "head and a loaded model would use the embedding in its place: the trained head "
-            "would be lost. Merge with the run's own config.json (--hf_model_path DIR, with "
-            "tie_word_embeddings false)"
-        )
+    checkpoint,
+    buffer_bytes: int,
+) -> set[str]:
+    """Each head left out as tied must hold the values it is tied to, as written: the heads
+    that are the only copy of what their class ties (save_pretrained kept BLT's under the
+    head's name) are returned, to be written; one trained apart (the run's config untied it,
+    the config.json given ties it) is refused, since a loaded model would use the embedding
+    in its place. Process 0 reads; every process learns the answer."""
+    error, kept = None, set()
+    if coll.rank() == 0:
+        try:
+            endpoints = OpenEndpoints(checkpoint.endpoint)
+            try:
+                streamer = Streamer(endpoints, Buffers.sized(buffer_bytes))
+                for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
+                    if hf.only_copy_of_tied(head, tensors, config):
+                        kept.add(head.name)
+                        continue
+                    default = "" if "tie_word_embeddings" in config else " (by its class's default)"
+                    raise CheckpointFormatError(
+                        f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {where} "
+                        f"ties the output head to the input embedding{default}, so save_pretrained "
+                        "would write no head and a loaded model would use the embedding in its "
+                        "place: the trained head would be lost. Merge with the run's own "
+                        "config.json (--hf_model_path DIR, with tie_word_embeddings false)"
+                    )
+            finally:
+                endpoints.close()
+        except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
+            error = exc
+    coll.agree_or_raise(error, "merge")
+    return set(coll.broadcast(sorted(kept)))
 
 
 def _entries(*directories: str | os.PathLike) -> list[str]:

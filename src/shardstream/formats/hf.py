@@ -410,6 +410,23 @@ def tied_sources(
     )
 
 
+def only_copy_of_tied(head: GlobalTensor, tensors: Sequence[GlobalTensor], config: dict) -> bool:
+    """Whether ``head`` is the one stored copy of the pair its model class ties: the class
+    (the installed transformers') names the embedding it ties the head to, and no stored
+    tensor has that name. save_pretrained keeps such a pair under the head's name (BLT's
+    class ties ``model.local_encoder.embed_tokens.weight`` to ``lm_head.weight``, which it
+    writes alone)."""
+    from .hf_names_cache import transformers_version
+
+    if transformers_version() is None or not isinstance(config.get("model_type"), str):
+        return False
+    names = strip_wrappers([t.name for t in tensors])
+    name, pairs = names[head.name], _class_tied_pairs(config)
+    # either side of the pair: BLT's class ties its embedding to the head ({embedding: head})
+    partner = pairs.get(name) or next((t for t, s in pairs.items() if s == name), None)
+    return partner is not None and partner not in set(names.values())
+
+
 def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool = False) -> bool:
     if reference_ties:
         return True
