@@ -226,14 +226,10 @@ def own_buffers(tensors: dict[str, Any], model: torch.nn.Module) -> dict[str, An
     optimizer.step() (BatchNorm's running statistics in every forward, a router's bias in a
     step pre-hook), which an async save does not wait for. Buffers are small; parameters and
     FSDP1's flat shards are left as they are."""
-
-    def storage(t: torch.Tensor) -> int:
-        return st.local_tensor(t).untyped_storage().data_ptr()
-
-    parameters = {storage(p) for p in model.parameters()}
+    parameters = {st.storage_of(p) for p in model.parameters()}
     return {
         name: t.detach().clone()
-        if isinstance(t, torch.Tensor) and t.numel() and storage(t) not in parameters
+        if isinstance(t, torch.Tensor) and t.numel() and st.storage_of(t) not in parameters
         else t
         for name, t in tensors.items()
     }

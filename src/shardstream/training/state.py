@@ -53,27 +53,27 @@ def model_tensors(
     state = get_model_state_dict(model, options=options)
     tensors = {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     for name, tensor in tensors.items():  # before a save or restore begins, not midway
-        refuse_lazy_view(name[len(MODEL_PREFIX) :], local_tensor(tensor))
+        refuse_lazy_view(name[len(MODEL_PREFIX) :], _local(tensor))
     return tensors
 
 
-def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
-    """A DTensor's local shard; any other tensor itself."""
+def _local(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def storage_of(tensor: torch.Tensor) -> int:
+    """Where a tensor's (a DTensor's local shard's) storage lives: equal for views of one."""
+    return _local(tensor).untyped_storage().data_ptr()
 
 
 def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
     """Hand filled model tensors back where ``model_tensors`` returned copies rather than the
     live storage (FSDP1 unflattens its flat parameters into new tensors); nothing to do where
     they are the parameters themselves (FSDP2, plain modules)."""
-
-    def storage(t: torch.Tensor) -> int:
-        return local_tensor(t).untyped_storage().data_ptr()
-
-    live = {storage(t) for t in (*model.parameters(), *model.buffers())}
-    if all(storage(t) in live for t in tensors.values() if t.numel()):
+    live = {storage_of(t) for t in (*model.parameters(), *model.buffers())}
+    if all(storage_of(t) in live for t in tensors.values() if t.numel()):
         return
     state = {k[len(MODEL_PREFIX) :]: v for k, v in tensors.items()}
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))
