@@ -144,16 +144,17 @@ def compare_with_reference(
     # A reference shardstream wrote is checked against its checksums as it is read, as merge
     # checks the same files; other safetensors carry none.
     ref_endpoint = safetensors_endpoint
+    kind = detect(ref_dir) if ref_dir.is_dir() and adapter_dir is None else Kind.NONE
     if adapter_dir is not None:
         reference = hf.whole_tensors(hf.tensors_of(read_header(adapter_dir / lora.ADAPTER_FILE)))
         ref_config = hf.read_config(ref_dir)
-    elif ref_dir.is_dir() and detect(ref_dir) is Kind.HF_TORCH:  # pytorch_model.bin
+    elif kind is Kind.HF_TORCH:  # pytorch_model.bin
         from ..formats.torch_state_dict import open_torch_weights
 
         saved = open_torch_weights(ref_dir)
         reference, ref_config, ref_endpoint = saved.tensors, hf.read_config(ref_dir), saved.endpoint
     else:
-        _refuse_checkpoint_as_reference(ref_dir)
+        _refuse_checkpoint_as_reference(ref_dir, kind)
         if ref_dir.is_dir():  # as merge reads such a directory: no file of it links out
             from ..formats.dcp_hf import link_root
 
@@ -277,10 +278,9 @@ _NOT_MODELS = {
 }
 
 
-def _refuse_checkpoint_as_reference(ref_dir: Path) -> None:
-    """A training checkpoint given as the reference: said as such, not as a model directory
-    whose files are of the wrong kind."""
-    kind = detect(ref_dir) if ref_dir.is_dir() else Kind.NONE
+def _refuse_checkpoint_as_reference(ref_dir: Path, kind: Kind) -> None:
+    """A training checkpoint given as the reference (``kind``: what ``detect`` says it is):
+    said as such, not as a model directory whose files are of the wrong kind."""
     if kind in _NOT_MODELS:
         raise UsageError(
             f"--test_hf_dir {ref_dir}: {_NOT_MODELS[kind]}, not a Hugging Face model; "

@@ -273,10 +273,8 @@ def _hint_below(directory: Path) -> str:
     except OSError:
         return ""
     for folder in folders:
-        if hint := unread_hint(folder):
-            return hint.replace(
-                "; it holds", f"; {folder.name} (of {len(folders)} checkpoint-N) holds", 1
-            )
+        if hint := unread_hint(folder, f"{folder.name} (of {len(folders)} checkpoint-N)"):
+            return hint
     return ""
 
 
@@ -1100,11 +1098,12 @@ def _verify_hf(directory: Path, report: VerifyReport, progress) -> None:
         except (ValueError, KeyError, TypeError) as exc:
             report.problems.append(Problem(str(index_path), f"malformed index ({exc})"))
             return
-        names = sorted(set(weight_map.values()))
+        indexed = set(weight_map.values())
+        names = sorted(indexed)
         # other weights beside (an earlier save's shards, Mistral's consolidated.safetensors):
         # never read, so said, not counted as checked
         report.unnamed += sorted(
-            p.name for p in directory.glob("*.safetensors") if p.name not in set(names)
+            p.name for p in directory.glob("*.safetensors") if p.name not in indexed
         )
     else:
         weight_map, total, names = None, -1, [hf.SINGLE_FILE]

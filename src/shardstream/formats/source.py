@@ -727,9 +727,10 @@ _VARIANT = re.compile(
 )
 
 
-def unread_hint(path: Path) -> str:
+def unread_hint(path: Path, subject: str = "it") -> str:
     """What a directory no reader opens holds that a user may have meant: save_pretrained's
-    variant files (``variant="fp16"``), a PEFT adapter alone; "" when neither."""
+    variant files (``variant="fp16"``), a PEFT adapter alone; "" when neither. ``subject``:
+    how the sentence names the directory."""
     try:
         names = sorted(p.name for p in Path(path).iterdir())
     except OSError:
@@ -737,16 +738,16 @@ def unread_hint(path: Path) -> str:
     variants = sorted({m[1] or m[2] for n in names if (m := _VARIANT.fullmatch(n))})
     if variants:
         return (
-            f"; it holds save_pretrained's variant {', '.join(map(repr, variants))} "
+            f"; {subject} holds save_pretrained's variant {', '.join(map(repr, variants))} "
             f"({next(n for n in names if _VARIANT.fullmatch(n))}...): shardstream reads the "
             "files without a variant, model.safetensors or model.safetensors.index.json; "
             "save without variant=, or load it with transformers (variant=...) and save again"
         )
     if "adapter_model.safetensors" in names or "adapter_model.bin" in names:
         return (
-            "; it holds a PEFT adapter alone (adapter_model.*), not a model: merge the adapter "
-            "into its base model with PEFT (merge_and_unload) and save that, or merge the "
-            "training checkpoint it came from with --fuse-lora"
+            f"; {subject} holds a PEFT adapter alone (adapter_model.*), not a model: merge the "
+            "adapter into its base model with PEFT (merge_and_unload) and save that, or merge "
+            "the training checkpoint it came from with --fuse-lora"
         )
     return ""
 
