@@ -338,3 +338,71 @@ def test_a_head_that_is_the_only_copy_of_its_tied_pair_is_written(tmp_path):
     if hf_names.has_weight_conversions():  # 5.x keeps the head's name; 4.x the embedding's
         assert "lm_head.weight" in saved and "model.local_encoder.embed_tokens.weight" not in saved
     assert_merges_as_saved(tmp_path / "reference", tmp_path / "reference", tmp_path / "merged")
+
+
+T5 = dict(vocab_size=64, d_model=16, d_kv=4, d_ff=32, num_layers=1, num_heads=2)
+ALIASED = {  # a model, the alias save_pretrained leaves out, and the tensor it writes for it
+    "t5": (
+        lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(**T5)),
+        "decoder.embed_tokens.weight",
+        "shared.weight",
+    ),
+    "bert": (
+        lambda: transformers.BertForMaskedLM(
+            transformers.BertConfig(
+                vocab_size=64,
+                hidden_size=16,
+                num_hidden_layers=1,
+                num_attention_heads=2,
+                intermediate_size=32,
+                max_position_embeddings=32,
+            )  # fmt: skip
+        ),
+        "cls.predictions.decoder.weight",
+        "bert.embeddings.word_embeddings.weight",
+    ),
+}
+
+
+@pytest.mark.parametrize("family", sorted(ALIASED))
+def test_an_alias_trained_apart_from_what_is_written_is_refused(tmp_path, family):
+    """The layout leaves out a stored tensor the model answers to under another name as well
+    (T5's decoder.embed_tokens is its shared embedding; BERT's decoder its word embeddings):
+    one that holds other values than the written one would be lost, so merge refuses it,
+    naming both, and writes nothing. Equal values are left out as save_pretrained does."""
+    build, alias, written = ALIASED[family]
+    torch.manual_seed(0)
+    source, reference, state = _state_dir(tmp_path, build(), drop_key=True)
+    assert alias in state and alias not in load_file(reference / "model.safetensors")
+    assert_merges_as_saved(source, reference, tmp_path / "merged")
+    apart = state[alias].clone()
+    apart[0, 0] += 1.0
+    save_file(dict(state, **{alias: apart}), str(source / "model.safetensors"))
+    with pytest.raises(CheckpointFormatError, match=f"'{alias}' differs from '{written}'"):
+        merge(source, tmp_path / "apart")
+    assert not (tmp_path / "apart").exists()
+    if family == "t5":  # BERT's decoder is a head config.json ties: refused with the names kept
+        merge(source, tmp_path / "kept", keep_names=True)  # every stored tensor, on purpose
+        assert torch.equal(load_file(tmp_path / "kept" / "model.safetensors")[alias], apart)
+
+
+def test_a_plan_names_the_aliases_it_leaves_out_and_caches_them(tmp_path, monkeypatch):
+    """``NamePlan.aliases`` pairs each stored alias left out with the stored tensor written
+    for it; a plan read back from the layout cache says the same."""
+    monkeypatch.setenv(hf_names_cache.ENV, str(tmp_path / "cache"))
+    config = transformers.T5Config(**T5)
+    config.save_pretrained(tmp_path)
+    saved = json.loads((tmp_path / "config.json").read_text())
+    with torch.device("meta"):
+        model = transformers.T5ForConditionalGeneration(config)
+    stored = [(n, "F32", tuple(t.shape)) for n, t in model.state_dict().items()]
+    stored = [t for t in stored if t[0] != "lm_head.weight"]
+    want = (
+        ("decoder.embed_tokens.weight", "shared.weight"),
+        ("encoder.embed_tokens.weight", "shared.weight"),
+    )
+    computed = hf_names._plan_names(tuple(stored), saved)
+    assert computed.aliases == want
+    assert not {a for a, _ in want} & {p.stored for p in computed.pieces}
+    assert hf_names_cache.load(tuple(stored), saved) is not None
+    assert hf_names._plan_names(tuple(stored), saved).aliases == want  # from the cache

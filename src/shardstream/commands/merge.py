@@ -290,6 +290,8 @@ def _merge(
             tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
         )
         drop -= set(names.untied)
+    if names.aliases:
+        check_aliases(names.aliases, tensors, out_dtype, where, checkpoint, buffer_bytes)
     give_back_freed_memory()  # what planning dropped, before the copy's buffers
     layout_s = time.perf_counter() - planning
     if split and fuse_lora:
@@ -610,6 +612,54 @@ def settle_dropped_heads(
             error = exc
     coll.agree_or_raise(error, "merge")
     return set(coll.broadcast(sorted(kept)))
+
+
+def check_aliases(
+    aliases: Collection[tuple[str, str]],
+    tensors: Sequence[GlobalTensor],
+    out_dtype: str | None,
+    where: str,
+    checkpoint,
+    buffer_bytes: int,
+) -> None:
+    """Each stored tensor the layout leaves out as an alias (``NamePlan.aliases``: the model
+    answers to it and a written one with one parameter) must hold the written one's values,
+    as written; one that holds others (a head the run untied, the config.json given ties) is
+    refused, since a loaded model would take the written one's values in its place. Process 0
+    reads; every process learns the answer."""
+    from ..engine.copy import tensor_digest
+
+    error = None
+    if coll.rank() == 0:
+        try:
+            by_name = {t.name: t for t in tensors}
+            endpoints = OpenEndpoints(checkpoint.endpoint)
+            try:
+                streamer = Streamer(endpoints, Buffers.sized(buffer_bytes))
+                for left_name, kept_name in sorted(aliases):
+                    left, kept = by_name[left_name], by_name[kept_name]
+                    if left.dtype == kept.dtype and left.blocks == kept.blocks:
+                        continue  # one storage saved under both names
+                    dtype = hf.cast_dtype(kept.dtype, out_dtype)
+                    if tuple(left.shape) == tuple(kept.shape) and tensor_digest(
+                        left, streamer, dtype
+                    ) == tensor_digest(kept, streamer, dtype):
+                        continue
+                    raise CheckpointFormatError(
+                        f"{left.blocks[0].location}: tensor {left_name!r} differs from "
+                        f"{kept_name!r}, but the model {where} describes answers to both "
+                        "with one parameter (its class ties them), so save_pretrained would "
+                        f"write only {kept_name!r} and a loaded model would use its values "
+                        f"for both: the trained {left_name!r} would be lost. Merge with the "
+                        "run's own config.json (--hf_model_path DIR, with tie_word_embeddings "
+                        "false where that unties them), or with --keep-names to write every "
+                        "stored tensor"
+                    )
+            finally:
+                endpoints.close()
+        except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
+            error = exc
+    coll.agree_or_raise(error, "merge")
 
 
 def _entries(*directories: str | os.PathLike) -> list[str]:

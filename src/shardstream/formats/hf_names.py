@@ -128,6 +128,10 @@ class NamePlan:
     # Of the heads config.json ties (``plan_names``'s ``tied``), the stored names of those the
     # model holds apart all the same, which save_pretrained writes: planned like the others
     untied: tuple[str, ...] = ()
+    # Stored tensors left out as aliases of a written one, (left out, written) by stored name:
+    # the model answers to both with one parameter (BLIP-2's language_model.lm_head.weight
+    # and its embedding), so a loaded model takes the written one's values for both
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def renamed(self) -> int:
@@ -358,7 +362,7 @@ def _plan_names(
     tied_names = {n for n, _, _ in tied}
     cached = hf_names_cache.load(tensors, config, tied)
     if cached is not None:  # computed by this transformers before: not imported now
-        found, pieces, missing, buffers = cached
+        found, pieces, missing, buffers, aliases = cached
         return NamePlan(
             tuple(Piece(**p) for p in pieces),
             found,
@@ -367,23 +371,29 @@ def _plan_names(
             tuple(missing),
             tuple(buffers),
             tuple(sorted({p["stored"] for p in pieces} & tied_names)),
+            tuple((left, kept) for left, kept in aliases),
         )
     # the child is for the import; without transformers the refusal is said here
     apart = PLAN_APART and hasattr(os, "fork") and hf_names_cache.transformers_version()
     plan_by = _planned_apart if apart else _with_transformers
-    pieces, what, missing, buffers, version = plan_by(plain, config, model_type, plain_tied)
+    planned = plan_by(plain, config, model_type, plain_tied)
+    pieces, what, missing, buffers, aliases, version = planned
     pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
+    aliases = tuple((back[left], back[kept]) for left, kept in aliases)
     described = _join(rule, f"transformers {version} {what}")
     untied = tuple(sorted({p.stored for p in pieces} & tied_names))
-    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers, untied)
-    hf_names_cache.store(tensors, config, plan.rule, plan.pieces, plan.missing, buffers, tied)
+    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers, untied, aliases)
+    hf_names_cache.store(
+        tensors, config, plan.rule, plan.pieces, plan.missing, buffers, tied, aliases
+    )
     return plan
 
 
 def _with_transformers(plain, config: dict, model_type: str, tied=()) -> tuple:
-    """``(pieces, rule, missing parts, buffers' outputs, transformers version)`` for stored
-    tensors ``plain`` (wrapper prefixes stripped), as the installed transformers saves them;
-    with the heads of ``tied`` the model holds apart (``_heads_held_apart``)."""
+    """``(pieces, rule, missing parts, buffers' outputs, aliases left out, transformers
+    version)`` for stored tensors ``plain`` (wrapper prefixes stripped), as the installed
+    transformers saves them; with the heads of ``tied`` the model holds apart
+    (``_heads_held_apart``)."""
     from ..engine.memory import imports_collector_held  # here: it imports numpy
 
     with imports_collector_held():
@@ -397,12 +407,11 @@ def _with_transformers(plain, config: dict, model_type: str, tied=()) -> tuple:
             ) from None
         version = transformers.__version__
         missing: tuple[str, ...] = ()
-        buffers: tuple[str, ...] = ()
         if has_weight_conversions():
-            pieces, what, missing, buffers = _trace_v5(plain, config, tied)
+            pieces, what, missing, buffers, aliases = _trace_v5(plain, config, tied)
         else:
-            pieces, what, buffers = _renames_v4(plain, config, tied)
-    return pieces, what, missing, buffers, version
+            pieces, what, buffers, aliases = _renames_v4(plain, config, tied)
+    return pieces, what, missing, buffers, aliases, version
 
 
 def _planned_apart(plain, config: dict, model_type: str, tied=()):
@@ -418,11 +427,11 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
         try:
             os.close(read_end)
             try:
-                pieces, what, missing, buffers, version = _with_transformers(
+                pieces, what, missing, buffers, aliases, version = _with_transformers(
                     plain, config, model_type, tied
                 )
                 pieces = [dataclasses.asdict(p) for p in pieces]
-                result = {"plan": [pieces, what, missing, buffers, version]}
+                result = {"plan": [pieces, what, missing, buffers, aliases, version]}
             except ShardstreamError as exc:
                 result = {"error": type(exc).__name__, "message": str(exc)}
             with os.fdopen(write_end, "w") as out:
@@ -455,11 +464,12 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
         if not (isinstance(kind, type) and issubclass(kind, ShardstreamError)):
             kind = ShardstreamError
         raise kind(result["message"])
-    pieces, what, missing, buffers, version = result["plan"]
+    pieces, what, missing, buffers, aliases, version = result["plan"]
     pieces = [
         Piece(**{k: tuple(v) if type(v) is list else v for k, v in p.items()}) for p in pieces
     ]
-    return pieces, what, tuple(missing), tuple(buffers), version
+    aliases = tuple((left, kept) for left, kept in aliases)
+    return pieces, what, tuple(missing), tuple(buffers), aliases, version
 
 
 def _join(*parts: str) -> str:
@@ -1054,12 +1064,11 @@ def _auto_classes_of(config_class: type) -> list[type]:
     return found
 
 
-def _trace_v5(
-    plain, config: dict, tied=()
-) -> tuple[list[Piece], str, tuple[str, ...], tuple[str, ...]]:
+def _trace_v5(plain, config: dict, tied=()) -> tuple:
     """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
     back where each output lies in the stored tensors; and the model's parts the output
-    holds nothing of (``_missing_parts``). ``tied``: as ``_with_transformers``'s."""
+    holds nothing of (``_missing_parts``). ``(pieces, rule, missing, buffers' outputs,
+    aliases left out)``; ``tied``: as ``_with_transformers``'s."""
     import torch
     from torch.overrides import TorchFunctionMode
     from transformers.core_model_loading import revert_weight_conversion
@@ -1071,6 +1080,7 @@ def _trace_v5(
         return (
             [_whole(n, n, s) for n, _, s in plain],
             "does not know this model: no mapping",
+            (),
             (),
             (),
         )
@@ -1092,7 +1102,7 @@ def _trace_v5(
         except Exception:  # noqa: BLE001  (any model's rules, on its own meta buffers)
             named = {}
         stored = {n for n, _, _ in plain}
-        return pieces, rule, missing, tuple(sorted(n for n in named if n in stored))
+        return pieces, rule, missing, tuple(sorted(n for n in named if n in stored)), ()
     holder = _holding_the_tensors(model, config, plain)
     if holder is not model:
         model = holder
@@ -1103,7 +1113,8 @@ def _trace_v5(
     what = f"save_pretrained layout of {type(model).__name__}"
     _check_shapes(model, plain)
     ignored = set(getattr(model, "_keys_to_ignore_on_save", None) or ())
-    ignored |= _aliases_left_out(model, [t[0] for t in plain])
+    aliases = _aliases_left_out(model, [t[0] for t in plain])
+    ignored |= set(aliases)
     plain = [t for t in plain if t[0] not in ignored]  # save_pretrained leaves them out
 
     class KeepViews(TorchFunctionMode):
@@ -1163,6 +1174,7 @@ def _trace_v5(
         what,
         missing,
         tuple(sorted(p.name for p in pieces if p.stored in stored_buffers)),
+        tuple(sorted(aliases.items())),
     )
 
 
@@ -1198,14 +1210,14 @@ def _missing_parts(
     return tuple(sorted(missing))
 
 
-def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
-    """The stored names ``save_pretrained`` leaves out as aliases: of each group of names one
-    parameter of the built model answers to (T5's ``encoder.embed_tokens.weight`` and
-    ``decoder.embed_tokens.weight`` are its ``shared.weight``), those the model's
-    ``_tied_weights_keys`` patterns match, in sorted order, but the last match of a group
-    that all match (transformers' ``remove_tied_weights_from_state_dict``).
-    ``lm_head.weight`` is left to ``hf.tied_duplicates``, which also follows
-    ``--tie-word-embedding`` and the live config."""
+def _aliases_left_out(model: Any, names: Sequence[str]) -> dict[str, str]:
+    """The stored names ``save_pretrained`` leaves out as aliases, each with a stored name of
+    its group that is written: of each group of names one parameter of the built model
+    answers to (T5's ``encoder.embed_tokens.weight`` and ``decoder.embed_tokens.weight`` are
+    its ``shared.weight``), those the model's ``_tied_weights_keys`` patterns match, in
+    sorted order, but the last match of a group that all match (transformers'
+    ``remove_tied_weights_from_state_dict``). ``lm_head.weight`` is left to
+    ``hf.tied_duplicates``, which also follows ``--tie-word-embedding`` and the live config."""
     from .hf import TIED_HEAD
 
     groups = _names_by_parameter(model)
@@ -1214,11 +1226,13 @@ def _aliases_left_out(model: Any, names: Sequence[str]) -> set[str]:
         keys = getattr(module, "_tied_weights_keys", None) or ()
         patterns += [f"{prefix}.{k}" if prefix else k for k in keys if isinstance(k, str)]
     stored = set(names)
-    dropped = set()
+    dropped = {}
     for group in groups.values():
         held = sorted(n for n in group if n in stored)
         matched = [n for n in held if any(re.search(p, n) for p in patterns)]
-        dropped |= {n for n in matched[: len(held) - 1] if n != TIED_HEAD}
+        left = [n for n in matched[: len(held) - 1] if n != TIED_HEAD]
+        written = [n for n in held if n not in left]
+        dropped |= {n: next((k for k in written if k != TIED_HEAD), written[0]) for n in left}
     return dropped
 
 
@@ -1437,15 +1451,17 @@ def _in_model_order(plain, model: Any, mapping: dict[str, str]) -> list:
     return sorted(plain, key=lambda t: place(t[0]))
 
 
-def _renames_v4(plain, config: dict, tied=()) -> tuple[list[Piece], str, tuple[str, ...]]:
+def _renames_v4(plain, config: dict, tied=()) -> tuple:
     """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
     (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
-    its capture groups dropped from the replacement. ``tied``: as ``_with_transformers``'s."""
+    its capture groups dropped from the replacement. ``(pieces, rule, buffers' outputs,
+    aliases left out)``; ``tied``: as ``_with_transformers``'s."""
     from transformers import modeling_utils
 
     cls = _model_class(config)
     if cls is None:
-        return [_whole(n, n, s) for n, _, s in plain], "does not know this model: no mapping", ()
+        unknown = "does not know this model: no mapping"
+        return [_whole(n, n, s) for n, _, s in plain], unknown, (), ()
     try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
         model = _meta_model(config, len(plain) + len(tied))
     except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
@@ -1454,6 +1470,7 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple[list[Piece], str, tuple[s
         plain = [*plain, *_heads_held_apart(model, plain, tied)]
     mapping = getattr(cls, "_checkpoint_conversion_mapping", None) or {}
     buffers = _buffers(model) if model is not None else set()
+    aliases: dict[str, str] = {}
 
     def of_buffers(pieces: list[Piece]) -> tuple[str, ...]:  # for the index's total_parameters
         return tuple(sorted(p.name for p in pieces if p.stored in buffers))
@@ -1473,12 +1490,12 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple[list[Piece], str, tuple[s
         mapping = {}
     if not mapping:
         pieces = [_whole(n, n, s) for n, _, s in plain]
-        return pieces, "no key mapping", of_buffers(pieces)
+        return pieces, "no key mapping", of_buffers(pieces), tuple(sorted(aliases.items()))
     if any(re.search(pattern, n) for pattern in mapping for n, _, _ in plain):
         # checkpoint names (``language_model.lm_head``), which no in-memory name matches: a
         # save_pretrained directory already, written as it is, not renamed a second time
         kept = f"key mapping of {cls.__name__}, which the checkpoint is in"
-        return [_whole(n, n, s) for n, _, s in plain], kept, ()
+        return [_whole(n, n, s) for n, _, s in plain], kept, (), tuple(sorted(aliases.items()))
     reverse = {v: k for k, v in mapping.items()}
     pieces = []
     for name, _, shape in plain:
@@ -1489,4 +1506,9 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple[list[Piece], str, tuple[s
             if count:
                 break
         pieces.append(_whole(new, name, shape))
-    return pieces, f"key mapping of {cls.__name__}", of_buffers(pieces)
+    return (
+        pieces,
+        f"key mapping of {cls.__name__}",
+        of_buffers(pieces),
+        tuple(sorted(aliases.items())),
+    )

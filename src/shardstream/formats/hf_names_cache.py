@@ -51,8 +51,9 @@ log = logging.getLogger(__name__)
 # part of its stored tensor (the first chunk of a split) was planned as the whole tensor;
 # 8: a checkpoint in the saved layout whose names partly are in-memory names too; 9: pieces in
 # the model's order, and the saved layout's storage groups; 10: the outputs of buffers;
-# 11: the heads config.json ties, asked of the model (``tied``), a class that ties none kept.
-CACHE_FORMAT = 11
+# 11: the heads config.json ties, asked of the model (``tied``), a class that ties none kept;
+# 12: the aliases left out, each with the tensor written for it (``aliases``).
+CACHE_FORMAT = 12
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
@@ -112,9 +113,10 @@ def cache_key(
 
 def load(
     tensors: Tensors, config: dict, tied: Tensors = ()
-) -> tuple[str, list[dict], list[str], list[str]] | None:
-    """The cached ``(rule, pieces, missing, buffers)`` for this request, pieces as dicts of
-    ``FIELDS`` with tuples; None on a miss, a disabled cache or a file that fails any check."""
+) -> tuple[str, list[dict], list[str], list[str], list[list[str]]] | None:
+    """The cached ``(rule, pieces, missing, buffers, aliases)`` for this request, pieces as
+    dicts of ``FIELDS`` with tuples; None on a miss, a disabled cache or a file that fails any
+    check."""
     directory = cache_dir()
     key = cache_key(tensors, config, tied=tied)
     if directory is None or key is None:
@@ -148,10 +150,11 @@ def store(
     missing: Sequence[str] = (),
     buffers: Sequence[str] = (),
     tied: Tensors = (),
+    aliases: Sequence[tuple[str, str]] = (),
 ) -> None:
-    """Keep ``rule``, ``pieces`` (``hf_names.Piece``), ``missing`` (``NamePlan.missing``) and
-    ``buffers`` (``NamePlan.buffers``) for this request; never raises for a directory or disk
-    that refuses the write."""
+    """Keep ``rule``, ``pieces`` (``hf_names.Piece``), ``missing`` (``NamePlan.missing``),
+    ``buffers`` (``NamePlan.buffers``) and ``aliases`` (``NamePlan.aliases``) for this
+    request; never raises for a directory or disk that refuses the write."""
     directory = cache_dir()
     key = cache_key(tensors, config, tied=tied)
     if directory is None or key is None:
@@ -177,7 +180,10 @@ def store(
         "pieces": listed,
         "missing": list(missing),
         "buffers": list(buffers),
-        "digest": _digest(key, rule, listed, list(missing), list(buffers)),
+        "aliases": [list(pair) for pair in aliases],
+        "digest": _digest(
+            key, rule, listed, list(missing), list(buffers), [list(pair) for pair in aliases]
+        ),
     }
     try:
         raw = json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
@@ -224,9 +230,11 @@ def prune(directory: Path, keep: int | None = None) -> None:
         log.debug("not pruning the cached layouts in %s: %s", directory, exc)
 
 
-def _digest(key: str, rule: object, pieces: object, missing: object, buffers: object) -> str:
+def _digest(
+    key: str, rule: object, pieces: object, missing: object, buffers: object, aliases: object
+) -> str:
     canonical = json.dumps(
-        [key, rule, pieces, missing, buffers], sort_keys=True, separators=(",", ":")
+        [key, rule, pieces, missing, buffers, aliases], sort_keys=True, separators=(",", ":")
     )
     return hashlib.sha256(canonical.encode()).hexdigest()
 
@@ -240,9 +248,9 @@ _FIELD_SET = frozenset(FIELDS)
 
 def _checked(
     doc: dict, key: str, tensors: Tensors
-) -> tuple[str, list[dict], list[str], list[str]] | None:
-    """``doc``'s rule, pieces, missing parts and buffers' outputs when every check holds
-    against the request, else None."""
+) -> tuple[str, list[dict], list[str], list[str], list[list[str]]] | None:
+    """``doc``'s rule, pieces, missing parts, buffers' outputs and aliases when every check
+    holds against the request, else None."""
     if doc.get("format") != CACHE_FORMAT or doc.get("key") != key:
         return None
     rule, pieces, missing = doc.get("rule"), doc.get("pieces"), doc.get("missing")
@@ -253,9 +261,15 @@ def _checked(
     buffers = doc.get("buffers")
     if not isinstance(buffers, list) or not all(type(b) is str for b in buffers):
         return None
-    if doc.get("digest") != _digest(key, rule, pieces, missing, buffers):
+    aliases = doc.get("aliases")
+    if doc.get("digest") != _digest(key, rule, pieces, missing, buffers, aliases):
         return None
     shapes = {n: tuple(int(x) for x in s) for n, _, s in tensors}
+    if not isinstance(aliases, list) or not all(
+        type(pair) is list and len(pair) == 2 and all(type(n) is str and n in shapes for n in pair)
+        for pair in aliases
+    ):
+        return None
     own = {n: n for n in shapes}  # one string per stored name, not one per piece
     names: set[str] = set()
     out = []
@@ -291,4 +305,4 @@ def _checked(
         piece["start"], piece["extent"] = tuple(start), tuple(extent)
         piece["dims"], piece["shape"] = tuple(dims), tuple(shape)
         out.append({**piece, "stored_shape": stored_shape})
-    return rule, out, missing, buffers
+    return rule, out, missing, buffers, aliases
