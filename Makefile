@@ -18,7 +18,7 @@ $(STAMP): pyproject.toml
 	# GPU users: install your own torch build into .venv before running make.
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -e '.[test]'
-	$(PY) -m pip install --quiet --no-deps verl==0.9.1 && $(PY) -m pip install --quiet "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" ray==2.60.0 tensordict==0.15.3 omegaconf==2.4.0 peft==0.21.2 accelerate==1.16.0 datasets==5.2.0 codetiming==1.4.0 orjson==3.13.0 pillow==13.0.0  # verl 0.9.1 for tests/integration/test_verl_plugin.py: what importing its FSDP engine needs, torch held
+	$(PY) -m pip install --quiet --no-deps verl==0.9.1 && $(PY) -m pip install --quiet "torch==$$($(PY) -c 'import torch; print(torch.__version__)')" ray==2.60.0 tensordict==0.15.3 omegaconf==2.4.0 peft==0.21.2 accelerate==1.16.0 datasets==5.2.0 codetiming==1.4.0 orjson==3.13.0 pillow==13.0.0 uvicorn==0.55.0 fastapi==0.165.0 opentelemetry-api==1.45.3  # verl 0.9.1 for tests/integration/test_verl_plugin.py: what importing its FSDP engine and worker module needs, torch held
 	touch $(STAMP)
 
 demo: $(STAMP)

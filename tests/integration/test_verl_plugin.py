@@ -419,3 +419,28 @@ def test_fsdp1_checkpoint_of_verls_own_manager_loads_through_the_plugin(tmp_path
         for fqn, entries in reference["optim"]["state"].items():
             for key, value in entries.items():
                 assert torch.equal(state["optim"]["state"][fqn][key], value), (fqn, key)
+
+
+def test_verls_merged_lora_sync_waits_for_an_async_save_to_read_the_weights(tmp_path):
+    """verl's rollout sync with ``lora.merge`` writes the adapters into the base weights in
+    place (through ``.data``, which no version counter sees) and restores them afterwards;
+    the plug-in's fence makes it wait for an async save still reading them, so the checkpoint
+    holds the weights of its step, not the merged ones."""
+    for rank in run(workers.lora_sync_run, 2, str(tmp_path)):
+        assert rank["sync_changed_weights"]
+        assert rank["differ"] == []
+
+
+def test_verls_trainer_waits_for_the_last_async_save_through_the_actor_workers(tmp_path):
+    """After its last step verl's PPO trainer calls ``async_calls_finalize_fn_exec
+    (blocking=True)`` on its actor workers' group where the worker class has it: the plug-in
+    gives verl's class that method, which verl's worker group binds, and it returns only once
+    the save has committed (Ray ends the workers right after)."""
+    for rank in run(workers.finalize_run, 2, str(tmp_path)):
+        assert rank == {
+            "bound": True,
+            "one_to_all": True,
+            "committed_early": False,
+            "waited": True,
+            "committed": True,
+        }

@@ -319,3 +319,142 @@ def fsdp1_load_run(
     manager = _manager(FSDPCheckpointManager, model, optimizer, scheduler, config)
     manager.load_checkpoint(actor, None, False)
     return full_state(model, optimizer, scheduler)
+
+
+def _peft_model(world: int, seed: int = 0):
+    """A tiny Qwen2 wrapped by PEFT's own LoRA and sharded by verl's apply_fsdp2, as verl's FSDP
+    engine builds it; the adapters start non-zero, so merging them changes the base weights."""
+    from peft import LoraConfig, TaskType, get_peft_model
+    from torch.distributed.device_mesh import init_device_mesh
+    from verl.utils.fsdp_utils import apply_fsdp2
+
+    model = build_tiny_model(tiny_config("qwen2"), seed=seed)
+    lora = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, lora_alpha=8, target_modules="all-linear")
+    model = get_peft_model(model, lora)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.copy_(torch.randn_like(param))
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    apply_fsdp2(model, {"mesh": mesh, "reshard_after_forward": True}, {})
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(trainable, lr=1e-2)
+
+
+def lora_sync_run(rank: int, world: int, root: str) -> dict:
+    """An async save still reading when verl's merged-LoRA weight sync (``merged_lora_context``,
+    as its engine runs it for the rollout) merges the adapters into the base weights in place
+    and later restores them. The save's writer is held until the sync's first in-place write
+    is attempted (the plug-in's fence, when there is one) or has happened (when there is none).
+    Returns whether the sync changed the live weights and whether the checkpoint holds the
+    weights of its step."""
+    ours, _ = _engine_class()
+    from verl.utils import fsdp_utils
+
+    from shardstream.integrations import verl as plugged
+    from shardstream.training.async_save import SourceGuard
+
+    model, optimizer = _peft_model(world)
+    ids = batch(1)
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad()
+    config = {"save_contents": ["model"], "load_contents": ["model"], "async_save": True}
+    manager = _manager(ours, model, optimizer, None, config)
+    go = threading.Event()
+    fence, window, stage_ahead = (
+        plugged.wait_for_reads,
+        SourceGuard.window,
+        SourceGuard._stage_ahead,
+    )
+
+    def fence_entered() -> float:
+        go.set()
+        return fence()
+
+    def held(method):
+        def wrapped(self, *args):
+            assert go.wait(timeout=600), "the save was never released"
+            return method(self, *args)
+
+        return wrapped
+
+    plugged.wait_for_reads = fence_entered
+    SourceGuard.window, SourceGuard._stage_ahead = held(window), held(stage_ahead)
+    try:
+        at_save = {k: v.clone() for k, v in get_model_state_dict(model, options=FULL).items()}
+        manager.save_checkpoint(_actor(root, 1), global_step=1)
+        with fsdp_utils.merged_lora_context(model, backup_adapters=True):
+            go.set()  # no fence: the save reads the merged weights now
+            manager.wait_for_reads()  # before the restore, either way
+            merged = get_model_state_dict(model, options=FULL)
+            changed = any(not torch.equal(merged[k], at_save[k]) for k in at_save)
+        manager.wait()
+    finally:
+        plugged.wait_for_reads = fence
+        SourceGuard.window, SourceGuard._stage_ahead = window, stage_ahead
+    fresh, fresh_optimizer = _peft_model(world, seed=1)
+    _manager(ours, fresh, fresh_optimizer, None, config).load_checkpoint(_actor(root, 1))
+    loaded = get_model_state_dict(fresh, options=FULL)
+    differ = sorted(k for k in at_save if not torch.equal(loaded[k], at_save[k]))
+    return {"sync_changed_weights": changed, "differ": differ}
+
+
+def finalize_run(rank: int, world: int, root: str) -> dict:
+    """verl's trainer asks its actor workers' group for ``async_calls_finalize_fn_exec`` after
+    the last step (``blocking=True``): the plug-in's method on verl's worker class, bound by
+    verl's own worker-group code, returns only once the async save has committed."""
+    ours, _ = _engine_class()
+    from verl.single_controller.base.decorator import MAGIC_ATTR, Dispatch
+    from verl.single_controller.base.worker_group import WorkerGroup
+    from verl.workers.engine_workers import ActorRolloutRefWorker
+
+    from shardstream.training.async_save import SourceGuard
+
+    bound = []
+
+    def generator(group, method_name, dispatch_fn, collect_fn, execute_fn, blocking):
+        bound.append(method_name)
+        return lambda *args, **kwargs: None
+
+    class Group:  # what verl's worker group binds to: its execute_* functions
+        def __getattr__(self, name):
+            return lambda *args, **kwargs: None
+
+    WorkerGroup._bind_worker_method(Group(), ActorRolloutRefWorker, generator)
+    finalize = ActorRolloutRefWorker.async_calls_finalize_fn_exec
+    dispatch = getattr(finalize, MAGIC_ATTR)["dispatch_mode"]
+
+    model, optimizer, scheduler, _ = build((world,))
+    config = {"save_contents": CONTENTS, "load_contents": CONTENTS, "async_save": True}
+    manager = _manager(ours, model, optimizer, scheduler, config)
+    train_step(model, optimizer, scheduler, 1)
+    go = threading.Event()
+    finish = SourceGuard.finish
+
+    def held_finish(self):
+        assert go.wait(timeout=600), "the save was never released"
+        finish(self)
+
+    SourceGuard.finish = held_finish
+    try:
+        manager.save_checkpoint(_actor(root, 1), global_step=1)
+        finalize(None, blocking=False)  # before each step: returns at once
+        early = Path(_actor(root, 1)).exists()
+        finished = threading.Thread(target=finalize, args=(None,), kwargs={"blocking": True})
+        finished.start()
+        finished.join(timeout=1.0)
+        waited = finished.is_alive()  # held: it cannot have returned
+        go.set()
+        finished.join(timeout=600)
+        committed = Path(_actor(root, 1)).exists()
+    finally:
+        SourceGuard.finish = finish
+    return {
+        "bound": "async_calls_finalize_fn_exec" in bound,
+        "one_to_all": dispatch is Dispatch.ONE_TO_ALL,
+        "committed_early": early,
+        "waited": waited,
+        "committed": committed,
+    }

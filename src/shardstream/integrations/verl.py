@@ -20,6 +20,7 @@ import logging
 import os
 import random
 import warnings
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,6 +115,22 @@ def _unwrapped(model: Any) -> Any:
     return getattr(model, "_fsdp_wrapped_module", model)  # FSDP1 wraps; FSDP2 does not
 
 
+# Every manager of this process, for the plug-in's hooks into verl's workers.
+_MANAGERS: weakref.WeakSet[FSDPCheckpointManager] = weakref.WeakSet()
+
+
+def finish_saves() -> None:
+    """Block until every background save of this process's managers has committed; raise the
+    first failure."""
+    for manager in list(_MANAGERS):
+        manager.wait()
+
+
+def wait_for_reads() -> float:
+    """Return once no background save of this process's managers reads a live tensor."""
+    return sum(manager.wait_for_reads() for manager in list(_MANAGERS))
+
+
 class FSDPCheckpointManager:
     """verl's ``FSDPCheckpointManager`` (verl 0.9.1's signature and attributes) writing and
     reading shardstream checkpoints; it also reads verl's own ``.pt`` checkpoints, at any
@@ -167,6 +184,7 @@ class FSDPCheckpointManager:
         # Async saves copy into host memory faulted in after the first optimizer step, long
         # before the first save; the first role run to save asynchronously takes it.
         self._staging: StagingMemory | None = None
+        _MANAGERS.add(self)
         if self.async_save and optimizer is not None:
             self._staging = StagingMemory()
             self._staging.prefault_after_first_step(
