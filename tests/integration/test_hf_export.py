@@ -56,6 +56,23 @@ def test_hf_model_export_loads_with_transformers(
         assert torch.equal(model(input_ids=ids).logits, reference(input_ids=ids).logits)
 
 
+@pytest.mark.parametrize("world", [1, 2])
+def test_a_head_untied_by_hand_is_exported_as_save_pretrained_writes_it(tmp_path, world):
+    """The config ties the head, but the model holds it apart (a Parameter of its own, other
+    values): save_pretrained writes it, and so must the export, or the trained head is lost
+    and the loaded model uses the embedding in its place."""
+    from safetensors.torch import load_file
+
+    root = tmp_path / "run"
+    full = run(workers.hf_export_untied_by_hand_run, world, str(root))[0]["full"]
+    assert not torch.equal(full["lm_head.weight"], full["model.embed_tokens.weight"])
+    export = root / "global_step_1" / "huggingface"
+    written = load_file(export / "model.safetensors")
+    assert written.keys() == full.keys()
+    assert all(torch.equal(written[k], full[k]) for k in full)
+    assert verify(root).ok
+
+
 @pytest.mark.slow
 def test_ranks_whose_configs_differ_are_refused_by_name(tmp_path):
     """Each rank plans the export from its own config; a rank that plans other files would

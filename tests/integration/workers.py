@@ -321,6 +321,30 @@ def hf_export_run(
     return {"full": full}
 
 
+def hf_export_untied_by_hand_run(rank: int, world: int, root: str) -> dict:
+    """A model whose config ties the head, untied by hand before sharding (its head a
+    Parameter of its own, trained apart): hf_model must write the head, as save_pretrained
+    does for a model that holds it apart."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    config = tiny_config("qwen2", tie_word_embeddings=True)
+    model = build_tiny_model(config, seed=0)
+    embedding = model.get_input_embeddings().weight
+    model.lm_head.weight = torch.nn.Parameter(embedding.detach().clone() * 1.5)
+    mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("fsdp",))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2)
+    train_step(model, optimizer, scheduler, 1)
+    cfg = CheckpointConfig(directory=root, save_contents=("model", "hf_model"))
+    with CheckpointManager(cfg, model=model, optimizer=optimizer, hf_config=config) as manager:
+        manager.save(1)
+    return {"full": get_model_state_dict(model, options=FULL)}
+
+
 def hf_export_config_differs_run(
     rank: int, world: int, root: str, same_bytes: bool = False
 ) -> dict:

@@ -286,13 +286,50 @@ def _plan_files(
 ) -> tuple[str | None, list[tuple[str, list[OutputTensor]]], tuple[str, ...]]:
     """The publish dtype, the HF files (name, tensors) for the model's tensors ``live`` and the
     outputs of its buffers (``NamePlan.buffers``);
-    computed from shapes and dtypes alone, so every rank gets the same answer."""
+    computed from shapes and dtypes (and where a head is tied, from every rank's answer to
+    ``_heads_held_apart``), so every rank gets the same answer."""
     config = _config(hf_config, source)
     out_dtype = hf.output_dtype(dtype, config)
     tensors = [GlobalTensor(n, code_of(t.dtype), tuple(t.shape), ()) for n, t in live.items()]
     drop = hf.tied_duplicates(tensors, config, False, hf_config)
+    if drop:
+        drop -= _heads_held_apart(live, drop, tensors, config)
     names, outputs = output_layout(tensors, out_dtype, drop, config)
     return out_dtype, hf.plan_hf_files(outputs, storage=names.storage()), names.buffers
+
+
+def _heads_held_apart(
+    live: dict[str, Any], drop: set[str], tensors: list[GlobalTensor], config: dict
+) -> set[str]:
+    """The heads of ``drop`` (the config ties them) that the live model holds apart from every
+    tensor they may be tied to (``hf.tied_sources``): not the same tensor or memory, and other
+    values on some rank (a head untied by hand, the config left as it was). save_pretrained
+    writes such a head (transformers 5 looks at what the model shares), and so does the
+    export: left out, the trained head would be lost. Every rank learns every rank's answer."""
+    from torch.distributed.tensor import DTensor
+
+    def local(tensor: Any) -> Any:
+        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+    def together(head: Any, source: Any) -> bool:
+        if head is source:
+            return True
+        head, source = local(head), local(source)
+        if not (isinstance(head, torch.Tensor) and isinstance(source, torch.Tensor)):
+            return True  # FSDP1 shards of a shared parameter are one object; others: as tied
+        if head.shape != source.shape or head.dtype != source.dtype:
+            return False
+        if head.data_ptr() == source.data_ptr() and head.stride() == source.stride():
+            return True
+        return torch.equal(head, source)
+
+    by_name = {t.name: t for t in tensors}
+    apart = []
+    for name in sorted(drop):
+        sources = hf.tied_sources(by_name[name], tensors, drop, config)
+        if not any(together(live[name], live[s.name]) for s in sources):
+            apart.append(name)
+    return {name for answer in coll.gather(apart) for name in answer}
 
 
 def _layout(plan: ExportPlan) -> tuple[str, str]:
