@@ -44,7 +44,7 @@ def test_checkpoint_matches_its_reference(fsdp_root, variant, buffer):
         fsdp_root / variant, fsdp_root / "reference", buffer_size=buffer
     )
     assert report.ok, report.problems
-    assert report.compared == 8
+    assert report.compared == len(reference_tensors(fsdp_root))
     assert report.elements == sum(t.numel() for t in reference_tensors(fsdp_root).values())
     assert report.max_abs_diff == 0.0
     assert (report.atol, report.rtol) == (DEFAULT_ATOL, DEFAULT_RTOL) == (1e-6, 1e-6)
@@ -56,7 +56,7 @@ def test_sharded_bf16_reference_from_merge(fsdp_root, tmp_path):
     assert (target / "model.safetensors.index.json").is_file()
     report = compare_with_reference(fsdp_root / "base", target)  # cast to the reference's BF16
     assert report.ok, report.problems
-    assert report.compared == 8
+    assert report.compared == len(reference_tensors(fsdp_root))
     # Against the fp32 reference, a bf16 comparison passes too (both sides rounded alike)...
     assert compare_with_reference(fsdp_root / "base", fsdp_root / "reference", dtype="bf16").ok
     # ...but the fp32 checkpoint is not the bf16 model at fp32 precision.
@@ -79,7 +79,12 @@ def test_a_damaged_reference_merge_wrote_is_named_not_compared(fsdp_root, tmp_pa
         with pytest.raises(ChecksumMismatchError, match=str(file)) as raised:
             compare_with_reference(local, target)
         # the tensors of the damaged chunk are named (this small model's lie in one chunk)
-        assert re.search(r"\(tensor '[^']+', '[^']+', '[^']+' and 5 more\)$", str(raised.value))
+        assert re.search(
+            r"\(tensor '[^']+', '[^']+', '[^']+' and "
+            + str(len(reference_tensors(fsdp_root)) - 3)
+            + r" more\)$",
+            str(raised.value),
+        )
     with pytest.raises(ChecksumMismatchError, match="checksum mismatch .* \\(tensor "):
         merge(target, tmp_path / "again")
 
@@ -144,7 +149,7 @@ def test_missing_unexpected_shape_and_dtype(fsdp_root, tmp_path):
         "'model.layers.0.input_layernorm.weight': dtype mismatch: reference I32, checkpoint F32"
         in text
     )
-    assert report.compared == 5
+    assert report.compared == len(tensors) - 3  # all but the four, one added
 
 
 def test_tied_lm_head_is_skipped_like_merge(fsdp_root, tmp_path, copy_variant):
@@ -175,11 +180,17 @@ def test_tied_lm_head_is_skipped_like_merge(fsdp_root, tmp_path, copy_variant):
     same = reference_tensors(fsdp_root)
     same["lm_head.weight"] = same["model.embed_tokens.weight"].clone()
     report = compare_with_reference(plain_checkpoint(tmp_path / "tied", same), ref)
-    assert report.ok and report.skipped == ["lm_head.weight"] and report.compared == 7
+    assert (
+        report.ok
+        and report.skipped == ["lm_head.weight"]
+        and report.compared == len(reference_tensors(fsdp_root)) - 1
+    )
     # A reference that does keep lm_head.weight is still compared against it.
     full = write_reference(tmp_path / "full", reference_tensors(fsdp_root))
     report = compare_with_reference(fsdp_root / "base", full, tie_word_embedding=True)
-    assert report.ok and report.compared == 8 and report.skipped == []
+    assert (
+        report.ok and report.compared == len(reference_tensors(fsdp_root)) and report.skipped == []
+    )
 
 
 def plain_checkpoint(directory: Path, state: dict, world_size: int = 2) -> Path:
@@ -297,7 +308,7 @@ def test_cli_test_ok_and_mismatch(fsdp_root, tmp_path, capsys):
     argv = ["test", "--local_dir", str(fsdp_root / "base"), "--test_hf_dir"]
     assert main([*argv, str(fsdp_root / "reference")]) == 0
     out, err = capsys.readouterr()
-    assert out.startswith("OK: compared 8 tensors") and err == ""
+    assert out.startswith(f"OK: compared {len(reference_tensors(fsdp_root))} tensors") and err == ""
 
     tensors = reference_tensors(fsdp_root)
     tensors[NORM][5] = 9.0
@@ -308,7 +319,7 @@ def test_cli_test_ok_and_mismatch(fsdp_root, tmp_path, capsys):
 
     assert main([*argv, str(ref), "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
-    assert doc["ok"] is False and doc["compared"] == 8 and len(doc["problems"]) == 1
+    assert doc["ok"] is False and doc["compared"] == len(tensors) and len(doc["problems"]) == 1
 
     assert main([*argv, str(tmp_path / "missing")]) == 1
     _, err = capsys.readouterr()
@@ -321,7 +332,7 @@ def test_cli_test_ok_and_mismatch(fsdp_root, tmp_path, capsys):
 def test_describe(fsdp_root):
     info = describe(fsdp_root / "shard1")
     assert info["format"] == "verl" and info["world_size"] == 2 and info["fsdp_version"] == 2
-    assert info["num_files"] == 2 and info["num_tensors"] == 8
+    assert info["num_files"] == 2 and info["num_tensors"] == len(reference_tensors(fsdp_root))
     by_name = {t["name"]: t for t in info["tensors"]}
     assert by_name[EMBED] == {
         "name": EMBED,
@@ -355,7 +366,7 @@ def test_describe_reads_no_tensor_data(fsdp_root, monkeypatch):
 
     monkeypatch.setattr(endpoints.FileEndpoint, "read_into", forbidden)
     monkeypatch.setattr(endpoints.FileEndpoint, "__init__", forbidden)
-    assert describe(fsdp_root / "base")["num_tensors"] == 8
+    assert describe(fsdp_root / "base")["num_tensors"] == len(reference_tensors(fsdp_root))
 
 
 def test_describe_output_dtype_and_tied_head(copy_variant):

@@ -243,7 +243,7 @@ def test_a_table_type_missing_a_layer_s_weight_or_its_final_norm_is_refused():
     """A llama checkpoint without one layer's post_attention_layernorm (a rank file's key
     lost, a DCP entry stored as bytes) merged exit 0: the model loaded it at random."""
     config = {"model_type": "llama"}
-    layer = ["self_attn.q_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"]
+    layer = sorted(hf_names.table_layer_tensors("llama", config))
     whole = [f"model.layers.{i}.{w}" for i in range(3) for w in layer]
     whole += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
     hf_names.check_whole_table_layers(whole, config)
@@ -253,6 +253,39 @@ def test_a_table_type_missing_a_layer_s_weight_or_its_final_norm_is_refused():
     with pytest.raises(CheckpointFormatError, match=r"final norm model\.norm\.weight"):
         hf_names.check_whole_table_layers([n for n in whole if n != "model.norm.weight"], config)
     hf_names.check_whole_table_layers(lost, {"model_type": "qwen3_moe"})  # not the table's
+
+
+def test_a_table_type_missing_a_weight_from_every_layer_is_refused():
+    """A checkpoint without the attention's query projection in any layer (saved without
+    frozen parameters; a filtered state dict) merged exit 0, every layer consistent with the
+    others, and the loaded model started them at random. Quantized weights go by other
+    names: not checked."""
+    config = {"model_type": "qwen2"}
+    layer = sorted(hf_names.table_layer_tensors("qwen2", config))
+    assert "self_attn.q_proj.bias" in layer  # Qwen2's query, key and value carry biases
+    whole = [f"model.layers.{i}.{w}" for i in range(2) for w in layer]
+    whole += ["model.embed_tokens.weight", "model.norm.weight", "lm_head.weight"]
+    hf_names.check_whole_table_layers(whole, config)
+    lost = [n for n in whole if ".q_proj." not in n]
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"no model\.layers\.0\.self_attn\.q_proj\.bias in any of its 2 layers \(2 weight",
+    ):
+        hf_names.check_whole_table_layers(lost, config)
+    quantized = {**config, "quantization_config": {"quant_method": "gptq"}}
+    hf_names.check_whole_table_layers(lost, quantized)
+
+
+@pytest.mark.parametrize("model_type", sorted(hf_names.TABLE_LAYER_WEIGHTS))
+def test_the_table_names_what_every_layer_of_its_types_holds(model_type):
+    """``table_layer_tensors`` is what the installed transformers' decoder layer holds, built
+    from the class's default config on the meta device."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.AutoConfig.for_model(model_type, num_hidden_layers=1)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    held = {n.split(".", 3)[3] for n, _ in model.named_parameters() if ".layers.0." in n}
+    assert hf_names.table_layer_tensors(model_type, config.to_dict()) == held
 
 
 def test_table_shapes_config_json_leaves_undetermined_are_still_checked():

@@ -703,11 +703,59 @@ def check_stored_layers(
 TABLE_LAYER = re.compile(r"((?:model\.)?layers\.)(\d+)\.(.+)")
 
 
+# The weights every decoder layer of the table's types holds (the same in transformers 4.57
+# and 5.25, read from their classes on the meta device); biases: ``TABLE_BIASES``, and
+# Starcoder2's layer norms', which it always holds.
+_LLAMA_LAYER = (
+    "input_layernorm.weight", "post_attention_layernorm.weight", "mlp.gate_proj.weight",
+    "mlp.up_proj.weight", "mlp.down_proj.weight", "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
+)  # fmt: skip
+_QK_NORMS = ("self_attn.q_norm.weight", "self_attn.k_norm.weight")
+_FEEDFORWARD_NORMS = ("pre_feedforward_layernorm.weight", "post_feedforward_layernorm.weight")
+TABLE_LAYER_WEIGHTS: dict[str, tuple[str, ...]] = {
+    "llama": _LLAMA_LAYER,
+    "mistral": _LLAMA_LAYER,
+    "qwen2": _LLAMA_LAYER,
+    "gemma": _LLAMA_LAYER,
+    "qwen3": (*_LLAMA_LAYER, *_QK_NORMS),
+    "gemma2": (*_LLAMA_LAYER, *_FEEDFORWARD_NORMS),
+    "olmo2": (*_LLAMA_LAYER[1:], *_QK_NORMS, _FEEDFORWARD_NORMS[1]),
+    "phi3": (
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "mlp.gate_up_proj.weight",
+        "mlp.down_proj.weight",
+        "self_attn.qkv_proj.weight",
+        "self_attn.o_proj.weight",
+    ),  # fmt: skip
+    "starcoder2": (
+        "input_layernorm.weight",
+        "input_layernorm.bias",
+        "post_attention_layernorm.weight",
+        "post_attention_layernorm.bias",
+        "mlp.c_fc.weight",
+        "mlp.c_proj.weight",
+        *_LLAMA_LAYER[5:],
+    ),  # fmt: skip
+}
+
+
+def table_layer_tensors(model_type: str, config: dict) -> set[str]:
+    """What every decoder layer of ``model_type`` built from ``config`` holds, by name under
+    the layer: ``TABLE_LAYER_WEIGHTS`` and the biases ``TABLE_BIASES`` gives."""
+    weights = TABLE_LAYER_WEIGHTS[model_type]
+    modules = [w.removesuffix(".weight") for w in weights if w.endswith(".weight")]
+    biases = {f"{m}.bias" for m in modules if table_bias_allowed(model_type, config, m)}
+    return {*weights, *biases}
+
+
 def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
     """For a model type of ``NO_MAPPING_MODEL_TYPES`` (planned without building the model),
-    whose decoder layers all hold the same weights: every layer holds what any other does,
-    and the decoder its final norm. A weight missing from a layer would be written missing,
-    and a model loaded from the output would start it at random."""
+    whose decoder layers all hold the same weights: every layer holds what any other does and
+    what the model's layers hold (``table_layer_tensors``; unless the weights are quantized,
+    under other names), and the decoder its final norm. A weight missing from a layer would
+    be written missing, and a model loaded from the output would start it at random."""
     if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
         return
     layers: dict[int, set[str]] = {}
@@ -727,6 +775,17 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
                 f"of layer {index} missing), which {holding} of its {len(layers)} layers hold: "
                 "damaged or partly saved; a model loaded from the output would start it at "
                 "random"
+            )
+    model_type = config["model_type"]
+    if config.get("quantization_config") is None:
+        if missing := sorted(table_layer_tensors(model_type, config) - every):
+            first = min(layers)
+            raise CheckpointFormatError(
+                f"the checkpoint holds no {head}{first}.{missing[0]} in any of its "
+                f"{len(layers)} layers ({len(missing)} weight(s) missing from each: "
+                f"{', '.join(missing[:4])}{', ...' * (len(missing) > 4)}), which every "
+                f"{model_type} decoder layer holds: saved without them (frozen parameters left "
+                "out?) or damaged; a model loaded from the output would start them at random"
             )
     norm = head.removesuffix("layers.") + "norm.weight"
     if norm not in names:
