@@ -4,6 +4,7 @@ conversions, refusals, and the byte-range plan of a fused tensor's slices."""
 from __future__ import annotations
 
 import gc
+import json
 import math
 import sys
 import threading
@@ -761,3 +762,36 @@ def test_a_config_json_without_a_model_type_is_said():
     assert "config.json names no model_type, so transformers loads no model" in plan.rule
     plan = hf_names.plan_names([("model.norm.weight", "F32", (8,))], {})  # no config.json
     assert "no config.json" in plan.rule
+
+
+@pytest.mark.parametrize("layout", ["in-memory", "saved"])
+def test_a_tensor_missing_from_every_layer_of_a_planned_model_is_refused(tmp_path, layout):
+    """Qwen3-MoE (planned by transformers): a checkpoint without any layer's q_proj holds
+    every part of the model (``model.layers`` among them), so the check by part passed it
+    and merge wrote a model that loads q_proj at random; it is refused by name now, in the
+    in-memory names and in save_pretrained's."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    if not hf_names.has_weight_conversions():
+        pytest.skip("transformers 4.x is planned by its renames alone, without this check")
+    config = transformers.Qwen3MoeConfig(
+        hidden_size=16, intermediate_size=16, moe_intermediate_size=8, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, vocab_size=32, head_dim=8,
+        num_experts=2, num_experts_per_tok=1,
+    )  # fmt: skip
+    model = transformers.Qwen3MoeForCausalLM(config)
+    model.save_pretrained(tmp_path)
+    state = (
+        model.state_dict() if layout == "in-memory" else load_file(tmp_path / "model.safetensors")
+    )
+    saved = json.loads((tmp_path / "config.json").read_text())
+    whole = [(n, "F32", tuple(t.shape)) for n, t in state.items()]
+    hf_names.plan_checkpoint_names(whole, saved)
+    lost = [t for t in whole if "q_proj" not in t[0]]
+    with pytest.raises(
+        CheckpointFormatError,
+        match=r"holds nothing of model\.layers\.0\.self_attn\.q_proj\.weight, "
+        r"model\.layers\.1\.self_attn\.q_proj\.weight, which",
+    ):
+        hf_names.plan_checkpoint_names(lost, saved)

@@ -290,7 +290,8 @@ def plan_checkpoint_names(
     written = [*tensors, *(t for t in tied if t[0] in plan.untied)]
     check_config_agrees([(plain.get(n, n), s) for n, _, s in written], config, config_path)
     if plan.missing and not keep_names:
-        shown = ", ".join(f"{group}.*" for group in plan.missing)
+        more = f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else ""
+        shown = ", ".join(plan.missing[:4]) + more
         raise CheckpointFormatError(
             f"the checkpoint holds nothing of {shown}, which the model {config_path} describes "
             "holds (saved without it: frozen parameters left out, as ignore_frozen_params=True "
@@ -1226,7 +1227,7 @@ def _trace_v5(plain, config: dict, tied=()) -> tuple:
         pieces.append(piece)
     del out, fakes, bases, view  # a meta tensor a piece: freed before the next conversion
     pieces = _with_storage(pieces, model, plain, revert_weight_conversion)
-    missing = _missing_parts(model, pieces, plain, ignored, revert_weight_conversion)
+    missing = _missing_parts(model, pieces, [*plain, *tied], ignored, revert_weight_conversion)
     stored_buffers = _buffers(model)
     return (
         pieces,
@@ -1247,26 +1248,34 @@ def parameter_group(name: str) -> str:
 def _missing_parts(
     model: Any, pieces: list[Piece], plain, ignored: set[str], revert
 ) -> tuple[str, ...]:
-    """The parts (``parameter_group``) of what ``save_pretrained`` writes of ``model``'s
-    parameters (tied ones once) that no output piece belongs to: a frozen vision tower or
-    head ``ignore_frozen_params=True`` left out. Only the parameters the checkpoint does not
-    store are converted (a model of 10**5 experts stores them all). A head-like part (not
-    under ``model.``) is not counted when the checkpoint stores a head of ``OTHER_HEADS`` the
-    model does not have (verl saves its critic's ``score`` with the actor's config). () where
-    the conversion fails: no check, rather than a refusal the model's rules do not make."""
+    """What ``save_pretrained`` writes of ``model``'s parameters (tied ones once) that the
+    output lacks: the parts (``parameter_group``, as ``visual.*``) no output piece belongs to
+    (a frozen vision tower or head ``ignore_frozen_params=True`` left out), then by name the
+    tensors missing from the parts it holds (every layer's frozen ``q_proj``). Only the
+    parameters the checkpoint does not store are converted (a model of 10**5 experts stores
+    them all). A head-like part (not under ``model.``) is not counted when the checkpoint
+    stores a head of ``OTHER_HEADS`` the model does not have (verl saves its critic's
+    ``score`` with the actor's config). ``plain``: the stored tensors, with the heads left
+    out as tied. () where the conversion fails: no check, rather than a refusal the model's
+    rules do not make."""
     stored = {name for name, _, _ in plain}
     params = dict(model.named_parameters())  # tied parameters once
-    unstored = {n: p for n, p in params.items() if n not in stored and n not in ignored}
+    # a tied parameter stored under another of its names (BLT's embedding as lm_head) is held
+    held = {i for i, names in _names_by_parameter(model).items() if stored.intersection(names)}
+    unstored = {n: p for n, p in params.items() if id(p) not in held and n not in ignored}
     if not unstored:
         return ()
     try:
-        expected = {parameter_group(name) for name in revert(model, unstored)}
+        saved = list(revert(model, unstored))
     except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
         return ()
-    missing = expected - {parameter_group(p.name) for p in pieces}
+    missing = {parameter_group(n) for n in saved} - {parameter_group(p.name) for p in pieces}
+    written = {p.name for p in pieces}
+    lost = {n for n in saved if parameter_group(n) not in missing and n not in written}
     if any(n not in params and n.split(".", 1)[0] in OTHER_HEADS for n in stored):
         missing = {group for group in missing if group.split(".")[0] == "model"}
-    return tuple(sorted(missing))
+        lost = {name for name in lost if name.split(".")[0] == "model"}
+    return (*sorted(f"{group}.*" for group in missing), *sorted(lost))
 
 
 def _aliases_left_out(model: Any, names: Sequence[str]) -> dict[str, str]:
@@ -1316,12 +1325,14 @@ def _names_by_parameter(model: Any) -> dict[int, list[str]]:
 
 
 def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...], list[str]] | None:
-    """(rule, missing parts, the layout's names in its order) where the stored tensors are
+    """(rule, missing parts and tensors, the layout's names in its order) where the stored
+    tensors are
     not all ``model``'s in-memory names but are all, names and shapes, in the layout
     ``save_pretrained`` writes it in (PaliGemma's or Gemma 3's own files:
     ``language_model.model.*`` for ``model.language_model.*``; or Kimi-K2.5's, whose
     renumbered ``norm1`` is an in-memory name too); None otherwise. The missing parts are
-    those of that layout the checkpoint holds nothing of."""
+    those of that layout the checkpoint holds nothing of, then the tensors of that layout
+    missing from the parts it holds."""
     import torch
 
     held = model.state_dict()
@@ -1335,9 +1346,13 @@ def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...],
         return None
     if any(tuple(layout[n].shape) != tuple(s) if n in layout else True for n, _, s in plain):
         return None
-    missing = {parameter_group(n) for n in needed} - {parameter_group(n) for n, _, _ in plain}
+    names = {n for n, _, _ in plain}
+    missing = {parameter_group(n) for n in needed} - {parameter_group(n) for n in names}
+    # by name, but for tied parameters, saved under whichever of their names (BLT's lm_head)
+    tied = {n for group in _names_by_parameter(model).values() if len(group) > 1 for n in group}
+    lost = sorted(n for n in needed if parameter_group(n) not in missing and n not in names | tied)
     rule = f"save_pretrained layout of {type(model).__name__}, which the checkpoint is in"
-    return rule, tuple(sorted(missing)), list(layout)
+    return rule, (*sorted(f"{group}.*" for group in missing), *lost), list(layout)
 
 
 def _holding_the_tensors(model: Any, config: dict, plain) -> Any:

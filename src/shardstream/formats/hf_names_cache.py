@@ -52,8 +52,9 @@ log = logging.getLogger(__name__)
 # 8: a checkpoint in the saved layout whose names partly are in-memory names too; 9: pieces in
 # the model's order, and the saved layout's storage groups; 10: the outputs of buffers;
 # 11: the heads config.json ties, asked of the model (``tied``), a class that ties none kept;
-# 12: the aliases left out, each with the tensor written for it (``aliases``).
-CACHE_FORMAT = 12
+# 12: the aliases left out, each with the tensor written for it (``aliases``); 13: ``missing``
+# names parts as ``part.*`` and, by name, tensors missing from the parts the output holds.
+CACHE_FORMAT = 13
 ENV = "SHARDSTREAM_CACHE_DIR"
 MAX_ENTRIES = 64  # plans kept in the cache directory, most recently used first
 ENTRY = re.compile(r"[0-9a-f]{64}\.json")  # a plan's file: its key; nothing else is pruned
