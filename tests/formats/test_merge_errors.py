@@ -258,6 +258,31 @@ def test_swapped_rank_files(capsys, copy_variant, out):
     merge_fails(capsys, ckpt, out, RANK0, "named for rank 0 but was saved by rank 1")
 
 
+def test_a_rank_file_name_with_a_trailing_newline_is_not_that_ranks(
+    capsys, copy_variant, fsdp_root, out
+):
+    """``model_world_size_2_rank_1.pt`` and a newline: Python's ``$`` matches before a final
+    newline, so the stray file was read as rank 1 in place of the real one (whichever the
+    listing gave last), verify passed and the output held its values. verl opens the exact
+    name; so does merge now."""
+    ckpt = copy_variant("base")
+    state = torch.load(ckpt / RANK1, weights_only=False)  # rank 1 of another run: other values
+    for tensor in state.values():
+        tensor.to_local().add_(1.0)
+    torch.save(state, ckpt / (RANK1 + "\n"))
+    assert main(["merge", "--local_dir", str(ckpt), "--target_dir", str(out)]) == 0
+    capsys.readouterr()
+    reference = fsdp_root / "base"
+    assert main(["merge", "--local_dir", str(reference), "--target_dir", str(out) + "-ref"]) == 0
+    got = (out / "model.safetensors").read_bytes()
+    assert got == (Path(str(out) + "-ref") / "model.safetensors").read_bytes()
+    (ckpt / RANK1).unlink()  # the stray file alone is no rank file either
+    capsys.readouterr()
+    alone = Path(str(out) + "-alone")
+    alone.mkdir()
+    merge_fails(capsys, ckpt, alone, f"missing rank file(s): {RANK1}")
+
+
 # ---------------------------------------------------------------------------- damaged files
 
 

@@ -180,7 +180,7 @@ def config_dir_of(directory: Path) -> Path | None:
 
 
 # torchtitan's step-N, accelerate's checkpoint_N, the Trainer's checkpoint-N, verl's global_step_N
-STEP_NAME = re.compile(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)$", re.ASCII)
+STEP_NAME = re.compile(r"(?:global_step_|step-|step_|checkpoint-|checkpoint_)(\d+)\Z", re.ASCII)
 
 
 def step_of_name(name: str) -> int | None:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from ..engine.copy import RowTransform, Streamer
 
 PEFT_PREFIX = "base_model.model."
-_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight$")
+_FACTOR = re.compile(r"^(?P<module>.+)\.lora_(?P<which>[AB])(?:\.(?P<adapter>[^.]+))?\.weight\Z")
 META_FILE = "lora_train_meta.json"
 ADAPTER_DIR = "lora_adapter"
 ADAPTER_CONFIG = "adapter_config.json"

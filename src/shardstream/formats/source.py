@@ -60,25 +60,25 @@ if TYPE_CHECKING:
 # verl's rank files, {kind}_world_size_{W}_rank_{r}.pt; kind: model, optim, extra_state.
 # As verl names them (no leading zeros): a stray rank_01.pt is not rank 1's file, which verl
 # opens by its exact name.
-VERL_FILE_PATTERN = r"^{kind}_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt$"
+VERL_FILE_PATTERN = r"^{kind}_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt\Z"
 VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
-DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp$", re.ASCII)
+DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp\Z", re.ASCII)
 # dcp.save(use_collectives=False): one metadata file per rank
-DCP_RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata$", re.ASCII)
+DCP_RANK_METADATA_FILE = re.compile(r"^__(\d+)\.metadata\Z", re.ASCII)
 # A Hugging Face model saved with torch.save (transformers' safe_serialization=False,
 # accelerate's save_state or save_model likewise): one file, or an index and its shards.
 HF_TORCH_FILE = "pytorch_model.bin"
 HF_TORCH_INDEX = "pytorch_model.bin.index.json"
 # DCP's HuggingFaceStorageWriter(save_distributed=True): one safetensors file per rank (and
 # with enable_consolidation=True those in sharded/ beside the consolidated model).
-DCP_HF_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors$", re.ASCII)
+DCP_HF_SHARD_FILE = re.compile(r"^shard-(\d+)-model-(\d+)-of-(\d+)\.safetensors\Z", re.ASCII)
 DCP_HF_SHARDED_SUBDIR = "sharded"
 # accelerate's save_state with a sharded FSDP state dict (and the Trainer's checkpoint-N): the
 # model and optimizer as DCP directories, the scheduler and each rank's RNG as torch.save files.
 ACCELERATE_SHARDED_FORMAT = "accelerate (SHARDED_STATE_DICT)"  # its model dir is DCP's
-ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)$", re.ASCII)
+ACCELERATE_MODEL_DIR = re.compile(r"^pytorch_model_fsdp_(\d+)\Z", re.ASCII)
 TRAINER_CHECKPOINT = re.compile(r"checkpoint-\d+", re.ASCII)  # the Trainer's checkpoint folders
 TRAINER_STATE = "trainer_state.json"  # the Trainer writes it last into each checkpoint-N
 
@@ -95,21 +95,23 @@ def folders_around(directory: Path) -> list[Path]:
     return folders
 
 
-ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)$", re.ASCII)
-ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)$", re.ASCII)
+ACCELERATE_OPTIMIZER_DIR = re.compile(r"^optimizer_(\d+)\Z", re.ASCII)
+ACCELERATE_SCHEDULER_FILE = re.compile(r"^scheduler(?:_(\d+))?\.(?:bin|pt)\Z", re.ASCII)
 # (the Trainer's single process writes rng_state.pth: rank 0's)
-ACCELERATE_RNG_FILE = re.compile(r"^(?:random_states|rng_state)(?:_(\d+))?\.(?:pkl|pth)$", re.ASCII)
+ACCELERATE_RNG_FILE = re.compile(
+    r"^(?:random_states|rng_state)(?:_(\d+))?\.(?:pkl|pth)\Z", re.ASCII
+)
 # accelerate's save_state with an FSDP FULL_STATE_DICT: the whole model state dict, and the
 # optimizer's, each one torch.save file by rank 0 (model 0: no _N; model N: _N).
-ACCELERATE_FULL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_([1-9]\d*))?\.bin$", re.ASCII)
-ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin|pt)$", re.ASCII)
+ACCELERATE_FULL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_([1-9]\d*))?\.bin\Z", re.ASCII)
+ACCELERATE_FULL_OPTIMIZER_FILE = re.compile(r"^optimizer(?:_([1-9]\d*))?\.(?:bin|pt)\Z", re.ASCII)
 # Without FSDP (DDP, one process) accelerate's save_state and the Trainer's checkpoint-N hold
 # the model as save_pretrained / save_model writes it (model.safetensors or pytorch_model.bin,
 # or an index) and the optimizer's own state_dict() (integer parameter ids) in optimizer.bin
 # (the Trainer's: optimizer.pt), beside the scheduler and RNG files above.
 ACCELERATE_PLAIN_FORMAT = "accelerate (no FSDP)"
 # accelerate's FSDP1 LOCAL_STATE_DICT: each rank's flat-parameter shard, torch.save'd (not read).
-ACCELERATE_LOCAL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank\d+\.bin$", re.ASCII)
+ACCELERATE_LOCAL_MODEL_FILE = re.compile(r"^pytorch_model_fsdp(?:_\d+)?_rank\d+\.bin\Z", re.ASCII)
 # Its second and later models (prepared together): model_N.safetensors / pytorch_model_N.bin.
 ACCELERATE_PLAIN_MODEL_FILE = re.compile(
     r"^(?:model|pytorch_model)_([1-9]\d*)\.(?:safetensors|bin)$", re.ASCII
@@ -128,8 +130,8 @@ ACCELERATE_STATE_FILE = re.compile(
     r"^(?:scaler\.pt|custom_checkpoint_\d+\.pkl|dl_state_dict(?:_\d+)?\.bin)$"
 )
 # A pickled SeedableRandomSampler object (with its dataset): never unpickled, CRC-checked only.
-ACCELERATE_SAMPLER_FILE = re.compile(r"^sampler(?:_\d+)?\.bin$", re.ASCII)
-TRAINER_ARGS_FILE = re.compile(r"^training_args\.bin$")  # the Trainer's TrainingArguments
+ACCELERATE_SAMPLER_FILE = re.compile(r"^sampler(?:_\d+)?\.bin\Z", re.ASCII)
+TRAINER_ARGS_FILE = re.compile(r"^training_args\.bin\Z")  # the Trainer's TrainingArguments
 
 
 @runtime_checkable
@@ -839,5 +841,5 @@ def unfinished_trainer_save(directory: Path, siblings_finished: bool = False) ->
 
 def _step_order(path: Path) -> tuple[int, str]:
     """Step directories in step order (checkpoint-9 before checkpoint-10), the rest by name."""
-    match = re.search(r"([0-9]+)$", path.name)
+    match = re.search(r"([0-9]+)\Z", path.name)
     return (int(match[1]) if match else -1, path.name)

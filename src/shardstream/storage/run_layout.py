@@ -20,7 +20,7 @@ from .commit import atomic_write_bytes, is_temporary
 
 LATEST_FILE = "latest_checkpointed_iteration.txt"
 STEP_PREFIX = "global_step_"
-STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)$")  # verl's names: no leading 0
+STEP_DIR = re.compile(r"^global_step_(0|[1-9][0-9]*)\Z")  # verl's names: no leading 0
 # Written last into a step directory (formats/native writes it): its presence commits the step.
 MANIFEST = "manifest.json"
 

@@ -753,7 +753,7 @@ def _unwrapper(saved: list[str], model: torch.nn.Module | None) -> Callable[[str
 # (``q_proj.lora_A.default.weight``, ``lora_embedding_A.default``); PEFT saves it without.
 _LORA_MODULE = r"\.(?:lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)"
 _ADAPTER_NAME = re.compile(rf"(.*{_LORA_MODULE})\.[^.]+((?:\.weight|\.bias)?)")
-_BARE_LORA = re.compile(rf"{_LORA_MODULE}(?:\.weight|\.bias)?$")
+_BARE_LORA = re.compile(rf"{_LORA_MODULE}(?:\.weight|\.bias)?\Z")
 
 
 def _adapter_names(live: list[str], saved: list[str]) -> dict[str, str]:
