@@ -406,3 +406,24 @@ def test_a_plan_names_the_aliases_it_leaves_out_and_caches_them(tmp_path, monkey
     assert not {a for a, _ in want} & {p.stored for p in computed.pieces}
     assert hf_names_cache.load(tuple(stored), saved) is not None
     assert hf_names._plan_names(tuple(stored), saved).aliases == want  # from the cache
+
+
+def test_a_head_equal_to_another_tensor_of_its_shape_is_not_tied_to_it(tmp_path):
+    """A Qwen2 whose intermediate_size is its vocab_size: a head trained apart from its tied
+    embedding that happens to equal layer 0's gate_proj passed the check (compared with every
+    tensor of its shape) and was left out; it is compared with its embedding alone."""
+    sizes = dict(TEXT, intermediate_size=64)  # = vocab_size: gate_proj is [64, 32] like the head
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**sizes, tie_word_embeddings=True)
+    )
+    source, _, state = _state_dir(tmp_path, model)
+    gate = state["model.layers.0.mlp.gate_proj.weight"]
+    assert gate.shape == state["model.embed_tokens.weight"].shape
+    save_file(dict(state, **{"lm_head.weight": gate.clone()}), str(source / "model.safetensors"))
+    with pytest.raises(
+        CheckpointFormatError,
+        match="'lm_head.weight' differs from 'model.embed_tokens.weight', but",
+    ):
+        merge(source, tmp_path / "merged")
+    assert not (tmp_path / "merged").exists()

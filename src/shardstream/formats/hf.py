@@ -394,20 +394,20 @@ def tied_duplicates(
 def tied_sources(
     head: GlobalTensor, tensors: Sequence[GlobalTensor], drop: Collection[str], config: dict
 ) -> list[GlobalTensor]:
-    """The stored tensors a head left out as tied may be tied to: those of its shape that are
-    written, the embedding the model class (or the name ``*embed_tokens.weight``) pairs it
-    with first. A tied head holds its source's values; one that holds none of these would be
-    lost."""
+    """The stored tensors a head left out as tied may be tied to, of those of its shape that
+    are written: the embedding the model class pairs it with, else those named
+    ``*embed_tokens.weight``, else (an embedding named otherwise, no class to ask) all of
+    them. A tied head holds its source's values; one that holds none of these would be lost
+    (a head equal to another tensor of its shape, an MLP weight, is not tied to it)."""
     names = strip_wrappers([t.name for t in tensors])
     source = None  # lm_head.weight's is found by name, without asking transformers (seconds)
     if names[head.name] != TIED_HEAD and isinstance(config.get("model_type"), str):
         source = _class_tied_pairs(config).get(names[head.name])
     shape = tuple(head.shape)
     same = [t for t in tensors if t.name not in drop and tuple(t.shape) == shape]
-    return sorted(
-        same,
-        key=lambda t: (names[t.name] != source, not names[t.name].endswith(TIED_EMBEDDING_SUFFIX)),
-    )
+    paired = [t for t in same if names[t.name] == source]
+    embeddings = [t for t in same if names[t.name].endswith(TIED_EMBEDDING_SUFFIX)]
+    return paired or embeddings or same
 
 
 def only_copy_of_tied(head: GlobalTensor, tensors: Sequence[GlobalTensor], config: dict) -> bool:
