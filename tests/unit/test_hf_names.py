@@ -795,3 +795,25 @@ def test_a_tensor_missing_from_every_layer_of_a_planned_model_is_refused(tmp_pat
         r"model\.layers\.1\.self_attn\.q_proj\.weight, which",
     ):
         hf_names.plan_checkpoint_names(lost, saved)
+
+
+def test_a_causal_lm_whose_config_unties_the_head_needs_it_stored():
+    """torchtitan's HF export of a tied model merged beside a Qwen3 config.json that unties
+    the head (Qwen3's default) wrote no lm_head.weight, exit 0, and transformers started it
+    at random. A critic's score head stands for it; a config that ties it, or leaves the key
+    to the class's default, is not refused here."""
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    layer = sorted(hf_names.table_layer_tensors("qwen3", config))
+    body = [f"model.layers.0.{w}" for w in layer] + [
+        "model.embed_tokens.weight",
+        "model.norm.weight",
+    ]
+    untied = {**config, "tie_word_embeddings": False}
+    hf_names.check_whole_table_layers([*body, "lm_head.weight"], untied)
+    with pytest.raises(
+        CheckpointFormatError, match=r"holds no lm_head\.weight, which Qwen3ForCausalLM"
+    ):
+        hf_names.check_whole_table_layers(body, untied)
+    hf_names.check_whole_table_layers([*body, "score.weight"], untied)
+    hf_names.check_whole_table_layers(body, {**config, "tie_word_embeddings": True})
+    hf_names.check_whole_table_layers(body, config)

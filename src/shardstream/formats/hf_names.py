@@ -788,6 +788,19 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
                 f"{model_type} decoder layer holds: saved without them (frozen parameters left "
                 "out?) or damaged; a model loaded from the output would start them at random"
             )
+    architectures = config.get("architectures")
+    causal = isinstance(architectures, list) and architectures
+    causal = causal and all(isinstance(a, str) and a.endswith("ForCausalLM") for a in causal)
+    untied = config.get("tie_word_embeddings") is False  # as stated: a default asks transformers
+    # a critic's score head stands for it (verl saves its critic with the actor's config.json)
+    other = any(n.split(".", 1)[0] in OTHER_HEADS for n in names)
+    if head == DECODER_LAYERS and causal and untied and HEAD not in names and not other:
+        raise CheckpointFormatError(
+            f"the checkpoint holds no {HEAD}, which {architectures[0]} holds apart from its "
+            "input embedding (config.json: tie_word_embeddings false): damaged, partly saved, "
+            "or config.json is not the run's (a tied model's); a model loaded from the output "
+            "would start it at random"
+        )
     norm = head.removesuffix("layers.") + "norm.weight"
     if norm not in names:
         raise CheckpointFormatError(
