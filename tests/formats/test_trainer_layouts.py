@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import json
+import shutil
 import warnings
 
 import pytest
@@ -216,6 +217,37 @@ def test_an_output_dirs_final_model_does_not_hide_its_checkpoints(tmp_path, caps
     record.write_bytes(bytes(data))
     assert main(["verify", str(out), "--quiet"]) == 1
     assert str(record) in capsys.readouterr().err
+
+
+def test_an_output_dirs_checkpoint_no_reader_opens_is_not_passed_over(tmp_path):
+    """Beside the final model, a checkpoint-N whose model was deleted (trainer_state.json and
+    optimizer.pt left) or whose shards lost their index was skipped, and verify said OK with
+    no byte unchecked, though the Trainer resumes from it. One holding a PEFT adapter alone
+    (no reader opens adapters) counts as unchecked bytes."""
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file(_weights(2), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    _trainer_checkpoint(out / "checkpoint-1", 1)
+    assert verify(out).ok
+    lost = out / "checkpoint-2"
+    lost.mkdir()
+    (lost / "trainer_state.json").write_text(json.dumps({"global_step": 2}))
+    torch.save({"step": 2}, lost / "optimizer.pt")
+    report = verify(out)
+    assert [p.path for p in report.problems] == [str(lost)]
+    assert "not a checkpoint shardstream reads" in report.problems[0].message
+    for name in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        save_file(_weights(2), str(lost / name))  # the index lost
+    assert [p.path for p in verify(out).problems] == [str(lost)]
+    shutil.rmtree(lost)
+    before = verify(out).unchecked_bytes  # the final model's, written without checksums
+    adapter = out / "checkpoint-3"
+    adapter.mkdir()
+    save_file(_weights(3), str(adapter / "adapter_model.safetensors"))
+    report = verify(out)
+    size = (adapter / "adapter_model.safetensors").stat().st_size
+    assert report.ok and report.unchecked_bytes == before + size
 
 
 def test_a_sharded_trainer_checkpoint_takes_the_output_dirs_config(tmp_path):

@@ -139,6 +139,41 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
             unfinished = _unfinished_trainer_save(entry, siblings_finished=True)
             if unfinished is not None:
                 report.problems.append(unfinished)
+    _unread_trainer_checkpoints(root, found, report)
+
+
+def _unread_trainer_checkpoints(root: Path, found: list[Path], report: VerifyReport) -> None:
+    """The Trainer's ``checkpoint-N`` folders of ``root`` that no reader opens: one holding a
+    PEFT adapter alone counts as unchecked bytes; any other is a problem (its model deleted,
+    its shards without their index), since the Trainer resumes from the newest of them."""
+    from ..storage.commit import is_temporary
+
+    try:
+        folders = [
+            d
+            for d in root.iterdir()
+            if TRAINER_CHECKPOINT.fullmatch(d.name) and d.is_dir() and not is_temporary(d.name)
+        ]
+    except OSError:
+        return
+    for folder in sorted(set(folders) - set(found), key=lambda d: (len(d.name), d.name)):
+        try:
+            files = [f for f in folder.rglob("*") if f.is_file() and not f.is_symlink()]
+            names = {f.name for f in files}
+        except OSError:
+            continue  # gone meanwhile
+        if names & {"adapter_model.safetensors", "adapter_model.bin"}:
+            report.unchecked_bytes += sum(f.stat().st_size for f in files)
+            continue
+        report.problems.append(
+            Problem(
+                str(folder),
+                "not a checkpoint shardstream reads (no model.safetensors or its index, "
+                "pytorch_model*.bin, verl .pt files or DCP .metadata), so nothing of it was "
+                "checked; the Trainer resumes from the newest checkpoint-N"
+                + (unread_hint(folder, folder.name) or ""),
+            )
+        )
 
 
 def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
