@@ -817,3 +817,17 @@ def test_a_causal_lm_whose_config_unties_the_head_needs_it_stored():
     hf_names.check_whole_table_layers([*body, "score.weight"], untied)
     hf_names.check_whole_table_layers(body, {**config, "tie_word_embeddings": True})
     hf_names.check_whole_table_layers(body, config)
+
+
+def test_torchtitans_own_names_are_said_to_be_torchtitans():
+    """A torchtitan checkpoint merged beside a Qwen3 config.json is refused (its names are not
+    the model's), but the reason said was a damaged or partly saved checkpoint."""
+    titan = ["tok_embeddings.weight", "norm.weight", "output.weight"]
+    for i in range(2):
+        titan += [f"layers.{i}.attention.qkv_linear.wq.weight", f"layers.{i}.attention.wo.weight"]
+        titan += [f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.attention_norm.weight"]
+    config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
+    hf_names.check_whole_table_layers(titan, config)  # not the table's names: not its check
+    told = {n for n in titan if hf_names.TORCHTITAN_NAMES.search(n)}
+    assert told == {n for n in titan if "attention." in n or "feed_forward." in n} | {titan[0]}
+    assert not hf_names.TORCHTITAN_NAMES.search("model.layers.0.self_attn.q_proj.weight")

@@ -292,13 +292,26 @@ def plan_checkpoint_names(
     if plan.missing and not keep_names:
         more = f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else ""
         shown = ", ".join(plan.missing[:4]) + more
+        titan = next((n for n, _, _ in tensors if TORCHTITAN_NAMES.search(n)), None)
+        why = (
+            f"the checkpoint's names are torchtitan's own ({titan!r}), which only torchtitan's "
+            "state-dict adapter maps to Hugging Face's (save with checkpoint.last_save_in_hf, "
+            "or merge with --keep-names for the names as they are)"
+            if titan
+            else "saved without it: frozen parameters left out, as ignore_frozen_params=True does?"
+        )
         raise CheckpointFormatError(
             f"the checkpoint holds nothing of {shown}, which the model {config_path} describes "
-            "holds (saved without it: frozen parameters left out, as ignore_frozen_params=True "
-            "does?); a model loaded from the output would start it at random (--hf_model_path "
-            "names the config of the model the checkpoint holds)"
+            f"holds ({why}); a model loaded from the output would start it at random "
+            "(--hf_model_path names the config of the model the checkpoint holds)"
         )
     return plan
+
+
+# torchtitan's own names of its Llama/Qwen models (its adapter maps them to Hugging Face's)
+TORCHTITAN_NAMES = re.compile(
+    r"(?:^|\.)(?:tok_embeddings\.weight|layers\.\d+\.(?:attention|feed_forward)(?:\.\w+)+\.weight)\Z"
+)
 
 
 def check_config_agrees(
@@ -778,7 +791,9 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
                 "random"
             )
     model_type = config["model_type"]
-    if config.get("quantization_config") is None:
+    # names of the table's classes (not torchtitan's attention.wq, refused by name elsewhere)
+    ours = all(TABLE_NAMES.match(f"model.layers.0.{name}") for name in every)
+    if ours and config.get("quantization_config") is None:
         if missing := sorted(table_layer_tensors(model_type, config) - every):
             first = min(layers)
             raise CheckpointFormatError(
