@@ -427,3 +427,24 @@ def test_a_head_equal_to_another_tensor_of_its_shape_is_not_tied_to_it(tmp_path)
     ):
         merge(source, tmp_path / "merged")
     assert not (tmp_path / "merged").exists()
+
+
+def test_without_a_config_json_the_flag_decides(tmp_path, caplog):
+    """No config.json anywhere (weights alone): nothing says whether the head is tied, so
+    --tie-word-embedding does, as the README says; it was ignored with a warning citing the
+    model's config. A head that is not the embedding's copy is still refused."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**TEXT, tie_word_embeddings=True)
+    )
+    source, _, state = _state_dir(tmp_path, model)
+    (source / "config.json").unlink()
+    merge(source, tmp_path / "kept")
+    assert "lm_head.weight" in load_file(tmp_path / "kept" / "model.safetensors")
+    merge(source, tmp_path / "tied", tie_word_embedding=True)
+    written = load_file(tmp_path / "tied" / "model.safetensors")
+    assert "lm_head.weight" not in written
+    assert "--tie-word-embedding ignored" not in caplog.text
+    _with_head_apart(source, state)
+    with pytest.raises(CheckpointFormatError, match="'lm_head.weight' differs from"):
+        merge(source, tmp_path / "apart", tie_word_embedding=True)

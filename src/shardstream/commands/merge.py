@@ -598,10 +598,12 @@ def settle_dropped_heads(
                     if hf.only_copy_of_tied(head, tensors, config):
                         kept.add(head.name)
                         continue
-                    default = "" if "tie_word_embeddings" in config else " (by its class's default)"
+                    by_class = config and "tie_word_embeddings" not in config
+                    default = " (by its class's default)" if by_class else ""
+                    who = f"{where} ties" if config else "--tie-word-embedding ties"
                     raise CheckpointFormatError(
-                        f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {where} "
-                        f"ties the output head to the input embedding{default}, so save_pretrained "
+                        f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {who} "
+                        f"the output head to the input embedding{default}, so save_pretrained "
                         "would write no head and a loaded model would use the embedding in its "
                         "place: the trained head would be lost. Merge with the run's own "
                         "config.json (--hf_model_path DIR, with tie_word_embeddings false)"

@@ -377,6 +377,14 @@ def tied_duplicates(
     from .hf_names_cache import transformers_version
 
     if transformers_version() is None or not isinstance(config.get("model_type"), str):
+        if force_tie and not reference_ties:
+            log.warning(
+                "--tie-word-embedding ignored: the checkpoint holds no %s beside an "
+                "*%s, and no other pair is known to be tied (that takes a config.json naming "
+                "the model type, and transformers); every tensor is written",
+                TIED_HEAD,
+                TIED_EMBEDDING_SUFFIX,
+            )
         return set()
     if not _tied(config, live_config, force_tie, reference_ties):
         return set()
@@ -430,6 +438,8 @@ def only_copy_of_tied(head: GlobalTensor, tensors: Sequence[GlobalTensor], confi
 def _tied(config: dict, live_config: Any, force_tie: bool, reference_ties: bool = False) -> bool:
     if reference_ties:
         return True
+    if live_config is None and not config:  # no config.json: nothing else says, the flag does
+        return force_tie
     try:
         tied = ties_word_embeddings(config, live_config)
     except UsageError:  # undecided without transformers: the flag decides
