@@ -448,3 +448,15 @@ def test_without_a_config_json_the_flag_decides(tmp_path, caplog):
     _with_head_apart(source, state)
     with pytest.raises(CheckpointFormatError, match="'lm_head.weight' differs from"):
         merge(source, tmp_path / "apart", tie_word_embedding=True)
+
+
+@pytest.mark.parametrize("value", ["true", 1, None], ids=["string", "number", "null"])
+def test_a_tie_word_embeddings_that_is_not_a_boolean_is_refused(value):
+    """``"tie_word_embeddings": "true"`` was taken as set and merged exit 0 into an output
+    transformers does not load; null is the key left out."""
+    config = {"model_type": "qwen2", "tie_word_embeddings": value}
+    if value is None:
+        assert hf.ties_word_embeddings(config) is False  # Qwen2's default
+        return
+    with pytest.raises(CheckpointFormatError, match="tie_word_embeddings is .*, not true or false"):
+        hf.ties_word_embeddings(config)

@@ -487,6 +487,11 @@ def ties_word_embeddings(config: dict, live_config: Any = None) -> bool:
     written when tied, it holds the embedding's values; left out of an untied model, it
     would be lost."""
     explicit = config.get("tie_word_embeddings")
+    if explicit is not None and not isinstance(explicit, bool):
+        raise CheckpointFormatError(
+            f"config.json: tie_word_embeddings is {json.dumps(explicit)[:40]}, not true or "
+            "false (transformers would not load a model from it)"
+        )
     composite = any(isinstance(v, dict) and "model_type" in v for v in config.values())
     if live_config is None and isinstance(explicit, bool) and not composite:
         return explicit
