@@ -301,3 +301,19 @@ def test_an_output_dir_of_peft_adapters_is_said_to_hold_them(tmp_path, capsys):
     assert main(["verify", str(out)]) == 1
     err = capsys.readouterr().err
     assert "checkpoint-1 (of 2 checkpoint-N) holds a PEFT adapter alone" in err, err
+
+
+def test_a_checkpoint_n_linking_above_its_output_dir_is_said_not_walked(tmp_path):
+    """``checkpoint-30 -> ..`` in an output_dir: verify said the link points outside, then
+    walked the whole parent directory (its other folders' problems reported as this one's)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    save_file(_weights(2), str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps({"model_type": "tiny"}))
+    neighbour = tmp_path / "neighbour"
+    neighbour.mkdir()
+    (neighbour / "model.safetensors").write_bytes(b"not safetensors")
+    (out / "checkpoint-30").symlink_to("..")
+    report = verify(out)
+    assert [p.path for p in report.problems] == [str(out / "checkpoint-30")]
+    assert "symlink points outside" in report.problems[0].message

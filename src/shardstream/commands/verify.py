@@ -157,6 +157,8 @@ def _unread_trainer_checkpoints(root: Path, found: list[Path], report: VerifyRep
     except OSError:
         return
     for folder in sorted(set(folders) - set(found), key=lambda d: (len(d.name), d.name)):
+        if any(p.path == str(folder) for p in report.problems):
+            continue  # said already (a link out of the directory)
         try:
             files = [f for f in folder.rglob("*") if f.is_file() and not f.is_symlink()]
             names = {f.name for f in files}
@@ -346,6 +348,9 @@ def _checkpoints_in(directory: Path) -> list[Path]:
 
     try:
         entries = [d for d in directory.iterdir() if d.is_dir() and not is_temporary(d.name)]
+        # a link to the directory itself or above it (checkpoint-30 -> ..) would walk it again
+        here = directory.resolve()
+        entries = [d for d in entries if not (d.is_symlink() and here.is_relative_to(d.resolve()))]
     except OSError:
         return []
     found = [d for d in entries if _kind(d) is not Kind.NONE]
