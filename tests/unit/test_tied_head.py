@@ -460,3 +460,19 @@ def test_a_tie_word_embeddings_that_is_not_a_boolean_is_refused(value):
         return
     with pytest.raises(CheckpointFormatError, match="tie_word_embeddings is .*, not true or false"):
         hf.ties_word_embeddings(config)
+
+
+def test_an_integer_head_is_not_taken_for_its_float_embeddings_copy(tmp_path):
+    """An all-zero int32 head beside a float embedding cast to int32 for the comparison, and
+    an embedding of small values came out as zeros too: the head was left out as tied."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**TEXT, tie_word_embeddings=True)
+    )
+    source, _, state = _state_dir(tmp_path, model)
+    head = torch.zeros_like(state["model.embed_tokens.weight"], dtype=torch.int32)
+    save_file(dict(state, **{"lm_head.weight": head}), str(source / "model.safetensors"))
+    with pytest.raises(
+        CheckpointFormatError, match="'lm_head.weight' has the shape of no other integer tensor"
+    ):
+        merge(source, tmp_path / "merged")

@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..engine.copy import Buffers, Streamer
-from ..engine.dtypes import TORCH_NAME, itemsize
+from ..engine.dtypes import TORCH_NAME, is_floating, itemsize
 from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, give_back_freed_memory, peak_rss_bytes
 from ..engine.plan import GlobalTensor, TensorSlice, split_ranges
@@ -562,13 +562,16 @@ def heads_trained_apart(
         head = by_name[name]
         dtype = hf.cast_dtype(head.dtype, out_dtype)
         sources = hf.tied_sources(head, tensors, drop, config)
+        # a float embedding is no integer head's source (casting would make them agree)
+        sources = [s for s in sources if is_floating(s.dtype) == is_floating(head.dtype)]
         if any(s.dtype == head.dtype and s.blocks == head.blocks for s in sources):
             continue  # one storage saved under both names (torch.save of a tied model)
         digest = tensor_digest(head, streamer, dtype) if sources else None
         if any(tensor_digest(s, streamer, dtype) == digest for s in sources):
             continue
         if not sources:
-            yield head, f"has the shape of no other tensor ({list(head.shape)})"
+            kind = "floating" if is_floating(head.dtype) else "integer"
+            yield head, f"has the shape of no other {kind} tensor ({list(head.shape)})"
             continue
         more = f" and the {len(sources) - 1} other tensors of its shape" * (len(sources) > 1)
         yield head, f"differs from {sources[0].name!r}{more}"
@@ -643,9 +646,13 @@ def check_aliases(
                     if left.dtype == kept.dtype and left.blocks == kept.blocks:
                         continue  # one storage saved under both names
                     dtype = hf.cast_dtype(kept.dtype, out_dtype)
-                    if tuple(left.shape) == tuple(kept.shape) and tensor_digest(
-                        left, streamer, dtype
-                    ) == tensor_digest(kept, streamer, dtype):
+                    alike = is_floating(left.dtype) == is_floating(kept.dtype)
+                    if (
+                        alike
+                        and tuple(left.shape) == tuple(kept.shape)
+                        and tensor_digest(left, streamer, dtype)
+                        == tensor_digest(kept, streamer, dtype)
+                    ):
                         continue
                     raise CheckpointFormatError(
                         f"{left.blocks[0].location}: tensor {left_name!r} differs from "
