@@ -119,7 +119,8 @@ def test_run_or_step_directory_names_the_checkpoint_inside(capsys, tmp_path, cop
                 copy_variant("base", f"{step}{role}"), run / f"global_step_{step}" / role
             )
     step1 = run / "global_step_1"
-    both = f"{step1 / 'actor'} and {step1 / 'critic'} hold checkpoints; pass that directory"
+    both = "2 folders hold checkpoints (actor, critic); pass one of them "
+    both += f"({step1 / 'actor'}, ...)"
     merge_fails(capsys, step1, out, f"{step1}: no model files here", both)
     (run / "latest_checkpointed_iteration.txt").write_text("1\n")  # the pointer wins
     merge_fails(capsys, run, out, both)

@@ -191,7 +191,8 @@ def test_a_trainer_output_dir_names_its_finished_checkpoints_in_step_order(tmp_p
     with pytest.raises(shardstream.CheckpointNotFoundError) as refused:
         open_checkpoint(out)
     message = str(refused.value)
-    assert f"but {done[0]} and {done[1]} hold checkpoints; pass that directory" in message
+    listed = "2 folders hold checkpoints (checkpoint-9, checkpoint-10)"
+    assert f"but {listed}; pass one of them, e.g. the newest, {done[1]}" in message
     assert f"; {cut[0]} and {cut[1]} are checkpoints whose saves did not finish" in message
     for finished in done:
         shutil.rmtree(finished)

@@ -662,11 +662,18 @@ def open_checkpoint(
         return _holding_tensors(path, opener(path, model_only, shared, prefix), model_only)
     refuse_local_state_dict(path)
     hint = checkpoints_below(path)
-    if hint:
+    if len(hint) == 1:
         raise CheckpointNotFoundError(
-            f"{path}: no model files here, but {' and '.join(map(str, hint))} "
-            f"{'holds a checkpoint' if len(hint) == 1 else 'hold checkpoints'}; pass that "
+            f"{path}: no model files here, but {hint[0]} holds a checkpoint; pass that "
             f"directory{unfinished_note(path)}"
+        )
+    if hint:  # in step order: the last is the newest (torchtitan's step-N, checkpoint-N)
+        steps = all(_step_order(h)[0] >= 0 for h in hint)
+        newest = f", e.g. the newest, {hint[-1]}" if steps else f" ({hint[0]}, ...)"
+        raise CheckpointNotFoundError(
+            f"{path}: no model files here, but {len(hint)} folders hold checkpoints "
+            f"({', '.join(h.name for h in hint)}); pass one of them{newest}"
+            f"{unfinished_note(path)}"
         )
     exported = path / "huggingface"  # a verl step saved with save_contents=['hf_model'] alone
     if is_hf_model(exported):
