@@ -377,3 +377,31 @@ def test_a_name_with_a_control_or_direction_character_is_refused(name, char):
         build_header([(name + "x", "F32", (1,)), (bad, "F32", (2,))])
     with pytest.raises(CheckpointFormatError, match="empty"):
         build_header([(name, "F32", (1,)), ("", "F32", (2,))])
+
+
+def test_a_header_listing_more_tensors_than_a_file_may_hold_is_refused_before_parsing(
+    tmp_path, monkeypatch
+):
+    """A legal header of a million empty tensors took merge to 3.5 GB (planning holds
+    ~2.4 KiB per tensor); the entries are counted in the raw bytes, before the JSON is
+    parsed, and the file refused by name. A file at the limit reads."""
+    from shardstream.formats import safetensors as st_format
+
+    monkeypatch.setattr(st_format, "MAX_TENSORS", 8)
+    doc = {f"t{i}": {"dtype": "F32", "shape": [0], "data_offsets": [0, 0]} for i in range(8)}
+    body = json.dumps(doc).encode()
+    at_limit = write(tmp_path, struct.pack("<Q", len(body)) + body)
+    assert len(read_header(at_limit).tensors) == 8
+
+    def parse_forbidden(*args, **kwargs):
+        raise AssertionError("the header was parsed")
+
+    doc["t8"] = doc["t0"]
+    body = json.dumps(doc).encode()
+    over = write(tmp_path, struct.pack("<Q", len(body)) + body)
+    monkeypatch.setattr(st_format.json, "loads", parse_forbidden)
+    with pytest.raises(
+        UnsafeCheckpointError,
+        match=r"f\.safetensors: header lists about 9 tensors, more than the 8",
+    ):
+        read_header(over)

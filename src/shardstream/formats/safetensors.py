@@ -24,7 +24,11 @@ from ..errors import (
 from .regular_file import open_regular
 
 MAX_HEADER_BYTES = 100_000_000
-MAX_TENSORS = 10_000_000
+# Tensors one file may list. Planning holds ~2.4 KiB per tensor, so a legal 100 MB header of
+# 1.33 million empty tensors took 3.5 GB. A released model's HF file holds a few thousand (a
+# DeepSeek-V3 shard ~2,000); a rank file of this format holds its rank's parameters and their
+# optimizer state, ~3 per parameter (a per-expert Kimi-K2, 70,000 parameters: ~210,000).
+MAX_TENSORS = 1 << 20
 METADATA_KEY = "__metadata__"
 
 
@@ -201,6 +205,13 @@ def read_header_bytes(path: str | os.PathLike) -> tuple[bytes, int]:
 
 def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
     data_start = 8 + len(raw)
+    listed = raw.count(b'"data_offsets"')  # each entry names it once: counted before parsing
+    if listed > MAX_TENSORS:
+        raise UnsafeCheckpointError(
+            f"{path}: header lists about {listed} tensors, more than the {MAX_TENSORS} one file "
+            "may hold here (a released model's file holds a few thousand; planning costs ~2.4 "
+            "KiB of memory per tensor)"
+        )
     try:
         doc = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:  # Recursion: deep nesting
@@ -214,7 +225,10 @@ def parse_header(path: str, raw: bytes, file_size: int) -> SafetensorsHeader:
     ):
         raise CheckpointFormatError(f"{path}: __metadata__ must map strings to strings")
     if len(doc) > MAX_TENSORS:
-        raise UnsafeCheckpointError(f"{path}: {len(doc)} tensors exceeds the limit")
+        raise UnsafeCheckpointError(
+            f"{path}: header lists {len(doc)} tensors, more than the {MAX_TENSORS} one file may "
+            "hold here"
+        )
     entries = [_parse_entry(path, name, info) for name, info in doc.items()]
     entries.sort(key=lambda e: (e.begin, e.end))
     expected = 0
