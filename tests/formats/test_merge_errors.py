@@ -245,6 +245,20 @@ def test_verify_says_the_other_world_sizes_files_are_not_read(copy_variant):
     assert report.ok and report.files_checked == counted and report.unnamed == stale
 
 
+def test_verify_names_pt_files_no_rank_file_is_named_as_not_read(copy_variant):
+    """``model_world_size_2_rank_01.pt`` (verl opens rank_1.pt) and other stray .pt files were
+    counted among the files checked though nothing reads them: damaged, verify still passed."""
+    from shardstream.commands.verify import verify
+
+    ckpt = copy_variant("base")
+    counted = verify(ckpt).files_checked
+    strays = ["model_world_size_2_rank_01.pt", "notes.pt"]
+    for name in strays:
+        shutil.copy(ckpt / RANK1, ckpt / name)
+    report = verify(ckpt)
+    assert report.ok and report.files_checked == counted and report.unnamed == sorted(strays)
+
+
 def test_rank_beyond_world_size(capsys, copy_variant, out):
     ckpt = copy_variant("base")
     shutil.copy(ckpt / RANK1, ckpt / "model_world_size_2_rank_2.pt")

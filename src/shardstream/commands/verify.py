@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -31,6 +32,7 @@ from ..formats.safetensors import (
 from ..formats.source import (
     TRAINER_CHECKPOINT,
     TRAINER_STATE,
+    VERL_FILE_PATTERN,
     Kind,
     detect,
     second_model,
@@ -502,7 +504,9 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     buffer = memoryview(bytearray(READ_BYTES))
     stale = _other_world_sizes(directory)
     for file in sorted(directory.glob("*.pt")):
-        if str(file) in stale:  # an earlier save's at another world size: never read
+        if str(file) in stale or not VERL_FILE.fullmatch(file.name):
+            # an earlier save's at another world size, or no rank file's name (rank_01.pt,
+            # data.pt): never read
             report.unnamed.append(file.name)
             continue
         try:
@@ -534,6 +538,9 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
+
+
+VERL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="(?:model|optim|extra_state)"))
 
 
 def _other_world_sizes(directory: Path) -> set[str]:
