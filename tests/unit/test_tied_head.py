@@ -375,11 +375,15 @@ def test_an_alias_trained_apart_from_what_is_written_is_refused(tmp_path, family
     source, reference, state = _state_dir(tmp_path, build(), drop_key=True)
     assert alias in state and alias not in load_file(reference / "model.safetensors")
     assert_merges_as_saved(source, reference, tmp_path / "merged")
+    assert compare_with_reference(source, reference, exact=True).ok
     apart = state[alias].clone()
     apart[0, 0] += 1.0
     save_file(dict(state, **{alias: apart}), str(source / "model.safetensors"))
     with pytest.raises(CheckpointFormatError, match=f"'{alias}' differs from '{written}'"):
         merge(source, tmp_path / "apart")
+    report = compare_with_reference(source, reference, exact=True)  # shardstream test
+    assert not report.ok
+    assert any(p.startswith(f"tensor {alias!r}: differs from") for p in report.problems)
     assert not (tmp_path / "apart").exists()
     if family == "t5":  # BERT's decoder is a head config.json ties: refused with the names kept
         merge(source, tmp_path / "kept", keep_names=True)  # every stored tensor, on purpose

@@ -619,6 +619,19 @@ def settle_dropped_heads(
     return set(coll.broadcast(sorted(kept)))
 
 
+def values_differ(left: GlobalTensor, kept: GlobalTensor, streamer: Streamer, dtype: str) -> bool:
+    """Whether stored tensor ``left`` holds other values than ``kept`` (digests of both cast
+    to ``dtype``, one buffer window at a time); one storage saved under both names (torch.save
+    of a tied model) is not read, and an integer tensor never equals a float one."""
+    from ..engine.copy import tensor_digest
+
+    if left.dtype == kept.dtype and left.blocks == kept.blocks:
+        return False
+    if tuple(left.shape) != tuple(kept.shape) or is_floating(left.dtype) != is_floating(kept.dtype):
+        return True
+    return tensor_digest(left, streamer, dtype) != tensor_digest(kept, streamer, dtype)
+
+
 def check_aliases(
     aliases: Collection[tuple[str, str]],
     tensors: Sequence[GlobalTensor],
@@ -632,8 +645,6 @@ def check_aliases(
     as written; one that holds others (a head the run untied, the config.json given ties) is
     refused, since a loaded model would take the written one's values in its place. Process 0
     reads; every process learns the answer."""
-    from ..engine.copy import tensor_digest
-
     error = None
     if coll.rank() == 0:
         try:
@@ -643,15 +654,8 @@ def check_aliases(
                 streamer = Streamer(endpoints, Buffers.sized(buffer_bytes))
                 for left_name, kept_name in sorted(aliases):
                     left, kept = by_name[left_name], by_name[kept_name]
-                    if left.dtype == kept.dtype and left.blocks == kept.blocks:
-                        continue  # one storage saved under both names
-                    dtype = hf.cast_dtype(kept.dtype, out_dtype)
-                    alike = is_floating(left.dtype) == is_floating(kept.dtype)
-                    if (
-                        alike
-                        and tuple(left.shape) == tuple(kept.shape)
-                        and tensor_digest(left, streamer, dtype)
-                        == tensor_digest(kept, streamer, dtype)
+                    if not values_differ(
+                        left, kept, streamer, hf.cast_dtype(kept.dtype, out_dtype)
                     ):
                         continue
                     raise CheckpointFormatError(

@@ -119,7 +119,7 @@ def compare_with_reference(
     Returns a report; ``report.ok`` is False when anything differs, and ``report.problems``
     has one line per problem naming the tensor. Raises only for unreadable inputs.
     """
-    from .merge import check_replicas, heads_trained_apart, tied_duplicates
+    from .merge import check_replicas, heads_trained_apart, tied_duplicates, values_differ
 
     start = time.perf_counter()
     buffer_bytes = parse_size(buffer_size)
@@ -177,7 +177,7 @@ def compare_with_reference(
     # stores it all the same is compared with it.
     drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
     as_stored = tensors
-    tensors = _saved_layout(tensors, config, config_dir, drop, {t.name for t in reference})
+    tensors, aliases = _saved_layout(tensors, config, config_dir, drop, {t.name for t in reference})
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared
@@ -259,6 +259,13 @@ def compare_with_reference(
                 f"tensor {head.name!r}: {said}, but the reference ties the output head to the "
                 "input embedding (it holds no head), so its model's head is not the checkpoint's"
             )
+        by_name = {t.name: t for t in as_stored}
+        for left, kept in aliases:  # left out as the written one's copy: it must hold its values
+            if values_differ(by_name[left], by_name[kept], ours_side, by_name[kept].dtype):
+                report.problem(
+                    f"tensor {left!r}: differs from {kept!r}, but the model answers to both with "
+                    "one parameter, so the reference holds the latter's values for both"
+                )
         for ref, ckpt, target in pairs:
             _compare_tensor(ref, ckpt, target, ours_side, ref_side, report)
         endpoints.finish()
@@ -314,19 +321,19 @@ def _saved_layout(
     config_dir: Path | None = None,
     drop: set[str] = frozenset(),
     kept: set[str] = frozenset(),
-) -> list[GlobalTensor]:
+) -> tuple[list[GlobalTensor], tuple[tuple[str, str], ...]]:
     """The base tensors under the names and shapes merge writes (save_pretrained's layout),
     but ``drop`` (stored names) unless their output is named in ``kept``: a reference saved
     by transformers is compared name by name, an expert of a fused tensor with its box of the
-    stored tensor."""
+    stored tensor. And the aliases the layout leaves out (``NamePlan.aliases``)."""
     from ..formats.hf_writer import output_layout
 
     where = str(config_dir / "config.json") if config_dir else "config.json"
     # Planned whole and dropped after: a head the reference ties may be one the checkpoint's
     # config.json unties, which the plan then needs.
-    _, outputs = output_layout(tensors, None, set(), config, config_path=where)
+    plan, outputs = output_layout(tensors, None, set(), config, config_path=where)
     wanted = [out for out in outputs if out.source.name not in drop or out.name in kept]
-    return [dataclasses.replace(out.source, name=out.name) for out in wanted]
+    return [dataclasses.replace(out.source, name=out.name) for out in wanted], plan.aliases
 
 
 def _comparison_dtype(ckpt: str, ref: str, wanted: str | None) -> str | None:
