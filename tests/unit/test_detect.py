@@ -264,3 +264,20 @@ def test_a_run_holding_a_step_copied_aside_is_still_a_run(tmp_path, copy):
     report = shardstream.verify(run)
     assert not report.ok and any(str(data) in p.line() for p in report.problems)
     assert report.steps == [1, 2]
+
+
+def test_shards_without_their_index_are_named_with_what_is_missing(tmp_path):
+    """save_pretrained's shards whose index was lost: "no model files found" said nothing of
+    the shards or the index; merge and verify name both."""
+    from safetensors.torch import save_file
+
+    from shardstream.commands.verify import verify
+
+    for i in (1, 2):
+        save_file({f"t{i}": torch.zeros(2)}, str(tmp_path / f"model-0000{i}-of-00002.safetensors"))
+    with pytest.raises(shardstream.CheckpointNotFoundError) as refused:
+        open_checkpoint(tmp_path)
+    said = "holds save_pretrained's shards (model-00001-of-00002.safetensors, ...) but not "
+    assert said + "model.safetensors.index.json" in str(refused.value)
+    (problem,) = verify(tmp_path).problems
+    assert said in problem.message

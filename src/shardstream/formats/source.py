@@ -731,6 +731,7 @@ EXPECTED = (
     ".metadata, accelerate's pytorch_model_fsdp_0/ or pytorch_model_fsdp.bin, a Hugging Face "
     "model.safetensors or pytorch_model.bin (or its index), or a torch.save file"
 )
+_SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
 _VARIANT = re.compile(
     r"model\.safetensors\.index\.(.+)\.json|model\.([^.-]+)(-\d+-of-\d+)?\.safetensors"
 )
@@ -751,6 +752,13 @@ def unread_hint(path: Path, subject: str = "it") -> str:
             f"({next(n for n in names if _VARIANT.fullmatch(n))}...): shardstream reads the "
             "files without a variant, model.safetensors or model.safetensors.index.json; "
             "save without variant=, or load it with transformers (variant=...) and save again"
+        )
+    shards = [n for n in names if _SHARD.fullmatch(n)]
+    if shards and "model.safetensors.index.json" not in names:
+        return (
+            f"; {subject} holds save_pretrained's shards ({shards[0]}, ...) but not "
+            "model.safetensors.index.json, which names the tensors each holds: copy the index "
+            "back from where the shards came from"
         )
     if "adapter_model.safetensors" in names or "adapter_model.bin" in names:
         return (
