@@ -10,6 +10,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from ..engine.copy import Buffers, Streamer
 from ..engine.dtypes import TORCH_NAME, is_floating, itemsize
@@ -591,32 +592,43 @@ def settle_dropped_heads(
     head's name) are returned, to be written; one trained apart (the run's config untied it,
     the config.json given ties it) is refused, since a loaded model would use the embedding
     in its place. Process 0 reads; every process learns the answer."""
-    error, kept = None, set()
+
+    def settle(streamer: Streamer) -> list[str]:
+        kept = []
+        for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
+            if hf.only_copy_of_tied(head, tensors, config):
+                kept.append(head.name)
+                continue
+            by_class = config and "tie_word_embeddings" not in config
+            default = " (by its class's default)" if by_class else ""
+            who = f"{where} ties" if config else "--tie-word-embedding ties"
+            raise CheckpointFormatError(
+                f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {who} the output "
+                f"head to the input embedding{default}, so save_pretrained would write no head "
+                "and a loaded model would use the embedding in its place: the trained head "
+                "would be lost. Merge with the run's own config.json (--hf_model_path DIR, "
+                "with tie_word_embeddings false)"
+            )
+        return sorted(kept)
+
+    return set(_read_on_rank_0(checkpoint, buffer_bytes, settle))
+
+
+def _read_on_rank_0(checkpoint, buffer_bytes: int, work: Callable[[Streamer], Any]) -> Any:
+    """``work(streamer)`` on process 0, over the checkpoint's files; its error raised on every
+    process, its result (plain data) returned on every process."""
+    error, result = None, None
     if coll.rank() == 0:
         try:
             endpoints = OpenEndpoints(checkpoint.endpoint)
             try:
-                streamer = Streamer(endpoints, Buffers.sized(buffer_bytes))
-                for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
-                    if hf.only_copy_of_tied(head, tensors, config):
-                        kept.add(head.name)
-                        continue
-                    by_class = config and "tie_word_embeddings" not in config
-                    default = " (by its class's default)" if by_class else ""
-                    who = f"{where} ties" if config else "--tie-word-embedding ties"
-                    raise CheckpointFormatError(
-                        f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {who} "
-                        f"the output head to the input embedding{default}, so save_pretrained "
-                        "would write no head and a loaded model would use the embedding in its "
-                        "place: the trained head would be lost. Merge with the run's own "
-                        "config.json (--hf_model_path DIR, with tie_word_embeddings false)"
-                    )
+                result = work(Streamer(endpoints, Buffers.sized(buffer_bytes)))
             finally:
                 endpoints.close()
         except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
             error = exc
     coll.agree_or_raise(error, "merge")
-    return set(coll.broadcast(sorted(kept)))
+    return coll.broadcast(result)
 
 
 def values_differ(left: GlobalTensor, kept: GlobalTensor, streamer: Streamer, dtype: str) -> bool:
@@ -645,34 +657,24 @@ def check_aliases(
     as written; one that holds others (a head the run untied, the config.json given ties) is
     refused, since a loaded model would take the written one's values in its place. Process 0
     reads; every process learns the answer."""
-    error = None
-    if coll.rank() == 0:
-        try:
-            by_name = {t.name: t for t in tensors}
-            endpoints = OpenEndpoints(checkpoint.endpoint)
-            try:
-                streamer = Streamer(endpoints, Buffers.sized(buffer_bytes))
-                for left_name, kept_name in sorted(aliases):
-                    left, kept = by_name[left_name], by_name[kept_name]
-                    if not values_differ(
-                        left, kept, streamer, hf.cast_dtype(kept.dtype, out_dtype)
-                    ):
-                        continue
-                    raise CheckpointFormatError(
-                        f"{left.blocks[0].location}: tensor {left_name!r} differs from "
-                        f"{kept_name!r}, but the model {where} describes answers to both "
-                        "with one parameter (its class ties them), so save_pretrained would "
-                        f"write only {kept_name!r} and a loaded model would use its values "
-                        f"for both: the trained {left_name!r} would be lost. Merge with the "
-                        "run's own config.json (--hf_model_path DIR, with tie_word_embeddings "
-                        "false where that unties them), or with --keep-names to write every "
-                        "stored tensor"
-                    )
-            finally:
-                endpoints.close()
-        except BaseException as exc:  # noqa: BLE001  (every rank must learn of it)
-            error = exc
-    coll.agree_or_raise(error, "merge")
+    by_name = {t.name: t for t in tensors}
+
+    def check(streamer: Streamer) -> None:
+        for left_name, kept_name in sorted(aliases):
+            left, kept = by_name[left_name], by_name[kept_name]
+            if not values_differ(left, kept, streamer, hf.cast_dtype(kept.dtype, out_dtype)):
+                continue
+            raise CheckpointFormatError(
+                f"{left.blocks[0].location}: tensor {left_name!r} differs from {kept_name!r}, "
+                f"but the model {where} describes answers to both with one parameter (its class "
+                f"ties them), so save_pretrained would write only {kept_name!r} and a loaded "
+                f"model would use its values for both: the trained {left_name!r} would be lost. "
+                "Merge with the run's own config.json (--hf_model_path DIR, with "
+                "tie_word_embeddings false where that unties them), or with --keep-names to "
+                "write every stored tensor"
+            )
+
+    _read_on_rank_0(checkpoint, buffer_bytes, check)
 
 
 def _entries(*directories: str | os.PathLike) -> list[str]:
