@@ -828,6 +828,12 @@ def test_torchtitans_own_names_are_said_to_be_torchtitans():
         titan += [f"layers.{i}.feed_forward.w1.weight", f"layers.{i}.attention_norm.weight"]
     config = {"model_type": "qwen3", "architectures": ["Qwen3ForCausalLM"]}
     hf_names.check_whole_table_layers(titan, config)  # not the table's names: not its check
-    told = {n for n in titan if hf_names.TORCHTITAN_NAMES.search(n)}
+    told = {n for n in titan if hf_names.TORCHTITAN_NAMES.fullmatch(n)}
     assert told == {n for n in titan if "attention." in n or "feed_forward." in n} | {titan[0]}
-    assert not hf_names.TORCHTITAN_NAMES.search("model.layers.0.self_attn.q_proj.weight")
+    for hugging_face in (  # GPT-NeoX's, Jamba's and Llama 4's names are not torchtitan's
+        "model.layers.0.self_attn.q_proj.weight",
+        "gpt_neox.layers.0.attention.dense.weight",
+        "model.layers.0.feed_forward.router.weight",
+        "model.layers.0.feed_forward.w1.weight",
+    ):
+        assert not hf_names.TORCHTITAN_NAMES.fullmatch(hugging_face)

@@ -292,7 +292,7 @@ def plan_checkpoint_names(
     if plan.missing and not keep_names:
         more = f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else ""
         shown = ", ".join(plan.missing[:4]) + more
-        titan = next((n for n, _, _ in tensors if TORCHTITAN_NAMES.search(n)), None)
+        titan = next((n for n, _, _ in tensors if TORCHTITAN_NAMES.fullmatch(n)), None)
         why = (
             f"the checkpoint's names are torchtitan's own ({titan!r}), which only torchtitan's "
             "state-dict adapter maps to Hugging Face's (save with checkpoint.last_save_in_hf, "
@@ -308,9 +308,11 @@ def plan_checkpoint_names(
     return plan
 
 
-# torchtitan's own names of its Llama/Qwen models (its adapter maps them to Hugging Face's)
+# torchtitan's own names of its Llama/Qwen models at the top level (its adapter maps them to
+# Hugging Face's): tok_embeddings, layers.N.attention[.qkv_linear].wq..wo, feed_forward.w1..w3
 TORCHTITAN_NAMES = re.compile(
-    r"(?:^|\.)(?:tok_embeddings\.weight|layers\.\d+\.(?:attention|feed_forward)(?:\.\w+)+\.weight)\Z"
+    r"tok_embeddings\.weight|layers\.\d+\.(?:attention(?:\.qkv_linear)?\.w[qkvo]"
+    r"|feed_forward\.w[123])\.weight"
 )
 
 
