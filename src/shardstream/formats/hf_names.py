@@ -160,6 +160,36 @@ class NamePlan:
         return f"{self.rule} ({', '.join(changes) or 'nothing renamed or split'})"
 
 
+@dataclass(frozen=True)
+class Traced:
+    """What transformers planned for the stored tensors (``_with_transformers``): the pieces
+    and rule, and ``NamePlan``'s ``missing``, ``buffers`` and ``aliases`` (by stripped names)."""
+
+    pieces: tuple[Piece, ...]
+    rule: str
+    missing: tuple[str, ...] = ()
+    buffers: tuple[str, ...] = ()
+    aliases: tuple[tuple[str, str], ...] = ()
+    version: str = ""  # the transformers that planned it
+
+    @classmethod
+    def from_json(cls, doc: dict) -> Traced:
+        """The inverse of ``dataclasses.asdict`` after a JSON round trip (lists for tuples)."""
+        pieces = tuple(
+            Piece(**{k: tuple(v) if type(v) is list else v for k, v in p.items()})
+            for p in doc["pieces"]
+        )
+        aliases = tuple((left, kept) for left, kept in doc["aliases"])
+        return cls(
+            pieces,
+            doc["rule"],
+            tuple(doc["missing"]),
+            tuple(doc["buffers"]),
+            aliases,
+            doc["version"],
+        )
+
+
 def stored_view(
     plan: NamePlan,
     saved: Mapping[str, GlobalTensor],
@@ -392,22 +422,19 @@ def _plan_names(
     # the child is for the import; without transformers the refusal is said here
     apart = PLAN_APART and hasattr(os, "fork") and hf_names_cache.transformers_version()
     plan_by = _planned_apart if apart else _with_transformers
-    planned = plan_by(plain, config, model_type, plain_tied)
-    pieces, what, missing, buffers, aliases, version = planned
-    pieces = [dataclasses.replace(p, stored=back[p.stored]) for p in pieces]
-    aliases = tuple((back[left], back[kept]) for left, kept in aliases)
-    described = _join(rule, f"transformers {version} {what}")
+    traced = plan_by(plain, config, model_type, plain_tied)
+    pieces = tuple(dataclasses.replace(p, stored=back[p.stored]) for p in traced.pieces)
+    aliases = tuple((back[left], back[kept]) for left, kept in traced.aliases)
+    described = _join(rule, f"transformers {traced.version} {traced.rule}")
     untied = tuple(sorted({p.stored for p in pieces} & tied_names))
-    plan = NamePlan(tuple(pieces), described, False, stripped, missing, buffers, untied, aliases)
-    hf_names_cache.store(
-        tensors, config, plan.rule, plan.pieces, plan.missing, buffers, tied, aliases
-    )
+    missing, buffers = traced.missing, traced.buffers
+    plan = NamePlan(pieces, described, False, stripped, missing, buffers, untied, aliases)
+    hf_names_cache.store(tensors, config, plan.rule, pieces, missing, buffers, tied, aliases)
     return plan
 
 
-def _with_transformers(plain, config: dict, model_type: str, tied=()) -> tuple:
-    """``(pieces, rule, missing parts, buffers' outputs, aliases left out, transformers
-    version)`` for stored tensors ``plain`` (wrapper prefixes stripped), as the installed
+def _with_transformers(plain, config: dict, model_type: str, tied=()) -> Traced:
+    """The plan for stored tensors ``plain`` (wrapper prefixes stripped), as the installed
     transformers saves them; with the heads of ``tied`` the model holds apart
     (``_heads_held_apart``)."""
     from ..engine.memory import imports_collector_held  # here: it imports numpy
@@ -421,13 +448,9 @@ def _with_transformers(plain, config: dict, model_type: str, tied=()) -> tuple:
                 "from the in-memory names, and only transformers can tell: pip install "
                 "transformers (or merge with --keep-names to write the in-memory names)"
             ) from None
-        version = transformers.__version__
-        missing: tuple[str, ...] = ()
-        if has_weight_conversions():
-            pieces, what, missing, buffers, aliases = _trace_v5(plain, config, tied)
-        else:
-            pieces, what, buffers, aliases = _renames_v4(plain, config, tied)
-    return pieces, what, missing, buffers, aliases, version
+        trace = _trace_v5 if has_weight_conversions() else _renames_v4
+        traced = trace(plain, config, tied)
+    return dataclasses.replace(traced, version=transformers.__version__)
 
 
 def _planned_apart(plain, config: dict, model_type: str, tied=()):
@@ -443,11 +466,8 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
         try:
             os.close(read_end)
             try:
-                pieces, what, missing, buffers, aliases, version = _with_transformers(
-                    plain, config, model_type, tied
-                )
-                pieces = [dataclasses.asdict(p) for p in pieces]
-                result = {"plan": [pieces, what, missing, buffers, aliases, version]}
+                traced = _with_transformers(plain, config, model_type, tied)
+                result = {"plan": dataclasses.asdict(traced)}
             except ShardstreamError as exc:
                 result = {"error": type(exc).__name__, "message": str(exc)}
             with os.fdopen(write_end, "w") as out:
@@ -480,12 +500,7 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
         if not (isinstance(kind, type) and issubclass(kind, ShardstreamError)):
             kind = ShardstreamError
         raise kind(result["message"])
-    pieces, what, missing, buffers, aliases, version = result["plan"]
-    pieces = [
-        Piece(**{k: tuple(v) if type(v) is list else v for k, v in p.items()}) for p in pieces
-    ]
-    aliases = tuple((left, kept) for left, kept in aliases)
-    return pieces, what, tuple(missing), tuple(buffers), aliases, version
+    return Traced.from_json(result["plan"])
 
 
 def _join(*parts: str) -> str:
@@ -1154,11 +1169,10 @@ def _auto_classes_of(config_class: type) -> list[type]:
     return found
 
 
-def _trace_v5(plain, config: dict, tied=()) -> tuple:
+def _trace_v5(plain, config: dict, tied=()) -> Traced:
     """transformers 5: run ``revert_weight_conversion`` on meta views of one storage and read
     back where each output lies in the stored tensors; and the model's parts the output
-    holds nothing of (``_missing_parts``). ``(pieces, rule, missing, buffers' outputs,
-    aliases left out)``; ``tied``: as ``_with_transformers``'s."""
+    holds nothing of (``_missing_parts``). ``tied``: as ``_with_transformers``'s."""
     import torch
     from torch.overrides import TorchFunctionMode
     from transformers.core_model_loading import revert_weight_conversion
@@ -1167,13 +1181,8 @@ def _trace_v5(plain, config: dict, tied=()) -> tuple:
 
     model = _meta_model(config, len(plain) + len(tied))
     if model is None:
-        return (
-            [_whole(n, n, s) for n, _, s in plain],
-            "does not know this model: no mapping",
-            (),
-            (),
-            (),
-        )
+        unknown = "does not know this model: no mapping"
+        return Traced(tuple(_whole(n, n, s) for n, _, s in plain), unknown)
     plain = [*plain, *_heads_held_apart(model, plain, tied)]
     saved = _saved_layout_held(model, plain, revert_weight_conversion)
     if saved is not None:  # a save_pretrained directory already: written as it is
@@ -1192,7 +1201,7 @@ def _trace_v5(plain, config: dict, tied=()) -> tuple:
         except Exception:  # noqa: BLE001  (any model's rules, on its own meta buffers)
             named = {}
         stored = {n for n, _, _ in plain}
-        return pieces, rule, missing, tuple(sorted(n for n in named if n in stored)), ()
+        return Traced(tuple(pieces), rule, missing, tuple(sorted(n for n in named if n in stored)))
     holder = _holding_the_tensors(model, config, plain)
     if holder is not model:
         model = holder
@@ -1259,8 +1268,8 @@ def _trace_v5(plain, config: dict, tied=()) -> tuple:
     pieces = _with_storage(pieces, model, plain, revert_weight_conversion)
     missing = _missing_parts(model, pieces, [*plain, *tied], ignored, revert_weight_conversion)
     stored_buffers = _buffers(model)
-    return (
-        pieces,
+    return Traced(
+        tuple(pieces),
         what,
         missing,
         tuple(sorted(p.name for p in pieces if p.stored in stored_buffers)),
@@ -1555,17 +1564,16 @@ def _in_model_order(plain, model: Any, mapping: dict[str, str]) -> list:
     return sorted(plain, key=lambda t: place(t[0]))
 
 
-def _renames_v4(plain, config: dict, tied=()) -> tuple:
+def _renames_v4(plain, config: dict, tied=()) -> Traced:
     """transformers 4: ``save_pretrained`` reverses the class's ``_checkpoint_conversion_mapping``
     (in-memory pattern -> checkpoint name): the first pattern that matches a name renames it,
-    its capture groups dropped from the replacement. ``(pieces, rule, buffers' outputs,
-    aliases left out)``; ``tied``: as ``_with_transformers``'s."""
+    its capture groups dropped from the replacement. ``tied``: as ``_with_transformers``'s."""
     from transformers import modeling_utils
 
     cls = _model_class(config)
     if cls is None:
         unknown = "does not know this model: no mapping"
-        return [_whole(n, n, s) for n, _, s in plain], unknown, (), ()
+        return Traced(tuple(_whole(n, n, s) for n, _, s in plain), unknown)
     try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
         model = _meta_model(config, len(plain) + len(tied))
     except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
@@ -1576,8 +1584,10 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple:
     buffers = _buffers(model) if model is not None else set()
     aliases: dict[str, str] = {}
 
-    def of_buffers(pieces: list[Piece]) -> tuple[str, ...]:  # for the index's total_parameters
-        return tuple(sorted(p.name for p in pieces if p.stored in buffers))
+    def traced(pieces: list[Piece], rule: str, of_buffers: bool = True) -> Traced:
+        # the buffers' outputs for the index's total_parameters
+        outputs = tuple(sorted(p.name for p in pieces if p.stored in buffers)) if of_buffers else ()
+        return Traced(tuple(pieces), rule, (), outputs, tuple(sorted(aliases.items())))
 
     if model is not None:
         saved_layout = any(re.search(pattern, n) for pattern in mapping for n, _, _ in plain)
@@ -1593,13 +1603,12 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple:
     ):
         mapping = {}
     if not mapping:
-        pieces = [_whole(n, n, s) for n, _, s in plain]
-        return pieces, "no key mapping", of_buffers(pieces), tuple(sorted(aliases.items()))
+        return traced([_whole(n, n, s) for n, _, s in plain], "no key mapping")
     if any(re.search(pattern, n) for pattern in mapping for n, _, _ in plain):
         # checkpoint names (``language_model.lm_head``), which no in-memory name matches: a
         # save_pretrained directory already, written as it is, not renamed a second time
         kept = f"key mapping of {cls.__name__}, which the checkpoint is in"
-        return [_whole(n, n, s) for n, _, s in plain], kept, (), tuple(sorted(aliases.items()))
+        return traced([_whole(n, n, s) for n, _, s in plain], kept, of_buffers=False)
     reverse = {v: k for k, v in mapping.items()}
     pieces = []
     for name, _, shape in plain:
@@ -1610,9 +1619,4 @@ def _renames_v4(plain, config: dict, tied=()) -> tuple:
             if count:
                 break
         pieces.append(_whole(new, name, shape))
-    return (
-        pieces,
-        f"key mapping of {cls.__name__}",
-        of_buffers(pieces),
-        tuple(sorted(aliases.items())),
-    )
+    return traced(pieces, f"key mapping of {cls.__name__}")
