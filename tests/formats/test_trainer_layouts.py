@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from transformers import get_cosine_schedule_with_warmup
 
 from shardstream.cli import main
-from shardstream.commands.inspect import describe
+from shardstream.commands.inspect import describe, render
 from shardstream.commands.test import compare_with_reference
 from shardstream.commands.verify import verify
 from shardstream.errors import CheckpointFormatError
@@ -317,3 +317,23 @@ def test_a_checkpoint_n_linking_above_its_output_dir_is_said_not_walked(tmp_path
     report = verify(out)
     assert [p.path for p in report.problems] == [str(out / "checkpoint-30")]
     assert "symlink points outside" in report.problems[0].message
+
+
+def test_inspect_of_a_directory_of_step_named_checkpoints_describes_the_newest(tmp_path, capsys):
+    """torchtitan's checkpoint/ of step-N folders, a Trainer's output_dir without its final
+    model: verify read them all, inspect said only to pass one of them. It describes the
+    newest finished one now, as for a run, and says which steps there are."""
+    out = tmp_path / "out"
+    for step in (5, 10):
+        _trainer_checkpoint(out / f"checkpoint-{step}", step)
+    _trainer_checkpoint(out / "checkpoint-15", 15, finished=False)
+    info = describe(out)
+    assert info["run"]["steps"] == [5, 10]
+    assert info["run"]["named"] == str(out / "checkpoint-10")
+    assert info["run"]["uncommitted"] == ["checkpoint-15"]
+    assert info["path"] == str(out / "checkpoint-10")
+    text = render(info)
+    assert "checkpoints named for their steps, 5, 10; unfinished (ignored): checkpoint-15" in text
+    assert "the newest, checkpoint-10" in text
+    assert main(["inspect", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == text

@@ -40,7 +40,11 @@ def describe(
     run = _run(Path(path)) if kind is Kind.RUN else None
     if run is None and kind in (Kind.RUN, Kind.NONE) and Path(path).is_dir():
         run = _role_run(Path(path))  # verl's (or the plug-in's) global_step_N/actor
+    if run is None and kind is Kind.NONE and Path(path).is_dir():
+        run = _named_steps_run(Path(path))  # torchtitan's step-N, a Trainer's checkpoint-N
     if run is not None:
+        if run.get("named"):
+            return {**describe(run["named"], prefix, hf_model_path), "run": run}
         newest = Path(path) / f"global_step_{run['newest']}"
         where = newest / run["role"] if run.get("role") else newest
         return {**describe(where, prefix, hf_model_path), "run": run}
@@ -263,6 +267,27 @@ def _role_run(path: Path) -> dict | None:
     }
 
 
+def _named_steps_run(path: Path) -> dict | None:
+    """A directory of checkpoints named for their steps (torchtitan's ``checkpoint/step-N``,
+    a Trainer's ``checkpoint-N`` without a final model): its finished ones' steps and the
+    newest one's path (``named``); None unless every checkpoint in it has a step number."""
+    from ..formats.dcp import step_of_name
+    from ..formats.source import checkpoints_below, unfinished_below
+
+    found = checkpoints_below(path)
+    steps = [step_of_name(p.name) for p in found]
+    if not found or None in steps or any(p.parent != path for p in found):
+        return None
+    return {
+        "directory": str(path),
+        "steps": steps,
+        "latest_pointer": None,
+        "newest": steps[-1],
+        "named": str(found[-1]),
+        "uncommitted": [p.name for p in unfinished_below(path)],
+    }
+
+
 def _roles(run: dict) -> str:
     return f" (roles {', '.join(run['roles'])}; this is {run['role']})" if run.get("role") else ""
 
@@ -276,7 +301,16 @@ def render(info: dict) -> str:
     m = info["merge"]
     lines = []
     run = info.get("run")
-    if run:
+    if run and run.get("named"):
+        unfinished = run["uncommitted"]
+        lines += [
+            f"{run['directory']}: checkpoints named for their steps, "
+            f"{', '.join(map(str, run['steps']))}"
+            + (f"; unfinished (ignored): {', '.join(unfinished)}" if unfinished else ""),
+            f"the newest, {Path(run['named']).name} (merge and test take it as --local_dir):",
+            "",
+        ]
+    elif run:
         layout = (
             f"run of global_step_N/{run['role']}, steps"
             if run.get("role")
