@@ -55,6 +55,10 @@ _NOT_CONFIG |= {
     "latest_checkpointed_iteration.txt",
     "manifest.json",
 }
+# An adapter's config beside a full model's weights (torchtune saves both into epoch_N/):
+# copied beside the merged model, it made transformers (with peft installed) load the output
+# as an adapter and fail. merge writes its own where it writes an adapter.
+_NOT_CONFIG.add("adapter_config.json")
 _STATE_SUFFIXES = (".pkl", ".pickle")  # accelerate's random_states_N.pkl, custom objects
 
 

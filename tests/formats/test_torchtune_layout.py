@@ -1,0 +1,35 @@
+"""Checkpoints as torchtune's checkpointers lay them out (torchtune 0.6.1,
+FullModelHFCheckpointer): the epoch_N folders merge reads as Hugging Face models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from shardstream import merge
+
+transformers = pytest.importorskip("transformers")
+
+TEXT = dict(
+    hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=64, head_dim=8,
+)  # fmt: skip
+
+
+def test_an_adapter_config_beside_a_full_model_is_not_copied_into_the_output(tmp_path):
+    """torchtune saves the merged model and the LoRA adapter's adapter_config.json into one
+    epoch_N folder: merge copied that file beside the merged model, and transformers (with
+    peft installed) then took the output for an adapter and failed to load it."""
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**TEXT, tie_word_embeddings=False)
+    )
+    model.save_pretrained(tmp_path / "epoch_0")
+    adapter = {"peft_type": "LORA", "r": 4, "lora_alpha": 8, "target_modules": ["q_proj"]}
+    (tmp_path / "epoch_0" / "adapter_config.json").write_text(json.dumps(adapter))
+    merge(tmp_path / "epoch_0", tmp_path / "merged", dtype="float32")
+    assert not (tmp_path / "merged" / "adapter_config.json").exists()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
