@@ -33,3 +33,24 @@ def test_an_adapter_config_beside_a_full_model_is_not_copied_into_the_output(tmp
     assert not (tmp_path / "merged" / "adapter_config.json").exists()
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_a_runs_output_folder_names_its_newest_checkpoint_whatever_its_format(tmp_path):
+    """torchtune's output_dir: DCP saves (dist_epoch_N) and Hugging Face saves (epoch_N) side
+    by side. The hint counted the DCP ones alone and called dist_epoch_1 the newest, leaving
+    out epoch_2, the newest and the one that merges."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import save_file
+
+    from shardstream.errors import CheckpointNotFoundError
+
+    out = tmp_path / "output"
+    for epoch in (0, 1):
+        dcp.save({"model": {"w": torch.zeros(2)}}, checkpoint_id=str(out / f"dist_epoch_{epoch}"))
+    (out / "epoch_2").mkdir()
+    save_file({"w": torch.zeros(2)}, str(out / "epoch_2" / "model.safetensors"))
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        merge(out, tmp_path / "merged")
+    said = str(refused.value)
+    assert "3 folders hold checkpoints (dist_epoch_0, dist_epoch_1, epoch_2)" in said
+    assert said.endswith(f"e.g. the newest, {out / 'epoch_2'}")

@@ -661,6 +661,12 @@ def open_checkpoint(
             raise CheckpointFormatError(beside)
         return _holding_tensors(path, opener(path, model_only, shared, prefix), model_only)
     refuse_local_state_dict(path)
+    exported = path / "huggingface"  # a verl step saved with save_contents=['hf_model'] alone
+    if is_hf_model(exported):
+        raise CheckpointNotFoundError(
+            f"{path}: no model files here, but {exported} holds the model saved with hf_model: "
+            "pass that directory, or use it as it is"
+        )
     hint = checkpoints_below(path)
     if len(hint) == 1:
         raise CheckpointNotFoundError(
@@ -674,12 +680,6 @@ def open_checkpoint(
             f"{path}: no model files here, but {len(hint)} folders hold checkpoints "
             f"({', '.join(h.name for h in hint)}); pass one of them{newest}"
             f"{unfinished_note(path)}"
-        )
-    exported = path / "huggingface"  # a verl step saved with save_contents=['hf_model'] alone
-    if is_hf_model(exported):
-        raise CheckpointNotFoundError(
-            f"{path}: no model files here, but {exported} holds the model saved with hf_model: "
-            "pass that directory, or use it as it is"
         )
     raise CheckpointNotFoundError(
         f"{path}: no model files found ({EXPECTED}){unfinished_note(path) or unread_hint(path)}"
@@ -794,7 +794,10 @@ def _checkpoints_below(path: Path) -> list[Path]:
     found = [
         d
         for d in path.iterdir()
-        if not is_temporary(d.name) and d.is_dir() and looks_like_checkpoint(d)
+        if not is_temporary(d.name)
+        and d.is_dir()
+        # a model save_pretrained wrote counts too (torchtune's epoch_N beside dist_epoch_N)
+        and (looks_like_checkpoint(d) or is_hf_model(d) or is_hf_torch_model(d))
     ]
     return sorted((d for d in found if not unfinished_save(d)), key=_step_order)
 
