@@ -830,6 +830,7 @@ def test_torchtitans_own_names_are_said_to_be_torchtitans():
     hf_names.check_whole_table_layers(titan, config)  # not the table's names: not its check
     told = {n for n in titan if hf_names.TORCHTITAN_NAMES.fullmatch(n)}
     assert told == {n for n in titan if "attention." in n or "feed_forward." in n} | {titan[0]}
+    assert "torchtitan's own ('tok_embeddings.weight')" in hf_names.native_names_hint(titan)
     for hugging_face in (  # GPT-NeoX's, Jamba's and Llama 4's names are not torchtitan's
         "model.layers.0.self_attn.q_proj.weight",
         "gpt_neox.layers.0.attention.dense.weight",
@@ -837,3 +838,19 @@ def test_torchtitans_own_names_are_said_to_be_torchtitans():
         "model.layers.0.feed_forward.w1.weight",
     ):
         assert not hf_names.TORCHTITAN_NAMES.fullmatch(hugging_face)
+
+
+def test_torchtunes_own_names_are_said_to_be_torchtunes_and_kept_on_request():
+    """torchtune's DCP and .pt saves use its own names (attn.q_proj, mlp.w1, norm.scale; Llama's
+    q and k permuted): merge beside a config.json said 'Fix architectures', and --keep-names
+    then said the checkpoint was damaged (no norm.weight)."""
+    tune = ["tok_embeddings.weight", "norm.scale", "output.weight"]
+    for i in range(2):
+        tune += [f"layers.{i}.attn.{p}_proj.weight" for p in ("q", "k", "v", "output")]
+        tune += [f"layers.{i}.mlp.w{k}.weight" for k in (1, 2, 3)]
+        tune += [f"layers.{i}.sa_norm.scale", f"layers.{i}.mlp_norm.scale"]
+    hint = hf_names.native_names_hint(tune)
+    assert "torchtune's own ('norm.scale')" in hint and "FullModelHFCheckpointer" in hint
+    config = {"model_type": "llama", "architectures": ["LlamaForCausalLM"]}
+    hf_names.check_whole_table_layers(tune, {**config, "tie_word_embeddings": False})
+    assert hf_names.native_names_hint(["model.layers.0.self_attn.q_proj.weight"]) == ""

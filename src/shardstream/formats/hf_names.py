@@ -322,13 +322,8 @@ def plan_checkpoint_names(
     if plan.missing and not keep_names:
         more = f" and {len(plan.missing) - 4} more" if len(plan.missing) > 4 else ""
         shown = ", ".join(plan.missing[:4]) + more
-        titan = next((n for n, _, _ in tensors if TORCHTITAN_NAMES.fullmatch(n)), None)
-        why = (
-            f"the checkpoint's names are torchtitan's own ({titan!r}), which only torchtitan's "
-            "state-dict adapter maps to Hugging Face's (save with checkpoint.last_save_in_hf, "
-            "or merge with --keep-names for the names as they are)"
-            if titan
-            else "saved without it: frozen parameters left out, as ignore_frozen_params=True does?"
+        why = native_names_hint([n for n, _, _ in tensors]) or (
+            "saved without it: frozen parameters left out, as ignore_frozen_params=True does?"
         )
         raise CheckpointFormatError(
             f"the checkpoint holds nothing of {shown}, which the model {config_path} describes "
@@ -338,12 +333,34 @@ def plan_checkpoint_names(
     return plan
 
 
-# torchtitan's own names of its Llama/Qwen models at the top level (its adapter maps them to
-# Hugging Face's): tok_embeddings, layers.N.attention[.qkv_linear].wq..wo, feed_forward.w1..w3
+# The PyTorch-native libraries' own names of their Llama/Qwen models, at the top level, which
+# only their converters map to Hugging Face's (Llama's q and k permuted besides): torchtitan's
+# tok_embeddings, layers.N.attention[.qkv_linear].wq..wo, feed_forward.w1..w3; torchtune's
+# layers.N.attn.q_proj..output_proj, mlp.w1..w3, sa_norm/mlp_norm/norm.scale.
 TORCHTITAN_NAMES = re.compile(
     r"tok_embeddings\.weight|layers\.\d+\.(?:attention(?:\.qkv_linear)?\.w[qkvo]"
     r"|feed_forward\.w[123])\.weight"
 )
+TORCHTUNE_NAMES = re.compile(
+    r"layers\.\d+\.(?:attn\.(?:[qkv]|output)_proj\.weight|mlp\.w[123]\.weight"
+    r"|(?:sa|mlp)_norm\.scale)|norm\.scale"
+)
+
+
+def native_names_hint(names: Sequence[str]) -> str:
+    """Why a checkpoint in torchtitan's or torchtune's own names is not a Hugging Face model's,
+    and what gives one; "" for other names."""
+    for library, pattern, converter in (
+        ("torchtune", TORCHTUNE_NAMES, "its FullModelHFCheckpointer"),
+        ("torchtitan", TORCHTITAN_NAMES, "checkpoint.last_save_in_hf"),
+    ):
+        if found := next((n for n in names if pattern.fullmatch(n)), None):
+            return (
+                f"the checkpoint's names are {library}'s own ({found!r}), which only "
+                f"{library}'s converter maps to Hugging Face's (save with {converter}), or "
+                "merge without a config.json, or with --keep-names, for the names as they are"
+            )
+    return ""
 
 
 def check_config_agrees(
@@ -826,6 +843,8 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
     untied = config.get("tie_word_embeddings") is False  # as stated: a default asks transformers
     # a critic's score head stands for it (verl saves its critic with the actor's config.json)
     other = any(n.split(".", 1)[0] in OTHER_HEADS for n in names)
+    if not ours:  # another library's names (torchtune's norm.scale, output.weight)
+        return
     if head == DECODER_LAYERS and causal and untied and HEAD not in names and not other:
         raise CheckpointFormatError(
             f"the checkpoint holds no {HEAD}, which {architectures[0]} holds apart from its "
@@ -1416,6 +1435,11 @@ def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
             f"{under[:-1]!r} attribute (a training wrapper). Save that attribute's state dict "
             f"(for a DCP checkpoint: --prefix {under!r}), or merge with --keep-names to write "
             "the names as they are"
+        )
+    if native := native_names_hint([n for n, _, _ in plain]):
+        raise CheckpointFormatError(
+            f"config.json: {named}, the model it describes, holds none of the checkpoint's "
+            f"tensors: {native}"
         )
     raise CheckpointFormatError(
         f"config.json: {named}, the model it describes, holds none of the checkpoint's tensors "
