@@ -43,7 +43,7 @@ from ..formats.writer import OutputTensor, WrittenFile, read_chunk_digest, start
 from ..storage import collectives as coll
 from ..units import DEFAULT_CHUNK_BYTES
 from .fsdp1_shards import FlatShard
-from .state import model_tensors
+from .state import local_shard, model_tensors
 
 if TYPE_CHECKING:
     from .async_save import SourceGuard
@@ -306,15 +306,11 @@ def _heads_held_apart(
     values on some rank (a head untied by hand, the config left as it was). save_pretrained
     writes such a head (transformers 5 looks at what the model shares), and so does the
     export: left out, the trained head would be lost. Every rank learns every rank's answer."""
-    from torch.distributed.tensor import DTensor
-
-    def local(tensor: Any) -> Any:
-        return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
     def together(head: Any, source: Any) -> bool:
         if head is source:
             return True
-        head, source = local(head), local(source)
+        head, source = local_shard(head), local_shard(source)
         if not (isinstance(head, torch.Tensor) and isinstance(source, torch.Tensor)):
             return True  # FSDP1 shards of a shared parameter are one object; others: as tied
         if head.shape != source.shape or head.dtype != source.dtype:

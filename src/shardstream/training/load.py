@@ -709,12 +709,10 @@ def _in_memory_names(ckpt, model: torch.nn.Module) -> tuple[list[GlobalTensor], 
 def _storage_key(tensor: Any) -> tuple | None:
     """Where a live tensor's elements lie on this rank (its storage, offset, shape, strides),
     equal for names the model ties; None for one without elements, or no tensor."""
-    from torch.distributed.tensor import DTensor
-
     if isinstance(tensor, fsdp1_shards.FlatShard):  # FSDP1: its boxes of the flat storage
         keys = tuple(_storage_key(view) for _, view in tensor.pieces)
         return keys if keys and None not in keys else None
-    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    local = st.local_shard(tensor)
     if not isinstance(local, torch.Tensor) or local.numel() == 0:
         return None
     storage = local.untyped_storage().data_ptr()
@@ -1031,11 +1029,9 @@ def _refuse_overlaps(path: Path, targets: dict[str, Any]) -> None:
     that is another's transpose), or whose own elements share memory (an expanded tensor):
     whichever value is written last would win, so the restore is refused, as torch's
     ``load_state_dict`` refuses the second."""
-    from torch.distributed.tensor import DTensor
-
     spans: dict[int, list[tuple[int, int, str, tuple | None]]] = {}
     for name, tensor in targets.items():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        local = st.local_shard(tensor)
         if type(local) not in (torch.Tensor, torch.nn.Parameter) or local.numel() == 0:
             continue  # an FSDP1 flat shard: its own layout, placed by fsdp1_shards
         if torch._debug_has_internal_overlap(local) == 1:

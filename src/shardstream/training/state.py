@@ -53,11 +53,11 @@ def model_tensors(
     state = get_model_state_dict(model, options=options)
     tensors = {MODEL_PREFIX + k: v for k, v in state.items() if isinstance(v, torch.Tensor)}
     for name, tensor in tensors.items():  # before a save or restore begins, not midway
-        refuse_lazy_view(name[len(MODEL_PREFIX) :], _local(tensor))
+        refuse_lazy_view(name[len(MODEL_PREFIX) :], local_shard(tensor))
     return tensors
 
 
-def _local(tensor: torch.Tensor) -> torch.Tensor:
+def local_shard(tensor: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
@@ -65,7 +65,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
 
 def storage_of(tensor: torch.Tensor) -> int:
     """Where a tensor's (a DTensor's local shard's) storage lives: equal for views of one."""
-    return _local(tensor).untyped_storage().data_ptr()
+    return local_shard(tensor).untyped_storage().data_ptr()
 
 
 def apply_model_copies(model: torch.nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
