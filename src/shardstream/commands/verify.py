@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -30,9 +29,10 @@ from ..formats.safetensors import (
     tensors_in_range,
 )
 from ..formats.source import (
+    PEFT_ADAPTER_FILES,
     TRAINER_CHECKPOINT,
     TRAINER_STATE,
-    VERL_FILE_PATTERN,
+    VERL_ANY_FILE,
     Kind,
     detect,
     second_model,
@@ -166,7 +166,7 @@ def _unread_trainer_checkpoints(root: Path, found: list[Path], report: VerifyRep
             names = {f.name for f in files}
         except OSError:
             continue  # gone meanwhile
-        if names & {"adapter_model.safetensors", "adapter_model.bin"}:
+        if names & PEFT_ADAPTER_FILES:
             report.unchecked_bytes += sum(f.stat().st_size for f in files)
             continue
         report.problems.append(
@@ -504,7 +504,7 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     buffer = memoryview(bytearray(READ_BYTES))
     stale = _other_world_sizes(directory)
     for file in sorted(directory.glob("*.pt")):
-        if str(file) in stale or not VERL_FILE.fullmatch(file.name):
+        if str(file) in stale or not VERL_ANY_FILE.fullmatch(file.name):
             # an earlier save's at another world size, or no rank file's name (rank_01.pt,
             # data.pt): never read
             report.unnamed.append(file.name)
@@ -538,9 +538,6 @@ def _verify_verl(directory: Path, report: VerifyReport, progress) -> None:
     hf_dir = directory / verl.HF_SUBDIR
     if (hf_dir / hf.SINGLE_FILE).is_file() or (hf_dir / hf.INDEX_FILE).is_file():
         _verify_hf(hf_dir, report, progress)
-
-
-VERL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="(?:model|optim|extra_state)"))
 
 
 def _other_world_sizes(directory: Path) -> set[str]:

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 # opens by its exact name.
 VERL_FILE_PATTERN = r"^{kind}_world_size_(0|[1-9][0-9]*)_rank_(0|[1-9][0-9]*)\.pt\Z"
 VERL_MODEL_FILE = re.compile(VERL_FILE_PATTERN.format(kind="model"))
+VERL_ANY_FILE = re.compile(VERL_FILE_PATTERN.format(kind="(?:model|optim|extra_state)"))
 # DCP's global metadata (written last) and its data files, __{rank}_{i}.distcp.
 DCP_METADATA_FILE = ".metadata"
 DCP_DATA_FILE = re.compile(r"^__(\d+)_(\d+)\.distcp\Z", re.ASCII)
@@ -634,7 +635,7 @@ def open_checkpoint(
     if not path.exists():
         raise CheckpointNotFoundError(f"{path}: no such directory")
     if detect(path) is Kind.TORCH_FILE:  # one torch.save file (PyTorch's recipes)
-        if re.match(VERL_FILE_PATTERN.format(kind="(?:model|optim|extra_state)"), path.name):
+        if VERL_ANY_FILE.match(path.name):
             raise UsageError(
                 f"{path}: is one rank's file of a verl checkpoint, which holds that rank's "
                 f"shards only; pass the directory of every rank's files ({path.parent})"
@@ -732,6 +733,7 @@ EXPECTED = (
     "model.safetensors or pytorch_model.bin (or its index), or a torch.save file"
 )
 _SHARD = re.compile(r"model-\d+-of-\d+\.safetensors")
+PEFT_ADAPTER_FILES = frozenset({"adapter_model.safetensors", "adapter_model.bin"})
 _VARIANT = re.compile(
     r"model\.safetensors\.index\.(.+)\.json|model\.([^.-]+)(-\d+-of-\d+)?\.safetensors"
 )
@@ -760,7 +762,7 @@ def unread_hint(path: Path, subject: str = "it") -> str:
             "model.safetensors.index.json, which names the tensors each holds: copy the index "
             "back from where the shards came from"
         )
-    if "adapter_model.safetensors" in names or "adapter_model.bin" in names:
+    if PEFT_ADAPTER_FILES.intersection(names):
         return (
             f"; {subject} holds a PEFT adapter alone (adapter_model.*), not a model: merge the "
             "adapter into its base model with PEFT (merge_and_unload) and save that, or merge "
