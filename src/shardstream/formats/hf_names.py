@@ -43,7 +43,7 @@ import signal
 import threading
 import traceback
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -800,10 +800,11 @@ def table_layer_tensors(model_type: str, config: dict) -> set[str]:
 
 def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
     """For a model type of ``NO_MAPPING_MODEL_TYPES`` (planned without building the model),
-    whose decoder layers all hold the same weights: every layer holds what any other does and
-    what the model's layers hold (``table_layer_tensors``; unless the weights are quantized,
-    under other names), and the decoder its final norm. A weight missing from a layer would
-    be written missing, and a model loaded from the output would start it at random."""
+    whose decoder layers all hold the same weights: every layer holds what any other does;
+    and where the names are the table's classes' own, what the model's layers hold
+    (``table_layer_tensors``; unless the weights are quantized, under other names), a stated
+    untied head, and the decoder's final norm. A weight missing from a layer would be written
+    missing, and a model loaded from the output would start it at random."""
     if not isinstance(config, dict) or config.get("model_type") not in NO_MAPPING_MODEL_TYPES:
         return
     layers: dict[int, set[str]] = {}
@@ -825,9 +826,11 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
                 "random"
             )
     model_type = config["model_type"]
-    # names of the table's classes (not torchtitan's attention.wq, refused by name elsewhere)
-    ours = all(TABLE_NAMES.match(f"model.layers.0.{name}") for name in every)
-    if ours and config.get("quantization_config") is None:
+    # the table's classes' names only (torchtitan's attention.wq, torchtune's norm.scale are
+    # refused by name elsewhere)
+    if not all(TABLE_NAMES.match(f"model.layers.0.{name}") for name in every):
+        return
+    if config.get("quantization_config") is None:
         if missing := sorted(table_layer_tensors(model_type, config) - every):
             first = min(layers)
             raise CheckpointFormatError(
@@ -843,8 +846,6 @@ def check_whole_table_layers(names: Sequence[str], config: dict) -> None:
     untied = config.get("tie_word_embeddings") is False  # as stated: a default asks transformers
     # a critic's score head stands for it (verl saves its critic with the actor's config.json)
     other = any(n.split(".", 1)[0] in OTHER_HEADS for n in names)
-    if not ours:  # another library's names (torchtune's norm.scale, output.weight)
-        return
     if head == DECODER_LAYERS and causal and untied and HEAD not in names and not other:
         raise CheckpointFormatError(
             f"the checkpoint holds no {HEAD}, which {architectures[0]} holds apart from its "
@@ -1327,13 +1328,21 @@ def _missing_parts(
         saved = list(revert(model, unstored))
     except Exception:  # noqa: BLE001  (any model's rules, on its own meta parameters)
         return ()
-    missing = {parameter_group(n) for n in saved} - {parameter_group(p.name) for p in pieces}
-    written = {p.name for p in pieces}
-    lost = {n for n in saved if parameter_group(n) not in missing and n not in written}
+    lacking = _lacking(saved, {p.name for p in pieces})
     if any(n not in params and n.split(".", 1)[0] in OTHER_HEADS for n in stored):
-        missing = {group for group in missing if group.split(".")[0] == "model"}
-        lost = {name for name in lost if name.split(".")[0] == "model"}
-    return (*sorted(f"{group}.*" for group in missing), *sorted(lost))
+        lacking = tuple(part for part in lacking if part.split(".")[0] == "model")
+    return lacking
+
+
+def _lacking(saved: Iterable[str], written: set[str], spared: Collection[str] = ()) -> tuple:
+    """Of the names ``saved`` (what save_pretrained writes), what ``written`` lacks: the parts
+    (``parameter_group``, as ``visual.*``) none of ``written`` belongs to, then by name the
+    others missing from the parts it holds, but ``spared``."""
+    saved = set(saved)
+    parts = {parameter_group(n) for n in saved} - {parameter_group(n) for n in written}
+    lost = saved - written - set(spared)
+    lost = {n for n in lost if parameter_group(n) not in parts}
+    return (*sorted(f"{part}.*" for part in parts), *sorted(lost))
 
 
 def _aliases_left_out(model: Any, names: Sequence[str]) -> dict[str, str]:
@@ -1404,13 +1413,10 @@ def _saved_layout_held(model: Any, plain, revert) -> tuple[str, tuple[str, ...],
         return None
     if any(tuple(layout[n].shape) != tuple(s) if n in layout else True for n, _, s in plain):
         return None
-    names = {n for n, _, _ in plain}
-    missing = {parameter_group(n) for n in needed} - {parameter_group(n) for n in names}
     # by name, but for tied parameters, saved under whichever of their names (BLT's lm_head)
     tied = {n for group in _names_by_parameter(model).values() if len(group) > 1 for n in group}
-    lost = sorted(n for n in needed if parameter_group(n) not in missing and n not in names | tied)
     rule = f"save_pretrained layout of {type(model).__name__}, which the checkpoint is in"
-    return rule, (*sorted(f"{group}.*" for group in missing), *lost), list(layout)
+    return rule, _lacking(needed, {n for n, _, _ in plain}, tied), list(layout)
 
 
 def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
