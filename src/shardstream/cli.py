@@ -359,7 +359,9 @@ def run_verify(args: argparse.Namespace) -> int:
             print(f"... and {more:,} more problem(s) (--json lists every one)", file=sys.stderr)
         if not args.quiet:
             verdict = "OK" if report.ok else f"FAILED ({len(report.problems)} problem(s))"
-            steps = f", steps {report.steps}" if report.kind in ("root", "checkpoints") else ""
+            steps = f", steps {report.steps}" if report.kind == "root" else ""
+            if report.kind == "checkpoints":
+                steps = f", checked {', '.join(report.checked)}"
             checked = f"{format_size(report.bytes_checked)} checked"
             if report.kind == "dcp":
                 checked += " (every item's zip records against their CRC-32s)"
@@ -384,6 +386,14 @@ def run_verify(args: argparse.Namespace) -> int:
                     _one_line(
                         "note: uncommitted leftovers of a save that was cut short (not read, "
                         f"removed by the run's next save): {leftovers}"
+                    ),
+                    file=sys.stderr,
+                )
+            if report.not_read:
+                print(
+                    _one_line(
+                        "note: folders beside the checkpoints that are none, not read: "
+                        + ", ".join(report.not_read)
                     ),
                     file=sys.stderr,
                 )

@@ -54,3 +54,41 @@ def test_a_runs_output_folder_names_its_newest_checkpoint_whatever_its_format(tm
     said = str(refused.value)
     assert "3 folders hold checkpoints (dist_epoch_0, dist_epoch_1, epoch_2)" in said
     assert said.endswith(f"e.g. the newest, {out / 'epoch_2'}")
+
+
+def test_verify_of_an_output_folder_checks_each_epoch_and_the_recipe_state(tmp_path):
+    """torchtune's output_dir holds epoch_N models and recipe_state/recipe_state.pt (the
+    optimizer and progress it resumes from, no model). verify said "steps []" of it without
+    naming what it checked, skipped the recipe state, and failed that file alone, intact, for
+    holding no model."""
+    from shardstream.commands.verify import verify
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT))
+    out = tmp_path / "output"
+    for epoch in (0, 1):
+        model.save_pretrained(out / f"epoch_{epoch}")
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    optimizer.step()
+    state = {"optimizer": optimizer.state_dict(), "seed": 0, "epochs_run": 2}
+    (out / "recipe_state").mkdir()
+    recipe_state = out / "recipe_state" / "recipe_state.pt"
+    torch.save(state, recipe_state)
+    (out / "logs").mkdir()
+    (out / "logs" / "log_1.txt").write_text("step 1\n")
+
+    report = verify(out)
+    assert report.ok, report.problems
+    assert report.checked == ["epoch_0", "epoch_1", "recipe_state/recipe_state.pt"]
+    assert report.not_read == ["logs"]
+    alone = verify(recipe_state)
+    assert alone.ok and alone.bytes_checked > 0, alone.problems
+    assert "no model" in alone.kind
+
+    data = bytearray(recipe_state.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # inside a record: the moments are nearly all of the file
+    recipe_state.write_bytes(bytes(data))
+    damaged = verify(out)
+    assert not damaged.ok
+    assert [p.path for p in damaged.problems] == [str(recipe_state)], damaged.problems

@@ -79,6 +79,10 @@ class VerifyReport:
     # data files beside a DCP checkpoint that its .metadata does not name (an earlier save's
     # at more ranks): no part of it, never read
     unnamed: list[str] = field(default_factory=list)
+    # the checkpoints below a directory of them, by path relative to it, as they were checked
+    checked: list[str] = field(default_factory=list)
+    # the folders beside them that are no checkpoint, not read (a run's logs)
+    not_read: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -129,6 +133,7 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
     finished = any((e / TRAINER_STATE).is_file() for e in trainer)
     for entry in found:
         part = verify(entry, progress)
+        report.checked.append(entry.name)
         report.problems.extend(part.problems)
         report.files_checked += part.files_checked
         report.bytes_checked += part.bytes_checked
@@ -252,6 +257,7 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
         # checkpoints of other tools side by side: the Trainer's output_dir (checkpoint-N)
         report = VerifyReport(str(root), "checkpoints")
         _verify_inside(root, report, progress)
+        _verify_beside_checkpoints(root, report, progress)
         return report
     if kind is not Kind.RUN:
         report = VerifyReport(str(root), "unknown")
@@ -299,6 +305,42 @@ def _verify_here(path: str | os.PathLike, progress) -> VerifyReport:
             Problem(str(root / LATEST_FILE), f"names step {latest}, which is not committed")
         )
     return report
+
+
+def _verify_beside_checkpoints(root: Path, report: VerifyReport, progress) -> None:
+    """The other folders of a directory of checkpoints: the ``torch.save`` files of one
+    (torchtune's ``recipe_state/recipe_state.pt``, the training state it resumes from) are
+    verified as such; a folder of anything else is listed as not read."""
+    from ..storage.commit import is_temporary
+
+    taken = set(report.checked)
+    try:
+        folders = sorted(
+            d
+            for d in root.iterdir()
+            if d.is_dir() and not d.is_symlink() and d.name not in taken
+            if not is_temporary(d.name) and not TRAINER_CHECKPOINT.fullmatch(d.name)
+        )
+    except OSError:
+        return
+    for folder in folders:
+        try:
+            files = sorted(f for f in folder.iterdir() if f.is_file() and not f.is_symlink())
+        except OSError:
+            continue  # gone meanwhile, or not ours to list
+        torch_files = [f for f in files if f.suffix in (".pt", ".pth")]
+        if not torch_files:
+            report.not_read.append(folder.name)
+            continue
+        for file in torch_files:
+            part = VerifyReport(str(file), "torch.save file")
+            _verify_torch_file(file, part, progress)
+            report.problems.extend(part.problems)
+            report.files_checked += part.files_checked
+            report.bytes_checked += part.bytes_checked
+            report.checked.append(f"{folder.name}/{file.name}")
+        if len(torch_files) < len(files):
+            report.not_read.append(f"{folder.name} (its other files)")
 
 
 def _hint_below(directory: Path) -> str:
@@ -702,11 +744,23 @@ def _verify_torch_file(file: Path, report: VerifyReport, progress=None) -> None:
     state dict (at the top level or under a general checkpoint's key) as merge reads it, and
     an optimizer state dict beside it if one is."""
     from ..formats.torch_pt import load_layout
-    from ..formats.torch_state_dict import open_torch_file, torch_file_layout
+    from ..formats.torch_state_dict import (
+        OPTIMIZER_PARTS,
+        NoModelInFileError,
+        open_torch_file,
+        torch_file_layout,
+    )
 
     def layout() -> list:
         state = load_layout(str(file))
-        found = torch_file_layout(state, file)
+        try:
+            found = torch_file_layout(state, file)
+        except NoModelInFileError:  # training state alone (torchtune's recipe_state.pt)
+            key = next((k for k in OPTIMIZER_PARTS if isinstance(state.get(k), dict)), None)
+            part, where = (state, str(file)) if key is None else (state[key], f"{file} [{key!r}]")
+            _check_optimizer_state(part, where)  # flattened at the top level where key is None
+            report.kind = "torch.save file (training state: an optimizer's, no model)"
+            return []
         named = [(t.name, t.blocks) for t in open_torch_file(file, layout=found).tensors]
         if not named:
             raise CheckpointFormatError(f"{file}: holds no model tensors (merge refuses it)")

@@ -251,6 +251,11 @@ MODEL_PARTS = ("model_state_dict", "model", "state_dict")
 OPTIMIZER_PARTS = ("optimizer_state_dict", "optimizer", "optim")
 
 
+class NoModelInFileError(CheckpointFormatError):
+    """A ``torch.save`` file of training state alone (an optimizer's, a recipe's progress):
+    intact, but no model to read."""
+
+
 @dataclass(frozen=True)
 class TorchFileLayout:
     """What one ``torch.save`` file holds, from its unpickled layout."""
@@ -307,7 +312,7 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
                 k for k, v in state.items() if k in flat_keys or not isinstance(v, torch.Tensor)
             )
             if len(skip) == len(state):
-                raise CheckpointFormatError(
+                raise NoModelInFileError(
                     f"{file}: holds an optimizer's state but no model state dict (under any "
                     f"of {', '.join(repr(k) for k in MODEL_PARTS)}, or as tensors at the top "
                     "level)"
