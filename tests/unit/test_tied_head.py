@@ -480,3 +480,45 @@ def test_an_integer_head_is_not_taken_for_its_float_embeddings_copy(tmp_path):
         CheckpointFormatError, match="'lm_head.weight' has the shape of no other integer tensor"
     ):
         merge(source, tmp_path / "merged")
+
+
+def test_a_head_trained_apart_is_named_in_the_rank_file_whose_shard_differs(tmp_path):
+    """A tied head sharded like its embedding across two rank files, where only rank 1's
+    shard differs: the refusal named rank 0's file, which holds the equal half."""
+    import numpy as np
+
+    from shardstream.commands.merge import differing_file, heads_trained_apart
+    from shardstream.engine.copy import Buffers, Streamer
+    from shardstream.engine.endpoints import OpenEndpoints
+    from shardstream.engine.plan import GlobalTensor, dense_block
+
+    embedding = np.arange(32, dtype=np.float32).reshape(8, 4)
+    head = embedding.copy()
+    head[6, 1] += 1.0  # a row of rank 1's half
+    files = [tmp_path / f"model_world_size_2_rank_{r}.pt" for r in (0, 1)]
+    for rank, file in enumerate(files):
+        rows = slice(4 * rank, 4 * rank + 4)
+        file.write_bytes(embedding[rows].tobytes() + head[rows].tobytes())
+
+    def halves(offset):
+        return tuple(
+            dense_block(str(f), offset, "F32", (4, 4), (4 * r, 0)) for r, f in enumerate(files)
+        )
+
+    tensors = [
+        GlobalTensor("model.embed_tokens.weight", "F32", (8, 4), halves(0)),
+        GlobalTensor("lm_head.weight", "F32", (8, 4), halves(64)),
+    ]
+    config = {"model_type": "qwen2", "tie_word_embeddings": True}
+    endpoints = OpenEndpoints()
+    try:
+        streamer = Streamer(endpoints, Buffers.sized(1 << 16))
+        ((found, said, source),) = heads_trained_apart(
+            {"lm_head.weight"}, tensors, config, None, streamer
+        )
+        assert (found.name, source.name) == ("lm_head.weight", "model.embed_tokens.weight")
+        assert "differs from 'model.embed_tokens.weight'" in said
+        assert differing_file(found, source, streamer) == str(files[1])
+        assert differing_file(source, source, streamer) == str(files[0])  # none differs
+    finally:
+        endpoints.close()

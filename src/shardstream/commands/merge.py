@@ -552,10 +552,10 @@ def heads_trained_apart(
     config: dict,
     out_dtype: str | None,
     streamer: Streamer,
-) -> Iterator[tuple[GlobalTensor, str]]:
+) -> Iterator[tuple[GlobalTensor, str, GlobalTensor | None]]:
     """The heads left out as tied that hold none of the values they may be tied to (their
-    embedding's, as written), each with what it was compared with. Compared by digest, one
-    buffer window at a time."""
+    embedding's, as written), each with what it was compared with, said and the first such
+    tensor (None: none has its shape). Compared by digest, one buffer window at a time."""
     from ..engine.copy import tensor_digest
 
     by_name = {t.name: t for t in tensors}
@@ -572,10 +572,10 @@ def heads_trained_apart(
             continue
         if not sources:
             kind = "floating" if is_floating(head.dtype) else "integer"
-            yield head, f"has the shape of no other {kind} tensor ({list(head.shape)})"
+            yield head, f"has the shape of no other {kind} tensor ({list(head.shape)})", None
             continue
         more = f" and the {len(sources) - 1} other tensors of its shape" * (len(sources) > 1)
-        yield head, f"differs from {sources[0].name!r}{more}"
+        yield head, f"differs from {sources[0].name!r}{more}", sources[0]
 
 
 def settle_dropped_heads(
@@ -595,7 +595,7 @@ def settle_dropped_heads(
 
     def settle(streamer: Streamer) -> list[str]:
         kept = []
-        for head, said in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
+        for head, said, source in heads_trained_apart(drop, tensors, config, out_dtype, streamer):
             if hf.only_copy_of_tied(head, tensors, config):
                 kept.append(head.name)
                 continue
@@ -603,7 +603,8 @@ def settle_dropped_heads(
             default = " (by its class's default)" if by_class else ""
             who = f"{where} ties" if config else "--tie-word-embedding ties"
             raise CheckpointFormatError(
-                f"{head.blocks[0].location}: tensor {head.name!r} {said}, but {who} the output "
+                f"{differing_file(head, source, streamer)}: tensor {head.name!r} {said}, but "
+                f"{who} the output "
                 f"head to the input embedding{default}, so save_pretrained would write no head "
                 "and a loaded model would use the embedding in its place: the trained head "
                 "would be lost. Merge with the run's own config.json (--hf_model_path DIR, "
@@ -644,6 +645,23 @@ def values_differ(left: GlobalTensor, kept: GlobalTensor, streamer: Streamer, dt
     return tensor_digest(left, streamer, dtype) != tensor_digest(kept, streamer, dtype)
 
 
+def differing_file(tensor: GlobalTensor, other: GlobalTensor | None, streamer: Streamer) -> str:
+    """The file of ``tensor``'s first block whose elements differ from those of ``other``'s
+    block of the same region (rank 1's file where only rank 1's shard of a head differs);
+    its first block's file where the two are not stored alike."""
+    from ..engine.copy import hash_block
+
+    if other is not None and other.dtype == tensor.dtype:
+        theirs = {(b.start, b.shape): b for b in other.blocks}
+        if all((b.start, b.shape) in theirs for b in tensor.blocks):
+            for block in tensor.blocks:
+                twin = theirs[block.start, block.shape]
+                mine = hash_block(tensor.name, tensor.shape, block, streamer)
+                if mine != hash_block(other.name, other.shape, twin, streamer):
+                    return block.location
+    return tensor.blocks[0].location
+
+
 def check_aliases(
     aliases: Collection[tuple[str, str]],
     tensors: Sequence[GlobalTensor],
@@ -665,7 +683,8 @@ def check_aliases(
             if not values_differ(left, kept, streamer, hf.cast_dtype(kept.dtype, out_dtype)):
                 continue
             raise CheckpointFormatError(
-                f"{left.blocks[0].location}: tensor {left_name!r} differs from {kept_name!r}, "
+                f"{differing_file(left, kept, streamer)}: tensor {left_name!r} differs from "
+                f"{kept_name!r}, "
                 f"but the model {where} describes answers to both with one parameter (its class "
                 f"ties them), so save_pretrained would write only {kept_name!r} and a loaded "
                 f"model would use its values for both: the trained {left_name!r} would be lost. "

@@ -254,7 +254,7 @@ def compare_with_reference(
         check_replicas(checkpoint, ours_side)
         # A head the reference ties is its embedding: compared as the checkpoint's own.
         unheld = {n for n in drop if n not in theirs}
-        for head, said in heads_trained_apart(unheld, as_stored, config, None, ours_side):
+        for head, said, _ in heads_trained_apart(unheld, as_stored, config, None, ours_side):
             report.problem(
                 f"tensor {head.name!r}: {said}, but the reference ties the output head to the "
                 "input embedding (it holds no head), so its model's head is not the checkpoint's"
