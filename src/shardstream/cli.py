@@ -81,8 +81,9 @@ def _add_source_flags(p: argparse.ArgumentParser) -> None:
         p,
         "--prefix",
         default=None,
-        help="DCP: what the model's keys start with (e.g. app.model.; '' for the top level), "
-        "where detection finds several",
+        help="DCP or a torch.save file: what the model's keys start with (e.g. app.model.; "
+        "model. for a Lightning module's model; '' for DCP's top level), where detection finds "
+        "several or a training wrapper holds the model",
     )
 
 
@@ -176,7 +177,12 @@ def build_parser() -> argparse.ArgumentParser:
     inspect = sub.add_parser("inspect", help="describe a checkpoint without reading its data")
     inspect.add_argument("path", help="checkpoint, run or HF model directory")
     _flag(inspect, "--json", action="store_true", help="machine-readable output")
-    _flag(inspect, "--prefix", default=None, help="DCP: what the model's keys start with")
+    _flag(
+        inspect,
+        "--prefix",
+        default=None,
+        help="DCP or a torch.save file: what the model's keys start with",
+    )
     _flag(
         inspect,
         "--hf_model_path",
@@ -392,7 +398,7 @@ def run_verify(args: argparse.Namespace) -> int:
             if report.not_read:
                 print(
                     _one_line(
-                        "note: folders beside the checkpoints that are none, not read: "
+                        "note: not read (no part of a checkpoint shardstream reads): "
                         + ", ".join(report.not_read)
                     ),
                     file=sys.stderr,

@@ -26,6 +26,23 @@ class CheckpointFormatError(ShardstreamError, ValueError):
     """Input that is truncated, corrupt, or inconsistent with itself."""
 
 
+class NamesUnderPrefixError(CheckpointFormatError):
+    """Every stored name is the model's own behind one more prefix (``prefix``): the model was
+    saved as an attribute of a training wrapper (a Lightning module's ``model``)."""
+
+    def __init__(self, message: str, prefix: str = "") -> None:
+        super().__init__(message)
+        self.prefix = prefix
+
+    def read_under(self, prefix: str | None) -> NamesUnderPrefixError:
+        """This error where the names were read under ``prefix`` already (DCP's ``model.``):
+        its ``--prefix`` advice names both, from the top of the checkpoint."""
+        if not prefix:
+            return self
+        said = str(self).replace(f"--prefix {self.prefix!r}", f"--prefix {prefix + self.prefix!r}")
+        return NamesUnderPrefixError(said, prefix + self.prefix)
+
+
 class UnsafeCheckpointError(CheckpointFormatError):
     """Input that tries to run code, escape its directory, or allocate absurd amounts."""
 

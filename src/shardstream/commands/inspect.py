@@ -11,7 +11,7 @@ import os
 from pathlib import Path
 
 from ..engine.dtypes import TORCH_NAME, itemsize
-from ..errors import UsageError
+from ..errors import NamesUnderPrefixError, UsageError
 from ..units import DEFAULT_BUFFER_BYTES, format_size
 
 # Resident memory of a shardstream process before any buffer (interpreter, torch, numpy).
@@ -124,7 +124,7 @@ def _merge_estimate(checkpoint, config: dict, config_dir: Path | None) -> dict:
     layout = (
         {"rule": None, "refused": refused, "renamed": {}, "split": {}}
         if refused
-        else _layout(checkpoint.tensors, config, dropped, config_dir)
+        else _layout(checkpoint.tensors, config, dropped, config_dir, _read_under(checkpoint))
     )
     dropped -= set(layout.pop("untied", ()))  # heads the model holds apart: written
     stored = sum(t.nbytes for t in checkpoint.tensors)
@@ -164,7 +164,14 @@ def _lora_merges(checkpoint) -> None:
         lora.lora_settings(checkpoint.directory, checkpoint.lora_settings)
 
 
-def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = None) -> dict:
+def _read_under(checkpoint) -> str:
+    """The prefix the model's names were read under (DCP's ``model.``; ``--prefix``)."""
+    return getattr(checkpoint, "prefix", None) or ""
+
+
+def _layout(
+    tensors, config: dict, dropped: set[str], config_dir: Path | None = None, read_under: str = ""
+) -> dict:
     """The names merge writes (``hf_names``): the rule, the renamed tensors and the fused
     tensors it splits, and under ``untied`` the heads of ``dropped`` the model holds apart
     (written); or why merge would refuse the layout."""
@@ -182,6 +189,9 @@ def _layout(tensors, config: dict, dropped: set[str], config_dir: Path | None = 
         where = str(config_dir / "config.json") if config_dir else "config.json"
         tied = [(t.name, t.dtype, t.shape) for t in tensors if t.name in dropped]
         plan = plan_checkpoint_names(stored, config, config_path=where, tied=tied)
+    except NamesUnderPrefixError as exc:
+        refused = str(exc.read_under(read_under))
+        return {"rule": None, "refused": refused, "renamed": {}, "split": {}}
     except ShardstreamError as exc:
         return {"rule": None, "refused": str(exc), "renamed": {}, "split": {}}
     renamed = {p.stored: p.name for p in plan.pieces if p.whole and p.name != p.stored}

@@ -18,7 +18,7 @@ from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, give_back_freed_memory, peak_rss_bytes
 from ..engine.plan import GlobalTensor, TensorSlice, split_ranges
 from ..engine.readahead import reading_ahead
-from ..errors import CheckpointFormatError, ShardstreamError, UsageError
+from ..errors import CheckpointFormatError, NamesUnderPrefixError, ShardstreamError, UsageError
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
@@ -276,9 +276,12 @@ def _merge(
     reorder = not getattr(checkpoint, "in_model_order", True) and total > max_file_bytes
     planning = time.perf_counter()
     with reading_ahead((b for t in tensors for b in t.blocks), budget):
-        names, outputs = output_layout(
-            tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
-        )
+        try:
+            names, outputs = output_layout(
+                tensors, out_dtype, drop, config, keep_names, where, model_order=reorder
+            )
+        except NamesUnderPrefixError as exc:
+            raise exc.read_under(getattr(checkpoint, "prefix", None)) from None
     drop -= set(names.untied)  # a head the model holds apart all the same: written
     kept = set()
     if drop:

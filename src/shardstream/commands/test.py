@@ -45,7 +45,7 @@ from ..engine.copy import Buffers, Streamer, fill_window
 from ..engine.dtypes import TORCH_BY_CODE, is_floating, itemsize, parse_dtype
 from ..engine.endpoints import FileEndpoint, OpenEndpoints
 from ..engine.plan import CopyRun, GlobalTensor, dense_block, plan_copy, stored_at
-from ..errors import UsageError
+from ..errors import NamesUnderPrefixError, UsageError
 from ..formats import hf, lora
 from ..formats.dcp_hf import safetensors_endpoint
 from ..formats.safetensors import read_header
@@ -177,7 +177,11 @@ def compare_with_reference(
     # stores it all the same is compared with it.
     drop = tied_duplicates(tensors, config, tie_word_embedding, reference_ties=reference_ties)
     as_stored = tensors
-    tensors, aliases = _saved_layout(tensors, config, config_dir, drop, {t.name for t in reference})
+    try:
+        seen = {t.name for t in reference}
+        tensors, aliases = _saved_layout(tensors, config, config_dir, drop, seen)
+    except NamesUnderPrefixError as exc:
+        raise exc.read_under(getattr(checkpoint, "prefix", None)) from None
     adapter = ref_dir / lora.ADAPTER_DIR / lora.ADAPTER_FILE
     unreferenced: list[str] = []
     if adapter_dir is not None:  # the reference is the adapter itself; base weights not compared

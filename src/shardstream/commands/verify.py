@@ -81,7 +81,7 @@ class VerifyReport:
     unnamed: list[str] = field(default_factory=list)
     # the checkpoints below a directory of them, by path relative to it, as they were checked
     checked: list[str] = field(default_factory=list)
-    # the folders beside them that are no checkpoint, not read (a run's logs)
+    # what is no part of a checkpoint read here, beside them (a run's logs), not read
     not_read: list[str] = field(default_factory=list)
 
     @property
@@ -632,16 +632,40 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
         report.problems.append(_problem_in(directory, exc))
     # the files looked at, passed or not (a failed check names its problem above); a data
     # file the .metadata does not name is not one of them
+    try:
+        configs = directory == config_dir_of(directory)  # its config files are checked below
+    except (ShardstreamError, OSError):
+        configs = False  # said by _config_files_sound
     for f in sorted(directory.iterdir()):
         if not f.is_file():
             continue
-        if named is not None and f.suffix == ".distcp" and str(f) not in named:
-            report.unnamed.append(f.name)
-        else:
+        if f.suffix == ".distcp":
+            if named is not None and str(f) not in named:
+                report.unnamed.append(f.name)
+            else:
+                report.files_checked += 1
+        elif f.suffix in (".pt", ".pth"):  # a torch.save file beside (Lightning's meta.pt)
+            _torch_archive_sound(f, report, progress)
+        elif f.name.endswith(".metadata") or configs:
             report.files_checked += 1
+        else:
+            report.not_read.append(f.name)
     if not any(p.path.startswith(str(directory)) for p in report.problems):
         _verify_dcp_records(directory, report, progress)  # its structure is sound
     _config_files_sound(directory, lambda: config_dir_of(directory), report)
+
+
+def _torch_archive_sound(file: Path, report: VerifyReport, progress) -> None:
+    """A ``torch.save`` file beside a checkpoint, not read by merge or restore: its zip
+    records against their CRC-32s, its pickle not read."""
+    report.files_checked += 1
+    try:
+        bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
+    except (ShardstreamError, OSError) as exc:
+        report.problems.append(Problem(str(file), _strip(exc, file)))
+        return
+    for record in bad:
+        report.problems.append(_crc_mismatch(file, record, []))
 
 
 def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:

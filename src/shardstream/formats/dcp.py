@@ -300,6 +300,7 @@ def _model_names(
             names = {k: k for k in keys if len(paths[k]) == 1}
         else:
             names = {k: k for k in keys if not k.startswith(NON_MODEL_PREFIXES)}
+        names = {k: v for k, v in names.items() if not is_rng_state(k)}
         return names, "model at top level (prefix given)", ""
     if paths is not None:
         found = _containers(keys, paths)
@@ -325,18 +326,25 @@ def _model_names(
                 else (f"model under {where!r}")
             )
             return names, text, where + "."
-        names = {k: k for k in keys if len(paths[k]) == 1}
+        names = {k: k for k in keys if len(paths[k]) == 1 and not is_rng_state(k)}
         return (
             names,
             "model at top level" + (" with training state" if len(names) < len(keys) else ""),
             "",
         )
     # No planner_data (custom planners): decide by key prefixes.
-    model = [k for k in keys if not k.startswith(NON_MODEL_PREFIXES)]
+    model = [k for k in keys if not k.startswith(NON_MODEL_PREFIXES) and not is_rng_state(k)]
     if len(model) < len(keys) and model and all(k.startswith("model.") for k in model):
         names = {k: k[len("model.") :] for k in model}
         return names, "train state (model under 'model')", "model."
     return {k: k for k in model}, "model at top level (no planner_data; named by prefix)", ""
+
+
+def is_rng_state(key: str) -> bool:
+    """Whether a top-level entry is a random generator's state saved beside a model at the top
+    level (PyTorch's DCP tutorial's ``"rng": torch.get_rng_state()``), not a model tensor: no
+    dot, "rng" in its name."""
+    return isinstance(key, str) and "." not in key and "rng" in key.lower()
 
 
 def _containers_held(keys: list[str], paths: dict[str, tuple] | None) -> str:
@@ -373,9 +381,21 @@ def unread_groups(skipped: dict[str, str], prefix: str) -> dict[str, int]:
     for key, why in skipped.items():
         if why.startswith(("training state (", NOT_UNDER_MODEL)) and key.startswith(parent):
             group = key[len(parent) :].split(".", 1)[0] + "."
-            if "." in key[len(parent) :] and not group.startswith(NON_MODEL_PREFIXES):
+            if "." in key[len(parent) :] and not _training_state_group(group):
                 groups[parent + group] += 1
+    if parent + "param_groups." in groups:  # a flattened optimizer's state.* and param_groups.*
+        groups.pop(parent + "param_groups.")
+        groups.pop(parent + "state.", None)
     return {g: n for g, n in sorted(groups.items()) if n > 1}
+
+
+# Lightning's optimizer_0., lr_scheduler_0., ... (one container per optimizer of the module)
+NUMBERED_TRAINING_STATE = re.compile(r"(optimizer|optim|lr_scheduler|scheduler)_\d+\.\Z")
+
+
+def _training_state_group(group: str) -> bool:
+    """Whether the container ``group`` (``"optimizer."``) holds training state, not a model."""
+    return group.startswith(NON_MODEL_PREFIXES) or bool(NUMBERED_TRAINING_STATE.match(group))
 
 
 def _describe(chunks: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> str:

@@ -298,7 +298,10 @@ def plan_names(
             text = str(exc)
             if not text.startswith("config.json") or config_path == "config.json":
                 raise
-            raise CheckpointFormatError(config_path + text.removeprefix("config.json")) from None
+            said = config_path + text.removeprefix("config.json")
+            if isinstance(exc, errors.NamesUnderPrefixError):
+                raise errors.NamesUnderPrefixError(said, exc.prefix) from None
+            raise CheckpointFormatError(said) from None
     return _PLANS[key]
 
 
@@ -487,6 +490,7 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
                 result = {"plan": dataclasses.asdict(traced)}
             except ShardstreamError as exc:
                 result = {"error": type(exc).__name__, "message": str(exc)}
+                result["prefix"] = getattr(exc, "prefix", None)
             with os.fdopen(write_end, "w") as out:
                 json.dump(result, out)
             code = 0
@@ -516,6 +520,8 @@ def _planned_apart(plain, config: dict, model_type: str, tied=()):
         kind = getattr(errors, result["error"], None)
         if not (isinstance(kind, type) and issubclass(kind, ShardstreamError)):
             kind = ShardstreamError
+        if kind is errors.NamesUnderPrefixError:
+            raise kind(result["message"], result.get("prefix") or "")
         raise kind(result["message"])
     return Traced.from_json(result["plan"])
 
@@ -1434,13 +1440,14 @@ def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
             return other
     under = _common_prefix([name for name, _, _ in plain], held)
     if under:
-        raise CheckpointFormatError(
+        raise errors.NamesUnderPrefixError(
             f"config.json: {named}, the model it describes, holds none of the checkpoint's "
             f"tensors, but every name starts with {under!r} and without it is the model's own "
             f"(e.g. {plain[0][0]!r}): saved from a module that holds the model as its "
-            f"{under[:-1]!r} attribute (a training wrapper). Save that attribute's state dict "
-            f"(for a DCP checkpoint: --prefix {under!r}), or merge with --keep-names to write "
-            "the names as they are"
+            f"{under[:-1]!r} attribute (a training wrapper, such as a Lightning module). Read "
+            f"the model under it with --prefix {under!r}, or merge with --keep-names to write "
+            "the names as they are",
+            under,
         )
     if native := native_names_hint([n for n, _, _ in plain]):
         raise CheckpointFormatError(

@@ -640,11 +640,10 @@ def open_checkpoint(
                 f"{path}: is one rank's file of a verl checkpoint, which holds that rank's "
                 f"shards only; pass the directory of every rank's files ({path.parent})"
             )
-        if prefix is not None:
-            raise UsageError(f"{path}: --prefix applies to DCP checkpoints, not to one file")
         from .torch_state_dict import open_torch_file
 
-        return _holding_tensors(path, open_torch_file(path, shared=shared), model_only)
+        opened = open_torch_file(path, shared=shared, prefix=prefix)
+        return _holding_tensors(path, opened, model_only)
     if not path.is_dir():
         raise CheckpointFormatError(
             f"{path}: is {kind_of(path) or 'gone'}; expected a checkpoint directory or a "
@@ -652,10 +651,10 @@ def open_checkpoint(
         )
     kind = detect(path)
     opener = _READERS.get(kind)
-    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):
+    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE, Kind.TORCH_SAVE):
         raise UsageError(
-            f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'), not to "
-            f"this one ({kind.value})"
+            f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*') and "
+            f"torch.save files, not to this one ({kind.value})"
         )
     if opener is not None:
         if (beside := second_model(path, kind)) is not None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..engine.plan import GlobalTensor
-from ..errors import CheckpointFormatError, UsageError
+from ..errors import CheckpointFormatError
 from .regular_file import check_inside, open_regular
 from .verl import VerlCheckpoint, _model_state, read_rank_layouts
 
@@ -32,6 +32,7 @@ class TorchStateDict(VerlCheckpoint):
     """A whole state dict in one ``torch.save`` file; ``world_size`` is the saving run's."""
 
     label: str = ACCELERATE_FULL_FORMAT
+    prefix: str = ""  # what the model's names started with in the file (--prefix)
 
     @property
     def format(self) -> str:
@@ -64,19 +65,30 @@ def open_torch_state_dict(
     ``shared``: every process of the current group opens it together (one unpickles it).
     ``part``: the key of the top-level dict that holds the state dict (a general checkpoint's
     ``model_state_dict``); None: the file holds it at the top level, without the keys in
-    ``skip`` (the training state saved beside it).
+    ``skip`` (the training state saved beside it). ``prefix``: what the model's names start
+    with in that state dict (``model.`` where a Lightning module holds the model as its
+    ``model``): the tensors under it, without it.
     """
+    from .dcp import normalize_prefix
+
     file = Path(file)
     directory = file.parent
-    if prefix is not None:
-        raise UsageError(
-            f"{file}: --prefix applies to DCP checkpoints (keys such as 'app.model.*'); this "
-            "file holds the model's state dict at the top level"
-        )
+    prefix = normalize_prefix(prefix)
     check_inside(file, directory)
 
     def model_state(state: dict, path: str) -> dict:
-        return _model_state({k: v for k, v in state.items() if k not in skip}, path)
+        kept = {k: v for k, v in state.items() if k not in skip}
+        if prefix:
+            kept = {
+                k[len(prefix) :]: v
+                for k, v in kept.items()
+                if isinstance(k, str) and k.startswith(prefix) and len(k) > len(prefix)
+            }
+            if not kept:
+                raise CheckpointFormatError(
+                    f"{path}: no name in its state dict starts with {prefix!r} (--prefix)"
+                )
+        return _model_state(kept, path)
 
     layout = read_rank_layouts([str(file)], _part_of(part, model_state), shared)
     return TorchStateDict(
@@ -89,6 +101,7 @@ def open_torch_state_dict(
         [str(file)],
         layout.replicas,
         label=label,
+        prefix=prefix or "",
     )
 
 
@@ -290,7 +303,10 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
             "which one is the model is unclear, so none is read (save one, or load the file "
             "and save the one you mean)"
         )
-    loose = [k for k, v in state.items() if getattr(v, "ndim", 0) >= 1]  # a 0-d loss may be
+    from .dcp import is_rng_state
+
+    # a 0-d loss may be beside the model, and an RNG state (a generator's bytes)
+    loose = [k for k, v in state.items() if getattr(v, "ndim", 0) >= 1 and not is_rng_state(k)]
     if model is not None and loose:
         raise CheckpointFormatError(
             f"{file}: holds a state dict under {model!r} and {len(loose)} tensor"
@@ -305,10 +321,11 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
 
         flat_keys = flat_optimizer_keys([k for k in state if isinstance(k, str)], None)
         flat = bool(flat_keys) and optimizer is None
+        skip = frozenset(k for k in state if is_rng_state(k))
         if optimizer is not None or flat:  # the model's tensors at the top level beside them
             import torch
 
-            skip = frozenset(
+            skip |= frozenset(
                 k for k, v in state.items() if k in flat_keys or not isinstance(v, torch.Tensor)
             )
             if len(skip) == len(state):
@@ -330,15 +347,23 @@ def torch_file_layout(state: object, file: str | os.PathLike) -> TorchFileLayout
 
 
 def open_torch_file(
-    file: str | os.PathLike, shared: bool = False, layout: TorchFileLayout | None = None
+    file: str | os.PathLike,
+    shared: bool = False,
+    layout: TorchFileLayout | None = None,
+    prefix: str | None = None,
 ) -> TorchStateDict:
     """The model in one ``torch.save`` file, read as a whole state dict (``layout``: the
-    file's, when the caller has it already)."""
+    file's, when the caller has it already; ``prefix``: as ``open_torch_state_dict``'s)."""
     from .torch_pt import load_layout
 
     layout = layout or torch_file_layout(load_layout(str(file)), file)
     return open_torch_state_dict(
-        file, label=TORCH_FILE_FORMAT, shared=shared, part=layout.model, skip=layout.skip
+        file,
+        label=TORCH_FILE_FORMAT,
+        shared=shared,
+        part=layout.model,
+        skip=layout.skip,
+        prefix=prefix,
     )
 
 
