@@ -460,3 +460,34 @@ def test_zip_records_flagged_encrypted_are_one_error_line(tmp_path, capsys, kind
     else:
         _one_error_line(command, lines, str(target))
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("listed", ["../outside.json", "{outside}", "sub/../../outside.json"])
+def test_a_file_list_naming_files_out_of_the_model_is_refused(tmp_path, capsys, listed):
+    """merge's output lists the files it wrote beside the weights, with their digests, in the
+    first file's header: verify hashed whatever that list named, any file on the machine
+    (``../../etc/hostname``, an absolute path), and said only that it differed."""
+    import json
+    import struct
+
+    from shardstream.formats.safetensors import FILES_KEY
+
+    source = _dcp_dir(tmp_path / "dcp")
+    code, _ = _merge(capsys, source, tmp_path / "merged")
+    assert code == 0
+    outside = tmp_path / "outside.json"
+    outside.write_text("{}")
+    weights = tmp_path / "merged" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    length = struct.unpack("<Q", data[:8])[0]
+    header = json.loads(data[8 : 8 + length])
+    name = listed.format(outside=outside)
+    header["__metadata__"][FILES_KEY] = f"{name}=0000000000000000"
+    text = json.dumps(header, separators=(",", ":")).encode()
+    assert len(text) <= length
+    data[8 : 8 + length] = text + b" " * (length - len(text))
+    weights.write_bytes(bytes(data))
+    report = verify(tmp_path / "merged")
+    assert not report.ok
+    assert any("lies outside the checkpoint" in p.message for p in report.problems), report
+    assert not any("differs from what merge wrote" in p.message for p in report.problems)

@@ -107,9 +107,13 @@ def _check_regular(path: str | os.PathLike, mode: int) -> None:
 
 
 def check_inside(path: Path, directory: Path) -> Path:
-    """A checkpoint file that is a symlink must lead to a file inside the checkpoint
-    ``directory`` (as shardstream's own format requires of its files): a link out is refused,
+    """A checkpoint file must lie inside the checkpoint ``directory``, and one that is a
+    symlink must lead to a file inside it (as shardstream's own format requires of its files):
+    a name out of it (``../``, an absolute path, from a file list) or a link out is refused,
     named."""
+    here = os.path.abspath(directory)
+    if os.path.commonpath([here, os.path.abspath(path)]) != here:
+        raise UnsafeCheckpointError(f"{path}: lies outside the checkpoint {directory}")
     if path.is_symlink():
         real = Path(os.path.realpath(path))
         if Path(os.path.realpath(directory)) not in real.parents:
