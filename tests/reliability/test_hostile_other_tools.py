@@ -125,6 +125,35 @@ def test_items_sharing_bytes_are_refused(tmp_path, capsys, command, edit):
 
 
 @pytest.mark.parametrize("command", COMMANDS)
+@pytest.mark.parametrize("alias", ["hard_link", "symlink", "linked_folder"])
+def test_items_sharing_bytes_through_another_name_of_the_file_are_refused(
+    tmp_path, capsys, command, alias
+):
+    """The same range named through another name of the data file (a hard link, a symlink, a
+    folder linked to the checkpoint's own): the check compared file names, so merge wrote q's
+    weights as k's, exit 0."""
+    source = _dcp_save(_state(), tmp_path / "ck")
+    if alias == "hard_link":
+        os.link(source / "__0_0.distcp", source / "alias.distcp")
+        name = "alias.distcp"
+    elif alias == "symlink":
+        os.symlink("__0_0.distcp", source / "alias.distcp")
+        name = "alias.distcp"
+    else:
+        os.symlink(".", source / "sub")
+        name = "sub/__0_0.distcp"
+
+    def through_the_alias(meta) -> None:
+        index = next(i for i in meta.storage_data if i.fqn == "k.weight")
+        q = _storage(meta, "q.weight")
+        meta.storage_data[index] = type(q)(name, q.offset, q.length)
+
+    _edit_metadata(source, through_the_alias)
+    err = _refused(capsys, command, source, tmp_path, str(source / ".metadata"), "share bytes")
+    assert "'q.weight'" in err and "'k.weight'" in err and "the same file" in err
+
+
+@pytest.mark.parametrize("command", COMMANDS)
 @pytest.mark.parametrize("version", ["2.0.0", 1], ids=["major_2", "not_a_string"])
 def test_metadata_version_merge_cannot_read(tmp_path, capsys, command, version):
     """A DCP version merge refuses: verify passed it, so a checkpoint it called sound failed

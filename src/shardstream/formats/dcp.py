@@ -689,19 +689,29 @@ def check_items_apart(items: list[tuple[str, object, object, object]], meta_path
     """DCP writes every item (key, file, start, length) to a byte range of its own. Two that
     share bytes would each read the other's archive (``zipfile`` finds an archive by its end,
     and tolerates bytes before it): a tensor merged with another's weights, or one chunk's
-    twice. Entries of the wrong types are left to the checks that name them."""
-    by_file: dict[Path, list[tuple[int, int, str]]] = {}
+    twice. A file is told by what it is, not by its name: another name of it (a hard link, a
+    symlink, a linked folder) shares its bytes too. Entries of the wrong types are left to the
+    checks that name them."""
+    by_file: dict[object, list[tuple[int, int, str, str]]] = {}
     for key, relative, start, length in items:
         if isinstance(relative, str) and type(start) is int and type(length) is int and length:
-            by_file.setdefault(Path(relative), []).append((start, start + length, key))
-    for relative, ranges in by_file.items():
+            try:
+                found = os.stat(meta_path.parent / relative)  # an absolute one stands alone
+                identity: object = (found.st_dev, found.st_ino)
+            except (OSError, ValueError):  # missing, or no name at all: named by other checks
+                identity = Path(relative)
+            by_file.setdefault(identity, []).append((start, start + length, key, relative))
+    for ranges in by_file.values():
         ranges.sort()
-        for (start, end, key), (next_start, next_end, next_key) in zip(ranges, ranges[1:]):
+        for (start, end, key, name), (next_start, next_end, next_key, next_name) in zip(
+            ranges, ranges[1:]
+        ):
             if next_start < end:
+                also = f" (also named {next_name}: the same file)" if next_name != name else ""
                 raise CheckpointFormatError(
                     f"{meta_path}: {short_repr(key)} and {short_repr(next_key)} share bytes of "
-                    f"{relative} ([{start}, {end}) and [{next_start}, {next_end})); DCP writes "
-                    "each item to its own byte range, so the metadata is damaged"
+                    f"{name}{also} ([{start}, {end}) and [{next_start}, {next_end})); DCP "
+                    "writes each item to its own byte range, so the metadata is damaged"
                 )
 
 
