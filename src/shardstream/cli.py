@@ -379,7 +379,7 @@ def run_verify(args: argparse.Namespace) -> int:
             if report.unchecked_bytes:
                 checked += (
                     f"; {format_size(report.unchecked_bytes)} of tensor data not checked: "
-                    "safetensors files shardstream did not write carry no checksums"
+                    + "; ".join(report.unchecked_why or ["no checksum recorded"])
                 )
             print(
                 f"{verdict}: {report.kind} {report.path}: {report.files_checked} "

@@ -290,3 +290,25 @@ def test_verify_accelerate_state_file_that_is_no_file(tmp_path, capsys, name, re
     (source / name).unlink()
     replace(source / name)
     _refused(capsys, "verify", source, tmp_path, str(source / name), "expected a regular file")
+
+
+def test_records_saved_with_crc32_off_count_as_unchecked(tmp_path, capsys):
+    """torch.save with ``set_crc32_options(False)`` writes 0 as every record's CRC-32, which
+    checks nothing: verify said OK with 0 bytes unchecked, so a flipped bit there passed
+    unsaid. Their bytes now count as unchecked, with the reason."""
+    from shardstream.commands.verify import verify
+
+    torch.serialization.set_crc32_options(False)
+    try:
+        source = _dcp_save(_state(), tmp_path / "ck")
+        torch.save(_state(), tmp_path / "state.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    for path in (source, tmp_path / "state.pt"):
+        report = verify(path)
+        assert report.ok and report.unchecked_bytes >= 2 * 4 * 3 * 4 + 3 * 4, report
+        assert report.bytes_checked == 0, report  # every record's CRC-32 is 0: none checked
+        assert any("CRC-32 off" in why for why in report.unchecked_why), report
+    code = cli.main(["verify", str(source)])
+    out = capsys.readouterr().out
+    assert code == 0 and "not checked: torch.save records saved with CRC-32 off" in out, out

@@ -71,8 +71,10 @@ class VerifyReport:
     bytes_checked: int = 0
     steps: list[int] = field(default_factory=list)
     # data bytes with no checksum to check them against (safetensors files shardstream did
-    # not write): their structure is checked, not their contents
+    # not write; torch.save records saved with CRC-32 off): their structure is checked, not
+    # their contents; ``unchecked_why`` says which
     unchecked_bytes: int = 0
+    unchecked_why: list[str] = field(default_factory=list)
     # a run's uncommitted leftovers (a save that was killed): not problems, never read as
     # steps, removed by the run's next save; said so that their space is not a surprise
     uncommitted: list[str] = field(default_factory=list)
@@ -138,6 +140,7 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
         report.files_checked += part.files_checked
         report.bytes_checked += part.bytes_checked
         report.unchecked_bytes += part.unchecked_bytes
+        _unchecked_because(report, *part.unchecked_why)
         report.uncommitted += [f"{entry.name}/{name}" for name in part.uncommitted]
         report.unnamed += [f"{entry.name}/{name}" for name in part.unnamed]
         if (step := step_of_name(entry.name)) is not None and step not in report.steps:
@@ -173,6 +176,7 @@ def _unread_trainer_checkpoints(root: Path, found: list[Path], report: VerifyRep
             continue  # gone meanwhile
         if names & PEFT_ADAPTER_FILES:
             report.unchecked_bytes += sum(f.stat().st_size for f in files)
+            _unchecked_because(report, "a checkpoint-N holding a PEFT adapter alone is not read")
             continue
         report.problems.append(
             Problem(
@@ -604,20 +608,40 @@ def _other_world_sizes(directory: Path) -> set[str]:
 
 def _bad_zip_records(file: Path, report: VerifyReport, progress, buffer) -> list:
     """The zip records of the torch archive ``file`` whose bytes fail their CRC-32 (torch
-    records one and checks none); raises if the archive cannot be read."""
+    records one and checks none); raises if the archive cannot be read. A record saved with
+    CRC-32 off (0 there) counts as unchecked bytes (``_crc_recorded``)."""
     from ..engine.checksum import Crc32
     from ..formats.torch_pt import zip_records
 
     bad = []
-    records = zip_records(str(file))
+    records = zip_records(str(file), unchecked=True)
     with open_regular(file, buffering=0) as f:
         for record in records:
             f.seek(record.start)
             hasher = Crc32()
             _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
-            if hasher.hexdigest() != record.crc:
+            if hasher.hexdigest() != record.crc and _crc_recorded(record, report):
                 bad.append(record)
     return bad
+
+
+NO_CRC = "torch.save records saved with CRC-32 off (set_crc32_options(False)) carry none"
+NOT_OURS = "safetensors files shardstream did not write carry no checksums"
+
+
+def _crc_recorded(record, report: VerifyReport) -> bool:
+    """Whether ``record``'s CRC-32 field holds one: 0 (torch's ``set_crc32_options(False)``,
+    or a field zeroed) checks nothing, so its bytes count as unchecked, said so."""
+    if record.crc != "00000000":
+        return True
+    report.unchecked_bytes += record.end - record.start
+    report.bytes_checked -= record.end - record.start  # read, but against nothing
+    _unchecked_because(report, NO_CRC)
+    return False
+
+
+def _unchecked_because(report: VerifyReport, *why: str) -> None:
+    report.unchecked_why += [w for w in why if w not in report.unchecked_why]
 
 
 def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
@@ -936,11 +960,12 @@ def _verify_dcp_records(directory: Path, report: VerifyReport, progress) -> None
     for key, path, start, length in items:
         try:
             with open_regular(path, buffering=0) as f:
-                for record in zip_records_in(str(path), start, length, f.fileno()):
+                records = zip_records_in(str(path), start, length, f.fileno(), unchecked=True)
+                for record in records:
                     f.seek(record.start)
                     hasher = Crc32()
                     _hash_span(f, record.end - record.start, hasher, report, progress, buffer)
-                    if hasher.hexdigest() != record.crc:
+                    if hasher.hexdigest() != record.crc and _crc_recorded(record, report):
                         report.problems.append(
                             Problem(
                                 str(path),
@@ -1128,6 +1153,7 @@ def _verify_safetensors(
     if sums is None:
         report.bytes_checked += header.data_start
         report.unchecked_bytes += header.file_size - header.data_start
+        _unchecked_because(report, NOT_OURS)
         return header  # a foreign file: structure checked, no checksums to compare
     if entries_digest(header.tensors.values()) != sums.entries:
         report.problems.append(

@@ -718,10 +718,12 @@ def zip_records(path: str, *, unchecked: bool = False) -> list[ZipRecord]:
     return records
 
 
-def zip_records_in(path: str, start: int, length: int, fd: int | None = None) -> list[ZipRecord]:
+def zip_records_in(
+    path: str, start: int, length: int, fd: int | None = None, unchecked: bool = False
+) -> list[ZipRecord]:
     """``zip_records`` of the archive that fills bytes [start, start + length) of ``path`` (a
     DCP item, which ``torch.save`` wrote with a CRC-32 in every record); offsets are the
-    file's. ``fd``: the file, already open."""
+    file's. ``fd``: the file, already open. ``unchecked``: as ``zip_records``'s."""
     own = fd is None
     if own:
         fd = os.open(path, os.O_RDONLY)
@@ -729,7 +731,9 @@ def zip_records_in(path: str, start: int, length: int, fd: int | None = None) ->
     try:
         with zipfile.ZipFile(RangeReader(fd, start, length)) as archive:
             for info in archive.infolist():
-                if info.compress_type != zipfile.ZIP_STORED or (info.CRC == 0 and info.file_size):
+                if info.compress_type != zipfile.ZIP_STORED:
+                    continue
+                if info.CRC == 0 and info.file_size and not unchecked:
                     continue
                 at = start + info.header_offset
                 local = os.pread(fd, 30 + len(_central_name(info)), at)
