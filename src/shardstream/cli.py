@@ -486,7 +486,10 @@ def _run(handler: Callable[[argparse.Namespace], int], args: argparse.Namespace)
         what = "terminated" if isinstance(exc, Terminated) else "interrupted"
         committed = getattr(exc, COMMITTED_ATTR, None)
         if committed:
-            said = f"{what} after {committed} was put in place, while its old output was deleted"
+            said = (
+                f"{what} after {committed} was put in place, complete (what is left of its old "
+                "output goes with its next write)"
+            )
         else:
             said = f"{what}; nothing was committed"
         code = 128 + (signal.SIGTERM if isinstance(exc, Terminated) else signal.SIGINT)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import logging
 import math
 import os
 import time
@@ -18,7 +19,13 @@ from ..engine.endpoints import OpenEndpoints
 from ..engine.memory import gc_paused, give_back_freed_memory, peak_rss_bytes
 from ..engine.plan import GlobalTensor, TensorSlice, split_ranges
 from ..engine.readahead import reading_ahead
-from ..errors import CheckpointFormatError, NamesUnderPrefixError, ShardstreamError, UsageError
+from ..errors import (
+    COMMITTED_ATTR,
+    CheckpointFormatError,
+    NamesUnderPrefixError,
+    ShardstreamError,
+    UsageError,
+)
 from ..formats import hf, lora
 from ..formats.hf import output_dtype, tied_duplicates
 from ..formats.hf_writer import HfModelFiles, output_layout
@@ -34,6 +41,8 @@ from ..units import (
     DIRECT_ALIGN,
     parse_size,
 )
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -148,8 +157,28 @@ def merge(
             coll.leave(failed=True)
         raise
     if own_group:
-        coll.leave()
+        _leave_after_commit(summary.target)
     return summary
+
+
+def _leave_after_commit(target: str) -> None:
+    """Leave the process group once the output is in place: a process lost at the last
+    barrier leaves the output as it is (complete), which is said as a warning, not a failure;
+    a signal then is raised marked committed (``errors.COMMITTED_ATTR``)."""
+    try:
+        coll.leave()
+    except Exception as exc:  # noqa: BLE001  (a peer gone: the merge is done all the same)
+        log.warning(
+            "shardstream: %s is in place and complete; leaving the process group after it "
+            "failed: %s",
+            target,
+            coll.lost_peer(exc) or exc,
+        )
+        coll.leave(failed=True)
+    except BaseException as exc:
+        setattr(exc, COMMITTED_ATTR, target)
+        coll.leave(failed=True)
+        raise
 
 
 def _merge(
@@ -356,10 +385,13 @@ def _merge(
             )
             jobs = output.jobs
             error = None
-            try:
-                if rank == 0:
+            if rank == 0:
+                try:
                     output.create()
-                coll.barrier()
+                except BaseException as exc:  # noqa: BLE001  (a full disk: every rank hears)
+                    error = exc
+            coll.agree_or_raise(error, "merge")  # and the files exist before any rank fills them
+            try:
                 mine = {}
                 planned = None  # this rank's ranges come in file order
                 for index, lo, hi in split_ranges(
