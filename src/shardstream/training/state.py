@@ -39,6 +39,10 @@ TENSOR_TAG, TUPLE_TAG, FLOAT_TAG = "__tensor__", "__tuple__", "__float__"
 # A small tensor written into the JSON itself (a tensor learning rate in a param group, a
 # scheduler's tensors): dtype code, shape and its bytes in hex, bit for bit.
 INLINE_TAG = "__inline_tensor__"
+INT_KEYS_TAG = "__int_keys__"
+# A mapping with a key of the tags' own is kept as its (key, value, key-is-int) entries
+DICT_TAG = "__dict__"
+TAGS = frozenset((TENSOR_TAG, TUPLE_TAG, FLOAT_TAG, INLINE_TAG, INT_KEYS_TAG, DICT_TAG))
 MAX_INLINE_BYTES = 1 << 16
 
 
@@ -388,15 +392,20 @@ def encode(
     if isinstance(value, list):
         return [encode(v, tensors, f"{path}.{i}", depth) for i, v in enumerate(value)]
     if isinstance(value, Mapping):
-        out = {}
+        entries = []
         for k, v in value.items():
             if not isinstance(k, (str, int)) or isinstance(k, bool):
                 raise UsageError(
                     f"extra state key {k!r} at {path or '<root>'} must be a str or int"
                 )
-            out[str(k) if isinstance(k, str) else f"{k}"] = encode(v, tensors, f"{path}.{k}", depth)
-            if isinstance(k, int):
-                out.setdefault("__int_keys__", []).append(str(k))
+            entries.append((k, encode(v, tensors, f"{path}.{k}", depth)))
+        names = [str(k) for k, _ in entries]
+        if len(set(names)) < len(names) or any(k in TAGS for k in names if isinstance(k, str)):
+            # a key the tags spell, or 1 and "1" both: kept as (key, value, key-is-int) entries
+            return {DICT_TAG: [[str(k), v, isinstance(k, int)] for k, v in entries]}
+        out = {str(k): v for k, v in entries}
+        if ints := [str(k) for k, _ in entries if isinstance(k, int)]:
+            out[INT_KEYS_TAG] = ints
         return out
     if hasattr(value, "item") and hasattr(value, "dtype"):  # numpy scalars
         return encode(value.item(), tensors, path, depth)
@@ -452,6 +461,11 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> A
         return [decode(v, tensors, depth) for v in value]
     if not isinstance(value, dict):
         return value
+    if len(value) == 1 and DICT_TAG in value:
+        return {
+            (int(k) if as_int else k): decode(v, tensors, depth)
+            for k, v, as_int in _entries(value[DICT_TAG])
+        }
     if INLINE_TAG in value:
         return _from_inline(value[INLINE_TAG])
     if TENSOR_TAG in value:
@@ -461,12 +475,22 @@ def decode(value: Any, tensors: Mapping[str, torch.Tensor], depth: int = 0) -> A
         return tuple(decode(v, tensors, depth) for v in value[TUPLE_TAG])
     if FLOAT_TAG in value:
         return float(value[FLOAT_TAG])
-    int_keys = set(value.get("__int_keys__", []))
+    int_keys = set(value.get(INT_KEYS_TAG, []))
     return {
         (int(k) if k in int_keys else k): decode(v, tensors, depth)
         for k, v in value.items()
-        if k != "__int_keys__"
+        if k != INT_KEYS_TAG
     }
+
+
+def _entries(listed: Any) -> list[tuple[str, Any, bool]]:
+    """``DICT_TAG``'s entries: (key, value, whether the key was an int)."""
+    if not isinstance(listed, list) or not all(
+        isinstance(e, list) and len(e) == 3 and isinstance(e[0], str) and type(e[2]) is bool
+        for e in listed
+    ):
+        raise ValueError(f"{DICT_TAG} is {str(listed)[:100]}, not [key, value, is_int] entries")
+    return [(k, v, as_int) for k, v, as_int in listed]
 
 
 def _is_ndarray(value: Any) -> bool:
