@@ -247,6 +247,21 @@ def test_config_json_that_is_no_config(saved_run, tmp_path, capsys, case):
     assert code == 1 and not target.exists()
 
 
+def test_config_json_of_megabytes_of_keys_is_refused_unread(saved_run, tmp_path, capsys):
+    """A 58 MB config.json (under the 64 MiB cap of any JSON file) took merge 144 s and 2 GB
+    as transformers copied it to write generation_config.json; real ones hold kilobytes."""
+    import json
+
+    config = tmp_path / "config"
+    config.mkdir()
+    keys = {f"key_{i:07d}": i for i in range(250_000)}  # about 5 MB
+    (config / "config.json").write_text(json.dumps({"model_type": "qwen2", **keys}))
+    target = tmp_path / "merged"
+    code, lines = _merge(capsys, saved_run.step, target, "--hf_model_path", config)
+    _one_error_line("merge", lines, str(config / "config.json"), "byte limit of a config")
+    assert code == 1 and not target.exists()
+
+
 @pytest.mark.parametrize("case", sorted(JSON_FILES))
 def test_index_that_is_no_index(saved_run, tmp_path, capsys, case):
     model = tmp_path / "hf"

@@ -177,6 +177,26 @@ def test_a_layer_count_above_the_stored_tensors_is_refused_before_the_config_is_
     assert not built
 
 
+def test_more_experts_than_the_tensors_could_hold_are_refused_before_the_model_is_built(
+    qwen3_moe_config, monkeypatch
+):
+    """An 852-byte config.json claiming 10**5 experts beside a dense checkpoint: transformers'
+    conversion named every expert of every layer (a gigabyte, growing with the count) before
+    the mismatch was refused; inspect said the merge would take ~324 MiB."""
+    monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
+    monkeypatch.setattr(hf_names, "_PLANS", {})
+    built = []
+    monkeypatch.setattr(hf_names, "_model_class", lambda *a: built.append(a))
+    stored = [
+        ("model.layers.0.mlp.experts.gate_up_proj", "BF16", (3, 12, 8)),
+        ("model.layers.0.mlp.experts.down_proj", "BF16", (3, 8, 6)),
+    ]
+    config = {**qwen3_moe_config, "num_experts": 10**5}
+    with pytest.raises(CheckpointFormatError, match=r"larger model .*: num_experts is 100,000,"):
+        plan_names(stored, config)
+    assert not built
+
+
 def test_a_config_transformers_rejects_is_refused_naming_config_json(qwen3_moe_config, monkeypatch):
     monkeypatch.setenv("SHARDSTREAM_CACHE_DIR", "")
     config = {**qwen3_moe_config, "hidden_size": "wide"}

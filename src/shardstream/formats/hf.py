@@ -29,7 +29,7 @@ from ..errors import (
 from ..storage.commit import is_temporary
 from ..units import SHARD_BYTES_TRANSFORMERS_4, SHARD_BYTES_TRANSFORMERS_5
 from .hf_names import config_object, has_weight_conversions, strip_wrappers
-from .jsondoc import read_object
+from .jsondoc import MAX_CONFIG_BYTES, read_object
 from .native import is_safe_name
 from .regular_file import present
 from .safetensors import SafetensorsHeader, read_header
@@ -208,7 +208,9 @@ def write_configs(
     elif "config.json" in copied and "generation_config.json" not in copied:
         _generation_config_from_file(target, source)
     if architecture and (target / "config.json").is_file():
-        config = read_object(target / "config.json", "config", nonfinite=True)
+        config = read_object(
+            target / "config.json", "config", nonfinite=True, limit=MAX_CONFIG_BYTES
+        )
         if not config.get("architectures"):
             config["architectures"] = [architecture]
             _write_config(target / "config.json", config)
@@ -237,7 +239,8 @@ def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[
 
 def set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
-    config = read_object(source, "config", nonfinite=True)  # written back as it was spelled
+    # written back as it was spelled
+    config = read_object(source, "config", nonfinite=True, limit=MAX_CONFIG_BYTES)
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype_name
     _write_config(target, config)
@@ -297,7 +300,9 @@ def _can_generate(hf_config: Any) -> bool:
 def read_config(config_dir: Path | None) -> dict:
     if config_dir is None or not present(config_dir / "config.json"):
         return {}
-    return read_object(config_dir / "config.json", "config (JSON object)", nonfinite=True)
+    return read_object(
+        config_dir / "config.json", "config (JSON object)", nonfinite=True, limit=MAX_CONFIG_BYTES
+    )
 
 
 TIED_HEAD = "lm_head.weight"

@@ -601,19 +601,24 @@ class _LargerThanStored(Exception):
     """Raised inside the model's constructor by the registration count."""
 
 
-def _meta_model(config: dict, stored: int) -> Any:
+def _meta_model(config: dict, tensors: Sequence[tuple[str, str, tuple[int, ...]]]) -> Any:
     """The model class config.json's ``architectures`` names, built on the meta device.
-    ``stored``: how many tensors the checkpoint holds; a model that registers far more
-    parameters than that (a config.json of 10**7 layers beside a small checkpoint) is refused
-    as soon as it does, not built for hours."""
+    ``tensors``: the checkpoint's (name, dtype, shape); a model that registers far more
+    parameters than it holds tensors (a config.json of 10**7 layers beside a small
+    checkpoint), or more experts than any of them could hold, is refused as soon as it does,
+    not built for hours."""
     import torch
     from torch.nn.modules.module import register_module_parameter_registration_hook
 
     model_type = config["model_type"]
     if config_class_of(config) is None:
         return None
+    stored = len(tensors)
     limit = PARAMETERS_PER_STORED_TENSOR * stored + PARAMETERS_SLACK
     _check_layer_counts(config, limit, stored)
+    # every expert is a stored tensor or a row of one (a fused tensor's first dimension)
+    widest = max((max(shape, default=1) for _, _, shape in tensors), default=0)
+    _check_expert_counts(config, max(stored, widest) + PARAMETERS_SLACK)
     try:
         hf_config = config_object(config)
     except Exception as exc:  # noqa: BLE001  (any config class may reject any field)
@@ -696,6 +701,25 @@ def _check_layer_counts(config: dict, limit: int, stored: int, where: str = "") 
             raise CheckpointFormatError(
                 f"config.json describes a larger model than the checkpoint: {where}{key} is "
                 f"{value:,}, and the checkpoint holds {stored:,} tensors"
+            )
+
+
+# How many experts each MoE layer has (mixtral's, qwen3_moe's, deepseek_v3's, ...); not the
+# experts per token or the shared ones
+EXPERT_COUNT = re.compile(r"(num_|n_|moe_num_)(local_|routed_)?experts")
+
+
+def _check_expert_counts(config: dict, limit: int, where: str = "") -> None:
+    """Refuse an expert count (``num_experts`` and the like, in sub-configs too) beyond
+    ``limit``: transformers' conversion names every expert of every layer (10**5 experts
+    beside a dense checkpoint: a gigabyte of names before the mismatch is seen)."""
+    for key, value in config.items():
+        if isinstance(value, dict) and where.count(".") < 8:
+            _check_expert_counts(value, limit, f"{where}{key}.")
+        elif EXPERT_COUNT.fullmatch(str(key)) and type(value) is int and value > limit:
+            raise CheckpointFormatError(
+                f"config.json describes a larger model than the checkpoint: {where}{key} is "
+                f"{value:,}, more experts than any of its tensors could hold"
             )
 
 
@@ -1205,7 +1229,7 @@ def _trace_v5(plain, config: dict, tied=()) -> Traced:
 
     from ..engine.dtypes import TORCH_BY_CODE
 
-    model = _meta_model(config, len(plain) + len(tied))
+    model = _meta_model(config, [*plain, *tied])
     if model is None:
         unknown = "does not know this model: no mapping"
         return Traced(tuple(_whole(n, n, s) for n, _, s in plain), unknown)
@@ -1435,7 +1459,7 @@ def _holding_the_tensors(model: Any, config: dict, plain) -> Any:
         return model
     named = type(model).__name__
     if config.get("architectures"):
-        other = _meta_model({**config, "architectures": []}, len(plain))
+        other = _meta_model({**config, "architectures": []}, plain)
         if other is not None and any(name in other.state_dict() for name, _, _ in plain):
             return other
     under = _common_prefix([name for name, _, _ in plain], held)
@@ -1612,7 +1636,7 @@ def _renames_v4(plain, config: dict, tied=()) -> Traced:
         unknown = "does not know this model: no mapping"
         return Traced(tuple(_whole(n, n, s) for n, _, s in plain), unknown)
     try:  # the aliases save_pretrained leaves out, where the model builds on the meta device
-        model = _meta_model(config, len(plain) + len(tied))
+        model = _meta_model(config, [*plain, *tied])
     except CheckpointFormatError:  # 4.x plans by the class alone: kept, as before
         model = None
     if model is not None:

@@ -16,6 +16,9 @@ from .regular_file import open_regular
 
 MAX_NESTING = 200  # containers within containers in saved state (Python recurses per level)
 MAX_DOCUMENT_BYTES = 64 * 2**20  # config, index, generation config: kilobytes to megabytes
+# config.json: the largest real ones (21k class labels, both ways) hold about 2 MB, and
+# transformers copies and serializes a config several times as merge writes it
+MAX_CONFIG_BYTES = 4 * 2**20
 MAX_INT_DIGITS = 20  # 2**64 has 20 digits; nothing in these files counts higher
 
 
@@ -96,23 +99,26 @@ def loads(raw: bytes | str, where: str | os.PathLike, nonfinite: bool = False) -
 
 
 def read_object(
-    path: str | os.PathLike, what: str = "JSON object", nonfinite: bool = False
+    path: str | os.PathLike,
+    what: str = "JSON object",
+    nonfinite: bool = False,
+    limit: int = MAX_DOCUMENT_BYTES,
 ) -> dict:
     """The JSON object in ``path``; anything else (a list, a number, bad JSON, a file over
-    ``MAX_DOCUMENT_BYTES``, an unreadable file) is one shardstream error naming it.
+    ``limit`` bytes, an unreadable file) is one shardstream error naming it.
     ``nonfinite``: ``Infinity`` and ``NaN`` are read as floats (a config.json transformers 4.x
     wrote: Mamba2's ``time_step_limit``)."""
     path = Path(path)
     try:
         with open_regular(path) as f:
-            raw = f.read(MAX_DOCUMENT_BYTES + 1)
+            raw = f.read(limit + 1)
     except OSError as exc:
         mapped = os_error(exc, path)
         if mapped is None:
             raise
         raise mapped from None
-    if len(raw) > MAX_DOCUMENT_BYTES:
-        raise UnsafeCheckpointError(f"{path}: over the {MAX_DOCUMENT_BYTES}-byte limit")
+    if len(raw) > limit:
+        raise UnsafeCheckpointError(f"{path}: over the {limit:,}-byte limit of a {what}")
     doc = loads(raw, path, nonfinite)
     if not isinstance(doc, dict):
         raise CheckpointFormatError(f"{path}: not a {what} (holds a {type(doc).__name__})")
