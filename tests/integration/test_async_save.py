@@ -256,6 +256,38 @@ def test_background_error_surfaces_on_next_call(tmp_path, monkeypatch):
     assert manager.all_steps() == [2] and manager.latest_step() == 2
 
 
+def test_a_failed_background_save_is_said_as_its_step_on_the_next_save(tmp_path, monkeypatch):
+    """A background save that ran out of space surfaced at the next save() as a bare error
+    naming the step's temporary directory (gone by then): not which step failed, nor that
+    the step asked for was not saved."""
+    import errno
+
+    from shardstream.errors import OutOfSpaceError
+
+    model = torch.nn.Linear(3, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    cfg = CheckpointConfig(str(tmp_path), async_save=True, save_contents=("model", "optimizer"))
+    manager = CheckpointManager(cfg, model=model, optimizer=optimizer)
+    manager.save(1)
+    manager.wait()
+    real = native.write_manifest
+
+    def full(directory, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(directory))
+
+    monkeypatch.setattr(native, "write_manifest", full)
+    manager.save(2)
+    with pytest.raises(OutOfSpaceError) as raised:
+        manager.save(3)
+    said = str(raised.value)
+    assert f"the background save of {tmp_path / 'global_step_2'} failed: " in said, said
+    assert ".tmp-" not in said and said.endswith("; step 3 was not saved"), said
+    monkeypatch.setattr(native, "write_manifest", real)
+    manager.save(4)
+    manager.close()
+    assert manager.all_steps() == [1, 4]
+
+
 def test_export_reads_are_staged_or_waited_for_after_the_rank_file():
     """An export that reads live tensors registers them before the rank file's, in its read
     order: a step stages those it has not reached (the last first) and waits only for the

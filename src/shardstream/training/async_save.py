@@ -19,6 +19,7 @@ import atexit
 import concurrent.futures.thread  # noqa: F401 - its exit hook is registered before ours
 import logging
 import os
+import re
 import sys
 import threading
 import time
@@ -26,6 +27,7 @@ import weakref
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,6 +35,7 @@ import torch.distributed as dist
 
 from ..engine.endpoints import TensorEndpoint
 from ..engine.memory import anonymous_memory
+from ..errors import COMMITTED_ATTR, ShardstreamError
 from ..storage import collectives as coll
 from ..units import staging_limit
 
@@ -512,8 +515,12 @@ class AsyncSaver:
         _SAVERS.add(self)
 
     def submit(self, step: int, extra: Any) -> None:
-        """Wait for the previous save (raising its error), then start this one."""
-        self.wait()
+        """Wait for the previous save (raising its error, this step not started), then start
+        this one."""
+        try:
+            self.wait()
+        except ShardstreamError as exc:
+            raise _restated(exc, f"{exc}; step {step} was not saved") from exc
         config = self.manager.config
         if config.stages_whole_state:
             state, room, _ = staged_state_bytes(
@@ -536,6 +543,8 @@ class AsyncSaver:
         try:
             with coll.using_group(self.group):
                 self.manager._commit(prepared)
+        except ShardstreamError as exc:  # surfaced on the next call, as this step's
+            self.error = _background_failure(exc, self.manager.step_dir(self.step))
         except BaseException as exc:  # noqa: BLE001  (surfaced on the next call)
             self.error = exc
         finally:
@@ -579,6 +588,26 @@ class AsyncSaver:
                 self.hook.remove()
                 self.hook = None
             _SAVERS.discard(self)
+
+
+def _background_failure(exc: ShardstreamError, step_dir: Path) -> ShardstreamError:
+    """``exc`` of a background save, said as that step's: its temporary directory (gone by
+    now) named as the step's."""
+    said = re.sub(re.escape(step_dir.name) + r"\.tmp-[0-9a-f]+", step_dir.name, str(exc))
+    return _restated(exc, f"the background save of {step_dir} failed: {said}")
+
+
+def _restated(exc: ShardstreamError, message: str) -> ShardstreamError:
+    """An error of ``exc``'s kind saying ``message`` (a plain ``ShardstreamError`` where that
+    kind takes other arguments)."""
+    try:
+        again = type(exc)(message)
+    except Exception:  # noqa: BLE001
+        again = ShardstreamError(message)
+    for name in (COMMITTED_ATTR,):
+        if hasattr(exc, name):
+            setattr(again, name, getattr(exc, name))
+    return again
 
 
 _SAVERS: weakref.WeakSet[AsyncSaver] = weakref.WeakSet()  # not shut down yet
