@@ -417,3 +417,24 @@ def test_verify_of_a_hf_model_names_a_tensor_name_merge_refuses(tmp_path, capsys
     assert code == 1 and len(lines) == 1 and "U+202E" in lines[0], lines
     assert cli.main(["merge", "--local_dir", str(model), "--target_dir", str(tmp_path / "o")]) == 1
     assert "U+202E" in capsys.readouterr().err
+
+
+def test_verify_names_an_update_in_place_that_was_cut_short(saved_run, tmp_path):
+    """A merge killed while it moved its files into an existing output leaves the files it
+    replaced in .shardstream-old.tmp-*: verify said "not a checkpoint" (or named a missing
+    shard) without naming that folder or saying that rerunning the merge completes it."""
+    from shardstream.commands.verify import verify
+
+    target = tmp_path / "merged"
+    shutil.copytree(saved_run.hf, target)
+    old = target / ".shardstream-old.tmp-0123abcd"
+    old.mkdir()
+    assert verify(target).ok and verify(target).uncommitted == [old.name]
+    for entry in target.iterdir():  # killed after moving every old file out, none in
+        if entry != old:
+            shutil.move(entry, old / entry.name)
+    report = verify(target)
+    assert not report.ok
+    said = [p.message for p in report.problems]
+    assert any(f"cut short: the files it replaced are in {old}" in m for m in said), said
+    assert any("rerun the merge" in m for m in said), said

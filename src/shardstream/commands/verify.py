@@ -112,7 +112,22 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
     unfinished = _unfinished_trainer_save(root)
     if unfinished is not None:
         report.problems.append(unfinished)
+    _interrupted_update(root, report)
     return report
+
+
+def _interrupted_update(root: Path, report: VerifyReport) -> None:
+    """A merge's update in place of ``root`` cut short: a problem where ``root`` fails its
+    checks (old and new files mixed), else a leftover (killed after its last move)."""
+    from ..storage.commit import interrupted_update
+
+    cut = interrupted_update(root) if root.is_dir() else ""
+    if not cut or any(cut in p.message for p in report.problems):
+        return
+    if report.ok:
+        report.uncommitted += [n for n in os.listdir(root) if n.startswith(".shardstream-old")]
+    else:
+        report.problems.append(Problem(str(root), cut))
 
 
 def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:

@@ -742,6 +742,10 @@ def unread_hint(path: Path, subject: str = "it") -> str:
     """What a directory no reader opens holds that a user may have meant: save_pretrained's
     variant files (``variant="fp16"``), a PEFT adapter alone; "" when neither. ``subject``:
     how the sentence names the directory."""
+    from ..storage.commit import interrupted_update
+
+    if cut := interrupted_update(Path(path)):
+        return f"; {cut}"
     try:
         names = sorted(p.name for p in Path(path).iterdir())
     except OSError:

@@ -581,6 +581,22 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
 _OLD_FOLDER = re.compile(re.escape(".shardstream-old" + TMP_MARK) + r"[0-9a-f]{8}")
 
 
+def interrupted_update(target: Path) -> str:
+    """ "" where ``target`` holds no folder of an update in place cut short (a killed merge);
+    else a sentence naming it, and what to do."""
+    try:
+        found = sorted(name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name))
+    except OSError:
+        return ""
+    if not found:
+        return ""
+    return (
+        f"an update of {target} by merge was cut short: the files it replaced are in "
+        f"{target / found[0]}, so it may hold old and new files mixed; rerun the merge, which "
+        "completes it (and removes that folder)"
+    )
+
+
 def refuse_other_kinds(target: Path, entries: Mapping[str, bool]) -> None:
     """Refuse to update ``target`` with ``entries`` (name: whether a folder) where it holds one
     of those names as the other kind, which an update cannot replace: a merge checks the names
