@@ -92,3 +92,24 @@ def test_param_groups_of_another_model_name_the_parameter_one_side_lacks(tmp_pat
     with pytest.raises(CheckpointFormatError, match="param groups: 1 saved, 2 live"):
         _check_group_sizes(tmp_path, saved, [*deeper, {"params": []}])
     _check_group_sizes(tmp_path, saved, [{"params": ["a.weight", "b.weight"]}])
+
+
+@pytest.mark.parametrize("change", ["unfrozen", "frozen", "other"])
+def test_param_groups_that_differ_from_the_live_ones_say_how(change):
+    """Parameters frozen (left out of the optimizer) when saved and trainable at restore: the
+    refusal asked whether the checkpoint came from a different model."""
+    from shardstream.errors import CheckpointFormatError
+    from shardstream.training.state import check_param_groups
+
+    saved_params = {"unfrozen": ["a", "b"], "frozen": ["a", "b", "c", "d"], "other": ["a", "x"]}
+    saved = [{"lr": 0.1, "params": saved_params[change]}]
+    live = [{"lr": 0.1, "params": ["a", "b", "c"]}]
+    with pytest.raises(CheckpointFormatError) as refused:
+        check_param_groups(live, saved, {"lr"})
+    said = str(refused.value)
+    expected = {
+        "unfrozen": "now holds parameters it did not hold when saved",
+        "frozen": "now lacks parameters it held when saved",
+        "other": "was it saved from a different model?",
+    }
+    assert expected[change] in said, said

@@ -269,6 +269,17 @@ def check_param_groups(
                     else "saved with a tied output head, restored into a model that unties it "
                     "(tie_word_embeddings)?"
                 )
+            elif lacking and not extra:
+                hint = (
+                    "the optimizer now holds parameters it did not hold when saved (frozen "
+                    "then, or left out of it, and trainable now?); restore without the "
+                    "optimizer (load_contents without 'optimizer'), or build it as it was"
+                )
+            elif extra and not lacking:
+                hint = (
+                    "the optimizer now lacks parameters it held when saved (frozen since, or "
+                    "left out of it?); build it as it was, or restore without the optimizer"
+                )
             else:
                 hint = "was it saved from a different model?"
             raise CheckpointFormatError(
