@@ -219,18 +219,26 @@ sys.exit(main(sys.argv[1:]))
 """
 
 
+def merge_under_torchrun(
+    script: str, name: str, actor, target, tmp_path
+) -> subprocess.CompletedProcess:
+    """``merge --distributed`` of ``actor`` into ``target`` by 2 torchrun processes, each
+    running the Python ``script`` (which patches shardstream, then runs its CLI)."""
+    path = tmp_path / name
+    path.write_text(script)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
+    cmd += [str(path), "merge", "--local_dir", str(actor), "--target_dir", str(target)]
+    cmd += ["--distributed", "--quiet"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+
+
 def test_a_process_that_dies_leaves_the_others_a_line_not_a_traceback(actor, tmp_path):
     """The survivors printed gloo's "Connection closed by peer" as chained tracebacks (from the
     collective, then from the barrier of leaving the group); under torchrun they are also
     sent SIGTERM. Either way: one line each, no output, nothing staged left behind."""
-    script = tmp_path / "dies.py"
-    script.write_text(DIES)
     target = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    cmd += [str(script), "merge", "--local_dir", str(actor), "--target_dir", str(target)]
-    cmd += ["--distributed", "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
+    done = merge_under_torchrun(DIES, "dies.py", actor, target, tmp_path)
     output = done.stdout + done.stderr
     assert done.returncode != 0
     frames = [line for line in output.splitlines() if line.strip().startswith('File "')]
@@ -279,14 +287,8 @@ sys.exit(main(sys.argv[1:]))
 def test_output_files_that_cannot_be_created_fail_every_process(actor, tmp_path):
     """Process 0 creates the output files; when it could not (a full disk), it went on to
     the next collective while the others waited at a barrier: the merge hung."""
-    script = tmp_path / "full.py"
-    script.write_text(FULL_DISK)
     target = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    cmd += [str(script), "merge", "--local_dir", str(actor), "--target_dir", str(target)]
-    cmd += ["--distributed", "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = merge_under_torchrun(FULL_DISK, "full.py", actor, target, tmp_path)
     said = done.stderr  # (two processes' lines may share one: not told apart by lines)
     assert done.returncode != 0 and said.count("shardstream merge: error: ") == 2, said[-3000:]
     assert said.count("merge failed on another rank: rank 0: ") == 1, said[-3000:]
@@ -308,14 +310,8 @@ sys.exit(main(sys.argv[1:]))
 def test_a_process_lost_after_the_output_is_in_place_fails_nothing(actor, tmp_path):
     """Process 0 puts the output in place, then leaves the group at a barrier: a process gone
     by then made it report the merge failed ("lost contact") over a complete output."""
-    script = tmp_path / "gone.py"
-    script.write_text(GONE_AFTER)
     target = tmp_path / "merged"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone"]
-    cmd += [str(script), "merge", "--local_dir", str(actor), "--target_dir", str(target)]
-    cmd += ["--distributed", "--quiet"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    done = merge_under_torchrun(GONE_AFTER, "gone.py", actor, target, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "error" not in done.stderr.lower() or "is in place and complete" in done.stderr
     reference = tmp_path / "alone"

@@ -683,8 +683,8 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
                 report.unnamed.append(f.name)
             else:
                 report.files_checked += 1
-        elif f.suffix in (".pt", ".pth"):  # a torch.save file beside (Lightning's meta.pt)
-            _torch_archive_sound(f, report, progress)
+        elif f.suffix in (".pt", ".pth"):  # a torch.save file beside (Lightning's meta.pt):
+            _verify_pickled(f, report, progress, list)  # its records, no tensor of it read
         elif f.name.endswith(".metadata") or configs:
             report.files_checked += 1
         else:
@@ -692,19 +692,6 @@ def _verify_dcp(directory: Path, report: VerifyReport, progress=None) -> None:
     if not any(p.path.startswith(str(directory)) for p in report.problems):
         _verify_dcp_records(directory, report, progress)  # its structure is sound
     _config_files_sound(directory, lambda: config_dir_of(directory), report)
-
-
-def _torch_archive_sound(file: Path, report: VerifyReport, progress) -> None:
-    """A ``torch.save`` file beside a checkpoint, not read by merge or restore: its zip
-    records against their CRC-32s, its pickle not read."""
-    report.files_checked += 1
-    try:
-        bad = _bad_zip_records(file, report, progress, memoryview(bytearray(READ_BYTES)))
-    except (ShardstreamError, OSError) as exc:
-        report.problems.append(Problem(str(file), _strip(exc, file)))
-        return
-    for record in bad:
-        report.problems.append(_crc_mismatch(file, record, []))
 
 
 def _verify_dcp_hf(directory: Path, report: VerifyReport, progress) -> None:
