@@ -119,3 +119,30 @@ def test_an_rng_state_saved_beside_the_model_is_not_merged_as_a_weight(model_dir
         assert written.keys() == state.keys(), source
         assert all(torch.equal(written[k], state[k]) for k in state), source
     assert verify(tmp_path / "general.pt").ok
+
+
+def test_a_lightning_ckpt_whose_hyperparameters_hold_objects_is_refused_saying_so(
+    model_dir, tmp_path
+):
+    """save_hyperparameters() keeps the module's arguments (an argparse.Namespace, a
+    transformers config) in the .ckpt: refused, since unpickling them runs code, with only
+    the class named; now it says where such objects come from and how to save without them."""
+    import argparse
+
+    from shardstream.errors import UnsafeCheckpointError
+
+    _, state = model_dir
+    ckpt = tmp_path / "epoch=0-step=2.ckpt"
+    torch.save(
+        {
+            "epoch": 0,
+            "pytorch-lightning_version": "2.6.6",
+            "state_dict": {f"model.{k}": v for k, v in state.items()},
+            "hyper_parameters": {"args": argparse.Namespace(lr=0.1)},
+        },
+        ckpt,
+    )
+    with pytest.raises(UnsafeCheckpointError, match="GLOBAL argparse.Namespace") as refused:
+        merge(ckpt, tmp_path / "out", prefix="model.")
+    assert "a PyTorch Lightning checkpoint" in str(refused.value)
+    assert "save_hyperparameters(ignore=" in str(refused.value)

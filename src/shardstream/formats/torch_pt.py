@@ -134,6 +134,30 @@ def load_layout(path: str):
     return _records(load_restricted(path, path, "meta"), path)
 
 
+LIGHTNING_KEY = b"pytorch-lightning_version"  # early in every Lightning checkpoint's pickle
+
+
+def _lightning_hint(source: str | bytes) -> str:
+    """A sentence for a refused PyTorch Lightning checkpoint (the objects its saved
+    hyperparameters or callbacks hold), else ""."""
+    try:
+        with zipfile.ZipFile(source if isinstance(source, str) else io.BytesIO(source)) as z:
+            pickle_name = next((n for n in z.namelist() if n.endswith("/data.pkl")), None)
+            if pickle_name is None:
+                return ""
+            with z.open(pickle_name) as f:
+                head = f.read(1 << 16)
+    except (OSError, zipfile.BadZipFile, ValueError, RuntimeError):
+        return ""
+    if LIGHTNING_KEY not in head:
+        return ""
+    return (
+        " (a PyTorch Lightning checkpoint: objects its save_hyperparameters() or callbacks "
+        "kept; shardstream unpickles no code. Save without them, save_hyperparameters("
+        "ignore=[...]), or the model's state dict alone with torch.save)"
+    )
+
+
 def load_restricted(
     source: str | bytes,
     name: str,
@@ -173,7 +197,7 @@ def load_restricted(
             ) from None
         raise UnsafeCheckpointError(
             f"{name}: refused to unpickle: the file asks for code or types outside the safe "
-            f"allowlist: GLOBAL {module_name}"
+            f"allowlist: GLOBAL {module_name}{_lightning_hint(source)}"
         ) from None
     except UnsafeCheckpointError as exc:
         raise UnsafeCheckpointError(f"{name}: {exc}") from None
