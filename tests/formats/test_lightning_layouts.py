@@ -146,3 +146,31 @@ def test_a_lightning_ckpt_whose_hyperparameters_hold_objects_is_refused_saying_s
         merge(ckpt, tmp_path / "out", prefix="model.")
     assert "a PyTorch Lightning checkpoint" in str(refused.value)
     assert "save_hyperparameters(ignore=" in str(refused.value)
+
+
+def test_a_folder_of_ckpt_files_is_refused_naming_them_and_the_newest(tmp_path):
+    """Lightning's ModelCheckpoint writes checkpoints/epoch=N-step=M.ckpt, one file each:
+    the folder was refused as holding no model files, none named. A run's optimizer and RNG
+    files are no checkpoint to pass."""
+    import os
+
+    from shardstream.errors import CheckpointNotFoundError
+
+    folder = tmp_path / "checkpoints"
+    folder.mkdir()
+    for when, name in enumerate(["epoch=1-step=4.ckpt", "epoch=0-step=2.ckpt", "optimizer.pt"]):
+        torch.save({"state_dict": {"w": torch.zeros(2)}}, folder / name)
+        os.utime(folder / name, (1000 + when, 1000 + when))
+    os.utime(folder / "epoch=1-step=4.ckpt", (2000, 2000))
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        merge(folder, tmp_path / "out")
+    said = str(refused.value)
+    assert "torch.save files (epoch=0-step=2.ckpt, epoch=1-step=4.ckpt)" in said, said
+    assert said.endswith(f"e.g. the newest, {folder / 'epoch=1-step=4.ckpt'}"), said
+    trainer = tmp_path / "checkpoint-10"  # a Trainer's checkpoint whose model was deleted
+    trainer.mkdir()
+    for name in ("optimizer.pt", "scheduler.pt", "rng_state.pth"):
+        torch.save({"x": torch.zeros(1)}, trainer / name)
+    with pytest.raises(CheckpointNotFoundError) as refused:
+        merge(trainer, tmp_path / "out")
+    assert "torch.save files" not in str(refused.value)

@@ -771,7 +771,38 @@ def unread_hint(path: Path, subject: str = "it") -> str:
             "adapter into its base model with PEFT (merge_and_unload) and save that, or merge "
             "the training checkpoint it came from with --fuse-lora"
         )
-    return ""
+    return _torch_files_hint(Path(path), names, subject)
+
+
+# A training run's files that hold no model: the Trainer's and accelerate's optimizer,
+# scheduler, scaler and RNG states, verl's rank files (a folder of its own)
+CHECKPOINT_FILE_SUFFIXES = (".ckpt", ".pt", ".pth", ".tar")
+TRAINING_STATE_FILE = re.compile(
+    r"(optimizer|scheduler|scaler|rng_state|random_states|training_args|model_world_size|"
+    r"optim_world_size|extra_state)\w*\.\w+\Z"
+)
+
+
+def _torch_files_hint(path: Path, names: list[str], subject: str) -> str:
+    """A directory of ``torch.save`` files (Lightning's ``checkpoints/`` of ``.ckpt`` files):
+    they are read one at a time, so name them and the newest; "" for none."""
+    found = []
+    for name in names:
+        if name.endswith(CHECKPOINT_FILE_SUFFIXES) and not TRAINING_STATE_FILE.match(name):
+            try:
+                if (path / name).is_file():
+                    found.append((os.stat(path / name).st_mtime, name))
+            except OSError:
+                continue
+    if not found:
+        return ""
+    newest = max(found)[1]
+    listed = ", ".join(name for _, name in sorted(found, key=lambda f: f[1])[:4])
+    more = f" and {len(found) - 4} more" if len(found) > 4 else ""
+    return (
+        f"; {subject} holds torch.save files ({listed}{more}), each a checkpoint read as one "
+        f"file: pass one of them, e.g. the newest, {path / newest}"
+    )
 
 
 def checkpoints_below(path: Path) -> list[Path]:
