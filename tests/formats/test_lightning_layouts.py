@@ -174,3 +174,26 @@ def test_a_folder_of_ckpt_files_is_refused_naming_them_and_the_newest(tmp_path):
     with pytest.raises(CheckpointNotFoundError) as refused:
         merge(trainer, tmp_path / "out")
     assert "torch.save files" not in str(refused.value)
+
+
+def test_a_lightning_ckpt_restores_into_the_model_under_its_prefix(model_dir, tmp_path):
+    """shardstream.load of a Lightning .ckpt with prefix="model.": the module's model, read
+    under its attribute, into a live transformers model (prefix= had been DCP's alone)."""
+    import shardstream
+
+    _, state = model_dir
+    ckpt = tmp_path / "last.ckpt"
+    torch.save(
+        {
+            "pytorch-lightning_version": "2.6.6",
+            "state_dict": {f"model.{k}": v for k, v in state.items()},
+        },
+        ckpt,
+    )
+    torch.manual_seed(1)
+    live = transformers.Qwen2ForCausalLM(
+        transformers.Qwen2Config(**TEXT, tie_word_embeddings=False)
+    )
+    shardstream.load(ckpt, model=live, contents=("model",), prefix="model.")
+    for name, tensor in live.state_dict().items():
+        assert torch.equal(tensor, state[name]), name

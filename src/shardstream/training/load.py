@@ -160,10 +160,15 @@ def _open_source(
     from ..formats.source import Kind, checkpoints_below, detect
 
     kind = detect(path)
-    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE):
+    if prefix is not None and kind not in (
+        Kind.DCP,
+        Kind.ACCELERATE,
+        Kind.TORCH_FILE,
+        Kind.TORCH_SAVE,
+    ):
         raise UsageError(
-            f"{path}: prefix= applies to DCP checkpoints (keys such as 'app.model.*'); this is "
-            f"a {kind.value} one"
+            f"{path}: prefix= applies to DCP checkpoints (keys such as 'app.model.*') and "
+            f"torch.save files; this is a {kind.value} one"
         )
     if kind is Kind.NATIVE:
         ckpt = native.open_native(path, regions)
