@@ -92,3 +92,26 @@ def test_verify_of_an_output_folder_checks_each_epoch_and_the_recipe_state(tmp_p
     damaged = verify(out)
     assert not damaged.ok
     assert [p.path for p in damaged.problems] == [str(recipe_state)], damaged.problems
+
+
+def test_recipe_state_saved_with_crc32_off_counts_as_unchecked_in_the_folder(tmp_path):
+    """The folder's report took the recipe state's problems and checked bytes but not its
+    unchecked ones: a recipe_state.pt saved with CRC-32 off vanished from the verdict."""
+    from shardstream.commands.verify import verify
+
+    torch.manual_seed(0)
+    model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**TEXT))
+    out = tmp_path / "output"
+    model.save_pretrained(out / "epoch_0")
+    (out / "recipe_state").mkdir()
+    optimizer = torch.optim.AdamW(model.parameters())
+    torch.serialization.set_crc32_options(False)
+    try:
+        torch.save({"optimizer": optimizer.state_dict()}, out / "recipe_state" / "recipe_state.pt")
+    finally:
+        torch.serialization.set_crc32_options(True)
+    alone = verify(out / "recipe_state" / "recipe_state.pt")
+    report = verify(out)
+    assert alone.ok and report.ok and alone.unchecked_bytes > 0
+    assert report.unchecked_bytes == verify(out / "epoch_0").unchecked_bytes + alone.unchecked_bytes
+    assert set(alone.unchecked_why) <= set(report.unchecked_why)

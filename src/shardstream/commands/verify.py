@@ -119,15 +119,27 @@ def verify(path: str | os.PathLike, progress: Callable[[int], None] | None = Non
 def _interrupted_update(root: Path, report: VerifyReport) -> None:
     """A merge's update in place of ``root`` cut short: a problem where ``root`` fails its
     checks (old and new files mixed), else a leftover (killed after its last move)."""
-    from ..storage.commit import interrupted_update
+    from ..storage.commit import interrupted_update, old_folders
 
     cut = interrupted_update(root) if root.is_dir() else ""
     if not cut or any(cut in p.message for p in report.problems):
         return
     if report.ok:
-        report.uncommitted += [n for n in os.listdir(root) if n.startswith(".shardstream-old")]
+        report.uncommitted += old_folders(root)
     else:
         report.problems.append(Problem(str(root), cut))
+
+
+def _absorb(report: VerifyReport, part: VerifyReport, name: str) -> None:
+    """``part``, the report of ``name`` below ``report``'s directory, into ``report``."""
+    report.checked.append(name)
+    report.problems.extend(part.problems)
+    report.files_checked += part.files_checked
+    report.bytes_checked += part.bytes_checked
+    report.unchecked_bytes += part.unchecked_bytes
+    _unchecked_because(report, *part.unchecked_why)
+    report.uncommitted += [f"{name}/{leftover}" for leftover in part.uncommitted]
+    report.unnamed += [f"{name}/{unnamed}" for unnamed in part.unnamed]
 
 
 def _unfinished_trainer_save(directory: Path, siblings_finished: bool = False) -> Problem | None:
@@ -150,14 +162,7 @@ def _verify_inside(root: Path, report: VerifyReport, progress, skip=None) -> Non
     finished = any((e / TRAINER_STATE).is_file() for e in trainer)
     for entry in found:
         part = verify(entry, progress)
-        report.checked.append(entry.name)
-        report.problems.extend(part.problems)
-        report.files_checked += part.files_checked
-        report.bytes_checked += part.bytes_checked
-        report.unchecked_bytes += part.unchecked_bytes
-        _unchecked_because(report, *part.unchecked_why)
-        report.uncommitted += [f"{entry.name}/{name}" for name in part.uncommitted]
-        report.unnamed += [f"{entry.name}/{name}" for name in part.unnamed]
+        _absorb(report, part, entry.name)
         if (step := step_of_name(entry.name)) is not None and step not in report.steps:
             report.steps.append(step)
         if finished and not any(p.path == str(entry) for p in part.problems):
@@ -354,10 +359,7 @@ def _verify_beside_checkpoints(root: Path, report: VerifyReport, progress) -> No
         for file in torch_files:
             part = VerifyReport(str(file), "torch.save file")
             _verify_torch_file(file, part, progress)
-            report.problems.extend(part.problems)
-            report.files_checked += part.files_checked
-            report.bytes_checked += part.bytes_checked
-            report.checked.append(f"{folder.name}/{file.name}")
+            _absorb(report, part, f"{folder.name}/{file.name}")
         if len(torch_files) < len(files):
             report.not_read.append(f"{folder.name} (its other files)")
 

@@ -208,9 +208,7 @@ def write_configs(
     elif "config.json" in copied and "generation_config.json" not in copied:
         _generation_config_from_file(target, source)
     if architecture and (target / "config.json").is_file():
-        config = read_object(
-            target / "config.json", "config", nonfinite=True, limit=MAX_CONFIG_BYTES
-        )
+        config = read_config_file(target / "config.json")
         if not config.get("architectures"):
             config["architectures"] = [architecture]
             _write_config(target / "config.json", config)
@@ -239,8 +237,7 @@ def copy_config(config_dir: Path, target: Path, dtype_name: str | None) -> list[
 
 def set_config_dtype(source: Path, target: Path, dtype_name: str) -> None:
     """config.json names the dtype under the key(s) it already uses, else under ``dtype``."""
-    # written back as it was spelled
-    config = read_object(source, "config", nonfinite=True, limit=MAX_CONFIG_BYTES)
+    config = read_config_file(source)  # written back as it was spelled
     for key in [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]:
         config[key] = dtype_name
     _write_config(target, config)
@@ -300,9 +297,13 @@ def _can_generate(hf_config: Any) -> bool:
 def read_config(config_dir: Path | None) -> dict:
     if config_dir is None or not present(config_dir / "config.json"):
         return {}
-    return read_object(
-        config_dir / "config.json", "config (JSON object)", nonfinite=True, limit=MAX_CONFIG_BYTES
-    )
+    return read_config_file(config_dir / "config.json")
+
+
+def read_config_file(path: Path) -> dict:
+    """A config.json: a JSON object of at most ``MAX_CONFIG_BYTES``, non-finite floats read
+    as transformers 4.x wrote them."""
+    return read_object(path, "config (JSON object)", nonfinite=True, limit=MAX_CONFIG_BYTES)
 
 
 TIED_HEAD = "lm_head.weight"

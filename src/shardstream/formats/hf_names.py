@@ -690,18 +690,27 @@ def _check_shapes(model: Any, plain) -> None:
             )
 
 
-def _check_layer_counts(config: dict, limit: int, stored: int, where: str = "") -> None:
+def _check_layer_counts(config: dict, limit: int, stored: int) -> None:
     """Refuse a layer count (``num_hidden_layers`` and the like, in sub-configs too) beyond
     ``limit``, the bound on the parameters of ``stored`` tensors: config classes build lists
     as long as it (10**8 layers: minutes and gigabytes before any model exists)."""
-    for key, value in config.items():
+    if over := _count_over(config, LAYER_COUNT, limit):
+        raise CheckpointFormatError(
+            f"config.json describes a larger model than the checkpoint: {over[0]} is "
+            f"{over[1]:,}, and the checkpoint holds {stored:,} tensors"
+        )
+
+
+def _count_over(config: dict, key: re.Pattern, limit: int, where: str = "") -> tuple | None:
+    """The first ``(dotted key, value)`` of config.json (sub-configs too, 8 deep) whose key
+    ``key`` matches and whose integer value exceeds ``limit``; None if none does."""
+    for name, value in config.items():
         if isinstance(value, dict) and where.count(".") < 8:
-            _check_layer_counts(value, limit, stored, f"{where}{key}.")
-        elif LAYER_COUNT.fullmatch(str(key)) and type(value) is int and value > limit:
-            raise CheckpointFormatError(
-                f"config.json describes a larger model than the checkpoint: {where}{key} is "
-                f"{value:,}, and the checkpoint holds {stored:,} tensors"
-            )
+            if found := _count_over(value, key, limit, f"{where}{name}."):
+                return found
+        elif key.fullmatch(str(name)) and type(value) is int and value > limit:
+            return f"{where}{name}", value
+    return None
 
 
 # How many experts each MoE layer has (mixtral's, qwen3_moe's, deepseek_v3's, ...); not the
@@ -709,18 +718,15 @@ def _check_layer_counts(config: dict, limit: int, stored: int, where: str = "") 
 EXPERT_COUNT = re.compile(r"(num_|n_|moe_num_)(local_|routed_)?experts")
 
 
-def _check_expert_counts(config: dict, limit: int, where: str = "") -> None:
+def _check_expert_counts(config: dict, limit: int) -> None:
     """Refuse an expert count (``num_experts`` and the like, in sub-configs too) beyond
     ``limit``: transformers' conversion names every expert of every layer (10**5 experts
     beside a dense checkpoint: a gigabyte of names before the mismatch is seen)."""
-    for key, value in config.items():
-        if isinstance(value, dict) and where.count(".") < 8:
-            _check_expert_counts(value, limit, f"{where}{key}.")
-        elif EXPERT_COUNT.fullmatch(str(key)) and type(value) is int and value > limit:
-            raise CheckpointFormatError(
-                f"config.json describes a larger model than the checkpoint: {where}{key} is "
-                f"{value:,}, more experts than any of its tensors could hold"
-            )
+    if over := _count_over(config, EXPERT_COUNT, limit):
+        raise CheckpointFormatError(
+            f"config.json describes a larger model than the checkpoint: {over[0]} is "
+            f"{over[1]:,}, more experts than any of its tensors could hold"
+        )
 
 
 # Decoder layers of a language model, in-memory or saved: (as messages show them, their name

@@ -207,6 +207,13 @@ class Kind(enum.Enum):
     NONE = "none"
 
 
+# The kinds whose model's names a prefix selects (--prefix, prefix=): DCP's keys, a torch.save
+# file's state dict (a Lightning module's model.), accelerate's save_state of either
+PREFIXED_KINDS: frozenset[Kind] = frozenset(
+    (Kind.DCP, Kind.ACCELERATE, Kind.TORCH_FILE, Kind.TORCH_SAVE)
+)
+
+
 def is_verl_checkpoint(directory: Path) -> bool:
     return directory.is_dir() and any(VERL_MODEL_FILE.match(p.name) for p in directory.iterdir())
 
@@ -651,7 +658,7 @@ def open_checkpoint(
         )
     kind = detect(path)
     opener = _READERS.get(kind)
-    if prefix is not None and kind not in (Kind.DCP, Kind.ACCELERATE, Kind.TORCH_SAVE):
+    if prefix is not None and kind not in PREFIXED_KINDS:
         raise UsageError(
             f"{path}: --prefix applies to DCP checkpoints (keys such as 'app.model.*') and "
             f"torch.save files, not to this one ({kind.value})"

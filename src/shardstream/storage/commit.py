@@ -570,7 +570,7 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
             if updated:  # its old files stay in ``old``, for the next update to delete
                 setattr(exc, COMMITTED_ATTR, str(target))
             raise
-        crashed = [target / name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name)]
+        crashed = [target / name for name in old_folders(target)]
     for path in [old, *(p for p in crashed if p != old)]:
         _remove(path)
 
@@ -581,11 +581,16 @@ def update_in_place(staged: Path, target: Path, rule: InPlace) -> None:
 _OLD_FOLDER = re.compile(re.escape(".shardstream-old" + TMP_MARK) + r"[0-9a-f]{8}")
 
 
+def old_folders(target: Path) -> list[str]:
+    """The names of ``target``'s folders of replaced entries (``update_in_place``'s), sorted."""
+    return sorted(name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name))
+
+
 def interrupted_update(target: Path) -> str:
     """ "" where ``target`` holds no folder of an update in place cut short (a killed merge);
     else a sentence naming it, and what to do."""
     try:
-        found = sorted(name for name in os.listdir(target) if _OLD_FOLDER.fullmatch(name))
+        found = old_folders(target)
     except OSError:
         return ""
     if not found:

@@ -604,9 +604,8 @@ def _restated(exc: ShardstreamError, message: str) -> ShardstreamError:
         again = type(exc)(message)
     except Exception:  # noqa: BLE001
         again = ShardstreamError(message)
-    for name in (COMMITTED_ATTR,):
-        if hasattr(exc, name):
-            setattr(again, name, getattr(exc, name))
+    if hasattr(exc, COMMITTED_ATTR):
+        setattr(again, COMMITTED_ATTR, getattr(exc, COMMITTED_ATTR))
     return again
 
 

@@ -157,15 +157,10 @@ def _open_source(
     share of its rank files; ``verl_optimizer_files`` comes from ``_same_request_everywhere``,
     so all of them agree on whether its optimizer files are read too. ``fsdp1``: the live
     model's FSDP1 layout, which places verl's flat-parameter optimizer state."""
-    from ..formats.source import Kind, checkpoints_below, detect
+    from ..formats.source import PREFIXED_KINDS, Kind, checkpoints_below, detect
 
     kind = detect(path)
-    if prefix is not None and kind not in (
-        Kind.DCP,
-        Kind.ACCELERATE,
-        Kind.TORCH_FILE,
-        Kind.TORCH_SAVE,
-    ):
+    if prefix is not None and kind not in PREFIXED_KINDS:
         raise UsageError(
             f"{path}: prefix= applies to DCP checkpoints (keys such as 'app.model.*') and "
             f"torch.save files; this is a {kind.value} one"
