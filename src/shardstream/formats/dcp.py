@@ -693,14 +693,17 @@ def check_items_apart(items: list[tuple[str, object, object, object]], meta_path
     symlink, a linked folder) shares its bytes too. Entries of the wrong types are left to the
     checks that name them."""
     by_file: dict[object, list[tuple[int, int, str, str]]] = {}
+    identities: dict[str, object] = {}  # each name stat'ed once: many items share a file
     for key, relative, start, length in items:
         if isinstance(relative, str) and type(start) is int and type(length) is int and length:
-            try:
-                found = os.stat(meta_path.parent / relative)  # an absolute one stands alone
-                identity: object = (found.st_dev, found.st_ino)
-            except (OSError, ValueError):  # missing, or no name at all: named by other checks
-                identity = Path(relative)
-            by_file.setdefault(identity, []).append((start, start + length, key, relative))
+            if relative not in identities:
+                try:
+                    found = os.stat(meta_path.parent / relative)  # an absolute one stands alone
+                    identities[relative] = (found.st_dev, found.st_ino)
+                except (OSError, ValueError):  # missing, or no name at all: named elsewhere
+                    identities[relative] = Path(relative)
+            entry = (start, start + length, key, relative)
+            by_file.setdefault(identities[relative], []).append(entry)
     for ranges in by_file.values():
         ranges.sort()
         for (start, end, key, name), (next_start, next_end, next_key, next_name) in zip(
